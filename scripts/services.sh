@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# Private Redis and PostgreSQL on loopback, for development, the tests and the demo.
+#
+#   scripts/services.sh install        apt-get install redis-server postgresql if missing
+#   scripts/services.sh start [--fast] start both (idempotent); --fast turns off fsync (tests)
+#   scripts/services.sh stop           stop both
+#   scripts/services.sh status         say what runs
+#   scripts/services.sh env            print REDIS_URL / DATABASE_URL exports
+#
+# Data lives in $DW_RUN_DIR (default /tmp/delay-worker-services), ports are
+# $DW_REDIS_PORT (6390) and $DW_PG_PORT (5439), so nothing clashes with a system Redis or
+# PostgreSQL. PostgreSQL refuses to run as root: when run as root the cluster belongs to
+# the `postgres` user the Debian package creates.
+set -euo pipefail
+
+RUN_DIR=${DW_RUN_DIR:-/tmp/delay-worker-services}
+REDIS_PORT=${DW_REDIS_PORT:-6390}
+PG_PORT=${DW_PG_PORT:-5439}
+PG_DB=${DW_PG_DB:-delay_worker}
+
+die() { echo "services: $*" >&2; exit 1; }
+
+pg_bin() {
+  local d
+  d=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1)
+  [ -n "$d" ] && echo "$d"
+}
+
+as_pg() {
+  if [ "$(id -u)" = 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi
+}
+
+install() {
+  if command -v redis-server >/dev/null && [ -n "$(pg_bin)" ]; then
+    return 0
+  fi
+  [ "$(id -u)" = 0 ] || die "redis-server or postgresql is missing; run as root to install them"
+  echo "services: installing redis-server and postgresql (apt-get)"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq redis-server postgresql >/dev/null
+  # The packages start their own servers where systemd runs; ours are separate.
+}
+
+redis_up() { redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1; }
+
+start_redis() {
+  if redis_up; then return 0; fi
+  mkdir -p "$RUN_DIR/redis"
+  redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --daemonize yes \
+    --dir "$RUN_DIR/redis" --pidfile "$RUN_DIR/redis/redis.pid" \
+    --logfile "$RUN_DIR/redis/redis.log" --save "" --appendonly no
+  for _ in $(seq 100); do redis_up && return 0; sleep 0.1; done
+  die "redis-server did not answer on port $REDIS_PORT (see $RUN_DIR/redis/redis.log)"
+}
+
+pg_up() { as_pg "$(pg_bin)/pg_isready" -q -h 127.0.0.1 -p "$PG_PORT" 2>/dev/null; }
+
+start_pg() {
+  local bin fast=$1
+  bin=$(pg_bin) || die "postgresql is not installed (scripts/services.sh install)"
+  if pg_up; then return 0; fi
+  mkdir -p "$RUN_DIR"
+  chmod 755 "$RUN_DIR"
+  if [ ! -f "$RUN_DIR/pg/PG_VERSION" ]; then
+    mkdir -p "$RUN_DIR/pg"
+    [ "$(id -u)" = 0 ] && chown postgres:postgres "$RUN_DIR/pg"
+    as_pg "$bin/initdb" -D "$RUN_DIR/pg" -U postgres -A trust --no-sync -E UTF8 >/dev/null
+  fi
+  local opts="-c listen_addresses=127.0.0.1 -p $PG_PORT -k $RUN_DIR/pg -c max_connections=400"
+  opts="$opts -c shared_buffers=256MB"
+  if [ "$fast" = 1 ]; then
+    opts="$opts -c fsync=off -c synchronous_commit=off -c full_page_writes=off"
+  fi
+  as_pg "$bin/pg_ctl" -D "$RUN_DIR/pg" -l "$RUN_DIR/pg/server.log" -o "$opts" -w -t 60 start >/dev/null \
+    || die "postgresql did not start (see $RUN_DIR/pg/server.log)"
+  as_pg "$bin/psql" -h 127.0.0.1 -p "$PG_PORT" -U postgres -d postgres -qtAc \
+    "SELECT 1 FROM pg_database WHERE datname = '$PG_DB'" | grep -q 1 \
+    || as_pg "$bin/createdb" -h 127.0.0.1 -p "$PG_PORT" -U postgres "$PG_DB"
+}
+
+stop() {
+  if [ -f "$RUN_DIR/redis/redis.pid" ]; then
+    redis-cli -p "$REDIS_PORT" shutdown nosave >/dev/null 2>&1 || true
+  fi
+  if [ -f "$RUN_DIR/pg/postmaster.pid" ]; then
+    as_pg "$(pg_bin)/pg_ctl" -D "$RUN_DIR/pg" -m fast -w stop >/dev/null || true
+  fi
+}
+
+env_lines() {
+  echo "export REDIS_URL=redis://127.0.0.1:$REDIS_PORT/"
+  echo "export DATABASE_URL=postgres://postgres@127.0.0.1:$PG_PORT/$PG_DB"
+}
+
+case "${1:-}" in
+  install) install ;;
+  start)
+    install
+    fast=0; [ "${2:-}" = "--fast" ] && fast=1
+    start_redis
+    start_pg "$fast"
+    echo "services: redis on 127.0.0.1:$REDIS_PORT, postgresql on 127.0.0.1:$PG_PORT (data in $RUN_DIR)"
+    ;;
+  stop) stop ;;
+  status)
+    redis_up && echo "redis: up on $REDIS_PORT" || echo "redis: down"
+    pg_up && echo "postgresql: up on $PG_PORT" || echo "postgresql: down"
+    ;;
+  env) env_lines ;;
+  *) echo "usage: $0 install|start [--fast]|stop|status|env" >&2; exit 2 ;;
+esac

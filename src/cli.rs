@@ -1,0 +1,288 @@
+//! Command-line flags and subcommands (clap derive), and their validation into [`Config`].
+//!
+//! Every flag has its doc comment as `--help` text. Connection URLs come from flags or
+//! from `REDIS_URL` / `DATABASE_URL`. A value that does not make sense is a [`CliError`]
+//! naming the flag; `main` prints it as one line.
+
+use crate::config::{Config, JobConfig, MoverConfig, ReaderConfig, Source};
+use crate::keys::{KeyOverrides, Keys};
+use clap::{Args, Parser, Subcommand};
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "worker",
+    version,
+    about = "Delayed business events from Redis, applied once in PostgreSQL",
+    long_about = None
+)]
+pub struct Cli {
+    #[command(flatten)]
+    pub conn: ConnArgs,
+    #[command(flatten)]
+    pub run: RunArgs,
+    #[command(subcommand)]
+    pub command: Option<Command>,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Run the daemon (the default when no subcommand is given).
+    Run,
+    /// Apply the schema migrations (shop tables where absent, the worker's own tables).
+    Migrate,
+    /// Schedule a delayed job.
+    Push(PushArgs),
+    /// Cancel a scheduled job by key; exits 1 if there was no such job.
+    Cancel {
+        /// The job key.
+        #[arg(long)]
+        key: String,
+    },
+}
+
+#[derive(Args, Debug)]
+pub struct PushArgs {
+    /// Event name, e.g. order.timeout.
+    #[arg(long)]
+    pub event: String,
+    /// Payload, a JSON object, e.g. '{"order_no":"SO1"}'.
+    #[arg(long)]
+    pub payload: String,
+    /// Delay in seconds from now (fractions allowed).
+    #[arg(long)]
+    pub delay: f64,
+    /// Job key; a deterministic key (order.timeout:SO1) makes a second push reschedule.
+    #[arg(long)]
+    pub key: Option<String>,
+}
+
+/// Where the servers are and what the keys are called.
+#[derive(Args, Debug, Clone)]
+pub struct ConnArgs {
+    /// Redis URL.
+    #[arg(long, env = "REDIS_URL", default_value = "redis://127.0.0.1:6379/", global = true, hide_env_values = true)]
+    pub redis_url: String,
+    /// PostgreSQL URL or key=value connection string.
+    #[arg(long, env = "DATABASE_URL", default_value = "postgres://postgres@127.0.0.1:5432/postgres", global = true, hide_env_values = true)]
+    pub database_url: String,
+    /// Prefix of every key name (use a hash tag such as '{mq}' on Redis Cluster).
+    #[arg(long, default_value = crate::keys::DEFAULT_PREFIX, global = true)]
+    pub key_prefix: String,
+    /// Delay pool ZSET [default: <prefix>:delay:pool].
+    #[arg(long, global = true)]
+    pub pool_key: Option<String>,
+    /// Message HASH [default: <pool>:data].
+    #[arg(long, global = true)]
+    pub data_key: Option<String>,
+    /// Events STREAM [default: <prefix>:events].
+    #[arg(long, global = true)]
+    pub stream_key: Option<String>,
+    /// Consumer group [default: main].
+    #[arg(long, global = true)]
+    pub group: Option<String>,
+    /// Dead-letter STREAM [default: <prefix>:dead-letter].
+    #[arg(long, global = true)]
+    pub dead_key: Option<String>,
+}
+
+/// How the daemon runs.
+#[derive(Args, Debug, Clone)]
+pub struct RunArgs {
+    /// Worker threads; the PostgreSQL pool and the channel are sized from it.
+    #[arg(long, default_value_t = 8, global = true)]
+    pub threads: usize,
+    /// Stable consumer name in the group [default: the host name]. Give each process
+    /// on one host its own.
+    #[arg(long, global = true)]
+    pub consumer: Option<String>,
+    /// Members moved per Lua call.
+    #[arg(long, default_value_t = 500, global = true)]
+    pub batch_size: usize,
+    /// Longest mover sleep when nothing is due sooner.
+    #[arg(long, default_value = "100ms", value_parser = parse_duration, global = true)]
+    pub poll_interval: Duration,
+    /// A due member without data is removed as an orphan this long after its due time.
+    #[arg(long, default_value = "60s", value_parser = parse_duration, global = true)]
+    pub orphan_grace: Duration,
+    /// Do not run a mover in this process (another process moves).
+    #[arg(long, global = true)]
+    pub no_mover: bool,
+    /// XREADGROUP block timeout; also how often the reader does its maintenance.
+    #[arg(long, default_value = "2s", value_parser = parse_duration, global = true)]
+    pub block: Duration,
+    /// Reclaim entries idle this long on another consumer.
+    #[arg(long, default_value = "60s", value_parser = parse_duration, global = true)]
+    pub claim_idle: Duration,
+    /// Dead-letter entries delivered more than this many times.
+    #[arg(long, default_value_t = 10, global = true)]
+    pub max_deliveries: u64,
+    /// TTL of this consumer's heartbeat key; peers take over its entries once expired.
+    #[arg(long, default_value = "10s", value_parser = parse_duration, global = true)]
+    pub heartbeat_ttl: Duration,
+    /// Retries of a transient failure before the dead letters.
+    #[arg(long, default_value_t = 3, global = true)]
+    pub max_retries: u32,
+    /// First retry delay; doubles with each retry.
+    #[arg(long, default_value = "1s", value_parser = parse_duration, global = true)]
+    pub retry_base: Duration,
+    /// Longest retry delay.
+    #[arg(long, default_value = "5m", value_parser = parse_duration, global = true)]
+    pub retry_cap: Duration,
+    /// PostgreSQL statement timeout of every handler statement.
+    #[arg(long, default_value = "5s", value_parser = parse_duration, global = true)]
+    pub statement_timeout: Duration,
+    /// Messages larger than this many bytes are dead-lettered unread.
+    #[arg(long, default_value_t = 65536, global = true)]
+    pub max_message_bytes: usize,
+    /// Directory of extra SQL handlers (*.sql).
+    #[arg(long, global = true)]
+    pub handlers_dir: Option<PathBuf>,
+    /// How often to log the counters.
+    #[arg(long, default_value = "60s", value_parser = parse_duration, global = true)]
+    pub stats_interval: Duration,
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s).map_err(|e| format!("{e} (examples: 100ms, 2s, 5m, 24h)"))
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("{flag}: {problem}")]
+pub struct CliError {
+    pub flag: &'static str,
+    pub problem: String,
+}
+
+fn check(ok: bool, flag: &'static str, problem: &str) -> Result<(), CliError> {
+    if ok {
+        Ok(())
+    } else {
+        Err(CliError {
+            flag,
+            problem: problem.to_string(),
+        })
+    }
+}
+
+impl ConnArgs {
+    pub fn keys(&self) -> Result<Keys, CliError> {
+        check(!self.key_prefix.is_empty(), "--key-prefix", "must not be empty")?;
+        let o = KeyOverrides {
+            pool: self.pool_key.clone(),
+            data: self.data_key.clone(),
+            stream: self.stream_key.clone(),
+            group: self.group.clone(),
+            dead: self.dead_key.clone(),
+        };
+        Ok(Keys::new(&self.key_prefix, &o))
+    }
+}
+
+impl Cli {
+    /// Validates the flags into a [`Config`].
+    pub fn config(&self) -> Result<Config, CliError> {
+        let r = &self.run;
+        check(
+            (1..=1024).contains(&r.threads),
+            "--threads",
+            "must be between 1 and 1024",
+        )?;
+        check(r.batch_size >= 1, "--batch-size", "must be at least 1")?;
+        check(
+            r.poll_interval >= Duration::from_millis(1),
+            "--poll-interval",
+            "must be at least 1ms",
+        )?;
+        check(
+            r.block >= Duration::from_millis(10),
+            "--block",
+            "must be at least 10ms",
+        )?;
+        check(
+            r.claim_idle >= Duration::from_secs(1),
+            "--claim-idle",
+            "must be at least 1s",
+        )?;
+        check(
+            r.heartbeat_ttl > r.block,
+            "--heartbeat-ttl",
+            "must be longer than --block (the heartbeat is refreshed once per block)",
+        )?;
+        check(r.max_deliveries >= 1, "--max-deliveries", "must be at least 1")?;
+        check(
+            r.statement_timeout >= Duration::from_millis(1),
+            "--statement-timeout",
+            "must be at least 1ms",
+        )?;
+        check(
+            r.max_message_bytes >= 64,
+            "--max-message-bytes",
+            "must be at least 64",
+        )?;
+        if let Some(c) = &r.consumer {
+            check(!c.trim().is_empty(), "--consumer", "must not be empty")?;
+        }
+        let mut config = Config::new(&self.conn.redis_url, &self.conn.database_url);
+        config.keys = self.conn.keys()?;
+        config.source = Source::Stream;
+        config.threads = r.threads;
+        if let Some(c) = &r.consumer {
+            config.consumer = c.clone();
+        }
+        config.mover = MoverConfig {
+            batch: r.batch_size,
+            poll: r.poll_interval,
+            orphan_grace: r.orphan_grace,
+        };
+        config.run_mover = !r.no_mover;
+        config.reader = ReaderConfig {
+            block: r.block,
+            claim_idle: r.claim_idle,
+            max_deliveries: r.max_deliveries,
+            heartbeat_ttl: r.heartbeat_ttl,
+        };
+        config.jobs = JobConfig {
+            max_retries: r.max_retries,
+            retry_base: r.retry_base,
+            retry_cap: r.retry_cap.max(r.retry_base),
+            statement_timeout: r.statement_timeout,
+            max_message_bytes: r.max_message_bytes,
+        };
+        config.handlers_dir = r.handlers_dir.clone();
+        config.stats_interval = r.stats_interval.max(Duration::from_secs(1));
+        Ok(config)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Cli {
+        Cli::try_parse_from(std::iter::once("worker").chain(args.iter().copied())).unwrap()
+    }
+
+    #[test]
+    fn flags_reach_the_config_before_or_after_the_subcommand() {
+        let c = parse(&["--threads", "3", "run", "--poll-interval", "20ms"])
+            .config()
+            .unwrap();
+        assert_eq!(c.threads, 3);
+        assert_eq!(c.mover.poll, Duration::from_millis(20));
+        let c = parse(&["--key-prefix", "{mq}"]).config().unwrap();
+        assert_eq!(c.keys.pool, "{mq}:delay:pool");
+    }
+
+    #[test]
+    fn bad_values_name_their_flag() {
+        let e = parse(&["--threads", "0"]).config().unwrap_err();
+        assert!(e.to_string().starts_with("--threads:"), "{e}");
+        let e = parse(&["--block", "5s", "--heartbeat-ttl", "2s"])
+            .config()
+            .unwrap_err();
+        assert!(e.to_string().starts_with("--heartbeat-ttl:"), "{e}");
+        assert!(Cli::try_parse_from(["worker", "--poll-interval", "soon"]).is_err());
+    }
+}

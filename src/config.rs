@@ -1,0 +1,230 @@
+//! The validated configuration every role reads.
+//!
+//! `cli.rs` parses raw flags; [`Config`] is what they become once checked, with defaults
+//! that follow DESIGN.md. Nothing here touches the network. Errors name the flag or
+//! variable they came from, and URLs are only ever shown through [`redact_url`].
+
+use crate::keys::Keys;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Where the worker reads from (DESIGN §2 and §4).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Source {
+    /// XREADGROUP on `keys.stream`.
+    Stream,
+}
+
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub redis_url: String,
+    pub database_url: String,
+    pub keys: Keys,
+    pub source: Source,
+    /// Worker pool size; the PostgreSQL pool and the channel are sized from it.
+    pub threads: usize,
+    /// Stable consumer name in the group (host name by default), so a restarted process
+    /// takes back its own pending entries at once.
+    pub consumer: String,
+    pub mover: MoverConfig,
+    pub reader: ReaderConfig,
+    pub jobs: JobConfig,
+    /// Extra SQL handlers (`*.sql`) loaded at start.
+    pub handlers_dir: Option<PathBuf>,
+    /// How often the daemon logs its counters.
+    pub stats_interval: Duration,
+    /// Whether this process runs a mover thread (any number of processes may).
+    pub run_mover: bool,
+}
+
+#[derive(Clone, Debug)]
+pub struct MoverConfig {
+    /// Members moved per Lua call; a full batch loops at once.
+    pub batch: usize,
+    /// Longest sleep between two moves when nothing is due sooner.
+    pub poll: Duration,
+    /// How long past its due time a member without data is left alone (a PHP producer
+    /// may ZADD before HSET) before it is removed as an orphan.
+    pub orphan_grace: Duration,
+}
+
+#[derive(Clone, Debug)]
+pub struct ReaderConfig {
+    /// XREADGROUP BLOCK; also the period of the reader's maintenance pass.
+    pub block: Duration,
+    /// Entries idle this long on another consumer are reclaimed (XAUTOCLAIM).
+    pub claim_idle: Duration,
+    /// Entries delivered more often than this go to the dead letters.
+    pub max_deliveries: u64,
+    /// TTL of this consumer's heartbeat key; peers take over our entries once it expires.
+    pub heartbeat_ttl: Duration,
+}
+
+#[derive(Clone, Debug)]
+pub struct JobConfig {
+    /// Retries of a transient failure before the message is dead-lettered.
+    pub max_retries: u32,
+    /// First retry delay; doubles each retry.
+    pub retry_base: Duration,
+    /// Upper bound of the retry delay.
+    pub retry_cap: Duration,
+    /// PostgreSQL `statement_timeout` for every handler statement.
+    pub statement_timeout: Duration,
+    /// Messages larger than this are dead-lettered unread.
+    pub max_message_bytes: usize,
+}
+
+impl Default for MoverConfig {
+    fn default() -> Self {
+        MoverConfig {
+            batch: 500,
+            poll: Duration::from_millis(100),
+            orphan_grace: Duration::from_secs(60),
+        }
+    }
+}
+
+impl Default for ReaderConfig {
+    fn default() -> Self {
+        ReaderConfig {
+            block: Duration::from_millis(2000),
+            claim_idle: Duration::from_secs(60),
+            max_deliveries: 10,
+            heartbeat_ttl: Duration::from_secs(10),
+        }
+    }
+}
+
+impl Default for JobConfig {
+    fn default() -> Self {
+        JobConfig {
+            max_retries: 3,
+            retry_base: Duration::from_secs(1),
+            retry_cap: Duration::from_secs(300),
+            statement_timeout: Duration::from_secs(5),
+            max_message_bytes: 64 * 1024,
+        }
+    }
+}
+
+impl Config {
+    /// A config with every default, for tests and library users.
+    pub fn new(redis_url: &str, database_url: &str) -> Config {
+        Config {
+            redis_url: redis_url.to_string(),
+            database_url: database_url.to_string(),
+            keys: Keys::default(),
+            source: Source::Stream,
+            threads: 8,
+            consumer: default_consumer_name(),
+            mover: MoverConfig::default(),
+            reader: ReaderConfig::default(),
+            jobs: JobConfig::default(),
+            handlers_dir: None,
+            stats_interval: Duration::from_secs(60),
+            run_mover: true,
+        }
+    }
+
+    /// Capacity of the reader -> pool channel. Two jobs per worker keeps every worker fed
+    /// while the reader is in a round trip, and bounds what a crash leaves pending.
+    pub fn channel_capacity(&self) -> usize {
+        self.threads * 2
+    }
+
+    /// Size of the PostgreSQL pool: each worker holds one connection for its whole life
+    /// (its prepared statements live there) and nothing else in the daemon checks one out.
+    pub fn db_pool_size(&self) -> u32 {
+        self.threads as u32
+    }
+
+    /// One line for the log, secrets redacted.
+    pub fn summary(&self) -> String {
+        format!(
+            "redis={} database={} stream={} group={} pool={} consumer={} threads={} batch={} poll={}ms block={}ms claim_idle={}s max_deliveries={} max_retries={} statement_timeout={}ms mover={}",
+            redact_url(&self.redis_url),
+            redact_url(&self.database_url),
+            self.keys.stream,
+            self.keys.group,
+            self.keys.pool,
+            self.consumer,
+            self.threads,
+            self.mover.batch,
+            self.mover.poll.as_millis(),
+            self.reader.block.as_millis(),
+            self.reader.claim_idle.as_secs(),
+            self.reader.max_deliveries,
+            self.jobs.max_retries,
+            self.jobs.statement_timeout.as_millis(),
+            if self.run_mover { "on" } else { "off" },
+        )
+    }
+}
+
+/// The host name, which is stable across restarts of a systemd unit.
+pub fn default_consumer_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "worker".to_string())
+}
+
+/// Hides the password of a URL (`redis://:pw@h`, `postgres://u:pw@h/db`) or of a
+/// key=value connection string (`password=pw`).
+pub fn redact_url(url: &str) -> String {
+    if let Some(scheme_end) = url.find("://") {
+        let rest = &url[scheme_end + 3..];
+        let authority_end = rest.find('/').unwrap_or(rest.len());
+        let authority = &rest[..authority_end];
+        if let Some(at) = authority.rfind('@') {
+            let userinfo = &authority[..at];
+            let user = match userinfo.find(':') {
+                Some(colon) => format!("{}:***", &userinfo[..colon]),
+                None => userinfo.to_string(),
+            };
+            return format!(
+                "{}{}@{}",
+                &url[..scheme_end + 3],
+                user,
+                &rest[at + 1..]
+            );
+        }
+        return url.to_string();
+    }
+    url.split_whitespace()
+        .map(|kv| {
+            if kv.to_ascii_lowercase().starts_with("password=") {
+                "password=***".to_string()
+            } else {
+                kv.to_string()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passwords_never_show() {
+        assert_eq!(
+            redact_url("redis://:s3cret@127.0.0.1:6379/0"),
+            "redis://:***@127.0.0.1:6379/0"
+        );
+        assert_eq!(
+            redact_url("postgres://shop:s3cret@db:5432/shop"),
+            "postgres://shop:***@db:5432/shop"
+        );
+        assert_eq!(
+            redact_url("host=db user=shop password=s3cret dbname=shop"),
+            "host=db user=shop password=*** dbname=shop"
+        );
+        assert_eq!(redact_url("redis://127.0.0.1/"), "redis://127.0.0.1/");
+        let c = Config::new("redis://:pw1@h/", "postgres://u:pw2@h/d");
+        assert!(!c.summary().contains("pw1") && !c.summary().contains("pw2"));
+    }
+}

@@ -1,0 +1,259 @@
+//! The daemon: checks its surroundings, starts the roles, waits for shutdown.
+//!
+//! [`run`] is the seam the binary and the tests share. It fails fast, with one readable
+//! error, when Redis or PostgreSQL cannot be reached, the schema is not migrated, or a
+//! handler's SQL does not prepare. Then it spawns, in one `std::thread::scope`, the mover,
+//! the reader and `threads` workers, all named, and logs the counters every
+//! `stats_interval` until shutdown. A role that panics triggers shutdown, so the others
+//! stop too instead of leaving a half-dead daemon; `run` then returns the error.
+
+use crate::config::{redact_url, Config};
+use crate::db::{self, DbError};
+use crate::handlers::sql::{SqlHandler, SqlHandlerError};
+use crate::handlers::Registry;
+use crate::mover::Mover;
+use crate::reader::{Delivery, Reader};
+use crate::shutdown::Shutdown;
+use crate::stats::{Snapshot, Stats};
+use crate::store;
+use crate::workers::{PoolContext, Session, SessionError, Worker};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    #[error("REDIS_URL is not a valid Redis URL: {0}")]
+    BadRedisUrl(redis::RedisError),
+    #[error("cannot reach Redis at {url}: {reason}")]
+    RedisUnreachable { url: String, reason: String },
+    #[error(transparent)]
+    Db(#[from] DbError),
+    #[error("the database schema is not current (missing {missing}): run `worker migrate`")]
+    NotMigrated { missing: String },
+    #[error(transparent)]
+    Handler(#[from] SqlHandlerError),
+    #[error(transparent)]
+    Session(#[from] SessionError),
+    #[error("the {0} thread panicked; the daemon stopped")]
+    Panicked(String),
+}
+
+/// What a run did, for the exit log and the tests.
+#[derive(Debug, Clone)]
+pub struct Report {
+    pub stats: Snapshot,
+    /// Jobs finished after shutdown was requested.
+    pub drained: u64,
+}
+
+/// Opens the Redis client and checks that the server answers.
+pub fn redis_client(url: &str) -> Result<redis::Client, DaemonError> {
+    let client = redis::Client::open(url).map_err(DaemonError::BadRedisUrl)?;
+    let unreachable = |e: redis::RedisError| DaemonError::RedisUnreachable {
+        url: redact_url(url),
+        reason: e.to_string(),
+    };
+    let mut con = store::connect(&client).map_err(unreachable)?;
+    redis::cmd("PING")
+        .query::<String>(&mut con)
+        .map_err(unreachable)?;
+    Ok(client)
+}
+
+/// The built-in handlers plus those of `--handlers-dir`.
+pub fn registry(config: &Config) -> Result<Registry, DaemonError> {
+    let mut r = Registry::builtin();
+    if let Some(dir) = &config.handlers_dir {
+        for h in SqlHandler::load_dir(dir)? {
+            log::info!("handler for {:?} loaded from {}", crate::handlers::Handler::event(&h), dir.display());
+            r.register(Box::new(h));
+        }
+    }
+    Ok(r)
+}
+
+/// Fails unless every embedded migration is recorded as applied.
+pub fn check_schema(url: &str) -> Result<(), DaemonError> {
+    let mut client = db::connect(url)?;
+    let applied: Vec<i32> = match client.query("SELECT version FROM worker_migrations", &[]) {
+        Ok(rows) => rows.iter().map(|r| r.get(0)).collect(),
+        Err(_) => Vec::new(),
+    };
+    let missing: Vec<&str> = db::MIGRATIONS
+        .iter()
+        .filter(|(v, _, _)| !applied.contains(v))
+        .map(|(_, name, _)| *name)
+        .collect();
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        Err(DaemonError::NotMigrated {
+            missing: missing.join(", "),
+        })
+    }
+}
+
+/// Triggers shutdown if the thread that owns it unwinds.
+struct PanicGuard<'a> {
+    shutdown: &'a Shutdown,
+    role: String,
+}
+
+impl Drop for PanicGuard<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            log::error!("{} panicked; stopping the daemon", self.role);
+            self.shutdown.trigger();
+        }
+    }
+}
+
+/// Spawns one named role in the scope, with a guard that stops the daemon if it panics.
+fn spawn_role<'scope, 'env>(
+    s: &'scope std::thread::Scope<'scope, 'env>,
+    shutdown: &'env Shutdown,
+    name: String,
+    f: impl FnOnce() + Send + 'scope,
+) -> std::io::Result<(String, std::thread::ScopedJoinHandle<'scope, ()>)> {
+    let role = name.clone();
+    std::thread::Builder::new()
+        .name(name.clone())
+        .spawn_scoped(s, move || {
+            let _guard = PanicGuard { shutdown, role };
+            f()
+        })
+        .map(|h| (name, h))
+}
+
+/// Runs the daemon until `shutdown` is triggered and the pool has drained.
+pub fn run(config: &Config, shutdown: &Shutdown) -> Result<Report, DaemonError> {
+    let client = redis_client(&config.redis_url)?;
+    {
+        let mut con = store::connect(&client).map_err(|e| DaemonError::RedisUnreachable {
+            url: redact_url(&config.redis_url),
+            reason: e.to_string(),
+        })?;
+        Reader::ensure_group(&mut con, &config.keys).map_err(|e| {
+            DaemonError::RedisUnreachable {
+                url: redact_url(&config.redis_url),
+                reason: e.to_string(),
+            }
+        })?;
+    }
+    check_schema(&config.database_url)?;
+    let registry = registry(config)?;
+    let pool = db::pool(
+        &config.database_url,
+        config.db_pool_size(),
+        config.jobs.statement_timeout,
+        std::time::Duration::from_secs(5),
+    )?;
+    // Prepares every handler once now, so bad SQL stops the start with a clear error
+    // instead of dead-lettering every job of that event.
+    drop(Session::open(&pool, &registry)?);
+
+    log::info!("starting: {}", config.summary());
+    log::info!("handlers: {}", registry.events().join(", "));
+
+    let stats = Stats::default();
+    let drained = AtomicU64::new(0);
+    let (tx, rx) = crossbeam_channel::bounded::<Delivery>(config.channel_capacity());
+    let (space_tx, space_rx) = crossbeam_channel::bounded::<()>(1);
+    let ctx = PoolContext {
+        keys: &config.keys,
+        jobs: &config.jobs,
+        consumer: &config.consumer,
+        registry: &registry,
+        stats: &stats,
+        db: &pool,
+        redis: &client,
+        shutdown,
+        drained: &drained,
+    };
+    let started = Instant::now();
+
+    let panicked: Vec<String> = std::thread::scope(|s| {
+        let mut handles = Vec::new();
+        let mut spawned = Vec::new();
+        if config.run_mover {
+            let (client, stats) = (&client, &stats);
+            spawned.push(spawn_role(
+                s,
+                shutdown,
+                "mover".into(),
+                move || Mover::new(&config.keys, &config.mover, stats).run(client, shutdown),
+            ));
+        }
+        {
+            let (client, stats) = (&client, &stats);
+            let reader = Reader::new(
+                &config.keys,
+                &config.reader,
+                &config.consumer,
+                stats,
+                tx,
+                space_rx,
+            );
+            spawned.push(spawn_role(
+                s,
+                shutdown,
+                "reader".into(),
+                move || reader.run(client, shutdown),
+            ));
+        }
+        for i in 0..config.threads {
+            let (ctx, rx, space_tx) = (&ctx, rx.clone(), space_tx.clone());
+            spawned.push(spawn_role(
+                s,
+                shutdown,
+                format!("worker-{i}"),
+                move || Worker::new(i, ctx).run(&rx, &space_tx),
+            ));
+        }
+        drop(rx);
+        for r in spawned {
+            match r {
+                Ok(h) => handles.push(h),
+                Err(e) => {
+                    log::error!("cannot spawn a thread: {e}");
+                    shutdown.trigger();
+                }
+            }
+        }
+
+        let mut last = stats.snapshot();
+        while !shutdown.wait(config.stats_interval) {
+            let now = stats.snapshot();
+            if now != last {
+                log::info!("stats: {now}");
+            }
+            last = now;
+        }
+        log::info!("shutdown requested; draining the jobs already read");
+        handles
+            .into_iter()
+            .filter_map(|(name, h)| h.join().is_err().then_some(name))
+            .collect()
+    });
+
+    // Peers may take over at once whatever this consumer still has pending.
+    if let Ok(mut con) = store::connect(&client) {
+        let _: Result<(), _> = redis::cmd("DEL")
+            .arg(config.keys.heartbeat(&config.consumer))
+            .query(&mut con);
+    }
+    let report = Report {
+        stats: stats.snapshot(),
+        drained: drained.load(Ordering::Relaxed),
+    };
+    log::info!(
+        "stopped after {:.1}s: drained {} jobs; {}",
+        started.elapsed().as_secs_f64(),
+        report.drained,
+        report.stats
+    );
+    match panicked.into_iter().next() {
+        Some(name) => Err(DaemonError::Panicked(name)),
+        None => Ok(report),
+    }
+}

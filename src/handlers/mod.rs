@@ -1,0 +1,100 @@
+//! Event handlers: what a job does in PostgreSQL.
+//!
+//! A handler runs inside the job's transaction (opened by `workers.rs`, which also records
+//! the job in the inbox), under the connection's statement timeout. Most handlers are plain
+//! SQL (see [`sql`]): a file per event, the payload bound as one `jsonb` parameter, the
+//! required payload fields declared in its header. The built-in events (`order.timeout`,
+//! `aftersale.timeout`, `coupon.expire`) are such files under `sql/handlers/`, compiled in;
+//! an operator adds more with `--handlers-dir` and no Rust toolchain. A Rust handler
+//! implements [`Handler`] for what SQL cannot say.
+//!
+//! Handlers are registered explicitly in a [`Registry`]; a message whose event has no
+//! handler is dead-lettered.
+
+pub mod sql;
+
+use postgres::types::Type;
+use postgres::{Statement, Transaction};
+use serde_json::Value;
+use std::collections::HashMap;
+
+/// What a committed handler did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Effect {
+    /// Changed something (an order cancelled, a coupon expired).
+    Applied,
+    /// Nothing to do: the order was paid, already cancelled, missing, ...
+    NoOp,
+}
+
+pub trait Handler: Send + Sync {
+    /// The `event` this handler serves.
+    fn event(&self) -> &str;
+
+    /// Required payload fields: each group lists alternatives, one of which must be
+    /// present (`[["order_id", "order_no"]]`). Checked before any database work; a miss
+    /// is a permanent failure.
+    fn required(&self) -> &[Vec<String>] {
+        &[]
+    }
+
+    /// The SQL this handler runs with its parameter types, prepared once per connection;
+    /// `handle` receives the statements in the same order.
+    fn statements(&self) -> Vec<(String, Vec<Type>)>;
+
+    /// Does the work inside `tx`. A transient database error (see `db::is_transient`)
+    /// retries the job; any other error dead-letters it. The caller commits.
+    fn handle(
+        &self,
+        tx: &mut Transaction<'_>,
+        statements: &[Statement],
+        payload: &Value,
+    ) -> Result<Effect, postgres::Error>;
+}
+
+/// The handlers of one daemon, by event. Read-only once built; shared by every worker.
+#[derive(Default)]
+pub struct Registry {
+    handlers: Vec<Box<dyn Handler>>,
+    by_event: HashMap<String, usize>,
+}
+
+impl Registry {
+    /// The built-in handlers.
+    pub fn builtin() -> Registry {
+        let mut r = Registry::default();
+        for (name, text) in sql::BUILTIN {
+            let h = sql::SqlHandler::parse(name, text).expect("built-in handler files are valid");
+            r.register(Box::new(h));
+        }
+        r
+    }
+
+    /// Adds (or replaces) the handler of its event.
+    pub fn register(&mut self, h: Box<dyn Handler>) {
+        let event = h.event().to_string();
+        match self.by_event.get(&event) {
+            Some(&i) => self.handlers[i] = h,
+            None => {
+                self.by_event.insert(event, self.handlers.len());
+                self.handlers.push(h);
+            }
+        }
+    }
+
+    /// The handler of `event` and its index (the position of its statements in a
+    /// session's cache).
+    pub fn get(&self, event: &str) -> Option<(usize, &dyn Handler)> {
+        self.by_event
+            .get(event)
+            .map(|&i| (i, self.handlers[i].as_ref()))
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &dyn Handler> {
+        self.handlers.iter().map(|h| h.as_ref())
+    }
+
+    pub fn events(&self) -> Vec<&str> {
+        self.handlers.iter().map(|h| h.event()).collect()
+    }
+}

@@ -1,0 +1,63 @@
+-- move_due: move up to `limit` due jobs from the delay pool to the stream, atomically.
+-- Any number of movers may call this at once: a member is read, appended and removed
+-- inside one script, so no two calls can move the same member.
+--
+-- KEYS[1] pool ZSET, KEYS[2] data HASH, KEYS[3] events STREAM
+-- ARGV[1] now in unix milliseconds
+-- ARGV[2] now in unix seconds (decimal)
+-- ARGV[3] limit
+-- ARGV[4] orphan grace in milliseconds
+--
+-- Scores below 1e11 are unix seconds, the rest unix milliseconds (DESIGN §1). Seconds
+-- scores sort before any millisecond score, so each kind is one score range.
+--
+-- Returns {moved, skipped, next_due_ms or -1, orphan keys...}. `skipped` counts due
+-- members whose data has not arrived yet and are still inside the grace period.
+local now_ms = tonumber(ARGV[1])
+local limit = tonumber(ARGV[3])
+local grace = tonumber(ARGV[4])
+local moved, skipped = 0, 0
+local result = {0, 0, -1}
+
+local function handle(items, scale)
+  for i = 1, #items, 2 do
+    local key = items[i]
+    local due = tonumber(items[i + 1]) * scale
+    local msg = redis.call('HGET', KEYS[2], key)
+    if msg then
+      redis.call('XADD', KEYS[3], '*', 'msg', msg, 'key', key)
+      redis.call('HDEL', KEYS[2], key)
+      redis.call('ZREM', KEYS[1], key)
+      moved = moved + 1
+    elseif now_ms - due > grace then
+      redis.call('ZREM', KEYS[1], key)
+      result[#result + 1] = key
+    else
+      skipped = skipped + 1
+    end
+  end
+end
+
+local secs = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[2], 'WITHSCORES', 'LIMIT', 0, limit)
+handle(secs, 1000)
+local left = limit - #secs / 2
+if left > 0 then
+  handle(redis.call('ZRANGEBYSCORE', KEYS[1], '1e11', ARGV[1], 'WITHSCORES', 'LIMIT', 0, left), 1)
+end
+
+-- The earliest member not yet due, so the caller can sleep exactly until then.
+local next_due = -1
+local s = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. ARGV[2], '(1e11', 'WITHSCORES', 'LIMIT', 0, 1)
+if #s > 0 then next_due = tonumber(s[2]) * 1000 end
+local m = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. ARGV[1], '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+if #m > 0 then
+  local d = tonumber(m[2])
+  if next_due < 0 or d < next_due then next_due = d end
+end
+-- Lua numbers become integers in the reply; keep absurd scores (1e300, inf) in range.
+if next_due > 9e15 then next_due = 9e15 end
+
+result[1] = moved
+result[2] = skipped
+result[3] = next_due
+return result

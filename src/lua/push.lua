@@ -1,0 +1,8 @@
+-- push: schedule (or reschedule) one job, data before score, in one atomic step.
+-- KEYS[1] pool ZSET, KEYS[2] data HASH
+-- ARGV[1] job key, ARGV[2] message JSON, ARGV[3] score (due time)
+-- Returns 1 if the key was already scheduled (a reschedule), else 0.
+local existed = redis.call('ZSCORE', KEYS[1], ARGV[1])
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
+if existed then return 1 else return 0 end

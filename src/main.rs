@@ -1,0 +1,146 @@
+//! The `worker` binary: parse flags, install the signal handler, run, map the result to an
+//! exit code. Every error is one line on stderr.
+//!
+//! Exit codes: 0 done (or a graceful shutdown), 1 runtime failure (a server unreachable,
+//! a job not found by `cancel`), 2 bad flags, 130 a second signal during shutdown.
+
+use anyhow::Context;
+use clap::Parser;
+use delay_worker::cli::{Cli, Command, PushArgs};
+use delay_worker::{daemon, db, producer, Config, Shutdown};
+use std::io::Write;
+use std::process::ExitCode;
+
+fn main() -> ExitCode {
+    init_logging();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            // clap prints help/version to stdout (exit 0) and usage errors to stderr (2).
+            let _ = e.print();
+            return ExitCode::from(e.exit_code() as u8);
+        }
+    };
+    let config = match cli.config() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("worker: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let result = match cli.command {
+        None | Some(Command::Run) => run(&config),
+        Some(Command::Migrate) => migrate(&config),
+        Some(Command::Push(ref args)) => push(&config, args),
+        Some(Command::Cancel { ref key }) => cancel(&config, key),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("worker: {}", one_line(&e));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The error and its causes on one line, never a backtrace; a cause whose text the line
+/// already holds is not repeated.
+fn one_line(e: &anyhow::Error) -> String {
+    let mut line = e.to_string();
+    for cause in e.chain().skip(1) {
+        let c = cause.to_string();
+        if !line.contains(&c) {
+            line.push_str(": ");
+            line.push_str(&c);
+        }
+    }
+    line.replace('\n', " ")
+}
+
+/// env_logger with `RUST_LOG` (default `info`). Under systemd (JOURNAL_STREAM set)
+/// journald stamps each line itself, so our timestamp is left out.
+fn init_logging() {
+    let mut b = env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"));
+    if std::env::var_os("JOURNAL_STREAM").is_some() {
+        b.format(|buf, r| writeln!(buf, "<{}>{}: {}", syslog_level(r.level()), r.target(), r.args()));
+    }
+    b.init();
+}
+
+fn syslog_level(l: log::Level) -> u8 {
+    match l {
+        log::Level::Error => 3,
+        log::Level::Warn => 4,
+        log::Level::Info => 6,
+        log::Level::Debug | log::Level::Trace => 7,
+    }
+}
+
+fn run(config: &Config) -> anyhow::Result<ExitCode> {
+    let shutdown = Shutdown::new();
+    let s = shutdown.clone();
+    ctrlc::set_handler(move || {
+        if s.trigger() {
+            eprintln!("worker: second signal, exiting now; unacknowledged jobs stay pending");
+            std::process::exit(130);
+        }
+        log::info!("signal received: finishing the jobs in hand (signal again to exit now)");
+    })
+    .context("cannot install the signal handler")?;
+    daemon::run(config, &shutdown)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn migrate(config: &Config) -> anyhow::Result<ExitCode> {
+    let mut client = db::connect(&config.database_url)?;
+    let applied = db::migrate(&mut client)?;
+    if applied.is_empty() {
+        println!("schema is current");
+    } else {
+        for name in applied {
+            println!("applied {name}");
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn redis(config: &Config) -> anyhow::Result<redis::Connection> {
+    let client = daemon::redis_client(&config.redis_url)?;
+    Ok(delay_worker::store::connect(&client)?)
+}
+
+fn push(config: &Config, args: &PushArgs) -> anyhow::Result<ExitCode> {
+    let payload: serde_json::Value =
+        serde_json::from_str(&args.payload).context("--payload is not valid JSON")?;
+    anyhow::ensure!(
+        args.delay.is_finite() && args.delay >= 0.0 && args.delay < 1e9,
+        "--delay: must be a number of seconds between 0 and 1e9"
+    );
+    let now = delay_worker::now_ms();
+    let job = producer::NewJob {
+        event: args.event.clone(),
+        payload,
+        due_ms: now + (args.delay * 1000.0).round() as i64,
+        key: args.key.clone(),
+    };
+    let mut con = redis(config)?;
+    let pushed = producer::push(&mut con, &config.keys, &job, now)?;
+    println!(
+        "{} {} due in {:.3}s",
+        if pushed.rescheduled { "rescheduled" } else { "scheduled" },
+        pushed.key,
+        args.delay
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+fn cancel(config: &Config, key: &str) -> anyhow::Result<ExitCode> {
+    let mut con = redis(config)?;
+    if producer::cancel(&mut con, &config.keys, key)? {
+        println!("cancelled {key}");
+        Ok(ExitCode::SUCCESS)
+    } else {
+        println!("no scheduled job {key}");
+        Ok(ExitCode::FAILURE)
+    }
+}

@@ -1,0 +1,100 @@
+//! The mover thread: due jobs from the delay pool into the stream.
+//!
+//! Owns one Redis connection. Loops on [`Mover::tick`], one atomic `move_due` script per
+//! batch, so any number of movers (one per worker process) run at once without
+//! duplicates or loss. A full batch loops at once; otherwise it sleeps until the next due
+//! score or the poll interval, whichever comes first. Stops within one poll interval of
+//! shutdown (the sleep is woken at once); a Redis error backs off and reconnects.
+
+use crate::backoff::Backoff;
+use crate::config::MoverConfig;
+use crate::keys::Keys;
+use crate::shutdown::Shutdown;
+use crate::stats::Stats;
+use crate::store::{self, MoveReport};
+use redis::ConnectionLike;
+use std::time::Duration;
+
+pub struct Mover<'a> {
+    keys: &'a Keys,
+    cfg: &'a MoverConfig,
+    stats: &'a Stats,
+}
+
+impl<'a> Mover<'a> {
+    pub fn new(keys: &'a Keys, cfg: &'a MoverConfig, stats: &'a Stats) -> Self {
+        Mover { keys, cfg, stats }
+    }
+
+    /// One batch at time `now_ms`. Returns what moved and how long to sleep before the
+    /// next tick (zero: loop at once).
+    pub fn tick(
+        &self,
+        con: &mut dyn ConnectionLike,
+        now_ms: i64,
+    ) -> redis::RedisResult<(MoveReport, Duration)> {
+        let report = store::move_due(
+            con,
+            self.keys,
+            now_ms,
+            self.cfg.batch,
+            self.cfg.orphan_grace.as_millis() as i64,
+        )?;
+        Stats::add(&self.stats.moved, report.moved as u64);
+        Stats::add(&self.stats.orphans, report.orphans.len() as u64);
+        for key in &report.orphans {
+            log::warn!(
+                "mover: orphan removed: job key {key:?} was due over {}s ago and has no data",
+                self.cfg.orphan_grace.as_secs()
+            );
+        }
+        let sleep = self.next_sleep(&report, now_ms);
+        Ok((report, sleep))
+    }
+
+    fn next_sleep(&self, r: &MoveReport, now_ms: i64) -> Duration {
+        if r.moved + r.orphans.len() >= self.cfg.batch {
+            return Duration::ZERO;
+        }
+        // Members waiting for their data are due already; re-looking at once would spin
+        // until the grace period ends, so they are retried at the poll interval.
+        if r.skipped > 0 {
+            return self.cfg.poll;
+        }
+        match r.next_due_ms {
+            Some(due) => Duration::from_millis((due - now_ms).max(0) as u64).min(self.cfg.poll),
+            None => self.cfg.poll,
+        }
+    }
+
+    /// The thread body: ticks until shutdown.
+    pub fn run(&self, client: &redis::Client, shutdown: &Shutdown) {
+        let mut backoff = Backoff::new("mover");
+        let mut con = None;
+        while !shutdown.is_set() {
+            let c = match con.as_mut() {
+                Some(c) => c,
+                None => match store::connect(client) {
+                    Ok(c) => con.insert(c),
+                    Err(e) => {
+                        backoff.fail("cannot connect to redis", &e, shutdown);
+                        continue;
+                    }
+                },
+            };
+            match self.tick(c, crate::now_ms()) {
+                Ok((_, sleep)) => {
+                    backoff.reset();
+                    if !sleep.is_zero() {
+                        shutdown.wait(sleep);
+                    }
+                }
+                Err(e) => {
+                    con = None;
+                    backoff.fail("move_due failed", &e, shutdown);
+                }
+            }
+        }
+        log::info!("mover: stopped");
+    }
+}

@@ -1,0 +1,571 @@
+//! The reader thread: stream entries into the bounded channel of the worker pool.
+//!
+//! Owns one Redis connection and the channel's only `Sender`. Each step reads with
+//! XREADGROUP under a stable consumer name, never more entries than the channel has room
+//! for (back-pressure: when it is full the reader waits for a worker to free a slot).
+//! At start it first re-delivers its own pending entries (a restarted process recovers its
+//! work at once). Every `block` it also does maintenance: refreshes its heartbeat key, takes
+//! over at once the entries of consumers whose heartbeat expired (dead hosts), dead-letters
+//! entries delivered more than `max_deliveries` times, and reclaims entries idle longer than
+//! `claim_idle` (XAUTOCLAIM, which also drops pending entries whose stream entry is gone).
+//!
+//! Stops within one block timeout of shutdown by returning, which drops the `Sender`: the
+//! workers drain what the channel holds and then see it disconnected.
+
+use crate::backoff::Backoff;
+use crate::config::ReaderConfig;
+use crate::keys::Keys;
+use crate::shutdown::Shutdown;
+use crate::stats::Stats;
+use crate::store::{self, value_to_string, Settlement};
+use crossbeam_channel::{Receiver, Sender};
+use redis::{Connection, RedisResult, Value};
+use std::time::{Duration, Instant};
+
+/// One stream entry on its way to a worker.
+#[derive(Debug, Clone)]
+pub struct Delivery {
+    /// Stream entry id, what XACK takes.
+    pub id: String,
+    /// Job key (`key` field). A producer that XADDs by hand may leave it out; the entry id
+    /// stands in for it then.
+    pub key: Vec<u8>,
+    /// Message JSON as written (`msg` field), bytes: it may not even be UTF-8.
+    pub msg: Vec<u8>,
+    /// When the reader got it, for the time-in-queue figures.
+    pub received: Instant,
+}
+
+pub struct Reader<'a> {
+    keys: &'a Keys,
+    cfg: &'a ReaderConfig,
+    consumer: &'a str,
+    stats: &'a Stats,
+    tx: Sender<Delivery>,
+    /// A worker sends one token after taking a job, waking a reader that waits for room.
+    space: Receiver<()>,
+    capacity: usize,
+    autoclaim_cursor: String,
+    last_maintenance: Option<Instant>,
+}
+
+/// Why a reader step stopped.
+#[derive(Debug)]
+pub enum StepError {
+    /// Reconnect and back off.
+    Redis(redis::RedisError),
+    /// The channel's receivers are gone: the pool has stopped, so must the reader.
+    PoolGone,
+}
+
+impl From<redis::RedisError> for StepError {
+    fn from(e: redis::RedisError) -> Self {
+        StepError::Redis(e)
+    }
+}
+
+impl<'a> Reader<'a> {
+    pub fn new(
+        keys: &'a Keys,
+        cfg: &'a ReaderConfig,
+        consumer: &'a str,
+        stats: &'a Stats,
+        tx: Sender<Delivery>,
+        space: Receiver<()>,
+    ) -> Self {
+        let capacity = tx.capacity().unwrap_or(1).max(1);
+        Reader {
+            keys,
+            cfg,
+            consumer,
+            stats,
+            tx,
+            space,
+            capacity,
+            autoclaim_cursor: "0-0".to_string(),
+            last_maintenance: None,
+        }
+    }
+
+    /// Creates the group (from the start of the stream, so nothing written before the
+    /// first worker ever started is skipped) and the stream if missing.
+    pub fn ensure_group(con: &mut Connection, keys: &Keys) -> RedisResult<()> {
+        let r: RedisResult<Value> = redis::cmd("XGROUP")
+            .arg("CREATE")
+            .arg(&keys.stream)
+            .arg(&keys.group)
+            .arg("0")
+            .arg("MKSTREAM")
+            .query(con);
+        match r {
+            Ok(_) => Ok(()),
+            Err(e) if e.code() == Some("BUSYGROUP") => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn room(&self) -> usize {
+        self.capacity.saturating_sub(self.tx.len())
+    }
+
+    fn send(&self, entries: Vec<Delivery>) -> Result<usize, StepError> {
+        let n = entries.len();
+        for d in entries {
+            self.tx.send(d).map_err(|_| StepError::PoolGone)?;
+        }
+        Stats::add(&self.stats.delivered, n as u64);
+        Ok(n)
+    }
+
+    fn heartbeat(&self, con: &mut Connection) -> RedisResult<()> {
+        redis::cmd("SET")
+            .arg(self.keys.heartbeat(self.consumer))
+            .arg(crate::now_ms())
+            .arg("PX")
+            .arg(self.cfg.heartbeat_ttl.as_millis() as u64)
+            .query::<()>(con)
+    }
+
+    /// Start-up: group, heartbeat, then this consumer's own pending entries (left by a
+    /// previous run of the same name), re-delivered before anything new.
+    pub fn start(&mut self, con: &mut Connection, shutdown: &Shutdown) -> Result<usize, StepError> {
+        let r = (|| -> Result<usize, StepError> {
+            Self::ensure_group(con, self.keys)?;
+            self.heartbeat(con)?;
+            self.dead_letter_overdelivered(con, 0, Some(self.consumer))?;
+            let mut cursor = "0".to_string();
+            let mut total = 0;
+            while !shutdown.is_set() {
+                let room = self.room();
+                if room == 0 {
+                    let _ = self.space.recv_timeout(self.cfg.block);
+                    self.heartbeat(con)?;
+                    continue;
+                }
+                let entries = self.xreadgroup(con, room, None, &cursor)?;
+                let Some(last) = entries.last() else { break };
+                cursor = last.id.clone();
+                total += self.send(entries)?;
+            }
+            if total > 0 {
+                log::info!("reader: re-delivered {total} entries left pending by a previous run of consumer {:?}", self.consumer);
+            }
+            Ok(total)
+        })();
+        r
+    }
+
+    /// One step: maintenance when due, then one read of at most the channel's free room,
+    /// blocking at most `block`. Returns how many entries it handed to the pool.
+    pub fn poll(&mut self, con: &mut Connection) -> Result<usize, StepError> {
+        let due = self
+            .last_maintenance
+            .is_none_or(|t| t.elapsed() >= self.cfg.block);
+        let mut n = 0;
+        if due {
+            self.last_maintenance = Some(Instant::now());
+            n += self.maintain(con)?;
+        }
+        let room = self.room();
+        if room == 0 {
+            // Back-pressure: wait for a worker to take a job (or the block timeout).
+            let _ = self.space.recv_timeout(self.cfg.block);
+            return Ok(n);
+        }
+        let entries = self.xreadgroup(con, room, Some(self.cfg.block), ">")?;
+        n += self.send(entries)?;
+        Ok(n)
+    }
+
+    /// Heartbeat, dead consumers, over-delivered entries, idle entries; in that order, so
+    /// an entry over the delivery limit is dead-lettered rather than reclaimed once more.
+    pub fn maintain(&mut self, con: &mut Connection) -> Result<usize, StepError> {
+        self.heartbeat(con)?;
+        let mut n = self.take_over_dead_consumers(con)?;
+        self.dead_letter_overdelivered(con, self.cfg.claim_idle.as_millis() as u64, None)?;
+        n += self.autoclaim(con)?;
+        Ok(n)
+    }
+
+    fn xreadgroup(
+        &self,
+        con: &mut Connection,
+        count: usize,
+        block: Option<Duration>,
+        id: &str,
+    ) -> RedisResult<Vec<Delivery>> {
+        let mut cmd = redis::cmd("XREADGROUP");
+        cmd.arg("GROUP")
+            .arg(&self.keys.group)
+            .arg(self.consumer)
+            .arg("COUNT")
+            .arg(count);
+        if let Some(b) = block {
+            cmd.arg("BLOCK").arg(b.as_millis() as u64);
+        }
+        cmd.arg("STREAMS").arg(&self.keys.stream).arg(id);
+        let reply: Value = cmd.query(con)?;
+        let mut out = Vec::new();
+        let mut gone = Vec::new();
+        if let Value::Array(streams) = reply {
+            for s in streams {
+                if let Value::Array(mut parts) = s {
+                    if parts.len() == 2 {
+                        parse_entries(parts.pop().unwrap_or(Value::Nil), &mut out, &mut gone);
+                    }
+                }
+            }
+        }
+        if !gone.is_empty() {
+            // Pending entries whose stream entry was deleted (trimmed): nothing to do.
+            self.ack_ids(con, &gone)?;
+        }
+        Ok(out)
+    }
+
+    fn ack_ids(&self, con: &mut Connection, ids: &[String]) -> RedisResult<()> {
+        log::warn!(
+            "reader: {} pending entries no longer exist in the stream; cleared",
+            ids.len()
+        );
+        redis::cmd("XACK")
+            .arg(&self.keys.stream)
+            .arg(&self.keys.group)
+            .arg(ids)
+            .query::<()>(con)
+    }
+
+    /// Entries pending on consumers whose heartbeat key has expired are claimed at once.
+    fn take_over_dead_consumers(&self, con: &mut Connection) -> Result<usize, StepError> {
+        let consumers = consumers(con, self.keys)?;
+        let others: Vec<_> = consumers
+            .into_iter()
+            .filter(|c| c.name != self.consumer)
+            .collect();
+        if others.is_empty() {
+            return Ok(0);
+        }
+        let mut pipe = redis::pipe();
+        for c in &others {
+            pipe.cmd("EXISTS").arg(self.keys.heartbeat(&c.name));
+        }
+        let alive: Vec<bool> = pipe.query(con)?;
+        let mut total = 0;
+        for (c, alive) in others.iter().zip(alive) {
+            if alive {
+                continue;
+            }
+            if c.pending == 0 {
+                // Gone and owing nothing: forget it (XREADGROUP recreates it if it returns).
+                if c.idle_ms > self.cfg.claim_idle.as_millis() as u64 {
+                    redis::cmd("XGROUP")
+                        .arg("DELCONSUMER")
+                        .arg(&self.keys.stream)
+                        .arg(&self.keys.group)
+                        .arg(&c.name)
+                        .query::<()>(con)?;
+                }
+                continue;
+            }
+            let room = self.room();
+            if room == 0 {
+                break;
+            }
+            let ids: Vec<String> = pending(con, self.keys, 0, room, Some(&c.name))?
+                .into_iter()
+                .map(|p| p.id)
+                .collect();
+            if ids.is_empty() {
+                continue;
+            }
+            // MIN-IDLE 1000: if a peer claimed the same entries a moment ago their idle
+            // time was reset, and this claim skips them instead of stealing them back.
+            let entries = self.xclaim(con, 1000, &ids)?;
+            log::warn!(
+                "reader: consumer {:?} has no heartbeat; took over {} of its {} pending entries",
+                c.name,
+                entries.len(),
+                c.pending
+            );
+            Stats::add(&self.stats.reclaimed, entries.len() as u64);
+            total += self.send(entries)?;
+        }
+        Ok(total)
+    }
+
+    fn xclaim(&self, con: &mut Connection, min_idle: u64, ids: &[String]) -> RedisResult<Vec<Delivery>> {
+        let reply: Value = redis::cmd("XCLAIM")
+            .arg(&self.keys.stream)
+            .arg(&self.keys.group)
+            .arg(self.consumer)
+            .arg(min_idle)
+            .arg(ids)
+            .query(con)?;
+        let mut out = Vec::new();
+        let mut gone = Vec::new();
+        parse_entries(reply, &mut out, &mut gone);
+        Ok(out)
+    }
+
+    /// Entries delivered more than `max_deliveries` times (and idle at least `min_idle`
+    /// ms) go to the dead letters: a message that keeps killing its consumer must not
+    /// circle for ever.
+    fn dead_letter_overdelivered(
+        &self,
+        con: &mut Connection,
+        min_idle: u64,
+        consumer: Option<&str>,
+    ) -> Result<usize, StepError> {
+        let over: Vec<PendingEntry> = pending(con, self.keys, min_idle, 500, consumer)?
+            .into_iter()
+            .filter(|p| p.deliveries > self.cfg.max_deliveries)
+            .collect();
+        if over.is_empty() {
+            return Ok(0);
+        }
+        let ids: Vec<String> = over.iter().map(|p| p.id.clone()).collect();
+        let entries = self.xclaim(con, 0, &ids)?;
+        let batch: Vec<Settlement> = entries
+            .into_iter()
+            .map(|d| {
+                let count = over
+                    .iter()
+                    .find(|p| p.id == d.id)
+                    .map_or(0, |p| p.deliveries);
+                let event = crate::workers::event_of(&d.msg);
+                Settlement::Dead {
+                    reason: format!(
+                        "delivered {count} times without being acknowledged (limit {})",
+                        self.cfg.max_deliveries
+                    ),
+                    id: d.id,
+                    key: d.key,
+                    msg: d.msg,
+                    event,
+                    attempts: count,
+                }
+            })
+            .collect();
+        let n = store::settle(con, self.keys, self.consumer, crate::now_ms() / 1000, &batch)?;
+        if n > 0 {
+            log::warn!("reader: {n} entries dead-lettered after too many deliveries");
+            Stats::add(&self.stats.dead, n as u64);
+        }
+        Ok(n)
+    }
+
+    /// XAUTOCLAIM entries idle longer than `claim_idle` on any consumer, as many as the
+    /// channel has room for. Continues from where the last pass stopped.
+    fn autoclaim(&mut self, con: &mut Connection) -> Result<usize, StepError> {
+        let room = self.room();
+        if room == 0 {
+            return Ok(0);
+        }
+        let reply: Value = redis::cmd("XAUTOCLAIM")
+            .arg(&self.keys.stream)
+            .arg(&self.keys.group)
+            .arg(self.consumer)
+            .arg(self.cfg.claim_idle.as_millis() as u64)
+            .arg(&self.autoclaim_cursor)
+            .arg("COUNT")
+            .arg(room)
+            .query(con)?;
+        let Value::Array(mut parts) = reply else {
+            return Ok(0);
+        };
+        if parts.len() < 2 {
+            return Ok(0);
+        }
+        let deleted = if parts.len() >= 3 { parts.pop() } else { None };
+        let entries = parts.pop().unwrap_or(Value::Nil);
+        self.autoclaim_cursor = value_to_string(&parts[0]);
+        if let Some(Value::Array(d)) = deleted {
+            if !d.is_empty() {
+                log::warn!(
+                    "reader: {} pending entries no longer exist in the stream; cleared",
+                    d.len()
+                );
+            }
+        }
+        let mut out = Vec::new();
+        let mut gone = Vec::new();
+        parse_entries(entries, &mut out, &mut gone);
+        if !out.is_empty() {
+            log::warn!(
+                "reader: reclaimed {} entries idle for over {}s",
+                out.len(),
+                self.cfg.claim_idle.as_secs()
+            );
+            Stats::add(&self.stats.reclaimed, out.len() as u64);
+        }
+        self.send(out)
+    }
+
+    /// The thread body: start-up recovery, then `poll` until shutdown. Redis errors back
+    /// off (capped, with jitter) and reconnect; the outage is logged once.
+    pub fn run(mut self, client: &redis::Client, shutdown: &Shutdown) {
+        let mut backoff = Backoff::new("reader");
+        let mut con: Option<Connection> = None;
+        let mut started = false;
+        // XREADGROUP blocks up to `block`; the socket must wait longer than that.
+        let io_timeout = self.cfg.block + Duration::from_secs(5);
+        while !shutdown.is_set() {
+            let c = match con.as_mut() {
+                Some(c) => c,
+                None => match store::connect_with(client, io_timeout) {
+                    Ok(c) => con.insert(c),
+                    Err(e) => {
+                        backoff.fail("cannot connect to redis", &e, shutdown);
+                        continue;
+                    }
+                },
+            };
+            let step = if started {
+                self.poll(c)
+            } else {
+                self.start(c, shutdown).inspect(|_| started = true)
+            };
+            match step {
+                Ok(_) => backoff.reset(),
+                Err(StepError::PoolGone) => break,
+                Err(StepError::Redis(e)) => {
+                    con = None;
+                    backoff.fail("read failed", &e, shutdown);
+                }
+            }
+        }
+        log::info!("reader: stopped");
+    }
+}
+
+/// Parses an array of `[id, [field, value, ...]]` entries. Entries whose body is nil
+/// (deleted while pending) go to `gone`.
+fn parse_entries(v: Value, out: &mut Vec<Delivery>, gone: &mut Vec<String>) {
+    let Value::Array(entries) = v else { return };
+    for e in entries {
+        let Value::Array(mut pair) = e else { continue };
+        if pair.len() != 2 {
+            continue;
+        }
+        let body = pair.pop().unwrap_or(Value::Nil);
+        let id = value_to_string(&pair[0]);
+        let Value::Array(fields) = body else {
+            gone.push(id);
+            continue;
+        };
+        let mut key = None;
+        let mut msg = Vec::new();
+        let mut it = fields.into_iter();
+        while let (Some(f), Some(v)) = (it.next(), it.next()) {
+            let bytes = match v {
+                Value::BulkString(b) => b,
+                other => value_to_string(&other).into_bytes(),
+            };
+            match value_to_string(&f).as_str() {
+                "msg" => msg = bytes,
+                "key" => key = Some(bytes),
+                _ => {}
+            }
+        }
+        out.push(Delivery {
+            key: key.unwrap_or_else(|| id.clone().into_bytes()),
+            id,
+            msg,
+            received: Instant::now(),
+        });
+    }
+}
+
+/// One consumer of the group, from XINFO CONSUMERS.
+#[derive(Debug, Clone)]
+pub struct ConsumerInfo {
+    pub name: String,
+    pub pending: u64,
+    pub idle_ms: u64,
+}
+
+pub fn consumers(con: &mut Connection, keys: &Keys) -> RedisResult<Vec<ConsumerInfo>> {
+    let reply: Value = redis::cmd("XINFO")
+        .arg("CONSUMERS")
+        .arg(&keys.stream)
+        .arg(&keys.group)
+        .query(con)?;
+    let Value::Array(list) = reply else {
+        return Ok(Vec::new());
+    };
+    let mut out = Vec::new();
+    for c in list {
+        let fields: Vec<(String, Value)> = match c {
+            Value::Array(kv) => {
+                let mut v = Vec::new();
+                let mut it = kv.into_iter();
+                while let (Some(k), Some(val)) = (it.next(), it.next()) {
+                    v.push((value_to_string(&k), val));
+                }
+                v
+            }
+            Value::Map(kv) => kv.into_iter().map(|(k, v)| (value_to_string(&k), v)).collect(),
+            _ => continue,
+        };
+        let get = |name: &str| fields.iter().find(|(k, _)| k == name).map(|(_, v)| v);
+        let int = |name: &str| match get(name) {
+            Some(Value::Int(n)) => *n as u64,
+            _ => 0,
+        };
+        out.push(ConsumerInfo {
+            name: get("name").map(value_to_string).unwrap_or_default(),
+            pending: int("pending"),
+            idle_ms: int("idle"),
+        });
+    }
+    Ok(out)
+}
+
+/// One pending entry, from the extended form of XPENDING.
+#[derive(Debug, Clone)]
+pub struct PendingEntry {
+    pub id: String,
+    pub consumer: String,
+    pub idle_ms: u64,
+    pub deliveries: u64,
+}
+
+pub fn pending(
+    con: &mut Connection,
+    keys: &Keys,
+    min_idle_ms: u64,
+    count: usize,
+    consumer: Option<&str>,
+) -> RedisResult<Vec<PendingEntry>> {
+    let mut cmd = redis::cmd("XPENDING");
+    cmd.arg(&keys.stream).arg(&keys.group);
+    if min_idle_ms > 0 {
+        cmd.arg("IDLE").arg(min_idle_ms);
+    }
+    cmd.arg("-").arg("+").arg(count);
+    if let Some(c) = consumer {
+        cmd.arg(c);
+    }
+    let reply: Value = cmd.query(con)?;
+    let Value::Array(list) = reply else {
+        return Ok(Vec::new());
+    };
+    Ok(list
+        .into_iter()
+        .filter_map(|e| match e {
+            Value::Array(f) if f.len() >= 4 => {
+                let int = |v: &Value| match v {
+                    Value::Int(n) => *n as u64,
+                    _ => 0,
+                };
+                Some(PendingEntry {
+                    id: value_to_string(&f[0]),
+                    consumer: value_to_string(&f[1]),
+                    idle_ms: int(&f[2]),
+                    deliveries: int(&f[3]),
+                })
+            }
+            _ => None,
+        })
+        .collect())
+}

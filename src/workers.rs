@@ -1,0 +1,422 @@
+//! The worker pool: `--threads N` threads that turn deliveries into PostgreSQL
+//! transactions and settle them in Redis.
+//!
+//! Each worker owns one pooled PostgreSQL connection for its whole life, with every
+//! handler statement prepared on it once ([`Session`]), and one Redis connection for
+//! settling. It loops on the channel: decode and validate, run the handler in one
+//! transaction that first records the job in the inbox, then decide the outcome.
+//!
+//! **Delivery guarantee.** An entry is acknowledged only after its transaction committed
+//! (or after its retry or dead letter was written, in the same script as the ack). A crash
+//! before the ack leaves the entry pending; it is delivered again and the inbox row makes
+//! the second run a no-op. So delivery is at least once and the effect exactly once.
+//!
+//! Acks are batched: outcomes collect while more work is waiting in the channel and are
+//! sent in one `settle` script call when the channel is empty or the batch is full.
+//!
+//! Stops when the channel is disconnected (the reader has stopped) and empty: everything
+//! the pool held is finished and acknowledged first.
+
+use crate::backoff::Backoff;
+use crate::config::JobConfig;
+use crate::db;
+use crate::handlers::{Effect, Registry};
+use crate::keys::Keys;
+use crate::message::{Envelope, Rejection};
+use crate::reader::Delivery;
+use crate::shutdown::Shutdown;
+use crate::stats::Stats;
+use crate::store::{self, Settlement};
+use crossbeam_channel::{Receiver, Sender, TryRecvError};
+use postgres::Statement;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// Most outcomes settled in one script call.
+pub const ACK_BATCH: usize = 64;
+
+/// What every worker shares. Read-only except the counters.
+pub struct PoolContext<'a> {
+    pub keys: &'a Keys,
+    pub jobs: &'a JobConfig,
+    pub consumer: &'a str,
+    pub registry: &'a Registry,
+    pub stats: &'a Stats,
+    pub db: &'a db::Pool,
+    pub redis: &'a redis::Client,
+    pub shutdown: &'a Shutdown,
+    /// Jobs finished after shutdown was requested (the drain), for the exit log.
+    pub drained: &'a AtomicU64,
+}
+
+/// A worker's PostgreSQL connection with its statements prepared once.
+pub struct Session {
+    conn: db::Conn,
+    inbox: Statement,
+    /// `handlers[i]` holds the statements of the registry's handler `i`.
+    handlers: Vec<Vec<Statement>>,
+}
+
+/// The inbox insert. Its row count says whether this job is new (1) or a redelivery (0).
+const INBOX_SQL: &str = "INSERT INTO worker_inbox (job_key, enqueued_at, event) \
+                         VALUES ($1, $2, $3) ON CONFLICT DO NOTHING";
+
+/// Why a session could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    #[error("no database connection: {0}")]
+    Checkout(#[from] r2d2::Error),
+    #[error("cannot prepare the handler of {event:?}: {reason}")]
+    Prepare { event: String, reason: String },
+    #[error("cannot prepare the inbox statement: {0}")]
+    Inbox(String),
+}
+
+impl Session {
+    pub fn open(pool: &db::Pool, registry: &Registry) -> Result<Session, SessionError> {
+        let mut conn = pool.get()?;
+        let inbox = conn
+            .prepare(INBOX_SQL)
+            .map_err(|e| SessionError::Inbox(db::error_text(&e)))?;
+        let mut handlers = Vec::new();
+        for h in registry.iter() {
+            let mut stmts = Vec::new();
+            for (sql, types) in h.statements() {
+                stmts.push(conn.prepare_typed(&sql, &types).map_err(|e| SessionError::Prepare {
+                    event: h.event().to_string(),
+                    reason: db::error_text(&e),
+                })?);
+            }
+            handlers.push(stmts);
+        }
+        Ok(Session {
+            conn,
+            inbox,
+            handlers,
+        })
+    }
+}
+
+/// How one job ended in PostgreSQL.
+enum JobResult {
+    Committed(Effect),
+    Duplicate,
+    Failed(postgres::Error),
+    Panicked(String),
+}
+
+/// The best-effort event name of a raw message, for dead letters of undecodable ones.
+pub fn event_of(msg: &[u8]) -> String {
+    if msg.len() > 1 << 20 {
+        return String::new();
+    }
+    serde_json::from_slice::<serde_json::Value>(msg)
+        .ok()
+        .and_then(|v| v.get("event").and_then(|e| e.as_str()).map(str::to_string))
+        .unwrap_or_default()
+}
+
+/// The inbox's text form of a job key: as is when it is text PostgreSQL can hold,
+/// otherwise `\x` and hex (keys with NUL or invalid UTF-8 bytes).
+pub fn key_text(key: &[u8]) -> String {
+    match std::str::from_utf8(key) {
+        Ok(s) if !s.contains('\0') => s.to_string(),
+        _ => {
+            let mut out = String::from("\\x");
+            for b in key {
+                out.push_str(&format!("{b:02x}"));
+            }
+            out
+        }
+    }
+}
+
+/// Delay before retry number `retry + 1`: base * 2^retry, capped.
+pub fn retry_delay(jobs: &JobConfig, retry: u32) -> Duration {
+    jobs.retry_base
+        .saturating_mul(1u32 << retry.min(20))
+        .min(jobs.retry_cap)
+}
+
+pub struct Worker<'a> {
+    name: String,
+    ctx: &'a PoolContext<'a>,
+    session: Option<Session>,
+    redis: Option<redis::Connection>,
+    db_backoff: Backoff,
+    redis_backoff: Backoff,
+}
+
+impl<'a> Worker<'a> {
+    pub fn new(index: usize, ctx: &'a PoolContext<'a>) -> Worker<'a> {
+        let name = format!("worker-{index}");
+        Worker {
+            db_backoff: Backoff::new(&name),
+            redis_backoff: Backoff::new(&name),
+            name,
+            ctx,
+            session: None,
+            redis: None,
+        }
+    }
+
+    /// The thread body. `space` wakes the reader when a slot frees up.
+    pub fn run(mut self, rx: &Receiver<Delivery>, space: &Sender<()>) {
+        let mut outcomes: Vec<Settlement> = Vec::with_capacity(ACK_BATCH);
+        loop {
+            let d = match rx.try_recv() {
+                Ok(d) => d,
+                Err(TryRecvError::Empty) => {
+                    self.flush(&mut outcomes);
+                    match rx.recv() {
+                        Ok(d) => d,
+                        Err(_) => break,
+                    }
+                }
+                Err(TryRecvError::Disconnected) => break,
+            };
+            // A full channel's reader waits for this; a token already there is enough.
+            let _ = space.try_send(());
+            let draining = self.ctx.shutdown.is_set();
+            match self.handle(d) {
+                Some(s) => outcomes.push(s),
+                None => log::info!("{}: job left pending for the next start", self.name),
+            }
+            if draining {
+                self.ctx.drained.fetch_add(1, Ordering::Relaxed);
+            }
+            if outcomes.len() >= ACK_BATCH {
+                self.flush(&mut outcomes);
+            }
+        }
+        self.flush(&mut outcomes);
+        log::debug!("{}: stopped", self.name);
+    }
+
+    /// Decides what becomes of one delivery. `None` leaves it pending (only when the
+    /// database stays unreachable until shutdown): the next start delivers it again.
+    pub fn handle(&mut self, d: Delivery) -> Option<Settlement> {
+        let stats = self.ctx.stats;
+        let env = match Envelope::decode(&d.msg, self.ctx.jobs.max_message_bytes) {
+            Ok(env) => env,
+            Err(r) => {
+                let event = match r {
+                    Rejection::TooLarge { .. } => String::new(),
+                    _ => event_of(&d.msg),
+                };
+                return Some(self.dead(d, r.to_string(), event, 1));
+            }
+        };
+        let Some((index, handler)) = self.ctx.registry.get(&env.event) else {
+            let reason = Rejection::UnknownEvent(env.event.clone()).to_string();
+            return Some(self.dead(d, reason, env.event, env.retry as u64 + 1));
+        };
+        if let Err(r) = env.require(handler.required()) {
+            return Some(self.dead(d, r.to_string(), env.event, env.retry as u64 + 1));
+        }
+        let key = key_text(&d.key);
+        let result = loop {
+            let session = match self.session.as_mut() {
+                Some(s) => s,
+                None => match Session::open(self.ctx.db, self.ctx.registry) {
+                    Ok(s) => {
+                        self.db_backoff.reset();
+                        self.session.insert(s)
+                    }
+                    Err(e) => {
+                        // The database is unreachable or out of connections (handler SQL
+                        // was checked at start): hold the job, which is back-pressure on
+                        // the reader, instead of spending its retries.
+                        if self.db_backoff.fail("no database session", &e, self.ctx.shutdown) {
+                            return None;
+                        }
+                        continue;
+                    }
+                },
+            };
+            break run_job(session, index, handler, &key, &env);
+        };
+        match result {
+            JobResult::Committed(effect) => {
+                let counter = match effect {
+                    Effect::Applied => &stats.done,
+                    Effect::NoOp => &stats.noop,
+                };
+                Stats::add(counter, 1);
+                log::debug!("job {key} {} {effect:?}", env.event);
+                Some(Settlement::Ack { id: d.id })
+            }
+            JobResult::Duplicate => {
+                Stats::add(&stats.duplicate, 1);
+                log::debug!("job {key} {} duplicate (already in the inbox)", env.event);
+                Some(Settlement::Ack { id: d.id })
+            }
+            JobResult::Failed(e) if db::is_transient(&e) => {
+                if e.is_closed() || e.code().is_none() {
+                    self.session = None;
+                }
+                let reason = db::error_text(&e);
+                if env.retry >= self.ctx.jobs.max_retries {
+                    let reason = format!(
+                        "transient failure after {} retries: {reason}",
+                        env.retry
+                    );
+                    return Some(self.dead(d, reason, env.event.clone(), env.retry as u64 + 1));
+                }
+                let delay = retry_delay(self.ctx.jobs, env.retry);
+                log::warn!(
+                    "job {key} {} retry {} in {:.1}s: {reason}",
+                    env.event,
+                    env.retry + 1,
+                    delay.as_secs_f64()
+                );
+                Stats::add(&stats.retried, 1);
+                Some(Settlement::Retry {
+                    id: d.id,
+                    key: d.key,
+                    msg: env.next_retry().into_bytes(),
+                    due_ms: crate::now_ms() + delay.as_millis() as i64,
+                })
+            }
+            JobResult::Failed(e) => {
+                let reason = format!("handler failed: {}", db::error_text(&e));
+                Some(self.dead(d, reason, env.event.clone(), env.retry as u64 + 1))
+            }
+            JobResult::Panicked(msg) => {
+                // The connection may be mid-transaction: start afresh.
+                self.session = None;
+                let reason = format!("handler panicked: {msg}");
+                Some(self.dead(d, reason, env.event.clone(), env.retry as u64 + 1))
+            }
+        }
+    }
+
+    fn dead(&self, d: Delivery, reason: String, event: String, attempts: u64) -> Settlement {
+        log::warn!(
+            "job {} {event} dead-lettered: {reason}",
+            key_text(&d.key)
+        );
+        Stats::add(&self.ctx.stats.dead, 1);
+        Settlement::Dead {
+            id: d.id,
+            key: d.key,
+            msg: d.msg,
+            reason,
+            event,
+            attempts,
+        }
+    }
+
+    /// Settles the collected outcomes in one script call. Retries with backoff while Redis
+    /// is unreachable; gives up only at shutdown, leaving the entries pending (they are
+    /// redelivered and the inbox turns the redelivery into a no-op).
+    fn flush(&mut self, outcomes: &mut Vec<Settlement>) {
+        if outcomes.is_empty() {
+            return;
+        }
+        loop {
+            let con = match self.redis.as_mut() {
+                Some(c) => c,
+                None => match store::connect(self.ctx.redis) {
+                    Ok(c) => self.redis.insert(c),
+                    Err(e) => {
+                        if self.redis_backoff.fail("cannot connect to redis", &e, self.ctx.shutdown)
+                            && self.give_up(outcomes)
+                        {
+                            return;
+                        }
+                        continue;
+                    }
+                },
+            };
+            let now_s = crate::now_ms() / 1000;
+            match store::settle(con, self.ctx.keys, self.ctx.consumer, now_s, outcomes) {
+                Ok(n) => {
+                    self.redis_backoff.reset();
+                    Stats::add(&self.ctx.stats.acked, n as u64);
+                    outcomes.clear();
+                    return;
+                }
+                Err(e) => {
+                    self.redis = None;
+                    if self.redis_backoff.fail("settle failed", &e, self.ctx.shutdown)
+                        && self.give_up(outcomes)
+                    {
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    /// At shutdown, a few more quick attempts, then leave the outcomes pending.
+    fn give_up(&mut self, outcomes: &mut Vec<Settlement>) -> bool {
+        for _ in 0..3 {
+            if let Ok(mut c) = store::connect(self.ctx.redis) {
+                let now_s = crate::now_ms() / 1000;
+                if let Ok(n) = store::settle(&mut c, self.ctx.keys, self.ctx.consumer, now_s, outcomes) {
+                    Stats::add(&self.ctx.stats.acked, n as u64);
+                    outcomes.clear();
+                    return true;
+                }
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        log::warn!(
+            "{}: redis unreachable at shutdown; {} entries stay pending and will be redelivered",
+            self.name,
+            outcomes.len()
+        );
+        outcomes.clear();
+        true
+    }
+}
+
+/// One job in one transaction: the inbox row first, then the handler, then commit.
+fn run_job(
+    session: &mut Session,
+    index: usize,
+    handler: &dyn crate::handlers::Handler,
+    key: &str,
+    env: &Envelope,
+) -> JobResult {
+    let Session {
+        conn,
+        inbox,
+        handlers,
+    } = session;
+    let mut tx = match conn.transaction() {
+        Ok(tx) => tx,
+        Err(e) => return JobResult::Failed(e),
+    };
+    match tx.execute(&*inbox, &[&key, &env.ts, &env.event]) {
+        Ok(0) => {
+            return match tx.commit() {
+                Ok(()) => JobResult::Duplicate,
+                Err(e) => JobResult::Failed(e),
+            }
+        }
+        Ok(_) => {}
+        Err(e) => return JobResult::Failed(e),
+    }
+    let outcome = catch_unwind(AssertUnwindSafe(|| {
+        handler.handle(&mut tx, &handlers[index], &env.payload)
+    }));
+    match outcome {
+        Ok(Ok(effect)) => match tx.commit() {
+            Ok(()) => JobResult::Committed(effect),
+            Err(e) => JobResult::Failed(e),
+        },
+        // Dropping `tx` rolls the transaction back.
+        Ok(Err(e)) => JobResult::Failed(e),
+        Err(panic) => {
+            let msg = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".to_string());
+            JobResult::Panicked(msg)
+        }
+    }
+}
