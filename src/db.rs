@@ -98,6 +98,17 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
 pub fn migrate(client: &mut postgres::Client) -> Result<Vec<&'static str>, DbError> {
     // "already exists, skipping" notices are the normal case here, not news.
     client.batch_execute("SET client_min_messages = warning")?;
+    // One migrator at a time (several hosts may start at once): concurrent
+    // CREATE TABLE IF NOT EXISTS can still collide, so the lock covers everything.
+    client.batch_execute("SELECT pg_advisory_lock(7300001)")?;
+    let result = migrate_locked(client);
+    let unlocked = client.batch_execute("SELECT pg_advisory_unlock(7300001)");
+    let applied = result?;
+    unlocked?;
+    Ok(applied)
+}
+
+fn migrate_locked(client: &mut postgres::Client) -> Result<Vec<&'static str>, DbError> {
     client.batch_execute(
         "CREATE TABLE IF NOT EXISTS worker_migrations (
              version     integer PRIMARY KEY,
@@ -108,8 +119,6 @@ pub fn migrate(client: &mut postgres::Client) -> Result<Vec<&'static str>, DbErr
     let mut applied = Vec::new();
     for &(version, name, sql) in MIGRATIONS {
         let mut tx = client.transaction()?;
-        // Serialises concurrent migrators; released at commit.
-        tx.execute("SELECT pg_advisory_xact_lock(7300001)", &[])?;
         let done = tx
             .query_opt(
                 "SELECT 1 FROM worker_migrations WHERE version = $1",

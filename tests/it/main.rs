@@ -1,0 +1,9 @@
+//! Integration tests against real redis-server and PostgreSQL (see support.rs).
+
+mod support;
+
+mod cli;
+
+mod migrate;
+mod mover;
+mod producer;

@@ -1,0 +1,540 @@
+//! Shared fixtures: a private `redis-server` per test, a PostgreSQL database per test
+//! cloned from a migrated template, the shop's seed data and its accounting, and the
+//! daemon run in-process or as a child process.
+//!
+//! A missing service is a loud failure: the tests never skip.
+
+#![allow(dead_code)]
+
+use delay_worker::{daemon, db, Config, Shutdown};
+use postgres::NoTls;
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+static COUNTER: AtomicU32 = AtomicU32::new(0);
+
+fn unique(prefix: &str) -> String {
+    format!(
+        "{prefix}_{}_{}",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::SeqCst)
+    )
+}
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .expect("bind a free port")
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Polls `f` every 20 ms until it holds; panics with `what` after `timeout`.
+pub fn wait_until(timeout: Duration, what: &str, mut f: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !f() {
+        assert!(start.elapsed() < timeout, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A redis-server of this test's own, on a free loopback port, killed on drop.
+pub struct RedisServer {
+    pub port: u16,
+    dir: PathBuf,
+    child: Option<Child>,
+    extra: Vec<String>,
+}
+
+impl RedisServer {
+    pub fn start() -> RedisServer {
+        RedisServer::start_with(&[])
+    }
+
+    /// Extra `redis-server` arguments, e.g. `["--appendonly", "yes"]`.
+    pub fn start_with(extra: &[&str]) -> RedisServer {
+        let dir = std::env::temp_dir().join(unique("dw-redis"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut r = RedisServer {
+            port: free_port(),
+            dir,
+            child: None,
+            extra: extra.iter().map(|s| s.to_string()).collect(),
+        };
+        r.spawn();
+        r
+    }
+
+    fn spawn(&mut self) {
+        let child = Command::new("redis-server")
+            .arg("--port")
+            .arg(self.port.to_string())
+            .args(["--bind", "127.0.0.1", "--save", "", "--dir"])
+            .arg(&self.dir)
+            .args(&self.extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server is not installed: run scripts/services.sh install");
+        self.child = Some(child);
+        let url = self.url();
+        wait_until(Duration::from_secs(10), "redis-server to answer", || {
+            redis::Client::open(url.as_str())
+                .and_then(|c| c.get_connection())
+                .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c))
+                .is_ok()
+        });
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    pub fn con(&self) -> redis::Connection {
+        redis::Client::open(self.url())
+            .unwrap()
+            .get_connection()
+            .expect("connect to the test redis")
+    }
+
+    /// Kills the server (SIGKILL) without waiting for anything.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Kills and starts again on the same port and directory (keeps an AOF if enabled).
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The admin URL of the shared test PostgreSQL (scripts/services.sh starts it).
+pub fn admin_url() -> String {
+    std::env::var("DW_TEST_DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5439/postgres".to_string())
+}
+
+fn admin() -> postgres::Client {
+    let url = admin_url();
+    postgres::Client::connect(&url, NoTls).unwrap_or_else(|e| {
+        panic!("PostgreSQL for the tests is not reachable at {url}: {e}; run scripts/services.sh start")
+    })
+}
+
+fn template_name() -> String {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    for (v, name, sql) in db::MIGRATIONS {
+        (v, name, sql).hash(&mut h);
+    }
+    format!("dw_template_{:x}", h.finish())
+}
+
+/// Creates (once, across processes) a database with every migration applied.
+fn template() -> &'static str {
+    static NAME: OnceLock<String> = OnceLock::new();
+    NAME.get_or_init(|| {
+        let name = template_name();
+        let mut a = admin();
+        a.execute("SELECT pg_advisory_lock(7300002)", &[]).unwrap();
+        let exists = a
+            .query_opt("SELECT 1 FROM pg_database WHERE datname = $1", &[&name])
+            .unwrap()
+            .is_some();
+        if !exists {
+            a.batch_execute(&format!("CREATE DATABASE {name}")).unwrap();
+            let mut c = postgres::Client::connect(&db_url(&name), NoTls).unwrap();
+            db::migrate(&mut c).unwrap();
+        }
+        a.execute("SELECT pg_advisory_unlock(7300002)", &[]).unwrap();
+        name
+    })
+}
+
+fn db_url(name: &str) -> String {
+    let admin = admin_url();
+    let base = admin.rsplit_once('/').map(|(b, _)| b).unwrap_or(&admin);
+    format!("{base}/{name}")
+}
+
+/// A database of this test's own, migrated, dropped on drop.
+pub struct TestDb {
+    pub name: String,
+    pub url: String,
+}
+
+impl TestDb {
+    pub fn new() -> TestDb {
+        let template = template();
+        let name = unique("dwt");
+        let mut a = admin();
+        // CREATE DATABASE ... TEMPLATE fails while another session is connected to the
+        // template; the advisory lock orders the clones against the template's creation.
+        a.execute("SELECT pg_advisory_lock(7300002)", &[]).unwrap();
+        let r = a.batch_execute(&format!("CREATE DATABASE {name} TEMPLATE {template}"));
+        a.execute("SELECT pg_advisory_unlock(7300002)", &[]).unwrap();
+        r.unwrap();
+        TestDb {
+            url: db_url(&name),
+            name,
+        }
+    }
+
+    /// A database with nothing in it (for migration tests).
+    pub fn empty() -> TestDb {
+        let name = unique("dwe");
+        admin()
+            .batch_execute(&format!("CREATE DATABASE {name}"))
+            .unwrap();
+        TestDb {
+            url: db_url(&name),
+            name,
+        }
+    }
+
+    pub fn client(&self) -> postgres::Client {
+        postgres::Client::connect(&self.url, NoTls).expect("connect to the test database")
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        if let Ok(mut a) = postgres::Client::connect(&admin_url(), NoTls) {
+            let _ = a.batch_execute(&format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name));
+        }
+    }
+}
+
+/// Redis + PostgreSQL + a config pointing at both, with fast test timings.
+pub struct Env {
+    pub redis: RedisServer,
+    pub db: TestDb,
+    pub config: Config,
+}
+
+impl Env {
+    pub fn new() -> Env {
+        let redis = RedisServer::start();
+        let db = TestDb::new();
+        let mut config = Config::new(&redis.url(), &db.url);
+        config.threads = 4;
+        config.consumer = "c1".into();
+        config.mover.poll = Duration::from_millis(20);
+        config.reader.block = Duration::from_millis(200);
+        config.reader.heartbeat_ttl = Duration::from_secs(2);
+        config.jobs.retry_base = Duration::from_millis(100);
+        config.stats_interval = Duration::from_secs(1);
+        Env { redis, db, config }
+    }
+
+    pub fn con(&self) -> redis::Connection {
+        self.redis.con()
+    }
+}
+
+/// The daemon running in this process on its own threads.
+pub struct Daemon {
+    pub shutdown: Shutdown,
+    handle: Option<std::thread::JoinHandle<Result<daemon::Report, daemon::DaemonError>>>,
+}
+
+impl Daemon {
+    pub fn start(config: &Config) -> Daemon {
+        let shutdown = Shutdown::new();
+        let (c, s) = (config.clone(), shutdown.clone());
+        let handle = std::thread::spawn(move || daemon::run(&c, &s));
+        Daemon {
+            shutdown,
+            handle: Some(handle),
+        }
+    }
+
+    /// Graceful stop; returns the daemon's report.
+    pub fn stop(mut self) -> daemon::Report {
+        self.shutdown.trigger();
+        self.handle
+            .take()
+            .unwrap()
+            .join()
+            .expect("daemon thread panicked")
+            .expect("daemon failed")
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.shutdown.trigger();
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// The `worker` binary as a child process (for kill -9 and signals).
+pub struct Proc {
+    pub child: Child,
+}
+
+impl Proc {
+    pub fn start(config: &Config, extra: &[&str]) -> Proc {
+        let child = Command::new(env!("CARGO_BIN_EXE_worker"))
+            .env("REDIS_URL", &config.redis_url)
+            .env("DATABASE_URL", &config.database_url)
+            .env("RUST_LOG", std::env::var("DW_CHILD_LOG").unwrap_or("warn".into()))
+            .args(["--consumer", &config.consumer])
+            .args(["--threads", &config.threads.to_string()])
+            .args(["--poll-interval", "20ms", "--block", "200ms", "--heartbeat-ttl", "2s"])
+            .args(["--retry-base", "100ms", "--stats-interval", "1s"])
+            .args(extra)
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("start the worker binary");
+        Proc { child }
+    }
+
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    pub fn signal(&self, sig: i32) {
+        unsafe {
+            libc::kill(self.child.id() as i32, sig);
+        }
+    }
+
+    /// Waits for exit; panics after `timeout`.
+    pub fn wait(&mut self, timeout: Duration) -> std::process::ExitStatus {
+        let start = Instant::now();
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return s;
+            }
+            assert!(start.elapsed() < timeout, "worker did not exit in {timeout:?}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+// ---- the shop ---------------------------------------------------------------------------
+
+pub const SKUS: i64 = 5;
+pub const START_STOCK: i32 = 1_000_000;
+
+/// One seeded order: what its cancellation must give back.
+#[derive(Debug, Clone)]
+pub struct SeedOrder {
+    pub id: i64,
+    pub order_no: String,
+    pub coupon_id: Option<i64>,
+    /// (sku_id, qty) lines; a sku may appear twice.
+    pub items: Vec<(i64, i32)>,
+}
+
+/// Seeds `n` pending orders, each with 1-3 lines over `SKUS` skus (some repeating a sku)
+/// and every other one with a used coupon. Stock is taken out for every line, as the shop
+/// did when the order was placed.
+pub fn seed_orders(db: &TestDb, n: usize) -> Vec<SeedOrder> {
+    let mut c = db.client();
+    let mut tx = c.transaction().unwrap();
+    let have: i64 = tx.query_one("SELECT count(*) FROM sku", &[]).unwrap().get(0);
+    if have == 0 {
+        for _ in 0..SKUS {
+            tx.execute("INSERT INTO sku (stock) VALUES ($1)", &[&START_STOCK])
+                .unwrap();
+        }
+    }
+    let skus: Vec<i64> = tx
+        .query("SELECT id FROM sku ORDER BY id", &[])
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let base: i64 = tx.query_one("SELECT count(*) FROM orders", &[]).unwrap().get(0);
+    let mut out = Vec::with_capacity(n);
+    for i in 0..n {
+        let k = base as usize + i;
+        let coupon_id: Option<i64> = (k % 2 == 0).then(|| {
+            tx.query_one(
+                "INSERT INTO coupon_user (user_id, status, used_at) VALUES ($1, 'used', now()) RETURNING id",
+                &[&(k as i64)],
+            )
+            .unwrap()
+            .get(0)
+        });
+        let order_no = format!("SO{k:08}");
+        let id: i64 = tx
+            .query_one(
+                "INSERT INTO orders (order_no, coupon_id) VALUES ($1, $2) RETURNING id",
+                &[&order_no, &coupon_id],
+            )
+            .unwrap()
+            .get(0);
+        let mut items = vec![(skus[k % skus.len()], (k % 3 + 1) as i32)];
+        if k % 3 == 1 {
+            items.push((skus[(k + 1) % skus.len()], 2));
+        }
+        if k % 5 == 2 {
+            // The same sku on two lines: both must come back.
+            items.push((skus[k % skus.len()], 1));
+        }
+        for (sku, qty) in &items {
+            tx.execute(
+                "INSERT INTO order_items (order_id, sku_id, qty) VALUES ($1, $2, $3)",
+                &[&id, sku, qty],
+            )
+            .unwrap();
+            tx.execute(
+                "UPDATE sku SET stock = stock - $2 WHERE id = $1",
+                &[sku, qty],
+            )
+            .unwrap();
+        }
+        out.push(SeedOrder {
+            id,
+            order_no,
+            coupon_id,
+            items,
+        });
+    }
+    tx.commit().unwrap();
+    out
+}
+
+/// Marks orders paid (their coupon stays used, their stock stays out).
+pub fn pay(db: &TestDb, orders: &[SeedOrder]) {
+    let mut c = db.client();
+    for o in orders {
+        c.execute(
+            "UPDATE orders SET status = 'paid', paid_at = now() WHERE id = $1 AND status = 'pending'",
+            &[&o.id],
+        )
+        .unwrap();
+    }
+}
+
+/// Checks the books: every order in `cancelled` is cancelled with reason `timeout`, every
+/// other order is not; each sku's stock equals its start minus the lines of orders that
+/// are not cancelled; each coupon of a cancelled order is unused, every other used.
+pub fn assert_accounting(db: &TestDb, all: &[SeedOrder], cancelled: &[&SeedOrder]) {
+    let mut c = db.client();
+    let cancelled_ids: std::collections::HashSet<i64> = cancelled.iter().map(|o| o.id).collect();
+    let rows = c
+        .query("SELECT id, status, cancel_reason FROM orders", &[])
+        .unwrap();
+    let mut by_id = std::collections::HashMap::new();
+    for r in rows {
+        let id: i64 = r.get(0);
+        let status: String = r.get(1);
+        let reason: Option<String> = r.get(2);
+        by_id.insert(id, (status, reason));
+    }
+    let mut expected_stock: std::collections::HashMap<i64, i64> = std::collections::HashMap::new();
+    for o in all {
+        let (status, reason) = &by_id[&o.id];
+        if cancelled_ids.contains(&o.id) {
+            assert_eq!(status, "cancelled", "order {} should be cancelled", o.order_no);
+            assert_eq!(reason.as_deref(), Some("timeout"));
+        } else {
+            assert_ne!(status, "cancelled", "order {} must not be cancelled", o.order_no);
+            for (sku, qty) in &o.items {
+                *expected_stock.entry(*sku).or_default() += *qty as i64;
+            }
+        }
+    }
+    for r in c.query("SELECT id, stock FROM sku", &[]).unwrap() {
+        let id: i64 = r.get(0);
+        let stock: i32 = r.get(1);
+        let out = expected_stock.get(&id).copied().unwrap_or(0);
+        assert_eq!(
+            stock as i64,
+            START_STOCK as i64 - out,
+            "stock of sku {id} does not add up"
+        );
+    }
+    for o in all {
+        if let Some(cid) = o.coupon_id {
+            let status: String = c
+                .query_one("SELECT status FROM coupon_user WHERE id = $1", &[&cid])
+                .unwrap()
+                .get(0);
+            let want = if cancelled_ids.contains(&o.id) { "unused" } else { "used" };
+            assert_eq!(status, want, "coupon of order {}", o.order_no);
+        }
+    }
+}
+
+/// Redis-side bookkeeping of one test's keys.
+pub struct Books {
+    pub pool: usize,
+    pub stream_pending: usize,
+    pub dead: usize,
+}
+
+pub fn books(env: &Env) -> Books {
+    let mut con = env.con();
+    let k = &env.config.keys;
+    let pool: usize = redis::cmd("ZCARD").arg(&k.pool).query(&mut con).unwrap();
+    let dead: usize = redis::cmd("XLEN").arg(&k.dead).query(&mut con).unwrap();
+    let pending: redis::Value = redis::cmd("XPENDING")
+        .arg(&k.stream)
+        .arg(&k.group)
+        .query(&mut con)
+        .unwrap_or(redis::Value::Nil);
+    let stream_pending = match pending {
+        redis::Value::Array(v) => match v.first() {
+            Some(redis::Value::Int(n)) => *n as usize,
+            _ => 0,
+        },
+        _ => 0,
+    };
+    Books {
+        pool,
+        stream_pending,
+        dead,
+    }
+}
+
+/// Pushes an `order.timeout` for each order, due `delay_ms` from now, keyed by order.
+pub fn push_timeouts(env: &Env, orders: &[SeedOrder], delay_ms: i64) {
+    let mut con = env.con();
+    let now = delay_worker::now_ms();
+    for o in orders {
+        let job = delay_worker::producer::NewJob {
+            event: "order.timeout".into(),
+            payload: serde_json::json!({ "order_no": o.order_no }),
+            due_ms: now + delay_ms,
+            key: Some(format!("order.timeout:{}", o.order_no)),
+        };
+        delay_worker::producer::push(&mut con, &env.config.keys, &job, now).unwrap();
+    }
+}
+
+/// Rows in the inbox.
+pub fn inbox_count(db: &TestDb) -> i64 {
+    db.client()
+        .query_one("SELECT count(*) FROM worker_inbox", &[])
+        .unwrap()
+        .get(0)
+}
