@@ -59,7 +59,16 @@ pg_up() { as_pg "$(pg_bin)/pg_isready" -q -h 127.0.0.1 -p "$PG_PORT" 2>/dev/null
 start_pg() {
   local bin fast=$1
   bin=$(pg_bin) || die "postgresql is not installed (scripts/services.sh install)"
-  if pg_up; then return 0; fi
+  if ! pg_up; then
+    init_and_start_pg "$bin" "$fast"
+  fi
+  as_pg "$bin/psql" -h 127.0.0.1 -p "$PG_PORT" -U postgres -d postgres -qtAc \
+    "SELECT 1 FROM pg_database WHERE datname = '$PG_DB'" | grep -q 1 \
+    || as_pg "$bin/createdb" -h 127.0.0.1 -p "$PG_PORT" -U postgres "$PG_DB"
+}
+
+init_and_start_pg() {
+  local bin=$1 fast=$2
   mkdir -p "$RUN_DIR"
   chmod 755 "$RUN_DIR"
   if [ ! -f "$RUN_DIR/pg/PG_VERSION" ]; then
@@ -74,9 +83,6 @@ start_pg() {
   fi
   as_pg "$bin/pg_ctl" -D "$RUN_DIR/pg" -l "$RUN_DIR/pg/server.log" -o "$opts" -w -t 60 start >/dev/null \
     || die "postgresql did not start (see $RUN_DIR/pg/server.log)"
-  as_pg "$bin/psql" -h 127.0.0.1 -p "$PG_PORT" -U postgres -d postgres -qtAc \
-    "SELECT 1 FROM pg_database WHERE datname = '$PG_DB'" | grep -q 1 \
-    || as_pg "$bin/createdb" -h 127.0.0.1 -p "$PG_PORT" -U postgres "$PG_DB"
 }
 
 stop() {

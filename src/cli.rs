@@ -62,10 +62,22 @@ pub struct PushArgs {
 #[derive(Args, Debug, Clone)]
 pub struct ConnArgs {
     /// Redis URL.
-    #[arg(long, env = "REDIS_URL", default_value = "redis://127.0.0.1:6379/", global = true, hide_env_values = true)]
+    #[arg(
+        long,
+        env = "REDIS_URL",
+        default_value = "redis://127.0.0.1:6379/",
+        global = true,
+        hide_env_values = true
+    )]
     pub redis_url: String,
     /// PostgreSQL URL or key=value connection string.
-    #[arg(long, env = "DATABASE_URL", default_value = "postgres://postgres@127.0.0.1:5432/postgres", global = true, hide_env_values = true)]
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        default_value = "postgres://postgres@127.0.0.1:5432/postgres",
+        global = true,
+        hide_env_values = true
+    )]
     pub database_url: String,
     /// Prefix of every key name (use a hash tag such as '{mq}' on Redis Cluster).
     #[arg(long, default_value = crate::keys::DEFAULT_PREFIX, global = true)]
@@ -168,7 +180,11 @@ fn check(ok: bool, flag: &'static str, problem: &str) -> Result<(), CliError> {
 
 impl ConnArgs {
     pub fn keys(&self) -> Result<Keys, CliError> {
-        check(!self.key_prefix.is_empty(), "--key-prefix", "must not be empty")?;
+        check(
+            !self.key_prefix.is_empty(),
+            "--key-prefix",
+            "must not be empty",
+        )?;
         let o = KeyOverrides {
             pool: self.pool_key.clone(),
             data: self.data_key.clone(),
@@ -210,7 +226,11 @@ impl Cli {
             "--heartbeat-ttl",
             "must be longer than --block (the heartbeat is refreshed once per block)",
         )?;
-        check(r.max_deliveries >= 1, "--max-deliveries", "must be at least 1")?;
+        check(
+            r.max_deliveries >= 1,
+            "--max-deliveries",
+            "must be at least 1",
+        )?;
         check(
             r.statement_timeout >= Duration::from_millis(1),
             "--statement-timeout",

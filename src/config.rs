@@ -184,12 +184,7 @@ pub fn redact_url(url: &str) -> String {
                 Some(colon) => format!("{}:***", &userinfo[..colon]),
                 None => userinfo.to_string(),
             };
-            return format!(
-                "{}{}@{}",
-                &url[..scheme_end + 3],
-                user,
-                &rest[at + 1..]
-            );
+            return format!("{}{}@{}", &url[..scheme_end + 3], user, &rest[at + 1..]);
         }
         return url.to_string();
     }

@@ -65,7 +65,11 @@ pub fn registry(config: &Config) -> Result<Registry, DaemonError> {
     let mut r = Registry::builtin();
     if let Some(dir) = &config.handlers_dir {
         for h in SqlHandler::load_dir(dir)? {
-            log::info!("handler for {:?} loaded from {}", crate::handlers::Handler::event(&h), dir.display());
+            log::info!(
+                "handler for {:?} loaded from {}",
+                crate::handlers::Handler::event(&h),
+                dir.display()
+            );
             r.register(Box::new(h));
         }
     }
@@ -177,12 +181,9 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<Report, DaemonError> 
         let mut spawned = Vec::new();
         if config.run_mover {
             let (client, stats) = (&client, &stats);
-            spawned.push(spawn_role(
-                s,
-                shutdown,
-                "mover".into(),
-                move || Mover::new(&config.keys, &config.mover, stats).run(client, shutdown),
-            ));
+            spawned.push(spawn_role(s, shutdown, "mover".into(), move || {
+                Mover::new(&config.keys, &config.mover, stats).run(client, shutdown)
+            }));
         }
         {
             let (client, stats) = (&client, &stats);
@@ -194,21 +195,15 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<Report, DaemonError> 
                 tx,
                 space_rx,
             );
-            spawned.push(spawn_role(
-                s,
-                shutdown,
-                "reader".into(),
-                move || reader.run(client, shutdown),
-            ));
+            spawned.push(spawn_role(s, shutdown, "reader".into(), move || {
+                reader.run(client, shutdown)
+            }));
         }
         for i in 0..config.threads {
             let (ctx, rx, space_tx) = (&ctx, rx.clone(), space_tx.clone());
-            spawned.push(spawn_role(
-                s,
-                shutdown,
-                format!("worker-{i}"),
-                move || Worker::new(i, ctx).run(&rx, &space_tx),
-            ));
+            spawned.push(spawn_role(s, shutdown, format!("worker-{i}"), move || {
+                Worker::new(i, ctx).run(&rx, &space_tx)
+            }));
         }
         drop(rx);
         for r in spawned {

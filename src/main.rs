@@ -62,7 +62,15 @@ fn one_line(e: &anyhow::Error) -> String {
 fn init_logging() {
     let mut b = env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"));
     if std::env::var_os("JOURNAL_STREAM").is_some() {
-        b.format(|buf, r| writeln!(buf, "<{}>{}: {}", syslog_level(r.level()), r.target(), r.args()));
+        b.format(|buf, r| {
+            writeln!(
+                buf,
+                "<{}>{}: {}",
+                syslog_level(r.level()),
+                r.target(),
+                r.args()
+            )
+        });
     }
     b.init();
 }
@@ -127,7 +135,11 @@ fn push(config: &Config, args: &PushArgs) -> anyhow::Result<ExitCode> {
     let pushed = producer::push(&mut con, &config.keys, &job, now)?;
     println!(
         "{} {} due in {:.3}s",
-        if pushed.rescheduled { "rescheduled" } else { "scheduled" },
+        if pushed.rescheduled {
+            "rescheduled"
+        } else {
+            "scheduled"
+        },
         pushed.key,
         args.delay
     );

@@ -182,7 +182,10 @@ mod tests {
         assert_eq!(d(r#"{"payload":{}}"#), Err(Rejection::MissingEvent));
         assert_eq!(d(r#"{"event":5,"payload":{}}"#), Err(Rejection::BadEvent));
         assert_eq!(d(r#"{"event":"e"}"#), Err(Rejection::MissingPayload));
-        assert_eq!(d(r#"{"event":"e","payload":[1]}"#), Err(Rejection::BadPayload));
+        assert_eq!(
+            d(r#"{"event":"e","payload":[1]}"#),
+            Err(Rejection::BadPayload)
+        );
         assert_eq!(
             d(r#"{"event":"e","payload":{},"retry":-1}"#),
             Err(Rejection::BadRetry)
@@ -193,7 +196,10 @@ mod tests {
         );
         assert!(matches!(
             Envelope::decode(&[b' '; 11], 10),
-            Err(Rejection::TooLarge { size: 11, limit: 10 })
+            Err(Rejection::TooLarge {
+                size: 11,
+                limit: 10
+            })
         ));
         let deep = "[".repeat(10_000) + &"]".repeat(10_000);
         assert!(matches!(

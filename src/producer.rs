@@ -78,7 +78,11 @@ pub fn cancel(con: &mut dyn ConnectionLike, keys: &Keys, key: &str) -> redis::Re
 
 /// `<unix seconds>:<12 hex>`, the PHP producer's key shape.
 pub fn new_job_key(now_ms: i64) -> String {
-    format!("{}:{:012x}", now_ms / 1000, fastrand::u64(..) & 0xffff_ffff_ffff)
+    format!(
+        "{}:{:012x}",
+        now_ms / 1000,
+        fastrand::u64(..) & 0xffff_ffff_ffff
+    )
 }
 
 /// Builds a payload object from `(name, value)` pairs; handy in tests and tools.

@@ -293,7 +293,12 @@ impl<'a> Reader<'a> {
         Ok(total)
     }
 
-    fn xclaim(&self, con: &mut Connection, min_idle: u64, ids: &[String]) -> RedisResult<Vec<Delivery>> {
+    fn xclaim(
+        &self,
+        con: &mut Connection,
+        min_idle: u64,
+        ids: &[String],
+    ) -> RedisResult<Vec<Delivery>> {
         let reply: Value = redis::cmd("XCLAIM")
             .arg(&self.keys.stream)
             .arg(&self.keys.group)
@@ -346,7 +351,13 @@ impl<'a> Reader<'a> {
                 }
             })
             .collect();
-        let n = store::settle(con, self.keys, self.consumer, crate::now_ms() / 1000, &batch)?;
+        let n = store::settle(
+            con,
+            self.keys,
+            self.consumer,
+            crate::now_ms() / 1000,
+            &batch,
+        )?;
         if n > 0 {
             log::warn!("reader: {n} entries dead-lettered after too many deliveries");
             Stats::add(&self.stats.dead, n as u64);
@@ -430,6 +441,11 @@ impl<'a> Reader<'a> {
                 Err(StepError::PoolGone) => break,
                 Err(StepError::Redis(e)) => {
                     con = None;
+                    // An XREADGROUP whose reply was lost with the connection left entries
+                    // pending on us that no worker holds: take our pending entries back
+                    // after reconnecting, as at start. Entries still in the pool come
+                    // twice; the inbox and the ack-guarded settle make that harmless.
+                    started = false;
                     backoff.fail("read failed", &e, shutdown);
                 }
             }
@@ -504,7 +520,10 @@ pub fn consumers(con: &mut Connection, keys: &Keys) -> RedisResult<Vec<ConsumerI
                 }
                 v
             }
-            Value::Map(kv) => kv.into_iter().map(|(k, v)| (value_to_string(&k), v)).collect(),
+            Value::Map(kv) => kv
+                .into_iter()
+                .map(|(k, v)| (value_to_string(&k), v))
+                .collect(),
             _ => continue,
         };
         let get = |name: &str| fields.iter().find(|(k, _)| k == name).map(|(_, v)| v);

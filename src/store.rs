@@ -11,8 +11,7 @@ use std::sync::LazyLock;
 
 static PUSH: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("lua/push.lua")));
 static CANCEL: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("lua/cancel.lua")));
-static MOVE_DUE: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("lua/move_due.lua")));
+static MOVE_DUE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("lua/move_due.lua")));
 static SETTLE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("lua/settle.lua")));
 
 /// Schedules `msg` under `key` at `score`, data before score. Returns `true` when the key

@@ -83,9 +83,11 @@ impl Session {
         for h in registry.iter() {
             let mut stmts = Vec::new();
             for (sql, types) in h.statements() {
-                stmts.push(conn.prepare_typed(&sql, &types).map_err(|e| SessionError::Prepare {
-                    event: h.event().to_string(),
-                    reason: db::error_text(&e),
+                stmts.push(conn.prepare_typed(&sql, &types).map_err(|e| {
+                    SessionError::Prepare {
+                        event: h.event().to_string(),
+                        reason: db::error_text(&e),
+                    }
                 })?);
             }
             handlers.push(stmts);
@@ -228,7 +230,10 @@ impl<'a> Worker<'a> {
                         // The database is unreachable or out of connections (handler SQL
                         // was checked at start): hold the job, which is back-pressure on
                         // the reader, instead of spending its retries.
-                        if self.db_backoff.fail("no database session", &e, self.ctx.shutdown) {
+                        if self
+                            .db_backoff
+                            .fail("no database session", &e, self.ctx.shutdown)
+                        {
                             return None;
                         }
                         continue;
@@ -258,10 +263,7 @@ impl<'a> Worker<'a> {
                 }
                 let reason = db::error_text(&e);
                 if env.retry >= self.ctx.jobs.max_retries {
-                    let reason = format!(
-                        "transient failure after {} retries: {reason}",
-                        env.retry
-                    );
+                    let reason = format!("transient failure after {} retries: {reason}", env.retry);
                     return Some(self.dead(d, reason, env.event.clone(), env.retry as u64 + 1));
                 }
                 let delay = retry_delay(self.ctx.jobs, env.retry);
@@ -293,10 +295,7 @@ impl<'a> Worker<'a> {
     }
 
     fn dead(&self, d: Delivery, reason: String, event: String, attempts: u64) -> Settlement {
-        log::warn!(
-            "job {} {event} dead-lettered: {reason}",
-            key_text(&d.key)
-        );
+        log::warn!("job {} {event} dead-lettered: {reason}", key_text(&d.key));
         Stats::add(&self.ctx.stats.dead, 1);
         Settlement::Dead {
             id: d.id,
@@ -321,7 +320,9 @@ impl<'a> Worker<'a> {
                 None => match store::connect(self.ctx.redis) {
                     Ok(c) => self.redis.insert(c),
                     Err(e) => {
-                        if self.redis_backoff.fail("cannot connect to redis", &e, self.ctx.shutdown)
+                        if self
+                            .redis_backoff
+                            .fail("cannot connect to redis", &e, self.ctx.shutdown)
                             && self.give_up(outcomes)
                         {
                             return;
@@ -340,7 +341,9 @@ impl<'a> Worker<'a> {
                 }
                 Err(e) => {
                     self.redis = None;
-                    if self.redis_backoff.fail("settle failed", &e, self.ctx.shutdown)
+                    if self
+                        .redis_backoff
+                        .fail("settle failed", &e, self.ctx.shutdown)
                         && self.give_up(outcomes)
                     {
                         return;
@@ -355,7 +358,9 @@ impl<'a> Worker<'a> {
         for _ in 0..3 {
             if let Ok(mut c) = store::connect(self.ctx.redis) {
                 let now_s = crate::now_ms() / 1000;
-                if let Ok(n) = store::settle(&mut c, self.ctx.keys, self.ctx.consumer, now_s, outcomes) {
+                if let Ok(n) =
+                    store::settle(&mut c, self.ctx.keys, self.ctx.consumer, now_s, outcomes)
+                {
                     Stats::add(&self.ctx.stats.acked, n as u64);
                     outcomes.clear();
                     return true;

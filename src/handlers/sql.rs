@@ -161,7 +161,10 @@ mod tests {
         assert_eq!(h.event(), "a.b");
         assert_eq!(
             h.required(),
-            &[vec!["id".to_string(), "no".to_string()], vec!["user".to_string()]]
+            &[
+                vec!["id".to_string(), "no".to_string()],
+                vec!["user".to_string()]
+            ]
         );
         let h = SqlHandler::parse("c.d.sql", "SELECT 1").unwrap();
         assert_eq!(h.event(), "c.d");

@@ -23,23 +23,58 @@ fn push_and_cancel_from_the_command_line() {
     let r = RedisServer::start();
     let url = r.url();
     let out = worker(
-        &["push", "--event", "order.timeout", "--payload", r#"{"order_no":"SO9"}"#, "--delay", "900", "--key", "order.timeout:SO9"],
+        &[
+            "push",
+            "--event",
+            "order.timeout",
+            "--payload",
+            r#"{"order_no":"SO9"}"#,
+            "--delay",
+            "900",
+            "--key",
+            "order.timeout:SO9",
+        ],
         &url,
         "postgres://unused",
     );
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert!(text(&out.stdout).starts_with("scheduled order.timeout:SO9"));
     let out = worker(
-        &["push", "--event", "order.timeout", "--payload", r#"{"order_no":"SO9"}"#, "--delay", "60", "--key", "order.timeout:SO9"],
+        &[
+            "push",
+            "--event",
+            "order.timeout",
+            "--payload",
+            r#"{"order_no":"SO9"}"#,
+            "--delay",
+            "60",
+            "--key",
+            "order.timeout:SO9",
+        ],
         &url,
         "postgres://unused",
     );
     assert!(text(&out.stdout).starts_with("rescheduled order.timeout:SO9"));
-    let out = worker(&["cancel", "--key", "order.timeout:SO9"], &url, "postgres://unused");
+    let out = worker(
+        &["cancel", "--key", "order.timeout:SO9"],
+        &url,
+        "postgres://unused",
+    );
     assert_eq!(out.status.code(), Some(0));
-    let out = worker(&["cancel", "--key", "order.timeout:SO9"], &url, "postgres://unused");
-    assert_eq!(out.status.code(), Some(1), "cancel says the job was not there");
-    assert_eq!(text(&out.stdout).trim(), "no scheduled job order.timeout:SO9");
+    let out = worker(
+        &["cancel", "--key", "order.timeout:SO9"],
+        &url,
+        "postgres://unused",
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "cancel says the job was not there"
+    );
+    assert_eq!(
+        text(&out.stdout).trim(),
+        "no scheduled job order.timeout:SO9"
+    );
 }
 
 fn assert_one_line(out: &Output, code: i32, needle: &str) {
@@ -47,7 +82,10 @@ fn assert_one_line(out: &Output, code: i32, needle: &str) {
     assert_eq!(out.status.code(), Some(code), "{err}");
     assert_eq!(err.trim().lines().count(), 1, "one line, got: {err}");
     assert!(err.contains(needle), "{err}");
-    assert!(!err.contains("panicked") && !err.contains("backtrace"), "{err}");
+    assert!(
+        !err.contains("panicked") && !err.contains("backtrace"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -61,7 +99,11 @@ fn bad_flags_and_unreachable_servers_give_one_readable_line() {
     let out = worker(&["--poll-interval", "soon"], &redis_down, &db_down);
     assert_eq!(out.status.code(), Some(2));
     assert!(text(&out.stderr).contains("--poll-interval"));
-    let out = worker(&["push", "--event", "e", "--payload", "{nope", "--delay", "1"], &redis_down, &db_down);
+    let out = worker(
+        &["push", "--event", "e", "--payload", "{nope", "--delay", "1"],
+        &redis_down,
+        &db_down,
+    );
     assert_one_line(&out, 1, "--payload");
 
     let out = worker(&["--threads", "2"], &redis_down, &db_down);

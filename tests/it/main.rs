@@ -3,6 +3,7 @@
 mod support;
 
 mod cli;
+mod consumer;
 
 mod migrate;
 mod mover;

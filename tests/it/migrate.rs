@@ -10,7 +10,10 @@ fn migrate_applies_once_and_records_it() {
     let mut c = d.client();
     let first = db::migrate(&mut c).unwrap();
     assert_eq!(first, vec!["0001_shop_schema", "0002_worker_inbox"]);
-    assert!(db::migrate(&mut c).unwrap().is_empty(), "second run applies nothing");
+    assert!(
+        db::migrate(&mut c).unwrap().is_empty(),
+        "second run applies nothing"
+    );
     let n: i64 = c
         .query_one("SELECT count(*) FROM worker_migrations", &[])
         .unwrap()
@@ -46,10 +49,17 @@ fn migrate_keeps_an_existing_shop_schema_and_its_data() {
     assert_eq!(mine.len() + theirs.len(), db::MIGRATIONS.len());
 
     let row = c
-        .query_one("SELECT total_cents, cancel_reason FROM orders WHERE order_no = 'SHOP-1'", &[])
+        .query_one(
+            "SELECT total_cents, cancel_reason FROM orders WHERE order_no = 'SHOP-1'",
+            &[],
+        )
         .unwrap();
     assert_eq!(row.get::<_, Option<i64>>(0), Some(990), "shop data kept");
-    assert_eq!(row.get::<_, Option<String>>(1), None, "handler column added");
+    assert_eq!(
+        row.get::<_, Option<String>>(1),
+        None,
+        "handler column added"
+    );
     let title: String = c.query_one("SELECT title FROM sku", &[]).unwrap().get(0);
     assert_eq!(title, "tea");
     let n: i64 = c

@@ -16,7 +16,9 @@ const NOW: i64 = 1_768_764_300_500; // ms
 
 fn add(con: &mut Connection, keys: &Keys, key: &str, score: f64, with_data: bool) {
     if with_data {
-        let msg = format!(r#"{{"event":"coupon.expire","payload":{{"coupon_id":1}},"retry":0,"ts":0,"k":"{key}"}}"#);
+        let msg = format!(
+            r#"{{"event":"coupon.expire","payload":{{"coupon_id":1}},"retry":0,"ts":0,"k":"{key}"}}"#
+        );
         redis::cmd("HSET")
             .arg(&keys.data)
             .arg(key)
@@ -45,8 +47,14 @@ fn stream(con: &mut Connection, keys: &Keys) -> Vec<(String, String)> {
         for e in entries {
             if let redis::Value::Array(pair) = e {
                 if let redis::Value::Array(f) = &pair[1] {
-                    let s: Vec<String> = f.iter().map(delay_worker::store::value_to_string).collect();
-                    let get = |n: &str| s.iter().position(|x| x == n).map(|i| s[i + 1].clone()).unwrap();
+                    let s: Vec<String> =
+                        f.iter().map(delay_worker::store::value_to_string).collect();
+                    let get = |n: &str| {
+                        s.iter()
+                            .position(|x| x == n)
+                            .map(|i| s[i + 1].clone())
+                            .unwrap()
+                    };
                     out.push((get("key"), get("msg")));
                 }
             }
@@ -81,22 +89,38 @@ fn seconds_and_millisecond_scores_are_both_understood() {
     let mover = Mover::new(&keys, &c, &stats);
     let (report, sleep) = mover.tick(&mut con, NOW).unwrap();
     assert_eq!(report.moved, 4);
-    let moved: HashSet<String> = stream(&mut con, &keys).into_iter().map(|(k, _)| k).collect();
+    let moved: HashSet<String> = stream(&mut con, &keys)
+        .into_iter()
+        .map(|(k, _)| k)
+        .collect();
     let want: HashSet<String> = ["php-due", "php-past", "ms-due", "negative"]
         .iter()
         .map(|s| s.to_string())
         .collect();
     assert_eq!(moved, want);
     assert_eq!(report.next_due_ms, Some(NOW + 700));
-    assert_eq!(sleep, Duration::from_millis(100), "capped by the poll interval");
+    assert_eq!(
+        sleep,
+        Duration::from_millis(100),
+        "capped by the poll interval"
+    );
 
     let (report, sleep) = mover.tick(&mut con, NOW + 650).unwrap();
-    assert_eq!((report.moved, sleep), (0, Duration::from_millis(50)), "sleeps until the next due");
+    assert_eq!(
+        (report.moved, sleep),
+        (0, Duration::from_millis(50)),
+        "sleeps until the next due"
+    );
     let (report, _) = mover.tick(&mut con, NOW + 700).unwrap();
     assert_eq!(report.moved, 1);
     let (report, _) = mover.tick(&mut con, NOW + 1500).unwrap();
     assert_eq!(report.moved, 1, "the seconds score is due at its second");
-    let left: Vec<String> = redis::cmd("ZRANGE").arg(&keys.pool).arg(0).arg(-1).query(&mut con).unwrap();
+    let left: Vec<String> = redis::cmd("ZRANGE")
+        .arg(&keys.pool)
+        .arg(0)
+        .arg(-1)
+        .query(&mut con)
+        .unwrap();
     assert_eq!(left, vec!["huge".to_string()]);
     let data: usize = redis::cmd("HLEN").arg(&keys.data).query(&mut con).unwrap();
     assert_eq!(data, 1, "moved members take their data with them");
@@ -170,9 +194,21 @@ fn racing_movers_move_each_message_exactly_once() {
         let mut pipe = redis::pipe();
         for i in 0..n {
             // Half seconds scores, half milliseconds, all due.
-            let score = if i % 2 == 0 { (NOW / 1000 - 10) as f64 } else { (NOW - i) as f64 };
-            pipe.cmd("HSET").arg(&keys.data).arg(format!("job{i}")).arg(format!(r#"{{"n":{i}}}"#)).ignore();
-            pipe.cmd("ZADD").arg(&keys.pool).arg(score).arg(format!("job{i}")).ignore();
+            let score = if i % 2 == 0 {
+                (NOW / 1000 - 10) as f64
+            } else {
+                (NOW - i) as f64
+            };
+            pipe.cmd("HSET")
+                .arg(&keys.data)
+                .arg(format!("job{i}"))
+                .arg(format!(r#"{{"n":{i}}}"#))
+                .ignore();
+            pipe.cmd("ZADD")
+                .arg(&keys.pool)
+                .arg(score)
+                .arg(format!("job{i}"))
+                .ignore();
         }
         pipe.query::<()>(&mut con).unwrap();
     }
@@ -198,11 +234,19 @@ fn racing_movers_move_each_message_exactly_once() {
     });
     let mut con = r.con();
     let entries = stream(&mut con, &keys);
-    assert_eq!(entries.len(), n as usize, "every message once in the stream");
+    assert_eq!(
+        entries.len(),
+        n as usize,
+        "every message once in the stream"
+    );
     let unique: HashSet<&String> = entries.iter().map(|(k, _)| k).collect();
     assert_eq!(unique.len(), n as usize, "no message twice");
     for (k, msg) in &entries {
-        assert_eq!(format!(r#"{{"n":{}}}"#, &k[3..]), *msg, "data travels with its key");
+        assert_eq!(
+            format!(r#"{{"n":{}}}"#, &k[3..]),
+            *msg,
+            "data travels with its key"
+        );
     }
     assert_eq!(stats.snapshot().moved, n as u64);
     let left: usize = redis::cmd("ZCARD").arg(&keys.pool).query(&mut con).unwrap();
@@ -220,8 +264,16 @@ fn a_mover_stopped_between_batches_loses_nothing() {
         let mut con = r.con();
         let mut pipe = redis::pipe();
         for i in 0..n {
-            pipe.cmd("HSET").arg(&keys.data).arg(format!("job{i}")).arg("{}").ignore();
-            pipe.cmd("ZADD").arg(&keys.pool).arg(now - 1000).arg(format!("job{i}")).ignore();
+            pipe.cmd("HSET")
+                .arg(&keys.data)
+                .arg(format!("job{i}"))
+                .arg("{}")
+                .ignore();
+            pipe.cmd("ZADD")
+                .arg(&keys.pool)
+                .arg(now - 1000)
+                .arg(format!("job{i}"))
+                .ignore();
         }
         pipe.query::<()>(&mut con).unwrap();
     }
@@ -238,12 +290,20 @@ fn a_mover_stopped_between_batches_loses_nothing() {
     std::thread::scope(|s| {
         let (keys, c, stats, shutdown, client) = (&keys, &c, &stats, &shutdown, &client);
         s.spawn(move || Mover::new(keys, c, stats).run(client, shutdown));
-        wait_until(Duration::from_secs(10), "a first batch", || stats.snapshot().moved > 0);
+        wait_until(Duration::from_secs(10), "a first batch", || {
+            stats.snapshot().moved > 0
+        });
         shutdown.trigger();
     });
-    assert!(started.elapsed() < Duration::from_secs(60), "shutdown woke the mover");
+    assert!(
+        started.elapsed() < Duration::from_secs(60),
+        "shutdown woke the mover"
+    );
     let mut con = r.con();
-    let moved: usize = redis::cmd("XLEN").arg(&keys.stream).query(&mut con).unwrap();
+    let moved: usize = redis::cmd("XLEN")
+        .arg(&keys.stream)
+        .query(&mut con)
+        .unwrap();
     let left: usize = redis::cmd("ZCARD").arg(&keys.pool).query(&mut con).unwrap();
     let data: usize = redis::cmd("HLEN").arg(&keys.data).query(&mut con).unwrap();
     assert_eq!(moved + left, n, "nothing lost between batches");
@@ -252,7 +312,13 @@ fn a_mover_stopped_between_batches_loses_nothing() {
     // A new mover finishes the job, each message once.
     let stats2 = Stats::default();
     let mover = Mover::new(&keys, &c, &stats2);
-    while mover.tick(&mut con, delay_worker::now_ms()).unwrap().0.moved > 0 {}
+    while mover
+        .tick(&mut con, delay_worker::now_ms())
+        .unwrap()
+        .0
+        .moved
+        > 0
+    {}
     let entries = stream(&mut con, &keys);
     let unique: HashSet<&String> = entries.iter().map(|(k, _)| k).collect();
     assert_eq!((entries.len(), unique.len()), (n, n));

@@ -41,8 +41,15 @@ fn push_writes_data_and_score_and_reschedules_by_key() {
         due_ms: now + 60_000,
         ..job.clone()
     };
-    assert!(producer::push(&mut con, &keys, &later, now).unwrap().rescheduled);
-    let n: usize = redis::cmd("ZCARD").arg("mq:delay:pool").query(&mut con).unwrap();
+    assert!(
+        producer::push(&mut con, &keys, &later, now)
+            .unwrap()
+            .rescheduled
+    );
+    let n: usize = redis::cmd("ZCARD")
+        .arg("mq:delay:pool")
+        .query(&mut con)
+        .unwrap();
     assert_eq!(n, 1);
     let score: i64 = redis::cmd("ZSCORE")
         .arg("mq:delay:pool")
@@ -54,8 +61,14 @@ fn push_writes_data_and_score_and_reschedules_by_key() {
     // Cancel says whether the job existed, and removes score and data together.
     assert!(producer::cancel(&mut con, &keys, "order.timeout:SO1").unwrap());
     assert!(!producer::cancel(&mut con, &keys, "order.timeout:SO1").unwrap());
-    let n: usize = redis::cmd("ZCARD").arg("mq:delay:pool").query(&mut con).unwrap();
-    let h: usize = redis::cmd("HLEN").arg("mq:delay:pool:data").query(&mut con).unwrap();
+    let n: usize = redis::cmd("ZCARD")
+        .arg("mq:delay:pool")
+        .query(&mut con)
+        .unwrap();
+    let h: usize = redis::cmd("HLEN")
+        .arg("mq:delay:pool:data")
+        .query(&mut con)
+        .unwrap();
     assert_eq!((n, h), (0, 0));
 }
 
@@ -76,7 +89,10 @@ fn generated_keys_are_unique_and_bad_jobs_are_refused() {
         seen.insert(producer::push(&mut con, &keys, &job, now).unwrap().key);
     }
     assert_eq!(seen.len(), 200);
-    let n: usize = redis::cmd("ZCARD").arg("{shop1}:delay:pool").query(&mut con).unwrap();
+    let n: usize = redis::cmd("ZCARD")
+        .arg("{shop1}:delay:pool")
+        .query(&mut con)
+        .unwrap();
     assert_eq!(n, 200);
 
     let bad = NewJob {

@@ -161,7 +161,8 @@ fn template() -> &'static str {
             let mut c = postgres::Client::connect(&db_url(&name), NoTls).unwrap();
             db::migrate(&mut c).unwrap();
         }
-        a.execute("SELECT pg_advisory_unlock(7300002)", &[]).unwrap();
+        a.execute("SELECT pg_advisory_unlock(7300002)", &[])
+            .unwrap();
         name
     })
 }
@@ -187,7 +188,8 @@ impl TestDb {
         // template; the advisory lock orders the clones against the template's creation.
         a.execute("SELECT pg_advisory_lock(7300002)", &[]).unwrap();
         let r = a.batch_execute(&format!("CREATE DATABASE {name} TEMPLATE {template}"));
-        a.execute("SELECT pg_advisory_unlock(7300002)", &[]).unwrap();
+        a.execute("SELECT pg_advisory_unlock(7300002)", &[])
+            .unwrap();
         r.unwrap();
         TestDb {
             url: db_url(&name),
@@ -215,7 +217,10 @@ impl TestDb {
 impl Drop for TestDb {
     fn drop(&mut self) {
         if let Ok(mut a) = postgres::Client::connect(&admin_url(), NoTls) {
-            let _ = a.batch_execute(&format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name));
+            let _ = a.batch_execute(&format!(
+                "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+                self.name
+            ));
         }
     }
 }
@@ -229,6 +234,7 @@ pub struct Env {
 
 impl Env {
     pub fn new() -> Env {
+        let _ = env_logger::builder().is_test(true).try_init();
         let redis = RedisServer::start();
         let db = TestDb::new();
         let mut config = Config::new(&redis.url(), &db.url);
@@ -295,10 +301,20 @@ impl Proc {
         let child = Command::new(env!("CARGO_BIN_EXE_worker"))
             .env("REDIS_URL", &config.redis_url)
             .env("DATABASE_URL", &config.database_url)
-            .env("RUST_LOG", std::env::var("DW_CHILD_LOG").unwrap_or("warn".into()))
+            .env(
+                "RUST_LOG",
+                std::env::var("DW_CHILD_LOG").unwrap_or("warn".into()),
+            )
             .args(["--consumer", &config.consumer])
             .args(["--threads", &config.threads.to_string()])
-            .args(["--poll-interval", "20ms", "--block", "200ms", "--heartbeat-ttl", "2s"])
+            .args([
+                "--poll-interval",
+                "20ms",
+                "--block",
+                "200ms",
+                "--heartbeat-ttl",
+                "2s",
+            ])
             .args(["--retry-base", "100ms", "--stats-interval", "1s"])
             .args(extra)
             .stdin(Stdio::null())
@@ -325,7 +341,10 @@ impl Proc {
             if let Some(s) = self.child.try_wait().unwrap() {
                 return s;
             }
-            assert!(start.elapsed() < timeout, "worker did not exit in {timeout:?}");
+            assert!(
+                start.elapsed() < timeout,
+                "worker did not exit in {timeout:?}"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -358,7 +377,10 @@ pub struct SeedOrder {
 pub fn seed_orders(db: &TestDb, n: usize) -> Vec<SeedOrder> {
     let mut c = db.client();
     let mut tx = c.transaction().unwrap();
-    let have: i64 = tx.query_one("SELECT count(*) FROM sku", &[]).unwrap().get(0);
+    let have: i64 = tx
+        .query_one("SELECT count(*) FROM sku", &[])
+        .unwrap()
+        .get(0);
     if have == 0 {
         for _ in 0..SKUS {
             tx.execute("INSERT INTO sku (stock) VALUES ($1)", &[&START_STOCK])
@@ -371,11 +393,14 @@ pub fn seed_orders(db: &TestDb, n: usize) -> Vec<SeedOrder> {
         .iter()
         .map(|r| r.get(0))
         .collect();
-    let base: i64 = tx.query_one("SELECT count(*) FROM orders", &[]).unwrap().get(0);
+    let base: i64 = tx
+        .query_one("SELECT count(*) FROM orders", &[])
+        .unwrap()
+        .get(0);
     let mut out = Vec::with_capacity(n);
     for i in 0..n {
         let k = base as usize + i;
-        let coupon_id: Option<i64> = (k % 2 == 0).then(|| {
+        let coupon_id: Option<i64> = k.is_multiple_of(2).then(|| {
             tx.query_one(
                 "INSERT INTO coupon_user (user_id, status, used_at) VALUES ($1, 'used', now()) RETURNING id",
                 &[&(k as i64)],
@@ -454,10 +479,18 @@ pub fn assert_accounting(db: &TestDb, all: &[SeedOrder], cancelled: &[&SeedOrder
     for o in all {
         let (status, reason) = &by_id[&o.id];
         if cancelled_ids.contains(&o.id) {
-            assert_eq!(status, "cancelled", "order {} should be cancelled", o.order_no);
+            assert_eq!(
+                status, "cancelled",
+                "order {} should be cancelled",
+                o.order_no
+            );
             assert_eq!(reason.as_deref(), Some("timeout"));
         } else {
-            assert_ne!(status, "cancelled", "order {} must not be cancelled", o.order_no);
+            assert_ne!(
+                status, "cancelled",
+                "order {} must not be cancelled",
+                o.order_no
+            );
             for (sku, qty) in &o.items {
                 *expected_stock.entry(*sku).or_default() += *qty as i64;
             }
@@ -479,7 +512,11 @@ pub fn assert_accounting(db: &TestDb, all: &[SeedOrder], cancelled: &[&SeedOrder
                 .query_one("SELECT status FROM coupon_user WHERE id = $1", &[&cid])
                 .unwrap()
                 .get(0);
-            let want = if cancelled_ids.contains(&o.id) { "unused" } else { "used" };
+            let want = if cancelled_ids.contains(&o.id) {
+                "unused"
+            } else {
+                "used"
+            };
             assert_eq!(status, want, "coupon of order {}", o.order_no);
         }
     }

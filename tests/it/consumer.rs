@@ -1,0 +1,589 @@
+//! The consumer end to end: the order story with exact accounting, each outcome path,
+//! poison messages, crash recovery, graceful shutdown, outages.
+
+use crate::support::*;
+use delay_worker::stats::Stats;
+use redis::Value;
+use std::collections::HashMap;
+use std::time::Duration;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// Every dead letter as a field map.
+fn dead_letters(env: &Env) -> Vec<HashMap<String, String>> {
+    let mut con = env.con();
+    let v: Value = redis::cmd("XRANGE")
+        .arg(&env.config.keys.dead)
+        .arg("-")
+        .arg("+")
+        .query(&mut con)
+        .unwrap();
+    let mut out = Vec::new();
+    if let Value::Array(entries) = v {
+        for e in entries {
+            if let Value::Array(pair) = e {
+                if let Value::Array(f) = &pair[1] {
+                    let s: Vec<String> =
+                        f.iter().map(delay_worker::store::value_to_string).collect();
+                    out.push(s.chunks(2).map(|c| (c[0].clone(), c[1].clone())).collect());
+                }
+            }
+        }
+    }
+    out
+}
+
+fn xadd(env: &Env, key: &str, msg: &[u8]) {
+    let mut con = env.con();
+    redis::cmd("XADD")
+        .arg(&env.config.keys.stream)
+        .arg("*")
+        .arg("msg")
+        .arg(msg)
+        .arg("key")
+        .arg(key)
+        .query::<String>(&mut con)
+        .unwrap();
+}
+
+#[test]
+fn the_order_story_cancels_each_unpaid_order_once() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 300);
+    // 20 % paid before their timeout fires.
+    let paid: Vec<SeedOrder> = orders.iter().step_by(5).cloned().collect();
+    pay(&env.db, &paid);
+    push_timeouts(&env, &orders, 300);
+    // Duplicate messages under other keys, by id this time: no second effect.
+    {
+        let mut con = env.con();
+        let now = delay_worker::now_ms();
+        for o in orders.iter().take(30) {
+            let job = delay_worker::producer::NewJob {
+                event: "order.timeout".into(),
+                payload: serde_json::json!({ "order_id": o.id }),
+                due_ms: now + 200,
+                key: Some(format!("dup:{}", o.order_no)),
+            };
+            delay_worker::producer::push(&mut con, &env.config.keys, &job, now).unwrap();
+        }
+    }
+    let daemon = Daemon::start(&env.config);
+    wait_until(WAIT, "every job in the inbox", || {
+        inbox_count(&env.db) == 330
+    });
+    let report = daemon.stop();
+    let cancelled: Vec<&SeedOrder> = orders
+        .iter()
+        .filter(|o| !paid.iter().any(|p| p.id == o.id))
+        .collect();
+    assert_accounting(&env.db, &orders, &cancelled);
+    let s = report.stats;
+    assert_eq!(s.done, cancelled.len() as u64, "{s}");
+    assert_eq!(s.noop, 330 - cancelled.len() as u64, "{s}");
+    assert_eq!((s.dead, s.retried), (0, 0), "{s}");
+    let b = books(&env);
+    assert_eq!((b.pool, b.stream_pending, b.dead), (0, 0, 0));
+}
+
+#[test]
+fn a_redelivered_job_changes_nothing_the_second_time() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 3);
+    let msg = format!(
+        r#"{{"event":"order.timeout","payload":{{"order_no":"{}"}},"retry":0,"ts":1768764300}}"#,
+        orders[0].order_no
+    );
+    xadd(&env, "order.timeout:once", msg.as_bytes());
+    xadd(&env, "order.timeout:once", msg.as_bytes()); // the same job delivered again
+    let daemon = Daemon::start(&env.config);
+    // Both entries are read in one XREADGROUP (the channel has room for 8).
+    wait_until(WAIT, "both deliveries", || {
+        inbox_count(&env.db) == 1 && books(&env).stream_pending == 0
+    });
+    let report = daemon.stop();
+    assert_eq!(
+        (report.stats.done, report.stats.duplicate),
+        (1, 1),
+        "{}",
+        report.stats
+    );
+    assert_accounting(&env.db, &orders, &[&orders[0]]);
+}
+
+#[test]
+fn permanent_failures_go_to_the_dead_letters_at_once_with_the_reason() {
+    let env = Env::new();
+    let big = format!(
+        r#"{{"event":"order.timeout","payload":{{"order_no":"{}"}}}}"#,
+        "x".repeat(70_000)
+    );
+    let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+        ("k-notjson", b"this is not json".to_vec(), "not JSON"),
+        (
+            "k-unknown",
+            br#"{"event":"order.refund","payload":{}}"#.to_vec(),
+            "unknown event \"order.refund\"",
+        ),
+        (
+            "k-noevent",
+            br#"{"payload":{"order_no":"A"}}"#.to_vec(),
+            "no \"event\"",
+        ),
+        (
+            "k-missing",
+            br#"{"event":"order.timeout","payload":{"user":1}}"#.to_vec(),
+            "missing order_id or order_no",
+        ),
+        ("k-big", big.into_bytes(), "too large"),
+        ("k-utf8", vec![b'{', 0xff, 0xfe, b'}'], "not valid UTF-8"),
+        (
+            "k-badid",
+            br#"{"event":"order.timeout","payload":{"order_id":"12abc"}}"#.to_vec(),
+            "handler failed: invalid input syntax",
+        ),
+    ];
+    for (k, msg, _) in &cases {
+        xadd(&env, k, msg);
+    }
+    let daemon = Daemon::start(&env.config);
+    wait_until(WAIT, "all dead letters", || {
+        dead_letters(&env).len() == cases.len()
+    });
+    let report = daemon.stop();
+    assert_eq!(report.stats.dead, cases.len() as u64);
+    let dead = dead_letters(&env);
+    for (k, msg, reason) in &cases {
+        let d = dead
+            .iter()
+            .find(|d| d["key"] == *k)
+            .unwrap_or_else(|| panic!("{k} not dead-lettered"));
+        assert!(d["reason"].contains(reason), "{k}: {}", d["reason"]);
+        for field in [
+            "msg", "reason", "ts", "event", "key", "attempts", "consumer",
+        ] {
+            assert!(d.contains_key(field), "{k} lacks {field}");
+        }
+        assert_eq!(d["consumer"], "c1");
+        if msg.is_ascii() {
+            assert_eq!(
+                d["msg"].as_bytes(),
+                &msg[..],
+                "{k}: message kept as written"
+            );
+        }
+    }
+    assert_eq!(
+        dead.iter().find(|d| d["key"] == "k-missing").unwrap()["event"],
+        "order.timeout"
+    );
+    assert_eq!(
+        books(&env).stream_pending,
+        0,
+        "dead letters are acknowledged"
+    );
+}
+
+/// Holds a row lock on an order so the handler hits its lock timeout.
+fn lock_order(env: &Env, id: i64) -> (std::sync::mpsc::Sender<()>, std::thread::JoinHandle<()>) {
+    let url = env.db.url.clone();
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
+    let h = std::thread::spawn(move || {
+        let mut c = postgres::Client::connect(&url, postgres::NoTls).unwrap();
+        let mut t = c.transaction().unwrap();
+        t.execute("SELECT 1 FROM orders WHERE id = $1 FOR UPDATE", &[&id])
+            .unwrap();
+        ready_tx.send(()).unwrap();
+        let _ = rx.recv();
+        t.rollback().unwrap();
+    });
+    ready_rx.recv().unwrap();
+    (tx, h)
+}
+
+#[test]
+fn a_transient_failure_retries_with_backoff_then_succeeds() {
+    let mut env = Env::new();
+    env.config.jobs.statement_timeout = Duration::from_millis(150);
+    env.config.jobs.max_retries = 10;
+    let orders = seed_orders(&env.db, 2);
+    let (release, h) = lock_order(&env, orders[0].id);
+    push_timeouts(&env, &orders, 0);
+    let daemon = Daemon::start(&env.config);
+    // The unlocked order goes through; the locked one keeps coming back.
+    wait_until(WAIT, "a retry", || {
+        let mut con = env.con();
+        let msg: Option<String> = redis::cmd("HGET")
+            .arg(&env.config.keys.data)
+            .arg(format!("order.timeout:{}", orders[0].order_no))
+            .query(&mut con)
+            .unwrap();
+        msg.is_some_and(|m| m.contains(r#""retry":2"#))
+    });
+    release.send(()).unwrap();
+    h.join().unwrap();
+    wait_until(WAIT, "both orders done", || inbox_count(&env.db) == 2);
+    let report = daemon.stop();
+    assert!(report.stats.retried >= 2, "{}", report.stats);
+    assert_eq!(report.stats.dead, 0);
+    assert_accounting(&env.db, &orders, &[&orders[0], &orders[1]]);
+    let b = books(&env);
+    assert_eq!((b.pool, b.stream_pending, b.dead), (0, 0, 0));
+}
+
+#[test]
+fn retries_used_up_go_to_the_dead_letters() {
+    let mut env = Env::new();
+    env.config.jobs.statement_timeout = Duration::from_millis(100);
+    env.config.jobs.max_retries = 2;
+    env.config.jobs.retry_base = Duration::from_millis(50);
+    let orders = seed_orders(&env.db, 1);
+    let (release, h) = lock_order(&env, orders[0].id);
+    push_timeouts(&env, &orders, 0);
+    let daemon = Daemon::start(&env.config);
+    wait_until(WAIT, "the dead letter", || dead_letters(&env).len() == 1);
+    let report = daemon.stop();
+    release.send(()).unwrap();
+    h.join().unwrap();
+    let d = &dead_letters(&env)[0];
+    assert!(
+        d["reason"].starts_with("transient failure after 2 retries"),
+        "{}",
+        d["reason"]
+    );
+    assert!(
+        d["reason"].contains("55P03") || d["reason"].contains("57014"),
+        "{}",
+        d["reason"]
+    );
+    assert_eq!(d["attempts"], "3");
+    assert!(d["msg"].contains(r#""retry":2"#));
+    assert_eq!(report.stats.retried, 2);
+    assert_accounting(&env.db, &orders, &[]);
+    let b = books(&env);
+    assert_eq!((b.pool, b.stream_pending), (0, 0));
+}
+
+/// A Rust handler that panics, to prove a panic is a failure and not a dead thread.
+struct Panics;
+
+impl delay_worker::handlers::Handler for Panics {
+    fn event(&self) -> &str {
+        "test.panic"
+    }
+    fn statements(&self) -> Vec<(String, Vec<postgres::types::Type>)> {
+        vec![]
+    }
+    fn handle(
+        &self,
+        _: &mut postgres::Transaction<'_>,
+        _: &[postgres::Statement],
+        _: &serde_json::Value,
+    ) -> Result<delay_worker::handlers::Effect, postgres::Error> {
+        panic!("boom in the handler")
+    }
+}
+
+#[test]
+fn a_panicking_handler_is_dead_lettered_and_the_worker_goes_on() {
+    use delay_worker::reader::Delivery;
+    use delay_worker::store::Settlement;
+    use delay_worker::workers::{PoolContext, Worker};
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 1);
+    let mut registry = delay_worker::handlers::Registry::builtin();
+    registry.register(Box::new(Panics));
+    let pool = delay_worker::db::pool(
+        &env.db.url,
+        1,
+        Duration::from_secs(5),
+        Duration::from_secs(5),
+    )
+    .unwrap();
+    let client = redis::Client::open(env.redis.url()).unwrap();
+    let stats = Stats::default();
+    let shutdown = delay_worker::Shutdown::new();
+    let drained = std::sync::atomic::AtomicU64::new(0);
+    let ctx = PoolContext {
+        keys: &env.config.keys,
+        jobs: &env.config.jobs,
+        consumer: "c1",
+        registry: &registry,
+        stats: &stats,
+        db: &pool,
+        redis: &client,
+        shutdown: &shutdown,
+        drained: &drained,
+    };
+    let mut w = Worker::new(0, &ctx);
+    let d = |id: &str, key: &str, msg: String| Delivery {
+        id: id.into(),
+        key: key.as_bytes().to_vec(),
+        msg: msg.into_bytes(),
+        received: std::time::Instant::now(),
+    };
+    let s = w
+        .handle(d(
+            "1-1",
+            "p1",
+            r#"{"event":"test.panic","payload":{}}"#.into(),
+        ))
+        .unwrap();
+    match s {
+        Settlement::Dead { reason, .. } => {
+            assert_eq!(reason, "handler panicked: boom in the handler")
+        }
+        other => panic!("{other:?}"),
+    }
+    // The same worker handles the next job normally.
+    let msg = format!(
+        r#"{{"event":"order.timeout","payload":{{"order_no":"{}"}}}}"#,
+        orders[0].order_no
+    );
+    assert_eq!(
+        w.handle(d("1-2", "ok", msg)),
+        Some(Settlement::Ack { id: "1-2".into() })
+    );
+    assert_accounting(&env.db, &orders, &[&orders[0]]);
+    assert_eq!(
+        inbox_count(&env.db),
+        1,
+        "the panicked job's transaction was rolled back"
+    );
+}
+
+#[test]
+fn entries_of_a_consumer_without_heartbeat_are_taken_over_at_once() {
+    let mut env = Env::new();
+    env.config.reader.claim_idle = Duration::from_secs(3600);
+    let orders = seed_orders(&env.db, 20);
+    push_timeouts(&env, &orders, 0);
+    // Another host moves them and reads them, then dies without acking.
+    {
+        let mut con = env.con();
+        let stats = Stats::default();
+        let mover = delay_worker::mover::Mover::new(&env.config.keys, &env.config.mover, &stats);
+        mover.tick(&mut con, delay_worker::now_ms()).unwrap();
+        delay_worker::reader::Reader::ensure_group(&mut con, &env.config.keys).unwrap();
+        let _: Value = redis::cmd("XREADGROUP")
+            .arg("GROUP")
+            .arg(&env.config.keys.group)
+            .arg("host-b")
+            .arg("COUNT")
+            .arg(100)
+            .arg("STREAMS")
+            .arg(&env.config.keys.stream)
+            .arg(">")
+            .query(&mut con)
+            .unwrap();
+    }
+    assert_eq!(books(&env).stream_pending, 20);
+    let daemon = Daemon::start(&env.config);
+    wait_until(Duration::from_secs(30), "the dead host's entries", || {
+        inbox_count(&env.db) == 20
+    });
+    let report = daemon.stop();
+    assert_eq!(report.stats.reclaimed, 20);
+    assert_accounting(&env.db, &orders, &orders.iter().collect::<Vec<_>>());
+    assert_eq!(books(&env).stream_pending, 0);
+}
+
+#[test]
+fn idle_entries_are_reclaimed_and_overdelivered_or_deleted_ones_cleared() {
+    let mut env = Env::new();
+    env.config.reader.claim_idle = Duration::from_secs(1);
+    env.config.reader.max_deliveries = 5;
+    let orders = seed_orders(&env.db, 3);
+    let mut con = env.con();
+    delay_worker::reader::Reader::ensure_group(&mut con, &env.config.keys).unwrap();
+    for o in &orders {
+        let msg = format!(
+            r#"{{"event":"order.timeout","payload":{{"order_no":"{}"}}}}"#,
+            o.order_no
+        );
+        xadd(&env, &o.order_no, msg.as_bytes());
+    }
+    xadd(
+        &env,
+        "will-be-deleted",
+        br#"{"event":"order.timeout","payload":{"order_id":1}}"#,
+    );
+    // A live but stuck consumer: its heartbeat is fresh, it never acks.
+    redis::cmd("SET")
+        .arg(env.config.keys.heartbeat("stuck"))
+        .arg(1)
+        .arg("EX")
+        .arg(3600)
+        .query::<()>(&mut con)
+        .unwrap();
+    let reply: Value = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg(&env.config.keys.group)
+        .arg("stuck")
+        .arg("STREAMS")
+        .arg(&env.config.keys.stream)
+        .arg(">")
+        .query(&mut con)
+        .unwrap();
+    let ids: Vec<String> = match reply {
+        Value::Array(s) => match &s[0] {
+            Value::Array(p) => match &p[1] {
+                Value::Array(es) => es
+                    .iter()
+                    .map(|e| match e {
+                        Value::Array(pair) => delay_worker::store::value_to_string(&pair[0]),
+                        _ => unreachable!(),
+                    })
+                    .collect(),
+                _ => unreachable!(),
+            },
+            _ => unreachable!(),
+        },
+        _ => unreachable!(),
+    };
+    // The first order's entry has been delivered 20 times already: a poison message.
+    redis::cmd("XCLAIM")
+        .arg(&env.config.keys.stream)
+        .arg(&env.config.keys.group)
+        .arg("stuck")
+        .arg(0)
+        .arg(&ids[0])
+        .arg("RETRYCOUNT")
+        .arg(20)
+        .query::<Value>(&mut con)
+        .unwrap();
+    // The last entry is deleted from the stream while pending.
+    redis::cmd("XDEL")
+        .arg(&env.config.keys.stream)
+        .arg(&ids[3])
+        .query::<()>(&mut con)
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1100)); // let them become idle
+    let daemon = Daemon::start(&env.config);
+    wait_until(WAIT, "reclaim and clean-up", || {
+        inbox_count(&env.db) == 2 && books(&env).stream_pending == 0
+    });
+    let report = daemon.stop();
+    assert_eq!(report.stats.reclaimed, 2, "{}", report.stats);
+    let dead = dead_letters(&env);
+    assert_eq!(dead.len(), 1);
+    assert!(
+        dead[0]["reason"].contains("delivered 20 times"),
+        "{}",
+        dead[0]["reason"]
+    );
+    assert_accounting(&env.db, &orders, &[&orders[1], &orders[2]]);
+}
+
+#[test]
+fn a_postgres_outage_holds_jobs_and_loses_none() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 200);
+    let daemon = Daemon::start(&env.config);
+    push_timeouts(&env, &orders, 0);
+    wait_until(WAIT, "a first batch", || inbox_count(&env.db) > 20);
+    // Outage: no new connections, the existing ones cut.
+    let mut admin = postgres::Client::connect(&admin_url(), postgres::NoTls).unwrap();
+    admin
+        .batch_execute(&format!(
+            "ALTER DATABASE {} WITH ALLOW_CONNECTIONS false",
+            env.db.name
+        ))
+        .unwrap();
+    admin
+        .execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
+            &[&env.db.name],
+        )
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    admin
+        .batch_execute(&format!(
+            "ALTER DATABASE {} WITH ALLOW_CONNECTIONS true",
+            env.db.name
+        ))
+        .unwrap();
+    wait_until(WAIT, "every order after the outage", || {
+        inbox_count(&env.db) == 200 && books(&env).pool == 0 && books(&env).stream_pending == 0
+    });
+    let report = daemon.stop();
+    assert_eq!(report.stats.dead, 0, "{}", report.stats);
+    assert_accounting(&env.db, &orders, &orders.iter().collect::<Vec<_>>());
+}
+
+#[test]
+fn redis_restarted_under_load_and_the_worker_carries_on() {
+    let mut env = Env::new();
+    // Persistence as we recommend it: AOF, fsync on every write.
+    env.redis = RedisServer::start_with(&["--appendonly", "yes", "--appendfsync", "always"]);
+    env.config.redis_url = env.redis.url();
+    let orders = seed_orders(&env.db, 600);
+    push_timeouts(&env, &orders, 0);
+    let daemon = Daemon::start(&env.config);
+    wait_until(WAIT, "some progress", || inbox_count(&env.db) > 50);
+    env.redis.restart();
+    wait_until(WAIT, "every order after the restart", || {
+        inbox_count(&env.db) == 600 && {
+            let b = books(&env);
+            b.pool == 0 && b.stream_pending == 0
+        }
+    });
+    let report = daemon.stop();
+    assert_eq!(report.stats.dead, 0, "{}", report.stats);
+    assert_accounting(&env.db, &orders, &orders.iter().collect::<Vec<_>>());
+}
+
+#[test]
+fn kill_9_under_load_then_restart_does_every_job_once() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 1500);
+    let paid: Vec<SeedOrder> = orders.iter().step_by(4).cloned().collect();
+    pay(&env.db, &paid);
+    push_timeouts(&env, &orders, 0);
+    let mut p = Proc::start(&env.config, &[]);
+    wait_until(WAIT, "load", || inbox_count(&env.db) > 200);
+    p.kill9();
+    let after_kill = inbox_count(&env.db);
+    assert!(after_kill < 1500, "killed mid-run");
+    let mut p = Proc::start(&env.config, &[]);
+    wait_until(WAIT, "every job", || {
+        inbox_count(&env.db) == 1500 && {
+            let b = books(&env);
+            b.pool == 0 && b.stream_pending == 0
+        }
+    });
+    p.signal(libc::SIGTERM);
+    assert!(p.wait(WAIT).success());
+    let cancelled: Vec<&SeedOrder> = orders
+        .iter()
+        .filter(|o| !paid.iter().any(|x| x.id == o.id))
+        .collect();
+    assert_accounting(&env.db, &orders, &cancelled);
+    assert_eq!(books(&env).dead, 0);
+}
+
+#[test]
+fn sigterm_under_load_drains_exits_0_and_leaves_nothing_pending() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 1500);
+    push_timeouts(&env, &orders, 0);
+    let mut p = Proc::start(&env.config, &[]);
+    wait_until(WAIT, "load", || inbox_count(&env.db) > 100);
+    p.signal(libc::SIGTERM);
+    let status = p.wait(WAIT);
+    assert!(status.success(), "{status:?}");
+    assert_eq!(
+        books(&env).stream_pending,
+        0,
+        "everything delivered to it was acked"
+    );
+    // What was never read is still there for the next start.
+    let mut p = Proc::start(&env.config, &[]);
+    wait_until(WAIT, "the rest", || inbox_count(&env.db) == 1500);
+    p.signal(libc::SIGINT);
+    assert!(p.wait(WAIT).success());
+    assert_accounting(&env.db, &orders, &orders.iter().collect::<Vec<_>>());
+    let b = books(&env);
+    assert_eq!((b.pool, b.stream_pending, b.dead), (0, 0, 0));
+}
