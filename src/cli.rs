@@ -151,6 +151,9 @@ pub struct RunArgs {
     /// Directory of extra SQL handlers (*.sql).
     #[arg(long, global = true)]
     pub handlers_dir: Option<PathBuf>,
+    /// Acknowledge this event without any database work (measures the queue engine alone).
+    #[arg(long, global = true, hide = true)]
+    pub noop_event: Vec<String>,
     /// How often to log the counters.
     #[arg(long, default_value = "60s", value_parser = parse_duration, global = true)]
     pub stats_interval: Duration,
@@ -271,6 +274,7 @@ impl Cli {
             max_message_bytes: r.max_message_bytes,
         };
         config.handlers_dir = r.handlers_dir.clone();
+        config.noop_events = r.noop_event.clone();
         config.stats_interval = r.stats_interval.max(Duration::from_secs(1));
         Ok(config)
     }

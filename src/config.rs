@@ -31,6 +31,8 @@ pub struct Config {
     pub jobs: JobConfig,
     /// Extra SQL handlers (`*.sql`) loaded at start.
     pub handlers_dir: Option<PathBuf>,
+    /// Events acknowledged without any database work (benchmarks of the queue engine).
+    pub noop_events: Vec<String>,
     /// How often the daemon logs its counters.
     pub stats_interval: Duration,
     /// Whether this process runs a mover thread (any number of processes may).
@@ -121,6 +123,7 @@ impl Config {
             reader: ReaderConfig::default(),
             jobs: JobConfig::default(),
             handlers_dir: None,
+            noop_events: Vec::new(),
             stats_interval: Duration::from_secs(60),
             run_mover: true,
         }

@@ -73,6 +73,9 @@ pub fn registry(config: &Config) -> Result<Registry, DaemonError> {
             r.register(Box::new(h));
         }
     }
+    for event in &config.noop_events {
+        r.register(Box::new(crate::handlers::Noop(event.clone())));
+    }
     Ok(r)
 }
 

@@ -32,6 +32,9 @@ pub struct Delivery {
     pub key: Vec<u8>,
     /// Message JSON as written (`msg` field), bytes: it may not even be UTF-8.
     pub msg: Vec<u8>,
+    /// Due time (unix ms) as the mover wrote it (`due` field); absent on entries a producer
+    /// added by hand.
+    pub due_ms: Option<i64>,
     /// When the reader got it, for the time-in-queue figures.
     pub received: Instant,
 }
@@ -470,6 +473,7 @@ fn parse_entries(v: Value, out: &mut Vec<Delivery>, gone: &mut Vec<String>) {
             continue;
         };
         let mut key = None;
+        let mut due_ms = None;
         let mut msg = Vec::new();
         let mut it = fields.into_iter();
         while let (Some(f), Some(v)) = (it.next(), it.next()) {
@@ -480,6 +484,11 @@ fn parse_entries(v: Value, out: &mut Vec<Delivery>, gone: &mut Vec<String>) {
             match value_to_string(&f).as_str() {
                 "msg" => msg = bytes,
                 "key" => key = Some(bytes),
+                "due" => {
+                    due_ms = std::str::from_utf8(&bytes)
+                        .ok()
+                        .and_then(|s| s.parse().ok())
+                }
                 _ => {}
             }
         }
@@ -487,6 +496,7 @@ fn parse_entries(v: Value, out: &mut Vec<Delivery>, gone: &mut Vec<String>) {
             key: key.unwrap_or_else(|| id.clone().into_bytes()),
             id,
             msg,
+            due_ms,
             received: Instant::now(),
         });
     }

@@ -218,29 +218,10 @@ impl<'a> Worker<'a> {
             return Some(self.dead(d, r.to_string(), env.event, env.retry as u64 + 1));
         }
         let key = key_text(&d.key);
-        let result = loop {
-            let session = match self.session.as_mut() {
-                Some(s) => s,
-                None => match Session::open(self.ctx.db, self.ctx.registry) {
-                    Ok(s) => {
-                        self.db_backoff.reset();
-                        self.session.insert(s)
-                    }
-                    Err(e) => {
-                        // The database is unreachable or out of connections (handler SQL
-                        // was checked at start): hold the job, which is back-pressure on
-                        // the reader, instead of spending its retries.
-                        if self
-                            .db_backoff
-                            .fail("no database session", &e, self.ctx.shutdown)
-                        {
-                            return None;
-                        }
-                        continue;
-                    }
-                },
-            };
-            break run_job(session, index, handler, &key, &env);
+        let result = if !handler.needs_database() {
+            JobResult::Committed(Effect::NoOp)
+        } else {
+            self.run_in_database(index, handler, &key, &env)?
         };
         match result {
             JobResult::Committed(effect) => {
@@ -291,6 +272,41 @@ impl<'a> Worker<'a> {
                 let reason = format!("handler panicked: {msg}");
                 Some(self.dead(d, reason, env.event.clone(), env.retry as u64 + 1))
             }
+        }
+    }
+
+    /// Runs the job in its transaction, waiting (with backoff) for a database session.
+    /// `None` when shutdown came while the database was unreachable.
+    fn run_in_database(
+        &mut self,
+        index: usize,
+        handler: &dyn crate::handlers::Handler,
+        key: &str,
+        env: &Envelope,
+    ) -> Option<JobResult> {
+        loop {
+            let session = match self.session.as_mut() {
+                Some(s) => s,
+                None => match Session::open(self.ctx.db, self.ctx.registry) {
+                    Ok(s) => {
+                        self.db_backoff.reset();
+                        self.session.insert(s)
+                    }
+                    Err(e) => {
+                        // The database is unreachable or out of connections (handler SQL
+                        // was checked at start): hold the job, which is back-pressure on
+                        // the reader, instead of spending its retries.
+                        if self
+                            .db_backoff
+                            .fail("no database session", &e, self.ctx.shutdown)
+                        {
+                            return None;
+                        }
+                        continue;
+                    }
+                },
+            };
+            return Some(run_job(session, index, handler, key, env));
         }
     }
 

@@ -38,6 +38,12 @@ pub trait Handler: Send + Sync {
         &[]
     }
 
+    /// Whether the job needs a transaction at all. A handler that answers `false` is done
+    /// without touching PostgreSQL (no inbox row either); only [`Noop`] does.
+    fn needs_database(&self) -> bool {
+        true
+    }
+
     /// The SQL this handler runs with its parameter types, prepared once per connection;
     /// `handle` receives the statements in the same order.
     fn statements(&self) -> Vec<(String, Vec<Type>)>;
@@ -50,6 +56,30 @@ pub trait Handler: Send + Sync {
         statements: &[Statement],
         payload: &Value,
     ) -> Result<Effect, postgres::Error>;
+}
+
+/// Acknowledges its event without any database work: the queue engine alone, for
+/// benchmarks (`--noop-event`).
+pub struct Noop(pub String);
+
+impl Handler for Noop {
+    fn event(&self) -> &str {
+        &self.0
+    }
+    fn needs_database(&self) -> bool {
+        false
+    }
+    fn statements(&self) -> Vec<(String, Vec<Type>)> {
+        Vec::new()
+    }
+    fn handle(
+        &self,
+        _: &mut Transaction<'_>,
+        _: &[Statement],
+        _: &Value,
+    ) -> Result<Effect, postgres::Error> {
+        Ok(Effect::NoOp)
+    }
 }
 
 /// The handlers of one daemon, by event. Read-only once built; shared by every worker.

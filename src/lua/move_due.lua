@@ -11,6 +11,8 @@
 -- Scores below 1e11 are unix seconds, the rest unix milliseconds (DESIGN §1). Seconds
 -- scores sort before any millisecond score, so each kind is one score range.
 --
+-- Each entry carries `due` (unix ms) so the pool can measure lateness.
+--
 -- Returns {moved, skipped, next_due_ms or -1, orphan keys...}. `skipped` counts due
 -- members whose data has not arrived yet and are still inside the grace period.
 local now_ms = tonumber(ARGV[1])
@@ -25,7 +27,7 @@ local function handle(items, scale)
     local due = tonumber(items[i + 1]) * scale
     local msg = redis.call('HGET', KEYS[2], key)
     if msg then
-      redis.call('XADD', KEYS[3], '*', 'msg', msg, 'key', key)
+      redis.call('XADD', KEYS[3], '*', 'msg', msg, 'key', key, 'due', math.floor(due))
       redis.call('HDEL', KEYS[2], key)
       redis.call('ZREM', KEYS[1], key)
       moved = moved + 1

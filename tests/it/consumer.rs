@@ -321,6 +321,7 @@ fn a_panicking_handler_is_dead_lettered_and_the_worker_goes_on() {
         id: id.into(),
         key: key.as_bytes().to_vec(),
         msg: msg.into_bytes(),
+        due_ms: None,
         received: std::time::Instant::now(),
     };
     let s = w
