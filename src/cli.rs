@@ -4,8 +4,8 @@
 //! from `REDIS_URL` / `DATABASE_URL`. A value that does not make sense is a [`CliError`]
 //! naming the flag; `main` prints it as one line.
 
-use crate::config::{Config, JobConfig, MoverConfig, ReaderConfig, Source};
-use crate::keys::{KeyOverrides, Keys};
+use crate::config::{Config, JobConfig, LegacyPool, MoverConfig, ReaderConfig, Source};
+use crate::keys::{KeyOverrides, Keys, Queue};
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -99,9 +99,39 @@ pub struct ConnArgs {
     pub dead_key: Option<String>,
 }
 
+/// Where messages are read from.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SourceArg {
+    /// XREADGROUP on the events stream.
+    Stream,
+    /// Reliable fetch (LMOVE into a processing list) from list queues.
+    List,
+}
+
 /// How the daemon runs.
 #[derive(Args, Debug, Clone)]
 pub struct RunArgs {
+    /// Read from the events stream or from list queues.
+    #[arg(long, value_enum, default_value = "stream", global = true)]
+    pub source: SourceArg,
+    /// List mode: the queues, highest priority first (the first non-empty one wins).
+    #[arg(long, value_delimiter = ',', global = true)]
+    pub queues: Vec<String>,
+    /// List mode: a queue of raw JSON (no envelope) standing for one event, as
+    /// NAME=EVENT (e.g. payment_queue=payment.paid); added after --queues if not listed.
+    #[arg(long = "queue", value_name = "NAME=EVENT", global = true)]
+    pub raw_queues: Vec<String>,
+    /// List mode: the queue the mover pushes due messages onto [default: the first queue
+    /// that is not raw].
+    #[arg(long, global = true)]
+    pub mover_queue: Option<String>,
+    /// List mode: suffix of each queue's dead list.
+    #[arg(long, default_value = ":dead", global = true)]
+    pub dead_suffix: String,
+    /// An older producer's pool also moved, as KEY=EVENT (e.g.
+    /// delay:order_close=order.timeout): a ZSET of keys whose STRING value is the order id.
+    #[arg(long = "legacy-pool", value_name = "KEY=EVENT", global = true)]
+    pub legacy_pools: Vec<String>,
     /// Worker threads; the PostgreSQL pool and the channel are sized from it.
     #[arg(long, default_value_t = 8, global = true)]
     pub threads: usize,
@@ -168,6 +198,19 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
 pub struct CliError {
     pub flag: &'static str,
     pub problem: String,
+}
+
+/// Splits `NAME=VALUE`; both sides must be non-empty.
+fn split_pair(spec: &str, flag: &'static str) -> Result<(String, String), CliError> {
+    match spec.split_once('=') {
+        Some((a, b)) if !a.trim().is_empty() && !b.trim().is_empty() => {
+            Ok((a.trim().to_string(), b.trim().to_string()))
+        }
+        _ => Err(CliError {
+            flag,
+            problem: format!("{spec:?} is not NAME=EVENT"),
+        }),
+    }
 }
 
 fn check(ok: bool, flag: &'static str, problem: &str) -> Result<(), CliError> {
@@ -249,7 +292,66 @@ impl Cli {
         }
         let mut config = Config::new(&self.conn.redis_url, &self.conn.database_url);
         config.keys = self.conn.keys()?;
-        config.source = Source::Stream;
+        let legacy = r
+            .legacy_pools
+            .iter()
+            .map(|spec| {
+                let (key, event) = split_pair(spec, "--legacy-pool")?;
+                Ok(LegacyPool { key, event })
+            })
+            .collect::<Result<Vec<_>, CliError>>()?;
+        let mut mover_queue = 0;
+        match r.source {
+            SourceArg::Stream => {
+                config.source = Source::Stream;
+                check(
+                    r.queues.is_empty() && r.raw_queues.is_empty() && r.mover_queue.is_none(),
+                    "--queues",
+                    "queues need --source list",
+                )?;
+            }
+            SourceArg::List => {
+                config.source = Source::List;
+                let mut queues: Vec<Queue> = r
+                    .queues
+                    .iter()
+                    .filter(|q| !q.trim().is_empty())
+                    .map(|q| Queue::new(q.trim(), None))
+                    .collect();
+                for spec in &r.raw_queues {
+                    let (name, event) = split_pair(spec, "--queue")?;
+                    match queues.iter_mut().find(|q| q.name == name) {
+                        Some(q) => q.raw_event = Some(event),
+                        None => queues.push(Queue::new(&name, Some(&event))),
+                    }
+                }
+                check(
+                    !queues.is_empty(),
+                    "--queues",
+                    "list mode needs at least one queue",
+                )?;
+                for q in &mut queues {
+                    q.dead = format!("{}{}", q.name, r.dead_suffix);
+                }
+                mover_queue = match &r.mover_queue {
+                    Some(name) => queues
+                        .iter()
+                        .position(|q| &q.name == name)
+                        .ok_or(CliError {
+                            flag: "--mover-queue",
+                            problem: format!("{name:?} is not one of the queues"),
+                        })?,
+                    None => queues
+                        .iter()
+                        .position(|q| q.raw_event.is_none())
+                        .ok_or(CliError {
+                            flag: "--mover-queue",
+                            problem: "every queue is raw; name the queue due messages go to".into(),
+                        })?,
+                };
+                config.keys.queues = queues;
+            }
+        }
         config.threads = r.threads;
         if let Some(c) = &r.consumer {
             config.consumer = c.clone();
@@ -258,6 +360,8 @@ impl Cli {
             batch: r.batch_size,
             poll: r.poll_interval,
             orphan_grace: r.orphan_grace,
+            queue: mover_queue,
+            legacy,
         };
         config.run_mover = !r.no_mover;
         config.reader = ReaderConfig {
@@ -297,6 +401,36 @@ mod tests {
         assert_eq!(c.mover.poll, Duration::from_millis(20));
         let c = parse(&["--key-prefix", "{mq}"]).config().unwrap();
         assert_eq!(c.keys.pool, "{mq}:delay:pool");
+    }
+
+    #[test]
+    fn list_mode_queues_raw_queues_and_legacy_pools() {
+        let c = parse(&[
+            "--source",
+            "list",
+            "--queues",
+            "high,normal",
+            "--queue",
+            "payment_queue=payment.paid",
+            "--legacy-pool",
+            "delay:order_close=order.timeout",
+        ])
+        .config()
+        .unwrap();
+        let names: Vec<&str> = c.keys.queues.iter().map(|q| q.name.as_str()).collect();
+        assert_eq!(names, ["high", "normal", "payment_queue"]);
+        assert_eq!(c.keys.queues[2].raw_event.as_deref(), Some("payment.paid"));
+        assert_eq!(c.keys.queues[1].dead, "normal:dead");
+        assert_eq!(c.mover.queue, 0);
+        assert_eq!(c.mover.legacy[0].event, "order.timeout");
+        let e = parse(&["--source", "list", "--queue", "p=payment.paid"])
+            .config()
+            .unwrap_err();
+        assert_eq!(e.flag, "--mover-queue");
+        let e = parse(&["--queues", "a"]).config().unwrap_err();
+        assert_eq!(e.flag, "--queues");
+        let e = parse(&["--legacy-pool", "nope"]).config().unwrap_err();
+        assert_eq!(e.flag, "--legacy-pool");
     }
 
     #[test]

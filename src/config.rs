@@ -13,6 +13,16 @@ use std::time::Duration;
 pub enum Source {
     /// XREADGROUP on `keys.stream`.
     Stream,
+    /// Reliable fetch from the list queues `keys.queues`, in priority order.
+    List,
+}
+
+/// An older producer's pool the mover also serves (DESIGN §1): ZSET of keys whose STRING
+/// value is an order id, all standing for `event`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LegacyPool {
+    pub key: String,
+    pub event: String,
 }
 
 #[derive(Clone, Debug)]
@@ -48,6 +58,10 @@ pub struct MoverConfig {
     /// How long past its due time a member without data is left alone (a PHP producer
     /// may ZADD before HSET) before it is removed as an orphan.
     pub orphan_grace: Duration,
+    /// List mode: index in `keys.queues` of the queue due messages go to.
+    pub queue: usize,
+    /// Older producers' pools, moved as well.
+    pub legacy: Vec<LegacyPool>,
 }
 
 #[derive(Clone, Debug)]
@@ -82,6 +96,8 @@ impl Default for MoverConfig {
             batch: 500,
             poll: Duration::from_millis(100),
             orphan_grace: Duration::from_secs(60),
+            queue: 0,
+            legacy: Vec::new(),
         }
     }
 }

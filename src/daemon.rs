@@ -7,12 +7,14 @@
 //! `stats_interval` until shutdown. A role that panics triggers shutdown, so the others
 //! stop too instead of leaving a half-dead daemon; `run` then returns the error.
 
+use crate::config::Source;
 use crate::config::{redact_url, Config};
 use crate::db::{self, DbError};
 use crate::handlers::sql::{SqlHandler, SqlHandlerError};
 use crate::handlers::Registry;
+use crate::list::ListReader;
 use crate::mover::Mover;
-use crate::reader::{Delivery, Reader};
+use crate::reader::{self, Delivery, Feed, Reader};
 use crate::shutdown::Shutdown;
 use crate::stats::{Snapshot, Stats};
 use crate::store;
@@ -140,12 +142,14 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<Report, DaemonError> 
             url: redact_url(&config.redis_url),
             reason: e.to_string(),
         })?;
-        Reader::ensure_group(&mut con, &config.keys).map_err(|e| {
-            DaemonError::RedisUnreachable {
-                url: redact_url(&config.redis_url),
-                reason: e.to_string(),
-            }
-        })?;
+        if config.source == Source::Stream {
+            Reader::ensure_group(&mut con, &config.keys).map_err(|e| {
+                DaemonError::RedisUnreachable {
+                    url: redact_url(&config.redis_url),
+                    reason: e.to_string(),
+                }
+            })?;
+        }
     }
     check_schema(&config.database_url)?;
     let registry = registry(config)?;
@@ -190,17 +194,24 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<Report, DaemonError> 
         }
         {
             let (client, stats) = (&client, &stats);
-            let reader = Reader::new(
-                &config.keys,
-                &config.reader,
-                &config.consumer,
-                stats,
-                tx,
-                space_rx,
-            );
-            spawned.push(spawn_role(s, shutdown, "reader".into(), move || {
-                reader.run(client, shutdown)
-            }));
+            let feed = Feed::new(tx, space_rx, stats);
+            let (keys, cfg, consumer) = (&config.keys, &config.reader, config.consumer.as_str());
+            spawned.push(match config.source {
+                Source::Stream => spawn_role(s, shutdown, "reader".into(), move || {
+                    reader::run(
+                        Reader::new(keys, cfg, consumer, stats, feed),
+                        client,
+                        shutdown,
+                    )
+                }),
+                Source::List => spawn_role(s, shutdown, "reader".into(), move || {
+                    reader::run(
+                        ListReader::new(keys, cfg, consumer, stats, feed),
+                        client,
+                        shutdown,
+                    )
+                }),
+            });
         }
         for i in 0..config.threads {
             let (ctx, rx, space_tx) = (&ctx, rx.clone(), space_tx.clone());

@@ -20,6 +20,37 @@ pub struct Keys {
     pub dead: String,
     /// Prefix of the per-consumer heartbeat keys (`<prefix>:<consumer>`).
     pub heartbeat_prefix: String,
+    /// List mode: the queues in priority order (empty in stream mode).
+    pub queues: Vec<Queue>,
+    /// List mode: SET of the consumer names that have processing lists, so a peer can
+    /// find the lists of a consumer that died.
+    pub list_consumers: String,
+}
+
+/// One list queue (DESIGN §4).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Queue {
+    /// The LIST producers push onto, used as is (PHP writes `payment_queue`).
+    pub name: String,
+    /// Set when the queue carries raw JSON of one event instead of the envelope.
+    pub raw_event: Option<String>,
+    /// Where its dead letters go (`<name>:dead` by default).
+    pub dead: String,
+}
+
+impl Queue {
+    pub fn new(name: &str, raw_event: Option<&str>) -> Queue {
+        Queue {
+            name: name.to_string(),
+            raw_event: raw_event.map(str::to_string),
+            dead: format!("{name}:dead"),
+        }
+    }
+
+    /// The processing list of one consumer on this queue: messages it holds.
+    pub fn processing(&self, consumer: &str) -> String {
+        format!("{}:processing:{consumer}", self.name)
+    }
 }
 
 /// Optional per-name overrides; `None` means "derive from the prefix".
@@ -53,6 +84,8 @@ impl Keys {
                 .clone()
                 .unwrap_or_else(|| format!("{prefix}:dead-letter")),
             heartbeat_prefix: format!("{prefix}:consumer"),
+            queues: Vec::new(),
+            list_consumers: format!("{prefix}:list-consumers"),
         }
     }
 

@@ -108,6 +108,24 @@ impl Envelope {
         })
     }
 
+    /// A raw message of a list queue that carries one event without the envelope
+    /// (`--queue payment_queue=payment.paid`): the whole JSON object is the payload.
+    pub fn decode_raw(bytes: &[u8], limit: usize, event: &str) -> Result<Envelope, Rejection> {
+        if bytes.len() > limit {
+            return Err(Rejection::TooLarge {
+                size: bytes.len(),
+                limit,
+            });
+        }
+        let text = std::str::from_utf8(bytes).map_err(|_| Rejection::NotUtf8)?;
+        let value: Value =
+            serde_json::from_str(text).map_err(|e| Rejection::NotJson(e.to_string()))?;
+        let Value::Object(payload) = value else {
+            return Err(Rejection::NotAnObject);
+        };
+        Ok(Envelope::new(event, payload, 0))
+    }
+
     /// A new message as our producer writes it.
     pub fn new(event: &str, payload: Map<String, Value>, ts: i64) -> Envelope {
         let mut raw = Map::new();

@@ -1,7 +1,7 @@
 //! The mover thread: due jobs from the delay pool into the stream.
 //!
 //! Owns one Redis connection. Loops on [`Mover::tick`], one atomic `move_due` script per
-//! batch, so any number of movers (one per worker process) run at once without
+//! batch and pool (ours, plus any legacy pools), into the stream or, in list mode, a queue, so any number of movers (one per worker process) run at once without
 //! duplicates or loss. A full batch loops at once; otherwise it sleeps until the next due
 //! score or the poll interval, whichever comes first. Stops within one poll interval of
 //! shutdown (the sleep is woken at once); a Redis error backs off and reconnects.
@@ -11,7 +11,7 @@ use crate::config::MoverConfig;
 use crate::keys::Keys;
 use crate::shutdown::Shutdown;
 use crate::stats::Stats;
-use crate::store::{self, MoveReport};
+use crate::store::{self, MoveReport, Pool, Target};
 use redis::ConnectionLike;
 use std::time::Duration;
 
@@ -26,30 +26,48 @@ impl<'a> Mover<'a> {
         Mover { keys, cfg, stats }
     }
 
-    /// One batch at time `now_ms`. Returns what moved and how long to sleep before the
-    /// next tick (zero: loop at once).
+    /// One batch from each pool at time `now_ms`. Returns what moved and how long to
+    /// sleep before the next tick (zero: loop at once).
     pub fn tick(
         &self,
         con: &mut dyn ConnectionLike,
         now_ms: i64,
     ) -> redis::RedisResult<(MoveReport, Duration)> {
-        let report = store::move_due(
-            con,
-            self.keys,
-            now_ms,
-            self.cfg.batch,
-            self.cfg.orphan_grace.as_millis() as i64,
-        )?;
-        Stats::add(&self.stats.moved, report.moved as u64);
-        Stats::add(&self.stats.orphans, report.orphans.len() as u64);
-        for key in &report.orphans {
+        let target = match self.keys.queues.get(self.cfg.queue) {
+            Some(q) => Target::List(&q.name),
+            None => Target::Stream(&self.keys.stream),
+        };
+        let grace = self.cfg.orphan_grace.as_millis() as i64;
+        let ours = Pool::Enveloped {
+            pool: &self.keys.pool,
+            data: &self.keys.data,
+        };
+        let legacy = self.cfg.legacy.iter().map(|l| Pool::Legacy {
+            pool: &l.key,
+            event: &l.event,
+        });
+        let mut sleep = self.cfg.poll;
+        let mut total = MoveReport::default();
+        for pool in std::iter::once(ours).chain(legacy) {
+            let report = store::move_due(con, pool, target, now_ms, self.cfg.batch, grace)?;
+            sleep = sleep.min(self.next_sleep(&report, now_ms));
+            total.moved += report.moved;
+            total.skipped += report.skipped;
+            total.next_due_ms = match (total.next_due_ms, report.next_due_ms) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+            total.orphans.extend(report.orphans);
+        }
+        Stats::add(&self.stats.moved, total.moved as u64);
+        Stats::add(&self.stats.orphans, total.orphans.len() as u64);
+        for key in &total.orphans {
             log::warn!(
                 "mover: orphan removed: job key {key:?} was due over {}s ago and has no data",
                 self.cfg.orphan_grace.as_secs()
             );
         }
-        let sleep = self.next_sleep(&report, now_ms);
-        Ok((report, sleep))
+        Ok((total, sleep))
     }
 
     fn next_sleep(&self, r: &MoveReport, now_ms: i64) -> Duration {

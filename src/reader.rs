@@ -14,29 +14,71 @@
 
 use crate::backoff::Backoff;
 use crate::config::ReaderConfig;
+use crate::delivery::{Origin, Outcome, Settlement};
 use crate::keys::Keys;
 use crate::shutdown::Shutdown;
 use crate::stats::Stats;
-use crate::store::{self, value_to_string, Settlement};
+use crate::store::{self, value_to_string};
 use crossbeam_channel::{Receiver, Sender};
 use redis::{Connection, RedisResult, Value};
 use std::time::{Duration, Instant};
 
-/// One stream entry on its way to a worker.
-#[derive(Debug, Clone)]
-pub struct Delivery {
-    /// Stream entry id, what XACK takes.
-    pub id: String,
-    /// Job key (`key` field). A producer that XADDs by hand may leave it out; the entry id
-    /// stands in for it then.
-    pub key: Vec<u8>,
-    /// Message JSON as written (`msg` field), bytes: it may not even be UTF-8.
-    pub msg: Vec<u8>,
-    /// Due time (unix ms) as the mover wrote it (`due` field); absent on entries a producer
-    /// added by hand.
-    pub due_ms: Option<i64>,
-    /// When the reader got it, for the time-in-queue figures.
-    pub received: Instant,
+pub use crate::delivery::Delivery;
+
+/// The pool's end of the channel, as a reader sees it. Owns the only `Sender`: dropping the
+/// feed tells the workers there is no more work.
+pub struct Feed<'a> {
+    tx: Sender<Delivery>,
+    /// A worker sends one token after taking a job, waking a reader that waits for room.
+    space: Receiver<()>,
+    capacity: usize,
+    stats: &'a Stats,
+}
+
+impl<'a> Feed<'a> {
+    pub fn new(tx: Sender<Delivery>, space: Receiver<()>, stats: &'a Stats) -> Feed<'a> {
+        let capacity = tx.capacity().unwrap_or(1).max(1);
+        Feed {
+            tx,
+            space,
+            capacity,
+            stats,
+        }
+    }
+
+    /// How many deliveries the channel can take now.
+    pub fn room(&self) -> usize {
+        self.capacity.saturating_sub(self.tx.len())
+    }
+
+    /// Waits until a worker takes a job, at most `d`.
+    pub fn wait_for_room(&self, d: Duration) {
+        let _ = self.space.recv_timeout(d);
+    }
+
+    pub fn send(&self, entries: Vec<Delivery>) -> Result<usize, StepError> {
+        let n = entries.len();
+        for d in entries {
+            self.tx.send(d).map_err(|_| StepError::PoolGone)?;
+        }
+        Stats::add(&self.stats.delivered, n as u64);
+        Ok(n)
+    }
+}
+
+/// Refreshes a consumer's heartbeat key: peers take over its work once the key expires.
+pub fn heartbeat(
+    con: &mut Connection,
+    keys: &Keys,
+    consumer: &str,
+    ttl: Duration,
+) -> RedisResult<()> {
+    redis::cmd("SET")
+        .arg(keys.heartbeat(consumer))
+        .arg(crate::now_ms())
+        .arg("PX")
+        .arg(ttl.as_millis() as u64)
+        .query::<()>(con)
 }
 
 pub struct Reader<'a> {
@@ -44,10 +86,7 @@ pub struct Reader<'a> {
     cfg: &'a ReaderConfig,
     consumer: &'a str,
     stats: &'a Stats,
-    tx: Sender<Delivery>,
-    /// A worker sends one token after taking a job, waking a reader that waits for room.
-    space: Receiver<()>,
-    capacity: usize,
+    feed: Feed<'a>,
     autoclaim_cursor: String,
     last_maintenance: Option<Instant>,
 }
@@ -73,18 +112,14 @@ impl<'a> Reader<'a> {
         cfg: &'a ReaderConfig,
         consumer: &'a str,
         stats: &'a Stats,
-        tx: Sender<Delivery>,
-        space: Receiver<()>,
+        feed: Feed<'a>,
     ) -> Self {
-        let capacity = tx.capacity().unwrap_or(1).max(1);
         Reader {
             keys,
             cfg,
             consumer,
             stats,
-            tx,
-            space,
-            capacity,
+            feed,
             autoclaim_cursor: "0-0".to_string(),
             last_maintenance: None,
         }
@@ -108,25 +143,15 @@ impl<'a> Reader<'a> {
     }
 
     fn room(&self) -> usize {
-        self.capacity.saturating_sub(self.tx.len())
+        self.feed.room()
     }
 
     fn send(&self, entries: Vec<Delivery>) -> Result<usize, StepError> {
-        let n = entries.len();
-        for d in entries {
-            self.tx.send(d).map_err(|_| StepError::PoolGone)?;
-        }
-        Stats::add(&self.stats.delivered, n as u64);
-        Ok(n)
+        self.feed.send(entries)
     }
 
     fn heartbeat(&self, con: &mut Connection) -> RedisResult<()> {
-        redis::cmd("SET")
-            .arg(self.keys.heartbeat(self.consumer))
-            .arg(crate::now_ms())
-            .arg("PX")
-            .arg(self.cfg.heartbeat_ttl.as_millis() as u64)
-            .query::<()>(con)
+        heartbeat(con, self.keys, self.consumer, self.cfg.heartbeat_ttl)
     }
 
     /// Start-up: group, heartbeat, then this consumer's own pending entries (left by a
@@ -141,13 +166,15 @@ impl<'a> Reader<'a> {
             while !shutdown.is_set() {
                 let room = self.room();
                 if room == 0 {
-                    let _ = self.space.recv_timeout(self.cfg.block);
+                    self.feed.wait_for_room(self.cfg.block);
                     self.heartbeat(con)?;
                     continue;
                 }
                 let entries = self.xreadgroup(con, room, None, &cursor)?;
-                let Some(last) = entries.last() else { break };
-                cursor = last.id.clone();
+                let Some(last) = entries.last().and_then(Delivery::stream_id) else {
+                    break;
+                };
+                cursor = last.to_string();
                 total += self.send(entries)?;
             }
             if total > 0 {
@@ -172,7 +199,7 @@ impl<'a> Reader<'a> {
         let room = self.room();
         if room == 0 {
             // Back-pressure: wait for a worker to take a job (or the block timeout).
-            let _ = self.space.recv_timeout(self.cfg.block);
+            self.feed.wait_for_room(self.cfg.block);
             return Ok(n);
         }
         let entries = self.xreadgroup(con, room, Some(self.cfg.block), ">")?;
@@ -338,20 +365,21 @@ impl<'a> Reader<'a> {
             .map(|d| {
                 let count = over
                     .iter()
-                    .find(|p| p.id == d.id)
+                    .find(|p| d.stream_id() == Some(p.id.as_str()))
                     .map_or(0, |p| p.deliveries);
                 let event = crate::workers::event_of(&d.msg);
-                Settlement::Dead {
-                    reason: format!(
-                        "delivered {count} times without being acknowledged (limit {})",
-                        self.cfg.max_deliveries
-                    ),
-                    id: d.id,
-                    key: d.key,
-                    msg: d.msg,
-                    event,
-                    attempts: count,
-                }
+                let reason = format!(
+                    "delivered {count} times without being acknowledged (limit {})",
+                    self.cfg.max_deliveries
+                );
+                Settlement::new(
+                    d,
+                    Outcome::Dead {
+                        reason,
+                        event,
+                        attempts: count,
+                    },
+                )
             })
             .collect();
         let n = store::settle(
@@ -414,47 +442,76 @@ impl<'a> Reader<'a> {
         }
         self.send(out)
     }
+}
 
-    /// The thread body: start-up recovery, then `poll` until shutdown. Redis errors back
-    /// off (capped, with jitter) and reconnect; the outage is logged once.
-    pub fn run(mut self, client: &redis::Client, shutdown: &Shutdown) {
-        let mut backoff = Backoff::new("reader");
-        let mut con: Option<Connection> = None;
-        let mut started = false;
+/// What the reader thread runs on: the stream ([`Reader`]) or the list queues
+/// (`list::ListReader`). Both hand deliveries to the same pool.
+pub trait Source {
+    /// For log lines.
+    fn role(&self) -> &'static str;
+    /// Socket timeout: longer than the longest blocking read.
+    fn io_timeout(&self) -> Duration;
+    /// Start-up (and after a lost connection): take back this consumer's own pending work.
+    fn start(&mut self, con: &mut Connection, shutdown: &Shutdown) -> Result<usize, StepError>;
+    /// One step: maintenance when due, then one bounded, blocking read.
+    fn poll(&mut self, con: &mut Connection) -> Result<usize, StepError>;
+}
+
+impl Source for Reader<'_> {
+    fn role(&self) -> &'static str {
+        "reader"
+    }
+    fn io_timeout(&self) -> Duration {
         // XREADGROUP blocks up to `block`; the socket must wait longer than that.
-        let io_timeout = self.cfg.block + Duration::from_secs(5);
-        while !shutdown.is_set() {
-            let c = match con.as_mut() {
-                Some(c) => c,
-                None => match store::connect_with(client, io_timeout) {
-                    Ok(c) => con.insert(c),
-                    Err(e) => {
-                        backoff.fail("cannot connect to redis", &e, shutdown);
-                        continue;
-                    }
-                },
-            };
-            let step = if started {
-                self.poll(c)
-            } else {
-                self.start(c, shutdown).inspect(|_| started = true)
-            };
-            match step {
-                Ok(_) => backoff.reset(),
-                Err(StepError::PoolGone) => break,
-                Err(StepError::Redis(e)) => {
-                    con = None;
-                    // An XREADGROUP whose reply was lost with the connection left entries
-                    // pending on us that no worker holds: take our pending entries back
-                    // after reconnecting, as at start. Entries still in the pool come
-                    // twice; the inbox and the ack-guarded settle make that harmless.
-                    started = false;
-                    backoff.fail("read failed", &e, shutdown);
+        self.cfg.block + Duration::from_secs(5)
+    }
+    fn start(&mut self, con: &mut Connection, shutdown: &Shutdown) -> Result<usize, StepError> {
+        Reader::start(self, con, shutdown)
+    }
+    fn poll(&mut self, con: &mut Connection) -> Result<usize, StepError> {
+        Reader::poll(self, con)
+    }
+}
+
+/// The reader thread body: start-up recovery, then `poll` until shutdown. Redis errors back
+/// off (capped, with jitter) and reconnect; the outage is logged once. Returning drops the
+/// source and with it the channel's `Sender`.
+pub fn run(mut source: impl Source, client: &redis::Client, shutdown: &Shutdown) {
+    let role = source.role();
+    let mut backoff = Backoff::new(role);
+    let mut con: Option<Connection> = None;
+    let mut started = false;
+    while !shutdown.is_set() {
+        let c = match con.as_mut() {
+            Some(c) => c,
+            None => match store::connect_with(client, source.io_timeout()) {
+                Ok(c) => con.insert(c),
+                Err(e) => {
+                    backoff.fail("cannot connect to redis", &e, shutdown);
+                    continue;
                 }
+            },
+        };
+        let step = if started {
+            source.poll(c)
+        } else {
+            source.start(c, shutdown).inspect(|_| started = true)
+        };
+        match step {
+            Ok(_) => backoff.reset(),
+            Err(StepError::PoolGone) => break,
+            Err(StepError::Redis(e)) => {
+                con = None;
+                // A read whose reply was lost with the connection left messages pending on
+                // us that no worker holds: take our pending work back after reconnecting,
+                // as at start. Messages still in the pool come twice; the inbox and the
+                // guarded settle scripts make that harmless.
+                started = false;
+                backoff.fail("read failed", &e, shutdown);
             }
         }
-        log::info!("reader: stopped");
     }
+    log::info!("{role}: stopped");
 }
 
 /// Parses an array of `[id, [field, value, ...]]` entries. Entries whose body is nil
@@ -494,7 +551,7 @@ fn parse_entries(v: Value, out: &mut Vec<Delivery>, gone: &mut Vec<String>) {
         }
         out.push(Delivery {
             key: key.unwrap_or_else(|| id.clone().into_bytes()),
-            id,
+            origin: Origin::Stream { id },
             msg,
             due_ms,
             received: Instant::now(),

@@ -5,6 +5,7 @@
 //! Redis Cluster once the key names share a hash tag (see `keys.rs`). Scripts are sent
 //! by SHA (EVALSHA) and loaded on the first `NOSCRIPT`, so a call is one round trip.
 
+use crate::delivery::{Origin, Outcome, Settlement};
 use crate::keys::Keys;
 use redis::{ConnectionLike, RedisResult, Script, Value};
 use std::sync::LazyLock;
@@ -55,23 +56,55 @@ pub struct MoveReport {
     pub orphans: Vec<String>,
 }
 
-/// Moves up to `limit` members due at `now_ms` into the stream, in one atomic script.
+/// Where the mover puts due messages.
+#[derive(Debug, Clone, Copy)]
+pub enum Target<'a> {
+    /// XADD to this stream (fields `msg`, `key`, `due`).
+    Stream(&'a str),
+    /// LPUSH onto this list queue (the job key goes into the message as `job_key`).
+    List(&'a str),
+}
+
+/// A delay pool to move from.
+#[derive(Debug, Clone, Copy)]
+pub enum Pool<'a> {
+    /// Ours: ZSET of job keys plus the HASH of messages.
+    Enveloped { pool: &'a str, data: &'a str },
+    /// An older producer's: ZSET of keys, each a STRING key holding an order id, all
+    /// standing for one event.
+    Legacy { pool: &'a str, event: &'a str },
+}
+
+/// Moves up to `limit` members of `pool` due at `now_ms` to `target`, in one atomic script.
 pub fn move_due(
     con: &mut dyn ConnectionLike,
-    keys: &Keys,
+    pool: Pool<'_>,
+    target: Target<'_>,
     now_ms: i64,
     limit: usize,
     orphan_grace_ms: i64,
 ) -> RedisResult<MoveReport> {
     let now_s = format!("{}.{:03}", now_ms.div_euclid(1000), now_ms.rem_euclid(1000));
+    let (zset, data, legacy) = match pool {
+        Pool::Enveloped { pool, data } => (pool, data, ""),
+        // The data slot is unused for a legacy pool; the pool key keeps KEYS well formed.
+        Pool::Legacy { pool, event } => (pool, pool, event),
+    };
+    let (target_key, mode) = match target {
+        Target::Stream(k) => (k, "stream"),
+        Target::List(k) => (k, "list"),
+    };
     let reply: Vec<Value> = MOVE_DUE
-        .key(&keys.pool)
-        .key(&keys.data)
-        .key(&keys.stream)
+        .key(zset)
+        .key(data)
+        .key(target_key)
         .arg(now_ms)
         .arg(now_s)
         .arg(limit)
         .arg(orphan_grace_ms)
+        .arg(mode)
+        .arg(legacy)
+        .arg(now_ms.div_euclid(1000))
         .invoke(con)?;
     let int = |v: Option<&Value>| match v {
         Some(Value::Int(n)) => *n,
@@ -86,42 +119,9 @@ pub fn move_due(
     })
 }
 
-/// How one stream entry ends.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Settlement {
-    /// Done (or a duplicate): acknowledge.
-    Ack { id: String },
-    /// Transient failure: back to the delay pool as `msg` (its `retry` already raised),
-    /// due at `due_ms`, atomically with the ack.
-    Retry {
-        id: String,
-        key: Vec<u8>,
-        msg: Vec<u8>,
-        due_ms: i64,
-    },
-    /// Permanent failure, or retries used up: to the dead letters with the reason.
-    Dead {
-        id: String,
-        key: Vec<u8>,
-        msg: Vec<u8>,
-        reason: String,
-        event: String,
-        attempts: u64,
-    },
-}
-
-impl Settlement {
-    pub fn id(&self) -> &str {
-        match self {
-            Settlement::Ack { id } | Settlement::Retry { id, .. } | Settlement::Dead { id, .. } => {
-                id
-            }
-        }
-    }
-}
-
-/// Applies a batch of outcomes in one script call. Returns how many entries this call
-/// acknowledged (entries a peer had already settled are skipped).
+/// Applies a batch of outcomes, one script call per source kind (stream entries, list
+/// messages). Returns how many messages this call acknowledged; messages a peer already
+/// settled are skipped.
 pub fn settle(
     con: &mut dyn ConnectionLike,
     keys: &Keys,
@@ -129,9 +129,26 @@ pub fn settle(
     now_s: i64,
     batch: &[Settlement],
 ) -> RedisResult<usize> {
-    if batch.is_empty() {
-        return Ok(0);
+    let (stream, list): (Vec<&Settlement>, Vec<&Settlement>) = batch
+        .iter()
+        .partition(|s| matches!(s.origin, Origin::Stream { .. }));
+    let mut n = 0;
+    if !stream.is_empty() {
+        n += settle_stream(con, keys, consumer, now_s, &stream)?;
     }
+    if !list.is_empty() {
+        n += crate::list::settle(con, keys, consumer, now_s, &list)?;
+    }
+    Ok(n)
+}
+
+fn settle_stream(
+    con: &mut dyn ConnectionLike,
+    keys: &Keys,
+    consumer: &str,
+    now_s: i64,
+    batch: &[&Settlement],
+) -> RedisResult<usize> {
     let mut inv = SETTLE.prepare_invoke();
     inv.key(&keys.stream)
         .key(&keys.pool)
@@ -141,33 +158,28 @@ pub fn settle(
         .arg(now_s)
         .arg(consumer);
     for s in batch {
-        match s {
-            Settlement::Ack { id } => inv.arg("A").arg(id).arg("").arg("").arg("").arg("").arg(0),
-            Settlement::Retry {
-                id,
-                key,
-                msg,
-                due_ms,
-            } => inv
+        let Origin::Stream { id } = &s.origin else {
+            continue;
+        };
+        match &s.outcome {
+            Outcome::Ack => inv.arg("A").arg(id).arg("").arg("").arg("").arg("").arg(0),
+            Outcome::Retry { msg, due_ms } => inv
                 .arg("R")
                 .arg(id)
-                .arg(key.as_slice())
+                .arg(s.key.as_slice())
                 .arg(msg.as_slice())
                 .arg(*due_ms)
                 .arg("")
                 .arg(0),
-            Settlement::Dead {
-                id,
-                key,
-                msg,
+            Outcome::Dead {
                 reason,
                 event,
                 attempts,
             } => inv
                 .arg("D")
                 .arg(id)
-                .arg(key.as_slice())
-                .arg(msg.as_slice())
+                .arg(s.key.as_slice())
+                .arg(s.msg.as_slice())
                 .arg(reason)
                 .arg(event)
                 .arg(*attempts),

@@ -20,13 +20,14 @@
 use crate::backoff::Backoff;
 use crate::config::JobConfig;
 use crate::db;
+use crate::delivery::Delivery;
+use crate::delivery::{Origin, Outcome, Settlement};
 use crate::handlers::{Effect, Registry};
 use crate::keys::Keys;
 use crate::message::{Envelope, Rejection};
-use crate::reader::Delivery;
 use crate::shutdown::Shutdown;
 use crate::stats::Stats;
-use crate::store::{self, Settlement};
+use crate::store;
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
 use postgres::Statement;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -200,7 +201,21 @@ impl<'a> Worker<'a> {
     /// database stays unreachable until shutdown): the next start delivers it again.
     pub fn handle(&mut self, d: Delivery) -> Option<Settlement> {
         let stats = self.ctx.stats;
-        let env = match Envelope::decode(&d.msg, self.ctx.jobs.max_message_bytes) {
+        let limit = self.ctx.jobs.max_message_bytes;
+        let raw_event = match d.origin {
+            Origin::List { queue } => self
+                .ctx
+                .keys
+                .queues
+                .get(queue)
+                .and_then(|q| q.raw_event.as_deref()),
+            Origin::Stream { .. } => None,
+        };
+        let decoded = match raw_event {
+            Some(event) => Envelope::decode_raw(&d.msg, limit, event),
+            None => Envelope::decode(&d.msg, limit),
+        };
+        let env = match decoded {
             Ok(env) => env,
             Err(r) => {
                 let event = match r {
@@ -231,12 +246,12 @@ impl<'a> Worker<'a> {
                 };
                 Stats::add(counter, 1);
                 log::debug!("job {key} {} {effect:?}", env.event);
-                Some(Settlement::Ack { id: d.id })
+                Some(Settlement::new(d, Outcome::Ack))
             }
             JobResult::Duplicate => {
                 Stats::add(&stats.duplicate, 1);
                 log::debug!("job {key} {} duplicate (already in the inbox)", env.event);
-                Some(Settlement::Ack { id: d.id })
+                Some(Settlement::new(d, Outcome::Ack))
             }
             JobResult::Failed(e) if db::is_transient(&e) => {
                 if e.is_closed() || e.code().is_none() {
@@ -255,12 +270,11 @@ impl<'a> Worker<'a> {
                     delay.as_secs_f64()
                 );
                 Stats::add(&stats.retried, 1);
-                Some(Settlement::Retry {
-                    id: d.id,
-                    key: d.key,
+                let retry = Outcome::Retry {
                     msg: env.next_retry().into_bytes(),
                     due_ms: crate::now_ms() + delay.as_millis() as i64,
-                })
+                };
+                Some(Settlement::new(d, retry))
             }
             JobResult::Failed(e) => {
                 let reason = format!("handler failed: {}", db::error_text(&e));
@@ -313,14 +327,14 @@ impl<'a> Worker<'a> {
     fn dead(&self, d: Delivery, reason: String, event: String, attempts: u64) -> Settlement {
         log::warn!("job {} {event} dead-lettered: {reason}", key_text(&d.key));
         Stats::add(&self.ctx.stats.dead, 1);
-        Settlement::Dead {
-            id: d.id,
-            key: d.key,
-            msg: d.msg,
-            reason,
-            event,
-            attempts,
-        }
+        Settlement::new(
+            d,
+            Outcome::Dead {
+                reason,
+                event,
+                attempts,
+            },
+        )
     }
 
     /// Settles the collected outcomes in one script call. Retries with backoff while Redis

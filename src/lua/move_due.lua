@@ -1,12 +1,18 @@
--- move_due: move up to `limit` due jobs from the delay pool to the stream, atomically.
--- Any number of movers may call this at once: a member is read, appended and removed
--- inside one script, so no two calls can move the same member.
+-- move_due: move up to `limit` due jobs from a delay pool to the stream or a list queue,
+-- atomically. Any number of movers may call this at once: a member is read, appended and
+-- removed inside one script, so no two calls can move the same member.
 --
--- KEYS[1] pool ZSET, KEYS[2] data HASH, KEYS[3] events STREAM
+-- KEYS[1] pool ZSET, KEYS[2] data HASH, KEYS[3] target (events STREAM or queue LIST)
 -- ARGV[1] now in unix milliseconds
 -- ARGV[2] now in unix seconds (decimal)
 -- ARGV[3] limit
 -- ARGV[4] orphan grace in milliseconds
+-- ARGV[5] 'stream' (XADD msg, key, due) or 'list' (LPUSH msg with a "job_key" field added)
+-- ARGV[6] '' for our pool; for a legacy pool, the event its members stand for: each member
+--         is then a STRING key holding an order id, and the message is built here
+--         ({"event": ARGV[6], "payload": {"order_id": <id>}}). Those STRING keys are not
+--         declared in KEYS: legacy pools work on a single Redis, not on Cluster.
+-- ARGV[7] now in unix seconds (integer), the `ts` of messages built for a legacy pool
 --
 -- Scores below 1e11 are unix seconds, the rest unix milliseconds (DESIGN §1). Seconds
 -- scores sort before any millisecond score, so each kind is one score range.
@@ -18,17 +24,57 @@
 local now_ms = tonumber(ARGV[1])
 local limit = tonumber(ARGV[3])
 local grace = tonumber(ARGV[4])
+local mode = ARGV[5]
+local legacy = ARGV[6]
 local moved, skipped = 0, 0
 local result = {0, 0, -1}
+
+local function json_string(s)
+  return '"' .. string.gsub(s, '[%c"\\]', function(c)
+    if c == '"' then return '\\"' elseif c == '\\' then return '\\\\' end
+    return string.format('\\u%04x', string.byte(c))
+  end) .. '"'
+end
+
+-- The job key travels inside the message on a list (a list entry is one string).
+local function with_job_key(msg, key)
+  if string.sub(msg, 1, 1) ~= '{' or string.find(msg, '"job_key"', 1, true) then
+    return msg
+  end
+  local rest = string.sub(msg, 2)
+  local sep = ','
+  if string.match(rest, '^%s*}') then sep = '' end
+  return '{"job_key":' .. json_string(key) .. sep .. rest
+end
+
+local function fetch(key)
+  if legacy == '' then
+    return redis.call('HGET', KEYS[2], key)
+  end
+  local id = redis.call('GET', key)
+  if not id then return false end
+  local value = id
+  if not string.match(id, '^%-?%d+$') then value = json_string(id) end
+  return '{"event":' .. json_string(legacy) .. ',"payload":{"order_id":' .. value ..
+    '},"retry":0,"ts":' .. ARGV[7] .. '}'
+end
+
+local function forget(key)
+  if legacy == '' then redis.call('HDEL', KEYS[2], key) else redis.call('DEL', key) end
+end
 
 local function handle(items, scale)
   for i = 1, #items, 2 do
     local key = items[i]
     local due = tonumber(items[i + 1]) * scale
-    local msg = redis.call('HGET', KEYS[2], key)
+    local msg = fetch(key)
     if msg then
-      redis.call('XADD', KEYS[3], '*', 'msg', msg, 'key', key, 'due', math.floor(due))
-      redis.call('HDEL', KEYS[2], key)
+      if mode == 'list' then
+        redis.call('LPUSH', KEYS[3], with_job_key(msg, key))
+      else
+        redis.call('XADD', KEYS[3], '*', 'msg', msg, 'key', key, 'due', math.floor(due))
+      end
+      forget(key)
       redis.call('ZREM', KEYS[1], key)
       moved = moved + 1
     elseif now_ms - due > grace then

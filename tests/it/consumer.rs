@@ -287,8 +287,8 @@ impl delay_worker::handlers::Handler for Panics {
 
 #[test]
 fn a_panicking_handler_is_dead_lettered_and_the_worker_goes_on() {
+    use delay_worker::delivery::{Origin, Outcome};
     use delay_worker::reader::Delivery;
-    use delay_worker::store::Settlement;
     use delay_worker::workers::{PoolContext, Worker};
     let env = Env::new();
     let orders = seed_orders(&env.db, 1);
@@ -318,7 +318,7 @@ fn a_panicking_handler_is_dead_lettered_and_the_worker_goes_on() {
     };
     let mut w = Worker::new(0, &ctx);
     let d = |id: &str, key: &str, msg: String| Delivery {
-        id: id.into(),
+        origin: Origin::Stream { id: id.into() },
         key: key.as_bytes().to_vec(),
         msg: msg.into_bytes(),
         due_ms: None,
@@ -331,8 +331,8 @@ fn a_panicking_handler_is_dead_lettered_and_the_worker_goes_on() {
             r#"{"event":"test.panic","payload":{}}"#.into(),
         ))
         .unwrap();
-    match s {
-        Settlement::Dead { reason, .. } => {
+    match s.outcome {
+        Outcome::Dead { reason, .. } => {
             assert_eq!(reason, "handler panicked: boom in the handler")
         }
         other => panic!("{other:?}"),
@@ -343,8 +343,8 @@ fn a_panicking_handler_is_dead_lettered_and_the_worker_goes_on() {
         orders[0].order_no
     );
     assert_eq!(
-        w.handle(d("1-2", "ok", msg)),
-        Some(Settlement::Ack { id: "1-2".into() })
+        w.handle(d("1-2", "ok", msg)).map(|s| s.outcome),
+        Some(Outcome::Ack)
     );
     assert_accounting(&env.db, &orders, &[&orders[0]]);
     assert_eq!(

@@ -68,6 +68,7 @@ fn cfg(batch: usize) -> MoverConfig {
         batch,
         poll: Duration::from_millis(100),
         orphan_grace: Duration::from_secs(60),
+        ..MoverConfig::default()
     }
 }
 
@@ -284,6 +285,7 @@ fn a_mover_stopped_between_batches_loses_nothing() {
         // Long poll: shutdown must wake the sleeping mover, not the poll timer.
         poll: Duration::from_secs(120),
         orphan_grace: Duration::from_secs(60),
+        ..MoverConfig::default()
     };
     let shutdown = Shutdown::new();
     let started = Instant::now();
@@ -334,6 +336,7 @@ fn the_mover_sleeps_until_the_next_due_member_not_the_poll_interval() {
         batch: 100,
         poll: Duration::from_secs(5),
         orphan_grace: Duration::from_secs(60),
+        ..MoverConfig::default()
     };
     add(&mut con, &keys, "soon", (NOW + 40) as f64, true);
     let (_, sleep) = Mover::new(&keys, &c, &stats).tick(&mut con, NOW).unwrap();

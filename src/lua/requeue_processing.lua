@@ -1,0 +1,22 @@
+-- requeue_processing: push a consumer's processing lists back onto their queues.
+-- Newest first onto the tail of the queue, so the oldest ends at the tail and is taken
+-- first again: order is kept as far as it can be. One atomic step, so when several
+-- consumers notice the same dead peer, exactly one moves its messages.
+--
+-- KEYS: processing 1, queue 1, processing 2, queue 2, ..., consumers SET, heartbeat key
+-- ARGV[1] consumer name, ARGV[2] '1' if the consumer is a dead peer (checked here against
+-- its heartbeat, and forgotten from the SET), '0' for our own lists at start.
+-- Returns the number of messages pushed back, or -1 if the peer is alive after all.
+local nk = #KEYS
+local peer = ARGV[2] == '1'
+if peer and redis.call('EXISTS', KEYS[nk]) == 1 then return -1 end
+local moved = 0
+for i = 1, nk - 2, 2 do
+  while true do
+    local msg = redis.call('LMOVE', KEYS[i], KEYS[i + 1], 'LEFT', 'RIGHT')
+    if not msg then break end
+    moved = moved + 1
+  end
+end
+if peer then redis.call('SREM', KEYS[nk - 1], ARGV[1]) end
+return moved
