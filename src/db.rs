@@ -91,6 +91,11 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         "0002_worker_inbox",
         include_str!("../sql/migrations/0002_worker_inbox.sql"),
     ),
+    (
+        3,
+        "0003_payment_review",
+        include_str!("../sql/migrations/0003_payment_review.sql"),
+    ),
 ];
 
 /// Applies every migration not yet recorded in `worker_migrations`. Returns the names of

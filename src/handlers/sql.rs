@@ -33,6 +33,10 @@ pub const BUILTIN: &[(&str, &str)] = &[
         "coupon.expire.sql",
         include_str!("../../sql/handlers/coupon.expire.sql"),
     ),
+    (
+        "payment.paid.sql",
+        include_str!("../../sql/handlers/payment.paid.sql"),
+    ),
 ];
 
 #[derive(Debug, Clone)]
@@ -176,7 +180,12 @@ mod tests {
         let r = crate::handlers::Registry::builtin();
         assert_eq!(
             r.events(),
-            vec!["order.timeout", "aftersale.timeout", "coupon.expire"]
+            vec![
+                "order.timeout",
+                "aftersale.timeout",
+                "coupon.expire",
+                "payment.paid"
+            ]
         );
         let (_, h) = r.get("order.timeout").unwrap();
         assert_eq!(h.required().len(), 1);

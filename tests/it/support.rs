@@ -297,7 +297,7 @@ pub struct Proc {
 }
 
 impl Proc {
-    pub fn start(config: &Config, extra: &[&str]) -> Proc {
+    pub fn start(config: &Config, extra: &[String]) -> Proc {
         let child = Command::new(env!("CARGO_BIN_EXE_worker"))
             .env("REDIS_URL", &config.redis_url)
             .env("DATABASE_URL", &config.database_url)

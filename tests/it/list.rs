@@ -1,0 +1,373 @@
+//! List mode: the order story, priority, crash recovery through heartbeats, raw messages,
+//! the legacy pool, and payment.paid racing order.timeout.
+
+use crate::support::*;
+use delay_worker::config::{LegacyPool, Source};
+use delay_worker::keys::Queue;
+use delay_worker::list::ListReader;
+use delay_worker::reader::{Feed, Source as _};
+use delay_worker::stats::Stats;
+use delay_worker::Shutdown;
+use std::time::Duration;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+fn list_env(queues: &[(&str, Option<&str>)]) -> Env {
+    let mut env = Env::new();
+    env.config.source = Source::List;
+    env.config.keys.queues = queues.iter().map(|(n, e)| Queue::new(n, *e)).collect();
+    env.config.mover.queue = queues.iter().position(|(_, e)| e.is_none()).unwrap_or(0);
+    env
+}
+
+fn llen(env: &Env, key: &str) -> usize {
+    redis::cmd("LLEN").arg(key).query(&mut env.con()).unwrap()
+}
+
+fn lpush(env: &Env, key: &str, msg: &str) {
+    redis::cmd("LPUSH")
+        .arg(key)
+        .arg(msg)
+        .query::<()>(&mut env.con())
+        .unwrap();
+}
+
+/// Every processing list and dead list of the test's queues is empty.
+fn assert_lists_empty(env: &Env, consumers: &[&str]) {
+    for q in &env.config.keys.queues {
+        assert_eq!(llen(env, &q.name), 0, "queue {}", q.name);
+        assert_eq!(llen(env, &q.dead), 0, "dead list {}", q.dead);
+        for c in consumers {
+            assert_eq!(
+                llen(env, &q.processing(c)),
+                0,
+                "processing of {c} on {}",
+                q.name
+            );
+        }
+    }
+}
+
+fn list_args(env: &Env) -> Vec<String> {
+    let q = &env.config.keys.queues;
+    let mut a = vec![
+        "--source".to_string(),
+        "list".to_string(),
+        "--queues".to_string(),
+    ];
+    a.push(
+        q.iter()
+            .filter(|q| q.raw_event.is_none())
+            .map(|q| q.name.clone())
+            .collect::<Vec<_>>()
+            .join(","),
+    );
+    for q in q.iter().filter(|q| q.raw_event.is_some()) {
+        a.push("--queue".into());
+        a.push(format!("{}={}", q.name, q.raw_event.as_deref().unwrap()));
+    }
+    a
+}
+
+#[test]
+fn the_order_story_in_list_mode() {
+    let env = list_env(&[("normal", None)]);
+    let orders = seed_orders(&env.db, 300);
+    let paid: Vec<SeedOrder> = orders.iter().step_by(5).cloned().collect();
+    pay(&env.db, &paid);
+    push_timeouts(&env, &orders, 200);
+    let daemon = Daemon::start(&env.config);
+    wait_until(WAIT, "every job", || inbox_count(&env.db) == 300);
+    let report = daemon.stop();
+    let cancelled: Vec<&SeedOrder> = orders
+        .iter()
+        .filter(|o| !paid.iter().any(|p| p.id == o.id))
+        .collect();
+    assert_accounting(&env.db, &orders, &cancelled);
+    assert_eq!(report.stats.acked, 300, "{}", report.stats);
+    assert_eq!(books(&env).pool, 0);
+    assert_lists_empty(&env, &["c1"]);
+}
+
+#[test]
+fn queues_are_taken_in_priority_order() {
+    let env = list_env(&[("high", None), ("low", None)]);
+    for i in 0..3 {
+        lpush(
+            &env,
+            "low",
+            &format!(r#"{{"event":"e","payload":{{"n":"low{i}"}}}}"#),
+        );
+    }
+    for i in 0..3 {
+        lpush(
+            &env,
+            "high",
+            &format!(r#"{{"event":"e","payload":{{"n":"high{i}"}}}}"#),
+        );
+    }
+    let stats = Stats::default();
+    let (tx, rx) = crossbeam_channel::bounded(4);
+    let (_space_tx, space_rx) = crossbeam_channel::bounded(1);
+    let c = &env.config;
+    let mut reader = ListReader::new(
+        &c.keys,
+        &c.reader,
+        "c1",
+        &stats,
+        Feed::new(tx, space_rx, &stats),
+    );
+    let mut con = env.con();
+    reader.start(&mut con, &Shutdown::new()).unwrap();
+    assert_eq!(
+        reader.poll(&mut con).unwrap(),
+        4,
+        "as many as the channel holds"
+    );
+    let got: Vec<String> = rx
+        .try_iter()
+        .map(|d| String::from_utf8(d.msg).unwrap())
+        .collect();
+    let order: Vec<&str> = got
+        .iter()
+        .map(|m| &m[m.find("\"n\":\"").unwrap() + 5..m.len() - 3])
+        .collect();
+    assert_eq!(
+        order,
+        ["high0", "high1", "high2", "low0"],
+        "high first, each queue FIFO"
+    );
+    assert_eq!(llen(&env, &c.keys.queues[0].processing("c1")), 3);
+    assert_eq!(llen(&env, &c.keys.queues[1].processing("c1")), 1);
+    // With the high queue empty, a message on the low one waits no longer than a short
+    // block on the high queue (not the whole block timeout).
+    assert_eq!(reader.poll(&mut con).unwrap(), 2);
+    lpush(&env, "low", r#"{"event":"e","payload":{"n":"late"}}"#);
+    let t = std::time::Instant::now();
+    let mut n = 0;
+    while n == 0 {
+        n = reader.poll(&mut con).unwrap();
+    }
+    assert!(t.elapsed() < c.reader.block, "waited {:?}", t.elapsed());
+}
+
+#[test]
+fn a_killed_consumer_s_messages_are_recovered_by_a_peer_and_by_itself() {
+    let env = list_env(&[("normal", None)]);
+    let orders = seed_orders(&env.db, 1200);
+    push_timeouts(&env, &orders, 0);
+    let mut c1 = env.config.clone();
+    c1.consumer = "host-a".into();
+    let mut p = Proc::start(&c1, &list_args(&env));
+    wait_until(WAIT, "load", || inbox_count(&env.db) > 150);
+    p.kill9();
+    let held = llen(&env, &env.config.keys.queues[0].processing("host-a"));
+    // host-a never comes back: host-b takes its processing list once the heartbeat expires.
+    let mut c2 = env.config.clone();
+    c2.consumer = "host-b".into();
+    let mut p2 = Proc::start(&c2, &list_args(&env));
+    wait_until(WAIT, "every job", || {
+        inbox_count(&env.db) == 1200 && books(&env).pool == 0
+    });
+    p2.signal(libc::SIGTERM);
+    assert!(p2.wait(WAIT).success());
+    assert_accounting(&env.db, &orders, &orders.iter().collect::<Vec<_>>());
+    assert_lists_empty(&env, &["host-a", "host-b"]);
+    eprintln!("host-a held {held} messages when killed");
+    let members: Vec<String> = redis::cmd("SMEMBERS")
+        .arg(&env.config.keys.list_consumers)
+        .query(&mut env.con())
+        .unwrap();
+    assert_eq!(
+        members,
+        vec!["host-b".to_string()],
+        "the dead consumer is forgotten"
+    );
+}
+
+#[test]
+fn a_restarted_consumer_pushes_its_own_leftovers_back() {
+    let env = list_env(&[("normal", None)]);
+    let orders = seed_orders(&env.db, 800);
+    push_timeouts(&env, &orders, 0);
+    let mut p = Proc::start(&env.config, &list_args(&env));
+    wait_until(WAIT, "load", || inbox_count(&env.db) > 100);
+    p.kill9();
+    let mut p = Proc::start(&env.config, &list_args(&env));
+    wait_until(WAIT, "every job", || {
+        inbox_count(&env.db) == 800 && books(&env).pool == 0
+    });
+    p.signal(libc::SIGTERM);
+    assert!(p.wait(WAIT).success());
+    assert_accounting(&env.db, &orders, &orders.iter().collect::<Vec<_>>());
+    assert_lists_empty(&env, &["c1"]);
+}
+
+#[test]
+fn raw_payment_messages_pay_orders_and_late_ones_go_to_review() {
+    let env = list_env(&[("normal", None), ("payment_queue", Some("payment.paid"))]);
+    let orders = seed_orders(&env.db, 4);
+    // orders[0] pending → paid; orders[1] cancelled by timeout first → review;
+    // orders[2] already paid → no-op; a payment for a missing order → review.
+    pay(&env.db, &orders[2..3]);
+    let mut db = env.db.client();
+    db.execute(
+        "UPDATE orders SET status = 'cancelled', cancel_reason = 'timeout' WHERE id = $1",
+        &[&orders[1].id],
+    )
+    .unwrap();
+    for o in &orders[0..3] {
+        lpush(
+            &env,
+            "payment_queue",
+            &format!(r#"{{"order_no":"{}","amount":990}}"#, o.order_no),
+        );
+    }
+    lpush(&env, "payment_queue", r#"{"order_no":"NOPE-1"}"#);
+    lpush(&env, "payment_queue", "not json at all");
+    let daemon = Daemon::start(&env.config);
+    wait_until(WAIT, "all payments", || {
+        inbox_count(&env.db) == 4 && llen(&env, "payment_queue:dead") == 1
+    });
+    daemon.stop();
+    let mut status = |id: i64| -> String {
+        db.query_one("SELECT status FROM orders WHERE id = $1", &[&id])
+            .unwrap()
+            .get(0)
+    };
+    assert_eq!(status(orders[0].id), "paid");
+    assert_eq!(status(orders[1].id), "cancelled");
+    assert_eq!(status(orders[2].id), "paid");
+    assert_eq!(status(orders[3].id), "pending");
+    let reviews: Vec<(Option<i64>, String)> = db
+        .query(
+            "SELECT order_id, reason FROM payment_review ORDER BY id",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(reviews.len(), 2, "{reviews:?}");
+    assert!(reviews
+        .iter()
+        .any(|(id, r)| *id == Some(orders[1].id) && r.contains("cancelled (timeout)")));
+    assert!(reviews
+        .iter()
+        .any(|(id, r)| id.is_none() && r.contains("does not exist")));
+    let dead: String = redis::cmd("RPOP")
+        .arg("payment_queue:dead")
+        .query(&mut env.con())
+        .unwrap();
+    let dead: serde_json::Value = serde_json::from_str(&dead).unwrap();
+    assert_eq!(dead["msg"], "not json at all");
+    assert!(dead["reason"].as_str().unwrap().contains("not JSON"));
+    assert_eq!(dead["queue"], "payment_queue");
+    assert_lists_empty(&env, &["c1"]);
+}
+
+#[test]
+fn the_legacy_pool_becomes_order_timeouts() {
+    let mut env = list_env(&[("normal", None)]);
+    env.config.mover.legacy = vec![LegacyPool {
+        key: "delay:order_close".into(),
+        event: "order.timeout".into(),
+    }];
+    let orders = seed_orders(&env.db, 50);
+    let mut con = env.con();
+    let now = delay_worker::now_ms();
+    for (i, o) in orders.iter().enumerate() {
+        // What the PHP does: zAdd('delay:order_close', $ms, 'close_order_'.$id); set(...).
+        let member = format!("close_order_{}", o.id);
+        redis::cmd("SET")
+            .arg(&member)
+            .arg(o.id)
+            .query::<()>(&mut con)
+            .unwrap();
+        let due = if i < 40 { now - 10 } else { now + 3_600_000 };
+        redis::cmd("ZADD")
+            .arg("delay:order_close")
+            .arg(due)
+            .arg(&member)
+            .query::<()>(&mut con)
+            .unwrap();
+    }
+    let daemon = Daemon::start(&env.config);
+    wait_until(WAIT, "the due ones", || inbox_count(&env.db) == 40);
+    daemon.stop();
+    let due: Vec<&SeedOrder> = orders.iter().take(40).collect();
+    assert_accounting(&env.db, &orders, &due);
+    let left: usize = redis::cmd("ZCARD")
+        .arg("delay:order_close")
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(left, 10);
+    let gone: bool = redis::cmd("EXISTS")
+        .arg(format!("close_order_{}", orders[0].id))
+        .query(&mut con)
+        .unwrap();
+    assert!(!gone, "the STRING key goes with its member");
+    let kept: bool = redis::cmd("EXISTS")
+        .arg(format!("close_order_{}", orders[45].id))
+        .query(&mut con)
+        .unwrap();
+    assert!(kept);
+    assert_lists_empty(&env, &["c1"]);
+}
+
+#[test]
+fn payment_racing_timeout_never_both_wins() {
+    let env = list_env(&[("normal", None), ("payment_queue", Some("payment.paid"))]);
+    let orders = seed_orders(&env.db, 400);
+    let daemon = Daemon::start(&env.config);
+    // Both sides at once for every order: the timeout falls due as the payment arrives.
+    push_timeouts(&env, &orders, 0);
+    for o in &orders {
+        lpush(
+            &env,
+            "payment_queue",
+            &format!(r#"{{"order_no":"{}"}}"#, o.order_no),
+        );
+    }
+    wait_until(WAIT, "both events of every order", || {
+        inbox_count(&env.db) == 800
+    });
+    daemon.stop();
+    let mut db = env.db.client();
+    let cancelled_ids: Vec<i64> = db
+        .query("SELECT id FROM orders WHERE status = 'cancelled'", &[])
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let paid: i64 = db
+        .query_one("SELECT count(*) FROM orders WHERE status = 'paid'", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        paid as usize + cancelled_ids.len(),
+        400,
+        "every order ends paid or cancelled"
+    );
+    let reviews: Vec<i64> = db
+        .query("SELECT order_id FROM payment_review", &[])
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let mut a = cancelled_ids.clone();
+    let mut b = reviews.clone();
+    a.sort();
+    b.sort();
+    assert_eq!(
+        a, b,
+        "each cancelled order's payment is up for review, and only those"
+    );
+    let cancelled: Vec<&SeedOrder> = orders
+        .iter()
+        .filter(|o| cancelled_ids.contains(&o.id))
+        .collect();
+    assert_accounting(&env.db, &orders, &cancelled);
+    eprintln!("{} paid first, {} cancelled first", paid, cancelled.len());
+    assert_lists_empty(&env, &["c1"]);
+}
