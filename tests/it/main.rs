@@ -4,6 +4,7 @@ mod support;
 
 mod cli;
 mod consumer;
+mod faults;
 mod list;
 
 mod migrate;

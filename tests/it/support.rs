@@ -177,6 +177,8 @@ fn db_url(name: &str) -> String {
 pub struct TestDb {
     pub name: String,
     pub url: String,
+    /// Dropped on drop (false for a private server's default database).
+    owned: bool,
 }
 
 impl TestDb {
@@ -194,6 +196,7 @@ impl TestDb {
         TestDb {
             url: db_url(&name),
             name,
+            owned: true,
         }
     }
 
@@ -206,6 +209,7 @@ impl TestDb {
         TestDb {
             url: db_url(&name),
             name,
+            owned: true,
         }
     }
 
@@ -216,6 +220,9 @@ impl TestDb {
 
 impl Drop for TestDb {
     fn drop(&mut self) {
+        if !self.owned {
+            return;
+        }
         if let Ok(mut a) = postgres::Client::connect(&admin_url(), NoTls) {
             let _ = a.batch_execute(&format!(
                 "DROP DATABASE IF EXISTS {} WITH (FORCE)",
@@ -574,4 +581,175 @@ pub fn inbox_count(db: &TestDb) -> i64 {
         .query_one("SELECT count(*) FROM worker_inbox", &[])
         .unwrap()
         .get(0)
+}
+
+// ---- a PostgreSQL server of the test's own (for restarts and connection exhaustion) -----
+
+fn pg_bin() -> PathBuf {
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+        .expect("PostgreSQL is not installed: run scripts/services.sh install")
+        .filter_map(|e| e.ok().map(|e| e.path().join("bin")))
+        .filter(|p| p.join("pg_ctl").exists())
+        .collect();
+    dirs.sort();
+    dirs.pop()
+        .expect("no PostgreSQL server binaries under /usr/lib/postgresql")
+}
+
+/// Runs a PostgreSQL tool as the `postgres` user when we are root (the server refuses root).
+fn pg_cmd(tool: &str) -> Command {
+    let path = pg_bin().join(tool);
+    if unsafe { libc::geteuid() } == 0 {
+        let mut c = Command::new("runuser");
+        c.args(["-u", "postgres", "--"]).arg(path);
+        c
+    } else {
+        Command::new(path)
+    }
+}
+
+/// A private PostgreSQL cluster on a free port, migrated, stopped on drop.
+pub struct PgServer {
+    pub port: u16,
+    dir: PathBuf,
+    pub url: String,
+}
+
+impl PgServer {
+    pub fn start(extra: &[&str]) -> PgServer {
+        let dir = std::env::temp_dir().join(unique("dw-pg"));
+        std::fs::create_dir_all(&dir).unwrap();
+        if unsafe { libc::geteuid() } == 0 {
+            let ok = Command::new("chown")
+                .arg("postgres:postgres")
+                .arg(&dir)
+                .status()
+                .unwrap();
+            assert!(ok.success());
+        }
+        let out = pg_cmd("initdb")
+            .arg("-D")
+            .arg(dir.join("data"))
+            .args(["-U", "postgres", "-A", "trust", "--no-sync", "-E", "UTF8"])
+            .output()
+            .expect("initdb");
+        assert!(
+            out.status.success(),
+            "initdb: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let port = free_port();
+        let mut opts = format!(
+            "-c listen_addresses=127.0.0.1 -p {port} -k {} -c fsync=off",
+            dir.display()
+        );
+        for e in extra {
+            opts.push(' ');
+            opts.push_str(e);
+        }
+        std::fs::write(dir.join("opts"), &opts).unwrap();
+        let pg = PgServer {
+            port,
+            url: format!("postgres://postgres@127.0.0.1:{port}/postgres"),
+            dir,
+        };
+        pg.ctl(&["start", "-w", "-t", "60"]);
+        let mut c = postgres::Client::connect(&pg.url, NoTls).unwrap();
+        db::migrate(&mut c).unwrap();
+        pg
+    }
+
+    fn ctl(&self, args: &[&str]) {
+        let opts = std::fs::read_to_string(self.dir.join("opts")).unwrap();
+        let out = pg_cmd("pg_ctl")
+            .arg("-D")
+            .arg(self.dir.join("data"))
+            .arg("-l")
+            .arg(self.dir.join("server.log"))
+            .arg("-o")
+            .arg(opts)
+            .args(args)
+            .output()
+            .expect("pg_ctl");
+        assert!(
+            out.status.success(),
+            "pg_ctl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// Crash-stops the server (immediate shutdown: no clean checkpoint, recovery from WAL
+    /// on start), then starts it again on the same port.
+    pub fn crash_restart(&self, down_for: Duration) {
+        self.ctl(&["stop", "-m", "immediate", "-w"]);
+        std::thread::sleep(down_for);
+        self.ctl(&["start", "-w", "-t", "60"]);
+    }
+
+    /// The same shape as `TestDb`, for the shop fixtures.
+    pub fn db(&self) -> TestDb {
+        TestDb {
+            name: "postgres".into(),
+            url: self.url.clone(),
+            owned: false,
+        }
+    }
+}
+
+impl Drop for PgServer {
+    fn drop(&mut self) {
+        let _ = pg_cmd("pg_ctl")
+            .arg("-D")
+            .arg(self.dir.join("data"))
+            .args(["stop", "-m", "immediate", "-w"])
+            .output();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A directory of SQL handlers for `--handlers-dir`, removed on drop.
+pub struct HandlerDir(pub PathBuf);
+
+impl HandlerDir {
+    pub fn new(files: &[(&str, String)]) -> HandlerDir {
+        let dir = std::env::temp_dir().join(unique("dw-handlers"));
+        std::fs::create_dir_all(&dir).unwrap();
+        for (name, text) in files {
+            std::fs::write(dir.join(name), text).unwrap();
+        }
+        HandlerDir(dir)
+    }
+}
+
+impl Drop for HandlerDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The built-in order.timeout with an extra CTE spliced in front (`name AS (...)`), which
+/// the `target` CTE references so it runs: how a test injects failures or slowness into
+/// the real handler.
+pub fn order_timeout_with(cte: &str, condition: &str) -> String {
+    let sql = include_str!("../../sql/handlers/order.timeout.sql");
+    let sql = sql.replacen("WITH target AS (", &format!("WITH {cte}, target AS ("), 1);
+    sql.replacen(
+        "    LIMIT 1\n), cancelled",
+        &format!("      AND {condition}\n    LIMIT 1\n), cancelled"),
+        1,
+    )
+}
+
+/// Pushed = done + dead-lettered + still scheduled, and nothing stuck pending.
+pub fn assert_all_accounted(env_redis: &Env, db: &TestDb, pushed: usize) {
+    let b = books(env_redis);
+    let done = inbox_count(db) as usize;
+    assert_eq!(b.stream_pending, 0, "nothing stuck pending");
+    assert_eq!(
+        done + b.dead + b.pool,
+        pushed,
+        "pushed {pushed} = done {done} + dead {} + scheduled {}",
+        b.dead,
+        b.pool
+    );
 }

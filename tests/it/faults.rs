@@ -1,0 +1,268 @@
+//! The fault suite: each scenario runs under a real load of order timeouts and ends with
+//! the accounting — every order that should be cancelled is cancelled once, stock and
+//! coupons add up, and pushed = done + dead-lettered + still scheduled with nothing pending.
+//! (Redis restarted with AOF, a PostgreSQL outage, kill -9 then restart and SIGTERM during
+//! a burst are in consumer.rs; list-mode crashes in list.rs.)
+
+use crate::support::*;
+use std::time::Duration;
+
+const WAIT: Duration = Duration::from_secs(90);
+
+fn all(orders: &[SeedOrder]) -> Vec<&SeedOrder> {
+    orders.iter().collect()
+}
+
+#[test]
+fn kill_9_five_times_in_a_row_during_a_backlog() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 3000);
+    push_timeouts(&env, &orders, 0);
+    for round in 0..5 {
+        let before = inbox_count(&env.db);
+        let mut p = Proc::start(&env.config, &[]);
+        wait_until(WAIT, "progress", || {
+            inbox_count(&env.db) >= before + 150
+                || books(&env).pool == 0
+                    && books(&env).stream_pending == 0
+                    && inbox_count(&env.db) == 3000
+        });
+        p.kill9();
+        eprintln!("round {round}: killed at {} done", inbox_count(&env.db));
+    }
+    let mut p = Proc::start(&env.config, &[]);
+    wait_until(WAIT, "the rest", || {
+        inbox_count(&env.db) == 3000 && books(&env).stream_pending == 0
+    });
+    p.signal(libc::SIGTERM);
+    assert!(p.wait(WAIT).success());
+    assert_accounting(&env.db, &orders, &all(&orders));
+    assert_all_accounted(&env, &env.db, 3000);
+    assert_eq!(books(&env).dead, 0);
+}
+
+#[test]
+fn two_workers_one_killed_and_never_restarted() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 2000);
+    let paid: Vec<SeedOrder> = orders.iter().step_by(3).cloned().collect();
+    pay(&env.db, &paid);
+    push_timeouts(&env, &orders, 0);
+    let mut a = env.config.clone();
+    a.consumer = "host-a".into();
+    let mut b = env.config.clone();
+    b.consumer = "host-b".into();
+    let mut pa = Proc::start(&a, &[]);
+    let mut pb = Proc::start(&b, &[]);
+    wait_until(WAIT, "load", || inbox_count(&env.db) > 300);
+    pa.kill9();
+    // host-b takes over host-a's pending entries once host-a's heartbeat (2 s) expires,
+    // without waiting for --claim-idle (60 s).
+    wait_until(WAIT, "every job", || {
+        inbox_count(&env.db) == 2000 && books(&env).stream_pending == 0
+    });
+    pb.signal(libc::SIGTERM);
+    assert!(pb.wait(WAIT).success());
+    let cancelled: Vec<&SeedOrder> = orders
+        .iter()
+        .filter(|o| !paid.iter().any(|p| p.id == o.id))
+        .collect();
+    assert_accounting(&env.db, &orders, &cancelled);
+    assert_all_accounted(&env, &env.db, 2000);
+}
+
+#[test]
+fn redis_client_connections_killed_mid_run() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 1500);
+    push_timeouts(&env, &orders, 0);
+    let daemon = Daemon::start(&env.config);
+    for _ in 0..5 {
+        let before = inbox_count(&env.db);
+        wait_until(WAIT, "progress", || {
+            inbox_count(&env.db) > before || inbox_count(&env.db) == 1500
+        });
+        let mut con = env.con();
+        let _: redis::Value = redis::cmd("CLIENT")
+            .arg("KILL")
+            .arg("TYPE")
+            .arg("normal")
+            .query(&mut con)
+            .unwrap_or(redis::Value::Nil);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    wait_until(WAIT, "every job", || {
+        inbox_count(&env.db) == 1500 && books(&env).stream_pending == 0 && books(&env).pool == 0
+    });
+    let report = daemon.stop();
+    assert_accounting(&env.db, &orders, &all(&orders));
+    assert_all_accounted(&env, &env.db, 1500);
+    assert_eq!(report.stats.dead, 0, "{}", report.stats);
+}
+
+#[test]
+fn postgres_restarted_mid_run() {
+    let mut env = Env::new();
+    let pg = PgServer::start(&[]);
+    env.db = pg.db();
+    env.config.database_url = pg.url.clone();
+    let orders = seed_orders(&env.db, 1500);
+    push_timeouts(&env, &orders, 0);
+    let daemon = Daemon::start(&env.config);
+    wait_until(WAIT, "progress", || inbox_count(&env.db) > 200);
+    pg.crash_restart(Duration::from_millis(1500));
+    wait_until(WAIT, "every job", || {
+        inbox_count(&env.db) == 1500 && books(&env).stream_pending == 0 && books(&env).pool == 0
+    });
+    let report = daemon.stop();
+    assert_accounting(&env.db, &orders, &all(&orders));
+    assert_all_accounted(&env, &env.db, 1500);
+    assert_eq!(
+        report.stats.dead, 0,
+        "no job dead-lettered by an outage: {}",
+        report.stats
+    );
+}
+
+#[test]
+fn postgres_out_of_connections_for_a_while() {
+    let mut env = Env::new();
+    let pg = PgServer::start(&[
+        "-c max_connections=12",
+        "-c superuser_reserved_connections=0",
+    ]);
+    env.db = pg.db();
+    env.config.database_url = pg.url.clone();
+    let orders = seed_orders(&env.db, 1500);
+    push_timeouts(&env, &orders, 0);
+    let daemon = Daemon::start(&env.config);
+    wait_until(WAIT, "progress", || inbox_count(&env.db) > 200);
+    // Take every free connection slot, then cut the worker's connections: they cannot
+    // come back until the slots are released.
+    let mut hogs = Vec::new();
+    while let Ok(c) = postgres::Client::connect(&pg.url, postgres::NoTls) {
+        hogs.push(c);
+    }
+    // Cut the worker's connections and take the slots they free, until the worker holds
+    // none (it races us for them).
+    let worker_conns = |c: &mut postgres::Client| -> i64 {
+        c.query_one(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'delay-worker'",
+            &[],
+        )
+        .unwrap()
+        .get(0)
+    };
+    for _ in 0..50 {
+        if worker_conns(&mut hogs[0]) == 0 {
+            break;
+        }
+        hogs[0]
+            .execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'delay-worker'", &[])
+            .unwrap();
+        while let Ok(c) = postgres::Client::connect(&pg.url, postgres::NoTls) {
+            hogs.push(c);
+        }
+    }
+    assert_eq!(
+        worker_conns(&mut hogs[0]),
+        0,
+        "the worker holds no connection"
+    );
+    let stalled = inbox_count_via(&mut hogs[0]);
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(
+        inbox_count_via(&mut hogs[0]) - stalled < 50,
+        "no connections, (almost) no progress"
+    );
+    drop(hogs);
+    wait_until(WAIT, "every job", || {
+        inbox_count(&env.db) == 1500 && books(&env).stream_pending == 0 && books(&env).pool == 0
+    });
+    let report = daemon.stop();
+    assert_accounting(&env.db, &orders, &all(&orders));
+    assert_all_accounted(&env, &env.db, 1500);
+    assert_eq!(report.stats.dead, 0, "{}", report.stats);
+}
+
+fn inbox_count_via(c: &mut postgres::Client) -> i64 {
+    c.query_one("SELECT count(*) FROM worker_inbox", &[])
+        .unwrap()
+        .get(0)
+}
+
+#[test]
+fn a_handler_failing_transiently_for_30_percent_of_jobs() {
+    let mut env = Env::new();
+    env.db
+        .client()
+        .batch_execute(
+            "CREATE FUNCTION chaos() RETURNS boolean LANGUAGE plpgsql VOLATILE AS $$
+             BEGIN
+               IF random() < 0.3 THEN
+                 RAISE EXCEPTION 'injected serialization failure' USING ERRCODE = '40001';
+               END IF;
+               RETURN true;
+             END $$",
+        )
+        .unwrap();
+    let dir = HandlerDir::new(&[(
+        "order.timeout.sql",
+        order_timeout_with("chaos AS (SELECT chaos() AS ok)", "(SELECT ok FROM chaos)"),
+    )]);
+    env.config.handlers_dir = Some(dir.0.clone());
+    env.config.jobs.max_retries = 12;
+    env.config.jobs.retry_base = Duration::from_millis(20);
+    env.config.jobs.retry_cap = Duration::from_millis(200);
+    let orders = seed_orders(&env.db, 1000);
+    push_timeouts(&env, &orders, 0);
+    let daemon = Daemon::start(&env.config);
+    wait_until(WAIT, "every job", || {
+        inbox_count(&env.db) == 1000 && books(&env).pool == 0 && books(&env).stream_pending == 0
+    });
+    let report = daemon.stop();
+    eprintln!("{}", report.stats);
+    assert!(
+        report.stats.retried > 150,
+        "a retry storm happened: {}",
+        report.stats
+    );
+    assert_eq!(report.stats.dead, 0);
+    assert_accounting(&env.db, &orders, &all(&orders));
+    assert_all_accounted(&env, &env.db, 1000);
+}
+
+#[test]
+fn a_handler_slower_than_claim_idle_is_reclaimed_by_a_second_worker() {
+    let mut env = Env::new();
+    let dir = HandlerDir::new(&[(
+        "order.timeout.sql",
+        order_timeout_with(
+            "slow AS (SELECT pg_sleep(CASE WHEN $1 ->> 'order_no' LIKE '%7' THEN 2.5 ELSE 0 END) AS s)",
+            "(SELECT true FROM slow)",
+        ),
+    )]);
+    env.config.handlers_dir = Some(dir.0.clone());
+    env.config.reader.claim_idle = Duration::from_secs(1);
+    env.config.jobs.statement_timeout = Duration::from_secs(10);
+    let orders = seed_orders(&env.db, 100);
+    let mut a = env.config.clone();
+    a.consumer = "host-a".into();
+    let mut b = env.config.clone();
+    b.consumer = "host-b".into();
+    let da = Daemon::start(&a);
+    let db_ = Daemon::start(&b);
+    push_timeouts(&env, &orders, 0);
+    wait_until(WAIT, "every job", || {
+        inbox_count(&env.db) == 100 && books(&env).stream_pending == 0
+    });
+    let ra = da.stop();
+    let rb = db_.stop();
+    let reclaimed = ra.stats.reclaimed + rb.stats.reclaimed;
+    let duplicates = ra.stats.duplicate + rb.stats.duplicate;
+    eprintln!("a: {}\nb: {}", ra.stats, rb.stats);
+    assert!(reclaimed >= 1, "slow entries were reclaimed");
+    assert!(duplicates >= 1, "and their second run had no effect");
+    assert_accounting(&env.db, &orders, &all(&orders));
+    assert_all_accounted(&env, &env.db, 100);
+}
