@@ -5,8 +5,10 @@ mod support;
 mod cli;
 mod consumer;
 mod faults;
+mod hostile;
 mod list;
 
 mod migrate;
 mod mover;
+mod ops;
 mod producer;
