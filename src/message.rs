@@ -147,7 +147,7 @@ impl Envelope {
     /// fields kept, `retry` raised by one.
     pub fn next_retry(&self) -> String {
         let mut raw = self.raw.clone();
-        raw.insert("retry".into(), Value::from(self.retry + 1));
+        raw.insert("retry".into(), Value::from(self.retry.saturating_add(1)));
         Value::Object(raw).to_string()
     }
 
