@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Private Redis and PostgreSQL on loopback, for development, the tests and the demo.
 #
-#   scripts/services.sh install        apt-get install redis-server postgresql if missing
+#   scripts/services.sh install        apt-get install redis-server postgresql systemd if missing
 #   scripts/services.sh start [--fast] start both (idempotent); --fast turns off fsync (tests)
 #   scripts/services.sh stop           stop both
 #   scripts/services.sh status         say what runs
@@ -31,14 +31,15 @@ as_pg() {
 }
 
 install() {
-  if command -v redis-server >/dev/null && [ -n "$(pg_bin)" ]; then
+  # systemd only for `systemd-analyze verify` of scripts/worker.service in the tests.
+  if command -v redis-server >/dev/null && [ -n "$(pg_bin)" ] && command -v systemd-analyze >/dev/null; then
     return 0
   fi
-  [ "$(id -u)" = 0 ] || die "redis-server or postgresql is missing; run as root to install them"
-  echo "services: installing redis-server and postgresql (apt-get)"
+  [ "$(id -u)" = 0 ] || die "redis-server, postgresql or systemd-analyze is missing; run as root to install them"
+  echo "services: installing redis-server, postgresql and systemd (apt-get)"
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
-  apt-get install -y -qq redis-server postgresql >/dev/null
+  apt-get install -y -qq redis-server postgresql systemd >/dev/null
   # The packages start their own servers where systemd runs; ours are separate.
 }
 

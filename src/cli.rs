@@ -40,6 +40,10 @@ pub enum Command {
         #[arg(long)]
         key: String,
     },
+    /// Queue figures (stream, group, consumers, pool, dead letters); --watch, --check.
+    Stats(crate::admin::StatsArgs),
+    /// List, show, requeue or purge the dead letters.
+    Dead(crate::admin::DeadArgs),
 }
 
 #[derive(Args, Debug)]
@@ -163,6 +167,10 @@ pub struct RunArgs {
     /// TTL of this consumer's heartbeat key; peers take over its entries once expired.
     #[arg(long, default_value = "10s", value_parser = parse_duration, global = true)]
     pub heartbeat_ttl: Duration,
+    /// Trim acknowledged stream entries older than this (0 keeps all). Pending and
+    /// undelivered entries are never trimmed; dead letters never automatically.
+    #[arg(long, default_value = "24h", value_parser = parse_duration, global = true)]
+    pub retention: Duration,
     /// Retries of a transient failure before the dead letters.
     #[arg(long, default_value_t = 3, global = true)]
     pub max_retries: u32,
@@ -187,6 +195,10 @@ pub struct RunArgs {
     /// How often to log the counters.
     #[arg(long, default_value = "60s", value_parser = parse_duration, global = true)]
     pub stats_interval: Duration,
+    /// Serve Prometheus metrics on /metrics and a health check on /healthz at this
+    /// address, e.g. 127.0.0.1:9187 [default: off].
+    #[arg(long, global = true)]
+    pub metrics_addr: Option<std::net::SocketAddr>,
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -369,6 +381,7 @@ impl Cli {
             claim_idle: r.claim_idle,
             max_deliveries: r.max_deliveries,
             heartbeat_ttl: r.heartbeat_ttl,
+            retention: r.retention,
         };
         config.jobs = JobConfig {
             max_retries: r.max_retries,
@@ -380,6 +393,14 @@ impl Cli {
         config.handlers_dir = r.handlers_dir.clone();
         config.noop_events = r.noop_event.clone();
         config.stats_interval = r.stats_interval.max(Duration::from_secs(1));
+        if let Some(a) = r.metrics_addr {
+            check(
+                a.port() != 0,
+                "--metrics-addr",
+                "must name a port, e.g. 127.0.0.1:9187",
+            )?;
+        }
+        config.metrics_addr = r.metrics_addr;
         Ok(config)
     }
 }

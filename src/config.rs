@@ -47,6 +47,8 @@ pub struct Config {
     pub stats_interval: Duration,
     /// Whether this process runs a mover thread (any number of processes may).
     pub run_mover: bool,
+    /// Where `/metrics` and `/healthz` are served (`--metrics-addr`); off when `None`.
+    pub metrics_addr: Option<std::net::SocketAddr>,
 }
 
 #[derive(Clone, Debug)]
@@ -74,6 +76,9 @@ pub struct ReaderConfig {
     pub max_deliveries: u64,
     /// TTL of this consumer's heartbeat key; peers take over our entries once it expires.
     pub heartbeat_ttl: Duration,
+    /// Acknowledged stream entries older than this are trimmed (never a pending or
+    /// undelivered one). Zero keeps everything.
+    pub retention: Duration,
 }
 
 #[derive(Clone, Debug)]
@@ -109,6 +114,7 @@ impl Default for ReaderConfig {
             claim_idle: Duration::from_secs(60),
             max_deliveries: 10,
             heartbeat_ttl: Duration::from_secs(10),
+            retention: Duration::from_secs(24 * 3600),
         }
     }
 }
@@ -142,6 +148,7 @@ impl Config {
             noop_events: Vec::new(),
             stats_interval: Duration::from_secs(60),
             run_mover: true,
+            metrics_addr: None,
         }
     }
 

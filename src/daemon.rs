@@ -6,6 +6,10 @@
 //! the reader and `threads` workers, all named, and logs the counters every
 //! `stats_interval` until shutdown. A role that panics triggers shutdown, so the others
 //! stop too instead of leaving a half-dead daemon; `run` then returns the error.
+//!
+//! Under systemd the main thread also tells readiness, pings the watchdog while the roles
+//! make progress and reports a status line (`notify.rs`); with `--metrics-addr` one more
+//! thread serves `/metrics` and `/healthz` (`metrics.rs`).
 
 use crate::config::Source;
 use crate::config::{redact_url, Config};
@@ -13,7 +17,9 @@ use crate::db::{self, DbError};
 use crate::handlers::sql::{SqlHandler, SqlHandlerError};
 use crate::handlers::Registry;
 use crate::list::ListReader;
+use crate::metrics::{self, Metrics};
 use crate::mover::Mover;
+use crate::notify::Notifier;
 use crate::reader::{self, Delivery, Feed, Reader};
 use crate::shutdown::Shutdown;
 use crate::stats::{Snapshot, Stats};
@@ -38,6 +44,8 @@ pub enum DaemonError {
     Session(#[from] SessionError),
     #[error("the {0} thread panicked; the daemon stopped")]
     Panicked(String),
+    #[error(transparent)]
+    Metrics(#[from] metrics::MetricsError),
 }
 
 /// What a run did, for the exit log and the tests.
@@ -167,6 +175,10 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<Report, DaemonError> 
     log::info!("handlers: {}", registry.events().join(", "));
 
     let stats = Stats::default();
+    let metrics = Metrics::new(registry.events());
+    // The roles' heartbeats start now: one that never completes a step counts as stalled.
+    Stats::beat(&stats.reader_beat_ms);
+    Stats::beat(&stats.mover_beat_ms);
     let drained = AtomicU64::new(0);
     let (tx, rx) = crossbeam_channel::bounded::<Delivery>(config.channel_capacity());
     let (space_tx, space_rx) = crossbeam_channel::bounded::<()>(1);
@@ -180,6 +192,26 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<Report, DaemonError> 
         redis: &client,
         shutdown,
         drained: &drained,
+        metrics: &metrics,
+    };
+    // Bound before any thread starts, so a port in use stops the start with one line.
+    let server = match config.metrics_addr {
+        Some(addr) => Some(metrics::Server::bind(
+            addr,
+            metrics::Sources {
+                metrics: &metrics,
+                stats: &stats,
+                config,
+                pool: &pool,
+                redis: &client,
+                depth: Box::new({
+                    let rx = rx.clone();
+                    move || rx.len()
+                }),
+                capacity: config.channel_capacity(),
+            },
+        )?),
+        None => None,
     };
     let started = Instant::now();
 
@@ -201,6 +233,7 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<Report, DaemonError> 
                     reader::run(
                         Reader::new(keys, cfg, consumer, stats, feed),
                         client,
+                        stats,
                         shutdown,
                     )
                 }),
@@ -208,6 +241,7 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<Report, DaemonError> 
                     reader::run(
                         ListReader::new(keys, cfg, consumer, stats, feed),
                         client,
+                        stats,
                         shutdown,
                     )
                 }),
@@ -219,7 +253,14 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<Report, DaemonError> 
                 Worker::new(i, ctx).run(&rx, &space_tx)
             }));
         }
-        drop(rx);
+        if let Some(server) = &server {
+            spawned.push(spawn_role(s, shutdown, "metrics".into(), move || {
+                server.run(shutdown)
+            }));
+        }
+        // `rx` stays here for the channel depth of the status line. A receiver that never
+        // receives holds nobody up: the reader sends only what fits, and the workers stop
+        // when the sender is gone, however many receivers remain.
         for r in spawned {
             match r {
                 Ok(h) => handles.push(h),
@@ -230,14 +271,23 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<Report, DaemonError> 
             }
         }
 
+        let mut notifier = Notifier::from_env();
+        notifier.ready(&stats, rx.len());
         let mut last = stats.snapshot();
-        while !shutdown.wait(config.stats_interval) {
+        let mut logged = Instant::now();
+        while !shutdown.wait(notifier.tick_interval(config.stats_interval)) {
+            notifier.tick(&stats, config, rx.len());
+            if logged.elapsed() < config.stats_interval {
+                continue;
+            }
+            logged = Instant::now();
             let now = stats.snapshot();
             if now != last {
                 log::info!("stats: {now}");
             }
             last = now;
         }
+        notifier.stopping();
         log::info!("shutdown requested; draining the jobs already read");
         handles
             .into_iter()

@@ -22,7 +22,10 @@
 //! - `mover.rs`, `reader.rs`, `workers.rs` — the three roles; `daemon.rs` runs them.
 //! - `handlers/` — what a job does in PostgreSQL; `db.rs` — pool, migrations, errors.
 //! - `shutdown.rs`, `backoff.rs`, `stats.rs` — the small shared pieces.
+//! - `admin/` — the operator's tools: `worker stats` (`--watch`, `--check`), `worker dead`.
+//! - `notify.rs` — systemd readiness and watchdog; `metrics.rs` — `/metrics` and `/healthz`.
 
+pub mod admin;
 pub mod backoff;
 pub mod cli;
 pub mod config;
@@ -33,7 +36,9 @@ pub mod handlers;
 pub mod keys;
 pub mod list;
 pub mod message;
+pub mod metrics;
 pub mod mover;
+pub mod notify;
 pub mod producer;
 pub mod reader;
 pub mod shutdown;

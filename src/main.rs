@@ -7,7 +7,7 @@
 use anyhow::Context;
 use clap::Parser;
 use delay_worker::cli::{Cli, Command, PushArgs};
-use delay_worker::{daemon, db, producer, Config, Shutdown};
+use delay_worker::{admin, daemon, db, producer, Config, Shutdown};
 use std::io::Write;
 use std::process::ExitCode;
 
@@ -33,6 +33,8 @@ fn main() -> ExitCode {
         Some(Command::Migrate) => migrate(&config),
         Some(Command::Push(ref args)) => push(&config, args),
         Some(Command::Cancel { ref key }) => cancel(&config, key),
+        Some(Command::Stats(ref args)) => admin::stats(&config, args),
+        Some(Command::Dead(ref args)) => admin::dead(&config, args),
     };
     match result {
         Ok(code) => code,

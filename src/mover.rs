@@ -95,6 +95,7 @@ impl<'a> Mover<'a> {
                 None => match store::connect(client) {
                     Ok(c) => con.insert(c),
                     Err(e) => {
+                        self.stats.redis_failure(&backoff);
                         backoff.fail("cannot connect to redis", &e, shutdown);
                         continue;
                     }
@@ -103,12 +104,14 @@ impl<'a> Mover<'a> {
             match self.tick(c, crate::now_ms()) {
                 Ok((_, sleep)) => {
                     backoff.reset();
+                    Stats::beat(&self.stats.mover_beat_ms);
                     if !sleep.is_zero() {
                         shutdown.wait(sleep);
                     }
                 }
                 Err(e) => {
                     con = None;
+                    self.stats.redis_failure(&backoff);
                     backoff.fail("move_due failed", &e, shutdown);
                 }
             }

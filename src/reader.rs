@@ -54,9 +54,12 @@ impl<'a> Feed<'a> {
     /// Waits until a worker takes a job, at most `d`.
     pub fn wait_for_room(&self, d: Duration) {
         let _ = self.space.recv_timeout(d);
+        // Every successful reader step ends here or in `send`: the watchdog's sign of life.
+        Stats::beat(&self.stats.reader_beat_ms);
     }
 
     pub fn send(&self, entries: Vec<Delivery>) -> Result<usize, StepError> {
+        Stats::beat(&self.stats.reader_beat_ms);
         let n = entries.len();
         for d in entries {
             self.tx.send(d).map_err(|_| StepError::PoolGone)?;
@@ -89,6 +92,7 @@ pub struct Reader<'a> {
     feed: Feed<'a>,
     autoclaim_cursor: String,
     last_maintenance: Option<Instant>,
+    last_trim: Option<Instant>,
 }
 
 /// Why a reader step stopped.
@@ -122,6 +126,7 @@ impl<'a> Reader<'a> {
             feed,
             autoclaim_cursor: "0-0".to_string(),
             last_maintenance: None,
+            last_trim: None,
         }
     }
 
@@ -214,6 +219,10 @@ impl<'a> Reader<'a> {
         let mut n = self.take_over_dead_consumers(con)?;
         self.dead_letter_overdelivered(con, self.cfg.claim_idle.as_millis() as u64, None)?;
         n += self.autoclaim(con)?;
+        if self.last_trim.is_none_or(|t| t.elapsed() >= TRIM_EVERY) {
+            self.last_trim = Some(Instant::now());
+            trim_acknowledged(con, self.keys, self.cfg.retention, crate::now_ms())?;
+        }
         Ok(n)
     }
 
@@ -476,7 +485,7 @@ impl Source for Reader<'_> {
 /// The reader thread body: start-up recovery, then `poll` until shutdown. Redis errors back
 /// off (capped, with jitter) and reconnect; the outage is logged once. Returning drops the
 /// source and with it the channel's `Sender`.
-pub fn run(mut source: impl Source, client: &redis::Client, shutdown: &Shutdown) {
+pub fn run(mut source: impl Source, client: &redis::Client, stats: &Stats, shutdown: &Shutdown) {
     let role = source.role();
     let mut backoff = Backoff::new(role);
     let mut con: Option<Connection> = None;
@@ -487,6 +496,7 @@ pub fn run(mut source: impl Source, client: &redis::Client, shutdown: &Shutdown)
             None => match store::connect_with(client, source.io_timeout()) {
                 Ok(c) => con.insert(c),
                 Err(e) => {
+                    stats.redis_failure(&backoff);
                     backoff.fail("cannot connect to redis", &e, shutdown);
                     continue;
                 }
@@ -507,6 +517,7 @@ pub fn run(mut source: impl Source, client: &redis::Client, shutdown: &Shutdown)
                 // as at start. Messages still in the pool come twice; the inbox and the
                 // guarded settle scripts make that harmless.
                 started = false;
+                stats.redis_failure(&backoff);
                 backoff.fail("read failed", &e, shutdown);
             }
         }
@@ -559,6 +570,100 @@ fn parse_entries(v: Value, out: &mut Vec<Delivery>, gone: &mut Vec<String>) {
     }
 }
 
+/// How often the reader trims the stream; retention is counted in hours, so once a minute
+/// is plenty.
+const TRIM_EVERY: Duration = Duration::from_secs(60);
+
+/// Trims acknowledged entries older than `retention` from the stream: XTRIM MINID to the
+/// oldest of (now - retention, every group's oldest pending entry, every group's first
+/// undelivered entry). So an entry still pending or not yet read by any group is never
+/// trimmed. Exact trimming costs more than `~`, but this runs once a minute and `~` would
+/// keep a small stream whole. Returns the entries removed.
+pub fn trim_acknowledged(
+    con: &mut Connection,
+    keys: &Keys,
+    retention: Duration,
+    now_ms: i64,
+) -> RedisResult<u64> {
+    if retention.is_zero() {
+        return Ok(0);
+    }
+    let mut bound = StreamId::ms(now_ms - retention.as_millis() as i64);
+    let groups: Value = redis::cmd("XINFO")
+        .arg("GROUPS")
+        .arg(&keys.stream)
+        .query(con)?;
+    let Value::Array(groups) = groups else {
+        return Ok(0);
+    };
+    for g in groups {
+        let fields = kv_fields(g);
+        let get = |name: &str| fields.iter().find(|(k, _)| k == name).map(|(_, v)| v);
+        let name = get("name").map(value_to_string).unwrap_or_default();
+        // Entries after last-delivered-id have not been read by this group yet.
+        if let Some(last) = get("last-delivered-id").map(value_to_string) {
+            bound = bound.min(StreamId::parse(&last).next());
+        }
+        let summary: Value = redis::cmd("XPENDING")
+            .arg(&keys.stream)
+            .arg(&name)
+            .query(con)?;
+        if let Value::Array(s) = summary {
+            if let Some(oldest) = s.get(1).map(value_to_string).filter(|s| !s.is_empty()) {
+                bound = bound.min(StreamId::parse(&oldest));
+            }
+        }
+    }
+    let removed: u64 = redis::cmd("XTRIM")
+        .arg(&keys.stream)
+        .arg("MINID")
+        .arg(bound.to_string())
+        .query(con)?;
+    if removed > 0 {
+        log::info!("reader: trimmed {removed} acknowledged stream entries older than the retention");
+    }
+    Ok(removed)
+}
+
+/// A stream entry id `ms-seq`, ordered as Redis orders them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct StreamId(u64, u64);
+
+impl StreamId {
+    fn ms(ms: i64) -> StreamId {
+        StreamId(ms.max(0) as u64, 0)
+    }
+    fn parse(s: &str) -> StreamId {
+        let (a, b) = s.split_once('-').unwrap_or((s, "0"));
+        StreamId(a.parse().unwrap_or(0), b.parse().unwrap_or(0))
+    }
+    fn next(self) -> StreamId {
+        StreamId(self.0, self.1.saturating_add(1))
+    }
+}
+
+impl std::fmt::Display for StreamId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}-{}", self.0, self.1)
+    }
+}
+
+/// The field/value pairs of an XINFO reply entry (RESP2 flat array or RESP3 map).
+fn kv_fields(v: Value) -> Vec<(String, Value)> {
+    match v {
+        Value::Array(kv) => {
+            let mut out = Vec::new();
+            let mut it = kv.into_iter();
+            while let (Some(k), Some(val)) = (it.next(), it.next()) {
+                out.push((value_to_string(&k), val));
+            }
+            out
+        }
+        Value::Map(kv) => kv.into_iter().map(|(k, v)| (value_to_string(&k), v)).collect(),
+        _ => Vec::new(),
+    }
+}
+
 /// One consumer of the group, from XINFO CONSUMERS.
 #[derive(Debug, Clone)]
 pub struct ConsumerInfo {
@@ -578,21 +683,10 @@ pub fn consumers(con: &mut Connection, keys: &Keys) -> RedisResult<Vec<ConsumerI
     };
     let mut out = Vec::new();
     for c in list {
-        let fields: Vec<(String, Value)> = match c {
-            Value::Array(kv) => {
-                let mut v = Vec::new();
-                let mut it = kv.into_iter();
-                while let (Some(k), Some(val)) = (it.next(), it.next()) {
-                    v.push((value_to_string(&k), val));
-                }
-                v
-            }
-            Value::Map(kv) => kv
-                .into_iter()
-                .map(|(k, v)| (value_to_string(&k), v))
-                .collect(),
-            _ => continue,
-        };
+        let fields = kv_fields(c);
+        if fields.is_empty() {
+            continue;
+        }
         let get = |name: &str| fields.iter().find(|(k, _)| k == name).map(|(_, v)| v);
         let int = |name: &str| match get(name) {
             Some(Value::Int(n)) => *n as u64,

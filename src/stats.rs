@@ -27,6 +27,19 @@ pub struct Stats {
     pub dead: AtomicU64,
     /// Written by workers: entries acknowledged in Redis.
     pub acked: AtomicU64,
+    /// Written by every Redis loop (mover, reader, workers' settle) when an outage starts
+    /// (the first failure after a success, see [`Stats::redis_failure`]); read by metrics.
+    pub redis_reconnects: AtomicU64,
+    /// Written by the reader (unix ms) whenever it hands messages to the pool or waits for
+    /// room, which every successful step ends in; read by the watchdog (`notify::live`):
+    /// a stale stamp means a stuck reader or a Redis outage.
+    pub reader_beat_ms: AtomicU64,
+    /// Written by the mover after every successful tick (unix ms); read like the above.
+    pub mover_beat_ms: AtomicU64,
+    /// Workers now holding a job while they cannot get a PostgreSQL session: each raises
+    /// it when its outage starts and lowers it when it ends. Read by the watchdog and
+    /// metrics; left as is at shutdown.
+    pub db_waiting: AtomicU64,
 }
 
 /// A copy of the counters at one moment.
@@ -47,6 +60,19 @@ pub struct Snapshot {
 impl Stats {
     pub fn add(counter: &AtomicU64, n: u64) {
         counter.fetch_add(n, Relaxed);
+    }
+
+    /// Stamps a role's heartbeat with the current time.
+    pub fn beat(stamp: &AtomicU64) {
+        stamp.store(crate::now_ms().max(0) as u64, Relaxed);
+    }
+
+    /// Counts a Redis outage if `backoff` is not in one yet; call right before
+    /// `Backoff::fail` on a Redis error.
+    pub fn redis_failure(&self, backoff: &crate::backoff::Backoff) {
+        if !backoff.in_outage() {
+            Self::add(&self.redis_reconnects, 1);
+        }
     }
 
     pub fn snapshot(&self) -> Snapshot {

@@ -25,6 +25,7 @@ use crate::delivery::{Origin, Outcome, Settlement};
 use crate::handlers::{Effect, Registry};
 use crate::keys::Keys;
 use crate::message::{Envelope, Rejection};
+use crate::metrics::{JobOutcome, Metrics};
 use crate::shutdown::Shutdown;
 use crate::stats::Stats;
 use crate::store;
@@ -49,6 +50,8 @@ pub struct PoolContext<'a> {
     pub shutdown: &'a Shutdown,
     /// Jobs finished after shutdown was requested (the drain), for the exit log.
     pub drained: &'a AtomicU64,
+    /// Per-job figures for `/metrics` (atomics; recorded once each job's outcome is known).
+    pub metrics: &'a Metrics,
 }
 
 /// A worker's PostgreSQL connection with its statements prepared once.
@@ -240,16 +243,19 @@ impl<'a> Worker<'a> {
         };
         match result {
             JobResult::Committed(effect) => {
-                let counter = match effect {
-                    Effect::Applied => &stats.done,
-                    Effect::NoOp => &stats.noop,
+                let (counter, outcome) = match effect {
+                    Effect::Applied => (&stats.done, JobOutcome::Done),
+                    Effect::NoOp => (&stats.noop, JobOutcome::NoOp),
                 };
                 Stats::add(counter, 1);
+                self.ctx.metrics.job(&env.event, outcome);
+                self.ctx.metrics.lateness(d.due_ms, crate::now_ms());
                 log::debug!("job {key} {} {effect:?}", env.event);
                 Some(Settlement::new(d, Outcome::Ack))
             }
             JobResult::Duplicate => {
                 Stats::add(&stats.duplicate, 1);
+                self.ctx.metrics.job(&env.event, JobOutcome::Duplicate);
                 log::debug!("job {key} {} duplicate (already in the inbox)", env.event);
                 Some(Settlement::new(d, Outcome::Ack))
             }
@@ -270,6 +276,7 @@ impl<'a> Worker<'a> {
                     delay.as_secs_f64()
                 );
                 Stats::add(&stats.retried, 1);
+                self.ctx.metrics.job(&env.event, JobOutcome::Retry);
                 let retry = Outcome::Retry {
                     msg: env.next_retry().into_bytes(),
                     due_ms: crate::now_ms() + delay.as_millis() as i64,
@@ -303,6 +310,9 @@ impl<'a> Worker<'a> {
                 Some(s) => s,
                 None => match Session::open(self.ctx.db, self.ctx.registry) {
                     Ok(s) => {
+                        if self.db_backoff.in_outage() {
+                            self.ctx.stats.db_waiting.fetch_sub(1, Ordering::Relaxed);
+                        }
                         self.db_backoff.reset();
                         self.session.insert(s)
                     }
@@ -310,6 +320,9 @@ impl<'a> Worker<'a> {
                         // The database is unreachable or out of connections (handler SQL
                         // was checked at start): hold the job, which is back-pressure on
                         // the reader, instead of spending its retries.
+                        if !self.db_backoff.in_outage() {
+                            Stats::add(&self.ctx.stats.db_waiting, 1);
+                        }
                         if self
                             .db_backoff
                             .fail("no database session", &e, self.ctx.shutdown)
@@ -320,13 +333,17 @@ impl<'a> Worker<'a> {
                     }
                 },
             };
-            return Some(run_job(session, index, handler, key, env));
+            let started = std::time::Instant::now();
+            let result = run_job(session, index, handler, key, env);
+            self.ctx.metrics.handler_time(&env.event, started.elapsed());
+            return Some(result);
         }
     }
 
     fn dead(&self, d: Delivery, reason: String, event: String, attempts: u64) -> Settlement {
         log::warn!("job {} {event} dead-lettered: {reason}", key_text(&d.key));
         Stats::add(&self.ctx.stats.dead, 1);
+        self.ctx.metrics.job(&event, JobOutcome::Dead);
         Settlement::new(
             d,
             Outcome::Dead {
@@ -350,6 +367,7 @@ impl<'a> Worker<'a> {
                 None => match store::connect(self.ctx.redis) {
                     Ok(c) => self.redis.insert(c),
                     Err(e) => {
+                        self.ctx.stats.redis_failure(&self.redis_backoff);
                         if self
                             .redis_backoff
                             .fail("cannot connect to redis", &e, self.ctx.shutdown)
@@ -371,6 +389,7 @@ impl<'a> Worker<'a> {
                 }
                 Err(e) => {
                     self.redis = None;
+                    self.ctx.stats.redis_failure(&self.redis_backoff);
                     if self
                         .redis_backoff
                         .fail("settle failed", &e, self.ctx.shutdown)

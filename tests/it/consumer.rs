@@ -305,7 +305,9 @@ fn a_panicking_handler_is_dead_lettered_and_the_worker_goes_on() {
     let stats = Stats::default();
     let shutdown = delay_worker::Shutdown::new();
     let drained = std::sync::atomic::AtomicU64::new(0);
+    let metrics = delay_worker::metrics::Metrics::default();
     let ctx = PoolContext {
+        metrics: &metrics,
         keys: &env.config.keys,
         jobs: &env.config.jobs,
         consumer: "c1",

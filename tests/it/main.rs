@@ -2,6 +2,7 @@
 
 mod support;
 
+mod admin;
 mod cli;
 mod consumer;
 mod faults;
@@ -12,3 +13,4 @@ mod migrate;
 mod mover;
 mod ops;
 mod producer;
+mod retention;

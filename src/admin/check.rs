@@ -1,0 +1,336 @@
+//! `worker stats --check`: the figures held against thresholds, as a monitoring plugin
+//! (Nagios, Icinga, Zabbix, Sensu ...) expects it: one line `STATUS - summary | perfdata`
+//! and the exit code 0 ok, 1 warning, 2 critical, 3 unknown.
+//!
+//! A figure is at a level when it is *above* that level's threshold (Nagios range
+//! semantics: perfdata `pending=3;100;1000` alerts above 100 and above 1000). The worst
+//! figure decides the status. Unknown is only for "could not look": Redis unreachable or
+//! answering with an error.
+
+use super::stats::{gather, StatsArgs, StatsReport};
+use crate::config::{redact_url, Config};
+use clap::Args;
+use std::io::Write;
+use std::process::ExitCode;
+use std::time::Duration;
+
+/// Thresholds of `--check`: a figure above a level's value is at that level.
+#[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Check thresholds (--check)")]
+pub struct Thresholds {
+    /// Pending (delivered, unacknowledged) entries above this: warning.
+    #[arg(long, default_value_t = 100)]
+    pub pending_warn: u64,
+    /// Pending entries above this: critical.
+    #[arg(long, default_value_t = 1000)]
+    pub pending_crit: u64,
+    /// Oldest pending entry older than this: warning.
+    #[arg(long, default_value = "10m", value_parser = super::parse_duration)]
+    pub oldest_warn: Duration,
+    /// Oldest pending entry older than this: critical.
+    #[arg(long, default_value = "1h", value_parser = super::parse_duration)]
+    pub oldest_crit: Duration,
+    /// Mover lag (how overdue the oldest due member of the pool is) above this: warning.
+    #[arg(long, default_value = "1s", value_parser = super::parse_duration)]
+    pub mover_lag_warn: Duration,
+    /// Mover lag above this: critical (no mover running, or it cannot keep up).
+    #[arg(long, default_value = "5s", value_parser = super::parse_duration)]
+    pub mover_lag_crit: Duration,
+    /// New dead letters (within --dead-window) above this: warning; 0 means any.
+    #[arg(long, default_value_t = 0)]
+    pub dead_warn: u64,
+    /// New dead letters above this: critical [default: never].
+    #[arg(long)]
+    pub dead_crit: Option<u64>,
+}
+
+impl Default for Thresholds {
+    /// The flags' defaults, from the one place they are written: the `#[arg]`s above.
+    fn default() -> Self {
+        #[derive(clap::Parser)]
+        struct Defaults {
+            #[command(flatten)]
+            t: Thresholds,
+        }
+        <Defaults as clap::Parser>::parse_from(["check"]).t
+    }
+}
+
+/// Ordered by severity, so the worst of several is their `max`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Status {
+    Ok,
+    Warning,
+    Critical,
+    Unknown,
+}
+
+impl Status {
+    /// The monitoring-plugin exit code.
+    pub fn code(self) -> u8 {
+        match self {
+            Status::Ok => 0,
+            Status::Warning => 1,
+            Status::Critical => 2,
+            Status::Unknown => 3,
+        }
+    }
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Status::Ok => "OK",
+            Status::Warning => "WARNING",
+            Status::Critical => "CRITICAL",
+            Status::Unknown => "UNKNOWN",
+        }
+    }
+}
+
+/// The outcome of a check: its status and the line to print.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Verdict {
+    pub status: Status,
+    pub line: String,
+}
+
+/// One figure against its two levels.
+struct Figure {
+    status: Status,
+    /// `pending 3`, or `pending 150 (warn > 100)` when over a level.
+    text: String,
+    perf: String,
+}
+
+fn figure(
+    name: &str,
+    shown: String,
+    value: f64,
+    warn: f64,
+    crit: Option<f64>,
+    perf: String,
+) -> Figure {
+    let (status, note) = match crit {
+        Some(c) if value > c => (Status::Critical, format!(" (crit > {})", num(c))),
+        _ if value > warn => (Status::Warning, format!(" (warn > {})", num(warn))),
+        _ => (Status::Ok, String::new()),
+    };
+    Figure {
+        status,
+        text: format!("{name} {shown}{note}"),
+        perf,
+    }
+}
+
+/// A threshold as people write it: no `.0` on whole numbers.
+fn num(v: f64) -> String {
+    if v.fract() == 0.0 {
+        format!("{v:.0}")
+    } else {
+        format!("{v}")
+    }
+}
+
+/// Holds the report against the thresholds.
+pub fn evaluate(r: &StatsReport, t: &Thresholds) -> Verdict {
+    let secs = |d: Duration| d.as_secs_f64();
+    let oldest_ms = r.group.oldest_pending_age_ms.unwrap_or(0);
+    let lag = r.pool.mover_lag_ms as f64 / 1000.0;
+    let orphan = if r.pool.oldest_due_has_data == Some(false) && r.pool.mover_lag_ms > 0 {
+        " [oldest due member has no data]"
+    } else {
+        ""
+    };
+    let figures = [
+        figure(
+            "pending",
+            r.group.pending.to_string(),
+            r.group.pending as f64,
+            t.pending_warn as f64,
+            Some(t.pending_crit as f64),
+            format!(
+                "pending={};{};{}",
+                r.group.pending, t.pending_warn, t.pending_crit
+            ),
+        ),
+        figure(
+            "oldest",
+            super::fmt_age(oldest_ms),
+            oldest_ms as f64 / 1000.0,
+            secs(t.oldest_warn),
+            Some(secs(t.oldest_crit)),
+            format!(
+                "oldest={}s;{};{}",
+                oldest_ms / 1000,
+                num(secs(t.oldest_warn)),
+                num(secs(t.oldest_crit))
+            ),
+        ),
+        figure(
+            "mover lag",
+            format!("{lag:.1}s{orphan}"),
+            lag,
+            secs(t.mover_lag_warn),
+            Some(secs(t.mover_lag_crit)),
+            format!(
+                "mover_lag={lag:.3}s;{};{}",
+                num(secs(t.mover_lag_warn)),
+                num(secs(t.mover_lag_crit))
+            ),
+        ),
+        figure(
+            "dead",
+            format!("{} new", r.dead.new),
+            r.dead.new as f64,
+            t.dead_warn as f64,
+            t.dead_crit.map(|c| c as f64),
+            format!(
+                "dead_new={};{};{}",
+                r.dead.new,
+                t.dead_warn,
+                t.dead_crit.map_or(String::new(), |c| c.to_string())
+            ),
+        ),
+    ];
+    let status = figures.iter().map(|f| f.status).max().unwrap_or(Status::Ok);
+    let text: Vec<&str> = figures.iter().map(|f| f.text.as_str()).collect();
+    let mut perf: Vec<&str> = figures.iter().map(|f| f.perf.as_str()).collect();
+    // Figures without a threshold, for the graphs.
+    let extra = format!(
+        "pool={} due={} stream_lag={} dead={}",
+        r.pool.size,
+        r.pool.due,
+        r.group.lag.unwrap_or(0),
+        r.dead.length
+    );
+    perf.push(&extra);
+    Verdict {
+        status,
+        line: format!(
+            "{} - {} | {}",
+            status.label(),
+            text.join(", "),
+            perf.join(" ")
+        ),
+    }
+}
+
+/// `worker stats --check`. Never an `Err` for Redis: that is the UNKNOWN line and exit 3,
+/// which a monitoring system tells apart from "the queue is in trouble".
+pub(super) fn run(
+    config: &Config,
+    args: &StatsArgs,
+    out: &mut dyn Write,
+) -> anyhow::Result<ExitCode> {
+    let unknown = |why: String| Verdict {
+        status: Status::Unknown,
+        line: format!("UNKNOWN - {why}"),
+    };
+    let verdict = match super::connect(config) {
+        // The error already names the (redacted) URL.
+        Err(e) => unknown(one_line(&e)),
+        Ok(mut con) => match gather(&mut con, &config.keys, crate::now_ms(), args.dead_window) {
+            Ok(r) => evaluate(&r, &args.thresholds),
+            Err(e) => unknown(format!(
+                "cannot read the queue figures from {}: {e}",
+                redact_url(&config.redis_url)
+            )),
+        },
+    };
+    writeln!(out, "{}", verdict.line)?;
+    Ok(ExitCode::from(verdict.status.code()))
+}
+
+/// The error and its causes on one line, each said once.
+fn one_line(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let c = cause.to_string();
+        if !line.contains(&c) {
+            if !line.is_empty() {
+                line.push_str(": ");
+            }
+            line.push_str(&c);
+        }
+    }
+    line.replace('\n', " ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::admin::stats::{DeadFigures, GroupFigures, PoolFigures, StreamFigures};
+
+    fn report(pending: u64, oldest_ms: i64, lag_ms: i64, dead_new: u64) -> StatsReport {
+        StatsReport {
+            now_ms: 0,
+            stream: StreamFigures {
+                key: "s".into(),
+                length: 0,
+                entries_added: None,
+            },
+            group: GroupFigures {
+                name: "g".into(),
+                exists: true,
+                lag: Some(0),
+                entries_read: Some(0),
+                pending,
+                oldest_pending_id: None,
+                oldest_pending_age_ms: Some(oldest_ms),
+            },
+            consumers: vec![],
+            pool: PoolFigures {
+                key: "p".into(),
+                size: 0,
+                due: 0,
+                due_seconds: 0,
+                due_ms: 0,
+                oldest_due_key: None,
+                oldest_due_at_ms: None,
+                mover_lag_ms: lag_ms,
+                oldest_due_has_data: None,
+            },
+            dead: DeadFigures {
+                key: "d".into(),
+                length: dead_new,
+                entries_added: None,
+                new: dead_new,
+                window_ms: 300_000,
+                newest_age_ms: None,
+            },
+        }
+    }
+
+    #[test]
+    fn the_worst_figure_decides() {
+        let t = Thresholds::default();
+        let v = evaluate(&report(3, 0, 0, 0), &t);
+        assert_eq!(v.status, Status::Ok);
+        assert_eq!(
+            v.line,
+            "OK - pending 3, oldest 0s, mover lag 0.0s, dead 0 new | pending=3;100;1000 \
+             oldest=0s;600;3600 mover_lag=0.000s;1;5 dead_new=0;0; pool=0 due=0 stream_lag=0 dead=0"
+        );
+        assert_eq!(evaluate(&report(100, 0, 0, 0), &t).status, Status::Ok);
+        assert_eq!(evaluate(&report(101, 0, 0, 0), &t).status, Status::Warning);
+        assert_eq!(
+            evaluate(&report(1001, 0, 0, 0), &t).status,
+            Status::Critical
+        );
+        assert_eq!(
+            evaluate(&report(0, 601_000, 0, 0), &t).status,
+            Status::Warning
+        );
+        assert_eq!(
+            evaluate(&report(0, 0, 5_001, 0), &t).status,
+            Status::Critical
+        );
+        let v = evaluate(&report(150, 0, 0, 1), &t);
+        assert_eq!(v.status, Status::Warning);
+        assert!(v.line.starts_with("WARNING - pending 150 (warn > 100), oldest 0s, mover lag 0.0s, dead 1 new (warn > 0) |"), "{}", v.line);
+        let t = Thresholds {
+            dead_crit: Some(5),
+            ..Thresholds::default()
+        };
+        assert_eq!(evaluate(&report(0, 0, 0, 6), &t).status, Status::Critical);
+    }
+}

@@ -1,0 +1,707 @@
+//! `worker dead list|show|requeue|purge`: the operator's hands on the dead-letter stream.
+//!
+//! A dead letter's age is the time in its stream id (when it died); `--older-than` and
+//! `--newer-than` become the bounds of XRANGE, `--event` is checked per letter. Letters
+//! are read a page at a time ([`Scan`]), so requeueing or purging a flood never holds it
+//! all in memory.
+//!
+//! Requeue puts a message back into the delay pool, due now, with `retry` reset to 0 and
+//! every other field kept, in one Lua call per batch that also deletes the dead letter
+//! (`lua/requeue.lua`); the script re-reads each letter by id, so two operators requeueing
+//! the same letters put each back once.
+
+use super::{fmt_age, fmt_time, is_stream_id, write_json};
+use crate::config::Config;
+use crate::keys::Keys;
+use crate::store::value_to_string;
+use anyhow::Context;
+use clap::{ArgGroup, Args, Subcommand};
+use redis::{Connection, RedisResult, Script, Value};
+use serde::{Serialize, Serializer};
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::process::ExitCode;
+use std::sync::LazyLock;
+use std::time::Duration;
+
+static REQUEUE: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../lua/requeue.lua")));
+
+/// Dead letters per XRANGE page and per requeue script call: small enough that one call
+/// holds Redis for well under a millisecond per letter.
+const PAGE: usize = 100;
+
+/// List, show, requeue or purge the dead letters.
+#[derive(Args, Debug, Clone)]
+pub struct DeadArgs {
+    #[command(subcommand)]
+    pub command: DeadCommand,
+}
+
+#[derive(Subcommand, Debug, Clone)]
+pub enum DeadCommand {
+    /// One line per dead letter, oldest first: id, age, event, job key, attempts, reason.
+    List(ListArgs),
+    /// Every field of one dead letter, the message pretty-printed.
+    Show(ShowArgs),
+    /// Put dead letters back into the delay pool, due now, with `retry` reset to 0;
+    /// all that match the filters, or those named by --id.
+    Requeue(RequeueArgs),
+    /// Delete dead letters; refuses to run without --older-than or --all.
+    Purge(PurgeArgs),
+}
+
+/// Which dead letters a command applies to. A dead letter's age is the time in its id.
+#[derive(Args, Debug, Clone, Default)]
+#[command(next_help_heading = "Dead-letter options")]
+pub struct Filter {
+    /// Only dead letters of this event.
+    #[arg(long)]
+    pub event: Option<String>,
+    /// Only dead letters older than this, e.g. 1h or 7d.
+    #[arg(long, value_parser = super::parse_duration)]
+    pub older_than: Option<Duration>,
+    /// Only dead letters newer than this, e.g. 10m.
+    #[arg(long, value_parser = super::parse_duration)]
+    pub newer_than: Option<Duration>,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct ListArgs {
+    #[command(flatten)]
+    pub filter: Filter,
+    /// Print a JSON array (every field; the message as a string).
+    #[arg(long)]
+    pub json: bool,
+    /// Show at most this many (the oldest).
+    #[arg(long, default_value_t = 100)]
+    pub limit: usize,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct ShowArgs {
+    /// The dead letter's id, as `worker dead list` prints it.
+    pub id: String,
+    /// Print it as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct RequeueArgs {
+    #[command(flatten)]
+    pub filter: Filter,
+    /// Requeue this dead letter (repeat for several); the filters still apply.
+    #[arg(long = "id", value_name = "ID")]
+    pub ids: Vec<String>,
+    /// Requeue at most this many, the oldest first (e.g. 1, to try a fix on one).
+    #[arg(long)]
+    pub limit: Option<usize>,
+}
+
+#[derive(Args, Debug, Clone)]
+#[command(group(ArgGroup::new("scope").required(true).args(["older_than", "all"])))]
+pub struct PurgeArgs {
+    #[command(flatten)]
+    pub filter: Filter,
+    /// Purge whatever their age (--event and --newer-than still apply).
+    #[arg(long)]
+    pub all: bool,
+}
+
+/// One dead letter as `settle.lua` writes it (`msg`, `reason`, `ts`, `event`, `key`,
+/// `attempts`, `consumer`, `id`); other writers may leave fields out.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct DeadLetter {
+    /// Its id in the dead-letter stream; the time in it is when the message died.
+    pub id: String,
+    pub age_ms: i64,
+    /// The `event` field, or the message's own when a writer left the field out.
+    pub event: String,
+    /// The job key (`key` field), bytes as written.
+    #[serde(serialize_with = "lossy")]
+    pub key: Vec<u8>,
+    /// How often the message was tried.
+    pub attempts: Option<u64>,
+    pub reason: String,
+    /// `ts`: when it died, unix seconds.
+    pub ts: Option<i64>,
+    /// The consumer that gave up on it.
+    pub consumer: Option<String>,
+    /// `id`: the events-stream entry it was.
+    pub entry_id: Option<String>,
+    /// The message as the producer wrote it (it may not even be UTF-8).
+    #[serde(serialize_with = "lossy")]
+    pub msg: Vec<u8>,
+    /// Fields this version does not know, as written.
+    pub other: BTreeMap<String, String>,
+}
+
+fn lossy<S: Serializer>(b: &[u8], s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&String::from_utf8_lossy(b))
+}
+
+impl DeadLetter {
+    /// The key it goes back under: the job key, or its own id when a writer left that
+    /// out (some key is needed, and the id is unique).
+    pub fn job_key(&self) -> &[u8] {
+        if self.key.is_empty() {
+            self.id.as_bytes()
+        } else {
+            &self.key
+        }
+    }
+
+    fn at_ms(&self) -> i64 {
+        super::id_ms(&self.id).unwrap_or(0)
+    }
+
+    /// Parses one `[id, [field, value, ...]]` entry; `None` for an entry deleted meanwhile.
+    fn parse(entry: &Value, now_ms: i64) -> Option<DeadLetter> {
+        let Value::Array(pair) = entry else {
+            return None;
+        };
+        let id = value_to_string(pair.first()?);
+        let Some(Value::Array(fields)) = pair.get(1) else {
+            return None;
+        };
+        let mut d = DeadLetter {
+            age_ms: super::id_ms(&id).map_or(0, |t| (now_ms - t).max(0)),
+            id,
+            event: String::new(),
+            key: Vec::new(),
+            attempts: None,
+            reason: String::new(),
+            ts: None,
+            consumer: None,
+            entry_id: None,
+            msg: Vec::new(),
+            other: BTreeMap::new(),
+        };
+        for kv in fields.chunks_exact(2) {
+            let bytes = match &kv[1] {
+                Value::BulkString(b) => b.clone(),
+                other => value_to_string(other).into_bytes(),
+            };
+            let text = || String::from_utf8_lossy(&bytes).into_owned();
+            match value_to_string(&kv[0]).as_str() {
+                "msg" => d.msg = bytes,
+                "key" => d.key = bytes,
+                "event" => d.event = text(),
+                "reason" => d.reason = text(),
+                "attempts" => d.attempts = text().parse().ok(),
+                "ts" => d.ts = text().parse().ok(),
+                "consumer" => d.consumer = Some(text()),
+                "id" => d.entry_id = Some(text()),
+                name => {
+                    d.other.insert(name.to_string(), text());
+                }
+            }
+        }
+        if d.event.is_empty() {
+            d.event = crate::workers::event_of(&d.msg);
+        }
+        Some(d)
+    }
+}
+
+impl Filter {
+    /// The `--event` check; the ages are the XRANGE bounds (see [`Scan`]), and are
+    /// checked here too for letters fetched by id.
+    pub fn matches(&self, d: &DeadLetter, now_ms: i64) -> bool {
+        self.event.as_ref().is_none_or(|e| *e == d.event)
+            && self
+                .older_than
+                .is_none_or(|a| d.at_ms() <= now_ms - millis(a))
+            && self
+                .newer_than
+                .is_none_or(|a| d.at_ms() >= now_ms - millis(a))
+    }
+}
+
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// A walk over the dead letters matching a filter, oldest first, a page at a time. The
+/// cursor is exclusive of the last id seen, so deleting what was read (purge, requeue)
+/// does not disturb it.
+pub struct Scan<'a> {
+    keys: &'a Keys,
+    filter: &'a Filter,
+    now_ms: i64,
+    start: String,
+    end: String,
+    done: bool,
+}
+
+impl<'a> Scan<'a> {
+    pub fn new(keys: &'a Keys, filter: &'a Filter, now_ms: i64) -> Scan<'a> {
+        // A bare millisecond time is `<ms>-0` as a start and `<ms>-<max>` as an end, so
+        // both bounds are inclusive of their millisecond.
+        let start = filter
+            .newer_than
+            .map(|a| now_ms.saturating_sub(millis(a)))
+            .filter(|t| *t > 0)
+            .map_or("-".to_string(), |t| t.to_string());
+        let end = filter.older_than.map(|a| now_ms.saturating_sub(millis(a)));
+        Scan {
+            keys,
+            filter,
+            now_ms,
+            start,
+            done: end.is_some_and(|t| t < 0),
+            end: end.map_or("+".to_string(), |t| t.to_string()),
+        }
+    }
+
+    /// The next matching letters; `None` once the stream is exhausted. A page may be
+    /// empty when none of its letters matched `--event`.
+    pub fn next_page(&mut self, con: &mut Connection) -> RedisResult<Option<Vec<DeadLetter>>> {
+        if self.done {
+            return Ok(None);
+        }
+        let reply: Value = redis::cmd("XRANGE")
+            .arg(&self.keys.dead)
+            .arg(&self.start)
+            .arg(&self.end)
+            .arg("COUNT")
+            .arg(PAGE)
+            .query(con)?;
+        let entries = match reply {
+            Value::Array(e) => e,
+            _ => Vec::new(),
+        };
+        if entries.len() < PAGE {
+            self.done = true;
+        }
+        let page: Vec<DeadLetter> = entries
+            .iter()
+            .filter_map(|e| DeadLetter::parse(e, self.now_ms))
+            .collect();
+        match page.last() {
+            Some(last) => self.start = format!("({}", last.id),
+            None => {
+                self.done = true;
+                return Ok(None);
+            }
+        }
+        Ok(Some(
+            page.into_iter()
+                .filter(|d| self.filter.matches(d, self.now_ms))
+                .collect(),
+        ))
+    }
+}
+
+/// The matching dead letters, oldest first, at most `limit`.
+pub fn scan(
+    con: &mut Connection,
+    keys: &Keys,
+    filter: &Filter,
+    now_ms: i64,
+    limit: Option<usize>,
+) -> RedisResult<Vec<DeadLetter>> {
+    let limit = limit.unwrap_or(usize::MAX);
+    let mut scan = Scan::new(keys, filter, now_ms);
+    let mut out = Vec::new();
+    while out.len() < limit {
+        let Some(page) = scan.next_page(con)? else {
+            break;
+        };
+        out.extend(page);
+    }
+    out.truncate(limit);
+    Ok(out)
+}
+
+/// The dead letters with these ids, in order; `None` for an id not there.
+pub fn fetch(
+    con: &mut Connection,
+    keys: &Keys,
+    ids: &[String],
+    now_ms: i64,
+) -> RedisResult<Vec<Option<DeadLetter>>> {
+    if ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut p = redis::pipe();
+    for id in ids {
+        p.cmd("XRANGE").arg(&keys.dead).arg(id).arg(id);
+    }
+    let replies: Vec<Value> = p.query(con)?;
+    Ok(replies
+        .iter()
+        .map(|r| match r {
+            Value::Array(e) => e.first().and_then(|e| DeadLetter::parse(e, now_ms)),
+            _ => None,
+        })
+        .collect())
+}
+
+/// The message to requeue and whether `retry` could be reset: a JSON object gets
+/// `retry: 0` with every other field kept (the same rewrite a retry makes, see
+/// `Envelope::next_retry`); one whose `retry` is already 0 or absent goes back byte for
+/// byte; anything else goes back as written (it will be dead-lettered again).
+pub fn requeue_message(msg: &[u8]) -> (Vec<u8>, bool) {
+    match serde_json::from_slice::<serde_json::Value>(msg) {
+        Ok(serde_json::Value::Object(mut m)) => {
+            if m.get("retry").is_none_or(|r| r.as_u64() == Some(0)) {
+                return (msg.to_vec(), true);
+            }
+            m.insert("retry".into(), 0.into());
+            (serde_json::Value::Object(m).to_string().into_bytes(), true)
+        }
+        _ => (msg.to_vec(), false),
+    }
+}
+
+/// What a requeue did, by dead-letter id.
+#[derive(Debug, Default, Clone, PartialEq, Eq, Serialize)]
+pub struct RequeueReport {
+    /// Back in the delay pool, due now, and gone from the dead letters.
+    pub requeued: Vec<String>,
+    /// Of those, messages that are not a JSON object, requeued as written.
+    pub as_is: Vec<String>,
+    /// Left in the dead letters because their job key is scheduled again: a producer
+    /// pushed it anew since, and the newer message wins.
+    pub key_scheduled: Vec<String>,
+    /// Already gone when the script ran: requeued or purged by someone else.
+    pub gone: Vec<String>,
+}
+
+/// Requeues `letters`, due at `now_ms`, one script call per [`PAGE`].
+pub fn requeue(
+    con: &mut Connection,
+    keys: &Keys,
+    letters: &[DeadLetter],
+    now_ms: i64,
+) -> RedisResult<RequeueReport> {
+    let mut report = RequeueReport::default();
+    for batch in letters.chunks(PAGE) {
+        let mut inv = REQUEUE.prepare_invoke();
+        inv.key(&keys.dead)
+            .key(&keys.pool)
+            .key(&keys.data)
+            .arg(now_ms);
+        let mut json = Vec::with_capacity(batch.len());
+        for d in batch {
+            let (msg, is_json) = requeue_message(&d.msg);
+            json.push(is_json);
+            inv.arg(&d.id).arg(d.job_key()).arg(msg);
+        }
+        let codes: Vec<i64> = inv.invoke(con)?;
+        for ((d, code), is_json) in batch.iter().zip(codes).zip(json) {
+            let id = d.id.clone();
+            match code {
+                1 => {
+                    if !is_json {
+                        report.as_is.push(id.clone());
+                    }
+                    report.requeued.push(id);
+                }
+                -1 => report.key_scheduled.push(id),
+                _ => report.gone.push(id),
+            }
+        }
+    }
+    Ok(report)
+}
+
+/// Deletes `letters`; returns how many were still there.
+pub fn purge(con: &mut Connection, keys: &Keys, letters: &[DeadLetter]) -> RedisResult<u64> {
+    let mut n = 0;
+    for batch in letters.chunks(PAGE) {
+        let deleted: u64 = redis::cmd("XDEL")
+            .arg(&keys.dead)
+            .arg(batch.iter().map(|d| d.id.as_str()).collect::<Vec<_>>())
+            .query(con)?;
+        n += deleted;
+    }
+    Ok(n)
+}
+
+pub(super) fn run(
+    config: &Config,
+    args: &DeadArgs,
+    out: &mut dyn Write,
+) -> anyhow::Result<ExitCode> {
+    let mut con = super::connect(config)?;
+    let keys = &config.keys;
+    let now = crate::now_ms();
+    match &args.command {
+        DeadCommand::List(a) => list(&mut con, keys, a, now, out),
+        DeadCommand::Show(a) => show(&mut con, keys, a, now, out),
+        DeadCommand::Requeue(a) => requeue_cmd(&mut con, keys, a, now, out),
+        DeadCommand::Purge(a) => {
+            let mut scan = Scan::new(keys, &a.filter, now);
+            let mut purged = 0;
+            while let Some(page) = scan
+                .next_page(&mut con)
+                .context("cannot read the dead letters")?
+            {
+                purged += purge(&mut con, keys, &page).context("cannot purge")?;
+            }
+            writeln!(out, "purged {purged}")?;
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+fn list(
+    con: &mut Connection,
+    keys: &Keys,
+    a: &ListArgs,
+    now: i64,
+    out: &mut dyn Write,
+) -> anyhow::Result<ExitCode> {
+    // One more than shown tells whether there are more.
+    let mut letters = scan(con, keys, &a.filter, now, Some(a.limit.saturating_add(1)))
+        .context("cannot read the dead letters")?;
+    let more = letters.len() > a.limit;
+    letters.truncate(a.limit);
+    if a.json {
+        write_json(out, &letters)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    if letters.is_empty() {
+        writeln!(out, "no dead letters")?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let width = |f: &dyn Fn(&DeadLetter) -> usize, title: &str, cap: usize| {
+        letters
+            .iter()
+            .map(f)
+            .max()
+            .unwrap_or(0)
+            .max(title.len())
+            .min(cap)
+    };
+    let keys_shown: Vec<String> = letters
+        .iter()
+        .map(|d| String::from_utf8_lossy(&d.key).into_owned())
+        .collect();
+    let wi = width(&|d| d.id.len(), "ID", 40);
+    let we = width(&|d| d.event.chars().count(), "EVENT", 32);
+    let wk = keys_shown
+        .iter()
+        .map(|k| k.chars().count())
+        .max()
+        .unwrap_or(0)
+        .clamp("KEY".len(), 40);
+    writeln!(
+        out,
+        "{:wi$}  {:>6}  {:we$}  {:wk$}  {:>8}  REASON",
+        "ID", "AGE", "EVENT", "KEY", "ATTEMPTS"
+    )?;
+    for (d, key) in letters.iter().zip(&keys_shown) {
+        writeln!(
+            out,
+            "{:wi$}  {:>6}  {:we$}  {:wk$}  {:>8}  {}",
+            d.id,
+            fmt_age(d.age_ms),
+            clip(or_dash(&d.event), we),
+            clip(or_dash(key), wk),
+            d.attempts.map_or("-".to_string(), |n| n.to_string()),
+            clip(&d.reason, 60),
+        )?;
+    }
+    if more {
+        writeln!(out, "... more not shown (--limit {})", a.limit)?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn or_dash(s: &str) -> &str {
+    if s.is_empty() {
+        "-"
+    } else {
+        s
+    }
+}
+
+/// At most `max` characters on one line, `…` marking a cut.
+fn clip(s: &str, max: usize) -> String {
+    let s = s.replace(['\n', '\r', '\t'], " ");
+    if s.chars().count() <= max {
+        return s;
+    }
+    let mut t: String = s.chars().take(max.saturating_sub(1)).collect();
+    t.push('…');
+    t
+}
+
+fn show(
+    con: &mut Connection,
+    keys: &Keys,
+    a: &ShowArgs,
+    now: i64,
+    out: &mut dyn Write,
+) -> anyhow::Result<ExitCode> {
+    anyhow::ensure!(
+        is_stream_id(&a.id),
+        "{:?} is not a dead-letter id (like 1768764300123-0)",
+        a.id
+    );
+    let found = fetch(con, keys, std::slice::from_ref(&a.id), now)
+        .context("cannot read the dead letters")?;
+    let Some(Some(d)) = found.into_iter().next() else {
+        writeln!(out, "no dead letter {}", a.id)?;
+        return Ok(ExitCode::FAILURE);
+    };
+    if a.json {
+        write_json(out, &d)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let opt = |o: &Option<String>| o.clone().unwrap_or_else(|| "-".into());
+    let mut rows: Vec<(String, String)> = vec![
+        ("dead letter".into(), d.id.clone()),
+        (
+            "died".into(),
+            format!("{} ({} ago)", fmt_time(d.at_ms()), fmt_age(d.age_ms)),
+        ),
+        ("event".into(), d.event.clone()),
+        ("key".into(), String::from_utf8_lossy(&d.key).into_owned()),
+        (
+            "attempts".into(),
+            d.attempts.map_or("-".into(), |n| n.to_string()),
+        ),
+        ("reason".into(), d.reason.clone()),
+        ("consumer".into(), opt(&d.consumer)),
+        ("entry".into(), opt(&d.entry_id)),
+        ("ts".into(), d.ts.map_or("-".into(), |t| t.to_string())),
+    ];
+    rows.extend(d.other.iter().map(|(k, v)| (k.clone(), v.clone())));
+    let w = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+    for (k, v) in &rows {
+        writeln!(out, "{k:w$}  {v}")?;
+    }
+    match serde_json::from_slice::<serde_json::Value>(&d.msg) {
+        Ok(v) => writeln!(out, "message\n{}", serde_json::to_string_pretty(&v)?)?,
+        Err(e) => writeln!(
+            out,
+            "message (not JSON: {e}), as written\n{}",
+            String::from_utf8_lossy(&d.msg)
+        )?,
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn requeue_cmd(
+    con: &mut Connection,
+    keys: &Keys,
+    a: &RequeueArgs,
+    now: i64,
+    out: &mut dyn Write,
+) -> anyhow::Result<ExitCode> {
+    let read = "cannot read the dead letters";
+    let limit = a.limit.unwrap_or(usize::MAX);
+    let mut missing = Vec::new();
+    let mut report = RequeueReport::default();
+    let mut add = |r: RequeueReport| {
+        report.requeued.extend(r.requeued);
+        report.as_is.extend(r.as_is);
+        report.key_scheduled.extend(r.key_scheduled);
+        report.gone.extend(r.gone);
+    };
+    if a.ids.is_empty() {
+        let mut scan = Scan::new(keys, &a.filter, now);
+        let mut left = limit;
+        while left > 0 {
+            let Some(mut page) = scan.next_page(con).context(read)? else {
+                break;
+            };
+            page.truncate(left);
+            left -= page.len();
+            add(requeue(con, keys, &page, now).context("cannot requeue")?);
+        }
+    } else {
+        for id in &a.ids {
+            anyhow::ensure!(
+                is_stream_id(id),
+                "--id: {id:?} is not a dead-letter id (like 1768764300123-0)"
+            );
+        }
+        // The same id twice is one letter, not a second one "gone".
+        let mut ids = a.ids.clone();
+        let mut seen = std::collections::HashSet::new();
+        ids.retain(|id| seen.insert(id.clone()));
+        let found = fetch(con, keys, &ids, now).context(read)?;
+        let mut letters = Vec::new();
+        for (id, d) in ids.iter().zip(found) {
+            match d {
+                Some(d) if a.filter.matches(&d, now) => letters.push(d),
+                Some(_) => {}
+                None => missing.push(id.clone()),
+            }
+        }
+        letters.truncate(limit);
+        add(requeue(con, keys, &letters, now).context("cannot requeue")?);
+    }
+    writeln!(out, "requeued {}", report.requeued.len())?;
+    if !report.as_is.is_empty() {
+        writeln!(
+            out,
+            "{} of them not a JSON object, requeued as written: they will be dead-lettered again ({})",
+            report.as_is.len(),
+            report.as_is.join(", ")
+        )?;
+    }
+    if !report.key_scheduled.is_empty() {
+        writeln!(
+            out,
+            "left {} in the dead letters: their job key is scheduled again and the newer push wins ({})",
+            report.key_scheduled.len(),
+            report.key_scheduled.join(", ")
+        )?;
+    }
+    if !report.gone.is_empty() {
+        writeln!(
+            out,
+            "skipped {} already requeued or purged by someone else",
+            report.gone.len()
+        )?;
+    }
+    for id in &missing {
+        writeln!(out, "no dead letter {id}")?;
+    }
+    Ok(if missing.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requeue_resets_retry_and_keeps_everything_else() {
+        let (m, ok) =
+            requeue_message(br#"{"event":"e","payload":{"a":1},"retry":3,"ts":7,"trace":"x"}"#);
+        assert!(ok);
+        let v: serde_json::Value = serde_json::from_slice(&m).unwrap();
+        assert_eq!(v["retry"], 0);
+        assert_eq!(
+            (v["ts"].as_i64(), v["trace"].as_str()),
+            (Some(7), Some("x"))
+        );
+        assert_eq!(v["payload"]["a"], 1);
+        let raw = br#"{"payload":{},"event":"e"}"#;
+        assert_eq!(
+            requeue_message(raw),
+            (raw.to_vec(), true),
+            "nothing to reset: as written"
+        );
+        assert_eq!(requeue_message(b"nope"), (b"nope".to_vec(), false));
+        assert_eq!(requeue_message(b"[1]"), (b"[1]".to_vec(), false));
+    }
+
+    #[test]
+    fn clip_marks_the_cut() {
+        assert_eq!(clip("short", 10), "short");
+        assert_eq!(clip("a\nb", 10), "a b");
+        assert_eq!(clip("abcdefghijk", 5), "abcd…");
+    }
+}

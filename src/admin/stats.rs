@@ -1,0 +1,592 @@
+//! `worker stats`: what the queue looks like right now, as a table, as JSON, or redrawn
+//! every second (`--watch`) with rates.
+//!
+//! [`gather`] reads every figure in two pipelined round trips and reports a missing stream
+//! or group as zeros, not as an error: a queue nobody has used yet is empty, not broken.
+//! `--watch` is the one loop of the admin tools; it ends on Ctrl-C (or SIGTERM), which
+//! only wakes it, so it leaves through the normal return path.
+
+use super::{field, fmt_age, pairs, uint, Thresholds};
+use crate::config::{redact_url, Config};
+use crate::keys::Keys;
+use crate::store::value_to_string;
+use anyhow::Context;
+use clap::Args;
+use redis::{RedisError, RedisResult, Value};
+use serde::Serialize;
+use std::io::Write;
+use std::process::ExitCode;
+use std::time::Duration;
+
+/// Queue figures: stream, group, consumers, delay pool, dead letters.
+#[derive(Args, Debug, Clone)]
+pub struct StatsArgs {
+    /// Print the figures as one JSON object (for scripts).
+    #[arg(long, conflicts_with_all = ["watch", "check"])]
+    pub json: bool,
+    /// Redraw every second, like top, with moved/acked/dead rates; Ctrl-C ends it.
+    #[arg(long, conflicts_with = "check")]
+    pub watch: bool,
+    /// Monitoring check: print one summary line with perfdata and exit 0 (ok),
+    /// 1 (warning), 2 (critical) or 3 (unknown: Redis unreachable).
+    #[arg(long)]
+    pub check: bool,
+    /// Dead letters added within this window count as new.
+    #[arg(long, default_value = "5m", value_parser = super::parse_duration)]
+    pub dead_window: Duration,
+    #[command(flatten)]
+    pub thresholds: Thresholds,
+}
+
+/// Everything `worker stats` shows, read at `now_ms`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StatsReport {
+    /// When the figures were read (unix ms); ages below are relative to it.
+    pub now_ms: i64,
+    pub stream: StreamFigures,
+    pub group: GroupFigures,
+    /// The group's consumers, as XINFO CONSUMERS lists them.
+    pub consumers: Vec<ConsumerFigures>,
+    pub pool: PoolFigures,
+    pub dead: DeadFigures,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StreamFigures {
+    pub key: String,
+    /// XLEN: entries in the stream, acknowledged or not (until trimmed).
+    pub length: u64,
+    /// Entries ever added (Redis 7+; `None` on older servers): unlike the length it
+    /// never shrinks, so `--watch` derives moved/s from it.
+    pub entries_added: Option<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct GroupFigures {
+    pub name: String,
+    /// False until the first worker created the group (the figures below are then 0).
+    pub exists: bool,
+    /// Entries not yet delivered to any consumer (`None` when Redis cannot tell).
+    pub lag: Option<u64>,
+    /// Entries delivered to the group so far (`None` when Redis cannot tell).
+    pub entries_read: Option<u64>,
+    /// Delivered, not yet acknowledged.
+    pub pending: u64,
+    /// The oldest pending entry and how long ago it was added to the stream.
+    pub oldest_pending_id: Option<String>,
+    pub oldest_pending_age_ms: Option<i64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ConsumerFigures {
+    pub name: String,
+    pub pending: u64,
+    /// Since the consumer last read or claimed.
+    pub idle_ms: u64,
+    /// Its heartbeat key exists: the process is alive. A consumer without one that still
+    /// holds pending entries is a dead host whose work the reader takes over.
+    pub heartbeat: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PoolFigures {
+    pub key: String,
+    /// ZCARD: every scheduled member, due or not.
+    pub size: u64,
+    /// Members due at `now_ms` but not moved yet: `due_seconds + due_ms`.
+    pub due: u64,
+    /// Of those, members with a seconds score (the PHP producer) ...
+    pub due_seconds: u64,
+    /// ... and with a milliseconds score.
+    pub due_ms: u64,
+    /// The member that has been due longest, and its due time (unix ms).
+    pub oldest_due_key: Option<String>,
+    pub oldest_due_at_ms: Option<i64>,
+    /// How overdue that member is: the mover lag (0 when nothing is due).
+    pub mover_lag_ms: i64,
+    /// Whether that member's message is in the data hash. A member without data is a
+    /// producer that wrote ZADD before HSET (or never wrote HSET); the mover leaves it
+    /// alone for `--orphan-grace`, so it counts in the lag until then.
+    pub oldest_due_has_data: Option<bool>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DeadFigures {
+    pub key: String,
+    /// XLEN: dead letters kept.
+    pub length: u64,
+    /// Dead letters ever added (Redis 7+): `--watch` derives dead/s from it.
+    pub entries_added: Option<u64>,
+    /// Dead letters whose id is within `window_ms` of `now_ms` (counted up to 100000).
+    pub new: u64,
+    pub window_ms: i64,
+    /// Age of the newest dead letter.
+    pub newest_age_ms: Option<i64>,
+}
+
+/// Counting new dead letters stops here, so a flood cannot make a check slow.
+const DEAD_NEW_CAP: u64 = 100_000;
+
+/// Counts stream entries from an id on, server side: a check must not download every
+/// dead letter just to count them.
+const COUNT_SINCE: &str = include_str!("../lua/count_since.lua");
+
+/// Reads every figure at `now_ms`: one pipelined round trip for the keys, a second one
+/// for the consumers' heartbeats and the oldest due member's data. A missing stream,
+/// group or key reads as zeros; any other Redis error is returned.
+pub fn gather(
+    con: &mut redis::Connection,
+    keys: &Keys,
+    now_ms: i64,
+    dead_window: Duration,
+) -> RedisResult<StatsReport> {
+    let window_ms = i64::try_from(dead_window.as_millis()).unwrap_or(i64::MAX);
+    // Seconds scores are below 1e11 and sort before every millisecond score, so each
+    // kind is one score range, exactly as the mover reads them (lua/move_due.lua).
+    let now_s = format!("{}.{:03}", now_ms.div_euclid(1000), now_ms.rem_euclid(1000));
+    let mut p = redis::pipe();
+    p.ignore_errors();
+    p.cmd("XLEN").arg(&keys.stream);
+    p.cmd("XINFO").arg("STREAM").arg(&keys.stream);
+    p.cmd("XINFO").arg("GROUPS").arg(&keys.stream);
+    p.cmd("XPENDING").arg(&keys.stream).arg(&keys.group);
+    p.cmd("XINFO")
+        .arg("CONSUMERS")
+        .arg(&keys.stream)
+        .arg(&keys.group);
+    p.cmd("ZCARD").arg(&keys.pool);
+    p.cmd("ZCOUNT").arg(&keys.pool).arg("-inf").arg(&now_s);
+    p.cmd("ZCOUNT").arg(&keys.pool).arg("1e11").arg(now_ms);
+    p.cmd("ZRANGEBYSCORE")
+        .arg(&keys.pool)
+        .arg("-inf")
+        .arg(&now_s)
+        .arg("WITHSCORES")
+        .arg("LIMIT")
+        .arg(0)
+        .arg(1);
+    p.cmd("ZRANGEBYSCORE")
+        .arg(&keys.pool)
+        .arg("1e11")
+        .arg(now_ms)
+        .arg("WITHSCORES")
+        .arg("LIMIT")
+        .arg(0)
+        .arg(1);
+    p.cmd("XLEN").arg(&keys.dead);
+    p.cmd("XINFO").arg("STREAM").arg(&keys.dead);
+    p.cmd("EVAL")
+        .arg(COUNT_SINCE)
+        .arg(1)
+        .arg(&keys.dead)
+        .arg(now_ms.saturating_sub(window_ms).max(0))
+        .arg(DEAD_NEW_CAP);
+    let r: Vec<Value> = p.query(con)?;
+    let mut r = r.into_iter();
+    let mut next = || r.next().unwrap_or(Value::Nil);
+
+    let stream_len = uint(Some(&ok(next())?));
+    let stream_info = absent_ok(next())?;
+    let groups = absent_ok(next())?;
+    let xpending = absent_ok(next())?;
+    let xconsumers = absent_ok(next())?;
+    let pool_size = uint(Some(&ok(next())?));
+    let due_seconds = uint(Some(&ok(next())?)).unwrap_or(0);
+    let due_ms = uint(Some(&ok(next())?)).unwrap_or(0);
+    let first_secs = first_with_score(&ok(next())?, 1000.0);
+    let first_ms = first_with_score(&ok(next())?, 1.0);
+    let dead_len = uint(Some(&ok(next())?));
+    let dead_info = absent_ok(next())?;
+    let dead_new = uint(Some(&ok(next())?)).unwrap_or(0);
+
+    let stream = StreamFigures {
+        key: keys.stream.clone(),
+        length: stream_len.unwrap_or(0),
+        entries_added: stream_info
+            .as_ref()
+            .and_then(|v| uint(field(&pairs(v), "entries-added"))),
+    };
+
+    let group_info = groups.as_ref().and_then(|g| match g {
+        Value::Array(list) => list
+            .iter()
+            .map(pairs)
+            .find(|p| field(p, "name").map(value_to_string).as_deref() == Some(&keys.group))
+            .map(|p| (uint(field(&p, "lag")), uint(field(&p, "entries-read")))),
+        _ => None,
+    });
+    let (pending, oldest_pending_id) = match &xpending {
+        Some(Value::Array(s)) => (
+            uint(s.first()).unwrap_or(0),
+            s.get(1)
+                .filter(|v| !matches!(v, Value::Nil))
+                .map(value_to_string),
+        ),
+        _ => (0, None),
+    };
+    let group = GroupFigures {
+        name: keys.group.clone(),
+        exists: group_info.is_some(),
+        lag: group_info.and_then(|g| g.0),
+        entries_read: group_info.and_then(|g| g.1),
+        pending,
+        oldest_pending_age_ms: oldest_pending_id
+            .as_deref()
+            .and_then(super::id_ms)
+            .map(|t| (now_ms - t).max(0)),
+        oldest_pending_id,
+    };
+
+    let mut consumers: Vec<ConsumerFigures> = match &xconsumers {
+        Some(Value::Array(list)) => list
+            .iter()
+            .map(|c| {
+                let p = pairs(c);
+                ConsumerFigures {
+                    name: field(&p, "name").map(value_to_string).unwrap_or_default(),
+                    pending: uint(field(&p, "pending")).unwrap_or(0),
+                    idle_ms: uint(field(&p, "idle")).unwrap_or(0),
+                    heartbeat: false,
+                }
+            })
+            .collect(),
+        _ => Vec::new(),
+    };
+
+    // The member due longest, whichever kind of score it has.
+    let oldest_due = match (first_secs, first_ms) {
+        (Some(a), Some(b)) => Some(if a.1 <= b.1 { a } else { b }),
+        (a, b) => a.or(b),
+    };
+
+    // Second round trip: what only the first one could name.
+    let mut oldest_due_has_data = None;
+    if !consumers.is_empty() || oldest_due.is_some() {
+        let mut p = redis::pipe();
+        for c in &consumers {
+            p.cmd("EXISTS").arg(keys.heartbeat(&c.name));
+        }
+        if let Some((key, _)) = &oldest_due {
+            p.cmd("HEXISTS").arg(&keys.data).arg(key);
+        }
+        let r: Vec<Value> = p.query(con)?;
+        let mut r = r.iter();
+        for c in &mut consumers {
+            c.heartbeat = uint(r.next()).unwrap_or(0) > 0;
+        }
+        if oldest_due.is_some() {
+            oldest_due_has_data = Some(uint(r.next()).unwrap_or(0) > 0);
+        }
+    }
+
+    let pool = PoolFigures {
+        key: keys.pool.clone(),
+        size: pool_size.unwrap_or(0),
+        due: due_seconds + due_ms,
+        due_seconds,
+        due_ms,
+        mover_lag_ms: oldest_due
+            .as_ref()
+            .map_or(0, |(_, at)| (now_ms - at).max(0)),
+        oldest_due_at_ms: oldest_due.as_ref().map(|(_, at)| *at),
+        oldest_due_key: oldest_due.map(|(k, _)| k),
+        oldest_due_has_data,
+    };
+
+    let dead_pairs = dead_info.as_ref().map(pairs).unwrap_or_default();
+    let newest_dead_id = match field(&dead_pairs, "last-entry") {
+        Some(Value::Array(e)) => e.first().map(value_to_string),
+        _ => None,
+    };
+    let dead = DeadFigures {
+        key: keys.dead.clone(),
+        length: dead_len.unwrap_or(0),
+        entries_added: uint(field(&dead_pairs, "entries-added")),
+        new: dead_new,
+        window_ms,
+        newest_age_ms: newest_dead_id
+            .as_deref()
+            .and_then(super::id_ms)
+            .map(|t| (now_ms - t).max(0)),
+    };
+
+    Ok(StatsReport {
+        now_ms,
+        stream,
+        group,
+        consumers,
+        pool,
+        dead,
+    })
+}
+
+/// A pipelined reply, or its error.
+fn ok(v: Value) -> RedisResult<Value> {
+    match v {
+        Value::ServerError(e) => Err(RedisError::from(e)),
+        v => Ok(v),
+    }
+}
+
+/// Like [`ok`], but "no such key" (XINFO on a missing stream) and NOGROUP (XPENDING or
+/// XINFO CONSUMERS before the group exists) are `None`: nothing there yet.
+fn absent_ok(v: Value) -> RedisResult<Option<Value>> {
+    match v {
+        Value::ServerError(e)
+            if e.code() == "NOGROUP" || e.details().is_some_and(|d| d.contains("no such key")) =>
+        {
+            Ok(None)
+        }
+        v => ok(v).map(Some),
+    }
+}
+
+/// The member and due time (unix ms) of a `ZRANGEBYSCORE .. WITHSCORES LIMIT 0 1` reply;
+/// `scale` turns the score into milliseconds.
+fn first_with_score(v: &Value, scale: f64) -> Option<(String, i64)> {
+    let Value::Array(items) = v else { return None };
+    let member = value_to_string(items.first()?);
+    let score: f64 = match items.get(1)? {
+        Value::Double(d) => *d,
+        other => value_to_string(other).parse().ok()?,
+    };
+    // `as` saturates: a score of -inf or 1e300 becomes a very old or far due time, not UB.
+    Some((member, (score * scale) as i64))
+}
+
+/// Throughput between two reports, per second.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Rates {
+    /// Entries added to the stream: what the mover moved (plus direct XADDs).
+    pub moved: f64,
+    /// Entries acknowledged: growth of entries-read minus pending (`None` when Redis
+    /// cannot tell entries-read).
+    pub acked: Option<f64>,
+    /// Dead letters added.
+    pub dead: f64,
+}
+
+/// Rates between `prev` and `cur`; `None` when no time passed.
+pub fn rates(prev: &StatsReport, cur: &StatsReport) -> Option<Rates> {
+    let secs = (cur.now_ms - prev.now_ms) as f64 / 1000.0;
+    if secs <= 0.0 {
+        return None;
+    }
+    // The counters that never shrink where the server has them; lengths otherwise
+    // (trimming and purging shrink those, hence the clamp at zero).
+    let grew = |a: Option<u64>, b: Option<u64>, la: u64, lb: u64| match (a, b) {
+        (Some(a), Some(b)) => b.saturating_sub(a),
+        _ => lb.saturating_sub(la),
+    } as f64
+        / secs;
+    let acked = |r: &StatsReport| {
+        r.group
+            .entries_read
+            .map(|n| n as i64 - r.group.pending as i64)
+    };
+    Some(Rates {
+        moved: grew(
+            prev.stream.entries_added,
+            cur.stream.entries_added,
+            prev.stream.length,
+            cur.stream.length,
+        ),
+        acked: match (acked(prev), acked(cur)) {
+            (Some(a), Some(b)) => Some((b - a).max(0) as f64 / secs),
+            _ => None,
+        },
+        dead: grew(
+            prev.dead.entries_added,
+            cur.dead.entries_added,
+            prev.dead.length,
+            cur.dead.length,
+        ),
+    })
+}
+
+/// The human table.
+pub fn render(r: &StatsReport, rates: Option<&Rates>, out: &mut dyn Write) -> std::io::Result<()> {
+    let opt = |v: Option<u64>| v.map_or("?".to_string(), |n| n.to_string());
+    let w = r
+        .stream
+        .key
+        .len()
+        .max(r.group.name.len())
+        .max(r.pool.key.len())
+        .max(r.dead.key.len());
+    writeln!(
+        out,
+        "stream  {:w$}  length {}",
+        r.stream.key, r.stream.length
+    )?;
+    if r.group.exists {
+        writeln!(
+            out,
+            "group   {:w$}  lag {}  read {}  pending {}  oldest pending {}",
+            r.group.name,
+            opt(r.group.lag),
+            opt(r.group.entries_read),
+            r.group.pending,
+            r.group
+                .oldest_pending_age_ms
+                .map_or("-".to_string(), fmt_age),
+        )?;
+    } else {
+        writeln!(
+            out,
+            "group   {:w$}  not created yet (no worker has started on this stream)",
+            r.group.name
+        )?;
+    }
+    let orphan = if r.pool.oldest_due_has_data == Some(false) {
+        "  (its oldest due member has no data yet)"
+    } else {
+        ""
+    };
+    writeln!(
+        out,
+        "pool    {:w$}  size {}  due {} ({} seconds, {} ms scores)  mover lag {:.1}s{orphan}",
+        r.pool.key,
+        r.pool.size,
+        r.pool.due,
+        r.pool.due_seconds,
+        r.pool.due_ms,
+        r.pool.mover_lag_ms as f64 / 1000.0,
+    )?;
+    writeln!(
+        out,
+        "dead    {:w$}  length {}  new {} (last {})  newest {}",
+        r.dead.key,
+        r.dead.length,
+        r.dead.new,
+        humantime::format_duration(Duration::from_millis(r.dead.window_ms.max(0) as u64)),
+        r.dead
+            .newest_age_ms
+            .map_or("-".to_string(), |a| format!("{} ago", fmt_age(a))),
+    )?;
+    if let Some(x) = rates {
+        writeln!(
+            out,
+            "rates   {:w$}  moved {:.1}/s  acked {}/s  dead {:.1}/s",
+            "",
+            x.moved,
+            x.acked.map_or("?".to_string(), |a| format!("{a:.1}")),
+            x.dead,
+        )?;
+    }
+    if !r.consumers.is_empty() {
+        let cw = r
+            .consumers
+            .iter()
+            .map(|c| c.name.len())
+            .max()
+            .unwrap_or(0)
+            .max("consumer".len());
+        writeln!(out)?;
+        writeln!(
+            out,
+            "{:cw$}  {:>8}  {:>7}  heartbeat",
+            "consumer", "pending", "idle"
+        )?;
+        for c in &r.consumers {
+            let hb = match (c.heartbeat, c.pending) {
+                (true, _) => "alive",
+                (false, 0) => "none",
+                // Pending entries on a consumer without heartbeat: a dead host. A live
+                // reader takes them over within one block timeout; if this stays, none runs.
+                (false, _) => "none (dead host: its entries wait for a takeover)",
+            };
+            writeln!(
+                out,
+                "{:cw$}  {:>8}  {:>7}  {hb}",
+                c.name,
+                c.pending,
+                fmt_age(c.idle_ms as i64)
+            )?;
+        }
+    }
+    Ok(())
+}
+
+fn read(config: &Config, args: &StatsArgs) -> anyhow::Result<(redis::Connection, StatsReport)> {
+    let mut con = super::connect(config)?;
+    let report = gather(&mut con, &config.keys, crate::now_ms(), args.dead_window)
+        .context("cannot read the queue figures")?;
+    Ok((con, report))
+}
+
+/// `worker stats` and `worker stats --json`.
+pub(super) fn run(
+    config: &Config,
+    args: &StatsArgs,
+    out: &mut dyn Write,
+) -> anyhow::Result<ExitCode> {
+    let (_, report) = read(config, args)?;
+    if args.json {
+        super::write_json(out, &report)?;
+    } else {
+        render(&report, None, out)?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `worker stats --watch`: clear the screen, redraw, once a second until Ctrl-C. A Redis
+/// error is shown in place of the figures and the next second tries again, as `top`
+/// would, instead of ending the watch.
+pub(super) fn watch(
+    config: &Config,
+    args: &StatsArgs,
+    out: &mut dyn Write,
+) -> anyhow::Result<ExitCode> {
+    let (stop_tx, stop) = crossbeam_channel::bounded::<()>(1);
+    // The handler only wakes the loop; a full channel means it already knows.
+    ctrlc::set_handler(move || {
+        let _ = stop_tx.try_send(());
+    })
+    .context("cannot install the Ctrl-C handler")?;
+    let (con, first) = read(config, args)?;
+    let mut con = Some(con);
+    let mut last: Option<StatsReport> = None;
+    let mut frame = Vec::new();
+    let mut now_report = Ok(first);
+    loop {
+        frame.clear();
+        writeln!(
+            frame,
+            "worker stats  {}  {}  (every 1s, Ctrl-C to quit)\n",
+            redact_url(&config.redis_url),
+            super::fmt_time(crate::now_ms())
+        )?;
+        match &now_report {
+            Ok(r) => {
+                let rates = last.as_ref().and_then(|p| rates(p, r));
+                render(r, rates.as_ref(), &mut frame)?;
+                last = Some(r.clone());
+            }
+            Err(e) => writeln!(frame, "redis: {e} (retrying every second)")?,
+        }
+        // Home, clear, then the whole frame in one write, so it does not flicker.
+        out.write_all(b"\x1b[H\x1b[2J")?;
+        out.write_all(&frame)?;
+        out.flush()?;
+        match stop.recv_timeout(Duration::from_secs(1)) {
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
+            _ => break,
+        }
+        now_report = match con.as_mut() {
+            Some(c) => gather(c, &config.keys, crate::now_ms(), args.dead_window)
+                .map_err(anyhow::Error::from),
+            None => super::connect(config).and_then(|mut c| {
+                let r = gather(&mut c, &config.keys, crate::now_ms(), args.dead_window)?;
+                con = Some(c);
+                Ok(r)
+            }),
+        };
+        if now_report.is_err() {
+            // Reconnect next time: the connection may be what broke.
+            con = None;
+        }
+    }
+    writeln!(out)?;
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,756 @@
+//! The operator tools: `worker stats` figures against hand-built states, `--check` levels
+//! and exit codes, `--watch` ending on Ctrl-C, and the dead-letter tools (filters, show,
+//! requeue through the real daemon, purge refusing without a scope).
+
+use crate::support::*;
+use delay_worker::admin::dead::{self, Filter};
+use delay_worker::admin::gather;
+use delay_worker::keys::Keys;
+use delay_worker::now_ms;
+use redis::{Connection, Value};
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+const WAIT: Duration = Duration::from_secs(60);
+const WINDOW: Duration = Duration::from_secs(300);
+
+fn worker(redis: &str, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_worker"))
+        .env("REDIS_URL", redis)
+        .env("DATABASE_URL", "postgres://unused")
+        .env("RUST_BACKTRACE", "1")
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// XADD with an explicit id, so ages are exact.
+fn xadd_at(con: &mut Connection, stream: &str, at_ms: i64, fields: &[(&str, &[u8])]) -> String {
+    let mut cmd = redis::cmd("XADD");
+    cmd.arg(stream).arg(format!("{at_ms}-0"));
+    for (f, v) in fields {
+        cmd.arg(*f).arg(*v);
+    }
+    cmd.query(con).unwrap()
+}
+
+/// A dead letter as settle.lua writes it, died at `at_ms`.
+fn add_dead(
+    con: &mut Connection,
+    keys: &Keys,
+    at_ms: i64,
+    event: &str,
+    key: &str,
+    msg: &str,
+) -> String {
+    let ts = (at_ms / 1000).to_string();
+    xadd_at(
+        con,
+        &keys.dead,
+        at_ms,
+        &[
+            ("msg", msg.as_bytes()),
+            ("reason", format!("handler failed for {key}").as_bytes()),
+            ("ts", ts.as_bytes()),
+            ("event", event.as_bytes()),
+            ("key", key.as_bytes()),
+            ("attempts", b"3"),
+            ("consumer", b"c1"),
+            ("id", b"1-1"),
+        ],
+    )
+}
+
+fn xreadgroup(con: &mut Connection, keys: &Keys, consumer: &str, count: usize) -> Vec<String> {
+    let reply: Value = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg(&keys.group)
+        .arg(consumer)
+        .arg("COUNT")
+        .arg(count)
+        .arg("STREAMS")
+        .arg(&keys.stream)
+        .arg(">")
+        .query(con)
+        .unwrap();
+    let mut ids = Vec::new();
+    if let Value::Array(streams) = reply {
+        for s in streams {
+            if let Value::Array(parts) = s {
+                if let Some(Value::Array(entries)) = parts.get(1) {
+                    for e in entries {
+                        if let Value::Array(pair) = e {
+                            ids.push(delay_worker::store::value_to_string(&pair[0]));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    ids
+}
+
+fn zadd(con: &mut Connection, keys: &Keys, score: i64, key: &str, with_data: bool) {
+    if with_data {
+        redis::cmd("HSET")
+            .arg(&keys.data)
+            .arg(key)
+            .arg(r#"{"event":"order.timeout","payload":{"order_id":1},"retry":0}"#)
+            .query::<()>(con)
+            .unwrap();
+    }
+    redis::cmd("ZADD")
+        .arg(&keys.pool)
+        .arg(score)
+        .arg(key)
+        .query::<()>(con)
+        .unwrap();
+}
+
+fn xlen(con: &mut Connection, key: &str) -> u64 {
+    redis::cmd("XLEN").arg(key).query(con).unwrap()
+}
+
+#[test]
+fn stats_report_the_figures_of_a_known_state() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let keys = Keys::default();
+    let now = now_ms();
+    let now_s = now / 1000;
+
+    // Nothing there yet: zeros, not an error.
+    let empty = gather(&mut con, &keys, now, WINDOW).unwrap();
+    assert!(!empty.group.exists);
+    assert_eq!(
+        (empty.stream.length, empty.group.pending, empty.pool.size),
+        (0, 0, 0)
+    );
+    assert_eq!((empty.pool.mover_lag_ms, empty.dead.length), (0, 0));
+
+    // The pool: PHP seconds scores and millisecond scores, due and not. The oldest due
+    // member has no data yet (a producer that wrote ZADD first).
+    zadd(&mut con, &keys, now_s - 100, "s-old", false);
+    zadd(&mut con, &keys, now_s - 10, "s-new", true);
+    zadd(&mut con, &keys, now_s + 3600, "s-future", true);
+    zadd(&mut con, &keys, now - 2000, "ms-due", true);
+    zadd(&mut con, &keys, now + 60_000, "ms-future", true);
+
+    // The stream: five entries, a minute old down to 20 s; a stream without its group
+    // reads as zeros too.
+    for i in 0..5 {
+        xadd_at(
+            &mut con,
+            &keys.stream,
+            now - 60_000 + i * 10_000,
+            &[("msg", b"{}"), ("key", b"k")],
+        );
+    }
+    let no_group = gather(&mut con, &keys, now, WINDOW).unwrap();
+    assert_eq!((no_group.stream.length, no_group.group.exists), (5, false));
+    delay_worker::reader::Reader::ensure_group(&mut con, &keys).unwrap();
+    // A dead host holding three entries, a live consumer that acked its one.
+    assert_eq!(xreadgroup(&mut con, &keys, "c-dead", 3).len(), 3);
+    redis::cmd("SET")
+        .arg(keys.heartbeat("c-live"))
+        .arg(1)
+        .arg("EX")
+        .arg(60)
+        .query::<()>(&mut con)
+        .unwrap();
+    let live = xreadgroup(&mut con, &keys, "c-live", 1);
+    redis::cmd("XACK")
+        .arg(&keys.stream)
+        .arg(&keys.group)
+        .arg(&live)
+        .query::<()>(&mut con)
+        .unwrap();
+
+    // Dead letters: one an hour old, two within the window.
+    add_dead(&mut con, &keys, now - 3_600_000, "order.timeout", "a", "{}");
+    add_dead(&mut con, &keys, now - 60_000, "order.timeout", "b", "{}");
+    add_dead(&mut con, &keys, now - 30_000, "coupon.expire", "c", "{}");
+
+    let s = gather(&mut con, &keys, now, WINDOW).unwrap();
+    assert_eq!(s.stream.length, 5);
+    assert_eq!(s.stream.entries_added, Some(5));
+    assert!(s.group.exists);
+    assert_eq!((s.group.lag, s.group.entries_read), (Some(1), Some(4)));
+    assert_eq!(s.group.pending, 3);
+    assert_eq!(
+        s.group.oldest_pending_id.as_deref(),
+        Some(format!("{}-0", now - 60_000).as_str())
+    );
+    assert_eq!(s.group.oldest_pending_age_ms, Some(60_000));
+    let c: Vec<(&str, u64, bool)> = s
+        .consumers
+        .iter()
+        .map(|c| (c.name.as_str(), c.pending, c.heartbeat))
+        .collect();
+    assert_eq!(c, [("c-dead", 3, false), ("c-live", 0, true)]);
+    assert_eq!(s.pool.size, 5);
+    assert_eq!((s.pool.due, s.pool.due_seconds, s.pool.due_ms), (3, 2, 1));
+    assert_eq!(s.pool.oldest_due_key.as_deref(), Some("s-old"));
+    assert_eq!(s.pool.mover_lag_ms, now - (now_s - 100) * 1000);
+    assert_eq!(s.pool.oldest_due_has_data, Some(false));
+    assert_eq!(
+        (s.dead.length, s.dead.new, s.dead.entries_added),
+        (3, 2, Some(3))
+    );
+    assert_eq!(s.dead.newest_age_ms, Some(30_000));
+
+    // The binary shows the same, as a table and as JSON.
+    let out = worker(&r.url(), &["stats"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let table = text(&out.stdout);
+    for needle in [
+        "pending 3",
+        "due 3 (2 seconds, 1 ms scores)",
+        "has no data yet",
+        "c-dead",
+        "dead host",
+        "new 2 (last 5m)",
+    ] {
+        assert!(table.contains(needle), "{needle:?} in\n{table}");
+    }
+    let out = worker(&r.url(), &["stats", "--json"]);
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(j["group"]["pending"], 3);
+    assert_eq!(j["pool"]["due"], 3);
+    assert_eq!(j["consumers"][0]["heartbeat"], false);
+    assert_eq!(j["dead"]["new"], 2);
+}
+
+/// Runs `worker stats --check` with these keys and flags: (exit code, the line).
+fn check(r: &RedisServer, prefix: &str, flags: &[&str]) -> (i32, String) {
+    let mut args = vec!["stats", "--check", "--key-prefix", prefix];
+    args.extend_from_slice(flags);
+    let out = worker(&r.url(), &args);
+    let line = text(&out.stdout);
+    assert_eq!(line.lines().count(), 1, "one line: {line}");
+    assert!(line.contains(" | pending="), "perfdata: {line}");
+    assert!(out.stderr.is_empty(), "{}", text(&out.stderr));
+    (out.status.code().unwrap(), line.trim().to_string())
+}
+
+#[test]
+fn check_levels_and_exit_codes() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let now = now_ms();
+
+    let (code, line) = check(&r, "empty", &[]);
+    assert_eq!(code, 0, "{line}");
+    assert!(
+        line.starts_with("OK - pending 0, oldest 0s, mover lag 0.0s, dead 0 new | "),
+        "{line}"
+    );
+
+    // Pending: 3 is fine by default; thresholds are flags.
+    let k = Keys::with_prefix("pend");
+    delay_worker::reader::Reader::ensure_group(&mut con, &k).unwrap();
+    for i in 0..3 {
+        xadd_at(&mut con, &k.stream, now - 5000 + i, &[("msg", b"{}")]);
+    }
+    xreadgroup(&mut con, &k, "c1", 10);
+    assert_eq!(check(&r, "pend", &[]).0, 0);
+    let (code, line) = check(&r, "pend", &["--pending-warn", "2"]);
+    assert_eq!(code, 1, "{line}");
+    assert!(
+        line.starts_with("WARNING - pending 3 (warn > 2), "),
+        "{line}"
+    );
+    assert!(line.contains("pending=3;2;1000"), "{line}");
+    let (code, line) = check(&r, "pend", &["--pending-warn", "1", "--pending-crit", "2"]);
+    assert_eq!(code, 2, "{line}");
+    assert!(
+        line.starts_with("CRITICAL - pending 3 (crit > 2), "),
+        "{line}"
+    );
+
+    // The oldest pending entry, 11 minutes old: warning; past --oldest-crit: critical.
+    let k = Keys::with_prefix("old");
+    delay_worker::reader::Reader::ensure_group(&mut con, &k).unwrap();
+    xadd_at(&mut con, &k.stream, now_ms() - 660_000, &[("msg", b"{}")]);
+    xreadgroup(&mut con, &k, "c1", 10);
+    let (code, line) = check(&r, "old", &[]);
+    assert_eq!(code, 1, "{line}");
+    assert!(
+        line.contains("oldest 11m0") && line.contains("s (warn > 600)"),
+        "{line}"
+    );
+    assert_eq!(check(&r, "old", &["--oldest-crit", "10m"]).0, 2);
+
+    // Mover lag: a member 2 s overdue is a warning, 10 s overdue is critical.
+    let k = Keys::with_prefix("lag");
+    zadd(&mut con, &k, now_ms() - 2000, "late", true);
+    let (code, line) = check(&r, "lag", &[]);
+    assert_eq!(code, 1, "{line}");
+    assert!(line.contains("mover lag 2."), "{line}");
+    zadd(&mut con, &k, now_ms() - 10_000, "later", true);
+    let (code, line) = check(&r, "lag", &[]);
+    assert_eq!(code, 2, "{line}");
+    assert!(line.contains("(crit > 5)"), "{line}");
+    // A PHP seconds score counts the same.
+    let k = Keys::with_prefix("lags");
+    zadd(&mut con, &k, now / 1000 - 60, "php", true);
+    assert_eq!(check(&r, "lags", &[]).0, 2);
+
+    // Dead letters: an old one is not news; a new one is a warning; --dead-crit.
+    let k = Keys::with_prefix("dead");
+    add_dead(&mut con, &k, now - 3_600_000, "order.timeout", "a", "{}");
+    assert_eq!(check(&r, "dead", &[]).0, 0);
+    let (code, line) = check(&r, "dead", &["--dead-window", "2h"]);
+    assert_eq!(code, 1, "{line}");
+    assert!(line.contains("dead 1 new (warn > 0)"), "{line}");
+    add_dead(&mut con, &k, now - 1000, "order.timeout", "b", "{}");
+    assert_eq!(check(&r, "dead", &[]).0, 1);
+    assert_eq!(check(&r, "dead", &["--dead-crit", "0"]).0, 2);
+    assert_eq!(check(&r, "dead", &["--dead-warn", "1"]).0, 0);
+
+    // Redis unreachable: UNKNOWN, exit 3, no password.
+    let url = format!("redis://:hunter2@127.0.0.1:{}/", free_port());
+    let out = worker(&url, &["stats", "--check"]);
+    assert_eq!(out.status.code(), Some(3));
+    let line = text(&out.stdout);
+    assert!(line.starts_with("UNKNOWN - cannot reach Redis"), "{line}");
+    assert_eq!(line.lines().count(), 1);
+    assert!(!line.contains("hunter2"), "{line}");
+    // Without --check an unreachable Redis is an ordinary one-line error.
+    let out = worker(&url, &["stats"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(text(&out.stderr).trim().lines().count(), 1);
+}
+
+#[test]
+fn watch_redraws_and_ends_on_ctrl_c_without_a_backtrace() {
+    use std::io::Read;
+    let r = RedisServer::start();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_worker"))
+        .env("REDIS_URL", r.url())
+        .env("RUST_BACKTRACE", "1")
+        .args(["stats", "--watch"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = stdout.read(&mut buf) {
+            if n == 0 || tx.send(buf[..n].to_vec()).is_err() {
+                break;
+            }
+        }
+    });
+    let mut seen = Vec::new();
+    // Two frames: the second carries the rates.
+    wait_until(Duration::from_secs(10), "two frames", || {
+        while let Ok(b) = rx.try_recv() {
+            seen.extend(b);
+        }
+        text(&seen).contains("rates")
+    });
+    assert!(text(&seen).contains("\x1b[2J"), "the screen is cleared");
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGINT);
+    }
+    let start = std::time::Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "--watch ignored Ctrl-C"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    assert!(status.success(), "{status:?} {err}");
+    assert!(
+        !err.contains("panicked") && !err.contains("backtrace"),
+        "{err}"
+    );
+}
+
+/// Holds a row lock on an order so the handler hits its lock timeout.
+fn lock_order(env: &Env, id: i64) -> (std::sync::mpsc::Sender<()>, std::thread::JoinHandle<()>) {
+    let url = env.db.url.clone();
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
+    let h = std::thread::spawn(move || {
+        let mut c = postgres::Client::connect(&url, postgres::NoTls).unwrap();
+        let mut t = c.transaction().unwrap();
+        t.execute("SELECT 1 FROM orders WHERE id = $1 FOR UPDATE", &[&id])
+            .unwrap();
+        ready_tx.send(()).unwrap();
+        let _ = rx.recv();
+        t.rollback().unwrap();
+    });
+    ready_rx.recv().unwrap();
+    (tx, h)
+}
+
+#[test]
+fn a_dead_letter_requeued_after_the_fix_goes_through_the_daemon() {
+    let mut env = Env::new();
+    env.config.jobs.statement_timeout = Duration::from_millis(150);
+    env.config.jobs.max_retries = 1;
+    env.config.jobs.retry_base = Duration::from_millis(50);
+    let orders = seed_orders(&env.db, 2);
+    // The cause: a row lock that makes the first order's handler time out until its
+    // retries are used up.
+    let (release, h) = lock_order(&env, orders[0].id);
+    push_timeouts(&env, &orders, 0);
+    let daemon = Daemon::start(&env.config);
+    wait_until(WAIT, "one dead letter, one order done", || {
+        books(&env).dead == 1 && inbox_count(&env.db) == 1
+    });
+    daemon.stop();
+    assert_accounting(&env.db, &orders, &[&orders[1]]);
+    // The fix.
+    release.send(()).unwrap();
+    h.join().unwrap();
+
+    let url = env.redis.url();
+    let out = worker(&url, &["dead", "list", "--json"]);
+    let listed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let key = format!("order.timeout:{}", orders[0].order_no);
+    assert_eq!(listed[0]["key"], key.as_str());
+    assert_eq!(listed[0]["event"], "order.timeout");
+    let id = listed[0]["id"].as_str().unwrap().to_string();
+    let died: serde_json::Value = serde_json::from_str(listed[0]["msg"].as_str().unwrap()).unwrap();
+    assert_eq!(died["retry"], 1);
+
+    let out = worker(&url, &["dead", "requeue", "--event", "order.timeout"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout).trim(), "requeued 1");
+    // Back in the pool under its job key, due now, retry reset, every other field kept.
+    let mut con = env.con();
+    let msg: String = redis::cmd("HGET")
+        .arg(&env.config.keys.data)
+        .arg(&key)
+        .query(&mut con)
+        .unwrap();
+    let back: serde_json::Value = serde_json::from_str(&msg).unwrap();
+    assert_eq!(back["retry"], 0);
+    assert_eq!(
+        (&back["ts"], &back["payload"], &back["event"]),
+        (&died["ts"], &died["payload"], &died["event"])
+    );
+    let score: f64 = redis::cmd("ZSCORE")
+        .arg(&env.config.keys.pool)
+        .arg(&key)
+        .query(&mut con)
+        .unwrap();
+    assert!(
+        (score as i64 - now_ms()).abs() < 60_000,
+        "due now, in ms: {score}"
+    );
+    assert_eq!(books(&env).dead, 0);
+    // The same letter again: gone, so nothing goes back twice.
+    let out = worker(&url, &["dead", "requeue", "--id", &id]);
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(
+        text(&out.stdout),
+        format!("requeued 0\nno dead letter {id}\n")
+    );
+
+    let daemon = Daemon::start(&env.config);
+    wait_until(WAIT, "the requeued order", || {
+        let b = books(&env);
+        inbox_count(&env.db) == 2 && b.pool == 0 && b.stream_pending == 0
+    });
+    let report = daemon.stop();
+    assert_eq!(report.stats.dead, 0, "{}", report.stats);
+    assert_accounting(&env.db, &orders, &[&orders[0], &orders[1]]);
+    assert_eq!(books(&env).dead, 0);
+}
+
+#[test]
+fn requeue_keeps_fields_respects_newer_pushes_and_goes_back_once() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let keys = Keys::default();
+    let now = now_ms();
+    let a = add_dead(
+        &mut con,
+        &keys,
+        now - 4000,
+        "order.timeout",
+        "k-a",
+        r#"{"event":"order.timeout","payload":{"order_no":"SO1"},"retry":3,"ts":17,"trace":"t-1"}"#,
+    );
+    let b = add_dead(&mut con, &keys, now - 3000, "", "k-b", "not json at all");
+    let c = add_dead(
+        &mut con,
+        &keys,
+        now - 2000,
+        "order.timeout",
+        "k-c",
+        r#"{"event":"order.timeout","payload":{"order_no":"SO3"},"retry":3}"#,
+    );
+    let d = add_dead(
+        &mut con,
+        &keys,
+        now - 1000,
+        "order.timeout",
+        "",
+        r#"{"event":"order.timeout","payload":{"order_no":"SO4"},"retry":1}"#,
+    );
+    // k-c was pushed again since it died: the newer job wins.
+    let job = delay_worker::producer::NewJob {
+        event: "order.timeout".into(),
+        payload: serde_json::json!({"order_no": "SO3", "fresh": true}),
+        due_ms: now + 60_000,
+        key: Some("k-c".into()),
+    };
+    delay_worker::producer::push(&mut con, &keys, &job, now).unwrap();
+
+    let letters = dead::scan(&mut con, &keys, &Filter::default(), now, None).unwrap();
+    assert_eq!(letters.len(), 4);
+    let out = worker(&r.url(), &["dead", "requeue"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let said = text(&out.stdout);
+    assert!(said.starts_with("requeued 3\n"), "{said}");
+    assert!(said.contains(&format!("1 of them not a JSON object, requeued as written: they will be dead-lettered again ({b})")), "{said}");
+    assert!(said.contains(&format!("left 1 in the dead letters: their job key is scheduled again and the newer push wins ({c})")), "{said}");
+
+    let hget = |con: &mut Connection, k: &str| -> Option<String> {
+        redis::cmd("HGET")
+            .arg(&keys.data)
+            .arg(k)
+            .query(con)
+            .unwrap()
+    };
+    let back: serde_json::Value = serde_json::from_str(&hget(&mut con, "k-a").unwrap()).unwrap();
+    assert_eq!(
+        (
+            back["retry"].as_i64(),
+            back["ts"].as_i64(),
+            back["trace"].as_str()
+        ),
+        (Some(0), Some(17), Some("t-1"))
+    );
+    assert_eq!(hget(&mut con, "k-b").as_deref(), Some("not json at all"));
+    assert!(
+        hget(&mut con, "k-c").unwrap().contains("fresh"),
+        "the newer push is untouched"
+    );
+    // No job key: the dead letter's id stands in.
+    let back: serde_json::Value = serde_json::from_str(&hget(&mut con, &d).unwrap()).unwrap();
+    assert_eq!(back["retry"], 0);
+    let pool: u64 = redis::cmd("ZCARD").arg(&keys.pool).query(&mut con).unwrap();
+    assert_eq!(pool, 4);
+    let left = dead::scan(&mut con, &keys, &Filter::default(), now, None).unwrap();
+    assert_eq!(
+        left.iter().map(|l| l.id.as_str()).collect::<Vec<_>>(),
+        [c.as_str()]
+    );
+
+    // Requeueing the same letters again (a second operator, a retried command): the
+    // script re-reads each by id, so nothing goes back twice.
+    let again = dead::requeue(&mut con, &keys, &letters, now).unwrap();
+    assert!(again.requeued.is_empty());
+    assert_eq!(again.gone, [a, b, d]);
+    assert_eq!(again.key_scheduled, [c]);
+    let pool: u64 = redis::cmd("ZCARD").arg(&keys.pool).query(&mut con).unwrap();
+    assert_eq!(pool, 4);
+}
+
+/// Four dead letters: 2 h, 30 min, 1 min and 10 s old; the last without an `event`
+/// field (its message names it).
+fn four_letters(con: &mut Connection, keys: &Keys, now: i64) -> [String; 4] {
+    [
+        add_dead(
+            con,
+            keys,
+            now - 7_200_000,
+            "order.timeout",
+            "k1",
+            r#"{"event":"order.timeout","payload":{"order_no":"SO1"},"retry":3}"#,
+        ),
+        add_dead(
+            con,
+            keys,
+            now - 1_800_000,
+            "coupon.expire",
+            "k2",
+            r#"{"event":"coupon.expire","payload":{"coupon_id":2}}"#,
+        ),
+        add_dead(con, keys, now - 60_000, "order.timeout", "k3", "not json"),
+        add_dead(
+            con,
+            keys,
+            now - 10_000,
+            "",
+            "k4",
+            r#"{"event":"aftersale.timeout","payload":{"aftersale_id":4}}"#,
+        ),
+    ]
+}
+
+#[test]
+fn dead_letters_filter_by_event_and_age() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let keys = Keys::default();
+    let now = now_ms();
+    let all = four_letters(&mut con, &keys, now);
+    let [l1, _, l3, _] = &all;
+    // Which of the four (1-based) a filter selects.
+    let mut which = |event: Option<&str>, older_than: Option<u64>, newer_than: Option<u64>| {
+        let f = Filter {
+            event: event.map(str::to_string),
+            older_than: older_than.map(Duration::from_secs),
+            newer_than: newer_than.map(Duration::from_secs),
+        };
+        dead::scan(&mut con, &keys, &f, now, None)
+            .unwrap()
+            .iter()
+            .map(|l| all.iter().position(|id| *id == l.id).unwrap() + 1)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(which(None, None, None), [1, 2, 3, 4]);
+    assert_eq!(which(Some("order.timeout"), None, None), [1, 3]);
+    assert_eq!(
+        which(Some("aftersale.timeout"), None, None),
+        [4],
+        "event read from the message"
+    );
+    assert_eq!(which(None, Some(3600), None), [1]);
+    assert_eq!(which(None, None, Some(600)), [3, 4]);
+    assert_eq!(which(None, Some(300), Some(3600)), [2]);
+    assert_eq!(which(Some("order.timeout"), Some(600), None), [1]);
+    assert!(which(None, Some(86_400), None).is_empty());
+
+    // The binary: one line per letter under a header, --limit, --json.
+    let out = worker(&r.url(), &["dead", "list", "--event", "order.timeout"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let listed = text(&out.stdout);
+    let lines: Vec<&str> = listed.lines().collect();
+    assert_eq!(lines.len(), 3, "{listed}");
+    assert!(
+        lines[0].starts_with("ID ") && lines[0].ends_with("REASON"),
+        "{listed}"
+    );
+    assert!(
+        lines[1].starts_with(l1.as_str())
+            && lines[1].contains(" 2h00m ")
+            && lines[1].contains(" k1 "),
+        "{listed}"
+    );
+    assert!(lines[1].ends_with("handler failed for k1"), "{listed}");
+    assert!(
+        lines[2].starts_with(l3.as_str()) && lines[2].contains(" 1m00s "),
+        "{listed}"
+    );
+    let out = worker(&r.url(), &["dead", "list", "--limit", "1"]);
+    let listed = text(&out.stdout);
+    assert_eq!(listed.lines().count(), 3, "{listed}");
+    assert!(
+        listed.ends_with("... more not shown (--limit 1)\n"),
+        "{listed}"
+    );
+    let out = worker(&r.url(), &["dead", "list", "--json", "--newer-than", "10m"]);
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let j = j.as_array().unwrap();
+    assert_eq!(j.len(), 2);
+    assert_eq!(
+        (j[0]["id"].as_str(), j[0]["msg"].as_str()),
+        (Some(l3.as_str()), Some("not json"))
+    );
+    assert_eq!(
+        (j[1]["event"].as_str(), j[1]["attempts"].as_u64()),
+        (Some("aftersale.timeout"), Some(3))
+    );
+    let out = worker(&r.url(), &["dead", "list", "--event", "nope"]);
+    assert_eq!(text(&out.stdout), "no dead letters\n");
+}
+
+#[test]
+fn show_prints_every_field_and_the_message_pretty() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let keys = Keys::default();
+    let [l1, _, l3, _] = four_letters(&mut con, &keys, now_ms());
+    let out = worker(&r.url(), &["dead", "show", &l1]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let shown = text(&out.stdout);
+    for needle in [
+        &format!("dead letter  {l1}"),
+        "event        order.timeout",
+        "key          k1",
+        "attempts     3",
+        "reason       handler failed for k1",
+        "consumer     c1",
+        "entry        1-1",
+        "(2h00m ago)",
+        "message\n{\n",
+        "\n    \"order_no\": \"SO1\"\n",
+    ] {
+        assert!(shown.contains(needle), "{needle:?} in\n{shown}");
+    }
+    let out = worker(&r.url(), &["dead", "show", &l3]);
+    assert!(
+        text(&out.stdout).contains("message (not JSON: "),
+        "{}",
+        text(&out.stdout)
+    );
+    let out = worker(&r.url(), &["dead", "show", "1-0"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(text(&out.stdout), "no dead letter 1-0\n");
+    let out = worker(&r.url(), &["dead", "show", "nonsense"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(err.contains("not a dead-letter id"), "{err}");
+}
+
+#[test]
+fn purge_refuses_without_an_age_or_all() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let keys = Keys::default();
+    four_letters(&mut con, &keys, now_ms());
+    for args in [
+        &["dead", "purge"][..],
+        &["dead", "purge", "--event", "order.timeout"],
+    ] {
+        let out = worker(&r.url(), args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        assert!(
+            text(&out.stderr).contains("--older-than"),
+            "{}",
+            text(&out.stderr)
+        );
+        assert!(out.stdout.is_empty());
+    }
+    assert_eq!(xlen(&mut con, &keys.dead), 4, "nothing purged");
+    let purge = |args: &[&str]| {
+        let mut a = vec!["dead", "purge"];
+        a.extend_from_slice(args);
+        let out = worker(&r.url(), &a);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        text(&out.stdout)
+    };
+    assert_eq!(purge(&["--older-than", "1h"]), "purged 1\n");
+    assert_eq!(purge(&["--older-than", "1h"]), "purged 0\n");
+    assert_eq!(purge(&["--all", "--event", "coupon.expire"]), "purged 1\n");
+    assert_eq!(xlen(&mut con, &keys.dead), 2);
+    assert_eq!(purge(&["--all"]), "purged 2\n");
+    assert_eq!(xlen(&mut con, &keys.dead), 0);
+}
