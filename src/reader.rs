@@ -620,7 +620,9 @@ pub fn trim_acknowledged(
         .arg(bound.to_string())
         .query(con)?;
     if removed > 0 {
-        log::info!("reader: trimmed {removed} acknowledged stream entries older than the retention");
+        log::info!(
+            "reader: trimmed {removed} acknowledged stream entries older than the retention"
+        );
     }
     Ok(removed)
 }
@@ -659,7 +661,10 @@ fn kv_fields(v: Value) -> Vec<(String, Value)> {
             }
             out
         }
-        Value::Map(kv) => kv.into_iter().map(|(k, v)| (value_to_string(&k), v)).collect(),
+        Value::Map(kv) => kv
+            .into_iter()
+            .map(|(k, v)| (value_to_string(&k), v))
+            .collect(),
         _ => Vec::new(),
     }
 }
