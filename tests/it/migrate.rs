@@ -11,7 +11,11 @@ fn migrate_applies_once_and_records_it() {
     let first = db::migrate(&mut c).unwrap();
     assert_eq!(
         first,
-        vec!["0001_shop_schema", "0002_worker_inbox", "0003_payment_review"]
+        vec![
+            "0001_shop_schema",
+            "0002_worker_inbox",
+            "0003_payment_review"
+        ]
     );
     assert!(
         db::migrate(&mut c).unwrap().is_empty(),
