@@ -186,6 +186,10 @@ pub struct RunArgs {
     /// Messages larger than this many bytes are dead-lettered unread.
     #[arg(long, default_value_t = 65536, global = true)]
     pub max_message_bytes: usize,
+    /// Most jobs a worker runs in one transaction, each with its own inbox row (only jobs
+    /// already waiting are batched; a failure reruns each job alone).
+    #[arg(long, default_value_t = 1, global = true)]
+    pub tx_batch: usize,
     /// Directory of extra SQL handlers (*.sql).
     #[arg(long, global = true)]
     pub handlers_dir: Option<PathBuf>,
@@ -295,6 +299,11 @@ impl Cli {
             "must be at least 1ms",
         )?;
         check(
+            (1..=256).contains(&r.tx_batch),
+            "--tx-batch",
+            "must be between 1 and 256",
+        )?;
+        check(
             r.max_message_bytes >= 64,
             "--max-message-bytes",
             "must be at least 64",
@@ -389,6 +398,7 @@ impl Cli {
             retry_cap: r.retry_cap.max(r.retry_base),
             statement_timeout: r.statement_timeout,
             max_message_bytes: r.max_message_bytes,
+            tx_batch: r.tx_batch,
         };
         config.handlers_dir = r.handlers_dir.clone();
         config.noop_events = r.noop_event.clone();

@@ -93,6 +93,8 @@ pub struct JobConfig {
     pub statement_timeout: Duration,
     /// Messages larger than this are dead-lettered unread.
     pub max_message_bytes: usize,
+    /// Most jobs a worker runs in one transaction (only jobs already waiting are batched).
+    pub tx_batch: usize,
 }
 
 impl Default for MoverConfig {
@@ -127,6 +129,7 @@ impl Default for JobConfig {
             retry_cap: Duration::from_secs(300),
             statement_timeout: Duration::from_secs(5),
             max_message_bytes: 64 * 1024,
+            tx_batch: 1,
         }
     }
 }
@@ -152,10 +155,11 @@ impl Config {
         }
     }
 
-    /// Capacity of the reader -> pool channel. Two jobs per worker keeps every worker fed
-    /// while the reader is in a round trip, and bounds what a crash leaves pending.
+    /// Capacity of the reader -> pool channel. Two transactions' worth per worker keeps
+    /// every worker fed while the reader is in a round trip, and bounds what a crash leaves
+    /// pending.
     pub fn channel_capacity(&self) -> usize {
-        self.threads * 2
+        self.threads * 2 * self.jobs.tx_batch.max(1)
     }
 
     /// Size of the PostgreSQL pool: each worker holds one connection for its whole life

@@ -170,8 +170,9 @@ impl<'a> Worker<'a> {
     /// The thread body. `space` wakes the reader when a slot frees up.
     pub fn run(mut self, rx: &Receiver<Delivery>, space: &Sender<()>) {
         let mut outcomes: Vec<Settlement> = Vec::with_capacity(ACK_BATCH);
+        let tx_batch = self.ctx.jobs.tx_batch.max(1);
         loop {
-            let d = match rx.try_recv() {
+            let first = match rx.try_recv() {
                 Ok(d) => d,
                 Err(TryRecvError::Empty) => {
                     self.flush(&mut outcomes);
@@ -182,15 +183,25 @@ impl<'a> Worker<'a> {
                 }
                 Err(TryRecvError::Disconnected) => break,
             };
+            // Only what is already waiting joins the batch: batching never delays a job.
+            let mut batch = vec![first];
+            while batch.len() < tx_batch {
+                match rx.try_recv() {
+                    Ok(d) => batch.push(d),
+                    Err(_) => break,
+                }
+            }
             // A full channel's reader waits for this; a token already there is enough.
             let _ = space.try_send(());
             let draining = self.ctx.shutdown.is_set();
-            match self.handle(d) {
-                Some(s) => outcomes.push(s),
-                None => log::info!("{}: job left pending for the next start", self.name),
+            let taken = batch.len() as u64;
+            let before = outcomes.len();
+            self.handle_batch(batch, &mut outcomes);
+            if outcomes.len() - before < taken as usize {
+                log::info!("{}: jobs left pending for the next start", self.name);
             }
             if draining {
-                self.ctx.drained.fetch_add(1, Ordering::Relaxed);
+                self.ctx.drained.fetch_add(taken, Ordering::Relaxed);
             }
             if outcomes.len() >= ACK_BATCH {
                 self.flush(&mut outcomes);
@@ -203,7 +214,37 @@ impl<'a> Worker<'a> {
     /// Decides what becomes of one delivery. `None` leaves it pending (only when the
     /// database stays unreachable until shutdown): the next start delivers it again.
     pub fn handle(&mut self, d: Delivery) -> Option<Settlement> {
-        let stats = self.ctx.stats;
+        let mut out = Vec::with_capacity(1);
+        self.handle_batch(vec![d], &mut out);
+        out.pop()
+    }
+
+    /// Decides what becomes of each delivery of a batch, appending the settlements to
+    /// `out`. Jobs that need the database run in one transaction when there are several
+    /// (see [`run_batch`]); a delivery is missing from `out` only when the database stayed
+    /// unreachable until shutdown.
+    pub fn handle_batch(&mut self, ds: Vec<Delivery>, out: &mut Vec<Settlement>) {
+        let mut jobs = Vec::with_capacity(ds.len());
+        for d in ds {
+            match self.prepare(d) {
+                Ok(job) if job.handler.needs_database() => jobs.push(job),
+                Ok(job) => out.push(self.finish(job, JobResult::Committed(Effect::NoOp))),
+                Err(dead) => out.push(dead),
+            }
+        }
+        if jobs.is_empty() {
+            return;
+        }
+        let Some(results) = self.run_in_database(&jobs) else {
+            return;
+        };
+        for (job, result) in jobs.into_iter().zip(results) {
+            out.push(self.finish(job, result));
+        }
+    }
+
+    /// Decodes and validates a delivery: a job ready for its handler, or its dead letter.
+    fn prepare(&self, d: Delivery) -> Result<Job<'a>, Settlement> {
         let limit = self.ctx.jobs.max_message_bytes;
         let raw_event = match d.origin {
             Origin::List { queue } => self
@@ -225,22 +266,31 @@ impl<'a> Worker<'a> {
                     Rejection::TooLarge { .. } => String::new(),
                     _ => event_of(&d.msg),
                 };
-                return Some(self.dead(d, r.to_string(), event, 1));
+                return Err(self.dead(d, r.to_string(), event, 1));
             }
         };
         let Some((index, handler)) = self.ctx.registry.get(&env.event) else {
             let reason = Rejection::UnknownEvent(env.event.clone()).to_string();
-            return Some(self.dead(d, reason, env.event, env.retry as u64 + 1));
+            let attempts = env.retry as u64 + 1;
+            return Err(self.dead(d, reason, env.event, attempts));
         };
         if let Err(r) = env.require(handler.required()) {
-            return Some(self.dead(d, r.to_string(), env.event, env.retry as u64 + 1));
+            let attempts = env.retry as u64 + 1;
+            return Err(self.dead(d, r.to_string(), env.event, attempts));
         }
-        let key = key_text(&d.key);
-        let result = if !handler.needs_database() {
-            JobResult::Committed(Effect::NoOp)
-        } else {
-            self.run_in_database(index, handler, &key, &env)?
-        };
+        Ok(Job {
+            key: key_text(&d.key),
+            d,
+            env,
+            index,
+            handler,
+        })
+    }
+
+    /// Turns a job's result into its settlement: ack, retry with backoff, or dead letter.
+    fn finish(&mut self, job: Job<'a>, result: JobResult) -> Settlement {
+        let stats = self.ctx.stats;
+        let Job { d, env, key, .. } = job;
         match result {
             JobResult::Committed(effect) => {
                 let (counter, outcome) = match effect {
@@ -251,13 +301,13 @@ impl<'a> Worker<'a> {
                 self.ctx.metrics.job(&env.event, outcome);
                 self.ctx.metrics.lateness(d.due_ms, crate::now_ms());
                 log::debug!("job {key} {} {effect:?}", env.event);
-                Some(Settlement::new(d, Outcome::Ack))
+                Settlement::new(d, Outcome::Ack)
             }
             JobResult::Duplicate => {
                 Stats::add(&stats.duplicate, 1);
                 self.ctx.metrics.job(&env.event, JobOutcome::Duplicate);
                 log::debug!("job {key} {} duplicate (already in the inbox)", env.event);
-                Some(Settlement::new(d, Outcome::Ack))
+                Settlement::new(d, Outcome::Ack)
             }
             JobResult::Failed(e) if db::is_transient(&e) => {
                 if e.is_closed() || e.code().is_none() {
@@ -266,7 +316,7 @@ impl<'a> Worker<'a> {
                 let reason = db::error_text(&e);
                 if env.retry >= self.ctx.jobs.max_retries {
                     let reason = format!("transient failure after {} retries: {reason}", env.retry);
-                    return Some(self.dead(d, reason, env.event.clone(), env.retry as u64 + 1));
+                    return self.dead(d, reason, env.event.clone(), env.retry as u64 + 1);
                 }
                 let delay = retry_delay(self.ctx.jobs, env.retry);
                 log::warn!(
@@ -281,30 +331,24 @@ impl<'a> Worker<'a> {
                     msg: env.next_retry().into_bytes(),
                     due_ms: crate::now_ms() + delay.as_millis() as i64,
                 };
-                Some(Settlement::new(d, retry))
+                Settlement::new(d, retry)
             }
             JobResult::Failed(e) => {
                 let reason = format!("handler failed: {}", db::error_text(&e));
-                Some(self.dead(d, reason, env.event.clone(), env.retry as u64 + 1))
+                self.dead(d, reason, env.event.clone(), env.retry as u64 + 1)
             }
             JobResult::Panicked(msg) => {
                 // The connection may be mid-transaction: start afresh.
                 self.session = None;
                 let reason = format!("handler panicked: {msg}");
-                Some(self.dead(d, reason, env.event.clone(), env.retry as u64 + 1))
+                self.dead(d, reason, env.event.clone(), env.retry as u64 + 1)
             }
         }
     }
 
-    /// Runs the job in its transaction, waiting (with backoff) for a database session.
-    /// `None` when shutdown came while the database was unreachable.
-    fn run_in_database(
-        &mut self,
-        index: usize,
-        handler: &dyn crate::handlers::Handler,
-        key: &str,
-        env: &Envelope,
-    ) -> Option<JobResult> {
+    /// Runs the jobs, waiting (with backoff) for a database session. `None` when shutdown
+    /// came while the database was unreachable.
+    fn run_in_database(&mut self, jobs: &[Job<'a>]) -> Option<Vec<JobResult>> {
         loop {
             let session = match self.session.as_mut() {
                 Some(s) => s,
@@ -334,9 +378,19 @@ impl<'a> Worker<'a> {
                 },
             };
             let started = std::time::Instant::now();
-            let result = run_job(session, index, handler, key, env);
-            self.ctx.metrics.handler_time(&env.event, started.elapsed());
-            return Some(result);
+            let results = match jobs {
+                [job] => vec![run_job(session, job)],
+                _ => run_batch(session, jobs).unwrap_or_else(|| {
+                    // Something in the batch failed: nothing of it committed. Run each job
+                    // alone, so each gets its own outcome.
+                    jobs.iter().map(|job| run_job(session, job)).collect()
+                }),
+            };
+            let each = started.elapsed() / jobs.len() as u32;
+            for job in jobs {
+                self.ctx.metrics.handler_time(&job.env.event, each);
+            }
+            return Some(results);
         }
     }
 
@@ -427,14 +481,51 @@ impl<'a> Worker<'a> {
     }
 }
 
-/// One job in one transaction: the inbox row first, then the handler, then commit.
-fn run_job(
-    session: &mut Session,
+/// A delivery that decoded and has a handler: ready for the database.
+struct Job<'h> {
+    d: Delivery,
+    env: Envelope,
+    /// The handler's position in the registry (and of its statements in a session).
     index: usize,
-    handler: &dyn crate::handlers::Handler,
-    key: &str,
-    env: &Envelope,
-) -> JobResult {
+    handler: &'h dyn crate::handlers::Handler,
+    /// The inbox's text form of the job key.
+    key: String,
+}
+
+/// Inserts the job's inbox row and runs its handler inside `tx`. `Ok(None)`: the inbox
+/// already held the job (a redelivery), nothing else was done.
+fn apply(
+    tx: &mut postgres::Transaction<'_>,
+    inbox: &Statement,
+    statements: &[Vec<Statement>],
+    job: &Job<'_>,
+) -> Result<Option<Effect>, JobResult> {
+    match tx.execute(inbox, &[&job.key, &job.env.ts, &job.env.event]) {
+        Ok(0) => return Ok(None),
+        Ok(_) => {}
+        Err(e) => return Err(JobResult::Failed(e)),
+    }
+    let outcome = catch_unwind(AssertUnwindSafe(|| {
+        job.handler
+            .handle(tx, &statements[job.index], &job.env.payload)
+    }));
+    match outcome {
+        Ok(Ok(effect)) => Ok(Some(effect)),
+        Ok(Err(e)) => Err(JobResult::Failed(e)),
+        Err(panic) => {
+            let msg = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".to_string());
+            Err(JobResult::Panicked(msg))
+        }
+    }
+}
+
+/// One job in one transaction: the inbox row first, then the handler, then commit.
+/// Dropping the transaction on an error rolls it back.
+fn run_job(session: &mut Session, job: &Job<'_>) -> JobResult {
     let Session {
         conn,
         inbox,
@@ -444,33 +535,34 @@ fn run_job(
         Ok(tx) => tx,
         Err(e) => return JobResult::Failed(e),
     };
-    match tx.execute(&*inbox, &[&key, &env.ts, &env.event]) {
-        Ok(0) => {
-            return match tx.commit() {
-                Ok(()) => JobResult::Duplicate,
-                Err(e) => JobResult::Failed(e),
-            }
-        }
-        Ok(_) => {}
-        Err(e) => return JobResult::Failed(e),
+    let result = match apply(&mut tx, inbox, handlers, job) {
+        Ok(Some(effect)) => JobResult::Committed(effect),
+        Ok(None) => JobResult::Duplicate,
+        Err(failed) => return failed,
+    };
+    match tx.commit() {
+        Ok(()) => result,
+        Err(e) => JobResult::Failed(e),
     }
-    let outcome = catch_unwind(AssertUnwindSafe(|| {
-        handler.handle(&mut tx, &handlers[index], &env.payload)
-    }));
-    match outcome {
-        Ok(Ok(effect)) => match tx.commit() {
-            Ok(()) => JobResult::Committed(effect),
-            Err(e) => JobResult::Failed(e),
-        },
-        // Dropping `tx` rolls the transaction back.
-        Ok(Err(e)) => JobResult::Failed(e),
-        Err(panic) => {
-            let msg = panic
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "unknown panic".to_string());
-            JobResult::Panicked(msg)
-        }
+}
+
+/// Several jobs in one transaction (`--tx-batch`): one commit for all of them, which is
+/// what a job costs most. Each job keeps its own inbox row, so each stays idempotent; if
+/// any statement fails nothing commits and `None` tells the caller to run each job alone.
+fn run_batch(session: &mut Session, jobs: &[Job<'_>]) -> Option<Vec<JobResult>> {
+    let Session {
+        conn,
+        inbox,
+        handlers,
+    } = session;
+    let mut tx = conn.transaction().ok()?;
+    let mut results = Vec::with_capacity(jobs.len());
+    for job in jobs {
+        results.push(match apply(&mut tx, inbox, handlers, job).ok()? {
+            Some(effect) => JobResult::Committed(effect),
+            None => JobResult::Duplicate,
+        });
     }
+    tx.commit().ok()?;
+    Some(results)
 }

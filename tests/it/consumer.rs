@@ -48,7 +48,19 @@ fn xadd(env: &Env, key: &str, msg: &[u8]) {
 
 #[test]
 fn the_order_story_cancels_each_unpaid_order_once() {
-    let env = Env::new();
+    order_story(Env::new(), false);
+}
+
+#[test]
+fn the_order_story_with_several_jobs_per_transaction() {
+    let mut env = Env::new();
+    env.config.jobs.tx_batch = 8;
+    // Batches lock the skus of several orders in one transaction, so two batches sharing
+    // skus can deadlock: PostgreSQL aborts one, its jobs run alone and may retry.
+    order_story(env, true);
+}
+
+fn order_story(env: Env, retries_allowed: bool) {
     let orders = seed_orders(&env.db, 300);
     // 20 % paid before their timeout fires.
     let paid: Vec<SeedOrder> = orders.iter().step_by(5).cloned().collect();
@@ -81,7 +93,8 @@ fn the_order_story_cancels_each_unpaid_order_once() {
     let s = report.stats;
     assert_eq!(s.done, cancelled.len() as u64, "{s}");
     assert_eq!(s.noop, 330 - cancelled.len() as u64, "{s}");
-    assert_eq!((s.dead, s.retried), (0, 0), "{s}");
+    assert_eq!(s.dead, 0, "{s}");
+    assert!(retries_allowed || s.retried == 0, "{s}");
     let b = books(&env);
     assert_eq!((b.pool, b.stream_pending, b.dead), (0, 0, 0));
 }

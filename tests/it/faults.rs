@@ -193,7 +193,18 @@ fn inbox_count_via(c: &mut postgres::Client) -> i64 {
 
 #[test]
 fn a_handler_failing_transiently_for_30_percent_of_jobs() {
+    retry_storm(Env::new());
+}
+
+#[test]
+fn a_retry_storm_with_several_jobs_per_transaction() {
+    // A failing job aborts its batch; each job of it then runs alone.
     let mut env = Env::new();
+    env.config.jobs.tx_batch = 8;
+    retry_storm(env);
+}
+
+fn retry_storm(mut env: Env) {
     env.db
         .client()
         .batch_execute(
