@@ -273,7 +273,6 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<Report, DaemonError> 
 
         let mut notifier = Notifier::from_env();
         notifier.ready(&stats, rx.len());
-        let mut last = stats.snapshot();
         let mut logged = Instant::now();
         while !shutdown.wait(notifier.tick_interval(config.stats_interval)) {
             notifier.tick(&stats, config, rx.len());
@@ -281,11 +280,8 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<Report, DaemonError> 
                 continue;
             }
             logged = Instant::now();
-            let now = stats.snapshot();
-            if now != last {
-                log::info!("stats: {now}");
-            }
-            last = now;
+            // One line per interval even when idle: its absence in the journal means trouble.
+            log::info!("stats: {} in_channel={}", stats.snapshot(), rx.len());
         }
         notifier.stopping();
         log::info!("shutdown requested; draining the jobs already read");
