@@ -62,23 +62,28 @@ impl fmt::Display for Rejection {
     }
 }
 
+/// Size limit, UTF-8, JSON, and an object at the top: what every message must pass.
+fn parse_object(bytes: &[u8], limit: usize) -> Result<Map<String, Value>, Rejection> {
+    if bytes.len() > limit {
+        return Err(Rejection::TooLarge {
+            size: bytes.len(),
+            limit,
+        });
+    }
+    let text = std::str::from_utf8(bytes).map_err(|_| Rejection::NotUtf8)?;
+    // serde_json refuses nesting deeper than 128 levels, so hostile depth is an error
+    // here, not a stack overflow.
+    let value: Value = serde_json::from_str(text).map_err(|e| Rejection::NotJson(e.to_string()))?;
+    match value {
+        Value::Object(m) => Ok(m),
+        _ => Err(Rejection::NotAnObject),
+    }
+}
+
 impl Envelope {
     /// Decodes and checks the envelope. `limit` is the size limit in bytes.
     pub fn decode(bytes: &[u8], limit: usize) -> Result<Envelope, Rejection> {
-        if bytes.len() > limit {
-            return Err(Rejection::TooLarge {
-                size: bytes.len(),
-                limit,
-            });
-        }
-        let text = std::str::from_utf8(bytes).map_err(|_| Rejection::NotUtf8)?;
-        // serde_json refuses nesting deeper than 128 levels, so hostile depth is an
-        // error here, not a stack overflow.
-        let value: Value =
-            serde_json::from_str(text).map_err(|e| Rejection::NotJson(e.to_string()))?;
-        let Value::Object(raw) = value else {
-            return Err(Rejection::NotAnObject);
-        };
+        let raw = parse_object(bytes, limit)?;
         let event = match raw.get("event") {
             None | Some(Value::Null) => return Err(Rejection::MissingEvent),
             Some(Value::String(s)) if !s.trim().is_empty() => s.clone(),
@@ -111,19 +116,7 @@ impl Envelope {
     /// A raw message of a list queue that carries one event without the envelope
     /// (`--queue payment_queue=payment.paid`): the whole JSON object is the payload.
     pub fn decode_raw(bytes: &[u8], limit: usize, event: &str) -> Result<Envelope, Rejection> {
-        if bytes.len() > limit {
-            return Err(Rejection::TooLarge {
-                size: bytes.len(),
-                limit,
-            });
-        }
-        let text = std::str::from_utf8(bytes).map_err(|_| Rejection::NotUtf8)?;
-        let value: Value =
-            serde_json::from_str(text).map_err(|e| Rejection::NotJson(e.to_string()))?;
-        let Value::Object(payload) = value else {
-            return Err(Rejection::NotAnObject);
-        };
-        Ok(Envelope::new(event, payload, 0))
+        Ok(Envelope::new(event, parse_object(bytes, limit)?, 0))
     }
 
     /// A new message as our producer writes it.

@@ -386,24 +386,6 @@ fn watch_redraws_and_ends_on_ctrl_c_without_a_backtrace() {
     );
 }
 
-/// Holds a row lock on an order so the handler hits its lock timeout.
-fn lock_order(env: &Env, id: i64) -> (std::sync::mpsc::Sender<()>, std::thread::JoinHandle<()>) {
-    let url = env.db.url.clone();
-    let (tx, rx) = std::sync::mpsc::channel::<()>();
-    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
-    let h = std::thread::spawn(move || {
-        let mut c = postgres::Client::connect(&url, postgres::NoTls).unwrap();
-        let mut t = c.transaction().unwrap();
-        t.execute("SELECT 1 FROM orders WHERE id = $1 FOR UPDATE", &[&id])
-            .unwrap();
-        ready_tx.send(()).unwrap();
-        let _ = rx.recv();
-        t.rollback().unwrap();
-    });
-    ready_rx.recv().unwrap();
-    (tx, h)
-}
-
 #[test]
 fn a_dead_letter_requeued_after_the_fix_goes_through_the_daemon() {
     let mut env = Env::new();

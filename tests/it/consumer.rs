@@ -4,47 +4,9 @@
 use crate::support::*;
 use delay_worker::stats::Stats;
 use redis::Value;
-use std::collections::HashMap;
 use std::time::Duration;
 
 const WAIT: Duration = Duration::from_secs(60);
-
-/// Every dead letter as a field map.
-fn dead_letters(env: &Env) -> Vec<HashMap<String, String>> {
-    let mut con = env.con();
-    let v: Value = redis::cmd("XRANGE")
-        .arg(&env.config.keys.dead)
-        .arg("-")
-        .arg("+")
-        .query(&mut con)
-        .unwrap();
-    let mut out = Vec::new();
-    if let Value::Array(entries) = v {
-        for e in entries {
-            if let Value::Array(pair) = e {
-                if let Value::Array(f) = &pair[1] {
-                    let s: Vec<String> =
-                        f.iter().map(delay_worker::store::value_to_string).collect();
-                    out.push(s.chunks(2).map(|c| (c[0].clone(), c[1].clone())).collect());
-                }
-            }
-        }
-    }
-    out
-}
-
-fn xadd(env: &Env, key: &str, msg: &[u8]) {
-    let mut con = env.con();
-    redis::cmd("XADD")
-        .arg(&env.config.keys.stream)
-        .arg("*")
-        .arg("msg")
-        .arg(msg)
-        .arg("key")
-        .arg(key)
-        .query::<String>(&mut con)
-        .unwrap();
-}
 
 #[test]
 fn the_order_story_cancels_each_unpaid_order_once() {
@@ -195,24 +157,6 @@ fn permanent_failures_go_to_the_dead_letters_at_once_with_the_reason() {
         0,
         "dead letters are acknowledged"
     );
-}
-
-/// Holds a row lock on an order so the handler hits its lock timeout.
-fn lock_order(env: &Env, id: i64) -> (std::sync::mpsc::Sender<()>, std::thread::JoinHandle<()>) {
-    let url = env.db.url.clone();
-    let (tx, rx) = std::sync::mpsc::channel::<()>();
-    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
-    let h = std::thread::spawn(move || {
-        let mut c = postgres::Client::connect(&url, postgres::NoTls).unwrap();
-        let mut t = c.transaction().unwrap();
-        t.execute("SELECT 1 FROM orders WHERE id = $1 FOR UPDATE", &[&id])
-            .unwrap();
-        ready_tx.send(()).unwrap();
-        let _ = rx.recv();
-        t.rollback().unwrap();
-    });
-    ready_rx.recv().unwrap();
-    (tx, h)
 }
 
 #[test]

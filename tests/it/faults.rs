@@ -153,13 +153,15 @@ fn postgres_out_of_connections_for_a_while() {
         .unwrap()
         .get(0)
     };
-    for _ in 0..50 {
+    for _ in 0..200 {
         if worker_conns(&mut hogs[0]) == 0 {
             break;
         }
         hogs[0]
             .execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'delay-worker'", &[])
             .unwrap();
+        // Termination is asynchronous: give the backends a moment to exit and free slots.
+        std::thread::sleep(Duration::from_millis(20));
         while let Ok(c) = postgres::Client::connect(&pg.url, postgres::NoTls) {
             hogs.push(c);
         }

@@ -3,9 +3,16 @@
 //! working through it.
 
 use crate::support::*;
-use redis::Value;
+
 use std::collections::HashMap;
 use std::time::Duration;
+
+fn dead_reasons(env: &Env) -> HashMap<String, String> {
+    dead_letters(env)
+        .into_iter()
+        .map(|d| (d["key"].clone(), d["reason"].clone()))
+        .collect()
+}
 
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -24,34 +31,6 @@ fn raw_push(env: &Env, key: &[u8], msg: &[u8], score: &str) {
         .arg(key)
         .query::<()>(&mut con)
         .unwrap();
-}
-
-fn dead_reasons(env: &Env) -> HashMap<String, String> {
-    let v: Value = redis::cmd("XRANGE")
-        .arg(&env.config.keys.dead)
-        .arg("-")
-        .arg("+")
-        .query(&mut env.con())
-        .unwrap();
-    let mut out = HashMap::new();
-    if let Value::Array(entries) = v {
-        for e in entries {
-            if let Value::Array(pair) = e {
-                if let Value::Array(f) = &pair[1] {
-                    let s: Vec<String> =
-                        f.iter().map(delay_worker::store::value_to_string).collect();
-                    let get = |n: &str| {
-                        s.chunks(2)
-                            .find(|c| c[0] == n)
-                            .map(|c| c[1].clone())
-                            .unwrap_or_default()
-                    };
-                    out.insert(get("key"), get("reason"));
-                }
-            }
-        }
-    }
-    out
 }
 
 #[test]

@@ -8,6 +8,8 @@
 
 use delay_worker::{daemon, db, Config, Shutdown};
 use postgres::NoTls;
+use redis::Value;
+use std::collections::HashMap;
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -752,4 +754,64 @@ pub fn assert_all_accounted(env_redis: &Env, db: &TestDb, pushed: usize) {
         b.dead,
         b.pool
     );
+}
+
+// ---- dead letters, raw stream entries, row locks ----------------------------------------
+
+/// Every dead letter as a field map.
+pub fn dead_letters(env: &Env) -> Vec<HashMap<String, String>> {
+    let mut con = env.con();
+    let v: Value = redis::cmd("XRANGE")
+        .arg(&env.config.keys.dead)
+        .arg("-")
+        .arg("+")
+        .query(&mut con)
+        .unwrap();
+    let mut out = Vec::new();
+    if let Value::Array(entries) = v {
+        for e in entries {
+            if let Value::Array(pair) = e {
+                if let Value::Array(f) = &pair[1] {
+                    let s: Vec<String> =
+                        f.iter().map(delay_worker::store::value_to_string).collect();
+                    out.push(s.chunks(2).map(|c| (c[0].clone(), c[1].clone())).collect());
+                }
+            }
+        }
+    }
+    out
+}
+
+pub fn xadd(env: &Env, key: &str, msg: &[u8]) {
+    let mut con = env.con();
+    redis::cmd("XADD")
+        .arg(&env.config.keys.stream)
+        .arg("*")
+        .arg("msg")
+        .arg(msg)
+        .arg("key")
+        .arg(key)
+        .query::<String>(&mut con)
+        .unwrap();
+}
+
+/// Holds a row lock on an order so the handler hits its lock timeout.
+pub fn lock_order(
+    env: &Env,
+    id: i64,
+) -> (std::sync::mpsc::Sender<()>, std::thread::JoinHandle<()>) {
+    let url = env.db.url.clone();
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
+    let h = std::thread::spawn(move || {
+        let mut c = postgres::Client::connect(&url, postgres::NoTls).unwrap();
+        let mut t = c.transaction().unwrap();
+        t.execute("SELECT 1 FROM orders WHERE id = $1 FOR UPDATE", &[&id])
+            .unwrap();
+        ready_tx.send(()).unwrap();
+        let _ = rx.recv();
+        t.rollback().unwrap();
+    });
+    ready_rx.recv().unwrap();
+    (tx, h)
 }
