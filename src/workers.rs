@@ -229,7 +229,7 @@ impl<'a> Worker<'a> {
             match self.prepare(d) {
                 Ok(job) if job.handler.needs_database() => jobs.push(job),
                 Ok(job) => out.push(self.finish(job, JobResult::Committed(Effect::NoOp))),
-                Err(dead) => out.push(dead),
+                Err(dead) => out.push(*dead),
             }
         }
         if jobs.is_empty() {
@@ -244,7 +244,7 @@ impl<'a> Worker<'a> {
     }
 
     /// Decodes and validates a delivery: a job ready for its handler, or its dead letter.
-    fn prepare(&self, d: Delivery) -> Result<Job<'a>, Settlement> {
+    fn prepare(&self, d: Delivery) -> Result<Job<'a>, Box<Settlement>> {
         let limit = self.ctx.jobs.max_message_bytes;
         let raw_event = match d.origin {
             Origin::List { queue } => self
@@ -266,17 +266,17 @@ impl<'a> Worker<'a> {
                     Rejection::TooLarge { .. } => String::new(),
                     _ => event_of(&d.msg),
                 };
-                return Err(self.dead(d, r.to_string(), event, 1));
+                return Err(Box::new(self.dead(d, r.to_string(), event, 1)));
             }
         };
         let Some((index, handler)) = self.ctx.registry.get(&env.event) else {
             let reason = Rejection::UnknownEvent(env.event.clone()).to_string();
             let attempts = env.retry as u64 + 1;
-            return Err(self.dead(d, reason, env.event, attempts));
+            return Err(Box::new(self.dead(d, reason, env.event, attempts)));
         };
         if let Err(r) = env.require(handler.required()) {
             let attempts = env.retry as u64 + 1;
-            return Err(self.dead(d, r.to_string(), env.event, attempts));
+            return Err(Box::new(self.dead(d, r.to_string(), env.event, attempts)));
         }
         Ok(Job {
             key: key_text(&d.key),
