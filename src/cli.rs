@@ -44,6 +44,9 @@ pub enum Command {
     Stats(crate::admin::StatsArgs),
     /// List, show, requeue or purge the dead letters.
     Dead(crate::admin::DeadArgs),
+    /// Measure lateness and throughput against this machine's ceilings (destructive: use
+    /// a bench database; scripts/bench.sh sets one up).
+    Bench(crate::bench::BenchArgs),
 }
 
 #[derive(Args, Debug)]

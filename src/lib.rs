@@ -24,9 +24,11 @@
 //! - `shutdown.rs`, `backoff.rs`, `stats.rs` — the small shared pieces.
 //! - `admin/` — the operator's tools: `worker stats` (`--watch`, `--check`), `worker dead`.
 //! - `notify.rs` — systemd readiness and watchdog; `metrics.rs` — `/metrics` and `/healthz`.
+//! - `bench/` — `worker bench`: lateness and throughput next to the machine's ceilings.
 
 pub mod admin;
 pub mod backoff;
+pub mod bench;
 pub mod cli;
 pub mod config;
 pub mod daemon;

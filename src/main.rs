@@ -35,6 +35,7 @@ fn main() -> ExitCode {
         Some(Command::Cancel { ref key }) => cancel(&config, key),
         Some(Command::Stats(ref args)) => admin::stats(&config, args),
         Some(Command::Dead(ref args)) => admin::dead(&config, args),
+        Some(Command::Bench(ref args)) => delay_worker::bench::run(&config, args),
     };
     match result {
         Ok(code) => code,

@@ -1,0 +1,265 @@
+//! The ceilings every figure is compared with, measured in the same run on the same
+//! servers:
+//!
+//! - Redis: `redis-benchmark -n 200000 -P 16 -q XADD bench:stream '*' msg x`, the rate
+//!   at which this Redis appends to a stream (the engine scenario's ceiling);
+//! - PostgreSQL: `pgbench` running the very transaction the worker runs for one
+//!   `order.timeout` job (sql/bench/order_timeout.pgbench filled in with the handler's
+//!   SQL), at `--threads` clients, prepared statements as the worker's, against freshly
+//!   seeded pending orders so each transaction really cancels one (the backlog
+//!   scenario's ceiling). A discarded warm-up run goes first: a fresh cluster's first
+//!   write load is much slower (WAL segments created, caches cold).
+//!
+//! A missing tool is not fatal: that ceiling is reported as unavailable with the reason.
+
+use super::report::{Ceilings, PgbenchFigures};
+use super::{shop, BenchArgs};
+use crate::config::Config;
+use crate::Shutdown;
+use anyhow::{bail, Context, Result};
+use redis::ConnectionAddr;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const PGBENCH_TEMPLATE: &str = include_str!("../../sql/bench/order_timeout.pgbench");
+const ORDER_TIMEOUT_SQL: &str = include_str!("../../sql/handlers/order.timeout.sql");
+/// XADDs redis-benchmark sends.
+const XADD_REQUESTS: u32 = 200_000;
+const XADD_KEY: &str = "bench:stream";
+
+pub fn measure(
+    config: &Config,
+    args: &BenchArgs,
+    db: &mut postgres::Client,
+    redis: &redis::Client,
+    out_dir: &Path,
+    stop: &Shutdown,
+) -> Result<Ceilings> {
+    let mut c = Ceilings::default();
+    println!("ceiling: redis-benchmark XADD ...");
+    match redis_xadd(redis) {
+        Ok(v) => c.redis_xadd_per_s = Some(v),
+        Err(e) => c.redis_error = Some(format!("{e:#}")),
+    }
+    if stop.is_set() {
+        bail!("interrupted");
+    }
+    println!(
+        "ceiling: pgbench order.timeout, {} clients, {}s after a {}s warm-up ({} orders seeded each) ...",
+        config.threads,
+        args.ceiling_time.as_secs(),
+        WARMUP_SECS.min(args.ceiling_time.as_secs()),
+        args.ceiling_orders
+    );
+    match pgbench(config, args, db, out_dir) {
+        Ok(f) => c.pgbench = Some(f),
+        Err(e) => c.pgbench_error = Some(format!("{e:#}")),
+    }
+    Ok(c)
+}
+
+/// A tool on PATH, or the newest PostgreSQL server's bin directory for pgbench.
+fn find_tool(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    if let Some(p) = std::env::split_paths(&path)
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+    {
+        return Some(p);
+    }
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+        .ok()?
+        .flatten()
+        .map(|e| e.path().join("bin").join(name))
+        .filter(|p| p.is_file())
+        .collect();
+    dirs.sort_by_key(|p| {
+        p.components()
+            .nth(4)
+            .and_then(|c| c.as_os_str().to_str()?.parse::<u32>().ok())
+            .unwrap_or(0)
+    });
+    dirs.pop()
+}
+
+fn redis_xadd(redis: &redis::Client) -> Result<f64> {
+    let tool = find_tool("redis-benchmark")
+        .context("redis-benchmark not found (Debian package redis-tools)")?;
+    let info = redis.get_connection_info();
+    let mut cmd = Command::new(tool);
+    match info.addr() {
+        ConnectionAddr::Tcp(host, port) => {
+            cmd.args(["-h", host, "-p", &port.to_string()]);
+        }
+        ConnectionAddr::Unix(path) => {
+            cmd.arg("-s").arg(path);
+        }
+        _ => bail!("redis-benchmark: TLS connections are not supported by the bench"),
+    }
+    let r = info.redis_settings();
+    if let Some(user) = r.username() {
+        cmd.args(["--user", user]);
+    }
+    if let Some(pw) = r.password() {
+        // By environment (redis-cli and redis-benchmark read it), not in `ps`.
+        cmd.env("REDISCLI_AUTH", pw);
+    }
+    cmd.args(["--dbnum", &r.db().to_string()]);
+    cmd.args(["-n", &XADD_REQUESTS.to_string(), "-P", "16", "-q"])
+        .args(["XADD", XADD_KEY, "*", "msg", "x"]);
+    let out = cmd.output().context("cannot run redis-benchmark")?;
+    let mut con = redis.get_connection()?;
+    let _: () = redis::cmd("DEL").arg(XADD_KEY).query(&mut con)?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        bail!(
+            "redis-benchmark failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    // "XADD bench:stream * msg x: 465116.25 requests per second, p50=1.015 msec"
+    stdout
+        .split(['\r', '\n'])
+        .filter_map(|l| {
+            let (before, _) = l.split_once(" requests per second")?;
+            before.rsplit(' ').next()?.parse::<f64>().ok()
+        })
+        .next_back()
+        .with_context(|| format!("no rate in the redis-benchmark output: {}", stdout.trim()))
+}
+
+/// The pgbench script: the template with the handler's statement, its `$1` built from
+/// `:id`. Comment lines are dropped (the handler's mention `$1` and `;`).
+pub fn pgbench_script() -> String {
+    let handler: Vec<&str> = ORDER_TIMEOUT_SQL
+        .lines()
+        .filter(|l| !l.trim_start().starts_with("--") && !l.trim().is_empty())
+        .collect();
+    let handler = handler
+        .join("\n")
+        .replace("$1", "jsonb_build_object('order_id', :id::bigint)");
+    PGBENCH_TEMPLATE.replace("@ORDER_TIMEOUT@", handler.trim_end().trim_end_matches(';'))
+}
+
+fn pgbench(
+    config: &Config,
+    args: &BenchArgs,
+    db: &mut postgres::Client,
+    out_dir: &Path,
+) -> Result<PgbenchFigures> {
+    let tool = find_tool("pgbench").context(
+        "pgbench not found (Debian: postgresql-contrib or the postgresql server package)",
+    )?;
+    let script = out_dir.join("order_timeout.pgbench");
+    std::fs::write(&script, pgbench_script())
+        .with_context(|| format!("cannot write {}", script.display()))?;
+    let secs = args.ceiling_time.as_secs().max(1);
+
+    // Warm-up, discarded: the first write load on a fresh cluster pays for creating WAL
+    // segments and for cold caches (we saw 3,800 tps cold against 6,700 warm on the same
+    // machine). The ceiling is the steady state, as the scenarios after it see it.
+    shop::reset(db)?;
+    shop::seed(db, args.ceiling_orders, args.skus)?;
+    let warmup = run_pgbench(&tool, config, &script, WARMUP_SECS.min(secs))?;
+
+    shop::reset(db)?;
+    shop::seed(db, args.ceiling_orders, args.skus)?;
+    let mut f = run_pgbench(&tool, config, &script, secs)?;
+    f.warmup_tps = Some(warmup.tps);
+    f.cancelled = shop::cancelled_count(db)?;
+    Ok(f)
+}
+
+/// Seconds of the discarded warm-up run.
+const WARMUP_SECS: u64 = 5;
+
+/// One pgbench run of the script at `--threads` clients.
+fn run_pgbench(tool: &Path, config: &Config, script: &Path, secs: u64) -> Result<PgbenchFigures> {
+    let pg: postgres::Config = config.database_url.parse()?;
+    let clients = config.threads;
+    let jobs = clients.min(2);
+    let mut cmd = Command::new(tool);
+    for h in pg.get_hosts().iter().take(1) {
+        match h {
+            postgres::config::Host::Tcp(s) => cmd.env("PGHOST", s),
+            postgres::config::Host::Unix(p) => cmd.env("PGHOST", p),
+        };
+    }
+    if let Some(port) = pg.get_ports().first() {
+        cmd.env("PGPORT", port.to_string());
+    }
+    if let Some(u) = pg.get_user() {
+        cmd.env("PGUSER", u);
+    }
+    if let Some(pw) = pg.get_password() {
+        cmd.env("PGPASSWORD", String::from_utf8_lossy(pw).into_owned());
+    }
+    if let Some(d) = pg.get_dbname() {
+        cmd.env("PGDATABASE", d);
+    }
+    let argv = vec![
+        "-n".to_string(),
+        "-M".into(),
+        "prepared".into(),
+        "-c".into(),
+        clients.to_string(),
+        "-j".into(),
+        jobs.to_string(),
+        "-T".into(),
+        secs.to_string(),
+        "-D".into(),
+        format!("clients={clients}"),
+        "-D".into(),
+        "n=0".into(),
+        "-f".into(),
+        script.display().to_string(),
+    ];
+    let out = cmd.args(&argv).output().context("cannot run pgbench")?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        let line = err
+            .lines()
+            .find(|l| l.contains("error"))
+            .unwrap_or(err.trim());
+        bail!("pgbench failed ({}): {line}", out.status);
+    }
+    let number_after = |label: &str| -> Option<f64> {
+        stdout.lines().find_map(|l| {
+            let rest = l.trim().strip_prefix(label)?;
+            rest.trim()
+                .split(|c: char| c.is_whitespace() || c == '/')
+                .next()?
+                .parse()
+                .ok()
+        })
+    };
+    Ok(PgbenchFigures {
+        tps: number_after("tps =").context("no tps in the pgbench output")?,
+        transactions: number_after("number of transactions actually processed:").unwrap_or(0.0)
+            as i64,
+        failed: number_after("number of failed transactions:").unwrap_or(0.0) as i64,
+        latency_avg_ms: number_after("latency average ="),
+        clients,
+        command: format!(
+            "{} {}",
+            tool.file_name().unwrap_or_default().to_string_lossy(),
+            argv.join(" ")
+        ),
+        ..Default::default()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_pgbench_script_holds_the_handler_with_id_for_the_payload() {
+        let s = super::pgbench_script();
+        assert!(!s.contains("@ORDER_TIMEOUT@"));
+        assert!(!s.contains("$1"));
+        assert!(s.contains("jsonb_build_object('order_id', :id::bigint) ->> 'order_id'"));
+        assert!(s.contains("UPDATE orders o"));
+        assert!(s.trim_end().ends_with("COMMIT;"));
+    }
+}

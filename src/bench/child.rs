@@ -1,0 +1,534 @@
+//! The worker under test as a child process, and the probes the bench reads while it
+//! runs: /proc (CPU, resident memory, per-thread CPU), Redis (is everything drained?)
+//! and the CPU of the Redis and PostgreSQL servers.
+//!
+//! [`WorkerChild`] kills its process on drop, so an error anywhere in a scenario never
+//! leaves a worker running; a normal stop is SIGTERM (the graceful drain) then SIGKILL
+//! after [`STOP_GRACE`].
+
+use super::CHILD_PID;
+use crate::config::Config;
+use crate::keys::Keys;
+use anyhow::{bail, Context, Result};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+/// How long a stopped worker gets to drain and exit before it is killed.
+const STOP_GRACE: Duration = Duration::from_secs(10);
+/// How long a starting worker gets to write its first heartbeat.
+const START_TIMEOUT: Duration = Duration::from_secs(30);
+/// Resident memory is sampled this often.
+const RSS_EVERY: Duration = Duration::from_millis(100);
+
+/// The consumer name of the worker under test.
+pub const CONSUMER: &str = "bench";
+
+pub struct WorkerChild {
+    child: Option<Child>,
+    pub pid: u32,
+    log: PathBuf,
+    /// Unix ms just before the process was started.
+    pub spawned_ms: i64,
+}
+
+impl WorkerChild {
+    /// Starts `worker run` (this binary) with the config's worker flags plus `extra`,
+    /// stdout and stderr into `log`.
+    pub fn spawn(config: &Config, extra: &[&str], log: &Path) -> Result<WorkerChild> {
+        let exe = std::env::current_exe().context("cannot find the worker binary")?;
+        let out = File::create(log).with_context(|| format!("cannot create {}", log.display()))?;
+        let err = out.try_clone()?;
+        let k = &config.keys;
+        let ms = |d: Duration| format!("{}ms", d.as_millis());
+        let mut cmd = Command::new(&exe);
+        // URLs by environment, so no password shows in `ps`.
+        cmd.env("REDIS_URL", &config.redis_url)
+            .env("DATABASE_URL", &config.database_url)
+            .env(
+                "RUST_LOG",
+                std::env::var("DW_BENCH_WORKER_LOG").unwrap_or_else(|_| "info".into()),
+            )
+            .env_remove("JOURNAL_STREAM")
+            .arg("run")
+            .args(["--consumer", CONSUMER])
+            .args(["--threads", &config.threads.to_string()])
+            .args(["--batch-size", &config.mover.batch.to_string()])
+            .args(["--poll-interval", &ms(config.mover.poll)])
+            .args(["--block", &ms(config.reader.block)])
+            .args(["--heartbeat-ttl", &ms(config.reader.heartbeat_ttl)])
+            .args(["--statement-timeout", &ms(config.jobs.statement_timeout)])
+            .args(["--tx-batch", &config.jobs.tx_batch.to_string()])
+            .args(["--pool-key", &k.pool, "--data-key", &k.data])
+            .args(["--stream-key", &k.stream, "--group", &k.group])
+            .args(["--dead-key", &k.dead])
+            .args(["--stats-interval", "5s"])
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err);
+        let spawned_ms = crate::now_ms();
+        let child = cmd
+            .spawn()
+            .with_context(|| format!("cannot start {}", exe.display()))?;
+        let pid = child.id();
+        CHILD_PID.store(pid, Ordering::SeqCst);
+        Ok(WorkerChild {
+            child: Some(child),
+            pid,
+            log: log.to_path_buf(),
+            spawned_ms,
+        })
+    }
+
+    /// Fails with the worker's last log line if it has exited.
+    pub fn check_alive(&mut self) -> Result<()> {
+        let Some(c) = self.child.as_mut() else {
+            bail!("the worker is not running");
+        };
+        if let Some(status) = c.try_wait()? {
+            self.child = None;
+            bail!(
+                "the worker exited ({status}): {} (log: {})",
+                last_line(&self.log),
+                self.log.display()
+            );
+        }
+        Ok(())
+    }
+
+    /// Waits until the worker's reader has written its heartbeat: it has connected,
+    /// checked the schema, prepared its handlers and joined the group.
+    pub fn wait_ready(&mut self, con: &mut redis::Connection, keys: &Keys) -> Result<()> {
+        let started = Instant::now();
+        let key = keys.heartbeat(CONSUMER);
+        loop {
+            self.check_alive()?;
+            let up: bool = redis::cmd("EXISTS").arg(&key).query(con)?;
+            if up {
+                return Ok(());
+            }
+            if started.elapsed() > START_TIMEOUT {
+                bail!(
+                    "the worker wrote no heartbeat within {}s (log: {})",
+                    START_TIMEOUT.as_secs(),
+                    self.log.display()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// SIGTERM, then SIGKILL if it has not exited within [`STOP_GRACE`].
+    pub fn stop(mut self) {
+        let Some(mut c) = self.child.take() else {
+            return;
+        };
+        signal(self.pid, "TERM");
+        let started = Instant::now();
+        while started.elapsed() < STOP_GRACE {
+            if let Ok(Some(_)) = c.try_wait() {
+                CHILD_PID.store(0, Ordering::SeqCst);
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        log::warn!("the worker did not stop within {STOP_GRACE:?}; killing it");
+        let _ = c.kill();
+        let _ = c.wait();
+        CHILD_PID.store(0, Ordering::SeqCst);
+    }
+}
+
+impl Drop for WorkerChild {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            // Errors only mean it has already gone.
+            let _ = c.kill();
+            let _ = c.wait();
+            CHILD_PID.store(0, Ordering::SeqCst);
+        }
+    }
+}
+
+/// SIGKILL from the signal handler (std has only `Child::kill`, which needs the handle).
+pub fn kill_now(pid: u32) {
+    signal(pid, "KILL");
+}
+
+/// `kill -<sig> <pid>`: the standard library sends only SIGKILL, and a graceful stop
+/// needs SIGTERM. Failure only means the process is gone.
+fn signal(pid: u32, sig: &str) {
+    let _ = Command::new("kill")
+        .arg(format!("-{sig}"))
+        .arg(pid.to_string())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status();
+}
+
+fn last_line(log: &Path) -> String {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let line = text
+        .lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("(no output)");
+    line.chars().take(400).collect()
+}
+
+// ---- /proc ------------------------------------------------------------------------------
+
+/// Clock ticks per second of the /proc CPU figures (`getconf CLK_TCK`, 100 on Linux).
+pub fn clk_tck() -> f64 {
+    static TCK: OnceLock<f64> = OnceLock::new();
+    *TCK.get_or_init(|| {
+        Command::new("getconf")
+            .arg("CLK_TCK")
+            .output()
+            .ok()
+            .and_then(|o| String::from_utf8(o.stdout).ok())
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(100.0)
+    })
+}
+
+/// The fields of a /proc stat line after `(comm)`: index 0 is the state, 1 the ppid,
+/// 11 utime, 12 stime, 13 cutime, 14 cstime.
+fn stat_fields(path: &str) -> Option<(String, Vec<u64>)> {
+    let s = std::fs::read_to_string(path).ok()?;
+    let open = s.find('(')?;
+    let close = s.rfind(')')?;
+    let comm = s[open + 1..close].to_string();
+    let fields = s[close + 1..]
+        .split_whitespace()
+        .map(|f| f.parse().unwrap_or(0))
+        .collect();
+    Some((comm, fields))
+}
+
+/// utime + stime of a process (all its threads), in ticks.
+pub fn cpu_ticks(pid: u32) -> Option<u64> {
+    let (_, f) = stat_fields(&format!("/proc/{pid}/stat"))?;
+    Some(f.get(11)? + f.get(12)?)
+}
+
+/// This process's CPU (the producer), in ticks.
+pub fn own_cpu_ticks() -> Option<u64> {
+    cpu_ticks(std::process::id())
+}
+
+/// CPU seconds per thread role of the worker: `workers` (the pool), `reader`, `mover`,
+/// `other` (main, metrics, ...). Read just before the worker is stopped.
+pub fn thread_cpu(pid: u32) -> std::collections::BTreeMap<String, f64> {
+    let mut out = std::collections::BTreeMap::new();
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return out;
+    };
+    for t in tasks.flatten() {
+        let path = format!("{}/stat", t.path().display());
+        let Some((comm, f)) = stat_fields(&path) else {
+            continue;
+        };
+        let ticks = f.get(11).copied().unwrap_or(0) + f.get(12).copied().unwrap_or(0);
+        let role = if comm.starts_with("worker-") {
+            "workers"
+        } else if comm == "reader" || comm == "mover" {
+            comm.as_str()
+        } else {
+            "other"
+        };
+        *out.entry(role.to_string()).or_insert(0.0) += ticks as f64 / clk_tck();
+    }
+    out
+}
+
+/// A line of /proc/<pid>/status in kB (`VmRSS`, `VmHWM`).
+pub fn status_kb(pid: u32, field: &str) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    s.lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+}
+
+/// Busy and total jiffies of the whole machine (/proc/stat), for its load in %.
+pub fn machine_ticks() -> Option<(u64, u64)> {
+    let s = std::fs::read_to_string("/proc/stat").ok()?;
+    let line = s.lines().next()?.strip_prefix("cpu ")?;
+    let v: Vec<u64> = line
+        .split_whitespace()
+        .map(|f| f.parse().unwrap_or(0))
+        .collect();
+    // user nice system idle iowait irq softirq steal (guest is already in user).
+    let total: u64 = v.iter().take(8).sum();
+    let idle = v.get(3).copied().unwrap_or(0) + v.get(4).copied().unwrap_or(0);
+    Some((total - idle, total))
+}
+
+/// Samples the worker's VmRSS every [`RSS_EVERY`] on its own thread; `finish` returns
+/// the largest sample of each second, in kB (its max is the peak; the series shows
+/// whether memory stays flat). Stops with `finish` or when the process is gone.
+pub struct RssSampler {
+    stop: Arc<AtomicBool>,
+    handle: Option<std::thread::JoinHandle<Vec<u64>>>,
+}
+
+impl RssSampler {
+    pub fn start(pid: u32) -> RssSampler {
+        let stop = Arc::new(AtomicBool::new(false));
+        let s = stop.clone();
+        // A failed spawn only costs the memory figures.
+        let handle = std::thread::Builder::new()
+            .name("bench-rss".into())
+            .spawn(move || {
+                let t0 = Instant::now();
+                let mut per_s: Vec<u64> = Vec::new();
+                while !s.load(Ordering::Relaxed) {
+                    let Some(kb) = status_kb(pid, "VmRSS") else {
+                        break;
+                    };
+                    let sec = t0.elapsed().as_secs() as usize;
+                    if per_s.len() <= sec {
+                        per_s.resize(sec + 1, 0);
+                    }
+                    per_s[sec] = per_s[sec].max(kb);
+                    std::thread::sleep(RSS_EVERY);
+                }
+                per_s
+            })
+            .ok();
+        RssSampler { stop, handle }
+    }
+
+    pub fn finish(mut self) -> Vec<u64> {
+        self.halt()
+    }
+
+    fn halt(&mut self) -> Vec<u64> {
+        self.stop.store(true, Ordering::Relaxed);
+        self.handle
+            .take()
+            .and_then(|h| h.join().ok())
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for RssSampler {
+    fn drop(&mut self) {
+        self.halt();
+    }
+}
+
+/// The PostgreSQL server's pid, from its `postmaster.pid` (local servers only).
+pub fn postmaster_pid(db: &mut postgres::Client) -> Option<u32> {
+    let dir: String = db.query_one("SHOW data_directory", &[]).ok()?.get(0);
+    let text = std::fs::read_to_string(Path::new(&dir).join("postmaster.pid")).ok()?;
+    text.lines().next()?.trim().parse().ok()
+}
+
+/// CPU ticks of the whole PostgreSQL server: the postmaster, its live children, and the
+/// children that have exited (their CPU is in the postmaster's cutime/cstime).
+pub fn postgres_ticks(postmaster: u32) -> Option<u64> {
+    let (_, f) = stat_fields(&format!("/proc/{postmaster}/stat"))?;
+    let mut ticks: u64 = f.iter().skip(11).take(4).sum();
+    for e in std::fs::read_dir("/proc").ok()?.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name.to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        if let Some((_, f)) = stat_fields(&format!("/proc/{pid}/stat")) {
+            if f.get(1) == Some(&(postmaster as u64)) {
+                ticks += f.iter().skip(11).take(4).sum::<u64>();
+            }
+        }
+    }
+    Some(ticks)
+}
+
+/// CPU seconds of the Redis server (INFO cpu: user + sys, main process and children).
+pub fn redis_cpu_s(con: &mut redis::Connection) -> Option<f64> {
+    let info: String = redis::cmd("INFO").arg("cpu").query(con).ok()?;
+    let mut sum = 0.0;
+    for l in info.lines() {
+        if let Some((k, v)) = l.split_once(':') {
+            if k == "used_cpu_sys" || k == "used_cpu_user" {
+                sum += v.trim().parse::<f64>().ok()?;
+            }
+        }
+    }
+    Some(sum)
+}
+
+// ---- Redis: is everything drained? ------------------------------------------------------
+
+/// The queue as the bench sees it.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct QueueState {
+    /// Members still in the delay pool / messages in its hash.
+    pub pool: u64,
+    pub data: u64,
+    /// Entries in the stream.
+    pub stream: u64,
+    /// Entries read by the group (Redis 7), when known.
+    pub entries_read: Option<u64>,
+    /// Delivered but not acknowledged.
+    pub pending: u64,
+    /// Whether the stream has entries the group has not been given yet.
+    pub undelivered: bool,
+    pub dead: u64,
+}
+
+impl QueueState {
+    /// Nothing left to move, deliver or acknowledge.
+    pub fn drained(&self) -> bool {
+        self.pool == 0 && self.pending == 0 && !self.undelivered
+    }
+
+    pub fn describe(&self) -> String {
+        format!(
+            "pool {}, stream {} (undelivered: {}), pending {}, dead letters {}",
+            self.pool,
+            self.stream,
+            if self.undelivered { "yes" } else { "no" },
+            self.pending,
+            self.dead
+        )
+    }
+}
+
+fn field<'a>(v: &'a redis::Value, name: &str) -> Option<&'a redis::Value> {
+    use redis::Value;
+    let is = |k: &Value| match k {
+        Value::BulkString(b) => b == name.as_bytes(),
+        Value::SimpleString(s) => s == name,
+        _ => false,
+    };
+    match v {
+        Value::Array(items) => items
+            .chunks(2)
+            .find(|kv| kv.len() == 2 && is(&kv[0]))
+            .map(|kv| &kv[1]),
+        Value::Map(pairs) => pairs.iter().find(|(k, _)| is(k)).map(|(_, v)| v),
+        _ => None,
+    }
+}
+
+fn text(v: Option<&redis::Value>) -> Option<String> {
+    match v? {
+        redis::Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
+        redis::Value::SimpleString(s) => Some(s.clone()),
+        redis::Value::Int(i) => Some(i.to_string()),
+        _ => None,
+    }
+}
+
+pub fn queue_state(con: &mut redis::Connection, keys: &Keys) -> Result<QueueState> {
+    let (pool, data, dead, exists): (u64, u64, u64, bool) = redis::pipe()
+        .cmd("ZCARD")
+        .arg(&keys.pool)
+        .cmd("HLEN")
+        .arg(&keys.data)
+        .cmd("XLEN")
+        .arg(&keys.dead)
+        .cmd("EXISTS")
+        .arg(&keys.stream)
+        .query(con)?;
+    let mut st = QueueState {
+        pool,
+        data,
+        dead,
+        ..Default::default()
+    };
+    if !exists {
+        return Ok(st);
+    }
+    let info: redis::Value = redis::cmd("XINFO")
+        .arg("STREAM")
+        .arg(&keys.stream)
+        .query(con)?;
+    st.stream = text(field(&info, "length"))
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let last_generated = text(field(&info, "last-generated-id")).unwrap_or_default();
+    let groups: redis::Value = redis::cmd("XINFO")
+        .arg("GROUPS")
+        .arg(&keys.stream)
+        .query(con)?;
+    let list = match &groups {
+        redis::Value::Array(g) => g.as_slice(),
+        _ => &[],
+    };
+    let group = list
+        .iter()
+        .find(|g| text(field(g, "name")).as_deref() == Some(keys.group.as_str()));
+    match group {
+        Some(g) => {
+            st.pending = text(field(g, "pending"))
+                .and_then(|s| s.parse().ok())
+                .unwrap_or(0);
+            st.entries_read = text(field(g, "entries-read")).and_then(|s| s.parse().ok());
+            let delivered = text(field(g, "last-delivered-id")).unwrap_or_default();
+            st.undelivered = st.stream > 0 && delivered != last_generated;
+        }
+        None => st.undelivered = st.stream > 0,
+    }
+    Ok(st)
+}
+
+/// Job key -> when the mover appended it to the stream (its entry id's milliseconds, Redis
+/// clock), the first time if it was retried. Splits lateness into the mover's part and
+/// the rest.
+pub fn moved_times(
+    con: &mut redis::Connection,
+    keys: &Keys,
+) -> Result<std::collections::HashMap<String, i64>> {
+    const PAGE: usize = 5000;
+    let mut out = std::collections::HashMap::new();
+    let mut start = "-".to_string();
+    loop {
+        let page: redis::Value = redis::cmd("XRANGE")
+            .arg(&keys.stream)
+            .arg(&start)
+            .arg("+")
+            .arg("COUNT")
+            .arg(PAGE)
+            .query(con)?;
+        let redis::Value::Array(entries) = page else {
+            break;
+        };
+        let mut last = None;
+        for e in &entries {
+            let redis::Value::Array(parts) = e else {
+                continue;
+            };
+            let (Some(id), Some(fields)) = (text(parts.first()), parts.get(1)) else {
+                continue;
+            };
+            let ms = id.split('-').next().and_then(|m| m.parse::<i64>().ok());
+            if let (Some(key), Some(ms)) = (text(field(fields, "key")), ms) {
+                out.entry(key).or_insert(ms);
+            }
+            last = Some(id);
+        }
+        match last {
+            Some(id) if entries.len() == PAGE => start = format!("({id}"),
+            _ => break,
+        }
+    }
+    Ok(out)
+}
+
+/// Deletes the queue keys and the bench consumer's heartbeat: a scenario starts empty.
+pub fn reset_queue(con: &mut redis::Connection, keys: &Keys) -> Result<()> {
+    redis::cmd("DEL")
+        .arg(&keys.pool)
+        .arg(&keys.data)
+        .arg(&keys.stream)
+        .arg(&keys.dead)
+        .arg(keys.heartbeat(CONSUMER))
+        .query::<()>(con)
+        .context("cannot reset the queue keys")
+}

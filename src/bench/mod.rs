@@ -1,0 +1,273 @@
+//! `worker bench`: how late and how fast the worker is, measured next to the machine's own
+//! ceilings (issue 7). `scripts/bench.sh` sets up private durable servers and calls this.
+//!
+//! The worker under test is this very binary, started as a child process (`worker run`),
+//! so what is measured is the release daemon exactly as an operator runs it; this process
+//! only produces load, watches, and does the books afterwards. One scenario at a time:
+//!
+//! ```text
+//!  reset + seed the shop (set-based SQL, sql/bench/seed.sql)
+//!  push: paced producer (steady-*) | pipelined bulk push before the start (backlog, engine)
+//!  child `worker run --threads N`   ◀── sampled: VmRSS every 100 ms, CPU from /proc
+//!  wait until the pool and the stream are drained (Redis), bounded by --timeout
+//!  stop the child; lateness from worker_inbox.processed_at; accounting → PASS / FAIL
+//! ```
+//!
+//! Ceilings in the same run: `redis-benchmark` XADD and `pgbench` running the very
+//! transaction `order.timeout` runs, at the same concurrency (`ceiling.rs`).
+//!
+//! Nothing here asserts a timing: figures are measurements. Only the accounting (every
+//! unpaid order cancelled once, stock and coupons exact, nothing left behind) passes or
+//! fails, and the exit status is 1 when a scenario fails it.
+//!
+//! **Destructive**: every scenario truncates the shop tables of `DATABASE_URL` and
+//! deletes the queue keys in `REDIS_URL`, so the bench refuses a database whose name does
+//! not contain `bench`.
+//!
+//! Layout: `scenario.rs` the four flows; `load.rs` producing; `shop.rs` seeding, lateness
+//! and accounting in SQL; `child.rs` the worker process and the /proc and Redis probes;
+//! `ceiling.rs` redis-benchmark and pgbench; `report.rs` the table and the JSON.
+
+mod ceiling;
+mod child;
+mod load;
+mod report;
+mod scenario;
+mod shop;
+
+use crate::config::{redact_url, Config};
+use crate::{daemon, db, Shutdown};
+use anyhow::{bail, Context, Result};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+/// The scenarios of issue 7.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Scenario {
+    /// --rate messages/s for --duration, delays 1 s to --max-delay, millisecond scores.
+    SteadyMs,
+    /// The same with whole-second scores, as the PHP producer writes them.
+    SteadyS,
+    /// --backlog-jobs order cancellations, all due before the worker starts.
+    Backlog,
+    /// --engine-jobs no-op messages, all due: push, move, read, ack; no database work.
+    Engine,
+}
+
+impl Scenario {
+    pub const ALL: [Scenario; 4] = [
+        Scenario::SteadyMs,
+        Scenario::SteadyS,
+        Scenario::Backlog,
+        Scenario::Engine,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Scenario::SteadyMs => "steady-ms",
+            Scenario::SteadyS => "steady-s",
+            Scenario::Backlog => "backlog",
+            Scenario::Engine => "engine",
+        }
+    }
+}
+
+/// Flags of `worker bench`. The worker's own flags (`--threads`, `--batch-size`,
+/// `--poll-interval`, `--block`, `--statement-timeout`, key names) are the global ones and
+/// are passed on to the worker under test.
+#[derive(clap::Args, Debug, Clone)]
+#[command(next_help_heading = "Bench")]
+pub struct BenchArgs {
+    /// Scenario to run; repeat or separate with commas [default: all of them].
+    #[arg(
+        long = "scenario",
+        value_name = "NAME",
+        value_enum,
+        value_delimiter = ','
+    )]
+    pub scenarios: Vec<Scenario>,
+    /// Run every scenario.
+    #[arg(long, conflicts_with = "scenarios")]
+    pub all: bool,
+    /// Steady scenarios: how long the producer pushes.
+    #[arg(long, default_value = "30s", value_parser = at_least_1s)]
+    pub duration: Duration,
+    /// Steady scenarios: messages pushed per second (5 % of them duplicates).
+    #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u32).range(1..))]
+    pub rate: u32,
+    /// Steady scenarios: the longest delay; delays are uniform from 1 s to this.
+    #[arg(long, default_value = "30s", value_parser = at_least_1s)]
+    pub max_delay: Duration,
+    /// Backlog scenario: order cancellations already due when the worker starts.
+    #[arg(long, default_value_t = 50_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub backlog_jobs: u64,
+    /// Engine scenario: no-op messages already due when the worker starts.
+    #[arg(long, default_value_t = 200_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub engine_jobs: u64,
+    /// SKUs the seeded orders' lines are spread over (fewer: more row-lock contention).
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..))]
+    pub skus: u32,
+    /// How long a scenario may run past its last due time before it is reported FAIL.
+    #[arg(long, default_value = "5m", value_parser = at_least_1s)]
+    pub timeout: Duration,
+    /// pgbench run time of the PostgreSQL ceiling.
+    #[arg(long, default_value = "10s", value_parser = at_least_1s)]
+    pub ceiling_time: Duration,
+    /// Pending orders seeded for the pgbench ceiling; each transaction cancels its own.
+    #[arg(long, default_value_t = 100_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub ceiling_orders: u64,
+    /// Skip the redis-benchmark and pgbench ceilings.
+    #[arg(long)]
+    pub no_ceilings: bool,
+    /// Where the JSON report goes [default: target/bench/<UTC date-time>.json].
+    #[arg(long, value_name = "PATH")]
+    pub out: Option<PathBuf>,
+}
+
+/// A duration flag of the bench: whole scenarios, so at least a second.
+fn at_least_1s(s: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(s).map_err(|e| format!("{e} (examples: 5s, 2m)"))?;
+    if d < Duration::from_secs(1) {
+        return Err("must be at least 1s".into());
+    }
+    Ok(d)
+}
+
+impl BenchArgs {
+    fn selected(&self) -> Vec<Scenario> {
+        if self.all || self.scenarios.is_empty() {
+            return Scenario::ALL.to_vec();
+        }
+        let mut out = Vec::new();
+        for s in &self.scenarios {
+            if !out.contains(s) {
+                out.push(*s);
+            }
+        }
+        out
+    }
+}
+
+/// The pid of the worker child while one runs, for the second-signal path (which exits
+/// at once and so skips the child's `Drop`). Written by `child.rs`, read by the handler.
+static CHILD_PID: AtomicU32 = AtomicU32::new(0);
+
+/// Runs the selected scenarios, prints the table, writes the JSON. Exit status 1 when a
+/// scenario's accounting failed (or it could not run); timings never fail the run.
+pub fn run(config: &Config, args: &BenchArgs) -> Result<ExitCode> {
+    let stop = Shutdown::new();
+    {
+        let stop = stop.clone();
+        ctrlc::set_handler(move || {
+            if stop.trigger() {
+                let pid = CHILD_PID.load(Ordering::SeqCst);
+                if pid != 0 {
+                    child::kill_now(pid);
+                }
+                eprintln!("worker bench: second signal, exiting now");
+                std::process::exit(130);
+            }
+            eprintln!("worker bench: interrupted; stopping the worker (signal again to exit now)");
+        })
+        .context("cannot install the signal handler")?;
+    }
+
+    let redis = daemon::redis_client(&config.redis_url)?;
+    let mut pg = db::connect(&config.database_url)?;
+    shop::check_database(&mut pg)?;
+    daemon::check_schema(&config.database_url)?;
+    shop::prepare_tables(&mut pg)?;
+
+    let out = match &args.out {
+        Some(p) => p.clone(),
+        None => PathBuf::from("target/bench").join(format!("{}.json", report::file_stamp())),
+    };
+    let out_dir = out
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("."));
+    std::fs::create_dir_all(&out_dir)
+        .with_context(|| format!("--out: cannot create {}", out_dir.display()))?;
+
+    let env = report::Environment::read(config, &redis, &mut pg, args);
+    env.print_header();
+
+    let ceilings = if args.no_ceilings {
+        report::Ceilings::default()
+    } else {
+        ceiling::measure(config, args, &mut pg, &redis, &out_dir, &stop)?
+    };
+    ceilings.print();
+
+    let ctx = scenario::Ctx {
+        config,
+        args,
+        redis: &redis,
+        ceilings: &ceilings,
+        out_dir: &out_dir,
+        stop: &stop,
+    };
+    let mut results = Vec::new();
+    for s in args.selected() {
+        if stop.is_set() {
+            bail!("interrupted");
+        }
+        println!("running {} ...", s.name());
+        let r = scenario::run(&ctx, &mut pg, s);
+        println!("  {}", r.one_line());
+        results.push(r);
+    }
+    if stop.is_set() {
+        bail!("interrupted");
+    }
+    burst_note(&mut results, args);
+
+    let report = report::Report::new(env, ceilings, results);
+    report.print_table();
+    report.write_json(&out)?;
+    println!("JSON: {}", out.display());
+    Ok(if report.all_passed() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+/// Next to steady-s: how long one second's burst takes at the backlog's rate, the yardstick
+/// of issue 7 for its p99 (a reference figure, not a check).
+fn burst_note(results: &mut [report::ScenarioResult], args: &BenchArgs) {
+    let backlog = results
+        .iter()
+        .find(|r| r.name == Scenario::Backlog.name())
+        .and_then(|r| r.jobs_per_s);
+    if let (Some(rate), Some(s)) = (
+        backlog,
+        results
+            .iter_mut()
+            .find(|r| r.name == Scenario::SteadyS.name()),
+    ) {
+        s.notes.push(format!(
+            "one second's burst ({} jobs) takes {:.0} ms at the backlog rate",
+            args.rate,
+            args.rate as f64 * 1000.0 / rate
+        ));
+    }
+}
+
+/// The command line as given, URLs without their passwords (for the report).
+fn command_line() -> String {
+    std::env::args()
+        .map(|a| {
+            if a.contains("://") || a.contains("password=") {
+                redact_url(&a)
+            } else {
+                a
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}

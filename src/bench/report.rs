@@ -1,0 +1,570 @@
+//! What the bench reports: the environment (date, machine, servers, settings), the
+//! ceilings, one [`ScenarioResult`] per scenario; printed as a table and written as JSON
+//! (the same structs, serialized).
+
+use super::child::QueueState;
+use super::shop::{Books, Lateness};
+use super::BenchArgs;
+use crate::config::Config;
+use anyhow::{Context, Result};
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::path::Path;
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Environment {
+    /// UTC, ISO 8601.
+    pub date: String,
+    pub command: String,
+    pub worker_version: String,
+    /// `git describe`-like commit of the working tree, when there is one.
+    pub git: Option<String>,
+    pub nproc: usize,
+    pub cpu_model: String,
+    pub memory_mb: u64,
+    pub kernel: String,
+    pub redis_version: String,
+    pub postgres_version: String,
+    /// PostgreSQL durability settings: the figures mean what they say only with fsync on.
+    pub postgres_settings: BTreeMap<String, String>,
+    pub threads: usize,
+    pub tx_batch: usize,
+    pub batch_size: usize,
+    pub poll_interval_ms: u128,
+    pub rate: u32,
+    pub duration_s: f64,
+    pub max_delay_s: f64,
+    pub skus: u32,
+    /// Where lateness is measured to, and its caveat.
+    pub lateness_note: String,
+}
+
+impl Environment {
+    pub fn read(
+        config: &Config,
+        redis: &redis::Client,
+        db: &mut postgres::Client,
+        args: &BenchArgs,
+    ) -> Environment {
+        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+        let cpu_model = cpuinfo
+            .lines()
+            .find_map(|l| {
+                let (k, v) = l.split_once(':')?;
+                (k.trim() == "model name").then(|| v.trim().to_string())
+            })
+            .unwrap_or_else(|| "unknown".into());
+        let memory_mb = std::fs::read_to_string("/proc/meminfo")
+            .ok()
+            .and_then(|m| {
+                m.lines()
+                    .find_map(|l| l.strip_prefix("MemTotal:"))
+                    .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+            })
+            .map(|kb| kb / 1024)
+            .unwrap_or(0);
+        let redis_version = redis
+            .get_connection()
+            .ok()
+            .and_then(|mut c| {
+                redis::cmd("INFO")
+                    .arg("server")
+                    .query::<String>(&mut c)
+                    .ok()
+            })
+            .and_then(|i| {
+                i.lines().find_map(|l| {
+                    l.strip_prefix("redis_version:")
+                        .map(|v| v.trim().to_string())
+                })
+            })
+            .unwrap_or_else(|| "unknown".into());
+        let show = |db: &mut postgres::Client, name: &str| -> String {
+            db.query_one(&format!("SHOW {name}"), &[])
+                .map(|r| r.get::<_, String>(0))
+                .unwrap_or_else(|_| "?".into())
+        };
+        let postgres_version = show(db, "server_version");
+        let mut postgres_settings = BTreeMap::new();
+        for s in [
+            "fsync",
+            "synchronous_commit",
+            "full_page_writes",
+            "shared_buffers",
+            "max_connections",
+        ] {
+            postgres_settings.insert(s.to_string(), show(db, s));
+        }
+        let git = std::process::Command::new("git")
+            .args(["describe", "--always", "--dirty"])
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
+        Environment {
+            date: utc(crate::now_ms() / 1000, true),
+            command: super::command_line(),
+            worker_version: env!("CARGO_PKG_VERSION").to_string(),
+            git,
+            nproc: std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1),
+            cpu_model,
+            memory_mb,
+            kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease")
+                .map(|s| s.trim().to_string())
+                .unwrap_or_default(),
+            redis_version,
+            postgres_version,
+            postgres_settings,
+            threads: config.threads,
+            tx_batch: config.jobs.tx_batch,
+            batch_size: config.mover.batch,
+            poll_interval_ms: config.mover.poll.as_millis(),
+            rate: args.rate,
+            duration_s: args.duration.as_secs_f64(),
+            max_delay_s: args.max_delay.as_secs_f64(),
+            skus: args.skus,
+            lateness_note: "lateness = worker_inbox.processed_at (the job's transaction start, \
+                            just before its commit) minus the due time the bench pushed; \
+                            backlog: minus the worker's start (every job was already due)"
+                .into(),
+        }
+    }
+
+    pub fn print_header(&self) {
+        println!(
+            "delay-worker bench {}  {}{}",
+            self.worker_version,
+            self.date,
+            self.git
+                .as_deref()
+                .map(|g| format!("  git {g}"))
+                .unwrap_or_default()
+        );
+        println!(
+            "machine: {} × {}, {} MB RAM, Linux {}",
+            self.nproc, self.cpu_model, self.memory_mb, self.kernel
+        );
+        let s = &self.postgres_settings;
+        let get = |k: &str| s.get(k).map(String::as_str).unwrap_or("?");
+        println!(
+            "servers: Redis {}, PostgreSQL {} (fsync={}, synchronous_commit={}, shared_buffers={})",
+            self.redis_version,
+            self.postgres_version,
+            get("fsync"),
+            get("synchronous_commit"),
+            get("shared_buffers")
+        );
+        println!(
+            "worker: --threads {} --tx-batch {} --batch-size {} --poll-interval {}ms",
+            self.threads, self.tx_batch, self.batch_size, self.poll_interval_ms
+        );
+        println!("command: {}", self.command);
+    }
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct PgbenchFigures {
+    pub tps: f64,
+    pub transactions: i64,
+    pub failed: i64,
+    /// Orders the run cancelled: equal to `transactions` when every transaction found a
+    /// pending order of its own (else raise --ceiling-orders).
+    pub cancelled: i64,
+    pub latency_avg_ms: Option<f64>,
+    /// The discarded warm-up run before it (a fresh cluster is slower at first).
+    pub warmup_tps: Option<f64>,
+    pub clients: usize,
+    pub command: String,
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Ceilings {
+    pub redis_xadd_per_s: Option<f64>,
+    pub redis_error: Option<String>,
+    pub pgbench: Option<PgbenchFigures>,
+    pub pgbench_error: Option<String>,
+}
+
+impl Ceilings {
+    pub fn pgbench_tps(&self) -> Option<f64> {
+        self.pgbench.as_ref().map(|p| p.tps)
+    }
+
+    pub fn print(&self) {
+        match (self.redis_xadd_per_s, &self.redis_error) {
+            (Some(v), _) => println!("ceiling: redis XADD {}/s (redis-benchmark -P 16)", n0(v)),
+            (None, Some(e)) => println!("ceiling: redis XADD unavailable: {e}"),
+            _ => {}
+        }
+        match (&self.pgbench, &self.pgbench_error) {
+            (Some(p), _) => {
+                println!(
+                    "ceiling: pgbench order.timeout {} tps ({} clients, avg latency {} ms; {} of {} transactions cancelled an order, {} failed; warm-up run {} tps)",
+                    n0(p.tps),
+                    p.clients,
+                    p.latency_avg_ms.map(|v| format!("{v:.2}")).unwrap_or("?".into()),
+                    p.cancelled,
+                    p.transactions,
+                    p.failed,
+                    p.warmup_tps.map(n0).unwrap_or("-".into())
+                );
+                if p.cancelled < p.transactions {
+                    println!("  note: some transactions found no pending order left; raise --ceiling-orders");
+                }
+            }
+            (None, Some(e)) => println!("ceiling: pgbench unavailable: {e}"),
+            _ => {}
+        }
+    }
+}
+
+/// CPU used while a scenario ran.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct CpuUse {
+    /// The worker process, from its start to the moment everything was done.
+    pub worker_s: f64,
+    /// The worker's CPU by thread role (workers, reader, mover, other).
+    pub worker_threads_s: BTreeMap<String, f64>,
+    /// This bench process (the producer) over the same span.
+    pub bench_s: Option<f64>,
+    pub redis_s: Option<f64>,
+    pub postgres_s: Option<f64>,
+    /// The whole machine's busy share over the span, all cores (100 % = every core busy).
+    pub machine_busy_pct: Option<f64>,
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Producer {
+    pub target_rate: f64,
+    pub achieved_rate: f64,
+    pub max_behind_ms: f64,
+    pub duplicates: u64,
+    pub paid: u64,
+    pub pay_max_lag_ms: f64,
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ScenarioResult {
+    pub name: String,
+    /// Job keys pushed.
+    pub jobs: u64,
+    /// Orders pushed (duplicates excluded); 0 for engine.
+    pub orders: u64,
+    pub producer: Option<Producer>,
+    pub lateness: Option<Lateness>,
+    /// Jobs per second: first to last commit (order scenarios) or first move to drained
+    /// (engine).
+    pub jobs_per_s: Option<f64>,
+    /// From the worker's start (backlog, engine) or the last due time (steady) to drained.
+    pub drain_s: Option<f64>,
+    /// What `drain_s` is counted from: "worker start" or "last due time".
+    pub drain_from: Option<String>,
+    /// `jobs_per_s` over its ceiling: backlog ÷ pgbench tps, engine ÷ redis XADD/s.
+    pub ceiling_ratio: Option<f64>,
+    pub ceiling: Option<String>,
+    pub cpu: CpuUse,
+    pub cpu_s_per_1k_jobs: Option<f64>,
+    /// Largest VmRSS sampled every 100 ms, and VmHWM at the end, in kB.
+    pub rss_peak_kb: Option<u64>,
+    pub rss_hwm_kb: Option<u64>,
+    /// Largest VmRSS of each second of the run, kB: flat or growing.
+    pub rss_per_s_kb: Vec<u64>,
+    pub books: Option<Books>,
+    pub queue_after: Option<QueueState>,
+    pub seed_s: Option<f64>,
+    pub push_s: Option<f64>,
+    pub pass: bool,
+    /// Why it failed; empty on PASS.
+    pub problems: Vec<String>,
+    /// Observations worth reading next to the figures.
+    pub notes: Vec<String>,
+}
+
+impl ScenarioResult {
+    pub fn failed(name: &str, why: String) -> ScenarioResult {
+        ScenarioResult {
+            name: name.to_string(),
+            pass: false,
+            problems: vec![why],
+            ..Default::default()
+        }
+    }
+
+    pub fn one_line(&self) -> String {
+        let mut s = format!(
+            "{}: {} jobs, {} jobs/s",
+            if self.pass { "PASS" } else { "FAIL" },
+            self.jobs,
+            self.jobs_per_s.map(n0).unwrap_or("-".into())
+        );
+        if let Some(l) = &self.lateness {
+            s.push_str(&format!(
+                ", lateness p50 {} p99 {} max {} ms",
+                ms(l.p50_ms),
+                ms(l.p99_ms),
+                ms(l.max_ms)
+            ));
+        }
+        for p in &self.problems {
+            s.push_str(&format!("; {p}"));
+        }
+        s
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub environment: Environment,
+    pub ceilings: Ceilings,
+    pub scenarios: Vec<ScenarioResult>,
+}
+
+impl Report {
+    pub fn new(
+        environment: Environment,
+        ceilings: Ceilings,
+        scenarios: Vec<ScenarioResult>,
+    ) -> Report {
+        Report {
+            environment,
+            ceilings,
+            scenarios,
+        }
+    }
+
+    pub fn all_passed(&self) -> bool {
+        self.scenarios.iter().all(|s| s.pass)
+    }
+
+    pub fn write_json(&self, path: &Path) -> Result<()> {
+        let f = std::fs::File::create(path)
+            .with_context(|| format!("--out: cannot write {}", path.display()))?;
+        serde_json::to_writer_pretty(std::io::BufWriter::new(f), self)
+            .with_context(|| format!("cannot write {}", path.display()))
+    }
+
+    pub fn print_table(&self) {
+        println!();
+        println!(
+            "{:<10} {:>7} {:>11} {:>8} {:>9} {:>8} {:>8} {:>8} {:>8} {:>9} {:>7} {:>6}",
+            "scenario",
+            "jobs",
+            "produced/s",
+            "jobs/s",
+            "×ceiling",
+            "p50 ms",
+            "p95 ms",
+            "p99 ms",
+            "max ms",
+            "CPU s/1k",
+            "RSS MB",
+            "books"
+        );
+        for s in &self.scenarios {
+            let l = s.lateness.as_ref();
+            let lat = |f: fn(&Lateness) -> f64| l.map(|l| ms(f(l))).unwrap_or("-".into());
+            println!(
+                "{:<10} {:>7} {:>11} {:>8} {:>9} {:>8} {:>8} {:>8} {:>8} {:>9} {:>7} {:>6}",
+                s.name,
+                s.jobs,
+                s.producer
+                    .as_ref()
+                    .map(|p| n0(p.achieved_rate))
+                    .unwrap_or("-".into()),
+                s.jobs_per_s.map(n0).unwrap_or("-".into()),
+                s.ceiling_ratio
+                    .map(|r| format!("{r:.2}"))
+                    .unwrap_or("-".into()),
+                lat(|l| l.p50_ms),
+                lat(|l| l.p95_ms),
+                lat(|l| l.p99_ms),
+                lat(|l| l.max_ms),
+                s.cpu_s_per_1k_jobs
+                    .map(|c| format!("{c:.3}"))
+                    .unwrap_or("-".into()),
+                s.rss_peak_kb
+                    .map(|kb| format!("{:.1}", kb as f64 / 1024.0))
+                    .unwrap_or("-".into()),
+                if s.pass { "PASS" } else { "FAIL" }
+            );
+        }
+        println!();
+        if let Some(p) = &self.ceilings.pgbench {
+            println!(
+                "ceilings: pgbench order.timeout {} tps at {} clients; redis XADD {}/s",
+                n0(p.tps),
+                p.clients,
+                self.ceilings.redis_xadd_per_s.map(n0).unwrap_or("-".into())
+            );
+        } else if let Some(x) = self.ceilings.redis_xadd_per_s {
+            println!("ceilings: redis XADD {}/s; pgbench unavailable", n0(x));
+        }
+        println!("{}", self.environment.lateness_note);
+        for s in &self.scenarios {
+            println!("{}:", s.name);
+            for line in s.details() {
+                println!("  {line}");
+            }
+        }
+    }
+}
+
+impl ScenarioResult {
+    /// The lines under the table: where the CPU went, the producer, problems, notes.
+    fn details(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if let Some(p) = &self.producer {
+            out.push(format!(
+                "producer: {} msg/s asked, {} achieved, at most {} ms behind schedule; {} duplicates; {} orders paid, at most {} ms after their push",
+                n0(p.target_rate),
+                n0(p.achieved_rate),
+                ms(p.max_behind_ms),
+                p.duplicates,
+                p.paid,
+                ms(p.pay_max_lag_ms)
+            ));
+        }
+        if let Some(l) = &self.lateness {
+            let part = |v: Option<[f64; 3]>| {
+                v.map(|[a, b, c]| format!("p50 {} / p99 {} / max {} ms", ms(a), ms(b), ms(c)))
+                    .unwrap_or("-".into())
+            };
+            out.push(format!(
+                "lateness split: due → on the stream (mover) {}; stream → transaction {}",
+                part(l.to_stream_ms),
+                part(l.stream_to_commit_ms)
+            ));
+        }
+        let c = &self.cpu;
+        if c.worker_s > 0.0 {
+            let threads = c
+                .worker_threads_s
+                .iter()
+                .map(|(k, v)| format!("{k} {v:.2}"))
+                .collect::<Vec<_>>()
+                .join(", ");
+            let opt = |v: Option<f64>| v.map(|v| format!("{v:.2}")).unwrap_or("?".into());
+            out.push(format!(
+                "CPU s: worker {:.2} ({threads}); redis {}; postgres {}; bench {}; machine busy {} of {} cores",
+                c.worker_s,
+                opt(c.redis_s),
+                opt(c.postgres_s),
+                opt(c.bench_s),
+                c.machine_busy_pct
+                    .map(|v| format!("{v:.0} %"))
+                    .unwrap_or("?".into()),
+                std::thread::available_parallelism()
+                    .map(|n| n.get())
+                    .unwrap_or(1)
+            ));
+        }
+        let mut times = Vec::new();
+        if let Some(v) = self.seed_s {
+            times.push(format!("seed {v:.1} s"));
+        }
+        if let Some(v) = self.push_s {
+            times.push(format!("push {v:.1} s"));
+        }
+        if let Some(v) = self.drain_s {
+            times.push(format!(
+                "drained {v:.2} s after the {}",
+                self.drain_from.as_deref().unwrap_or("start")
+            ));
+        }
+        if let Some(kb) = self.rss_hwm_kb {
+            times.push(format!("VmHWM {:.1} MB", kb as f64 / 1024.0));
+        }
+        // Second 0 is the start-up; the first full second and the last show the trend.
+        if let (Some(a), Some(b)) = (self.rss_per_s_kb.get(1), self.rss_per_s_kb.last()) {
+            times.push(format!(
+                "RSS {:.1} MB at 1 s, {:.1} MB at {} s",
+                *a as f64 / 1024.0,
+                *b as f64 / 1024.0,
+                self.rss_per_s_kb.len() - 1
+            ));
+        }
+        if !times.is_empty() {
+            out.push(times.join("; "));
+        }
+        if let Some(b) = &self.books {
+            out.push(format!(
+                "books: {} cancelled of {} expected, {} inbox rows",
+                b.cancelled, b.expected_cancelled, b.inbox_rows
+            ));
+        }
+        for n in &self.notes {
+            out.push(format!("note: {n}"));
+        }
+        for p in &self.problems {
+            out.push(format!("FAIL: {p}"));
+        }
+        out
+    }
+}
+
+/// A number without decimals, thousands separated by commas.
+pub fn n0(v: f64) -> String {
+    let s = format!("{:.0}", v.abs());
+    let mut out = String::new();
+    for (i, ch) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(ch);
+    }
+    if v < 0.0 && s != "0" {
+        out.insert(0, '-');
+    }
+    out
+}
+
+/// Milliseconds: one decimal below 100, none above.
+pub fn ms(v: f64) -> String {
+    if v.abs() < 100.0 {
+        format!("{v:.1}")
+    } else {
+        n0(v)
+    }
+}
+
+/// `2026-01-18T10:30:00Z` (`iso`) or `2026-01-18T103000Z` (for file names).
+pub fn utc(unix_s: i64, iso: bool) -> String {
+    let days = unix_s.div_euclid(86_400);
+    let secs = unix_s.rem_euclid(86_400);
+    // Civil from days (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    let (h, mi, s) = (secs / 3600, secs % 3600 / 60, secs % 60);
+    if iso {
+        format!("{y:04}-{m:02}-{d:02}T{h:02}:{mi:02}:{s:02}Z")
+    } else {
+        format!("{y:04}-{m:02}-{d:02}T{h:02}{mi:02}{s:02}Z")
+    }
+}
+
+/// The default report's file name stem.
+pub fn file_stamp() -> String {
+    utc(crate::now_ms() / 1000, false)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn dates_and_numbers() {
+        assert_eq!(super::utc(0, true), "1970-01-01T00:00:00Z");
+        assert_eq!(super::utc(1_768_764_300, true), "2026-01-18T19:25:00Z");
+        assert_eq!(super::utc(951_782_400, false), "2000-02-29T000000Z");
+        assert_eq!(super::n0(1234567.4), "1,234,567");
+        assert_eq!(super::n0(999.0), "999");
+        assert_eq!(super::ms(4.26), "4.3");
+    }
+}

@@ -1,0 +1,432 @@
+//! The four scenarios. Each starts from empty queue keys and freshly seeded tables, runs
+//! one worker child, waits (bounded) until Redis has nothing left to move, deliver or
+//! acknowledge, reads the CPU and memory figures before stopping the child, then does
+//! the books. A scenario that cannot run (the worker does not start, a server goes away)
+//! becomes a FAIL row with the error; the next scenario still runs.
+
+use super::child::{self, QueueState, RssSampler, WorkerChild};
+use super::load::{self, Scores, SteadyPlan};
+use super::report::{Ceilings, CpuUse, Producer, ScenarioResult};
+use super::shop;
+use super::{BenchArgs, Scenario};
+use crate::config::Config;
+use crate::{store, Shutdown};
+use anyhow::{bail, Result};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+/// What every scenario needs.
+pub struct Ctx<'a> {
+    pub config: &'a Config,
+    pub args: &'a BenchArgs,
+    pub redis: &'a redis::Client,
+    pub ceilings: &'a Ceilings,
+    pub out_dir: &'a Path,
+    pub stop: &'a Shutdown,
+}
+
+pub fn run(ctx: &Ctx, db: &mut postgres::Client, s: Scenario) -> ScenarioResult {
+    let r = match s {
+        Scenario::SteadyMs => steady(ctx, db, s, Scores::Millis),
+        Scenario::SteadyS => steady(ctx, db, s, Scores::Seconds),
+        Scenario::Backlog => backlog(ctx, db, s),
+        Scenario::Engine => engine(ctx, db, s),
+    };
+    r.unwrap_or_else(|e| ScenarioResult::failed(s.name(), format!("{e:#}")))
+}
+
+/// CPU counters of everything but the worker, at one moment.
+struct Marks {
+    bench: Option<u64>,
+    redis: Option<f64>,
+    postgres: Option<u64>,
+    machine: Option<(u64, u64)>,
+}
+
+impl Marks {
+    fn take(con: &mut redis::Connection, postmaster: Option<u32>) -> Marks {
+        Marks {
+            bench: child::own_cpu_ticks(),
+            redis: child::redis_cpu_s(con),
+            postgres: postmaster.and_then(child::postgres_ticks),
+            machine: child::machine_ticks(),
+        }
+    }
+}
+
+/// The figures read from the worker while it still runs, and around it.
+struct Measured {
+    cpu: CpuUse,
+    rss_peak_kb: u64,
+    rss_per_s_kb: Vec<u64>,
+    rss_hwm_kb: Option<u64>,
+}
+
+/// Reads the worker's figures, then stops it (gracefully, killed if it hangs).
+fn finish(
+    worker: WorkerChild,
+    rss: RssSampler,
+    before: &Marks,
+    con: &mut redis::Connection,
+    postmaster: Option<u32>,
+) -> Measured {
+    let after = Marks::take(con, postmaster);
+    let tck = child::clk_tck();
+    let ticks_s = |a: Option<u64>, b: Option<u64>| Some((b? as f64 - a? as f64) / tck);
+    let cpu = CpuUse {
+        worker_s: child::cpu_ticks(worker.pid).unwrap_or(0) as f64 / tck,
+        worker_threads_s: child::thread_cpu(worker.pid),
+        bench_s: ticks_s(before.bench, after.bench),
+        redis_s: match (before.redis, after.redis) {
+            (Some(a), Some(b)) => Some(b - a),
+            _ => None,
+        },
+        postgres_s: ticks_s(before.postgres, after.postgres),
+        machine_busy_pct: match (before.machine, after.machine) {
+            (Some((b0, t0)), Some((b1, t1))) if t1 > t0 => {
+                Some((b1 - b0) as f64 * 100.0 / (t1 - t0) as f64)
+            }
+            _ => None,
+        },
+    };
+    let rss_hwm_kb = child::status_kb(worker.pid, "VmHWM");
+    let rss_per_s_kb = rss.finish();
+    worker.stop();
+    Measured {
+        cpu,
+        rss_peak_kb: rss_per_s_kb.iter().copied().max().unwrap_or(0),
+        rss_per_s_kb,
+        rss_hwm_kb,
+    }
+}
+
+/// How the wait for the drain ended.
+struct Drain {
+    /// First time the stream held an entry (the mover's first batch).
+    first_moved: Option<Instant>,
+    /// When Redis had nothing left; `None` on timeout.
+    done: Option<Instant>,
+    state: QueueState,
+}
+
+/// Polls Redis every `every` until nothing is left to move, deliver or acknowledge, the
+/// deadline passes, the worker exits or the bench is interrupted.
+fn wait_drained(
+    worker: &mut WorkerChild,
+    con: &mut redis::Connection,
+    ctx: &Ctx,
+    deadline: Instant,
+    every: Duration,
+) -> Result<Drain> {
+    let mut first_moved = None;
+    loop {
+        if ctx.stop.is_set() {
+            bail!("interrupted");
+        }
+        worker.check_alive()?;
+        let state = child::queue_state(con, &ctx.config.keys)?;
+        let now = Instant::now();
+        if first_moved.is_none() && state.stream > 0 {
+            first_moved = Some(now);
+        }
+        if state.drained() {
+            return Ok(Drain {
+                first_moved,
+                done: Some(now),
+                state,
+            });
+        }
+        if now >= deadline {
+            return Ok(Drain {
+                first_moved,
+                done: None,
+                state,
+            });
+        }
+        std::thread::sleep(every);
+    }
+}
+
+/// The worker's log file of a scenario, next to the report.
+fn log_path(ctx: &Ctx, s: Scenario) -> std::path::PathBuf {
+    ctx.out_dir.join(format!("worker-{}.log", s.name()))
+}
+
+/// Redis must hold nothing of the scenario afterwards.
+fn queue_problems(q: &QueueState, timed_out: bool, timeout: Duration) -> Vec<String> {
+    let mut p = Vec::new();
+    if timed_out {
+        p.push(format!(
+            "not drained within --timeout {}s: {}",
+            timeout.as_secs(),
+            q.describe()
+        ));
+        return p;
+    }
+    if q.data != 0 {
+        p.push(format!("{} messages left in the pool's hash", q.data));
+    }
+    if q.dead != 0 {
+        p.push(format!("{} dead letters", q.dead));
+    }
+    p
+}
+
+fn cpu_per_1k(cpu: &CpuUse, jobs: u64) -> Option<f64> {
+    (jobs > 0).then(|| cpu.worker_s * 1000.0 / jobs as f64)
+}
+
+fn steady(
+    ctx: &Ctx,
+    db: &mut postgres::Client,
+    s: Scenario,
+    scores: Scores,
+) -> Result<ScenarioResult> {
+    let (config, args) = (ctx.config, ctx.args);
+    let plan = SteadyPlan {
+        rate: args.rate,
+        duration: args.duration,
+        max_delay: args.max_delay,
+        scores,
+        seed: 7,
+    };
+    let mut con = store::connect(ctx.redis)?;
+    child::reset_queue(&mut con, &config.keys)?;
+    shop::reset(db)?;
+    let seed_s = shop::seed(db, plan.messages(), args.skus)?;
+    let postmaster = child::postmaster_pid(db);
+
+    let mut worker = WorkerChild::spawn(config, &[], &log_path(ctx, s))?;
+    worker.wait_ready(&mut con, &config.keys)?;
+    let before = Marks::take(&mut con, postmaster);
+    let rss = RssSampler::start(worker.pid);
+    let produced = load::steady(
+        ctx.redis,
+        &config.database_url,
+        &config.keys,
+        &plan,
+        ctx.stop,
+    )?;
+    let last_due_in = Duration::from_millis((produced.last_due_ms - crate::now_ms()).max(0) as u64);
+    let last_due = Instant::now() + last_due_in;
+    let drain = wait_drained(
+        &mut worker,
+        &mut con,
+        ctx,
+        last_due + args.timeout,
+        Duration::from_millis(20),
+    )?;
+    let m = finish(worker, rss, &before, &mut con, postmaster);
+
+    let moved = child::moved_times(&mut con, &config.keys)?;
+    shop::record(db, &produced.dues, &moved, &produced.orders)?;
+    let lateness = shop::lateness(db)?;
+    let books = shop::books(db)?;
+    let jobs = produced.dues.len() as u64;
+    let mut problems = queue_problems(&drain.state, drain.done.is_none(), args.timeout);
+    problems.extend(books.problems(jobs));
+    let mut notes = Vec::new();
+    if produced.paid_late > 0 {
+        notes.push(format!(
+            "{} payments found their order no longer pending",
+            produced.paid_late
+        ));
+    }
+    if produced.max_behind_ms > 100.0 {
+        notes.push(format!(
+            "the producer fell up to {:.0} ms behind its schedule",
+            produced.max_behind_ms
+        ));
+    }
+    if scores == Scores::Seconds {
+        notes.push(format!(
+            "whole-second scores: about {} jobs fall due at each second",
+            args.rate
+        ));
+    }
+    let jobs_per_s = lateness.as_ref().and_then(|l| {
+        let span = (l.last_processed_ms - l.first_processed_ms) / 1000.0;
+        (span > 0.0).then(|| l.count as f64 / span)
+    });
+    Ok(ScenarioResult {
+        name: s.name().into(),
+        jobs,
+        orders: produced.orders.len() as u64,
+        producer: Some(Producer {
+            target_rate: args.rate as f64,
+            achieved_rate: produced.achieved_rate,
+            max_behind_ms: produced.max_behind_ms,
+            duplicates: produced.duplicates,
+            paid: produced.paid,
+            pay_max_lag_ms: produced.pay_max_lag_ms,
+        }),
+        jobs_per_s,
+        drain_s: drain
+            .done
+            .map(|d| d.saturating_duration_since(last_due).as_secs_f64()),
+        drain_from: Some("last due time".into()),
+        cpu_s_per_1k_jobs: cpu_per_1k(&m.cpu, jobs),
+        cpu: m.cpu,
+        rss_peak_kb: Some(m.rss_peak_kb),
+        rss_per_s_kb: m.rss_per_s_kb,
+        rss_hwm_kb: m.rss_hwm_kb,
+        lateness,
+        books: Some(books),
+        queue_after: Some(drain.state),
+        seed_s: Some(seed_s.as_secs_f64()),
+        pass: problems.is_empty(),
+        problems,
+        notes,
+        ..Default::default()
+    })
+}
+
+fn backlog(ctx: &Ctx, db: &mut postgres::Client, s: Scenario) -> Result<ScenarioResult> {
+    let (config, args) = (ctx.config, ctx.args);
+    let n = args.backlog_jobs;
+    let mut con = store::connect(ctx.redis)?;
+    child::reset_queue(&mut con, &config.keys)?;
+    shop::reset(db)?;
+    let seed_s = shop::seed(db, n, args.skus)?;
+    let postmaster = child::postmaster_pid(db);
+    let pushed_at = Instant::now();
+    load::bulk_push(&mut con, &config.keys, load::backlog_jobs(n))?;
+    let push_s = pushed_at.elapsed().as_secs_f64();
+
+    let before = Marks::take(&mut con, postmaster);
+    let mut worker = WorkerChild::spawn(config, &[], &log_path(ctx, s))?;
+    let started = Instant::now();
+    let spawned_ms = worker.spawned_ms;
+    let rss = RssSampler::start(worker.pid);
+    let drain = wait_drained(
+        &mut worker,
+        &mut con,
+        ctx,
+        started + args.timeout,
+        Duration::from_millis(20),
+    )?;
+    let m = finish(worker, rss, &before, &mut con, postmaster);
+
+    // Every job was due before the worker existed: lateness is counted from its start.
+    let dues: Vec<(String, i64)> = (1..=n as i64)
+        .map(|id| (load::order_key(id), spawned_ms))
+        .collect();
+    let orders: Vec<(i64, bool)> = (1..=n as i64).map(|id| (id, false)).collect();
+    let moved = child::moved_times(&mut con, &config.keys)?;
+    shop::record(db, &dues, &moved, &orders)?;
+    let lateness = shop::lateness(db)?;
+    let books = shop::books(db)?;
+    let mut problems = queue_problems(&drain.state, drain.done.is_none(), args.timeout);
+    problems.extend(books.problems(n));
+    let jobs_per_s = lateness.as_ref().and_then(|l| {
+        let span = (l.last_processed_ms - l.first_processed_ms) / 1000.0;
+        (span > 0.0).then(|| l.count as f64 / span)
+    });
+    let tps = ctx.ceilings.pgbench_tps();
+    let mut notes = vec!["lateness counted from the worker's start: it is the drain".into()];
+    if let Some(l) = &lateness {
+        notes.push(format!(
+            "first commit {:.0} ms after the worker started (connect, schema check, prepare)",
+            l.first_processed_ms - spawned_ms as f64
+        ));
+    }
+    Ok(ScenarioResult {
+        name: s.name().into(),
+        jobs: n,
+        orders: n,
+        ceiling_ratio: jobs_per_s.zip(tps).map(|(j, t)| j / t),
+        ceiling: tps.map(|_| "pgbench order.timeout tps".into()),
+        jobs_per_s,
+        drain_s: drain
+            .done
+            .map(|d| d.saturating_duration_since(started).as_secs_f64()),
+        drain_from: Some("worker start".into()),
+        cpu_s_per_1k_jobs: cpu_per_1k(&m.cpu, n),
+        cpu: m.cpu,
+        rss_peak_kb: Some(m.rss_peak_kb),
+        rss_per_s_kb: m.rss_per_s_kb,
+        rss_hwm_kb: m.rss_hwm_kb,
+        lateness,
+        books: Some(books),
+        queue_after: Some(drain.state),
+        seed_s: Some(seed_s.as_secs_f64()),
+        push_s: Some(push_s),
+        pass: problems.is_empty(),
+        problems,
+        notes,
+        ..Default::default()
+    })
+}
+
+fn engine(ctx: &Ctx, db: &mut postgres::Client, s: Scenario) -> Result<ScenarioResult> {
+    let (config, args) = (ctx.config, ctx.args);
+    let n = args.engine_jobs;
+    let mut con = store::connect(ctx.redis)?;
+    child::reset_queue(&mut con, &config.keys)?;
+    shop::reset(db)?;
+    let postmaster = child::postmaster_pid(db);
+    let pushed_at = Instant::now();
+    load::bulk_push(&mut con, &config.keys, load::engine_jobs(n))?;
+    let push_s = pushed_at.elapsed().as_secs_f64();
+
+    let before = Marks::take(&mut con, postmaster);
+    let mut worker = WorkerChild::spawn(
+        config,
+        &["--noop-event", load::NOOP_EVENT],
+        &log_path(ctx, s),
+    )?;
+    let started = Instant::now();
+    let rss = RssSampler::start(worker.pid);
+    // Finer polling: the whole run takes seconds and its end is only seen here.
+    let drain = wait_drained(
+        &mut worker,
+        &mut con,
+        ctx,
+        started + args.timeout,
+        Duration::from_millis(5),
+    )?;
+    let m = finish(worker, rss, &before, &mut con, postmaster);
+
+    let mut problems = queue_problems(&drain.state, drain.done.is_none(), args.timeout);
+    let delivered = drain.state.entries_read.unwrap_or(drain.state.stream);
+    if drain.done.is_some() && delivered != n {
+        problems.push(format!("{delivered} entries delivered for {n} messages"));
+    }
+    let inbox = shop::inbox_count(db)?;
+    if inbox != 0 {
+        problems.push(format!(
+            "{inbox} inbox rows: no-op jobs must not touch the database"
+        ));
+    }
+    let jobs_per_s = match (drain.first_moved, drain.done) {
+        (Some(a), Some(b)) if b > a => Some(n as f64 / (b - a).as_secs_f64()),
+        _ => None,
+    };
+    let xadd = ctx.ceilings.redis_xadd_per_s;
+    Ok(ScenarioResult {
+        name: s.name().into(),
+        jobs: n,
+        ceiling_ratio: jobs_per_s.zip(xadd).map(|(j, x)| j / x),
+        ceiling: xadd.map(|_| "redis-benchmark XADD/s".into()),
+        jobs_per_s,
+        drain_s: drain
+            .done
+            .map(|d| d.saturating_duration_since(started).as_secs_f64()),
+        drain_from: Some("worker start".into()),
+        cpu_s_per_1k_jobs: cpu_per_1k(&m.cpu, n),
+        cpu: m.cpu,
+        rss_peak_kb: Some(m.rss_peak_kb),
+        rss_per_s_kb: m.rss_per_s_kb,
+        rss_hwm_kb: m.rss_hwm_kb,
+        queue_after: Some(drain.state),
+        push_s: Some(push_s),
+        pass: problems.is_empty(),
+        problems,
+        notes: vec![
+            "no database: lateness is not measured (every job was due before the start); \
+             jobs/s from the first move to the last ack, polled every 5 ms"
+                .into(),
+        ],
+        ..Default::default()
+    })
+}
