@@ -193,6 +193,10 @@ pub struct RunArgs {
     /// already waiting are batched; a failure reruns each job alone).
     #[arg(long, default_value_t = 1, global = true)]
     pub tx_batch: usize,
+    /// Wait for the WAL flush at every job's commit instead of once per batch of acks
+    /// (group commit is the default; an acknowledged job is durable either way).
+    #[arg(long, global = true)]
+    pub no_group_commit: bool,
     /// Directory of extra SQL handlers (*.sql).
     #[arg(long, global = true)]
     pub handlers_dir: Option<PathBuf>,
@@ -402,6 +406,7 @@ impl Cli {
             statement_timeout: r.statement_timeout,
             max_message_bytes: r.max_message_bytes,
             tx_batch: r.tx_batch,
+            group_commit: !r.no_group_commit,
         };
         config.handlers_dir = r.handlers_dir.clone();
         config.noop_events = r.noop_event.clone();

@@ -95,6 +95,9 @@ pub struct JobConfig {
     pub max_message_bytes: usize,
     /// Most jobs a worker runs in one transaction (only jobs already waiting are batched).
     pub tx_batch: usize,
+    /// Commit jobs without waiting for the WAL flush and make them durable with one flush
+    /// before each batch of acks (see `db::flush_wal`).
+    pub group_commit: bool,
 }
 
 impl Default for MoverConfig {
@@ -130,6 +133,7 @@ impl Default for JobConfig {
             statement_timeout: Duration::from_secs(5),
             max_message_bytes: 64 * 1024,
             tx_batch: 1,
+            group_commit: true,
         }
     }
 }

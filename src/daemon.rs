@@ -166,6 +166,7 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<Report, DaemonError> 
         config.db_pool_size(),
         config.jobs.statement_timeout,
         std::time::Duration::from_secs(5),
+        config.jobs.group_commit,
     )?;
     // Prepares every handler once now, so bad SQL stops the start with a clear error
     // instead of dead-lettering every job of that event.

@@ -38,20 +38,28 @@ impl From<postgres::Error> for DbError {
 
 /// Builds the pool. `size` connections at most; the pool waits at most `checkout` for one.
 /// Fails fast (one readable line) if the server cannot be reached at all.
+/// With `group_commit`, the sessions commit without waiting for the WAL flush
+/// (`synchronous_commit=off`); the workers then make their commits durable with one
+/// [`flush_wal`] before each batch of acks.
 pub fn pool(
     url: &str,
     size: u32,
     statement_timeout: Duration,
     checkout: Duration,
+    group_commit: bool,
 ) -> Result<Pool, DbError> {
     let mut cfg: postgres::Config = url.parse().map_err(DbError::BadUrl)?;
     let ms = statement_timeout.as_millis();
     // Every handler statement runs under the statement timeout, and a transaction left
     // idle by a stuck thread is ended by the server.
-    cfg.options(&format!(
+    let mut options = format!(
         "-c statement_timeout={ms} -c lock_timeout={ms} -c idle_in_transaction_session_timeout={} -c client_min_messages=warning",
         ms * 4
-    ));
+    );
+    if group_commit {
+        options.push_str(" -c synchronous_commit=off");
+    }
+    cfg.options(&options);
     cfg.connect_timeout(Duration::from_secs(3));
     cfg.application_name("delay-worker");
     let manager = PostgresConnectionManager::new(cfg, NoTls);
@@ -66,6 +74,34 @@ pub fn pool(
             url: crate::config::redact_url(url),
             reason: e.to_string(),
         })
+}
+
+/// Waits until every commit made so far on this server is durable: a transaction that
+/// writes (one row of `worker_flush`, this worker's `slot`) and commits with
+/// `synchronous_commit=on` waits for the WAL flush up to its own commit record, and the WAL
+/// is one sequence, so every earlier commit of any session is flushed with it. (A commit
+/// that wrote nothing, even with an xid, does not wait.) One round trip and at most one
+/// fsync, whatever the number of asynchronous commits before it.
+pub fn flush_wal(client: &mut postgres::Client, slot: &str) -> Result<(), postgres::Error> {
+    // A literal, not a parameter, to keep it one round trip; the slot is our own name,
+    // reduced to characters that need no escaping under any string setting.
+    let slot: String = slot
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "._/-".contains(c) {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    client.batch_execute(&format!(
+        "BEGIN; SET LOCAL synchronous_commit TO on; \
+         INSERT INTO worker_flush (slot) VALUES ('{}') \
+         ON CONFLICT (slot) DO UPDATE SET flushes = worker_flush.flushes + 1, flushed_at = now(); \
+         COMMIT",
+        slot
+    ))
 }
 
 /// One plain connection (admin commands, migrations).
@@ -95,6 +131,11 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         3,
         "0003_payment_review",
         include_str!("../sql/migrations/0003_payment_review.sql"),
+    ),
+    (
+        4,
+        "0004_worker_flush",
+        include_str!("../sql/migrations/0004_worker_flush.sql"),
     ),
 ];
 
@@ -145,10 +186,10 @@ fn migrate_locked(client: &mut postgres::Client) -> Result<Vec<&'static str>, Db
     Ok(applied)
 }
 
-/// Whether a failed job may succeed if tried again later: lost connections, deadlocks,
-/// serialization failures, lock and statement timeouts, a server shutting down or out of
-/// connections. Everything else (bad SQL, constraint violations, bad input) is permanent.
-pub fn is_transient(e: &postgres::Error) -> bool {
+/// Whether the failure is the database's, not the job's: the connection was lost, the
+/// server is shutting down or restarting, or it is out of connections or resources. The
+/// job is not at fault and is run again on a new connection without spending a retry.
+pub fn is_connection_error(e: &postgres::Error) -> bool {
     if e.is_closed() {
         return true;
     }
@@ -160,6 +201,16 @@ pub fn is_transient(e: &postgres::Error) -> bool {
     c.starts_with("08") // connection exception
         || c.starts_with("53") // insufficient resources (too many connections, ...)
         || c.starts_with("57P") // admin / crash shutdown, cannot connect now
+}
+
+/// Whether a failed job may succeed if tried again later: the connection errors above,
+/// and deadlocks, serialization failures, lock and statement timeouts. Everything else
+/// (bad SQL, constraint violations, bad input) is permanent.
+pub fn is_transient(e: &postgres::Error) -> bool {
+    let Some(code) = e.code() else {
+        return true;
+    };
+    is_connection_error(e)
         || *code == SqlState::T_R_SERIALIZATION_FAILURE
         || *code == SqlState::T_R_DEADLOCK_DETECTED
         || *code == SqlState::LOCK_NOT_AVAILABLE

@@ -149,6 +149,13 @@ pub struct Worker<'a> {
     name: String,
     ctx: &'a PoolContext<'a>,
     session: Option<Session>,
+    /// Group commit: jobs committed on `session` since its last WAL flush.
+    unflushed: bool,
+    /// Group commit: this worker's row in `worker_flush` (`<consumer>/<index>`).
+    flush_slot: String,
+    /// Group commit: a session with unflushed commits was lost, so those commits may be
+    /// too (a crashed server forgets them); their acks must not go out as acks.
+    durability_lost: bool,
     redis: Option<redis::Connection>,
     db_backoff: Backoff,
     redis_backoff: Backoff,
@@ -163,7 +170,80 @@ impl<'a> Worker<'a> {
             name,
             ctx,
             session: None,
+            unflushed: false,
+            flush_slot: format!("{}/{index}", ctx.consumer),
+            durability_lost: false,
             redis: None,
+        }
+    }
+
+    /// Drops the database session (broken, or mid-transaction after a panic).
+    fn drop_session(&mut self) {
+        if self.unflushed {
+            self.durability_lost = true;
+            self.unflushed = false;
+        }
+        self.session = None;
+    }
+
+    /// Group commit: before acks go out, the commits behind them must be durable. One WAL
+    /// flush covers them all. If that cannot be confirmed (the session, or the server, was
+    /// lost since), each ack becomes a re-queue of its message, due now: if the commit
+    /// survived, the inbox makes the second run a no-op; if not, the job runs again.
+    fn make_durable(&mut self, outcomes: &mut [Settlement]) {
+        if self.unflushed {
+            let flushed = match self.session.as_mut() {
+                Some(session) => db::flush_wal(&mut session.conn, &self.flush_slot)
+                    .map_err(|e| db::error_text(&e)),
+                None => Err("no session".to_string()),
+            };
+            self.unflushed = false;
+            if let Err(e) = flushed {
+                log::warn!(
+                    "{}: cannot confirm that commits are durable: {e}",
+                    self.name
+                );
+                self.session = None;
+                self.durability_lost = true;
+            }
+        }
+        if !self.durability_lost {
+            return;
+        }
+        self.durability_lost = false;
+        let now = crate::now_ms();
+        let mut n = 0;
+        for s in outcomes.iter_mut().filter(|s| s.is_ack()) {
+            s.outcome = Outcome::Retry {
+                msg: self.requeue_message(s),
+                due_ms: now,
+            };
+            n += 1;
+        }
+        if n > 0 {
+            log::warn!(
+                "{}: {n} jobs go back to the delay pool instead of being acknowledged: their commits may not have survived",
+                self.name
+            );
+        }
+    }
+
+    /// The message to put back in the delay pool for a settlement: as delivered, except a
+    /// raw list message, which goes back wrapped in the envelope (the mover's queue carries
+    /// envelopes).
+    fn requeue_message(&self, s: &Settlement) -> Vec<u8> {
+        let raw_event = match s.origin {
+            Origin::List { queue } => self
+                .ctx
+                .keys
+                .queues
+                .get(queue)
+                .and_then(|q| q.raw_event.as_deref()),
+            Origin::Stream { .. } => None,
+        };
+        match raw_event.map(|e| Envelope::decode_raw(&s.msg, usize::MAX, e)) {
+            Some(Ok(env)) => env.to_json().into_bytes(),
+            _ => s.msg.clone(),
         }
     }
 
@@ -203,7 +283,9 @@ impl<'a> Worker<'a> {
             if draining {
                 self.ctx.drained.fetch_add(taken, Ordering::Relaxed);
             }
-            if outcomes.len() >= ACK_BATCH {
+            // A lost session's doubtful acks are settled at once, before jobs committed
+            // on the next session join them.
+            if outcomes.len() >= ACK_BATCH || self.durability_lost {
                 self.flush(&mut outcomes);
             }
         }
@@ -311,7 +393,7 @@ impl<'a> Worker<'a> {
             }
             JobResult::Failed(e) if db::is_transient(&e) => {
                 if e.is_closed() || e.code().is_none() {
-                    self.session = None;
+                    self.drop_session();
                 }
                 let reason = db::error_text(&e);
                 if env.retry >= self.ctx.jobs.max_retries {
@@ -339,7 +421,7 @@ impl<'a> Worker<'a> {
             }
             JobResult::Panicked(msg) => {
                 // The connection may be mid-transaction: start afresh.
-                self.session = None;
+                self.drop_session();
                 let reason = format!("handler panicked: {msg}");
                 self.dead(d, reason, env.event.clone(), env.retry as u64 + 1)
             }
@@ -386,6 +468,33 @@ impl<'a> Worker<'a> {
                     jobs.iter().map(|job| run_job(session, job)).collect()
                 }),
             };
+            if let Some(e) = results.iter().find_map(|r| match r {
+                JobResult::Failed(e) if db::is_connection_error(e) => Some(db::error_text(e)),
+                _ => None,
+            }) {
+                // The database's failure, not the jobs': run them again on a new session.
+                // A job that did commit before the connection went finds its inbox row.
+                self.drop_session();
+                if !self.db_backoff.in_outage() {
+                    Stats::add(&self.ctx.stats.db_waiting, 1);
+                }
+                if self
+                    .db_backoff
+                    .fail("database connection lost", &e, self.ctx.shutdown)
+                {
+                    return None;
+                }
+                continue;
+            }
+            // A duplicate counts too: the inbox row it found may be another session's
+            // commit that is visible but not yet durable.
+            if self.ctx.jobs.group_commit
+                && results
+                    .iter()
+                    .any(|r| matches!(r, JobResult::Committed(_) | JobResult::Duplicate))
+            {
+                self.unflushed = true;
+            }
             let each = started.elapsed() / jobs.len() as u32;
             for job in jobs {
                 self.ctx.metrics.handler_time(&job.env.event, each);
@@ -415,6 +524,7 @@ impl<'a> Worker<'a> {
         if outcomes.is_empty() {
             return;
         }
+        self.make_durable(outcomes);
         loop {
             let con = match self.redis.as_mut() {
                 Some(c) => c,

@@ -256,6 +256,7 @@ fn a_panicking_handler_is_dead_lettered_and_the_worker_goes_on() {
         1,
         Duration::from_secs(5),
         Duration::from_secs(5),
+        false,
     )
     .unwrap();
     let client = redis::Client::open(env.redis.url()).unwrap();

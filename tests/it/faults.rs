@@ -111,8 +111,17 @@ fn postgres_restarted_mid_run() {
     let daemon = Daemon::start(&env.config);
     wait_until(WAIT, "progress", || inbox_count(&env.db) > 200);
     pg.crash_restart(Duration::from_millis(1500));
+    let mut last_report = std::time::Instant::now();
     wait_until(WAIT, "every job", || {
-        inbox_count(&env.db) == 1500 && books(&env).stream_pending == 0 && books(&env).pool == 0
+        let (done, b) = (inbox_count(&env.db), books(&env));
+        if last_report.elapsed() > Duration::from_secs(10) {
+            last_report = std::time::Instant::now();
+            eprintln!(
+                "done {done}, pending {}, scheduled {}",
+                b.stream_pending, b.pool
+            );
+        }
+        done == 1500 && b.stream_pending == 0 && b.pool == 0
     });
     let report = daemon.stop();
     assert_accounting(&env.db, &orders, &all(&orders));
@@ -178,8 +187,14 @@ fn postgres_out_of_connections_for_a_while() {
         "no connections, (almost) no progress"
     );
     drop(hogs);
+    let mut last_report = std::time::Instant::now();
     wait_until(WAIT, "every job", || {
-        inbox_count(&env.db) == 1500 && books(&env).stream_pending == 0 && books(&env).pool == 0
+        let (done, b) = (inbox_count(&env.db), books(&env));
+        if last_report.elapsed() > Duration::from_secs(10) {
+            last_report = std::time::Instant::now();
+            eprintln!("done {done}, pending {}, scheduled {}, dead {}", b.stream_pending, b.pool, b.dead);
+        }
+        done == 1500 && b.stream_pending == 0 && b.pool == 0
     });
     let report = daemon.stop();
     assert_accounting(&env.db, &orders, &all(&orders));

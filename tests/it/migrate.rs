@@ -14,7 +14,8 @@ fn migrate_applies_once_and_records_it() {
         vec![
             "0001_shop_schema",
             "0002_worker_inbox",
-            "0003_payment_review"
+            "0003_payment_review",
+            "0004_worker_flush"
         ]
     );
     assert!(
