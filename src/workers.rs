@@ -29,7 +29,7 @@ use crate::metrics::{JobOutcome, Metrics};
 use crate::shutdown::Shutdown;
 use crate::stats::Stats;
 use crate::store;
-use crossbeam_channel::{Receiver, Sender, TryRecvError};
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
 use postgres::Statement;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -37,6 +37,9 @@ use std::time::Duration;
 
 /// Most outcomes settled in one script call.
 pub const ACK_BATCH: usize = 64;
+
+/// How long a worker with unsettled outcomes waits for more work before settling them.
+const ACK_LINGER: Duration = Duration::from_millis(2);
 
 /// What every worker shares. Read-only except the counters.
 pub struct PoolContext<'a> {
@@ -255,10 +258,24 @@ impl<'a> Worker<'a> {
             let first = match rx.try_recv() {
                 Ok(d) => d,
                 Err(TryRecvError::Empty) => {
-                    self.flush(&mut outcomes);
-                    match rx.recv() {
+                    // Under a backlog the reader refills the channel within a round trip:
+                    // waiting that long before settling lets one WAL flush and one script
+                    // call cover more jobs. Only the ack waits, not the job.
+                    let lingered = if outcomes.is_empty() {
+                        Err(RecvTimeoutError::Timeout)
+                    } else {
+                        rx.recv_timeout(ACK_LINGER)
+                    };
+                    match lingered {
                         Ok(d) => d,
-                        Err(_) => break,
+                        Err(RecvTimeoutError::Disconnected) => break,
+                        Err(RecvTimeoutError::Timeout) => {
+                            self.flush(&mut outcomes);
+                            match rx.recv() {
+                                Ok(d) => d,
+                                Err(_) => break,
+                            }
+                        }
                     }
                 }
                 Err(TryRecvError::Disconnected) => break,
