@@ -278,6 +278,7 @@ mod tests {
                 oldest_pending_age_ms: Some(oldest_ms),
             },
             consumers: vec![],
+            queues: vec![],
             pool: PoolFigures {
                 key: "p".into(),
                 size: 0,

@@ -49,6 +49,23 @@ pub struct StatsReport {
     pub consumers: Vec<ConsumerFigures>,
     pub pool: PoolFigures,
     pub dead: DeadFigures,
+    /// List mode (`--source list --queues ...`): each queue; empty in stream mode.
+    pub queues: Vec<QueueFigures>,
+}
+
+/// One list queue (DESIGN §4).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct QueueFigures {
+    pub name: String,
+    /// Messages waiting in the queue.
+    pub length: u64,
+    /// Messages held by each known consumer (its processing list), including consumers
+    /// that died and whose lists a peer has not pushed back yet.
+    pub processing: Vec<(String, u64)>,
+    /// The queue's dead list.
+    pub dead: u64,
+    /// Age of the oldest waiting message, from its `ts` (unknown for raw messages).
+    pub oldest_age_ms: Option<i64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -310,6 +327,7 @@ pub fn gather(
             .map(|t| (now_ms - t).max(0)),
     };
 
+    let queues = gather_queues(con, keys, now_ms)?;
     Ok(StatsReport {
         now_ms,
         stream,
@@ -317,7 +335,63 @@ pub fn gather(
         consumers,
         pool,
         dead,
+        queues,
     })
+}
+
+/// List mode's figures: two round trips (the consumers, then every length at once).
+fn gather_queues(
+    con: &mut redis::Connection,
+    keys: &Keys,
+    now_ms: i64,
+) -> RedisResult<Vec<QueueFigures>> {
+    if keys.queues.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut consumers: Vec<String> = redis::cmd("SMEMBERS")
+        .arg(&keys.list_consumers)
+        .query(con)?;
+    consumers.sort();
+    let mut p = redis::pipe();
+    for q in &keys.queues {
+        p.cmd("LLEN").arg(&q.name);
+        p.cmd("LLEN").arg(&q.dead);
+        // The tail is the oldest: consumers take from the right.
+        p.cmd("LINDEX").arg(&q.name).arg(-1);
+        for c in &consumers {
+            p.cmd("LLEN").arg(q.processing(c));
+        }
+    }
+    let r: Vec<Value> = p.query(con)?;
+    let mut r = r.into_iter();
+    let mut next = || r.next().unwrap_or(Value::Nil);
+    Ok(keys
+        .queues
+        .iter()
+        .map(|q| {
+            let length = uint(Some(&next())).unwrap_or(0);
+            let dead = uint(Some(&next())).unwrap_or(0);
+            let oldest = match next() {
+                Value::BulkString(b) => serde_json::from_slice::<serde_json::Value>(&b)
+                    .ok()
+                    .and_then(|v| v.get("ts").and_then(serde_json::Value::as_i64))
+                    .filter(|ts| *ts > 0)
+                    .map(|ts| (now_ms - ts * 1000).max(0)),
+                _ => None,
+            };
+            let processing = consumers
+                .iter()
+                .map(|c| (c.clone(), uint(Some(&next())).unwrap_or(0)))
+                .collect();
+            QueueFigures {
+                name: q.name.clone(),
+                length,
+                processing,
+                dead,
+                oldest_age_ms: oldest,
+            }
+        })
+        .collect())
 }
 
 /// A pipelined reply, or its error.
@@ -464,6 +538,27 @@ pub fn render(r: &StatsReport, rates: Option<&Rates>, out: &mut dyn Write) -> st
             .newest_age_ms
             .map_or("-".to_string(), |a| format!("{} ago", fmt_age(a))),
     )?;
+    for q in &r.queues {
+        let held: Vec<String> = q
+            .processing
+            .iter()
+            .filter(|(_, n)| *n > 0)
+            .map(|(c, n)| format!("{c} {n}"))
+            .collect();
+        writeln!(
+            out,
+            "queue   {:w$}  length {}  oldest {}  processing {}  dead {}",
+            q.name,
+            q.length,
+            q.oldest_age_ms.map_or("-".to_string(), fmt_age),
+            if held.is_empty() {
+                "0".to_string()
+            } else {
+                held.join(", ")
+            },
+            q.dead,
+        )?;
+    }
     if let Some(x) = rates {
         writeln!(
             out,

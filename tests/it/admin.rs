@@ -736,3 +736,81 @@ fn purge_refuses_without_an_age_or_all() {
     assert_eq!(purge(&["--all"]), "purged 2\n");
     assert_eq!(xlen(&mut con, &keys.dead), 0);
 }
+
+#[test]
+fn stats_in_list_mode_show_queues_processing_and_dead_lists() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let mut keys = Keys::default();
+    keys.queues = vec![
+        delay_worker::keys::Queue::new("high", None),
+        delay_worker::keys::Queue::new("payment_queue", Some("payment.paid")),
+    ];
+    let now = delay_worker::now_ms();
+    let ts = now / 1000 - 90;
+    // high: two waiting, the oldest pushed 90 s ago; host-a holds one; one dead.
+    for (list, msg) in [
+        (
+            "high",
+            format!(r#"{{"event":"e","payload":{{}},"ts":{ts}}}"#),
+        ),
+        (
+            "high",
+            format!(r#"{{"event":"e","payload":{{}},"ts":{}}}"#, ts + 60),
+        ),
+        ("high:processing:host-a", "{}".to_string()),
+        ("high:dead", "{}".to_string()),
+        ("payment_queue", r#"{"order_no":"SO1"}"#.to_string()),
+    ] {
+        redis::cmd("LPUSH")
+            .arg(list)
+            .arg(msg)
+            .query::<()>(&mut con)
+            .unwrap();
+    }
+    redis::cmd("SADD")
+        .arg(&keys.list_consumers)
+        .arg("host-a")
+        .arg("host-b")
+        .query::<()>(&mut con)
+        .unwrap();
+    let report = gather(&mut con, &keys, now, Duration::from_secs(300)).unwrap();
+    assert_eq!(report.queues.len(), 2);
+    let high = &report.queues[0];
+    assert_eq!((high.name.as_str(), high.length, high.dead), ("high", 2, 1));
+    assert_eq!(
+        high.processing,
+        vec![("host-a".to_string(), 1), ("host-b".to_string(), 0)]
+    );
+    let age = high.oldest_age_ms.unwrap();
+    assert!(
+        (89_000..=92_000).contains(&age),
+        "oldest waiting message is 90 s old: {age}"
+    );
+    let pay = &report.queues[1];
+    assert_eq!(
+        (pay.length, pay.oldest_age_ms),
+        (1, None),
+        "raw messages carry no ts"
+    );
+
+    // The binary shows them with the list-mode flags.
+    let out = worker(
+        &r.url(),
+        &[
+            "stats",
+            "--source",
+            "list",
+            "--queues",
+            "high",
+            "--queue",
+            "payment_queue=payment.paid",
+        ],
+    );
+    let text = text(&out.stdout);
+    assert!(out.status.success(), "{}", self::text(&out.stderr));
+    assert!(
+        text.contains("queue   high") && text.contains("processing host-a 1"),
+        "{text}"
+    );
+}
