@@ -162,32 +162,29 @@ impl<'a> Reader<'a> {
     /// Start-up: group, heartbeat, then this consumer's own pending entries (left by a
     /// previous run of the same name), re-delivered before anything new.
     pub fn start(&mut self, con: &mut Connection, shutdown: &Shutdown) -> Result<usize, StepError> {
-        let r = (|| -> Result<usize, StepError> {
-            Self::ensure_group(con, self.keys)?;
-            self.heartbeat(con)?;
-            self.dead_letter_overdelivered(con, 0, Some(self.consumer))?;
-            let mut cursor = "0".to_string();
-            let mut total = 0;
-            while !shutdown.is_set() {
-                let room = self.room();
-                if room == 0 {
-                    self.feed.wait_for_room(self.cfg.block);
-                    self.heartbeat(con)?;
-                    continue;
-                }
-                let entries = self.xreadgroup(con, room, None, &cursor)?;
-                let Some(last) = entries.last().and_then(Delivery::stream_id) else {
-                    break;
-                };
-                cursor = last.to_string();
-                total += self.send(entries)?;
+        Self::ensure_group(con, self.keys)?;
+        self.heartbeat(con)?;
+        self.dead_letter_overdelivered(con, 0, Some(self.consumer))?;
+        let mut cursor = "0".to_string();
+        let mut total = 0;
+        while !shutdown.is_set() {
+            let room = self.room();
+            if room == 0 {
+                self.feed.wait_for_room(self.cfg.block);
+                self.heartbeat(con)?;
+                continue;
             }
-            if total > 0 {
-                log::info!("reader: re-delivered {total} entries left pending by a previous run of consumer {:?}", self.consumer);
-            }
-            Ok(total)
-        })();
-        r
+            let entries = self.xreadgroup(con, room, None, &cursor)?;
+            let Some(last) = entries.last().and_then(Delivery::stream_id) else {
+                break;
+            };
+            cursor = last.to_string();
+            total += self.send(entries)?;
+        }
+        if total > 0 {
+            log::info!("reader: re-delivered {total} entries left pending by a previous run of consumer {:?}", self.consumer);
+        }
+        Ok(total)
     }
 
     /// One step: maintenance when due, then one read of at most the channel's free room,
