@@ -7,12 +7,17 @@
 //! transaction that first records the job in the inbox, then decide the outcome.
 //!
 //! **Delivery guarantee.** An entry is acknowledged only after its transaction committed
-//! (or after its retry or dead letter was written, in the same script as the ack). A crash
-//! before the ack leaves the entry pending; it is delivered again and the inbox row makes
-//! the second run a no-op. So delivery is at least once and the effect exactly once.
+//! durably (or after its retry or dead letter was written, in the same script as the ack).
+//! A crash before the ack leaves the entry pending; it is delivered again and the inbox row
+//! makes the second run a no-op. So delivery is at least once and the effect exactly once.
 //!
-//! Acks are batched: outcomes collect while more work is waiting in the channel and are
-//! sent in one `settle` script call when the channel is empty or the batch is full.
+//! Acks are batched: outcomes collect while more work arrives (within [`ACK_LINGER`] of
+//! the last) and are sent in one `settle` script call, up to [`ACK_BATCH`] at a time. With
+//! group commit the jobs commit without waiting for the WAL flush, and one
+//! `db::flush_wal` before the settle makes all of them durable (`make_durable`).
+//! Database failures (connection lost, server restarting, out of connections) hold the job
+//! and run it again on a new session; only the job's own transient failures (deadlock,
+//! serialization, timeouts) spend its retries.
 //!
 //! Stops when the channel is disconnected (the reader has stopped) and empty: everything
 //! the pool held is finished and acknowledged first.
@@ -20,8 +25,7 @@
 use crate::backoff::Backoff;
 use crate::config::JobConfig;
 use crate::db;
-use crate::delivery::Delivery;
-use crate::delivery::{Origin, Outcome, Settlement};
+use crate::delivery::{Delivery, Origin, Outcome, Settlement};
 use crate::handlers::{Effect, Registry};
 use crate::keys::Keys;
 use crate::message::{Envelope, Rejection};
@@ -39,7 +43,7 @@ use std::time::Duration;
 pub const ACK_BATCH: usize = 64;
 
 /// How long a worker with unsettled outcomes waits for more work before settling them.
-const ACK_LINGER: Duration = Duration::from_millis(2);
+pub const ACK_LINGER: Duration = Duration::from_millis(2);
 
 /// What every worker shares. Read-only except the counters.
 pub struct PoolContext<'a> {
