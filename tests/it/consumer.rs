@@ -548,3 +548,32 @@ fn sigterm_under_load_drains_exits_0_and_leaves_nothing_pending() {
     let b = books(&env);
     assert_eq!((b.pool, b.stream_pending, b.dead), (0, 0, 0));
 }
+
+#[test]
+fn a_second_signal_exits_at_once_and_the_next_start_recovers() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 1500);
+    push_timeouts(&env, &orders, 0);
+    let mut p = Proc::start(&env.config, &[]);
+    wait_until(WAIT, "load", || inbox_count(&env.db) > 100);
+    p.signal(libc::SIGTERM);
+    p.signal(libc::SIGTERM);
+    let status = p.wait(WAIT);
+    assert_eq!(
+        status.code(),
+        Some(130),
+        "the second signal exits at once: {status:?}"
+    );
+    // Whatever it held stays pending for the same consumer, which takes it back at start.
+    let mut p = Proc::start(&env.config, &[]);
+    wait_until(WAIT, "every job", || {
+        inbox_count(&env.db) == 1500 && {
+            let b = books(&env);
+            b.pool == 0 && b.stream_pending == 0
+        }
+    });
+    p.signal(libc::SIGTERM);
+    assert!(p.wait(WAIT).success());
+    assert_accounting(&env.db, &orders, &orders.iter().collect::<Vec<_>>());
+    assert_all_accounted(&env, &env.db, 1500);
+}
