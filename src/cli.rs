@@ -212,8 +212,9 @@ pub struct RunArgs {
     pub metrics_addr: Option<std::net::SocketAddr>,
 }
 
-fn parse_duration(s: &str) -> Result<Duration, String> {
-    humantime::parse_duration(s).map_err(|e| format!("{e} (examples: 100ms, 2s, 5m, 24h)"))
+/// Durations in flags: `100ms`, `2s`, `5m`, `24h`, `7d`.
+pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s).map_err(|e| format!("{e} (examples: 100ms, 2s, 5m, 24h, 7d)"))
 }
 
 #[derive(Debug, thiserror::Error)]

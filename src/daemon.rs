@@ -70,6 +70,15 @@ pub fn redis_client(url: &str) -> Result<redis::Client, DaemonError> {
     Ok(client)
 }
 
+/// One checked connection, for the admin commands, `push` and `cancel`.
+pub fn redis_connection(url: &str) -> Result<redis::Connection, DaemonError> {
+    let client = redis_client(url)?;
+    store::connect(&client).map_err(|e| DaemonError::RedisUnreachable {
+        url: redact_url(url),
+        reason: e.to_string(),
+    })
+}
+
 /// The built-in handlers plus those of `--handlers-dir`.
 pub fn registry(config: &Config) -> Result<Registry, DaemonError> {
     let mut r = Registry::builtin();

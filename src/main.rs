@@ -116,8 +116,7 @@ fn migrate(config: &Config) -> anyhow::Result<ExitCode> {
 }
 
 fn redis(config: &Config) -> anyhow::Result<redis::Connection> {
-    let client = daemon::redis_client(&config.redis_url)?;
-    Ok(delay_worker::store::connect(&client)?)
+    Ok(daemon::redis_connection(&config.redis_url)?)
 }
 
 fn push(config: &Config, args: &PushArgs) -> anyhow::Result<ExitCode> {

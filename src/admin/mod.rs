@@ -19,9 +19,9 @@ pub use check::{Status, Thresholds, Verdict};
 pub use dead::{DeadArgs, DeadLetter, Filter};
 pub use stats::{gather, StatsArgs, StatsReport};
 
+use crate::cli::parse_duration;
 use crate::config::Config;
 use crate::store::value_to_string;
-use anyhow::Context;
 use redis::Value;
 use std::io::{self, Write};
 use std::process::ExitCode;
@@ -61,18 +61,9 @@ fn quiet_on_broken_pipe(r: anyhow::Result<ExitCode>) -> anyhow::Result<ExitCode>
 
 /// One connection, checked with a PING, its errors showing the URL without password.
 fn connect(config: &Config) -> anyhow::Result<redis::Connection> {
-    let client = crate::daemon::redis_client(&config.redis_url)?;
-    crate::store::connect(&client).with_context(|| {
-        format!(
-            "cannot reach Redis at {}",
-            crate::config::redact_url(&config.redis_url)
-        )
-    })
+    Ok(crate::daemon::redis_connection(&config.redis_url)?)
 }
 
-fn parse_duration(s: &str) -> Result<Duration, String> {
-    humantime::parse_duration(s).map_err(|e| format!("{e} (examples: 30s, 10m, 1h, 7d)"))
-}
 
 /// The millisecond part of a stream id: when the entry was added.
 pub fn id_ms(id: &str) -> Option<i64> {
