@@ -64,7 +64,6 @@ fn connect(config: &Config) -> anyhow::Result<redis::Connection> {
     Ok(crate::daemon::redis_connection(&config.redis_url)?)
 }
 
-
 /// The millisecond part of a stream id: when the entry was added.
 pub fn id_ms(id: &str) -> Option<i64> {
     id.split('-').next()?.parse().ok()

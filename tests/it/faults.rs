@@ -192,7 +192,10 @@ fn postgres_out_of_connections_for_a_while() {
         let (done, b) = (inbox_count(&env.db), books(&env));
         if last_report.elapsed() > Duration::from_secs(10) {
             last_report = std::time::Instant::now();
-            eprintln!("done {done}, pending {}, scheduled {}, dead {}", b.stream_pending, b.pool, b.dead);
+            eprintln!(
+                "done {done}, pending {}, scheduled {}, dead {}",
+                b.stream_pending, b.pool, b.dead
+            );
         }
         done == 1500 && b.stream_pending == 0 && b.pool == 0
     });
