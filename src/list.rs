@@ -17,7 +17,7 @@
 use crate::config::ReaderConfig;
 use crate::delivery::{Delivery, Origin, Outcome, Settlement};
 use crate::keys::Keys;
-use crate::reader::{heartbeat, Feed, Source, StepError};
+use crate::reader::{due, heartbeat, Feed, Source, StepError};
 use crate::shutdown::Shutdown;
 use crate::stats::Stats;
 use redis::{Connection, ConnectionLike, RedisResult, Script, Value};
@@ -187,11 +187,7 @@ impl Source for ListReader<'_> {
     }
 
     fn poll(&mut self, con: &mut Connection) -> Result<usize, StepError> {
-        if self
-            .last_maintenance
-            .is_none_or(|t| t.elapsed() >= self.cfg.block)
-        {
-            self.last_maintenance = Some(Instant::now());
+        if due(&mut self.last_maintenance, self.cfg.block) {
             self.maintain(con)?;
         }
         let room = self.feed.room();

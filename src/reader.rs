@@ -69,6 +69,15 @@ impl<'a> Feed<'a> {
     }
 }
 
+/// Whether a periodic task is due (never run, or last run `every` ago); stamps it if so.
+pub(crate) fn due(last: &mut Option<Instant>, every: Duration) -> bool {
+    if last.is_some_and(|t| t.elapsed() < every) {
+        return false;
+    }
+    *last = Some(Instant::now());
+    true
+}
+
 /// Refreshes a consumer's heartbeat key: peers take over its work once the key expires.
 pub fn heartbeat(
     con: &mut Connection,
@@ -190,12 +199,8 @@ impl<'a> Reader<'a> {
     /// One step: maintenance when due, then one read of at most the channel's free room,
     /// blocking at most `block`. Returns how many entries it handed to the pool.
     pub fn poll(&mut self, con: &mut Connection) -> Result<usize, StepError> {
-        let due = self
-            .last_maintenance
-            .is_none_or(|t| t.elapsed() >= self.cfg.block);
         let mut n = 0;
-        if due {
-            self.last_maintenance = Some(Instant::now());
+        if due(&mut self.last_maintenance, self.cfg.block) {
             n += self.maintain(con)?;
         }
         let room = self.room();
@@ -216,8 +221,7 @@ impl<'a> Reader<'a> {
         let mut n = self.take_over_dead_consumers(con)?;
         self.dead_letter_overdelivered(con, self.cfg.claim_idle.as_millis() as u64, None)?;
         n += self.autoclaim(con)?;
-        if self.last_trim.is_none_or(|t| t.elapsed() >= TRIM_EVERY) {
-            self.last_trim = Some(Instant::now());
+        if due(&mut self.last_trim, TRIM_EVERY) {
             trim_acknowledged(con, self.keys, self.cfg.retention, crate::now_ms())?;
         }
         Ok(n)

@@ -465,15 +465,8 @@ impl<'a> Worker<'a> {
                     }
                     Err(e) => {
                         // The database is unreachable or out of connections (handler SQL
-                        // was checked at start): hold the job, which is back-pressure on
-                        // the reader, instead of spending its retries.
-                        if !self.db_backoff.in_outage() {
-                            Stats::add(&self.ctx.stats.db_waiting, 1);
-                        }
-                        if self
-                            .db_backoff
-                            .fail("no database session", &e, self.ctx.shutdown)
-                        {
+                        // was checked at start).
+                        if self.wait_for_database("no database session", &e) {
                             return None;
                         }
                         continue;
@@ -496,13 +489,7 @@ impl<'a> Worker<'a> {
                 // The database's failure, not the jobs': run them again on a new session.
                 // A job that did commit before the connection went finds its inbox row.
                 self.drop_session();
-                if !self.db_backoff.in_outage() {
-                    Stats::add(&self.ctx.stats.db_waiting, 1);
-                }
-                if self
-                    .db_backoff
-                    .fail("database connection lost", &e, self.ctx.shutdown)
-                {
+                if self.wait_for_database("database connection lost", &e) {
                     return None;
                 }
                 continue;
@@ -522,6 +509,16 @@ impl<'a> Worker<'a> {
             }
             return Some(results);
         }
+    }
+
+    /// The database failed, not the job: hold the job (back-pressure on the reader)
+    /// instead of spending its retries, and back off. Counts this worker as waiting once
+    /// per outage. `true` when shutdown came meanwhile.
+    fn wait_for_database(&mut self, what: &str, err: &dyn std::fmt::Display) -> bool {
+        if !self.db_backoff.in_outage() {
+            Stats::add(&self.ctx.stats.db_waiting, 1);
+        }
+        self.db_backoff.fail(what, err, self.ctx.shutdown)
     }
 
     fn dead(&self, d: Delivery, reason: String, event: String, attempts: u64) -> Settlement {
