@@ -32,6 +32,13 @@ fn lpush(env: &Env, key: &str, msg: &str) {
         .unwrap();
 }
 
+/// Every queue and processing list of the test is empty (the work is settled).
+fn lists_drained(env: &Env, consumers: &[&str]) -> bool {
+    env.config.keys.queues.iter().all(|q| {
+        llen(env, &q.name) == 0 && consumers.iter().all(|c| llen(env, &q.processing(c)) == 0)
+    })
+}
+
 /// Every processing list and dead list of the test's queues is empty.
 fn assert_lists_empty(env: &Env, consumers: &[&str]) {
     for q in &env.config.keys.queues {
@@ -166,8 +173,12 @@ fn a_killed_consumer_s_messages_are_recovered_by_a_peer_and_by_itself() {
     let mut c2 = env.config.clone();
     c2.consumer = "host-b".into();
     let mut p2 = Proc::start(&c2, &list_args(&env));
+    // Done means every job in the inbox *and* every list drained: host-a had committed
+    // jobs it never acknowledged, which host-b must push back and settle as duplicates.
     wait_until(WAIT, "every job", || {
-        inbox_count(&env.db) == 1200 && books(&env).pool == 0
+        inbox_count(&env.db) == 1200
+            && books(&env).pool == 0
+            && lists_drained(&env, &["host-a", "host-b"])
     });
     p2.signal(libc::SIGTERM);
     assert!(p2.wait(WAIT).success());
@@ -195,7 +206,7 @@ fn a_restarted_consumer_pushes_its_own_leftovers_back() {
     p.kill9();
     let mut p = Proc::start(&env.config, &list_args(&env));
     wait_until(WAIT, "every job", || {
-        inbox_count(&env.db) == 800 && books(&env).pool == 0
+        inbox_count(&env.db) == 800 && books(&env).pool == 0 && lists_drained(&env, &["c1"])
     });
     p.signal(libc::SIGTERM);
     assert!(p.wait(WAIT).success());
