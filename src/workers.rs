@@ -145,6 +145,15 @@ pub fn key_text(key: &[u8]) -> String {
     }
 }
 
+/// The event a raw list queue stands for, when the message came from one (`--queue
+/// NAME=EVENT`): its messages are the payload alone, without the envelope.
+fn raw_event<'k>(keys: &'k Keys, origin: &Origin) -> Option<&'k str> {
+    match origin {
+        Origin::List { queue } => keys.queues.get(*queue).and_then(|q| q.raw_event.as_deref()),
+        Origin::Stream { .. } => None,
+    }
+}
+
 /// Delay before retry number `retry + 1`: base * 2^retry, capped.
 pub fn retry_delay(jobs: &JobConfig, retry: u32) -> Duration {
     jobs.retry_base
@@ -239,16 +248,9 @@ impl<'a> Worker<'a> {
     /// raw list message, which goes back wrapped in the envelope (the mover's queue carries
     /// envelopes).
     fn requeue_message(&self, s: &Settlement) -> Vec<u8> {
-        let raw_event = match s.origin {
-            Origin::List { queue } => self
-                .ctx
-                .keys
-                .queues
-                .get(queue)
-                .and_then(|q| q.raw_event.as_deref()),
-            Origin::Stream { .. } => None,
-        };
-        match raw_event.map(|e| Envelope::decode_raw(&s.msg, usize::MAX, e)) {
+        match raw_event(self.ctx.keys, &s.origin)
+            .map(|e| Envelope::decode_raw(&s.msg, usize::MAX, e))
+        {
             Some(Ok(env)) => env.to_json().into_bytes(),
             _ => s.msg.clone(),
         }
@@ -349,16 +351,7 @@ impl<'a> Worker<'a> {
     /// Decodes and validates a delivery: a job ready for its handler, or its dead letter.
     fn prepare(&self, d: Delivery) -> Result<Job<'a>, Box<Settlement>> {
         let limit = self.ctx.jobs.max_message_bytes;
-        let raw_event = match d.origin {
-            Origin::List { queue } => self
-                .ctx
-                .keys
-                .queues
-                .get(queue)
-                .and_then(|q| q.raw_event.as_deref()),
-            Origin::Stream { .. } => None,
-        };
-        let decoded = match raw_event {
+        let decoded = match raw_event(self.ctx.keys, &d.origin) {
             Some(event) => Envelope::decode_raw(&d.msg, limit, event),
             None => Envelope::decode(&d.msg, limit),
         };
@@ -412,10 +405,8 @@ impl<'a> Worker<'a> {
                 log::debug!("job {key} {} duplicate (already in the inbox)", env.event);
                 Settlement::new(d, Outcome::Ack)
             }
+            // Connection-level failures never get here: `run_in_database` reruns those.
             JobResult::Failed(e) if db::is_transient(&e) => {
-                if e.is_closed() || e.code().is_none() {
-                    self.drop_session();
-                }
                 let reason = db::error_text(&e);
                 if env.retry >= self.ctx.jobs.max_retries {
                     let reason = format!("transient failure after {} retries: {reason}", env.retry);
