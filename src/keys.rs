@@ -47,6 +47,12 @@ impl Queue {
         }
     }
 
+    /// HASH of delivery counts by message digest: how often a message was fetched without
+    /// being settled (a message that kills its consumer comes back after every restart).
+    pub fn deliveries(&self) -> String {
+        format!("{}:deliveries", self.name)
+    }
+
     /// The processing list of one consumer on this queue: messages it holds.
     pub fn processing(&self, consumer: &str) -> String {
         format!("{}:processing:{consumer}", self.name)

@@ -40,7 +40,7 @@ pub struct ListReader<'a> {
     consumer: &'a str,
     stats: &'a Stats,
     feed: Feed<'a>,
-    /// KEYS of the fetch script: queue, processing, queue, processing, ...
+    /// KEYS of the fetch script: per queue its name, processing list, deliveries, dead list.
     fetch_keys: Vec<String>,
     last_maintenance: Option<Instant>,
 }
@@ -56,7 +56,14 @@ impl<'a> ListReader<'a> {
         let fetch_keys = keys
             .queues
             .iter()
-            .flat_map(|q| [q.name.clone(), q.processing(consumer)])
+            .flat_map(|q| {
+                [
+                    q.name.clone(),
+                    q.processing(consumer),
+                    q.deliveries(),
+                    q.dead.clone(),
+                ]
+            })
             .collect();
         ListReader {
             keys,
@@ -89,7 +96,14 @@ impl<'a> ListReader<'a> {
         for k in &self.fetch_keys {
             inv.key(k);
         }
-        let reply: Vec<Value> = inv.arg(max).invoke(con)?;
+        inv.arg(max)
+            .arg(self.cfg.max_deliveries)
+            .arg(crate::now_ms() / 1000)
+            .arg(self.consumer);
+        for q in &self.keys.queues {
+            inv.arg(&q.name);
+        }
+        let reply: Vec<Value> = inv.invoke(con)?;
         Ok(reply
             .chunks(2)
             .filter_map(|c| match c {
@@ -229,7 +243,9 @@ pub fn settle(
     let mut inv = SETTLE.prepare_invoke();
     inv.key(&keys.pool).key(&keys.data);
     for q in &keys.queues {
-        inv.key(q.processing(consumer)).key(&q.dead);
+        inv.key(q.processing(consumer))
+            .key(&q.dead)
+            .key(q.deliveries());
     }
     inv.arg(now_s).arg(consumer);
     for s in batch {

@@ -382,3 +382,51 @@ fn payment_racing_timeout_never_both_wins() {
     eprintln!("{} paid first, {} cancelled first", paid, cancelled.len());
     assert_lists_empty(&env, &["c1"]);
 }
+
+#[test]
+fn a_message_that_keeps_killing_its_consumer_goes_to_the_dead_list() {
+    let mut env = list_env(&[("normal", None)]);
+    env.config.reader.max_deliveries = 3;
+    let poison = r#"{"event":"order.timeout","payload":{"order_no":"KILLS-ME"}}"#;
+    lpush(&env, "normal", poison);
+    let c = &env.config;
+    let mut con = env.con();
+    // A consumer fetches it and dies before settling, again and again: each start pushes
+    // its leftovers back onto the queue.
+    let mut fetched = 0;
+    for _ in 0..6 {
+        let stats = Stats::default();
+        let (tx, rx) = crossbeam_channel::bounded(4);
+        let (_space_tx, space_rx) = crossbeam_channel::bounded(1);
+        let mut reader = ListReader::new(
+            &c.keys,
+            &c.reader,
+            "c1",
+            &stats,
+            Feed::new(tx, space_rx, &stats),
+        );
+        reader.start(&mut con, &Shutdown::new()).unwrap();
+        reader.poll(&mut con).unwrap();
+        fetched += rx.try_iter().count();
+    }
+    assert_eq!(fetched, 3, "delivered --max-deliveries times, then no more");
+    assert_eq!(llen(&env, "normal"), 0);
+    assert_eq!(llen(&env, &c.keys.queues[0].processing("c1")), 0);
+    let dead: String = redis::cmd("RPOP")
+        .arg("normal:dead")
+        .query(&mut con)
+        .unwrap();
+    let dead: serde_json::Value = serde_json::from_str(&dead).unwrap();
+    assert_eq!(dead["msg"], poison);
+    assert!(
+        dead["reason"].as_str().unwrap().contains("fetched 3 times"),
+        "{dead}"
+    );
+    assert_eq!(dead["queue"], "normal");
+    // A message that is settled clears its count.
+    let n: usize = redis::cmd("HLEN")
+        .arg(c.keys.queues[0].deliveries())
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(n, 0);
+}
