@@ -15,17 +15,7 @@ const WAIT: Duration = Duration::from_secs(60);
 const WINDOW: Duration = Duration::from_secs(300);
 
 fn worker(redis: &str, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_worker"))
-        .env("REDIS_URL", redis)
-        .env("DATABASE_URL", "postgres://unused")
-        .env("RUST_BACKTRACE", "1")
-        .args(args)
-        .output()
-        .unwrap()
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
+    run_worker(args, redis, "postgres://unused")
 }
 
 /// XADD with an explicit id, so ages are exact.

@@ -2,20 +2,10 @@
 //! unreachable server (no panic, no backtrace, no password).
 
 use crate::support::*;
-use std::process::{Command, Output};
+use std::process::Output;
 
 fn worker(args: &[&str], redis: &str, db: &str) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_worker"))
-        .env("REDIS_URL", redis)
-        .env("DATABASE_URL", db)
-        .env("RUST_BACKTRACE", "1")
-        .args(args)
-        .output()
-        .unwrap()
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
+    run_worker(args, redis, db)
 }
 
 #[test]

@@ -111,18 +111,7 @@ fn postgres_restarted_mid_run() {
     let daemon = Daemon::start(&env.config);
     wait_until(WAIT, "progress", || inbox_count(&env.db) > 200);
     pg.crash_restart(Duration::from_millis(1500));
-    let mut last_report = std::time::Instant::now();
-    wait_until(WAIT, "every job", || {
-        let (done, b) = (inbox_count(&env.db), books(&env));
-        if last_report.elapsed() > Duration::from_secs(10) {
-            last_report = std::time::Instant::now();
-            eprintln!(
-                "done {done}, pending {}, scheduled {}",
-                b.stream_pending, b.pool
-            );
-        }
-        done == 1500 && b.stream_pending == 0 && b.pool == 0
-    });
+    wait_all_done(&env, 1500);
     let report = daemon.stop();
     assert_accounting(&env.db, &orders, &all(&orders));
     assert_all_accounted(&env, &env.db, 1500);
@@ -187,9 +176,19 @@ fn postgres_out_of_connections_for_a_while() {
         "no connections, (almost) no progress"
     );
     drop(hogs);
+    wait_all_done(&env, 1500);
+    let report = daemon.stop();
+    assert_accounting(&env.db, &orders, &all(&orders));
+    assert_all_accounted(&env, &env.db, 1500);
+    assert_eq!(report.stats.dead, 0, "{}", report.stats);
+}
+
+/// Waits until all `n` jobs are in the inbox with nothing pending or scheduled, printing
+/// the books every 10 s so a stuck run shows where it stands.
+fn wait_all_done(env: &Env, n: i64) {
     let mut last_report = std::time::Instant::now();
     wait_until(WAIT, "every job", || {
-        let (done, b) = (inbox_count(&env.db), books(&env));
+        let (done, b) = (inbox_count(&env.db), books(env));
         if last_report.elapsed() > Duration::from_secs(10) {
             last_report = std::time::Instant::now();
             eprintln!(
@@ -197,12 +196,8 @@ fn postgres_out_of_connections_for_a_while() {
                 b.stream_pending, b.pool, b.dead
             );
         }
-        done == 1500 && b.stream_pending == 0 && b.pool == 0
+        done == n && b.stream_pending == 0 && b.pool == 0
     });
-    let report = daemon.stop();
-    assert_accounting(&env.db, &orders, &all(&orders));
-    assert_all_accounted(&env, &env.db, 1500);
-    assert_eq!(report.stats.dead, 0, "{}", report.stats);
 }
 
 fn inbox_count_via(c: &mut postgres::Client) -> i64 {

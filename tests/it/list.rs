@@ -20,6 +20,28 @@ fn list_env(queues: &[(&str, Option<&str>)]) -> Env {
     env
 }
 
+/// A list reader of consumer `c1` driven step by step, feeding a 4-slot channel; keep the
+/// returned space sender alive while the reader runs.
+fn step_reader<'a>(
+    c: &'a delay_worker::Config,
+    stats: &'a Stats,
+) -> (
+    ListReader<'a>,
+    crossbeam_channel::Receiver<delay_worker::delivery::Delivery>,
+    crossbeam_channel::Sender<()>,
+) {
+    let (tx, rx) = crossbeam_channel::bounded(4);
+    let (space_tx, space_rx) = crossbeam_channel::bounded(1);
+    let reader = ListReader::new(
+        &c.keys,
+        &c.reader,
+        "c1",
+        stats,
+        Feed::new(tx, space_rx, stats),
+    );
+    (reader, rx, space_tx)
+}
+
 fn llen(env: &Env, key: &str) -> usize {
     redis::cmd("LLEN").arg(key).query(&mut env.con()).unwrap()
 }
@@ -114,16 +136,8 @@ fn queues_are_taken_in_priority_order() {
         );
     }
     let stats = Stats::default();
-    let (tx, rx) = crossbeam_channel::bounded(4);
-    let (_space_tx, space_rx) = crossbeam_channel::bounded(1);
     let c = &env.config;
-    let mut reader = ListReader::new(
-        &c.keys,
-        &c.reader,
-        "c1",
-        &stats,
-        Feed::new(tx, space_rx, &stats),
-    );
+    let (mut reader, rx, _space) = step_reader(c, &stats);
     let mut con = env.con();
     reader.start(&mut con, &Shutdown::new()).unwrap();
     assert_eq!(
@@ -396,15 +410,7 @@ fn a_message_that_keeps_killing_its_consumer_goes_to_the_dead_list() {
     let mut fetched = 0;
     for _ in 0..6 {
         let stats = Stats::default();
-        let (tx, rx) = crossbeam_channel::bounded(4);
-        let (_space_tx, space_rx) = crossbeam_channel::bounded(1);
-        let mut reader = ListReader::new(
-            &c.keys,
-            &c.reader,
-            "c1",
-            &stats,
-            Feed::new(tx, space_rx, &stats),
-        );
+        let (mut reader, rx, _space) = step_reader(c, &stats);
         reader.start(&mut con, &Shutdown::new()).unwrap();
         reader.poll(&mut con).unwrap();
         fetched += rx.try_iter().count();

@@ -815,3 +815,20 @@ pub fn lock_order(
     ready_rx.recv().unwrap();
     (tx, h)
 }
+
+/// Runs the `worker` binary to completion with these servers (backtraces enabled, so a
+/// panic would show in the output the tests check).
+pub fn run_worker(args: &[&str], redis: &str, db: &str) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_worker"))
+        .env("REDIS_URL", redis)
+        .env("DATABASE_URL", db)
+        .env("RUST_BACKTRACE", "1")
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+/// Process output as text.
+pub fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
