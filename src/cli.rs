@@ -391,6 +391,7 @@ impl Cli {
             orphan_grace: r.orphan_grace,
             queue: mover_queue,
             legacy,
+            max_message_bytes: r.max_message_bytes,
         };
         config.run_mover = !r.no_mover;
         config.reader = ReaderConfig {
@@ -399,6 +400,7 @@ impl Cli {
             max_deliveries: r.max_deliveries,
             heartbeat_ttl: r.heartbeat_ttl,
             retention: r.retention,
+            max_message_bytes: r.max_message_bytes,
         };
         config.jobs = JobConfig {
             max_retries: r.max_retries,

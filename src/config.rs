@@ -64,6 +64,9 @@ pub struct MoverConfig {
     pub queue: usize,
     /// Older producers' pools, moved as well.
     pub legacy: Vec<LegacyPool>,
+    /// A member whose data is larger is dead-lettered instead of moved (the same figure
+    /// as `JobConfig::max_message_bytes`).
+    pub max_message_bytes: usize,
 }
 
 #[derive(Clone, Debug)]
@@ -79,6 +82,9 @@ pub struct ReaderConfig {
     /// Acknowledged stream entries older than this are trimmed (never a pending or
     /// undelivered one). Zero keeps everything.
     pub retention: Duration,
+    /// An entry or list message larger than this is dead-lettered inside Redis, never
+    /// read (the same figure as `JobConfig::max_message_bytes`).
+    pub max_message_bytes: usize,
 }
 
 #[derive(Clone, Debug)]
@@ -100,6 +106,9 @@ pub struct JobConfig {
     pub group_commit: bool,
 }
 
+/// `--max-message-bytes` by default.
+pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 64 * 1024;
+
 impl Default for MoverConfig {
     fn default() -> Self {
         MoverConfig {
@@ -108,6 +117,7 @@ impl Default for MoverConfig {
             orphan_grace: Duration::from_secs(60),
             queue: 0,
             legacy: Vec::new(),
+            max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
         }
     }
 }
@@ -120,6 +130,7 @@ impl Default for ReaderConfig {
             max_deliveries: 10,
             heartbeat_ttl: Duration::from_secs(10),
             retention: Duration::from_secs(24 * 3600),
+            max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
         }
     }
 }
@@ -131,7 +142,7 @@ impl Default for JobConfig {
             retry_base: Duration::from_secs(1),
             retry_cap: Duration::from_secs(300),
             statement_timeout: Duration::from_secs(5),
-            max_message_bytes: 64 * 1024,
+            max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
             tx_batch: 1,
             group_commit: true,
         }
@@ -157,6 +168,14 @@ impl Config {
             run_mover: true,
             metrics_addr: None,
         }
+    }
+
+    /// Sets the message size limit everywhere it is checked: the mover, the reader and the
+    /// workers.
+    pub fn set_max_message_bytes(&mut self, n: usize) {
+        self.mover.max_message_bytes = n;
+        self.reader.max_message_bytes = n;
+        self.jobs.max_message_bytes = n;
     }
 
     /// Capacity of the reader -> pool channel. Two transactions' worth per worker keeps

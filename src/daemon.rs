@@ -14,14 +14,14 @@
 use crate::config::Source;
 use crate::config::{redact_url, Config};
 use crate::db::{self, DbError};
+use crate::delivery::Delivery;
 use crate::handlers::sql::{SqlHandler, SqlHandlerError};
 use crate::handlers::Registry;
-use crate::list::ListReader;
-use crate::metrics::{self, Metrics};
+use crate::metrics;
 use crate::mover::Mover;
 use crate::notify::Notifier;
-use crate::reader::{self, Delivery, Feed, Reader};
 use crate::shutdown::Shutdown;
+use crate::source::{self, list::ListReader, stream::Reader, Doorbell, Feed};
 use crate::stats::{Snapshot, Stats};
 use crate::store;
 use crate::workers::{PoolContext, Session, SessionError, Worker};
@@ -64,6 +64,7 @@ pub fn redis_client(url: &str) -> Result<redis::Client, DaemonError> {
         reason: e.to_string(),
     };
     let mut con = store::connect(&client).map_err(unreachable)?;
+    // A read-only probe: the first thing a new connection is asked.
     redis::cmd("PING")
         .query::<String>(&mut con)
         .map_err(unreachable)?;
@@ -160,7 +161,7 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<Report, DaemonError> 
             reason: e.to_string(),
         })?;
         if config.source == Source::Stream {
-            Reader::ensure_group(&mut con, &config.keys).map_err(|e| {
+            store::stream::ensure_group(&mut con, &config.keys).map_err(|e| {
                 DaemonError::RedisUnreachable {
                     url: redact_url(&config.redis_url),
                     reason: e.to_string(),
@@ -184,8 +185,8 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<Report, DaemonError> 
     log::info!("starting: {}", config.summary());
     log::info!("handlers: {}", registry.events().join(", "));
 
-    let stats = Stats::default();
-    let metrics = Metrics::new(registry.events());
+    let stats = Stats::new(registry.events());
+    let doorbell = Doorbell::default();
     // The roles' heartbeats start now: one that never completes a step counts as stalled.
     Stats::beat(&stats.reader_beat_ms);
     Stats::beat(&stats.mover_beat_ms);
@@ -202,14 +203,12 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<Report, DaemonError> 
         redis: &client,
         shutdown,
         drained: &drained,
-        metrics: &metrics,
     };
     // Bound before any thread starts, so a port in use stops the start with one line.
     let server = match config.metrics_addr {
         Some(addr) => Some(metrics::Server::bind(
             addr,
             metrics::Sources {
-                metrics: &metrics,
                 stats: &stats,
                 config,
                 pool: &pool,
@@ -229,27 +228,29 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<Report, DaemonError> 
         let mut handles = Vec::new();
         let mut spawned = Vec::new();
         if config.run_mover {
-            let (client, stats) = (&client, &stats);
+            let (client, stats, bell) = (&client, &stats, doorbell.clone());
             spawned.push(spawn_role(s, shutdown, "mover".into(), move || {
-                Mover::new(&config.keys, &config.mover, stats).run(client, shutdown)
+                Mover::new(&config.keys, &config.mover, stats)
+                    .with_doorbell(bell)
+                    .run(client, shutdown)
             }));
         }
         {
-            let (client, stats) = (&client, &stats);
+            let (client, stats, bell) = (&client, &stats, doorbell.clone());
             let feed = Feed::new(tx, space_rx, stats);
             let (keys, cfg, consumer) = (&config.keys, &config.reader, config.consumer.as_str());
             spawned.push(match config.source {
                 Source::Stream => spawn_role(s, shutdown, "reader".into(), move || {
-                    reader::run(
-                        Reader::new(keys, cfg, consumer, stats, feed),
+                    source::run(
+                        Reader::new(keys, cfg, consumer, stats, feed).with_doorbell(bell),
                         client,
                         stats,
                         shutdown,
                     )
                 }),
                 Source::List => spawn_role(s, shutdown, "reader".into(), move || {
-                    reader::run(
-                        ListReader::new(keys, cfg, consumer, stats, feed),
+                    source::run(
+                        ListReader::new(keys, cfg, consumer, stats, feed).with_doorbell(bell),
                         client,
                         stats,
                         shutdown,
@@ -302,10 +303,9 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<Report, DaemonError> 
     });
 
     // Peers may take over at once whatever this consumer still has pending.
+    // Best effort: if Redis is unreachable now, the key expires by itself.
     if let Ok(mut con) = store::connect(&client) {
-        let _: Result<(), _> = redis::cmd("DEL")
-            .arg(config.keys.heartbeat(&config.consumer))
-            .query(&mut con);
+        let _ = store::forget_heartbeat(&mut con, &config.keys, &config.consumer);
     }
     let report = Report {
         stats: stats.snapshot(),

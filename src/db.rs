@@ -137,6 +137,11 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         "0004_worker_flush",
         include_str!("../sql/migrations/0004_worker_flush.sql"),
     ),
+    (
+        5,
+        "0005_inbox_job_id",
+        include_str!("../sql/migrations/0005_inbox_job_id.sql"),
+    ),
 ];
 
 /// Applies every migration not yet recorded in `worker_migrations`. Returns the names of

@@ -66,16 +66,28 @@ pub struct Settlement {
     /// The message as delivered (what LREM must match, what a dead letter keeps).
     pub msg: Vec<u8>,
     pub outcome: Outcome,
+    /// The job's event when known, for the counters (empty for undecodable messages).
+    pub event: String,
 }
 
 impl Settlement {
     pub fn new(d: Delivery, outcome: Outcome) -> Settlement {
+        let event = match &outcome {
+            Outcome::Dead { event, .. } => event.clone(),
+            _ => String::new(),
+        };
         Settlement {
             origin: d.origin,
             key: d.key,
             msg: d.msg,
             outcome,
+            event,
         }
+    }
+
+    pub fn with_event(mut self, event: &str) -> Settlement {
+        self.event = event.to_string();
+        self
     }
 
     pub fn is_ack(&self) -> bool {

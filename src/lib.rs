@@ -4,24 +4,31 @@
 //!  producers ──ZADD/HSET──▶ delay pool (ZSET + HASH)          store::push / cancel
 //!                                │ mover thread: one Lua call per batch    mover.rs
 //!                                ▼
-//!                       events STREAM (fields msg, key)
-//!                                │ reader thread: XREADGROUP, reclaim      reader.rs
+//!                       events STREAM (fields msg, key) or list queues
+//!                                │ reader thread: screened reads, takeover source/
 //!                                ▼
 //!                  bounded crossbeam channel (back-pressure)
 //!                                │
 //!             N worker threads: one PostgreSQL transaction per job         workers.rs
 //!               (inbox row + handler)                                      handlers/
 //!                                │
-//!          settle ──▶ ack | retry into the pool | dead letter (one Lua call per batch)
+//!          settle ──▶ retry into the pool | dead letter, then ack (one Lua call per batch)
 //! ```
+//!
+//! Every arrow that changes Redis is a function of `store` (one script or one command);
+//! nothing else writes to Redis, and every script writes a message's next place before
+//! it removes it from the last (ack last).
 //!
 //! Layout:
 //! - `config.rs` — the validated [`Config`]; `cli.rs` — flags and subcommands.
-//! - `keys.rs` — every Redis key name; `store.rs` + `lua/` — every Redis state change.
+//! - `keys.rs` — every Redis key name; `store/` + `lua/` — every Redis state change, and
+//!   `StoreError`, the typed Redis failure (connection, wrong key type, refused).
 //! - `producer.rs` — push and cancel; `message.rs` — the envelope and its validation.
-//! - `mover.rs`, `reader.rs`, `workers.rs` — the three roles; `daemon.rs` runs them.
+//! - `mover.rs`, `source/` (`stream.rs`, `list.rs`: the reader thread's two sources and
+//!   what they share), `workers.rs` — the three roles; `daemon.rs` runs them.
 //! - `handlers/` — what a job does in PostgreSQL; `db.rs` — pool, migrations, errors.
-//! - `shutdown.rs`, `backoff.rs`, `stats.rs` — the small shared pieces.
+//! - `stats.rs` — the one set of counters (log line, exit report, `/metrics`).
+//! - `shutdown.rs`, `backoff.rs` — the small shared pieces.
 //! - `admin/` — the operator's tools: `worker stats` (`--watch`, `--check`), `worker dead`.
 //! - `notify.rs` — systemd readiness and watchdog; `metrics.rs` — `/metrics` and `/healthz`.
 //! - `bench/` — `worker bench`: lateness and throughput next to the machine's ceilings.
@@ -36,14 +43,13 @@ pub mod db;
 pub mod delivery;
 pub mod handlers;
 pub mod keys;
-pub mod list;
 pub mod message;
 pub mod metrics;
 pub mod mover;
 pub mod notify;
 pub mod producer;
-pub mod reader;
 pub mod shutdown;
+pub mod source;
 pub mod stats;
 pub mod store;
 pub mod workers;

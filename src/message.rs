@@ -5,6 +5,13 @@
 //! is a [`Rejection`] whose text becomes the dead letter's `reason`. Unknown fields are
 //! kept, so a retried message goes back to the pool as the producer wrote it, with only
 //! `retry` raised.
+//!
+//! **Job identity.** The mover stamps `job_id` as the first field of a message the first
+//! time it leaves the pool (`lua/move_due.lua`); a retry or a requeue keeps it, first. A
+//! job is its key plus that id (plus `ts`, for messages moved before the stamp existed):
+//! a redelivery or a retry of one message is the same job, while the same key pushed
+//! again — even within the same second — is a new one. `ts` may be an integer, a float or
+//! a numeric string (PHP's `time()` and `microtime(true)` both occur).
 
 use serde_json::{Map, Value};
 use std::fmt;
@@ -17,9 +24,12 @@ pub struct Envelope {
     pub payload: Value,
     /// How many times this message has been retried after a transient failure.
     pub retry: u32,
-    /// When the producer wrote it (unix seconds; 0 if absent). Part of the inbox key, so a
-    /// job key re-used for a later push is a new job while a redelivery is not.
+    /// When the producer wrote it (unix seconds, rounded down; 0 if absent or not a
+    /// number). Part of the inbox key.
     pub ts: i64,
+    /// The mover's stamp (see the module header); `None` for messages never moved by a
+    /// mover that stamps (a producer's raw list message, a hand-written stream entry).
+    pub job_id: Option<String>,
     /// The whole object as received, unknown fields included.
     raw: Map<String, Value>,
 }
@@ -101,14 +111,18 @@ impl Envelope {
                 .and_then(|n| u32::try_from(n).ok())
                 .ok_or(Rejection::BadRetry)?,
         };
-        // `ts` is informational; a malformed one is treated as absent rather than
-        // rejecting an otherwise good message.
-        let ts = raw.get("ts").and_then(Value::as_i64).unwrap_or(0);
+        // A malformed `ts` is treated as absent rather than rejecting a good message.
+        let ts = raw.get("ts").map_or(0, unix_seconds);
+        let job_id = match raw.get("job_id") {
+            Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
+            _ => None,
+        };
         Ok(Envelope {
             event,
             payload,
             retry,
             ts,
+            job_id,
             raw,
         })
     }
@@ -132,20 +146,22 @@ impl Envelope {
             payload,
             retry: 0,
             ts,
+            job_id: None,
             raw,
         }
     }
 
     /// The message to re-queue after a transient failure: the same object, unknown
     /// fields kept, `retry` raised by one.
+    /// `job_id` stays the first field, as the mover checks it there.
     pub fn next_retry(&self) -> String {
         let mut raw = self.raw.clone();
         raw.insert("retry".into(), Value::from(self.retry.saturating_add(1)));
-        Value::Object(raw).to_string()
+        to_wire(raw)
     }
 
     pub fn to_json(&self) -> String {
-        Value::Object(self.raw.clone()).to_string()
+        to_wire(self.raw.clone())
     }
 
     /// Checks that the payload names each group of `required` fields: every group is a
@@ -165,6 +181,53 @@ impl Envelope {
         }
         Ok(())
     }
+}
+
+/// A message object as text, with `job_id` (when it has a string one) as its first field:
+/// the mover keeps a message's stamp only where it puts it.
+pub fn to_wire(mut raw: Map<String, Value>) -> String {
+    let id = match raw.remove("job_id") {
+        Some(Value::String(id)) => id,
+        Some(other) => {
+            raw.insert("job_id".into(), other);
+            return Value::Object(raw).to_string();
+        }
+        None => return Value::Object(raw).to_string(),
+    };
+    let rest = Value::Object(raw).to_string();
+    let head = format!("{{\"job_id\":{}", Value::String(id));
+    match rest.as_str() {
+        "{}" => head + "}",
+        _ => head + "," + &rest[1..],
+    }
+}
+
+/// `ts` as unix seconds: an integer, a float (rounded down) or a numeric string; 0 for
+/// anything else.
+fn unix_seconds(v: &Value) -> i64 {
+    let f = match v {
+        Value::Number(n) => match n.as_i64() {
+            Some(i) => return i,
+            None => n.as_f64(),
+        },
+        Value::String(s) => s.trim().parse::<f64>().ok(),
+        _ => None,
+    };
+    match f {
+        Some(f) if f.is_finite() && f.abs() < 9.0e15 => f.floor() as i64,
+        _ => 0,
+    }
+}
+
+/// The best-effort event name of a raw message, for dead letters of undecodable ones.
+pub fn event_of(msg: &[u8]) -> String {
+    if msg.len() > 1 << 20 {
+        return String::new();
+    }
+    serde_json::from_slice::<Value>(msg)
+        .ok()
+        .and_then(|v| v.get("event").and_then(|e| e.as_str()).map(str::to_string))
+        .unwrap_or_default()
 }
 
 #[cfg(test)]
@@ -217,6 +280,39 @@ mod tests {
             Envelope::decode(deep.as_bytes(), 1 << 20),
             Err(Rejection::NotJson(_))
         ));
+    }
+
+    #[test]
+    fn ts_may_be_an_integer_a_float_or_a_numeric_string() {
+        let ts = |t: &str| {
+            d(&format!(r#"{{"event":"e","payload":{{}},"ts":{t}}}"#))
+                .unwrap()
+                .ts
+        };
+        assert_eq!(ts("1796040000"), 1796040000);
+        assert_eq!(ts("1796040000.25"), 1796040000);
+        assert_eq!(ts(r#""1796040000.75""#), 1796040000);
+        assert_eq!(ts(r#""1796040000""#), 1796040000);
+        assert_eq!(ts(r#""soon""#), 0);
+        assert_eq!(ts("1e300"), 0);
+        assert_eq!(ts("null"), 0);
+    }
+
+    #[test]
+    fn a_retry_keeps_the_job_id_first() {
+        let e = d(r#"{"event":"e","payload":{},"job_id":"17-3","retry":0,"a":1}"#).unwrap();
+        assert_eq!(e.job_id.as_deref(), Some("17-3"));
+        let r = e.next_retry();
+        assert!(r.starts_with(r#"{"job_id":"17-3","#), "{r}");
+        let again = d(&r).unwrap();
+        assert_eq!((again.job_id.as_deref(), again.retry), (Some("17-3"), 1));
+        let bare = d(r#"{"event":"e","payload":{}}"#).unwrap();
+        assert_eq!(bare.job_id, None);
+        assert!(!bare.next_retry().contains("job_id"));
+        assert_eq!(
+            to_wire(serde_json::from_str(r#"{"job_id":"x"}"#).unwrap()),
+            r#"{"job_id":"x"}"#
+        );
     }
 
     #[test]

@@ -1,17 +1,12 @@
 //! Prometheus metrics and a health check, served over plain HTTP/1.1 (`--metrics-addr`).
 //!
-//! Two parts:
-//! - [`Metrics`], the per-job figures the workers record in their hot path (see
-//!   `Worker::handle`): jobs by event and outcome, handler duration and lateness
-//!   histograms. Only atomics: the event slots are fixed when the daemon starts, one per
-//!   registered handler plus `_other` for every name no handler has (unknown events, dead
-//!   letters of undecodable messages), so a producer's typo cannot grow the label set.
-//! - [`Server`], one named thread in the daemon's scope with a blocking `TcpListener`.
-//!   `GET /metrics` renders [`Metrics`], the counters of [`Stats`], channel depth, database
-//!   pool state and resident memory in the text exposition format; `GET /healthz` answers
-//!   `200 ok` when Redis answers PING and PostgreSQL a `SELECT 1`, else `503` with the
-//!   reason. One request at a time, `Connection: close`: a scraper every few seconds is
-//!   the whole load.
+//! The exporter over the one set of counters ([`Stats`], `stats.rs`): [`Server`], one
+//! named thread in the daemon's scope with a blocking `TcpListener`. `GET /metrics`
+//! renders the counters, channel depth, database pool state and resident memory in the
+//! text exposition format; `GET /healthz` answers `200 ok` when the roles make progress
+//! (the watchdog's verdict, which includes a key of the wrong type reported by a role),
+//! Redis answers PING and PostgreSQL a `SELECT 1`, else `503` with the reason. One
+//! request at a time, `Connection: close`: a scraper every few seconds is the whole load.
 //!
 //! **How it stops.** The listener is non-blocking; when no connection is waiting the
 //! thread sleeps in `Shutdown::wait` for [`ACCEPT_POLL`], which returns at once on
@@ -21,14 +16,12 @@
 use crate::config::Config;
 use crate::db;
 use crate::shutdown::Shutdown;
-use crate::stats::Stats;
+use crate::stats::{sample, Stats};
 use crate::store;
-use std::collections::HashMap;
-use std::fmt::Write as _;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::AtomicBool;
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -42,254 +35,6 @@ const MAX_REQUEST: usize = 8 * 1024;
 pub const HEALTH_TIMEOUT: Duration = Duration::from_secs(3);
 /// Connect and I/O timeout of each server the health check asks.
 const PROBE_IO_TIMEOUT: Duration = Duration::from_secs(2);
-
-/// The label of every event no registered handler has.
-pub const OTHER_EVENT: &str = "_other";
-
-/// How a job ended, as the workers count it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum JobOutcome {
-    /// Committed with an effect.
-    Done,
-    /// Committed, nothing to change (a paid order, ...).
-    NoOp,
-    /// The inbox already held the job (a redelivery).
-    Duplicate,
-    /// Back to the delay pool after a transient failure.
-    Retry,
-    /// To the dead letters.
-    Dead,
-}
-
-const OUTCOMES: [(JobOutcome, &str); 5] = [
-    (JobOutcome::Done, "done"),
-    (JobOutcome::NoOp, "noop"),
-    (JobOutcome::Duplicate, "duplicate"),
-    (JobOutcome::Retry, "retry"),
-    (JobOutcome::Dead, "dead"),
-];
-
-/// Upper bounds (seconds) of the handler duration buckets: a transaction of a few
-/// statements up to the statement timeout.
-const HANDLER_BOUNDS: &[f64] = &[
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-];
-/// Upper bounds (seconds) of the lateness buckets: on time, a backlog, an outage.
-const LATENESS_BOUNDS: &[f64] = &[
-    0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0,
-];
-
-/// A fixed-bucket histogram: one atomic per bucket (not cumulative; summed when
-/// rendered), the sum in microseconds. Negative observations count as zero.
-pub struct Histogram {
-    bounds: &'static [f64],
-    /// `counts[i]` for `bounds[i]`; the last one is `+Inf`.
-    counts: Vec<AtomicU64>,
-    sum_us: AtomicU64,
-}
-
-impl Histogram {
-    fn new(bounds: &'static [f64]) -> Histogram {
-        Histogram {
-            bounds,
-            counts: (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect(),
-            sum_us: AtomicU64::new(0),
-        }
-    }
-
-    pub fn observe(&self, seconds: f64) {
-        let s = if seconds.is_finite() {
-            seconds.max(0.0)
-        } else {
-            0.0
-        };
-        let i = self.bounds.partition_point(|&b| b < s);
-        self.counts[i].fetch_add(1, Relaxed);
-        self.sum_us.fetch_add((s * 1e6) as u64, Relaxed);
-    }
-
-    /// Observations so far.
-    pub fn count(&self) -> u64 {
-        self.counts.iter().map(|c| c.load(Relaxed)).sum()
-    }
-
-    /// `name_bucket`, `name_sum`, `name_count` lines; `labels` is `k="v",` or empty.
-    /// The count is the `+Inf` bucket, so the two always agree within one scrape.
-    fn render(&self, out: &mut String, name: &str, labels: &str) {
-        let mut cumulative = 0;
-        for (i, c) in self.counts.iter().enumerate() {
-            cumulative += c.load(Relaxed);
-            let le = match self.bounds.get(i) {
-                Some(b) => b.to_string(),
-                None => "+Inf".to_string(),
-            };
-            let _ = writeln!(out, "{name}_bucket{{{labels}le=\"{le}\"}} {cumulative}");
-        }
-        let braces = if labels.is_empty() {
-            String::new()
-        } else {
-            format!("{{{}}}", labels.trim_end_matches(','))
-        };
-        let sum = self.sum_us.load(Relaxed) as f64 / 1e6;
-        let _ = writeln!(out, "{name}_sum{braces} {sum}");
-        let _ = writeln!(out, "{name}_count{braces} {cumulative}");
-    }
-}
-
-/// What one event slot counts.
-struct EventMetrics {
-    name: String,
-    /// Indexed like [`OUTCOMES`].
-    outcomes: [AtomicU64; 5],
-    handler: Histogram,
-}
-
-/// The per-job figures. Written by every worker (atomics only), read by the metrics
-/// thread; nothing to do at shutdown.
-pub struct Metrics {
-    /// One slot per registered event, then `_other`; never grows after `new`.
-    events: Vec<EventMetrics>,
-    index: HashMap<String, usize>,
-    /// Commit time minus the due time the mover recorded, of committed jobs (done, noop).
-    lateness: Histogram,
-}
-
-impl Default for Metrics {
-    /// No registered event: everything counts under `_other` (tests).
-    fn default() -> Self {
-        Metrics::new(std::iter::empty::<String>())
-    }
-}
-
-impl Metrics {
-    /// One slot per event name (the registry's), plus `_other`.
-    pub fn new<S: Into<String>>(events: impl IntoIterator<Item = S>) -> Metrics {
-        let mut names: Vec<String> = events.into_iter().map(Into::into).collect();
-        names.retain(|n| n != OTHER_EVENT);
-        names.sort();
-        names.dedup();
-        names.push(OTHER_EVENT.to_string());
-        let index = names
-            .iter()
-            .enumerate()
-            .map(|(i, n)| (n.clone(), i))
-            .collect();
-        let events = names
-            .into_iter()
-            .map(|name| EventMetrics {
-                name,
-                outcomes: Default::default(),
-                handler: Histogram::new(HANDLER_BOUNDS),
-            })
-            .collect();
-        Metrics {
-            events,
-            index,
-            lateness: Histogram::new(LATENESS_BOUNDS),
-        }
-    }
-
-    fn slot(&self, event: &str) -> &EventMetrics {
-        let i = self
-            .index
-            .get(event)
-            .copied()
-            .unwrap_or(self.events.len() - 1);
-        &self.events[i]
-    }
-
-    /// Counts one finished job.
-    pub fn job(&self, event: &str, outcome: JobOutcome) {
-        let i = OUTCOMES
-            .iter()
-            .position(|(o, _)| *o == outcome)
-            .unwrap_or(0);
-        self.slot(event).outcomes[i].fetch_add(1, Relaxed);
-    }
-
-    /// Times one handler transaction (inbox row, handler, commit or failure).
-    pub fn handler_time(&self, event: &str, d: Duration) {
-        self.slot(event).handler.observe(d.as_secs_f64());
-    }
-
-    /// Records how late a committed job took effect; nothing when the due time is unknown
-    /// (an entry a producer XADDed by hand).
-    pub fn lateness(&self, due_ms: Option<i64>, committed_ms: i64) {
-        if let Some(due) = due_ms {
-            self.lateness
-                .observe(committed_ms.saturating_sub(due) as f64 / 1000.0);
-        }
-    }
-
-    /// Jobs of `event` (or `_other`) that ended with `outcome`.
-    pub fn jobs(&self, event: &str, outcome: JobOutcome) -> u64 {
-        let i = OUTCOMES
-            .iter()
-            .position(|(o, _)| *o == outcome)
-            .unwrap_or(0);
-        self.slot(event).outcomes[i].load(Relaxed)
-    }
-
-    /// Committed jobs whose lateness was recorded.
-    pub fn lateness_count(&self) -> u64 {
-        self.lateness.count()
-    }
-
-    fn render(&self, out: &mut String) {
-        header(
-            out,
-            "delay_worker_jobs_total",
-            "counter",
-            "Jobs finished by the worker pool, by event and outcome (done, noop, duplicate, retry, dead).",
-        );
-        for e in &self.events {
-            for (i, (_, name)) in OUTCOMES.iter().enumerate() {
-                let _ = writeln!(
-                    out,
-                    "delay_worker_jobs_total{{event=\"{}\",outcome=\"{name}\"}} {}",
-                    escape(&e.name),
-                    e.outcomes[i].load(Relaxed)
-                );
-            }
-        }
-        header(
-            out,
-            "delay_worker_handler_duration_seconds",
-            "histogram",
-            "Time of one job's PostgreSQL transaction (inbox row, handler, commit), by event.",
-        );
-        for e in self.events.iter().filter(|e| e.name != OTHER_EVENT) {
-            let labels = format!("event=\"{}\",", escape(&e.name));
-            e.handler
-                .render(out, "delay_worker_handler_duration_seconds", &labels);
-        }
-        header(
-            out,
-            "delay_worker_lateness_seconds",
-            "histogram",
-            "Commit time minus due time of committed jobs (done and noop) whose due time is known.",
-        );
-        self.lateness
-            .render(out, "delay_worker_lateness_seconds", "");
-    }
-}
-
-fn header(out: &mut String, name: &str, kind: &str, help: &str) {
-    let _ = writeln!(out, "# HELP {name} {help}");
-    let _ = writeln!(out, "# TYPE {name} {kind}");
-}
-
-fn sample(out: &mut String, name: &str, kind: &str, help: &str, value: impl std::fmt::Display) {
-    header(out, name, kind, help);
-    let _ = writeln!(out, "{name} {value}");
-}
-
-/// A label value as the exposition format wants it.
-fn escape(v: &str) -> String {
-    v.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
-}
 
 /// Resident set size in bytes, from `/proc/self/status` (`VmRSS`, in kB).
 pub fn resident_memory_bytes() -> Option<u64> {
@@ -309,7 +54,6 @@ pub struct MetricsError {
 /// What the metrics thread reads. Everything but `depth` and the probe is borrowed from
 /// the daemon.
 pub struct Sources<'a> {
-    pub metrics: &'a Metrics,
     pub stats: &'a Stats,
     pub config: &'a Config,
     /// The workers' pool, for its state only: it never checks a connection out (each
@@ -427,13 +171,17 @@ impl<'a> Server<'a> {
                 "text/plain; version=0.0.4; charset=utf-8",
                 self.render(),
             ),
-            "/healthz" => match self.probe.check() {
-                Ok(()) => (200, "text/plain", "ok\n".to_string()),
-                Err(why) => {
-                    log::debug!("healthz: {why}");
-                    (503, "text/plain", format!("{why}\n"))
+            "/healthz" => {
+                match crate::notify::live(self.src.stats, self.src.config, crate::now_ms())
+                    .and_then(|()| self.probe.check())
+                {
+                    Ok(()) => (200, "text/plain", "ok\n".to_string()),
+                    Err(why) => {
+                        log::debug!("healthz: {why}");
+                        (503, "text/plain", format!("{why}\n"))
+                    }
                 }
-            },
+            }
             _ => (
                 404,
                 "text/plain",
@@ -446,15 +194,14 @@ impl<'a> Server<'a> {
     pub fn render(&self) -> String {
         let src = &self.src;
         let mut out = String::with_capacity(16 * 1024);
-        src.metrics.render(&mut out);
+        src.stats.jobs.render(&mut out);
         let s = src.stats.snapshot();
         for (name, help, v) in [
-            ("delay_worker_moved_total", "Members moved from the delay pool by this process's mover.", s.moved),
-            ("delay_worker_orphans_total", "Due members removed because their data never arrived.", s.orphans),
+            ("delay_worker_moved_total", "Members that left the delay pool through this process's mover (moved, or dead-lettered when they could not be).", s.moved),
             ("delay_worker_delivered_total", "Messages handed to the worker pool (new, own pending, reclaimed).", s.delivered),
             ("delay_worker_reclaimed_total", "Messages taken over from dead or idle consumers.", s.reclaimed),
             ("delay_worker_acked_total", "Messages acknowledged in Redis.", s.acked),
-            ("delay_worker_dead_letters_total", "Messages sent to the dead letters, by the workers and by the reader (over-delivered).", s.dead),
+            ("delay_worker_dead_letters_total", "Messages sent to the dead letters by this process (workers, reader and mover), counted once the letter exists.", s.dead),
             ("delay_worker_redis_reconnects_total", "Redis outages (a connection lost or refused, then reconnecting with backoff), one per thread and outage.", src.stats.redis_reconnects.load(Relaxed)),
         ] {
             sample(&mut out, name, "counter", help, v);
@@ -572,49 +319,6 @@ fn probe(redis: &redis::Client, pg: &postgres::Config) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn histograms_are_cumulative_and_count_what_they_saw() {
-        let h = Histogram::new(&[0.1, 1.0]);
-        for s in [0.05, 0.1, 0.5, 3.0, -2.0, f64::NAN] {
-            h.observe(s);
-        }
-        let mut out = String::new();
-        h.render(&mut out, "x", "event=\"e\",");
-        assert!(
-            out.contains("x_bucket{event=\"e\",le=\"0.1\"} 4\n"),
-            "{out}"
-        );
-        assert!(out.contains("x_bucket{event=\"e\",le=\"1\"} 5\n"), "{out}");
-        assert!(
-            out.contains("x_bucket{event=\"e\",le=\"+Inf\"} 6\n"),
-            "{out}"
-        );
-        assert!(out.contains("x_count{event=\"e\"} 6\n"), "{out}");
-        assert!(out.contains("x_sum{event=\"e\"} 3.65\n"), "{out}");
-        assert_eq!(h.count(), 6);
-    }
-
-    #[test]
-    fn unknown_events_share_one_slot() {
-        let m = Metrics::new(["order.timeout"]);
-        m.job("order.timeout", JobOutcome::Done);
-        m.job("typo.event", JobOutcome::Dead);
-        m.job("", JobOutcome::Dead);
-        m.lateness(Some(1_000), 1_250);
-        m.lateness(None, 1_250);
-        assert_eq!(m.jobs("order.timeout", JobOutcome::Done), 1);
-        assert_eq!(m.jobs(OTHER_EVENT, JobOutcome::Dead), 2);
-        assert_eq!(m.lateness_count(), 1);
-        let mut out = String::new();
-        m.render(&mut out);
-        assert!(out.contains("delay_worker_jobs_total{event=\"_other\",outcome=\"dead\"} 2"));
-        assert!(!out.contains("typo"), "no label per unknown name");
-        assert!(
-            out.contains("delay_worker_lateness_seconds_count 1\n"),
-            "{out}"
-        );
-    }
 
     #[test]
     fn resident_memory_is_read() {

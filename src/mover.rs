@@ -1,17 +1,23 @@
 //! The mover thread: due jobs from the delay pool into the stream.
 //!
 //! Owns one Redis connection. Loops on [`Mover::tick`], one atomic `move_due` script per
-//! batch and pool (ours, plus any legacy pools), into the stream or, in list mode, a queue, so any number of movers (one per worker process) run at once without
-//! duplicates or loss. A full batch loops at once; otherwise it sleeps until the next due
-//! score or the poll interval, whichever comes first. Stops within one poll interval of
-//! shutdown (the sleep is woken at once); a Redis error backs off and reconnects.
+//! batch and pool (ours, plus any legacy pools), into the stream or, in list mode, a
+//! queue, so any number of movers (one per worker process) run at once without duplicates
+//! or loss. A member that cannot be moved (over the size limit, a legacy key of another
+//! type, no data past the grace) is dead-lettered by the same script and the rest move
+//! on. After moving anything it rings the reader's doorbell. A full batch loops at once;
+//! otherwise it sleeps until the next due score or the poll interval, whichever comes
+//! first. Stops within one poll interval of shutdown (the sleep is woken at once); a
+//! Redis error backs off (and reconnects when the connection is lost); a key of the wrong
+//! type is reported to the health checks until an operator fixes it.
 
 use crate::backoff::Backoff;
 use crate::config::MoverConfig;
 use crate::keys::Keys;
 use crate::shutdown::Shutdown;
-use crate::stats::Stats;
-use crate::store::{self, MoveReport, Pool, Target};
+use crate::source::Doorbell;
+use crate::stats::{JobOutcome, Stats};
+use crate::store::{self, MoveReport, Pool, StoreResult, Target};
 use redis::ConnectionLike;
 use std::time::Duration;
 
@@ -19,11 +25,23 @@ pub struct Mover<'a> {
     keys: &'a Keys,
     cfg: &'a MoverConfig,
     stats: &'a Stats,
+    doorbell: Doorbell,
 }
 
 impl<'a> Mover<'a> {
     pub fn new(keys: &'a Keys, cfg: &'a MoverConfig, stats: &'a Stats) -> Self {
-        Mover { keys, cfg, stats }
+        Mover {
+            keys,
+            cfg,
+            stats,
+            doorbell: Doorbell::default(),
+        }
+    }
+
+    /// Rings this doorbell after moving messages (the daemon shares it with the reader).
+    pub fn with_doorbell(mut self, doorbell: Doorbell) -> Self {
+        self.doorbell = doorbell;
+        self
     }
 
     /// One batch from each pool at time `now_ms`. Returns what moved and how long to
@@ -32,10 +50,16 @@ impl<'a> Mover<'a> {
         &self,
         con: &mut dyn ConnectionLike,
         now_ms: i64,
-    ) -> redis::RedisResult<(MoveReport, Duration)> {
+    ) -> StoreResult<(MoveReport, Duration)> {
         let target = match self.keys.queues.get(self.cfg.queue) {
-            Some(q) => Target::List(&q.name),
-            None => Target::Stream(&self.keys.stream),
+            Some(q) => Target::List {
+                queue: &q.name,
+                dead: &q.dead,
+            },
+            None => Target::Stream {
+                stream: &self.keys.stream,
+                dead: &self.keys.dead,
+            },
         };
         let grace = self.cfg.orphan_grace.as_millis() as i64;
         let ours = Pool::Enveloped {
@@ -49,7 +73,15 @@ impl<'a> Mover<'a> {
         let mut sleep = self.cfg.poll;
         let mut total = MoveReport::default();
         for pool in std::iter::once(ours).chain(legacy) {
-            let report = store::move_due(con, pool, target, now_ms, self.cfg.batch, grace)?;
+            let report = store::move_due(
+                con,
+                pool,
+                target,
+                now_ms,
+                self.cfg.batch,
+                grace,
+                self.cfg.max_message_bytes,
+            )?;
             sleep = sleep.min(self.next_sleep(&report, now_ms));
             total.moved += report.moved;
             total.skipped += report.skipped;
@@ -57,21 +89,22 @@ impl<'a> Mover<'a> {
                 (Some(a), Some(b)) => Some(a.min(b)),
                 (a, b) => a.or(b),
             };
-            total.orphans.extend(report.orphans);
+            total.buried.extend(report.buried);
         }
-        Stats::add(&self.stats.moved, total.moved as u64);
-        Stats::add(&self.stats.orphans, total.orphans.len() as u64);
-        for key in &total.orphans {
-            log::warn!(
-                "mover: orphan removed: job key {key:?} was due over {}s ago and has no data",
-                self.cfg.orphan_grace.as_secs()
-            );
+        Stats::add(&self.stats.moved, (total.moved + total.buried.len()) as u64);
+        // Logged after the script: the dead letters exist.
+        for (key, reason) in &total.buried {
+            log::warn!("mover: {key:?} dead-lettered: {reason}");
+            self.stats.jobs.job("", JobOutcome::Dead);
+        }
+        if total.moved > 0 {
+            self.doorbell.ring();
         }
         Ok((total, sleep))
     }
 
     fn next_sleep(&self, r: &MoveReport, now_ms: i64) -> Duration {
-        if r.moved + r.orphans.len() >= self.cfg.batch {
+        if r.moved + r.buried.len() >= self.cfg.batch {
             return Duration::ZERO;
         }
         // Members waiting for their data are due already; re-looking at once would spin
@@ -110,8 +143,13 @@ impl<'a> Mover<'a> {
                     }
                 }
                 Err(e) => {
-                    con = None;
-                    self.stats.redis_failure(&backoff);
+                    if let Some(p) = e.operator_problem() {
+                        self.stats.report_problem(p);
+                    }
+                    if e.is_connection() {
+                        con = None;
+                        self.stats.redis_failure(&backoff);
+                    }
                     backoff.fail("move_due failed", &e, shutdown);
                 }
             }

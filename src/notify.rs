@@ -208,6 +208,9 @@ pub fn live(stats: &Stats, config: &Config, now_ms: i64) -> Result<(), String> {
             ));
         }
     }
+    if let Some(p) = stats.problem(now_ms) {
+        return Err(p);
+    }
     match stats.db_waiting.load(Relaxed) {
         0 => Ok(()),
         n => Err(format!("{n} worker(s) cannot get a PostgreSQL connection")),

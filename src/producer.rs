@@ -19,8 +19,8 @@ pub enum PushError {
     EmptyEvent,
     #[error("the job key must not be empty")]
     EmptyKey,
-    #[error("redis: {0}")]
-    Redis(#[from] redis::RedisError),
+    #[error(transparent)]
+    Store(#[from] crate::store::StoreError),
 }
 
 /// A job to schedule.
@@ -72,7 +72,11 @@ pub fn push(
 }
 
 /// Removes a scheduled job; `true` if it was there.
-pub fn cancel(con: &mut dyn ConnectionLike, keys: &Keys, key: &str) -> redis::RedisResult<bool> {
+pub fn cancel(
+    con: &mut dyn ConnectionLike,
+    keys: &Keys,
+    key: &str,
+) -> Result<bool, crate::store::StoreError> {
     store::cancel(con, keys, key)
 }
 

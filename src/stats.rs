@@ -1,38 +1,37 @@
-//! Counters shared by all threads, for the periodic log line and the exit report.
+//! The one set of counters: every role writes here once per event, and the periodic log
+//! line, the exit report, `/metrics` and the watchdog all read the same numbers.
 //!
-//! Every role only adds (Relaxed: the numbers are for people, not for synchronisation);
-//! the daemon reads them once a `stats_interval` and at exit.
+//! Every role only adds (Relaxed: the numbers are for people, not for synchronisation).
+//! A job's outcome is counted once, by event, in [`Metrics`] (`Stats::jobs`); the totals
+//! of [`Snapshot`] are sums over it. A dead letter or retry is counted once Redis has
+//! it (after the settle or the script that wrote it), never when it is only decided.
 
+use std::collections::HashMap;
+use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Mutex;
+use std::time::Duration;
 
-#[derive(Default, Debug)]
+#[derive(Default)]
 pub struct Stats {
-    /// Written by movers: members moved from the pool to the stream.
+    /// Written by movers: members that left the pool, to the stream or a queue.
     pub moved: AtomicU64,
-    /// Written by movers: members removed because their data never arrived.
-    pub orphans: AtomicU64,
     /// Written by the reader: entries handed to the pool (new, own pending, reclaimed).
     pub delivered: AtomicU64,
     /// Written by the reader: entries taken over from other consumers.
     pub reclaimed: AtomicU64,
-    /// Written by workers: handler committed with an effect.
-    pub done: AtomicU64,
-    /// Written by workers: handler committed, nothing to change (paid order, ...).
-    pub noop: AtomicU64,
-    /// Written by workers: the inbox already held the job (a redelivery).
-    pub duplicate: AtomicU64,
-    /// Written by workers: sent back to the delay pool after a transient failure.
-    pub retried: AtomicU64,
-    /// Written by workers and the reader: sent to the dead letters.
-    pub dead: AtomicU64,
-    /// Written by workers: entries acknowledged in Redis.
+    /// Written by workers: outcomes settled in Redis by this process (acks, retries and
+    /// dead letters whose entry this process removed).
     pub acked: AtomicU64,
+    /// Jobs by event and outcome, handler times, lateness: written by workers once per
+    /// job and by the mover and reader for the dead letters they write themselves.
+    pub jobs: Metrics,
     /// Written by every Redis loop (mover, reader, workers' settle) when an outage starts
     /// (the first failure after a success, see [`Stats::redis_failure`]); read by metrics.
     pub redis_reconnects: AtomicU64,
-    /// Written by the reader (unix ms) whenever it hands messages to the pool or waits for
-    /// room, which every successful step ends in; read by the watchdog (`notify::live`):
-    /// a stale stamp means a stuck reader or a Redis outage.
+    /// Written by the reader (unix ms) whenever it hands messages to the pool, waits for
+    /// room or finds nothing to read, which every successful step ends in; read by the
+    /// watchdog (`notify::live`): a stale stamp means a stuck reader or a Redis outage.
     pub reader_beat_ms: AtomicU64,
     /// Written by the mover after every successful tick (unix ms); read like the above.
     pub mover_beat_ms: AtomicU64,
@@ -40,13 +39,20 @@ pub struct Stats {
     /// it when its outage starts and lowers it when it ends. Read by the watchdog and
     /// metrics; left as is at shutdown.
     pub db_waiting: AtomicU64,
+    /// Written by any role that meets what only an operator can fix (a key of the wrong
+    /// type): when (unix ms) and what. Read by `/healthz` and the watchdog, which stay
+    /// red while it recurs within [`PROBLEM_WINDOW`].
+    problem: Mutex<Option<(i64, String)>>,
 }
+
+/// How long a reported problem keeps the health check red after it was last seen. The
+/// roles meet it again at every retry, and their backoff is capped well below this.
+pub const PROBLEM_WINDOW: Duration = Duration::from_secs(60);
 
 /// A copy of the counters at one moment.
 #[derive(Default, Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Snapshot {
     pub moved: u64,
-    pub orphans: u64,
     pub delivered: u64,
     pub reclaimed: u64,
     pub done: u64,
@@ -58,6 +64,14 @@ pub struct Snapshot {
 }
 
 impl Stats {
+    /// Counters with one event slot per name (the registry's events), plus `_other`.
+    pub fn new<S: Into<String>>(events: impl IntoIterator<Item = S>) -> Stats {
+        Stats {
+            jobs: Metrics::new(events),
+            ..Default::default()
+        }
+    }
+
     pub fn add(counter: &AtomicU64, n: u64) {
         counter.fetch_add(n, Relaxed);
     }
@@ -75,17 +89,32 @@ impl Stats {
         }
     }
 
+    /// Records a problem only an operator can fix (see `problem`).
+    pub fn report_problem(&self, what: String) {
+        if let Ok(mut p) = self.problem.lock() {
+            *p = Some((crate::now_ms(), what));
+        }
+    }
+
+    /// The problem reported within [`PROBLEM_WINDOW`] of `now_ms`, if any.
+    pub fn problem(&self, now_ms: i64) -> Option<String> {
+        let p = self.problem.lock().ok()?;
+        p.as_ref()
+            .filter(|(at, _)| now_ms - at <= PROBLEM_WINDOW.as_millis() as i64)
+            .map(|(_, what)| what.clone())
+    }
+
     pub fn snapshot(&self) -> Snapshot {
+        let total = |o| self.jobs.total(o);
         Snapshot {
             moved: self.moved.load(Relaxed),
-            orphans: self.orphans.load(Relaxed),
             delivered: self.delivered.load(Relaxed),
             reclaimed: self.reclaimed.load(Relaxed),
-            done: self.done.load(Relaxed),
-            noop: self.noop.load(Relaxed),
-            duplicate: self.duplicate.load(Relaxed),
-            retried: self.retried.load(Relaxed),
-            dead: self.dead.load(Relaxed),
+            done: total(JobOutcome::Done),
+            noop: total(JobOutcome::NoOp),
+            duplicate: total(JobOutcome::Duplicate),
+            retried: total(JobOutcome::Retry),
+            dead: total(JobOutcome::Dead),
             acked: self.acked.load(Relaxed),
         }
     }
@@ -95,7 +124,7 @@ impl std::fmt::Display for Snapshot {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "moved={} delivered={} reclaimed={} done={} noop={} duplicate={} retried={} dead={} acked={} orphans={}",
+            "moved={} delivered={} reclaimed={} done={} noop={} duplicate={} retried={} dead={} acked={}",
             self.moved,
             self.delivered,
             self.reclaimed,
@@ -105,7 +134,332 @@ impl std::fmt::Display for Snapshot {
             self.retried,
             self.dead,
             self.acked,
-            self.orphans
         )
+    }
+}
+
+// ---- per-job counters by event, and the histograms -------------------------------------
+
+/// The label of every event no registered handler has.
+pub const OTHER_EVENT: &str = "_other";
+
+/// How a job ended, as the workers count it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JobOutcome {
+    /// Committed with an effect.
+    Done,
+    /// Committed, nothing to change (a paid order, ...).
+    NoOp,
+    /// The inbox already held the job (a redelivery).
+    Duplicate,
+    /// Back to the delay pool after a transient failure.
+    Retry,
+    /// To the dead letters.
+    Dead,
+}
+
+const OUTCOMES: [(JobOutcome, &str); 5] = [
+    (JobOutcome::Done, "done"),
+    (JobOutcome::NoOp, "noop"),
+    (JobOutcome::Duplicate, "duplicate"),
+    (JobOutcome::Retry, "retry"),
+    (JobOutcome::Dead, "dead"),
+];
+
+/// Upper bounds (seconds) of the handler duration buckets: a transaction of a few
+/// statements up to the statement timeout.
+const HANDLER_BOUNDS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+/// Upper bounds (seconds) of the lateness buckets: on time, a backlog, an outage.
+const LATENESS_BOUNDS: &[f64] = &[
+    0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0,
+];
+
+/// A fixed-bucket histogram: one atomic per bucket (not cumulative; summed when
+/// rendered), the sum in microseconds. Negative observations count as zero.
+pub struct Histogram {
+    bounds: &'static [f64],
+    /// `counts[i]` for `bounds[i]`; the last one is `+Inf`.
+    counts: Vec<AtomicU64>,
+    sum_us: AtomicU64,
+}
+
+impl Histogram {
+    fn new(bounds: &'static [f64]) -> Histogram {
+        Histogram {
+            bounds,
+            counts: (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect(),
+            sum_us: AtomicU64::new(0),
+        }
+    }
+
+    pub fn observe(&self, seconds: f64) {
+        let s = if seconds.is_finite() {
+            seconds.max(0.0)
+        } else {
+            0.0
+        };
+        let i = self.bounds.partition_point(|&b| b < s);
+        self.counts[i].fetch_add(1, Relaxed);
+        self.sum_us.fetch_add((s * 1e6) as u64, Relaxed);
+    }
+
+    /// Observations so far.
+    pub fn count(&self) -> u64 {
+        self.counts.iter().map(|c| c.load(Relaxed)).sum()
+    }
+
+    /// `name_bucket`, `name_sum`, `name_count` lines; `labels` is `k="v",` or empty.
+    /// The count is the `+Inf` bucket, so the two always agree within one scrape.
+    fn render(&self, out: &mut String, name: &str, labels: &str) {
+        let mut cumulative = 0;
+        for (i, c) in self.counts.iter().enumerate() {
+            cumulative += c.load(Relaxed);
+            let le = match self.bounds.get(i) {
+                Some(b) => b.to_string(),
+                None => "+Inf".to_string(),
+            };
+            let _ = writeln!(out, "{name}_bucket{{{labels}le=\"{le}\"}} {cumulative}");
+        }
+        let braces = if labels.is_empty() {
+            String::new()
+        } else {
+            format!("{{{}}}", labels.trim_end_matches(','))
+        };
+        let sum = self.sum_us.load(Relaxed) as f64 / 1e6;
+        let _ = writeln!(out, "{name}_sum{braces} {sum}");
+        let _ = writeln!(out, "{name}_count{braces} {cumulative}");
+    }
+}
+
+/// What one event slot counts.
+struct EventMetrics {
+    name: String,
+    /// Indexed like [`OUTCOMES`].
+    outcomes: [AtomicU64; 5],
+    handler: Histogram,
+}
+
+/// The per-job figures. Written by every worker (atomics only), read by the metrics
+/// thread; nothing to do at shutdown.
+pub struct Metrics {
+    /// One slot per registered event, then `_other`; never grows after `new`.
+    events: Vec<EventMetrics>,
+    index: HashMap<String, usize>,
+    /// Commit time minus the due time the mover recorded, of committed jobs (done, noop).
+    lateness: Histogram,
+}
+
+impl Default for Metrics {
+    /// No registered event: everything counts under `_other` (tests).
+    fn default() -> Self {
+        Metrics::new(std::iter::empty::<String>())
+    }
+}
+
+impl Metrics {
+    /// One slot per event name (the registry's), plus `_other`.
+    pub fn new<S: Into<String>>(events: impl IntoIterator<Item = S>) -> Metrics {
+        let mut names: Vec<String> = events.into_iter().map(Into::into).collect();
+        names.retain(|n| n != OTHER_EVENT);
+        names.sort();
+        names.dedup();
+        names.push(OTHER_EVENT.to_string());
+        let index = names
+            .iter()
+            .enumerate()
+            .map(|(i, n)| (n.clone(), i))
+            .collect();
+        let events = names
+            .into_iter()
+            .map(|name| EventMetrics {
+                name,
+                outcomes: Default::default(),
+                handler: Histogram::new(HANDLER_BOUNDS),
+            })
+            .collect();
+        Metrics {
+            events,
+            index,
+            lateness: Histogram::new(LATENESS_BOUNDS),
+        }
+    }
+
+    fn slot(&self, event: &str) -> &EventMetrics {
+        let i = self
+            .index
+            .get(event)
+            .copied()
+            .unwrap_or(self.events.len() - 1);
+        &self.events[i]
+    }
+
+    /// Counts one finished job.
+    pub fn job(&self, event: &str, outcome: JobOutcome) {
+        let i = OUTCOMES
+            .iter()
+            .position(|(o, _)| *o == outcome)
+            .unwrap_or(0);
+        self.slot(event).outcomes[i].fetch_add(1, Relaxed);
+    }
+
+    /// Times one handler transaction (inbox row, handler, commit or failure).
+    pub fn handler_time(&self, event: &str, d: Duration) {
+        self.slot(event).handler.observe(d.as_secs_f64());
+    }
+
+    /// Records how late a committed job took effect; nothing when the due time is unknown
+    /// (an entry a producer XADDed by hand).
+    pub fn lateness(&self, due_ms: Option<i64>, committed_ms: i64) {
+        if let Some(due) = due_ms {
+            self.lateness
+                .observe(committed_ms.saturating_sub(due) as f64 / 1000.0);
+        }
+    }
+
+    /// Jobs of `event` (or `_other`) that ended with `outcome`.
+    pub fn jobs(&self, event: &str, outcome: JobOutcome) -> u64 {
+        let i = OUTCOMES
+            .iter()
+            .position(|(o, _)| *o == outcome)
+            .unwrap_or(0);
+        self.slot(event).outcomes[i].load(Relaxed)
+    }
+
+    /// Jobs of every event that ended with `outcome`.
+    pub fn total(&self, outcome: JobOutcome) -> u64 {
+        let i = OUTCOMES
+            .iter()
+            .position(|(o, _)| *o == outcome)
+            .unwrap_or(0);
+        self.events
+            .iter()
+            .map(|e| e.outcomes[i].load(Relaxed))
+            .sum()
+    }
+
+    /// Committed jobs whose lateness was recorded.
+    pub fn lateness_count(&self) -> u64 {
+        self.lateness.count()
+    }
+
+    pub(crate) fn render(&self, out: &mut String) {
+        header(
+            out,
+            "delay_worker_jobs_total",
+            "counter",
+            "Jobs finished by the worker pool, by event and outcome (done, noop, duplicate, retry, dead).",
+        );
+        for e in &self.events {
+            for (i, (_, name)) in OUTCOMES.iter().enumerate() {
+                let _ = writeln!(
+                    out,
+                    "delay_worker_jobs_total{{event=\"{}\",outcome=\"{name}\"}} {}",
+                    escape(&e.name),
+                    e.outcomes[i].load(Relaxed)
+                );
+            }
+        }
+        header(
+            out,
+            "delay_worker_handler_duration_seconds",
+            "histogram",
+            "Time of one job's PostgreSQL transaction (inbox row, handler, commit), by event.",
+        );
+        for e in self.events.iter().filter(|e| e.name != OTHER_EVENT) {
+            let labels = format!("event=\"{}\",", escape(&e.name));
+            e.handler
+                .render(out, "delay_worker_handler_duration_seconds", &labels);
+        }
+        header(
+            out,
+            "delay_worker_lateness_seconds",
+            "histogram",
+            "Commit time minus due time of committed jobs (done and noop) whose due time is known.",
+        );
+        self.lateness
+            .render(out, "delay_worker_lateness_seconds", "");
+    }
+}
+
+pub(crate) fn header(out: &mut String, name: &str, kind: &str, help: &str) {
+    let _ = writeln!(out, "# HELP {name} {help}");
+    let _ = writeln!(out, "# TYPE {name} {kind}");
+}
+
+pub(crate) fn sample(
+    out: &mut String,
+    name: &str,
+    kind: &str,
+    help: &str,
+    value: impl std::fmt::Display,
+) {
+    header(out, name, kind, help);
+    let _ = writeln!(out, "{name} {value}");
+}
+
+/// A label value as the exposition format wants it.
+pub(crate) fn escape(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histograms_are_cumulative_and_count_what_they_saw() {
+        let h = Histogram::new(&[0.1, 1.0]);
+        for s in [0.05, 0.1, 0.5, 3.0, -2.0, f64::NAN] {
+            h.observe(s);
+        }
+        let mut out = String::new();
+        h.render(&mut out, "x", "event=\"e\",");
+        assert!(
+            out.contains("x_bucket{event=\"e\",le=\"0.1\"} 4\n"),
+            "{out}"
+        );
+        assert!(out.contains("x_bucket{event=\"e\",le=\"1\"} 5\n"), "{out}");
+        assert!(
+            out.contains("x_bucket{event=\"e\",le=\"+Inf\"} 6\n"),
+            "{out}"
+        );
+        assert!(out.contains("x_count{event=\"e\"} 6\n"), "{out}");
+        assert!(out.contains("x_sum{event=\"e\"} 3.65\n"), "{out}");
+        assert_eq!(h.count(), 6);
+    }
+
+    #[test]
+    fn unknown_events_share_one_slot() {
+        let m = Metrics::new(["order.timeout"]);
+        m.job("order.timeout", JobOutcome::Done);
+        m.job("typo.event", JobOutcome::Dead);
+        m.job("", JobOutcome::Dead);
+        m.lateness(Some(1_000), 1_250);
+        m.lateness(None, 1_250);
+        assert_eq!(m.jobs("order.timeout", JobOutcome::Done), 1);
+        assert_eq!(m.jobs(OTHER_EVENT, JobOutcome::Dead), 2);
+        assert_eq!(m.lateness_count(), 1);
+        let mut out = String::new();
+        m.render(&mut out);
+        assert!(out.contains("delay_worker_jobs_total{event=\"_other\",outcome=\"dead\"} 2"));
+        assert!(!out.contains("typo"), "no label per unknown name");
+        assert!(
+            out.contains("delay_worker_lateness_seconds_count 1\n"),
+            "{out}"
+        );
+    }
+
+    #[test]
+    fn a_problem_is_reported_for_a_while() {
+        let s = Stats::default();
+        assert_eq!(s.problem(1_000), None);
+        s.report_problem("key \"k\" holds a string, not a stream".into());
+        let now = crate::now_ms();
+        assert!(s.problem(now).unwrap().contains("holds a string"));
+        assert_eq!(s.problem(now + PROBLEM_WINDOW.as_millis() as i64 + 1), None);
     }
 }

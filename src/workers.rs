@@ -28,11 +28,10 @@ use crate::db;
 use crate::delivery::{Delivery, Origin, Outcome, Settlement};
 use crate::handlers::{Effect, Registry};
 use crate::keys::Keys;
-use crate::message::{Envelope, Rejection};
-use crate::metrics::{JobOutcome, Metrics};
+use crate::message::{event_of, Envelope, Rejection};
 use crate::shutdown::Shutdown;
-use crate::stats::Stats;
-use crate::store;
+use crate::stats::{JobOutcome, Stats};
+use crate::store::{self, Settled, StoreError};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
 use postgres::Statement;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -57,8 +56,6 @@ pub struct PoolContext<'a> {
     pub shutdown: &'a Shutdown,
     /// Jobs finished after shutdown was requested (the drain), for the exit log.
     pub drained: &'a AtomicU64,
-    /// Per-job figures for `/metrics` (atomics; recorded once each job's outcome is known).
-    pub metrics: &'a Metrics,
 }
 
 /// A worker's PostgreSQL connection with its statements prepared once.
@@ -70,8 +67,9 @@ pub struct Session {
 }
 
 /// The inbox insert. Its row count says whether this job is new (1) or a redelivery (0).
-const INBOX_SQL: &str = "INSERT INTO worker_inbox (job_key, enqueued_at, event) \
-                         VALUES ($1, $2, $3) ON CONFLICT DO NOTHING";
+/// A job is its key, the mover's `job_id` stamp and `ts` (see `message.rs`).
+const INBOX_SQL: &str = "INSERT INTO worker_inbox (job_key, enqueued_at, event, job_id) \
+                         VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING";
 
 /// Why a session could not be opened.
 #[derive(Debug, thiserror::Error)]
@@ -117,17 +115,6 @@ enum JobResult {
     Duplicate,
     Failed(postgres::Error),
     Panicked(String),
-}
-
-/// The best-effort event name of a raw message, for dead letters of undecodable ones.
-pub fn event_of(msg: &[u8]) -> String {
-    if msg.len() > 1 << 20 {
-        return String::new();
-    }
-    serde_json::from_slice::<serde_json::Value>(msg)
-        .ok()
-        .and_then(|v| v.get("event").and_then(|e| e.as_str()).map(str::to_string))
-        .unwrap_or_default()
 }
 
 /// The inbox's text form of a job key: as is when it is text PostgreSQL can hold,
@@ -389,19 +376,17 @@ impl<'a> Worker<'a> {
         let Job { d, env, key, .. } = job;
         match result {
             JobResult::Committed(effect) => {
-                let (counter, outcome) = match effect {
-                    Effect::Applied => (&stats.done, JobOutcome::Done),
-                    Effect::NoOp => (&stats.noop, JobOutcome::NoOp),
+                let outcome = match effect {
+                    Effect::Applied => JobOutcome::Done,
+                    Effect::NoOp => JobOutcome::NoOp,
                 };
-                Stats::add(counter, 1);
-                self.ctx.metrics.job(&env.event, outcome);
-                self.ctx.metrics.lateness(d.due_ms, crate::now_ms());
+                stats.jobs.job(&env.event, outcome);
+                stats.jobs.lateness(d.due_ms, crate::now_ms());
                 log::debug!("job {key} {} {effect:?}", env.event);
                 Settlement::new(d, Outcome::Ack)
             }
             JobResult::Duplicate => {
-                Stats::add(&stats.duplicate, 1);
-                self.ctx.metrics.job(&env.event, JobOutcome::Duplicate);
+                stats.jobs.job(&env.event, JobOutcome::Duplicate);
                 log::debug!("job {key} {} duplicate (already in the inbox)", env.event);
                 Settlement::new(d, Outcome::Ack)
             }
@@ -414,18 +399,16 @@ impl<'a> Worker<'a> {
                 }
                 let delay = retry_delay(self.ctx.jobs, env.retry);
                 log::warn!(
-                    "job {key} {} retry {} in {:.1}s: {reason}",
+                    "job {key} {} will retry ({}) in {:.1}s: {reason}",
                     env.event,
                     env.retry + 1,
                     delay.as_secs_f64()
                 );
-                Stats::add(&stats.retried, 1);
-                self.ctx.metrics.job(&env.event, JobOutcome::Retry);
                 let retry = Outcome::Retry {
                     msg: env.next_retry().into_bytes(),
                     due_ms: crate::now_ms() + delay.as_millis() as i64,
                 };
-                Settlement::new(d, retry)
+                Settlement::new(d, retry).with_event(&env.event)
             }
             JobResult::Failed(e) => {
                 let reason = format!("handler failed: {}", db::error_text(&e));
@@ -496,7 +479,7 @@ impl<'a> Worker<'a> {
             }
             let each = started.elapsed() / jobs.len() as u32;
             for job in jobs {
-                self.ctx.metrics.handler_time(&job.env.event, each);
+                self.ctx.stats.jobs.handler_time(&job.env.event, each);
             }
             return Some(results);
         }
@@ -512,10 +495,8 @@ impl<'a> Worker<'a> {
         self.db_backoff.fail(what, err, self.ctx.shutdown)
     }
 
+    /// A dead-letter outcome; logged and counted once the settle wrote the letter.
     fn dead(&self, d: Delivery, reason: String, event: String, attempts: u64) -> Settlement {
-        log::warn!("job {} {event} dead-lettered: {reason}", key_text(&d.key));
-        Stats::add(&self.ctx.stats.dead, 1);
-        self.ctx.metrics.job(&event, JobOutcome::Dead);
         Settlement::new(
             d,
             Outcome::Dead {
@@ -554,15 +535,14 @@ impl<'a> Worker<'a> {
             };
             let now_s = crate::now_ms() / 1000;
             match store::settle(con, self.ctx.keys, self.ctx.consumer, now_s, outcomes) {
-                Ok(n) => {
+                Ok(report) => {
                     self.redis_backoff.reset();
-                    Stats::add(&self.ctx.stats.acked, n as u64);
+                    self.settled(outcomes, &report);
                     outcomes.clear();
                     return;
                 }
                 Err(e) => {
-                    self.redis = None;
-                    self.ctx.stats.redis_failure(&self.redis_backoff);
+                    self.store_failure(&e);
                     if self
                         .redis_backoff
                         .fail("settle failed", &e, self.ctx.shutdown)
@@ -575,15 +555,58 @@ impl<'a> Worker<'a> {
         }
     }
 
+    /// A settle failed: a lost connection is dropped (reconnect), a key of the wrong type
+    /// is the operator's problem (the health checks say so).
+    fn store_failure(&mut self, e: &StoreError) {
+        if let Some(p) = e.operator_problem() {
+            self.ctx.stats.report_problem(p);
+        }
+        self.redis = None;
+        self.ctx.stats.redis_failure(&self.redis_backoff);
+    }
+
+    /// Counts and logs what a settle did, now that Redis has it: the retries written, the
+    /// dead letters written, and the outcomes left pending behind a key of the wrong type
+    /// (delivered again once it is fixed).
+    fn settled(&self, outcomes: &[Settlement], report: &store::SettleReport) {
+        let stats = self.ctx.stats;
+        Stats::add(&stats.acked, report.applied() as u64);
+        let mut blocked = 0;
+        for (s, what) in outcomes.iter().zip(&report.each) {
+            match (what, &s.outcome) {
+                (Settled::Applied, Outcome::Retry { .. }) => {
+                    stats.jobs.job(&s.event, JobOutcome::Retry);
+                }
+                (Settled::Applied, Outcome::Dead { reason, .. }) => {
+                    log::warn!(
+                        "job {} {} dead-lettered: {reason}",
+                        key_text(&s.key),
+                        s.event
+                    );
+                    stats.jobs.job(&s.event, JobOutcome::Dead);
+                }
+                (Settled::Blocked, _) => blocked += 1,
+                _ => {}
+            }
+        }
+        if let Some(w) = &report.blocked {
+            let problem = format!(
+                "{blocked} outcomes stay pending: {w}; rename or remove it and they are delivered again"
+            );
+            log::error!("{}: {problem}", self.name);
+            stats.report_problem(problem);
+        }
+    }
+
     /// At shutdown, a few more quick attempts, then leave the outcomes pending.
     fn give_up(&mut self, outcomes: &mut Vec<Settlement>) -> bool {
         for _ in 0..3 {
             if let Ok(mut c) = store::connect(self.ctx.redis) {
                 let now_s = crate::now_ms() / 1000;
-                if let Ok(n) =
+                if let Ok(report) =
                     store::settle(&mut c, self.ctx.keys, self.ctx.consumer, now_s, outcomes)
                 {
-                    Stats::add(&self.ctx.stats.acked, n as u64);
+                    self.settled(outcomes, &report);
                     outcomes.clear();
                     return true;
                 }
@@ -619,7 +642,8 @@ fn apply(
     statements: &[Vec<Statement>],
     job: &Job<'_>,
 ) -> Result<Option<Effect>, JobResult> {
-    match tx.execute(inbox, &[&job.key, &job.env.ts, &job.env.event]) {
+    let job_id = job.env.job_id.as_deref().unwrap_or("");
+    match tx.execute(inbox, &[&job.key, &job.env.ts, &job.env.event, &job_id]) {
         Ok(0) => return Ok(None),
         Ok(_) => {}
         Err(e) => return Err(JobResult::Failed(e)),

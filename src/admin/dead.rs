@@ -13,19 +13,16 @@
 use super::{fmt_age, fmt_time, is_stream_id, write_json};
 use crate::config::Config;
 use crate::keys::Keys;
-use crate::store::value_to_string;
+use crate::store::dead::Requeued;
+use crate::store::{self, value_to_string, StoreError};
 use anyhow::Context;
 use clap::{ArgGroup, Args, Subcommand};
-use redis::{Connection, RedisResult, Script, Value};
+use redis::{Connection, RedisResult, Value};
 use serde::{Serialize, Serializer};
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::process::ExitCode;
-use std::sync::LazyLock;
 use std::time::Duration;
-
-static REQUEUE: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../lua/requeue.lua")));
 
 /// Dead letters per XRANGE page and per requeue script call: small enough that one call
 /// holds Redis for well under a millisecond per letter.
@@ -199,7 +196,7 @@ impl DeadLetter {
             }
         }
         if d.event.is_empty() {
-            d.event = crate::workers::event_of(&d.msg);
+            d.event = crate::message::event_of(&d.msg);
         }
         Some(d)
     }
@@ -350,7 +347,8 @@ pub fn requeue_message(msg: &[u8]) -> (Vec<u8>, bool) {
                 return (msg.to_vec(), true);
             }
             m.insert("retry".into(), 0.into());
-            (serde_json::Value::Object(m).to_string().into_bytes(), true)
+            // The job keeps its identity (`job_id` first, where the mover looks).
+            (crate::message::to_wire(m).into_bytes(), true)
         }
         _ => (msg.to_vec(), false),
     }
@@ -376,32 +374,30 @@ pub fn requeue(
     keys: &Keys,
     letters: &[DeadLetter],
     now_ms: i64,
-) -> RedisResult<RequeueReport> {
+) -> Result<RequeueReport, StoreError> {
     let mut report = RequeueReport::default();
     for batch in letters.chunks(PAGE) {
-        let mut inv = REQUEUE.prepare_invoke();
-        inv.key(&keys.dead)
-            .key(&keys.pool)
-            .key(&keys.data)
-            .arg(now_ms);
-        let mut json = Vec::with_capacity(batch.len());
-        for d in batch {
-            let (msg, is_json) = requeue_message(&d.msg);
-            json.push(is_json);
-            inv.arg(&d.id).arg(d.job_key()).arg(msg);
-        }
-        let codes: Vec<i64> = inv.invoke(con)?;
-        for ((d, code), is_json) in batch.iter().zip(codes).zip(json) {
+        let rewritten: Vec<(Vec<u8>, bool)> =
+            batch.iter().map(|d| requeue_message(&d.msg)).collect();
+        let keys_of: Vec<Vec<u8>> = batch.iter().map(|d| d.job_key().to_vec()).collect();
+        let args: Vec<(&str, &[u8], &[u8])> = batch
+            .iter()
+            .zip(&rewritten)
+            .zip(&keys_of)
+            .map(|((d, (msg, _)), key)| (d.id.as_str(), key.as_slice(), msg.as_slice()))
+            .collect();
+        let codes = store::dead::requeue(con, keys, &args, now_ms)?;
+        for ((d, code), (_, is_json)) in batch.iter().zip(codes).zip(&rewritten) {
             let id = d.id.clone();
             match code {
-                1 => {
+                Requeued::Requeued => {
                     if !is_json {
                         report.as_is.push(id.clone());
                     }
                     report.requeued.push(id);
                 }
-                -1 => report.key_scheduled.push(id),
-                _ => report.gone.push(id),
+                Requeued::KeyScheduled => report.key_scheduled.push(id),
+                Requeued::Gone => report.gone.push(id),
             }
         }
     }
@@ -409,14 +405,11 @@ pub fn requeue(
 }
 
 /// Deletes `letters`; returns how many were still there.
-pub fn purge(con: &mut Connection, keys: &Keys, letters: &[DeadLetter]) -> RedisResult<u64> {
+pub fn purge(con: &mut Connection, keys: &Keys, letters: &[DeadLetter]) -> Result<u64, StoreError> {
     let mut n = 0;
     for batch in letters.chunks(PAGE) {
-        let deleted: u64 = redis::cmd("XDEL")
-            .arg(&keys.dead)
-            .arg(batch.iter().map(|d| d.id.as_str()).collect::<Vec<_>>())
-            .query(con)?;
-        n += deleted;
+        let ids: Vec<&str> = batch.iter().map(|d| d.id.as_str()).collect();
+        n += store::dead::purge(con, keys, &ids)?;
     }
     Ok(n)
 }

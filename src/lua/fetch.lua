@@ -1,40 +1,68 @@
--- fetch: reliable fetch from list queues in priority order (DESIGN §4).
--- Each message moves atomically from the tail of its queue to the head of this consumer's
--- processing list of that queue, so a crash leaves it there, never nowhere. The first
--- queue is drained first, as with BRPOP's key order.
+-- fetch: reliable fetch from list queues in priority order. Each message moves atomically
+-- from the tail of its queue to the head of this consumer's processing list of that
+-- queue, so a crash leaves it there, never nowhere. The first queue is drained first, as
+-- with BRPOP's key order. Never blocks: the reader waits between empty fetches itself.
 --
+-- A message over the size limit never reaches the worker: its dead letter (a prefix, its
+-- length and a digest) is pushed onto the queue's dead list, then it leaves the queue.
 -- Each fetch counts the message (by digest) in the queue's deliveries HASH; settling it
 -- clears the count. A message fetched more than ARGV[2] times without being settled (it
--- kills its consumer, which restarts and pushes it back) goes to the dead list instead.
+-- kills its consumer, which restarts and pushes it back) goes to the dead list instead,
+-- the dead letter written before the message leaves the processing list.
+-- A queue one of whose keys holds another type is skipped and reported; the rest go on.
 --
 -- KEYS: per queue: queue, processing list, deliveries HASH, dead list
 -- ARGV[1] the most messages to take, ARGV[2] max deliveries, ARGV[3] now (unix seconds),
--- ARGV[4] consumer name, then the queue names in order
--- Returns {queue index (0-based), message, ...}.
+-- ARGV[4] consumer name, ARGV[5] max bytes, then the queue names in order
+-- Returns {n, {queue index (0-based), message, ...}, {key, reason, ...} of the buried,
+-- then {key, found, wanted} if a queue was skipped}.
 local max = tonumber(ARGV[1])
 local max_deliveries = tonumber(ARGV[2])
-local out = {}
+local max_bytes = tonumber(ARGV[5])
+local out, buried = {}, {}
+local blocked = nil
 local n = 0
+local function bury(dead, queue, msg, reason, attempts, length, digest)
+  redis.call('LPUSH', dead, cjson.encode({
+    msg = msg, ts = tonumber(ARGV[3]), consumer = ARGV[4], queue = queue, reason = reason,
+    event = '', key = '', attempts = attempts, length = length, sha1 = digest
+  }))
+  buried[#buried + 1] = queue
+  buried[#buried + 1] = reason
+end
 for i = 1, #KEYS, 4 do
-  while n < max do
-    local msg = redis.call('LMOVE', KEYS[i], KEYS[i + 1], 'RIGHT', 'LEFT')
-    if not msg then break end
-    local digest = redis.sha1hex(msg)
-    local count = redis.call('HINCRBY', KEYS[i + 2], digest, 1)
-    if count > max_deliveries then
-      redis.call('LREM', KEYS[i + 1], 1, msg)
-      redis.call('HDEL', KEYS[i + 2], digest)
-      redis.call('LPUSH', KEYS[i + 3], cjson.encode({
-        msg = msg, ts = tonumber(ARGV[3]), consumer = ARGV[4], queue = ARGV[4 + (i + 3) / 4],
-        reason = 'fetched ' .. (count - 1) .. ' times without being settled (limit ' .. max_deliveries .. ')',
-        event = '', key = '', attempts = count - 1
-      }))
-    else
-      n = n + 1
-      out[#out + 1] = (i - 1) / 4
-      out[#out + 1] = msg
+  local queue_name = ARGV[5 + (i + 3) / 4]
+  local w = wrong_type(KEYS[i], 'list', KEYS[i + 1], 'list', KEYS[i + 2], 'hash', KEYS[i + 3], 'list')
+  if w then
+    blocked = blocked or w
+  else
+    while n < max do
+      local msg = redis.call('LINDEX', KEYS[i], -1)
+      if not msg then break end
+      if #msg > max_bytes then
+        bury(KEYS[i + 3], queue_name, string.sub(msg, 1, OVERSIZE_PREFIX),
+          oversize_reason(#msg, max_bytes), 0, #msg, redis.sha1hex(msg))
+        redis.call('RPOP', KEYS[i])
+      else
+        redis.call('LMOVE', KEYS[i], KEYS[i + 1], 'RIGHT', 'LEFT')
+        local digest = redis.sha1hex(msg)
+        local count = redis.call('HINCRBY', KEYS[i + 2], digest, 1)
+        if count > max_deliveries then
+          bury(KEYS[i + 3], queue_name, msg,
+            'fetched ' .. (count - 1) .. ' times without being settled (limit ' .. max_deliveries .. ')',
+            count - 1, #msg, '')
+          redis.call('HDEL', KEYS[i + 2], digest)
+          redis.call('LREM', KEYS[i + 1], 1, msg)
+        else
+          n = n + 1
+          out[#out + 1] = (i - 1) / 4
+          out[#out + 1] = msg
+        end
+      end
     end
   end
   if n >= max then break end
 end
-return out
+local reply = {n, out, buried}
+if blocked then reply[4] = blocked end
+return reply

@@ -2,7 +2,8 @@
 -- atomically. Any number of movers may call this at once: a member is read, appended and
 -- removed inside one script, so no two calls can move the same member.
 --
--- KEYS[1] pool ZSET, KEYS[2] data HASH, KEYS[3] target (events STREAM or queue LIST)
+-- KEYS[1] pool ZSET, KEYS[2] data HASH, KEYS[3] target (events STREAM or queue LIST),
+-- KEYS[4] dead letters (STREAM in stream mode, the queue's dead LIST in list mode)
 -- ARGV[1] now in unix milliseconds
 -- ARGV[2] now in unix seconds (decimal)
 -- ARGV[3] limit
@@ -13,28 +14,43 @@
 --         ({"event": ARGV[6], "payload": {"order_id": <id>}}). Those STRING keys are not
 --         declared in KEYS: legacy pools work on a single Redis, not on Cluster.
 -- ARGV[7] now in unix seconds (integer), the `ts` of messages built for a legacy pool
+-- ARGV[8] the largest message in bytes (--max-message-bytes)
 --
--- Scores below 1e11 are unix seconds, the rest unix milliseconds (DESIGN §1). Seconds
--- scores sort before any millisecond score, so each kind is one score range.
+-- Scores below 1e11 are unix seconds, the rest unix milliseconds. Seconds scores sort
+-- before any millisecond score, so each kind is one score range.
 --
--- Each entry carries `due` (unix ms) so the pool can measure lateness.
+-- Every message leaves with a `job_id` as its first field: a new one when it has none
+-- (its first move), kept when it has one (a retry going round again). A job is its key
+-- plus this id, so a key pushed again is a new job while a retry is the same job.
 --
--- Returns {moved, skipped, next_due_ms or -1, orphan keys...}. `skipped` counts due
--- members whose data has not arrived yet and are still inside the grace period.
+-- A member that cannot be moved is not left to block the others: one whose data is over
+-- the size limit, whose legacy key holds another type, or whose data never arrived
+-- within the grace goes to the dead letters with its reason (an oversized message as a
+-- prefix, its length and a digest), and then leaves the pool.
+--
+-- Returns {moved, skipped, next_due_ms or -1, dead, key, reason, key, reason, ...}.
+-- `skipped` counts due members whose data has not arrived yet, still inside the grace.
 local now_ms = tonumber(ARGV[1])
 local limit = tonumber(ARGV[3])
 local grace = tonumber(ARGV[4])
 local mode = ARGV[5]
 local legacy = ARGV[6]
-local moved, skipped = 0, 0
-local result = {0, 0, -1}
+local max_bytes = tonumber(ARGV[8])
 
-local function json_string(s)
-  return '"' .. string.gsub(s, '[%c"\\]', function(c)
-    if c == '"' then return '\\"' elseif c == '\\' then return '\\\\' end
-    return string.format('\\u%04x', string.byte(c))
-  end) .. '"'
+local target_type, dead_type = 'stream', 'stream'
+if mode == 'list' then target_type, dead_type = 'list', 'list' end
+local w
+if legacy == '' then
+  w = wrong_type(KEYS[1], 'zset', KEYS[2], 'hash', KEYS[3], target_type, KEYS[4], dead_type)
+else
+  w = wrong_type(KEYS[1], 'zset', KEYS[3], target_type, KEYS[4], dead_type)
 end
+if w then return wrongtype_reply(w) end
+
+local moved, skipped = 0, 0
+local buried = {}
+local t = redis.call('TIME')
+local stamp = t[1] .. string.format('%06d', tonumber(t[2]))
 
 -- The job key travels inside the message on a list (a list entry is one string).
 local function with_job_key(msg, key)
@@ -47,12 +63,33 @@ local function with_job_key(msg, key)
   return '{"job_key":' .. json_string(key) .. sep .. rest
 end
 
+local function with_job_id(msg, n)
+  if string.sub(msg, 1, 1) ~= '{' or string.sub(msg, 1, 11) == '{"job_id":"' then
+    return msg
+  end
+  local rest = string.sub(msg, 2)
+  local sep = ','
+  if string.match(rest, '^%s*}') then sep = '' end
+  return '{"job_id":"' .. stamp .. '-' .. n .. '"' .. sep .. rest
+end
+
+-- The member's message, or nil and why not: 'missing' (no data yet) or a reason to bury.
 local function fetch(key)
   if legacy == '' then
-    return redis.call('HGET', KEYS[2], key)
+    local len = redis.call('HSTRLEN', KEYS[2], key)
+    if len > max_bytes then return nil, oversize_reason(len, max_bytes), len end
+    local msg = redis.call('HGET', KEYS[2], key)
+    if not msg then return nil, 'missing' end
+    return msg
   end
+  local kt = redis.call('TYPE', key)['ok']
+  if kt == 'none' then return nil, 'missing' end
+  if kt ~= 'string' then
+    return nil, 'legacy job key holds a ' .. kt .. ', not a string with an order id'
+  end
+  local len = redis.call('STRLEN', key)
+  if len > max_bytes then return nil, oversize_reason(len, max_bytes), len end
   local id = redis.call('GET', key)
-  if not id then return false end
   local value = id
   if not string.match(id, '^%-?%d+$') then value = json_string(id) end
   return '{"event":' .. json_string(legacy) .. ',"payload":{"order_id":' .. value ..
@@ -63,23 +100,53 @@ local function forget(key)
   if legacy == '' then redis.call('HDEL', KEYS[2], key) else redis.call('DEL', key) end
 end
 
+-- The dead letter of a member that cannot be moved; for an oversized one a prefix, its
+-- length and a digest.
+local function bury(key, reason, len)
+  local msg, digest = '', ''
+  if len then
+    local full
+    if legacy == '' then full = redis.call('HGET', KEYS[2], key) else full = redis.call('GET', key) end
+    msg = string.sub(full, 1, OVERSIZE_PREFIX)
+    digest = redis.sha1hex(full)
+  end
+  if mode == 'list' then
+    redis.call('LPUSH', KEYS[4], cjson.encode({
+      msg = msg, reason = reason, ts = tonumber(ARGV[7]), event = legacy, key = key,
+      attempts = 0, length = len or 0, sha1 = digest, consumer = 'mover'
+    }))
+  else
+    redis.call('XADD', KEYS[4], '*', 'msg', msg, 'reason', reason, 'ts', ARGV[7],
+      'event', legacy, 'key', key, 'attempts', 0, 'length', len or 0, 'sha1', digest,
+      'consumer', 'mover')
+  end
+  buried[#buried + 1] = key
+  buried[#buried + 1] = reason
+end
+
 local function handle(items, scale)
   for i = 1, #items, 2 do
     local key = items[i]
     local due = tonumber(items[i + 1]) * scale
-    local msg = fetch(key)
+    local msg, why, len = fetch(key)
     if msg then
       if mode == 'list' then
-        redis.call('LPUSH', KEYS[3], with_job_key(msg, key))
+        redis.call('LPUSH', KEYS[3], with_job_id(with_job_key(msg, key), moved))
       else
-        redis.call('XADD', KEYS[3], '*', 'msg', msg, 'key', key, 'due', math.floor(due))
+        redis.call('XADD', KEYS[3], '*', 'msg', with_job_id(msg, moved), 'key', key,
+          'due', math.floor(due))
       end
       forget(key)
       redis.call('ZREM', KEYS[1], key)
       moved = moved + 1
-    elseif now_ms - due > grace then
+    elseif why ~= 'missing' then
+      bury(key, why, len)
+      -- A legacy key of another type is the producer's: left alone, only unscheduled.
+      if len then forget(key) end
       redis.call('ZREM', KEYS[1], key)
-      result[#result + 1] = key
+    elseif now_ms - due > grace then
+      bury(key, 'no data ' .. math.floor(grace / 1000) .. 's after its due time')
+      redis.call('ZREM', KEYS[1], key)
     else
       skipped = skipped + 1
     end
@@ -105,7 +172,6 @@ end
 -- Lua numbers become integers in the reply; keep absurd scores (1e300, inf) in range.
 if next_due > 9e15 then next_due = 9e15 end
 
-result[1] = moved
-result[2] = skipped
-result[3] = next_due
+local result = {moved, skipped, next_due, #buried / 2}
+for _, v in ipairs(buried) do result[#result + 1] = v end
 return result

@@ -2,6 +2,8 @@
 -- KEYS[1] pool ZSET, KEYS[2] data HASH
 -- ARGV[1] job key, ARGV[2] message JSON, ARGV[3] score (due time)
 -- Returns 1 if the key was already scheduled (a reschedule), else 0.
+local w = wrong_type(KEYS[1], 'zset', KEYS[2], 'hash')
+if w then return wrongtype_reply(w) end
 local existed = redis.call('ZSCORE', KEYS[1], ARGV[1])
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])

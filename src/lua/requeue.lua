@@ -8,7 +8,10 @@
 --
 -- KEYS[1] dead STREAM, KEYS[2] pool ZSET, KEYS[3] data HASH
 -- ARGV[1] due score (unix ms), then triples: dead-letter id, job key, message
+-- Data and score are written before the XDEL (ack last).
 -- Returns one code per triple: 1 requeued, 0 gone, -1 job key scheduled again.
+local w = wrong_type(KEYS[1], 'stream', KEYS[2], 'zset', KEYS[3], 'hash')
+if w then return wrongtype_reply(w) end
 local out = {}
 for i = 2, #ARGV, 3 do
   local id, key, msg = ARGV[i], ARGV[i + 1], ARGV[i + 2]

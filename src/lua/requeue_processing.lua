@@ -1,6 +1,7 @@
 -- requeue_processing: push a consumer's processing lists back onto their queues.
 -- Newest first onto the tail of the queue, so the oldest ends at the tail and is taken
--- first again: order is kept as far as it can be. One atomic step, so when several
+-- first again: order is kept as far as it can be. Each message moves with one LMOVE (in
+-- its new place the moment it leaves the old one). One atomic step, so when several
 -- consumers notice the same dead peer, exactly one moves its messages.
 --
 -- KEYS: processing 1, queue 1, processing 2, queue 2, ..., consumers SET, heartbeat key
@@ -8,6 +9,11 @@
 -- its heartbeat, and forgotten from the SET), '0' for our own lists at start.
 -- Returns the number of messages pushed back, or -1 if the peer is alive after all.
 local nk = #KEYS
+local checks = {}
+for i = 1, nk - 2 do checks[#checks + 1] = KEYS[i]; checks[#checks + 1] = 'list' end
+checks[#checks + 1] = KEYS[nk - 1]; checks[#checks + 1] = 'set'
+local w = wrong_type(unpack(checks))
+if w then return wrongtype_reply(w) end
 local peer = ARGV[2] == '1'
 if peer and redis.call('EXISTS', KEYS[nk]) == 1 then return -1 end
 local moved = 0

@@ -1,29 +1,50 @@
--- settle: apply the outcomes of a batch of stream entries, atomically.
--- Each entry is acknowledged; a retry is written back to the delay pool and a dead
--- letter appended in the same step, and only if this call is the one that acknowledged
--- the entry (XACK returned 1). An entry that a peer already settled is left alone, so a
--- reclaimed entry is never retried or dead-lettered twice.
+-- settle: apply the outcomes of a batch of stream entries. Ack last: a retry is written
+-- back to the delay pool, or a dead letter appended, before the entry is acknowledged,
+-- and only while the entry is still pending (a peer that settled it first wins, so a
+-- reclaimed entry is never retried or dead-lettered twice). A record whose destination
+-- key holds another type is left pending, untouched, and reported; the others go on.
 --
 -- KEYS[1] events STREAM, KEYS[2] pool ZSET, KEYS[3] data HASH, KEYS[4] dead STREAM
 -- ARGV[1] group, ARGV[2] now (unix seconds), ARGV[3] consumer name
 -- then records of 7 fields: kind, entry id, job key, message, score-or-reason, event,
 -- attempts. kind: 'A' ack, 'R' retry (score = due time), 'D' dead letter (reason).
--- Returns the number of entries this call acknowledged.
-local acked = 0
+-- Returns one code per record (1 settled by this call, 0 already settled, -1 left
+-- pending: a key of another type), then {key, found, wanted} if any was -1.
+local w = wrong_type(KEYS[1], 'stream')
+if w then return wrongtype_reply(w) end
+local pool_bad = wrong_type(KEYS[2], 'zset', KEYS[3], 'hash')
+local dead_bad = wrong_type(KEYS[4], 'stream')
+local blocked = nil
+local out = {}
+local function pending(id)
+  return #redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1) > 0
+end
 for i = 4, #ARGV, 7 do
   local kind, id = ARGV[i], ARGV[i + 1]
-  local n = redis.call('XACK', KEYS[1], ARGV[1], id)
-  acked = acked + n
-  if n == 1 then
+  local code
+  if kind == 'A' then
+    code = redis.call('XACK', KEYS[1], ARGV[1], id)
+  elseif kind == 'R' and pool_bad then
+    code, blocked = -1, pool_bad
+  elseif kind == 'D' and dead_bad then
+    code, blocked = -1, dead_bad
+  elseif not pending(id) then
+    code = 0
+  else
     if kind == 'R' then
       redis.call('HSET', KEYS[3], ARGV[i + 2], ARGV[i + 3])
       redis.call('ZADD', KEYS[2], ARGV[i + 4], ARGV[i + 2])
-    elseif kind == 'D' then
+    else
       redis.call('XADD', KEYS[4], '*',
         'msg', ARGV[i + 3], 'reason', ARGV[i + 4], 'ts', ARGV[2],
         'event', ARGV[i + 5], 'key', ARGV[i + 2], 'attempts', ARGV[i + 6],
         'consumer', ARGV[3], 'id', id)
     end
+    code = redis.call('XACK', KEYS[1], ARGV[1], id)
   end
+  out[#out + 1] = code
 end
-return acked
+if blocked then
+  out[#out + 1] = blocked[1]; out[#out + 1] = blocked[2]; out[#out + 1] = blocked[3]
+end
+return out

@@ -142,7 +142,7 @@ fn stats_report_the_figures_of_a_known_state() {
     }
     let no_group = gather(&mut con, &keys, now, WINDOW).unwrap();
     assert_eq!((no_group.stream.length, no_group.group.exists), (5, false));
-    delay_worker::reader::Reader::ensure_group(&mut con, &keys).unwrap();
+    delay_worker::store::stream::ensure_group(&mut con, &keys).unwrap();
     // A dead host holding three entries, a live consumer that acked its one.
     assert_eq!(xreadgroup(&mut con, &keys, "c-dead", 3).len(), 3);
     redis::cmd("SET")
@@ -242,7 +242,7 @@ fn check_levels_and_exit_codes() {
 
     // Pending: 3 is fine by default; thresholds are flags.
     let k = Keys::with_prefix("pend");
-    delay_worker::reader::Reader::ensure_group(&mut con, &k).unwrap();
+    delay_worker::store::stream::ensure_group(&mut con, &k).unwrap();
     for i in 0..3 {
         xadd_at(&mut con, &k.stream, now - 5000 + i, &[("msg", b"{}")]);
     }
@@ -264,7 +264,7 @@ fn check_levels_and_exit_codes() {
 
     // The oldest pending entry, 11 minutes old: warning; past --oldest-crit: critical.
     let k = Keys::with_prefix("old");
-    delay_worker::reader::Reader::ensure_group(&mut con, &k).unwrap();
+    delay_worker::store::stream::ensure_group(&mut con, &k).unwrap();
     xadd_at(&mut con, &k.stream, now_ms() - 660_000, &[("msg", b"{}")]);
     xreadgroup(&mut con, &k, "c1", 10);
     let (code, line) = check(&r, "old", &[]);

@@ -4,8 +4,8 @@
 use crate::support::*;
 use delay_worker::config::{LegacyPool, Source};
 use delay_worker::keys::Queue;
-use delay_worker::list::ListReader;
-use delay_worker::reader::{Feed, Source as _};
+use delay_worker::source::list::ListReader;
+use delay_worker::source::{Feed, Source as _};
 use delay_worker::stats::Stats;
 use delay_worker::Shutdown;
 use std::time::Duration;

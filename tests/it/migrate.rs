@@ -15,7 +15,8 @@ fn migrate_applies_once_and_records_it() {
             "0001_shop_schema",
             "0002_worker_inbox",
             "0003_payment_review",
-            "0004_worker_flush"
+            "0004_worker_flush",
+            "0005_inbox_job_id"
         ]
     );
     assert!(

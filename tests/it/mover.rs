@@ -143,7 +143,7 @@ fn a_member_without_data_waits_out_the_grace_then_is_an_orphan() {
     add(&mut con, &keys, "never-data", (NOW - 1000) as f64, false);
     let (report, sleep) = mover.tick(&mut con, NOW).unwrap();
     assert_eq!((report.moved, report.skipped), (0, 2));
-    assert!(report.orphans.is_empty());
+    assert!(report.buried.is_empty());
     assert_eq!(sleep, c.poll, "no spinning on members waiting for data");
 
     // The HSET arrives: the member moves normally.
@@ -156,12 +156,20 @@ fn a_member_without_data_waits_out_the_grace_then_is_an_orphan() {
     let (report, _) = mover.tick(&mut con, NOW + 10).unwrap();
     assert_eq!((report.moved, report.skipped), (1, 1));
 
-    // Still inside the grace: kept. Past it: removed and reported.
+    // Still inside the grace: kept. Past it: dead-lettered with the reason, then removed.
     let (report, _) = mover.tick(&mut con, NOW - 1000 + 59_000).unwrap();
     assert_eq!(report.skipped, 1);
     let (report, _) = mover.tick(&mut con, NOW - 1000 + 61_000).unwrap();
-    assert_eq!(report.orphans, vec!["never-data".to_string()]);
-    assert_eq!(stats.snapshot().orphans, 1);
+    assert_eq!(report.buried.len(), 1);
+    assert_eq!(report.buried[0].0, "never-data");
+    assert!(
+        report.buried[0].1.contains("no data"),
+        "{:?}",
+        report.buried
+    );
+    assert_eq!(stats.snapshot().dead, 1);
+    let dead: usize = redis::cmd("XLEN").arg(&keys.dead).query(&mut con).unwrap();
+    assert_eq!(dead, 1, "an orphan is a dead letter, never a silent drop");
     let n: usize = redis::cmd("ZCARD").arg(&keys.pool).query(&mut con).unwrap();
     assert_eq!(n, 0);
 }
@@ -243,12 +251,18 @@ fn racing_movers_move_each_message_exactly_once() {
     let unique: HashSet<&String> = entries.iter().map(|(k, _)| k).collect();
     assert_eq!(unique.len(), n as usize, "no message twice");
     for (k, msg) in &entries {
-        assert_eq!(
-            format!(r#"{{"n":{}}}"#, &k[3..]),
-            *msg,
-            "data travels with its key"
+        let v: serde_json::Value = serde_json::from_str(msg).unwrap();
+        assert_eq!(v["n"].to_string(), k[3..], "data travels with its key");
+        assert!(
+            msg.starts_with(r#"{"job_id":""#),
+            "stamped on its first move: {msg}"
         );
     }
+    let ids: HashSet<String> = entries
+        .iter()
+        .map(|(_, m)| serde_json::from_str::<serde_json::Value>(m).unwrap()["job_id"].to_string())
+        .collect();
+    assert_eq!(ids.len(), n as usize, "every move a job id of its own");
     assert_eq!(stats.snapshot().moved, n as u64);
     let left: usize = redis::cmd("ZCARD").arg(&keys.pool).query(&mut con).unwrap();
     let data: usize = redis::cmd("HLEN").arg(&keys.data).query(&mut con).unwrap();

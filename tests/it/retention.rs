@@ -1,7 +1,7 @@
 //! Retention trims acknowledged stream entries and never a pending or undelivered one.
 
 use crate::support::*;
-use delay_worker::reader::{trim_acknowledged, Reader};
+use delay_worker::store::stream::{ensure_group, trim_acknowledged};
 use redis::Value;
 use std::time::Duration;
 
@@ -47,7 +47,7 @@ fn retention_never_trims_a_pending_or_undelivered_entry() {
         .arg("{}")
         .query::<String>(&mut con)
         .unwrap();
-    Reader::ensure_group(&mut con, &keys).unwrap();
+    ensure_group(&mut con, &keys).unwrap();
     // Three read, the first acked, two left pending; the fourth never read.
     let _: Value = redis::cmd("XREADGROUP")
         .arg("GROUP")

@@ -829,6 +829,11 @@ pub fn run_worker(args: &[&str], redis: &str, db: &str) -> std::process::Output 
 }
 
 /// Process output as text.
+/// The SHA-1 of `b` in hex, as Redis's `sha1hex` writes it.
+pub fn sha1_hex(b: &[u8]) -> String {
+    sha1_smol::Sha1::from(b).digest().to_string()
+}
+
 pub fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }

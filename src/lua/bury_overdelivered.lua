@@ -1,0 +1,45 @@
+-- bury_overdelivered: entries delivered more than `max` times without being acknowledged
+-- (a message that keeps killing its consumer) go to the dead letters, read and written
+-- here so the worker never holds them: the dead letter first, the XACK last.
+--
+-- KEYS[1] events STREAM, KEYS[2] dead STREAM
+-- ARGV[1] group, ARGV[2] only this consumer's entries ('' for all), ARGV[3] min idle (ms),
+-- ARGV[4] max deliveries, ARGV[5] max bytes, ARGV[6] now (s), ARGV[7] most entries looked
+-- at, ARGV[8] this consumer (recorded in the letter)
+-- Returns {buried, key, reason, ...}.
+local w = wrong_type(KEYS[1], 'stream', KEYS[2], 'stream')
+if w then return wrongtype_reply(w) end
+local args = {KEYS[1], ARGV[1]}
+if tonumber(ARGV[3]) > 0 then args[#args + 1] = 'IDLE'; args[#args + 1] = ARGV[3] end
+args[#args + 1] = '-'; args[#args + 1] = '+'; args[#args + 1] = ARGV[7]
+if ARGV[2] ~= '' then args[#args + 1] = ARGV[2] end
+local max = tonumber(ARGV[4])
+local max_bytes = tonumber(ARGV[5])
+local out = {0}
+for _, p in ipairs(redis.call('XPENDING', unpack(args))) do
+  local id, count = p[1], p[4]
+  if count > max then
+    local r = redis.call('XRANGE', KEYS[1], id, id)
+    if #r > 0 then
+      local msg, key = entry_fields(r[1][2])
+      key = key or id
+      local event = ''
+      local ok, v = pcall(cjson.decode, msg)
+      if ok and type(v) == 'table' and type(v.event) == 'string' then event = v.event end
+      local reason = 'delivered ' .. count .. ' times without being acknowledged (limit ' .. max .. ')'
+      local length, digest = #msg, ''
+      if #msg > max_bytes then
+        digest = redis.sha1hex(msg)
+        msg = string.sub(msg, 1, OVERSIZE_PREFIX)
+      end
+      redis.call('XADD', KEYS[2], '*', 'msg', msg, 'reason', reason, 'ts', ARGV[6],
+        'event', event, 'key', key, 'attempts', count, 'length', length, 'sha1', digest,
+        'consumer', ARGV[8], 'id', id)
+      out[#out + 1] = key
+      out[#out + 1] = reason
+      out[1] = out[1] + 1
+    end
+    redis.call('XACK', KEYS[1], ARGV[1], id)
+  end
+end
+return out

@@ -1,0 +1,82 @@
+-- Prepended to every script of the store (src/store/mod.rs). Redis does not roll back a
+-- script that fails half-way, so each script checks the types of the keys it will write
+-- before its first write, writes the message into its next place, and removes it from
+-- where it was (ack, ZREM, LREM, XDEL) last: a failure at any point leaves it there.
+--
+-- A script that cannot run at all because of a key's type returns
+-- {'WRONGTYPE', key, found, wanted} instead of its reply; every other reply of the store's
+-- scripts starts with an integer.
+
+-- The first key of (key, type, key, type, ...) that exists with another type, as
+-- {key, found, wanted}; nil when all are absent or of their type.
+local function wrong_type(...)
+  local args = {...}
+  for i = 1, #args, 2 do
+    local t = redis.call('TYPE', args[i])['ok']
+    if t ~= 'none' and t ~= args[i + 1] then
+      return {args[i], t, args[i + 1]}
+    end
+  end
+  return nil
+end
+
+local function wrongtype_reply(w)
+  return {'WRONGTYPE', w[1], w[2], w[3]}
+end
+
+local function json_string(s)
+  return '"' .. string.gsub(s, '[%c"\\]', function(c)
+    if c == '"' then return '\\"' elseif c == '\\' then return '\\\\' end
+    return string.format('\\u%04x', string.byte(c))
+  end) .. '"'
+end
+
+-- How much of an oversized message its dead letter keeps.
+local OVERSIZE_PREFIX = 4096
+
+-- Fields of the dead letter of a message over the size limit: a prefix, its length and a
+-- digest, never a full copy.
+local function oversize_reason(len, limit)
+  return 'message too large: ' .. len .. ' bytes, limit ' .. limit
+end
+
+-- The fields `msg` and `key` of a stream entry's field list.
+local function entry_fields(fields)
+  local msg, key = '', nil
+  for i = 1, #fields, 2 do
+    if fields[i] == 'msg' then msg = fields[i + 1] elseif fields[i] == 'key' then key = fields[i + 1] end
+  end
+  return msg, key
+end
+
+-- Screens stream entries read or claimed by this script, before they reach the worker:
+-- an entry whose stream entry is gone (deleted while pending) is acknowledged and
+-- counted; one whose message is over the size limit goes to the dead letters (a prefix,
+-- its length and a digest) and is then acknowledged. Returns the entries to deliver,
+-- the count of gone ones and {key, reason, ...} of the buried ones.
+-- KEYS[1] must be the stream and KEYS[2] the dead-letter stream.
+local function screen(entries, group, consumer, max_bytes, now_s)
+  local kept, buried, gone = {}, {}, 0
+  for _, e in ipairs(entries) do
+    local id, fields = e[1], e[2]
+    if not fields or #fields == 0 then
+      redis.call('XACK', KEYS[1], group, id)
+      gone = gone + 1
+    else
+      local msg, key = entry_fields(fields)
+      key = key or id
+      if #msg > max_bytes then
+        local reason = oversize_reason(#msg, max_bytes)
+        redis.call('XADD', KEYS[2], '*', 'msg', string.sub(msg, 1, OVERSIZE_PREFIX),
+          'reason', reason, 'ts', now_s, 'event', '', 'key', key, 'attempts', 0,
+          'length', #msg, 'sha1', redis.sha1hex(msg), 'consumer', consumer, 'id', id)
+        redis.call('XACK', KEYS[1], group, id)
+        buried[#buried + 1] = key
+        buried[#buried + 1] = reason
+      else
+        kept[#kept + 1] = e
+      end
+    end
+  end
+  return kept, gone, buried
+end

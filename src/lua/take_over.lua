@@ -1,0 +1,30 @@
+-- take_over: move every pending entry of a consumer whose heartbeat key has expired to
+-- this consumer, without reading them (JUSTID: no content, no delivery counted). The
+-- caller then delivers them as its own pending, as the channel has room. Checked against
+-- the heartbeat here, so a peer that is alive after all keeps its work; when several
+-- consumers notice the same dead peer, each entry moves once (MIN-IDLE: an entry a peer
+-- has just claimed is skipped). A dead consumer that owes nothing is forgotten.
+--
+-- KEYS[1] events STREAM, KEYS[2] the peer's heartbeat key
+-- ARGV[1] group, ARGV[2] this consumer, ARGV[3] the peer, ARGV[4] most ids per call
+-- Returns {-1} if the peer is alive, else {claimed, id, id, ...}; fewer than ARGV[4]
+-- claimed means the peer owes nothing more.
+local w = wrong_type(KEYS[1], 'stream')
+if w then return wrongtype_reply(w) end
+if redis.call('EXISTS', KEYS[2]) == 1 then return {-1} end
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', 1000, '-', '+', ARGV[4], ARGV[3])
+local ids = {}
+for _, e in ipairs(p) do ids[#ids + 1] = e[1] end
+local out = {0}
+if #ids > 0 then
+  local args = {KEYS[1], ARGV[1], ARGV[2], 1000}
+  for _, id in ipairs(ids) do args[#args + 1] = id end
+  args[#args + 1] = 'JUSTID'
+  for _, id in ipairs(redis.call('XCLAIM', unpack(args))) do out[#out + 1] = id end
+  out[1] = #out - 1
+end
+if #ids < tonumber(ARGV[4]) and
+    #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[3]) == 0 then
+  redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[3])
+end
+return out

@@ -1,0 +1,183 @@
+//! List mode: the reliable queue, for shops whose producers `LPUSH`.
+//!
+//! [`ListReader`] is the reader thread's [`Source`] in list mode. It owns one Redis
+//! connection. Each step moves up to the channel's free room from the queues, in priority
+//! order, into this consumer's processing list of each queue (one `fetch` script: the
+//! first non-empty queue wins, as with BRPOP; a message over the size limit is
+//! dead-lettered inside Redis). When every queue is empty it waits on the mover's doorbell
+//! for at most [`IDLE_POLL`], so a message pushed by a producer waits at most that long.
+//!
+//! Crash recovery: each consumer keeps a heartbeat key and is listed in a SET. At start a
+//! consumer pushes its own leftover processing lists back onto their queues; every `block`
+//! it looks for consumers whose heartbeat expired and pushes all of theirs back at once,
+//! in one atomic script each, so exactly one peer does it. Success removes the message
+//! from the processing list; retries and dead letters are written first, in the same
+//! script (`store::settle`). Stops like the stream reader: returning drops the sender.
+
+use super::{due, Doorbell, Feed, Source, StepError, IDLE_POLL};
+use crate::config::ReaderConfig;
+use crate::delivery::{Delivery, Origin};
+use crate::keys::Keys;
+use crate::shutdown::Shutdown;
+use crate::stats::Stats;
+use crate::store::{self, list};
+use redis::Connection;
+use std::time::{Duration, Instant};
+
+pub struct ListReader<'a> {
+    keys: &'a Keys,
+    cfg: &'a ReaderConfig,
+    consumer: &'a str,
+    stats: &'a Stats,
+    feed: Feed<'a>,
+    doorbell: Doorbell,
+    last_maintenance: Option<Instant>,
+}
+
+impl<'a> ListReader<'a> {
+    pub fn new(
+        keys: &'a Keys,
+        cfg: &'a ReaderConfig,
+        consumer: &'a str,
+        stats: &'a Stats,
+        feed: Feed<'a>,
+    ) -> Self {
+        ListReader {
+            keys,
+            cfg,
+            consumer,
+            stats,
+            feed,
+            doorbell: Doorbell::default(),
+            last_maintenance: None,
+        }
+    }
+
+    /// Waits on this doorbell between empty fetches (the daemon shares it with the mover).
+    pub fn with_doorbell(mut self, doorbell: Doorbell) -> Self {
+        self.doorbell = doorbell;
+        self
+    }
+
+    /// A message with no `job_key` of ours (a producer's raw message) is keyed by its
+    /// queue and digest: a redelivery of the same bytes is the same job for the inbox.
+    fn delivery(&self, queue: usize, msg: Vec<u8>) -> Delivery {
+        Delivery {
+            key: job_key(&msg).unwrap_or_else(|| {
+                let digest = sha1_smol::Sha1::from(&msg).digest();
+                let name = self.keys.queues.get(queue).map_or("", |q| q.name.as_str());
+                format!("{name}:sha1:{digest}").into_bytes()
+            }),
+            origin: Origin::List { queue },
+            msg,
+            due_ms: None,
+            received: Instant::now(),
+        }
+    }
+
+    /// Heartbeat, then the processing lists of consumers whose heartbeat expired.
+    fn maintain(&mut self, con: &mut Connection) -> Result<(), StepError> {
+        store::heartbeat(con, self.keys, self.consumer, self.cfg.heartbeat_ttl)?;
+        for c in list::consumers(con, self.keys)?
+            .iter()
+            .filter(|c| c.as_str() != self.consumer)
+        {
+            if let Some(n) = list::requeue_processing(con, self.keys, c, true)? {
+                if n > 0 {
+                    log::warn!(
+                        "list reader: consumer {c:?} has no heartbeat; pushed its {n} unfinished messages back to their queues"
+                    );
+                    Stats::add(&self.stats.reclaimed, n as u64);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Source for ListReader<'_> {
+    fn role(&self) -> &'static str {
+        "list reader"
+    }
+
+    fn io_timeout(&self) -> Duration {
+        self.cfg.block + Duration::from_secs(5)
+    }
+
+    /// Registers this consumer, then pushes its own leftovers (from a previous run under
+    /// the same name) back onto their queues, oldest at the tail, to be fetched again.
+    fn start(&mut self, con: &mut Connection, _shutdown: &Shutdown) -> Result<usize, StepError> {
+        store::heartbeat(con, self.keys, self.consumer, self.cfg.heartbeat_ttl)?;
+        list::register_consumer(con, self.keys, self.consumer)?;
+        let n = list::requeue_processing(con, self.keys, self.consumer, false)?.unwrap_or(0);
+        if n > 0 {
+            log::info!(
+                "list reader: pushed back {n} messages left in processing by a previous run of consumer {:?}",
+                self.consumer
+            );
+        }
+        Ok(n)
+    }
+
+    fn poll(&mut self, con: &mut Connection) -> Result<usize, StepError> {
+        if due(&mut self.last_maintenance, self.cfg.block) {
+            self.maintain(con)?;
+        }
+        let room = self.feed.room();
+        if room == 0 {
+            self.feed.wait_for_room(self.cfg.block);
+            return Ok(0);
+        }
+        let fetched = list::fetch(
+            con,
+            self.keys,
+            self.consumer,
+            room,
+            self.cfg.max_deliveries,
+            self.cfg.max_message_bytes,
+        )?;
+        self.feed.buried("list reader", &fetched.buried);
+        if let Some(w) = fetched.blocked {
+            let problem = format!("a queue is skipped: {w}; rename or remove the key");
+            log::error!("list reader: {problem}");
+            self.stats.report_problem(problem);
+        }
+        if fetched.messages.is_empty() && fetched.buried.is_empty() {
+            self.doorbell.wait(IDLE_POLL.min(self.cfg.block));
+        }
+        let got = fetched
+            .messages
+            .into_iter()
+            .map(|(q, msg)| self.delivery(q, msg))
+            .collect();
+        self.feed.send(got)
+    }
+}
+
+/// The `job_key` our mover puts into list messages; `None` for producers' raw messages.
+fn job_key(msg: &[u8]) -> Option<Vec<u8>> {
+    #[derive(serde::Deserialize)]
+    struct K {
+        job_key: Option<String>,
+    }
+    if !msg.starts_with(b"{") {
+        return None;
+    }
+    serde_json::from_slice::<K>(msg)
+        .ok()
+        .and_then(|k| k.job_key)
+        .map(String::into_bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_job_key_comes_from_our_field_only() {
+        assert_eq!(
+            super::job_key(br#"{"job_key":"k1","event":"e"}"#),
+            Some(b"k1".to_vec())
+        );
+        assert_eq!(super::job_key(br#"{"order_no":"SO1"}"#), None);
+        assert_eq!(super::job_key(b"not json"), None);
+    }
+}

@@ -1,0 +1,191 @@
+//! Where the worker pool's messages come from: the stream ([`stream::Reader`]) or list
+//! queues ([`list::ListReader`]), run by one reader thread ([`run`]).
+//!
+//! What both share lives here: the pool's end of the channel ([`Feed`], back-pressure),
+//! the [`Doorbell`] the mover rings when it moved work, the [`Source`] trait, the step
+//! error and the thread loop. Neither source reads a message over `--max-message-bytes`:
+//! their reads run as store scripts that dead-letter such messages inside Redis. Neither
+//! blocks in Redis either (a blocking read would return a message unscreened): after an
+//! empty read a source waits on the doorbell for at most [`IDLE_POLL`].
+//!
+//! Stops within one step of shutdown by returning, which drops the `Sender`: the workers
+//! drain what the channel holds and then see it disconnected.
+
+pub mod list;
+pub mod stream;
+
+use crate::backoff::Backoff;
+use crate::delivery::Delivery;
+use crate::shutdown::Shutdown;
+use crate::stats::Stats;
+use crate::store::{self, StoreError};
+use crossbeam_channel::{Receiver, Sender};
+use redis::Connection;
+use std::time::{Duration, Instant};
+
+/// Longest wait between two reads while nothing is there: how late a message that the
+/// local mover did not move (a peer's mover, a producer pushing onto a list queue
+/// directly) can be picked up. One script call per wait while idle.
+pub const IDLE_POLL: Duration = Duration::from_millis(20);
+
+/// Rung by the mover after it moved messages, so an idle reader reads at once instead of
+/// at its next poll. Written by the mover, read by the reader; dropped with the daemon.
+#[derive(Debug, Clone)]
+pub struct Doorbell {
+    tx: Sender<()>,
+    rx: Receiver<()>,
+}
+
+impl Default for Doorbell {
+    fn default() -> Self {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        Doorbell { tx, rx }
+    }
+}
+
+impl Doorbell {
+    pub fn ring(&self) {
+        // A ring already waiting is enough.
+        let _ = self.tx.try_send(());
+    }
+
+    /// Waits for a ring, at most `d`.
+    pub fn wait(&self, d: Duration) {
+        let _ = self.rx.recv_timeout(d);
+    }
+}
+
+/// The pool's end of the channel, as a reader sees it. Owns the only `Sender`: dropping the
+/// feed tells the workers there is no more work.
+pub struct Feed<'a> {
+    tx: Sender<Delivery>,
+    /// A worker sends one token after taking a job, waking a reader that waits for room.
+    space: Receiver<()>,
+    capacity: usize,
+    stats: &'a Stats,
+}
+
+impl<'a> Feed<'a> {
+    pub fn new(tx: Sender<Delivery>, space: Receiver<()>, stats: &'a Stats) -> Feed<'a> {
+        let capacity = tx.capacity().unwrap_or(1).max(1);
+        Feed {
+            tx,
+            space,
+            capacity,
+            stats,
+        }
+    }
+
+    /// How many deliveries the channel can take now.
+    pub fn room(&self) -> usize {
+        self.capacity.saturating_sub(self.tx.len())
+    }
+
+    /// Waits until a worker takes a job, at most `d`.
+    pub fn wait_for_room(&self, d: Duration) {
+        let _ = self.space.recv_timeout(d);
+        // Every successful reader step ends here or in `send`: the watchdog's sign of life.
+        Stats::beat(&self.stats.reader_beat_ms);
+    }
+
+    pub fn send(&self, entries: Vec<Delivery>) -> Result<usize, StepError> {
+        Stats::beat(&self.stats.reader_beat_ms);
+        let n = entries.len();
+        for d in entries {
+            self.tx.send(d).map_err(|_| StepError::PoolGone)?;
+        }
+        Stats::add(&self.stats.delivered, n as u64);
+        Ok(n)
+    }
+
+    /// Counts and logs the messages a read sent to the dead letters instead of the pool.
+    /// Logged here, after the script wrote them: the letters exist.
+    pub fn buried(&self, role: &str, buried: &[(String, String)]) {
+        for (key, reason) in buried {
+            log::warn!("{role}: {key:?} dead-lettered: {reason}");
+            self.stats.jobs.job("", crate::stats::JobOutcome::Dead);
+        }
+    }
+}
+
+/// Whether a periodic task is due (never run, or last run `every` ago); stamps it if so.
+pub(crate) fn due(last: &mut Option<Instant>, every: Duration) -> bool {
+    if last.is_some_and(|t| t.elapsed() < every) {
+        return false;
+    }
+    *last = Some(Instant::now());
+    true
+}
+
+/// Why a reader step stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum StepError {
+    /// Redis failed or refused: back off (and reconnect if the connection is gone).
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The channel's receivers are gone: the pool has stopped, so must the reader.
+    #[error("the worker pool has stopped")]
+    PoolGone,
+}
+
+/// What the reader thread runs on: the stream or the list queues. Both hand deliveries to
+/// the same pool.
+pub trait Source {
+    /// For log lines.
+    fn role(&self) -> &'static str;
+    /// Socket timeout: longer than the longest call.
+    fn io_timeout(&self) -> Duration;
+    /// Start-up (and after a lost connection): take back this consumer's own pending work.
+    fn start(&mut self, con: &mut Connection, shutdown: &Shutdown) -> Result<usize, StepError>;
+    /// One step: maintenance when due, then one bounded read (or a short wait).
+    fn poll(&mut self, con: &mut Connection) -> Result<usize, StepError>;
+}
+
+/// The reader thread body: start-up recovery, then `poll` until shutdown. Redis errors back
+/// off (capped, with jitter); a lost connection reconnects. A key of the wrong type is
+/// reported as the operator's problem (health checks turn red) until it is fixed.
+/// Returning drops the source and with it the channel's `Sender`.
+pub fn run(mut source: impl Source, client: &redis::Client, stats: &Stats, shutdown: &Shutdown) {
+    let role = source.role();
+    let mut backoff = Backoff::new(role);
+    let mut con: Option<Connection> = None;
+    let mut started = false;
+    while !shutdown.is_set() {
+        let c = match con.as_mut() {
+            Some(c) => c,
+            None => match store::connect_with(client, source.io_timeout()) {
+                Ok(c) => con.insert(c),
+                Err(e) => {
+                    stats.redis_failure(&backoff);
+                    backoff.fail("cannot connect to redis", &e, shutdown);
+                    continue;
+                }
+            },
+        };
+        let step = if started {
+            source.poll(c)
+        } else {
+            source.start(c, shutdown).inspect(|_| started = true)
+        };
+        match step {
+            Ok(_) => backoff.reset(),
+            Err(StepError::PoolGone) => break,
+            Err(StepError::Store(e)) => {
+                if let Some(p) = e.operator_problem() {
+                    stats.report_problem(p);
+                }
+                if e.is_connection() {
+                    con = None;
+                    stats.redis_failure(&backoff);
+                    // A read whose reply was lost left messages pending on us that no
+                    // worker holds: take our pending work back first, as at start.
+                    // Messages still in the pool come twice; the inbox and the guarded
+                    // settle scripts make that harmless.
+                    started = false;
+                }
+                backoff.fail("read failed", &e, shutdown);
+            }
+        }
+    }
+    log::info!("{role}: stopped");
+}

@@ -1,0 +1,267 @@
+//! The stream reader: stream entries into the bounded channel of the worker pool.
+//!
+//! Owns one Redis connection and the channel's only `Sender` (through [`Feed`]). Each step
+//! reads under a stable consumer name, never more entries than the channel has room for
+//! (back-pressure: when it is full the reader waits for a worker to free a slot). Every
+//! read is a store script that screens the entries (oversized ones are dead-lettered in
+//! Redis), and none blocks: after an empty read the reader waits on the mover's doorbell.
+//!
+//! At start it first re-delivers its own pending entries (a restarted process recovers its
+//! work at once). Every `block` it also does maintenance: refreshes its heartbeat key,
+//! takes over at once every pending entry of consumers whose heartbeat expired (dead
+//! hosts: claimed in batches whatever the channel's room, then served as its own pending
+//! before anything new), dead-letters entries delivered more than `max_deliveries` times,
+//! reclaims entries idle longer than `claim_idle` on live consumers, and trims old
+//! acknowledged entries. Nothing here changes Redis state except through `store`.
+
+use super::{due, Doorbell, Feed, Source, StepError, IDLE_POLL};
+use crate::config::ReaderConfig;
+use crate::keys::Keys;
+use crate::shutdown::Shutdown;
+use crate::stats::Stats;
+use crate::store::{self, stream, stream::Read, stream::Reading};
+use redis::Connection;
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+/// How often the reader trims the stream; retention is counted in hours, so once a minute
+/// is plenty.
+const TRIM_EVERY: Duration = Duration::from_secs(60);
+
+pub struct Reader<'a> {
+    keys: &'a Keys,
+    cfg: &'a ReaderConfig,
+    consumer: &'a str,
+    stats: &'a Stats,
+    feed: Feed<'a>,
+    doorbell: Doorbell,
+    /// Ids taken over from dead consumers, now pending on us, not yet delivered.
+    taken: VecDeque<String>,
+    autoclaim_cursor: String,
+    last_maintenance: Option<Instant>,
+    last_trim: Option<Instant>,
+}
+
+impl<'a> Reader<'a> {
+    pub fn new(
+        keys: &'a Keys,
+        cfg: &'a ReaderConfig,
+        consumer: &'a str,
+        stats: &'a Stats,
+        feed: Feed<'a>,
+    ) -> Self {
+        Reader {
+            keys,
+            cfg,
+            consumer,
+            stats,
+            feed,
+            doorbell: Doorbell::default(),
+            taken: VecDeque::new(),
+            autoclaim_cursor: "0-0".to_string(),
+            last_maintenance: None,
+            last_trim: None,
+        }
+    }
+
+    /// Waits on this doorbell between empty reads (the daemon shares it with the mover).
+    pub fn with_doorbell(mut self, doorbell: Doorbell) -> Self {
+        self.doorbell = doorbell;
+        self
+    }
+
+    fn reading(&self) -> Reading<'a> {
+        Reading {
+            keys: self.keys,
+            consumer: self.consumer,
+            max_bytes: self.cfg.max_message_bytes,
+        }
+    }
+
+    /// Hands a screened read to the pool; logs what it cleared or dead-lettered.
+    fn deliver(&self, read: Read) -> Result<usize, StepError> {
+        if read.gone > 0 {
+            log::warn!(
+                "reader: {} pending entries no longer exist in the stream; cleared",
+                read.gone
+            );
+        }
+        self.feed.buried("reader", &read.buried);
+        self.feed.send(read.deliveries)
+    }
+
+    /// Start-up: group, heartbeat, then this consumer's own pending entries (left by a
+    /// previous run of the same name), re-delivered before anything new.
+    pub fn start(&mut self, con: &mut Connection, shutdown: &Shutdown) -> Result<usize, StepError> {
+        stream::ensure_group(con, self.keys)?;
+        store::heartbeat(con, self.keys, self.consumer, self.cfg.heartbeat_ttl)?;
+        let buried = stream::bury_overdelivered(
+            con,
+            self.reading(),
+            Some(self.consumer),
+            Duration::ZERO,
+            self.cfg.max_deliveries,
+            500,
+        )?;
+        self.feed.buried("reader", &buried);
+        // Whatever was taken over before a reconnect is in our own pending now.
+        self.taken.clear();
+        let mut cursor = "0".to_string();
+        let mut total = 0;
+        while !shutdown.is_set() {
+            let room = self.feed.room();
+            if room == 0 {
+                self.feed.wait_for_room(self.cfg.block);
+                store::heartbeat(con, self.keys, self.consumer, self.cfg.heartbeat_ttl)?;
+                continue;
+            }
+            let read = stream::read(con, self.reading(), room, &cursor)?;
+            let progress = read.gone + read.buried.len();
+            if let Some(last) = read.deliveries.last().and_then(|d| d.stream_id()) {
+                cursor = last.to_string();
+            } else if progress == 0 {
+                break;
+            }
+            total += self.deliver(read)?;
+        }
+        if total > 0 {
+            log::info!(
+                "reader: re-delivered {total} entries left pending by a previous run of consumer {:?}",
+                self.consumer
+            );
+        }
+        Ok(total)
+    }
+
+    /// One step: maintenance when due, then one read of at most the channel's free room:
+    /// entries taken over from dead consumers first, then new ones. After an empty read it
+    /// waits for the doorbell, at most [`IDLE_POLL`]. Returns how many entries it handed
+    /// to the pool.
+    pub fn poll(&mut self, con: &mut Connection) -> Result<usize, StepError> {
+        let mut n = 0;
+        if due(&mut self.last_maintenance, self.cfg.block) {
+            n += self.maintain(con)?;
+        }
+        let room = self.feed.room();
+        if room == 0 {
+            // Back-pressure: wait for a worker to take a job (or the block timeout).
+            self.feed.wait_for_room(self.cfg.block);
+            return Ok(n);
+        }
+        if !self.taken.is_empty() {
+            let ids: Vec<String> = self.taken.drain(..room.min(self.taken.len())).collect();
+            let read = stream::claim_ids(con, self.reading(), &ids)?;
+            Stats::add(&self.stats.reclaimed, read.deliveries.len() as u64);
+            return Ok(n + self.deliver(read)?);
+        }
+        let read = stream::read(con, self.reading(), room, ">")?;
+        if read.deliveries.is_empty() && read.buried.is_empty() {
+            self.doorbell.wait(IDLE_POLL.min(self.cfg.block));
+            Stats::beat(&self.stats.reader_beat_ms);
+        }
+        n += self.deliver(read)?;
+        Ok(n)
+    }
+
+    /// Heartbeat, dead consumers, over-delivered entries, idle entries; in that order, so
+    /// an entry over the delivery limit is dead-lettered rather than reclaimed once more.
+    pub fn maintain(&mut self, con: &mut Connection) -> Result<usize, StepError> {
+        store::heartbeat(con, self.keys, self.consumer, self.cfg.heartbeat_ttl)?;
+        self.take_over_dead_consumers(con)?;
+        let buried = stream::bury_overdelivered(
+            con,
+            self.reading(),
+            None,
+            self.cfg.claim_idle,
+            self.cfg.max_deliveries,
+            500,
+        )?;
+        if !buried.is_empty() {
+            log::warn!(
+                "reader: {} entries dead-lettered after too many deliveries",
+                buried.len()
+            );
+        }
+        self.feed.buried("reader", &buried);
+        let n = self.autoclaim(con)?;
+        if due(&mut self.last_trim, TRIM_EVERY) {
+            let removed =
+                stream::trim_acknowledged(con, self.keys, self.cfg.retention, crate::now_ms())?;
+            if removed > 0 {
+                log::info!(
+                    "reader: trimmed {removed} acknowledged stream entries older than the retention"
+                );
+            }
+        }
+        Ok(n)
+    }
+
+    /// Every pending entry of a consumer whose heartbeat key has expired becomes ours at
+    /// once, in batches, whatever the channel's room: a dead host's work waits for no
+    /// timeout. The entries are delivered by later steps, before anything new.
+    fn take_over_dead_consumers(&mut self, con: &mut Connection) -> Result<(), StepError> {
+        let others: Vec<stream::ConsumerInfo> = stream::consumers(con, self.keys)?
+            .into_iter()
+            .filter(|c| c.name != self.consumer)
+            .collect();
+        for c in others {
+            let mut took = 0;
+            while let Some(ids) = stream::take_over(con, self.keys, self.consumer, &c.name)? {
+                let n = ids.len();
+                took += n;
+                self.taken.extend(ids);
+                if n < stream::TAKE_OVER_BATCH {
+                    break;
+                }
+            }
+            if took > 0 {
+                log::warn!(
+                    "reader: consumer {:?} has no heartbeat; took over its {took} pending entries",
+                    c.name
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// XAUTOCLAIM entries idle longer than `claim_idle` on any consumer, as many as the
+    /// channel has room for. Continues from where the last pass stopped.
+    fn autoclaim(&mut self, con: &mut Connection) -> Result<usize, StepError> {
+        let room = self.feed.room();
+        if room == 0 {
+            return Ok(0);
+        }
+        let (read, cursor) = stream::autoclaim(
+            con,
+            self.reading(),
+            self.cfg.claim_idle,
+            &self.autoclaim_cursor,
+            room,
+        )?;
+        self.autoclaim_cursor = cursor;
+        if !read.deliveries.is_empty() {
+            log::warn!(
+                "reader: reclaimed {} entries idle for over {}s",
+                read.deliveries.len(),
+                self.cfg.claim_idle.as_secs()
+            );
+            Stats::add(&self.stats.reclaimed, read.deliveries.len() as u64);
+        }
+        self.deliver(read)
+    }
+}
+
+impl Source for Reader<'_> {
+    fn role(&self) -> &'static str {
+        "reader"
+    }
+    fn io_timeout(&self) -> Duration {
+        self.cfg.block + Duration::from_secs(5)
+    }
+    fn start(&mut self, con: &mut Connection, shutdown: &Shutdown) -> Result<usize, StepError> {
+        Reader::start(self, con, shutdown)
+    }
+    fn poll(&mut self, con: &mut Connection) -> Result<usize, StepError> {
+        Reader::poll(self, con)
+    }
+}

@@ -1,0 +1,58 @@
+//! The operator's changes to the dead letters: requeue into the delay pool, purge.
+
+use super::{query, run, script, StoreResult};
+use crate::keys::Keys;
+use redis::{ConnectionLike, Script, Value};
+use std::sync::LazyLock;
+
+static REQUEUE: LazyLock<Script> = script!("requeue.lua");
+
+/// What became of one letter in [`requeue`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Requeued {
+    /// Back in the delay pool, due at the given time, and gone from the dead letters.
+    Requeued,
+    /// Already gone: requeued or purged by someone else.
+    Gone,
+    /// Its job key is scheduled again (pushed anew since): the letter stays.
+    KeyScheduled,
+}
+
+/// Puts letters `(id, job key, message)` back into the delay pool due at `due_ms`, each
+/// in one step with its XDEL (pool first, XDEL last), in one script call.
+pub fn requeue(
+    con: &mut dyn ConnectionLike,
+    keys: &Keys,
+    letters: &[(&str, &[u8], &[u8])],
+    due_ms: i64,
+) -> StoreResult<Vec<Requeued>> {
+    let mut inv = REQUEUE.prepare_invoke();
+    inv.key(&keys.dead)
+        .key(&keys.pool)
+        .key(&keys.data)
+        .arg(due_ms);
+    for (id, key, msg) in letters {
+        inv.arg(*id).arg(*key).arg(*msg);
+    }
+    let Value::Array(codes) = run("requeue dead letters", &inv, con)? else {
+        return Ok(Vec::new());
+    };
+    Ok(codes
+        .iter()
+        .map(|c| match super::int(Some(c)) {
+            1 => Requeued::Requeued,
+            -1 => Requeued::KeyScheduled,
+            _ => Requeued::Gone,
+        })
+        .collect())
+}
+
+/// Deletes dead letters by id; returns how many were still there.
+pub fn purge(con: &mut dyn ConnectionLike, keys: &Keys, ids: &[&str]) -> StoreResult<u64> {
+    if ids.is_empty() {
+        return Ok(0);
+    }
+    let mut cmd = redis::cmd("XDEL");
+    cmd.arg(&keys.dead).arg(ids);
+    query("purge dead letters", &cmd, con)
+}

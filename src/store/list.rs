@@ -1,0 +1,165 @@
+//! List mode's queues: `fetch` into a per-consumer processing list, `settle` out of it,
+//! and the push-back of a dead consumer's processing lists.
+
+use super::{int, pairs, query, run, script, value_to_string, StoreResult, WrongType};
+use crate::delivery::{Origin, Outcome, Settlement};
+use crate::keys::Keys;
+use redis::{ConnectionLike, Script, Value};
+use std::sync::LazyLock;
+
+static FETCH: LazyLock<Script> = script!("fetch.lua");
+static SETTLE: LazyLock<Script> = script!("settle_list.lua");
+static REQUEUE: LazyLock<Script> = script!("requeue_processing.lua");
+
+/// What one fetch took.
+#[derive(Debug, Default)]
+pub struct Fetched {
+    /// (queue index, message) in the order taken.
+    pub messages: Vec<(usize, Vec<u8>)>,
+    /// Messages sent to the queue's dead list instead (queue, reason): over the size limit
+    /// or fetched too often without being settled.
+    pub buried: Vec<(String, String)>,
+    /// A queue skipped because one of its keys holds another type.
+    pub blocked: Option<WrongType>,
+}
+
+/// Moves up to `max` messages from the queues, in priority order, into `consumer`'s
+/// processing lists (see `lua/fetch.lua`). Never blocks.
+pub fn fetch(
+    con: &mut dyn ConnectionLike,
+    keys: &Keys,
+    consumer: &str,
+    max: usize,
+    max_deliveries: u64,
+    max_bytes: usize,
+) -> StoreResult<Fetched> {
+    let mut inv = FETCH.prepare_invoke();
+    for q in &keys.queues {
+        inv.key(&q.name)
+            .key(q.processing(consumer))
+            .key(q.deliveries())
+            .key(&q.dead);
+    }
+    inv.arg(max)
+        .arg(max_deliveries)
+        .arg(crate::now_ms() / 1000)
+        .arg(consumer)
+        .arg(max_bytes);
+    for q in &keys.queues {
+        inv.arg(&q.name);
+    }
+    let Value::Array(reply) = run("fetch", &inv, con)? else {
+        return Ok(Fetched::default());
+    };
+    let messages = match reply.get(1) {
+        Some(Value::Array(items)) => items
+            .chunks(2)
+            .filter_map(|c| match c {
+                [q, Value::BulkString(msg)] => Some((int(Some(q)) as usize, msg.clone())),
+                _ => None,
+            })
+            .collect(),
+        _ => Vec::new(),
+    };
+    let blocked = match reply.get(3) {
+        Some(Value::Array(w)) => WrongType::parse(w),
+        _ => None,
+    };
+    Ok(Fetched {
+        messages,
+        buried: pairs(reply.get(2)),
+        blocked,
+    })
+}
+
+/// The settle script for list messages (see `lua/settle_list.lua`); the raw reply,
+/// parsed by `store::settle`.
+pub(super) fn settle(
+    con: &mut dyn ConnectionLike,
+    keys: &Keys,
+    consumer: &str,
+    now_s: i64,
+    batch: &[&Settlement],
+) -> StoreResult<Vec<Value>> {
+    let mut inv = SETTLE.prepare_invoke();
+    inv.key(&keys.pool).key(&keys.data);
+    for q in &keys.queues {
+        inv.key(q.processing(consumer))
+            .key(&q.dead)
+            .key(q.deliveries());
+    }
+    inv.arg(now_s).arg(consumer);
+    for s in batch {
+        let queue = match s.origin {
+            Origin::List { queue } => queue,
+            Origin::Stream { .. } => 0,
+        };
+        let name = keys.queues.get(queue).map_or("", |q| q.name.as_str());
+        inv.arg(match s.outcome {
+            Outcome::Ack => "A",
+            Outcome::Retry { .. } => "R",
+            Outcome::Dead { .. } => "D",
+        })
+        .arg(queue)
+        .arg(name)
+        .arg(s.key.as_slice())
+        .arg(s.msg.as_slice());
+        match &s.outcome {
+            Outcome::Ack => inv.arg("").arg("").arg(0),
+            Outcome::Retry { msg, due_ms } => inv.arg(msg.as_slice()).arg(*due_ms).arg(0),
+            Outcome::Dead {
+                reason,
+                event,
+                attempts,
+            } => inv.arg(reason).arg(event).arg(*attempts),
+        };
+    }
+    match run("settle", &inv, con)? {
+        Value::Array(v) => Ok(v),
+        _ => Ok(Vec::new()),
+    }
+}
+
+/// Pushes one consumer's processing lists back onto their queues. `peer`: only if its
+/// heartbeat expired. Returns how many messages went back, or `None` if the peer turned
+/// out alive.
+pub fn requeue_processing(
+    con: &mut dyn ConnectionLike,
+    keys: &Keys,
+    consumer: &str,
+    peer: bool,
+) -> StoreResult<Option<usize>> {
+    let mut inv = REQUEUE.prepare_invoke();
+    for q in &keys.queues {
+        inv.key(q.processing(consumer)).key(&q.name);
+    }
+    inv.key(&keys.list_consumers)
+        .key(keys.heartbeat(consumer))
+        .arg(consumer)
+        .arg(if peer { "1" } else { "0" });
+    let n = int(Some(&run("push back processing lists", &inv, con)?));
+    Ok((n >= 0).then_some(n as usize))
+}
+
+/// Lists this consumer in the SET peers look in for processing lists to recover.
+pub fn register_consumer(
+    con: &mut dyn ConnectionLike,
+    keys: &Keys,
+    consumer: &str,
+) -> StoreResult<()> {
+    let mut cmd = redis::cmd("SADD");
+    cmd.arg(&keys.list_consumers).arg(consumer);
+    query("register the consumer", &cmd, con)
+}
+
+/// Every consumer that has (or had) processing lists (read only).
+pub fn consumers(con: &mut dyn ConnectionLike, keys: &Keys) -> StoreResult<Vec<String>> {
+    let mut cmd = redis::cmd("SMEMBERS");
+    cmd.arg(&keys.list_consumers);
+    let v: Value = query("list consumers", &cmd, con)?;
+    Ok(match v {
+        Value::Array(items) => items.iter().map(value_to_string).collect(),
+        Value::Set(items) => items.iter().map(value_to_string).collect(),
+        _ => Vec::new(),
+    })
+}

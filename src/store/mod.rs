@@ -1,0 +1,341 @@
+//! The one module that changes Redis state: every transition is one atomic Lua script
+//! (`src/lua/`), or one single command, named after what it does.
+//!
+//! - [`pool`]: `push`, `cancel`, `move_due` (delay pool → stream or list queue);
+//! - [`stream`]: the consumer group's reads, claims, takeover of dead consumers, `settle`
+//!   of stream entries, the over-delivered to the dead letters, trimming;
+//! - [`list`]: list mode's `fetch`, `settle` and the push-back of processing lists;
+//! - [`dead`]: the operator's requeue and purge of dead letters;
+//! - here: connections, heartbeats, [`settle`] of a mixed batch, and [`StoreError`].
+//!
+//! **Ack last.** Every script checks the types of the keys it writes before its first
+//! write (Redis does not roll back a script that fails half-way), writes a message into
+//! its next place first and removes it from where it was last. A failure anywhere leaves
+//! the message where it was; running the same call again finishes the job. No message
+//! over `--max-message-bytes` is ever returned to the worker: the scripts that read
+//! messages dead-letter such a message inside Redis (a prefix, its length, a digest).
+//!
+//! Each script declares the keys it writes in `KEYS`, so it runs unchanged on Redis
+//! Cluster once the key names share a hash tag (see `keys.rs`); legacy pools are the
+//! exception (their STRING keys are named by the pool's members). Scripts are sent by SHA
+//! (EVALSHA) and loaded on the first `NOSCRIPT`, so a call is one round trip.
+
+pub mod dead;
+pub mod list;
+pub mod pool;
+pub mod stream;
+
+use crate::delivery::{Origin, Settlement};
+use crate::keys::Keys;
+use redis::{ConnectionLike, RedisError, Value};
+use std::time::Duration;
+
+pub use pool::{cancel, move_due, push, MoveReport, Pool, Target};
+
+/// A script of `src/lua/`, with the shared prelude (type checks, the size screen) in
+/// front of it.
+macro_rules! script {
+    ($file:literal) => {
+        std::sync::LazyLock::new(|| {
+            redis::Script::new(concat!(
+                include_str!("../lua/prelude.lua"),
+                include_str!(concat!("../lua/", $file))
+            ))
+        })
+    };
+}
+pub(crate) use script;
+
+/// Why a Redis state change did not happen. Built from redis-rs's error kind, never from
+/// the text of a message.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The connection broke, timed out or was refused, or the server is still loading:
+    /// reconnect and back off.
+    #[error("{what}: connection lost: {source}")]
+    Connection {
+        what: &'static str,
+        source: RedisError,
+    },
+    /// A key holds another type than the one the worker keeps there. Nothing was
+    /// written; an operator must rename or remove the key.
+    #[error("{what}: key {key:?} holds a {found}, not a {wanted}; rename or remove it")]
+    WrongType {
+        what: &'static str,
+        key: String,
+        found: String,
+        wanted: String,
+    },
+    /// Redis refused the command or the script failed (out of memory, no permission, a
+    /// bug): the step wrote nothing it has not finished (ack last); it is tried again.
+    #[error("{what}: redis refused: {source}")]
+    Refused {
+        what: &'static str,
+        source: RedisError,
+    },
+}
+
+impl StoreError {
+    pub fn from_redis(what: &'static str, source: RedisError) -> StoreError {
+        let lost = source.is_io_error()
+            || source.is_connection_dropped()
+            || source.is_connection_refusal()
+            || source.is_timeout()
+            || matches!(
+                source.kind(),
+                redis::ErrorKind::Server(redis::ServerErrorKind::BusyLoading)
+            );
+        if lost {
+            StoreError::Connection { what, source }
+        } else {
+            StoreError::Refused { what, source }
+        }
+    }
+
+    /// The connection is unusable: drop it and connect again.
+    pub fn is_connection(&self) -> bool {
+        matches!(self, StoreError::Connection { .. })
+    }
+
+    /// The problem an operator must act on, for health checks; `None` for outages.
+    pub fn operator_problem(&self) -> Option<String> {
+        match self {
+            StoreError::WrongType { .. } => Some(self.to_string()),
+            _ => None,
+        }
+    }
+}
+
+/// A key that holds another type, as the scripts report it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WrongType {
+    pub key: String,
+    pub found: String,
+    pub wanted: String,
+}
+
+impl WrongType {
+    fn parse(v: &[Value]) -> Option<WrongType> {
+        match v {
+            [k, f, w, ..] => Some(WrongType {
+                key: value_to_string(k),
+                found: value_to_string(f),
+                wanted: value_to_string(w),
+            }),
+            _ => None,
+        }
+    }
+
+    pub fn into_error(self, what: &'static str) -> StoreError {
+        StoreError::WrongType {
+            what,
+            key: self.key,
+            found: self.found,
+            wanted: self.wanted,
+        }
+    }
+}
+
+impl std::fmt::Display for WrongType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "key {:?} holds a {}, not a {}",
+            self.key, self.found, self.wanted
+        )
+    }
+}
+
+pub type StoreResult<T> = Result<T, StoreError>;
+
+/// Runs a script invocation: a `{'WRONGTYPE', key, found, wanted}` reply becomes
+/// [`StoreError::WrongType`], any other reply is returned.
+pub(crate) fn run(
+    what: &'static str,
+    inv: &redis::ScriptInvocation<'_>,
+    con: &mut dyn ConnectionLike,
+) -> StoreResult<Value> {
+    let v: Value = inv
+        .invoke(con)
+        .map_err(|e| StoreError::from_redis(what, e))?;
+    if let Value::Array(items) = &v {
+        if items.first().map(value_to_string).as_deref() == Some("WRONGTYPE") {
+            let w = WrongType::parse(&items[1..]).unwrap_or(WrongType {
+                key: String::new(),
+                found: String::new(),
+                wanted: String::new(),
+            });
+            return Err(w.into_error(what));
+        }
+    }
+    Ok(v)
+}
+
+/// One single command, with its error classified.
+pub(crate) fn query<T: redis::FromRedisValue>(
+    what: &'static str,
+    cmd: &redis::Cmd,
+    con: &mut dyn ConnectionLike,
+) -> StoreResult<T> {
+    cmd.query(con).map_err(|e| StoreError::from_redis(what, e))
+}
+
+pub(crate) fn int(v: Option<&Value>) -> i64 {
+    match v {
+        Some(Value::Int(n)) => *n,
+        Some(other) => value_to_string(other).parse().unwrap_or(0),
+        None => 0,
+    }
+}
+
+/// `{key, reason, key, reason, ...}` of the messages a script sent to the dead letters.
+pub(crate) fn pairs(v: Option<&Value>) -> Vec<(String, String)> {
+    let Some(Value::Array(items)) = v else {
+        return Vec::new();
+    };
+    items
+        .chunks(2)
+        .map(|c| {
+            (
+                value_to_string(&c[0]),
+                c.get(1).map(value_to_string).unwrap_or_default(),
+            )
+        })
+        .collect()
+}
+
+/// What became of one settlement.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settled {
+    /// This call applied it: acknowledged, and the retry or dead letter written first.
+    Applied,
+    /// It was no longer pending: a peer settled it first (after a reclaim).
+    AlreadySettled,
+    /// Its destination key holds another type: it stays pending, nothing written.
+    Blocked,
+}
+
+/// What one [`settle`] call did, in the order of the batch.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SettleReport {
+    pub each: Vec<Settled>,
+    /// The key that blocked a settlement, if one did.
+    pub blocked: Option<WrongType>,
+}
+
+impl SettleReport {
+    pub fn applied(&self) -> usize {
+        self.each.iter().filter(|s| **s == Settled::Applied).count()
+    }
+
+    /// Codes as the settle scripts return them (1, 0, -1), then the blocking key.
+    fn extend_from(&mut self, reply: &[Value], n: usize) -> Vec<Settled> {
+        let codes: Vec<Settled> = reply
+            .iter()
+            .take(n)
+            .map(|v| match int(Some(v)) {
+                1 => Settled::Applied,
+                -1 => Settled::Blocked,
+                _ => Settled::AlreadySettled,
+            })
+            .collect();
+        if self.blocked.is_none() {
+            self.blocked = WrongType::parse(reply.get(n..).unwrap_or(&[]));
+        }
+        codes
+    }
+}
+
+/// Applies a batch of outcomes, one script call per source kind (stream entries, list
+/// messages). See [`SettleReport`] for what each settlement became.
+pub fn settle(
+    con: &mut dyn ConnectionLike,
+    keys: &Keys,
+    consumer: &str,
+    now_s: i64,
+    batch: &[Settlement],
+) -> StoreResult<SettleReport> {
+    type Part<'b> = Vec<(usize, &'b Settlement)>;
+    let (stream, list): (Part<'_>, Part<'_>) = batch
+        .iter()
+        .enumerate()
+        .partition(|(_, s)| matches!(s.origin, Origin::Stream { .. }));
+    let mut report = SettleReport {
+        each: vec![Settled::AlreadySettled; batch.len()],
+        blocked: None,
+    };
+    for (part, is_stream) in [(stream, true), (list, false)] {
+        if part.is_empty() {
+            continue;
+        }
+        let items: Vec<&Settlement> = part.iter().map(|(_, s)| *s).collect();
+        let reply = if is_stream {
+            stream::settle(con, keys, consumer, now_s, &items)?
+        } else {
+            list::settle(con, keys, consumer, now_s, &items)?
+        };
+        let codes = report.extend_from(&reply, items.len());
+        for ((i, _), code) in part.iter().zip(codes) {
+            report.each[*i] = code;
+        }
+    }
+    Ok(report)
+}
+
+/// Refreshes a consumer's heartbeat key: peers take over its work once the key expires.
+pub fn heartbeat(
+    con: &mut dyn ConnectionLike,
+    keys: &Keys,
+    consumer: &str,
+    ttl: Duration,
+) -> StoreResult<()> {
+    let mut cmd = redis::cmd("SET");
+    cmd.arg(keys.heartbeat(consumer))
+        .arg(crate::now_ms())
+        .arg("PX")
+        .arg(ttl.as_millis().max(1) as u64);
+    query("heartbeat", &cmd, con)
+}
+
+/// Removes a consumer's heartbeat at shutdown, so peers take over whatever it still has
+/// pending at once instead of after the heartbeat's expiry.
+pub fn forget_heartbeat(
+    con: &mut dyn ConnectionLike,
+    keys: &Keys,
+    consumer: &str,
+) -> StoreResult<()> {
+    let mut cmd = redis::cmd("DEL");
+    cmd.arg(keys.heartbeat(consumer));
+    query("forget heartbeat", &cmd, con)
+}
+
+/// Bytes of a reply as text (lossy), for ids and log lines.
+pub fn value_to_string(v: &Value) -> String {
+    match v {
+        Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+        Value::SimpleString(s) => s.clone(),
+        Value::Int(n) => n.to_string(),
+        Value::Okay => "OK".to_string(),
+        _ => String::new(),
+    }
+}
+
+/// How long a connect may take before it counts as "unreachable".
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Opens a connection whose reads and writes time out after `io_timeout`, so a Redis that
+/// stops answering cannot hang a thread past shutdown.
+pub fn connect_with(
+    client: &redis::Client,
+    io_timeout: Duration,
+) -> redis::RedisResult<redis::Connection> {
+    let con = client.get_connection_with_timeout(CONNECT_TIMEOUT)?;
+    con.set_read_timeout(Some(io_timeout))?;
+    con.set_write_timeout(Some(io_timeout))?;
+    Ok(con)
+}
+
+/// A connection for short commands (scripts, acks): 10 s I/O timeout.
+pub fn connect(client: &redis::Client) -> redis::RedisResult<redis::Connection> {
+    connect_with(client, Duration::from_secs(10))
+}

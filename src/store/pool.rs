@@ -1,0 +1,114 @@
+//! The delay pool: `push`, `cancel` and `move_due` (one script each, see `src/lua/`).
+
+use super::{int, pairs, run, script, StoreResult};
+use crate::keys::Keys;
+use redis::{ConnectionLike, Script, Value};
+use std::sync::LazyLock;
+
+static PUSH: LazyLock<Script> = script!("push.lua");
+static CANCEL: LazyLock<Script> = script!("cancel.lua");
+static MOVE_DUE: LazyLock<Script> = script!("move_due.lua");
+
+/// Schedules `msg` under `key` at `score`, data before score. Returns `true` when the key
+/// was already scheduled (the job is rescheduled, not duplicated).
+pub fn push(
+    con: &mut dyn ConnectionLike,
+    keys: &Keys,
+    key: &str,
+    msg: &str,
+    score: i64,
+) -> StoreResult<bool> {
+    let mut inv = PUSH.prepare_invoke();
+    inv.key(&keys.pool)
+        .key(&keys.data)
+        .arg(key)
+        .arg(msg)
+        .arg(score);
+    Ok(int(Some(&run("push", &inv, con)?)) == 1)
+}
+
+/// Removes a scheduled job. Returns `true` if it existed.
+pub fn cancel(con: &mut dyn ConnectionLike, keys: &Keys, key: &str) -> StoreResult<bool> {
+    let mut inv = CANCEL.prepare_invoke();
+    inv.key(&keys.pool).key(&keys.data).arg(key);
+    Ok(int(Some(&run("cancel", &inv, con)?)) == 1)
+}
+
+/// What one `move_due` call did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct MoveReport {
+    pub moved: usize,
+    /// Due members without data, still inside the orphan grace period.
+    pub skipped: usize,
+    /// Due time (unix ms) of the earliest member not yet due.
+    pub next_due_ms: Option<i64>,
+    /// Members sent to the dead letters instead (job key, reason): data over the size
+    /// limit, a legacy key of another type, or no data past the grace.
+    pub buried: Vec<(String, String)>,
+}
+
+/// Where the mover puts due messages, and where the members it cannot move go.
+#[derive(Debug, Clone, Copy)]
+pub enum Target<'a> {
+    /// XADD to this stream (fields `msg`, `key`, `due`); dead letters to `dead` (STREAM).
+    Stream { stream: &'a str, dead: &'a str },
+    /// LPUSH onto this list queue (the job key goes into the message as `job_key`); dead
+    /// letters onto the queue's `dead` LIST.
+    List { queue: &'a str, dead: &'a str },
+}
+
+/// A delay pool to move from.
+#[derive(Debug, Clone, Copy)]
+pub enum Pool<'a> {
+    /// Ours: ZSET of job keys plus the HASH of messages.
+    Enveloped { pool: &'a str, data: &'a str },
+    /// An older producer's: ZSET of keys, each a STRING key holding an order id, all
+    /// standing for one event.
+    Legacy { pool: &'a str, event: &'a str },
+}
+
+/// Moves up to `limit` members of `pool` due at `now_ms` to `target`, in one atomic script.
+pub fn move_due(
+    con: &mut dyn ConnectionLike,
+    pool: Pool<'_>,
+    target: Target<'_>,
+    now_ms: i64,
+    limit: usize,
+    orphan_grace_ms: i64,
+    max_bytes: usize,
+) -> StoreResult<MoveReport> {
+    let now_s = format!("{}.{:03}", now_ms.div_euclid(1000), now_ms.rem_euclid(1000));
+    let (zset, data, legacy) = match pool {
+        Pool::Enveloped { pool, data } => (pool, data, ""),
+        // The data slot is unused for a legacy pool; the pool key keeps KEYS well formed.
+        Pool::Legacy { pool, event } => (pool, pool, event),
+    };
+    let (target_key, dead, mode) = match target {
+        Target::Stream { stream, dead } => (stream, dead, "stream"),
+        Target::List { queue, dead } => (queue, dead, "list"),
+    };
+    let mut inv = MOVE_DUE.prepare_invoke();
+    inv.key(zset)
+        .key(data)
+        .key(target_key)
+        .key(dead)
+        .arg(now_ms)
+        .arg(now_s)
+        .arg(limit)
+        .arg(orphan_grace_ms)
+        .arg(mode)
+        .arg(legacy)
+        .arg(now_ms.div_euclid(1000))
+        .arg(max_bytes);
+    let Value::Array(reply) = run("move_due", &inv, con)? else {
+        return Ok(MoveReport::default());
+    };
+    let next = int(reply.get(2));
+    let buried_items = Value::Array(reply.iter().skip(4).cloned().collect());
+    Ok(MoveReport {
+        moved: int(reply.first()) as usize,
+        skipped: int(reply.get(1)) as usize,
+        next_due_ms: (next >= 0).then_some(next),
+        buried: pairs(Some(&buried_items)),
+    })
+}

@@ -1,0 +1,455 @@
+//! The events stream and its consumer group: reads, claims, takeover, settle, trimming.
+//!
+//! Every read that hands messages to the worker runs inside a script that screens them
+//! first (gone entries acknowledged, oversized ones dead-lettered in Redis), so the
+//! worker never holds a message over `--max-message-bytes`.
+
+use super::{int, pairs, query, run, script, value_to_string, StoreError, StoreResult};
+use crate::delivery::{Delivery, Origin, Outcome, Settlement};
+use crate::keys::Keys;
+use redis::{ConnectionLike, Script, Value};
+use std::sync::LazyLock;
+use std::time::{Duration, Instant};
+
+static READ: LazyLock<Script> = script!("read_stream.lua");
+static CLAIM_IDS: LazyLock<Script> = script!("claim_ids.lua");
+static AUTOCLAIM: LazyLock<Script> = script!("autoclaim.lua");
+static TAKE_OVER: LazyLock<Script> = script!("take_over.lua");
+static BURY: LazyLock<Script> = script!("bury_overdelivered.lua");
+static SETTLE: LazyLock<Script> = script!("settle.lua");
+
+/// Most ids one takeover call moves (the caller loops until the peer owes nothing).
+pub const TAKE_OVER_BATCH: usize = 1000;
+
+/// What a screened read handed over.
+#[derive(Debug, Default)]
+pub struct Read {
+    pub deliveries: Vec<Delivery>,
+    /// Pending entries whose stream entry was gone (trimmed or deleted): acknowledged.
+    pub gone: usize,
+    /// Entries sent to the dead letters instead (job key, reason): over the size limit.
+    pub buried: Vec<(String, String)>,
+}
+
+/// The settings every read of this consumer shares.
+#[derive(Debug, Clone, Copy)]
+pub struct Reading<'a> {
+    pub keys: &'a Keys,
+    pub consumer: &'a str,
+    pub max_bytes: usize,
+}
+
+impl Reading<'_> {
+    fn invocation<'s>(&self, script: &'s Script) -> redis::ScriptInvocation<'s> {
+        let mut inv = script.prepare_invoke();
+        inv.key(&self.keys.stream)
+            .key(&self.keys.dead)
+            .arg(&self.keys.group)
+            .arg(self.consumer);
+        inv
+    }
+}
+
+fn screened(reply: Value) -> Read {
+    let Value::Array(parts) = reply else {
+        return Read::default();
+    };
+    let mut deliveries = Vec::new();
+    parse_entries(parts.get(1).cloned().unwrap_or(Value::Nil), &mut deliveries);
+    Read {
+        deliveries,
+        gone: int(parts.first()) as usize,
+        buried: pairs(parts.get(2)),
+    }
+}
+
+/// Creates the group (from the start of the stream, so nothing written before the first
+/// worker ever started is skipped) and the stream if missing.
+pub fn ensure_group(con: &mut dyn ConnectionLike, keys: &Keys) -> StoreResult<()> {
+    let mut cmd = redis::cmd("XGROUP");
+    cmd.arg("CREATE")
+        .arg(&keys.stream)
+        .arg(&keys.group)
+        .arg("0")
+        .arg("MKSTREAM");
+    match query::<Value>("create the consumer group", &cmd, con) {
+        Ok(_) => Ok(()),
+        Err(StoreError::Refused { source, .. }) if source.code() == Some("BUSYGROUP") => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// Reads up to `count` entries: new ones (`from` = `>`), or this consumer's own pending
+/// entries after the id `from`. Never blocks.
+pub fn read(
+    con: &mut dyn ConnectionLike,
+    r: Reading<'_>,
+    count: usize,
+    from: &str,
+) -> StoreResult<Read> {
+    let mut inv = r.invocation(&READ);
+    inv.arg(count)
+        .arg(from)
+        .arg(r.max_bytes)
+        .arg(crate::now_ms() / 1000);
+    Ok(screened(run("read the stream", &inv, con)?))
+}
+
+/// Delivers entries this consumer already owns (taken over from a dead peer), by id.
+pub fn claim_ids(
+    con: &mut dyn ConnectionLike,
+    r: Reading<'_>,
+    ids: &[String],
+) -> StoreResult<Read> {
+    if ids.is_empty() {
+        return Ok(Read::default());
+    }
+    let mut inv = r.invocation(&CLAIM_IDS);
+    inv.arg(r.max_bytes).arg(crate::now_ms() / 1000);
+    for id in ids {
+        inv.arg(id);
+    }
+    Ok(screened(run("deliver taken-over entries", &inv, con)?))
+}
+
+/// XAUTOCLAIM: up to `count` entries idle longer than `min_idle` on any consumer, from
+/// `cursor`. Returns the read and the next cursor.
+pub fn autoclaim(
+    con: &mut dyn ConnectionLike,
+    r: Reading<'_>,
+    min_idle: Duration,
+    cursor: &str,
+    count: usize,
+) -> StoreResult<(Read, String)> {
+    let mut inv = r.invocation(&AUTOCLAIM);
+    inv.arg(min_idle.as_millis() as u64)
+        .arg(cursor)
+        .arg(count)
+        .arg(r.max_bytes)
+        .arg(crate::now_ms() / 1000);
+    let reply = run("reclaim idle entries", &inv, con)?;
+    let next = match &reply {
+        Value::Array(parts) => parts.get(3).map(value_to_string),
+        _ => None,
+    };
+    Ok((screened(reply), next.unwrap_or_else(|| "0-0".to_string())))
+}
+
+/// Moves pending entries of `peer` to `consumer` if the peer's heartbeat is gone, at most
+/// [`TAKE_OVER_BATCH`] per call, without reading them. `None` if the peer is alive;
+/// otherwise the ids now owned by `consumer` (fewer than a batch: the peer owes nothing
+/// more, and has been forgotten by the group).
+pub fn take_over(
+    con: &mut dyn ConnectionLike,
+    keys: &Keys,
+    consumer: &str,
+    peer: &str,
+) -> StoreResult<Option<Vec<String>>> {
+    let mut inv = TAKE_OVER.prepare_invoke();
+    inv.key(&keys.stream)
+        .key(keys.heartbeat(peer))
+        .arg(&keys.group)
+        .arg(consumer)
+        .arg(peer)
+        .arg(TAKE_OVER_BATCH);
+    let Value::Array(reply) = run("take over a dead consumer", &inv, con)? else {
+        return Ok(Some(Vec::new()));
+    };
+    if int(reply.first()) < 0 {
+        return Ok(None);
+    }
+    Ok(Some(reply.iter().skip(1).map(value_to_string).collect()))
+}
+
+/// Sends entries delivered more than `max_deliveries` times (idle at least `min_idle`;
+/// only `only`'s when given) to the dead letters, inside Redis. Returns (job key, reason)
+/// of each.
+pub fn bury_overdelivered(
+    con: &mut dyn ConnectionLike,
+    r: Reading<'_>,
+    only: Option<&str>,
+    min_idle: Duration,
+    max_deliveries: u64,
+    scan: usize,
+) -> StoreResult<Vec<(String, String)>> {
+    let mut inv = BURY.prepare_invoke();
+    inv.key(&r.keys.stream)
+        .key(&r.keys.dead)
+        .arg(&r.keys.group)
+        .arg(only.unwrap_or(""))
+        .arg(min_idle.as_millis() as u64)
+        .arg(max_deliveries)
+        .arg(r.max_bytes)
+        .arg(crate::now_ms() / 1000)
+        .arg(scan)
+        .arg(r.consumer);
+    let Value::Array(reply) = run("dead-letter over-delivered entries", &inv, con)? else {
+        return Ok(Vec::new());
+    };
+    let rest = Value::Array(reply.into_iter().skip(1).collect());
+    Ok(pairs(Some(&rest)))
+}
+
+/// The settle script for stream entries (see `lua/settle.lua`); the raw reply, parsed by
+/// `store::settle`.
+pub(super) fn settle(
+    con: &mut dyn ConnectionLike,
+    keys: &Keys,
+    consumer: &str,
+    now_s: i64,
+    batch: &[&Settlement],
+) -> StoreResult<Vec<Value>> {
+    let mut inv = SETTLE.prepare_invoke();
+    inv.key(&keys.stream)
+        .key(&keys.pool)
+        .key(&keys.data)
+        .key(&keys.dead)
+        .arg(&keys.group)
+        .arg(now_s)
+        .arg(consumer);
+    for s in batch {
+        let id = match &s.origin {
+            Origin::Stream { id } => id.as_str(),
+            Origin::List { .. } => "",
+        };
+        match &s.outcome {
+            Outcome::Ack => inv.arg("A").arg(id).arg("").arg("").arg("").arg("").arg(0),
+            Outcome::Retry { msg, due_ms } => inv
+                .arg("R")
+                .arg(id)
+                .arg(s.key.as_slice())
+                .arg(msg.as_slice())
+                .arg(*due_ms)
+                .arg("")
+                .arg(0),
+            Outcome::Dead {
+                reason,
+                event,
+                attempts,
+            } => inv
+                .arg("D")
+                .arg(id)
+                .arg(s.key.as_slice())
+                .arg(s.msg.as_slice())
+                .arg(reason)
+                .arg(event)
+                .arg(*attempts),
+        };
+    }
+    match run("settle", &inv, con)? {
+        Value::Array(v) => Ok(v),
+        _ => Ok(Vec::new()),
+    }
+}
+
+/// Parses an array of `[id, [field, value, ...]]` entries into deliveries.
+fn parse_entries(v: Value, out: &mut Vec<Delivery>) {
+    let Value::Array(entries) = v else { return };
+    for e in entries {
+        let Value::Array(mut pair) = e else { continue };
+        if pair.len() != 2 {
+            continue;
+        }
+        let body = pair.pop().unwrap_or(Value::Nil);
+        let id = value_to_string(&pair[0]);
+        let Value::Array(fields) = body else {
+            continue;
+        };
+        let mut key = None;
+        let mut due_ms = None;
+        let mut msg = Vec::new();
+        let mut it = fields.into_iter();
+        while let (Some(f), Some(v)) = (it.next(), it.next()) {
+            let bytes = match v {
+                Value::BulkString(b) => b,
+                other => value_to_string(&other).into_bytes(),
+            };
+            match value_to_string(&f).as_str() {
+                "msg" => msg = bytes,
+                "key" => key = Some(bytes),
+                "due" => {
+                    due_ms = std::str::from_utf8(&bytes)
+                        .ok()
+                        .and_then(|s| s.parse().ok())
+                }
+                _ => {}
+            }
+        }
+        out.push(Delivery {
+            key: key.unwrap_or_else(|| id.clone().into_bytes()),
+            origin: Origin::Stream { id },
+            msg,
+            due_ms,
+            received: Instant::now(),
+        });
+    }
+}
+
+/// Trims acknowledged entries older than `retention` from the stream: XTRIM MINID to the
+/// oldest of (now - retention, every group's oldest pending entry, every group's first
+/// undelivered entry). So an entry still pending or not yet read by any group is never
+/// trimmed. The bound is read first and trimmed to in one command: entries are only ever
+/// appended after it and pending entries never move back, so it stays safe in between.
+/// Exact trimming costs more than `~`, but this runs once a minute and `~` would keep a
+/// small stream whole. Returns the entries removed.
+pub fn trim_acknowledged(
+    con: &mut dyn ConnectionLike,
+    keys: &Keys,
+    retention: Duration,
+    now_ms: i64,
+) -> StoreResult<u64> {
+    if retention.is_zero() {
+        return Ok(0);
+    }
+    let mut bound = StreamId::ms(now_ms - retention.as_millis() as i64);
+    let mut cmd = redis::cmd("XINFO");
+    cmd.arg("GROUPS").arg(&keys.stream);
+    let Value::Array(groups) = query::<Value>("trim: groups", &cmd, con)? else {
+        return Ok(0);
+    };
+    for g in groups {
+        let fields = kv_fields(g);
+        let get = |name: &str| fields.iter().find(|(k, _)| k == name).map(|(_, v)| v);
+        let name = get("name").map(value_to_string).unwrap_or_default();
+        // Entries after last-delivered-id have not been read by this group yet.
+        if let Some(last) = get("last-delivered-id").map(value_to_string) {
+            bound = bound.min(StreamId::parse(&last).next());
+        }
+        let mut cmd = redis::cmd("XPENDING");
+        cmd.arg(&keys.stream).arg(&name);
+        if let Value::Array(s) = query::<Value>("trim: pending", &cmd, con)? {
+            if let Some(oldest) = s.get(1).map(value_to_string).filter(|s| !s.is_empty()) {
+                bound = bound.min(StreamId::parse(&oldest));
+            }
+        }
+    }
+    let mut cmd = redis::cmd("XTRIM");
+    cmd.arg(&keys.stream).arg("MINID").arg(bound.to_string());
+    query("trim", &cmd, con)
+}
+
+/// A stream entry id `ms-seq`, ordered as Redis orders them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct StreamId(u64, u64);
+
+impl StreamId {
+    fn ms(ms: i64) -> StreamId {
+        StreamId(ms.max(0) as u64, 0)
+    }
+    fn parse(s: &str) -> StreamId {
+        let (a, b) = s.split_once('-').unwrap_or((s, "0"));
+        StreamId(a.parse().unwrap_or(0), b.parse().unwrap_or(0))
+    }
+    fn next(self) -> StreamId {
+        StreamId(self.0, self.1.saturating_add(1))
+    }
+}
+
+impl std::fmt::Display for StreamId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}-{}", self.0, self.1)
+    }
+}
+
+/// The field/value pairs of an XINFO reply entry (RESP2 flat array or RESP3 map).
+pub fn kv_fields(v: Value) -> Vec<(String, Value)> {
+    match v {
+        Value::Array(kv) => {
+            let mut out = Vec::new();
+            let mut it = kv.into_iter();
+            while let (Some(k), Some(val)) = (it.next(), it.next()) {
+                out.push((value_to_string(&k), val));
+            }
+            out
+        }
+        Value::Map(kv) => kv
+            .into_iter()
+            .map(|(k, v)| (value_to_string(&k), v))
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// One consumer of the group, from XINFO CONSUMERS.
+#[derive(Debug, Clone)]
+pub struct ConsumerInfo {
+    pub name: String,
+    pub pending: u64,
+    pub idle_ms: u64,
+}
+
+/// The group's consumers (read only).
+pub fn consumers(con: &mut dyn ConnectionLike, keys: &Keys) -> StoreResult<Vec<ConsumerInfo>> {
+    let mut cmd = redis::cmd("XINFO");
+    cmd.arg("CONSUMERS").arg(&keys.stream).arg(&keys.group);
+    let Value::Array(list) = query::<Value>("list consumers", &cmd, con)? else {
+        return Ok(Vec::new());
+    };
+    let mut out = Vec::new();
+    for c in list {
+        let fields = kv_fields(c);
+        if fields.is_empty() {
+            continue;
+        }
+        let get = |name: &str| fields.iter().find(|(k, _)| k == name).map(|(_, v)| v);
+        let int = |name: &str| match get(name) {
+            Some(Value::Int(n)) => *n as u64,
+            _ => 0,
+        };
+        out.push(ConsumerInfo {
+            name: get("name").map(value_to_string).unwrap_or_default(),
+            pending: int("pending"),
+            idle_ms: int("idle"),
+        });
+    }
+    Ok(out)
+}
+
+/// One pending entry, from the extended form of XPENDING.
+#[derive(Debug, Clone)]
+pub struct PendingEntry {
+    pub id: String,
+    pub consumer: String,
+    pub idle_ms: u64,
+    pub deliveries: u64,
+}
+
+/// Pending entries of the group (read only), of one consumer when given.
+pub fn pending(
+    con: &mut dyn ConnectionLike,
+    keys: &Keys,
+    min_idle_ms: u64,
+    count: usize,
+    consumer: Option<&str>,
+) -> StoreResult<Vec<PendingEntry>> {
+    let mut cmd = redis::cmd("XPENDING");
+    cmd.arg(&keys.stream).arg(&keys.group);
+    if min_idle_ms > 0 {
+        cmd.arg("IDLE").arg(min_idle_ms);
+    }
+    cmd.arg("-").arg("+").arg(count);
+    if let Some(c) = consumer {
+        cmd.arg(c);
+    }
+    let Value::Array(list) = query::<Value>("list pending entries", &cmd, con)? else {
+        return Ok(Vec::new());
+    };
+    Ok(list
+        .into_iter()
+        .filter_map(|e| match e {
+            Value::Array(f) if f.len() >= 4 => {
+                let int = |v: &Value| match v {
+                    Value::Int(n) => *n as u64,
+                    _ => 0,
+                };
+                Some(PendingEntry {
+                    id: value_to_string(&f[0]),
+                    consumer: value_to_string(&f[1]),
+                    idle_ms: int(&f[2]),
+                    deliveries: int(&f[3]),
+                })
+            }
+            _ => None,
+        })
+        .collect())
+}
