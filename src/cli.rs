@@ -4,6 +4,7 @@
 //! from `REDIS_URL` / `DATABASE_URL`. A value that does not make sense is a [`CliError`]
 //! naming the flag; `main` prints it as one line.
 
+use crate::config::parse_duration;
 use crate::config::{Config, JobConfig, LegacyPool, MoverConfig, ReaderConfig, Source};
 use crate::keys::{KeyOverrides, Keys, Queue};
 use clap::{Args, Parser, Subcommand};
@@ -210,11 +211,6 @@ pub struct RunArgs {
     /// address, e.g. 127.0.0.1:9187 [default: off].
     #[arg(long, global = true)]
     pub metrics_addr: Option<std::net::SocketAddr>,
-}
-
-/// Durations in flags: `100ms`, `2s`, `5m`, `24h`, `7d`.
-pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
-    humantime::parse_duration(s).map_err(|e| format!("{e} (examples: 100ms, 2s, 5m, 24h, 7d)"))
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -428,6 +424,12 @@ impl Cli {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_admin_flags_do_not_clash_with_the_global_ones() {
+        use clap::CommandFactory;
+        super::Cli::command().debug_assert();
+    }
+
     use super::*;
 
     fn parse(args: &[&str]) -> Cli {

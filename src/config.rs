@@ -106,6 +106,11 @@ pub struct JobConfig {
     pub group_commit: bool,
 }
 
+/// Durations in flags and thresholds: `100ms`, `2s`, `5m`, `24h`, `7d`.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s).map_err(|e| format!("{e} (examples: 100ms, 2s, 5m, 24h, 7d)"))
+}
+
 /// `--max-message-bytes` by default.
 pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 64 * 1024;
 

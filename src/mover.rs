@@ -90,6 +90,13 @@ impl<'a> Mover<'a> {
                 (a, b) => a.or(b),
             };
             total.buried.extend(report.buried);
+            if let Some(w) = report.blocked {
+                let problem = format!(
+                    "members that cannot be moved stay in the pool: {w}; rename or remove the key"
+                );
+                log::error!("mover: {problem}");
+                self.stats.report_problem(problem);
+            }
         }
         Stats::add(&self.stats.moved, (total.moved + total.buried.len()) as u64);
         // Logged after the script: the dead letters exist.

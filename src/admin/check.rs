@@ -214,6 +214,40 @@ pub fn evaluate(r: &StatsReport, t: &Thresholds) -> Verdict {
     }
 }
 
+/// The worker's keys that exist with another type than the one it keeps there (a stray
+/// `SET` by hand, a name clash): the worker stops moving, reading or settling what needs
+/// them, so the check is CRITICAL, naming each. Read only (TYPE).
+pub fn wrong_types(
+    con: &mut redis::Connection,
+    config: &Config,
+) -> redis::RedisResult<Vec<String>> {
+    let k = &config.keys;
+    let mut want: Vec<(&str, &str)> = vec![
+        (&k.pool, "zset"),
+        (&k.data, "hash"),
+        (&k.stream, "stream"),
+        (&k.dead, "stream"),
+    ];
+    for q in &k.queues {
+        want.push((&q.name, "list"));
+        want.push((&q.dead, "list"));
+    }
+    for l in &config.mover.legacy {
+        want.push((&l.key, "zset"));
+    }
+    let mut p = redis::pipe();
+    for (key, _) in &want {
+        p.cmd("TYPE").arg(*key);
+    }
+    let found: Vec<String> = p.query(con)?;
+    Ok(want
+        .iter()
+        .zip(found)
+        .filter(|((_, w), f)| f != "none" && f != w)
+        .map(|((key, w), f)| format!("key {key:?} holds a {f}, not a {w}"))
+        .collect())
+}
+
 /// `worker stats --check`. Never an `Err` for Redis: that is the UNKNOWN line and exit 3,
 /// which a monitoring system tells apart from "the queue is in trouble".
 pub(super) fn run(
@@ -228,12 +262,25 @@ pub(super) fn run(
     let verdict = match super::connect(config) {
         // The error already names the (redacted) URL.
         Err(e) => unknown(one_line(&e)),
-        Ok(mut con) => match gather(&mut con, &config.keys, crate::now_ms(), args.dead_window) {
-            Ok(r) => evaluate(&r, &args.thresholds),
+        Ok(mut con) => match wrong_types(&mut con, config) {
+            Ok(bad) if !bad.is_empty() => Verdict {
+                status: Status::Critical,
+                line: format!(
+                    "CRITICAL - {}: the worker cannot write there; rename or remove the key",
+                    bad.join(", ")
+                ),
+            },
             Err(e) => unknown(format!(
-                "cannot read the queue figures from {}: {e}",
+                "cannot read the key types from {}: {e}",
                 redact_url(&config.redis_url)
             )),
+            Ok(_) => match gather(&mut con, &config.keys, crate::now_ms(), args.dead_window) {
+                Ok(r) => evaluate(&r, &args.thresholds),
+                Err(e) => unknown(format!(
+                    "cannot read the queue figures from {}: {e}",
+                    redact_url(&config.redis_url)
+                )),
+            },
         },
     };
     writeln!(out, "{}", verdict.line)?;

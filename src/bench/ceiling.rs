@@ -109,7 +109,7 @@ fn redis_xadd(redis: &redis::Client) -> Result<f64> {
         .args(["XADD", XADD_KEY, "*", "msg", "x"]);
     let out = cmd.output().context("cannot run redis-benchmark")?;
     let mut con = redis.get_connection()?;
-    let _: () = redis::cmd("DEL").arg(XADD_KEY).query(&mut con)?;
+    crate::store::delete_keys(&mut con, &[XADD_KEY])?;
     let stdout = String::from_utf8_lossy(&out.stdout);
     if !out.status.success() {
         bail!(

@@ -523,12 +523,10 @@ pub fn moved_times(
 
 /// Deletes the queue keys and the bench consumer's heartbeat: a scenario starts empty.
 pub fn reset_queue(con: &mut redis::Connection, keys: &Keys) -> Result<()> {
-    redis::cmd("DEL")
-        .arg(&keys.pool)
-        .arg(&keys.data)
-        .arg(&keys.stream)
-        .arg(&keys.dead)
-        .arg(keys.heartbeat(CONSUMER))
-        .query::<()>(con)
-        .context("cannot reset the queue keys")
+    let heartbeat = keys.heartbeat(CONSUMER);
+    crate::store::delete_keys(
+        con,
+        &[&keys.pool, &keys.data, &keys.stream, &keys.dead, &heartbeat],
+    )
+    .context("cannot reset the queue keys")
 }

@@ -6,16 +6,20 @@
 -- ARGV[1] group, ARGV[2] only this consumer's entries ('' for all), ARGV[3] min idle (ms),
 -- ARGV[4] max deliveries, ARGV[5] max bytes, ARGV[6] now (s), ARGV[7] most entries looked
 -- at, ARGV[8] this consumer (recorded in the letter)
--- Returns {buried, key, reason, ...}.
-local w = wrong_type(KEYS[1], 'stream', KEYS[2], 'stream')
+-- While the dead-letter key holds another type nothing is buried (the entries stay
+-- pending) and the key is reported.
+-- Returns {buried, {key, reason, ...}, {key, found, wanted} or {}}.
+local w = wrong_type(KEYS[1], 'stream')
 if w then return wrongtype_reply(w) end
+local dead_bad = wrong_type(KEYS[2], 'stream')
+if dead_bad then return {0, {}, dead_bad} end
 local args = {KEYS[1], ARGV[1]}
 if tonumber(ARGV[3]) > 0 then args[#args + 1] = 'IDLE'; args[#args + 1] = ARGV[3] end
 args[#args + 1] = '-'; args[#args + 1] = '+'; args[#args + 1] = ARGV[7]
 if ARGV[2] ~= '' then args[#args + 1] = ARGV[2] end
 local max = tonumber(ARGV[4])
 local max_bytes = tonumber(ARGV[5])
-local out = {0}
+local out = {}
 for _, p in ipairs(redis.call('XPENDING', unpack(args))) do
   local id, count = p[1], p[4]
   if count > max then
@@ -37,9 +41,8 @@ for _, p in ipairs(redis.call('XPENDING', unpack(args))) do
         'consumer', ARGV[8], 'id', id)
       out[#out + 1] = key
       out[#out + 1] = reason
-      out[1] = out[1] + 1
     end
     redis.call('XACK', KEYS[1], ARGV[1], id)
   end
 end
-return out
+return {#out / 2, out, {}}

@@ -28,8 +28,10 @@
 -- within the grace goes to the dead letters with its reason (an oversized message as a
 -- prefix, its length and a digest), and then leaves the pool.
 --
--- Returns {moved, skipped, next_due_ms or -1, dead, key, reason, key, reason, ...}.
--- `skipped` counts due members whose data has not arrived yet, still inside the grace.
+-- Returns {moved, skipped, next_due_ms or -1, {key, reason, ...} of the buried,
+-- {key, found, wanted} or {}}. `skipped` counts due members left in the pool: data not
+-- arrived yet (inside the grace), or a burial blocked by a dead-letter key of another
+-- type (reported in the last element).
 local now_ms = tonumber(ARGV[1])
 local limit = tonumber(ARGV[3])
 local grace = tonumber(ARGV[4])
@@ -41,11 +43,15 @@ local target_type, dead_type = 'stream', 'stream'
 if mode == 'list' then target_type, dead_type = 'list', 'list' end
 local w
 if legacy == '' then
-  w = wrong_type(KEYS[1], 'zset', KEYS[2], 'hash', KEYS[3], target_type, KEYS[4], dead_type)
+  w = wrong_type(KEYS[1], 'zset', KEYS[2], 'hash', KEYS[3], target_type)
 else
-  w = wrong_type(KEYS[1], 'zset', KEYS[3], target_type, KEYS[4], dead_type)
+  w = wrong_type(KEYS[1], 'zset', KEYS[3], target_type)
 end
 if w then return wrongtype_reply(w) end
+-- The dead letters are needed only for members that cannot be moved: while that key
+-- holds another type, such a member stays in the pool (reported) and the rest moves.
+local dead_bad = wrong_type(KEYS[4], dead_type)
+local blocked = {}
 
 local moved, skipped = 0, 0
 local buried = {}
@@ -103,6 +109,10 @@ end
 -- The dead letter of a member that cannot be moved; for an oversized one a prefix, its
 -- length and a digest.
 local function bury(key, reason, len)
+  if dead_bad then
+    blocked = dead_bad
+    return false
+  end
   local msg, digest = '', ''
   if len then
     local full
@@ -122,6 +132,7 @@ local function bury(key, reason, len)
   end
   buried[#buried + 1] = key
   buried[#buried + 1] = reason
+  return true
 end
 
 local function handle(items, scale)
@@ -140,13 +151,19 @@ local function handle(items, scale)
       redis.call('ZREM', KEYS[1], key)
       moved = moved + 1
     elseif why ~= 'missing' then
-      bury(key, why, len)
-      -- A legacy key of another type is the producer's: left alone, only unscheduled.
-      if len then forget(key) end
-      redis.call('ZREM', KEYS[1], key)
+      if bury(key, why, len) then
+        -- A legacy key of another type is the producer's: left alone, only unscheduled.
+        if len then forget(key) end
+        redis.call('ZREM', KEYS[1], key)
+      else
+        skipped = skipped + 1
+      end
     elseif now_ms - due > grace then
-      bury(key, 'no data ' .. math.floor(grace / 1000) .. 's after its due time')
-      redis.call('ZREM', KEYS[1], key)
+      if bury(key, 'no data ' .. math.floor(grace / 1000) .. 's after its due time') then
+        redis.call('ZREM', KEYS[1], key)
+      else
+        skipped = skipped + 1
+      end
     else
       skipped = skipped + 1
     end
@@ -172,6 +189,4 @@ end
 -- Lua numbers become integers in the reply; keep absurd scores (1e300, inf) in range.
 if next_due > 9e15 then next_due = 9e15 end
 
-local result = {moved, skipped, next_due, #buried / 2}
-for _, v in ipairs(buried) do result[#result + 1] = v end
-return result
+return {moved, skipped, next_due, buried, blocked}

@@ -52,11 +52,15 @@ end
 -- Screens stream entries read or claimed by this script, before they reach the worker:
 -- an entry whose stream entry is gone (deleted while pending) is acknowledged and
 -- counted; one whose message is over the size limit goes to the dead letters (a prefix,
--- its length and a digest) and is then acknowledged. Returns the entries to deliver,
--- the count of gone ones and {key, reason, ...} of the buried ones.
+-- its length and a digest) and is then acknowledged. While the dead-letter key holds
+-- another type, an oversized entry stays pending, undelivered, and that key is reported.
+-- Returns the entries to deliver, the count of gone ones, {key, reason, ...} of the
+-- buried ones and {key, found, wanted} (empty when none) of a key that blocked one.
 -- KEYS[1] must be the stream and KEYS[2] the dead-letter stream.
 local function screen(entries, group, consumer, max_bytes, now_s)
   local kept, buried, gone = {}, {}, 0
+  local dead_bad = wrong_type(KEYS[2], 'stream')
+  local blocked = {}
   for _, e in ipairs(entries) do
     local id, fields = e[1], e[2]
     if not fields or #fields == 0 then
@@ -65,7 +69,9 @@ local function screen(entries, group, consumer, max_bytes, now_s)
     else
       local msg, key = entry_fields(fields)
       key = key or id
-      if #msg > max_bytes then
+      if #msg > max_bytes and dead_bad then
+        blocked = dead_bad
+      elseif #msg > max_bytes then
         local reason = oversize_reason(#msg, max_bytes)
         redis.call('XADD', KEYS[2], '*', 'msg', string.sub(msg, 1, OVERSIZE_PREFIX),
           'reason', reason, 'ts', now_s, 'event', '', 'key', key, 'attempts', 0,
@@ -78,5 +84,5 @@ local function screen(entries, group, consumer, max_bytes, now_s)
       end
     end
   end
-  return kept, gone, buried
+  return kept, gone, buried, blocked
 end

@@ -138,9 +138,7 @@ impl Source for ListReader<'_> {
         )?;
         self.feed.buried("list reader", &fetched.buried);
         if let Some(w) = fetched.blocked {
-            let problem = format!("a queue is skipped: {w}; rename or remove the key");
-            log::error!("list reader: {problem}");
-            self.stats.report_problem(problem);
+            self.feed.blocked("list reader", &w);
         }
         if fetched.messages.is_empty() && fetched.buried.is_empty() {
             self.doorbell.wait(IDLE_POLL.min(self.cfg.block));

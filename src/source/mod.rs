@@ -98,6 +98,14 @@ impl<'a> Feed<'a> {
         Ok(n)
     }
 
+    /// Reports a key of the wrong type that holds messages back (they stay where they
+    /// are): logged and shown by the health checks until it is fixed.
+    pub fn blocked(&self, role: &str, w: &crate::store::WrongType) {
+        let problem = format!("messages are held back: {w}; rename or remove the key");
+        log::error!("{role}: {problem}");
+        self.stats.report_problem(problem);
+    }
+
     /// Counts and logs the messages a read sent to the dead letters instead of the pool.
     /// Logged here, after the script wrote them: the letters exist.
     pub fn buried(&self, role: &str, buried: &[(String, String)]) {

@@ -87,6 +87,9 @@ impl<'a> Reader<'a> {
             );
         }
         self.feed.buried("reader", &read.buried);
+        if let Some(w) = read.blocked {
+            self.feed.blocked("reader", &w);
+        }
         self.feed.send(read.deliveries)
     }
 
@@ -95,15 +98,7 @@ impl<'a> Reader<'a> {
     pub fn start(&mut self, con: &mut Connection, shutdown: &Shutdown) -> Result<usize, StepError> {
         stream::ensure_group(con, self.keys)?;
         store::heartbeat(con, self.keys, self.consumer, self.cfg.heartbeat_ttl)?;
-        let buried = stream::bury_overdelivered(
-            con,
-            self.reading(),
-            Some(self.consumer),
-            Duration::ZERO,
-            self.cfg.max_deliveries,
-            500,
-        )?;
-        self.feed.buried("reader", &buried);
+        self.bury_overdelivered(con, Some(self.consumer), Duration::ZERO)?;
         // Whatever was taken over before a reconnect is in our own pending now.
         self.taken.clear();
         let mut cursor = "0".to_string();
@@ -168,21 +163,7 @@ impl<'a> Reader<'a> {
     pub fn maintain(&mut self, con: &mut Connection) -> Result<usize, StepError> {
         store::heartbeat(con, self.keys, self.consumer, self.cfg.heartbeat_ttl)?;
         self.take_over_dead_consumers(con)?;
-        let buried = stream::bury_overdelivered(
-            con,
-            self.reading(),
-            None,
-            self.cfg.claim_idle,
-            self.cfg.max_deliveries,
-            500,
-        )?;
-        if !buried.is_empty() {
-            log::warn!(
-                "reader: {} entries dead-lettered after too many deliveries",
-                buried.len()
-            );
-        }
-        self.feed.buried("reader", &buried);
+        self.bury_overdelivered(con, None, self.cfg.claim_idle)?;
         let n = self.autoclaim(con)?;
         if due(&mut self.last_trim, TRIM_EVERY) {
             let removed =
@@ -194,6 +175,30 @@ impl<'a> Reader<'a> {
             }
         }
         Ok(n)
+    }
+
+    /// Entries delivered more than `max_deliveries` times (and idle at least `min_idle`)
+    /// go to the dead letters: a message that keeps killing its consumer must not circle
+    /// for ever.
+    fn bury_overdelivered(
+        &self,
+        con: &mut Connection,
+        only: Option<&str>,
+        min_idle: Duration,
+    ) -> Result<(), StepError> {
+        let (buried, blocked) = stream::bury_overdelivered(
+            con,
+            self.reading(),
+            only,
+            min_idle,
+            self.cfg.max_deliveries,
+            500,
+        )?;
+        self.feed.buried("reader", &buried);
+        if let Some(w) = blocked {
+            self.feed.blocked("reader", &w);
+        }
+        Ok(())
     }
 
     /// Every pending entry of a consumer whose heartbeat key has expired becomes ours at

@@ -126,6 +126,14 @@ impl WrongType {
         }
     }
 
+    /// `{key, found, wanted}` as a script returns it; `None` for `{}` or nothing.
+    pub(crate) fn from_reply(v: Option<&Value>) -> Option<WrongType> {
+        match v {
+            Some(Value::Array(items)) => WrongType::parse(items),
+            _ => None,
+        }
+    }
+
     pub fn into_error(self, what: &'static str) -> StoreError {
         StoreError::WrongType {
             what,
@@ -147,6 +155,9 @@ impl std::fmt::Display for WrongType {
 }
 
 pub type StoreResult<T> = Result<T, StoreError>;
+
+/// (job key or queue, reason) of each message a script sent to the dead letters itself.
+pub type Buried = Vec<(String, String)>;
 
 /// Runs a script invocation: a `{'WRONGTYPE', key, found, wanted}` reply becomes
 /// [`StoreError::WrongType`], any other reply is returned.
@@ -189,7 +200,7 @@ pub(crate) fn int(v: Option<&Value>) -> i64 {
 }
 
 /// `{key, reason, key, reason, ...}` of the messages a script sent to the dead letters.
-pub(crate) fn pairs(v: Option<&Value>) -> Vec<(String, String)> {
+pub(crate) fn pairs(v: Option<&Value>) -> Buried {
     let Some(Value::Array(items)) = v else {
         return Vec::new();
     };
@@ -307,6 +318,14 @@ pub fn forget_heartbeat(
     let mut cmd = redis::cmd("DEL");
     cmd.arg(keys.heartbeat(consumer));
     query("forget heartbeat", &cmd, con)
+}
+
+/// Deletes keys outright. Only for keys nothing else owns: the benchmark's own queue
+/// and scratch keys, before and after a scenario.
+pub fn delete_keys(con: &mut dyn ConnectionLike, names: &[&str]) -> StoreResult<()> {
+    let mut cmd = redis::cmd("DEL");
+    cmd.arg(names);
+    query("delete keys", &cmd, con)
 }
 
 /// Bytes of a reply as text (lossy), for ids and log lines.

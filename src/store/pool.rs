@@ -1,6 +1,6 @@
 //! The delay pool: `push`, `cancel` and `move_due` (one script each, see `src/lua/`).
 
-use super::{int, pairs, run, script, StoreResult};
+use super::{int, pairs, run, script, StoreResult, WrongType};
 use crate::keys::Keys;
 use redis::{ConnectionLike, Script, Value};
 use std::sync::LazyLock;
@@ -45,6 +45,9 @@ pub struct MoveReport {
     /// Members sent to the dead letters instead (job key, reason): data over the size
     /// limit, a legacy key of another type, or no data past the grace.
     pub buried: Vec<(String, String)>,
+    /// The dead-letter key, when it holds another type: members that should have been
+    /// buried stay in the pool (counted in `skipped`) until it is fixed.
+    pub blocked: Option<WrongType>,
 }
 
 /// Where the mover puts due messages, and where the members it cannot move go.
@@ -104,11 +107,11 @@ pub fn move_due(
         return Ok(MoveReport::default());
     };
     let next = int(reply.get(2));
-    let buried_items = Value::Array(reply.iter().skip(4).cloned().collect());
     Ok(MoveReport {
         moved: int(reply.first()) as usize,
         skipped: int(reply.get(1)) as usize,
         next_due_ms: (next >= 0).then_some(next),
-        buried: pairs(Some(&buried_items)),
+        buried: pairs(reply.get(3)),
+        blocked: WrongType::from_reply(reply.get(4)),
     })
 }

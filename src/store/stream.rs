@@ -4,7 +4,9 @@
 //! first (gone entries acknowledged, oversized ones dead-lettered in Redis), so the
 //! worker never holds a message over `--max-message-bytes`.
 
-use super::{int, pairs, query, run, script, value_to_string, StoreError, StoreResult};
+use super::{
+    int, pairs, query, run, script, value_to_string, Buried, StoreError, StoreResult, WrongType,
+};
 use crate::delivery::{Delivery, Origin, Outcome, Settlement};
 use crate::keys::Keys;
 use redis::{ConnectionLike, Script, Value};
@@ -29,6 +31,9 @@ pub struct Read {
     pub gone: usize,
     /// Entries sent to the dead letters instead (job key, reason): over the size limit.
     pub buried: Vec<(String, String)>,
+    /// The dead-letter key, when it holds another type: oversized entries stay pending,
+    /// undelivered, until it is fixed.
+    pub blocked: Option<WrongType>,
 }
 
 /// The settings every read of this consumer shares.
@@ -60,6 +65,7 @@ fn screened(reply: Value) -> Read {
         deliveries,
         gone: int(parts.first()) as usize,
         buried: pairs(parts.get(2)),
+        blocked: WrongType::from_reply(parts.get(3)),
     }
 }
 
@@ -129,7 +135,7 @@ pub fn autoclaim(
         .arg(crate::now_ms() / 1000);
     let reply = run("reclaim idle entries", &inv, con)?;
     let next = match &reply {
-        Value::Array(parts) => parts.get(3).map(value_to_string),
+        Value::Array(parts) => parts.get(4).map(value_to_string),
         _ => None,
     };
     Ok((screened(reply), next.unwrap_or_else(|| "0-0".to_string())))
@@ -162,8 +168,8 @@ pub fn take_over(
 }
 
 /// Sends entries delivered more than `max_deliveries` times (idle at least `min_idle`;
-/// only `only`'s when given) to the dead letters, inside Redis. Returns (job key, reason)
-/// of each.
+/// only `only`'s when given) to the dead letters, inside Redis: (job key, reason) of
+/// each, and the dead-letter key if it holds another type (then nothing is buried).
 pub fn bury_overdelivered(
     con: &mut dyn ConnectionLike,
     r: Reading<'_>,
@@ -171,7 +177,7 @@ pub fn bury_overdelivered(
     min_idle: Duration,
     max_deliveries: u64,
     scan: usize,
-) -> StoreResult<Vec<(String, String)>> {
+) -> StoreResult<(Buried, Option<WrongType>)> {
     let mut inv = BURY.prepare_invoke();
     inv.key(&r.keys.stream)
         .key(&r.keys.dead)
@@ -184,10 +190,9 @@ pub fn bury_overdelivered(
         .arg(scan)
         .arg(r.consumer);
     let Value::Array(reply) = run("dead-letter over-delivered entries", &inv, con)? else {
-        return Ok(Vec::new());
+        return Ok((Vec::new(), None));
     };
-    let rest = Value::Array(reply.into_iter().skip(1).collect());
-    Ok(pairs(Some(&rest)))
+    Ok((pairs(reply.get(1)), WrongType::from_reply(reply.get(2))))
 }
 
 /// The settle script for stream entries (see `lua/settle.lua`); the raw reply, parsed by

@@ -8,9 +8,11 @@ mod consumer;
 mod faults;
 mod hostile;
 mod list;
+mod loss;
 
 mod migrate;
 mod mover;
 mod ops;
 mod producer;
 mod retention;
+mod store;

@@ -4,8 +4,7 @@
 
 use crate::support::*;
 use std::collections::HashMap;
-use std::io::{ErrorKind, Read, Write};
-use std::net::TcpStream;
+use std::io::ErrorKind;
 use std::os::unix::net::UnixDatagram;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -161,15 +160,15 @@ fn ops_systemd_is_told_ready_pinged_while_live_and_told_stopping() {
         during.iter().all(|m| !m.contains("WATCHDOG=1")),
         "pinged during the outage: {during:#?}"
     );
-    let m = samples(&get(port, "/metrics").unwrap().2);
+    let m = samples(&http_get(port, "/metrics").unwrap().2);
     assert_eq!(m["delay_worker_live"], 0.0);
-    let (code, _, why) = get(port, "/healthz").unwrap();
+    let (code, _, why) = http_get(port, "/healthz").unwrap();
     assert!(code == 503 && why.contains("Redis"), "{code} {why}");
     env.redis.restart();
     notify.until(WAIT, "pings again after Redis came back", |m| {
         m.contains("WATCHDOG=1")
     });
-    let m = samples(&get(port, "/metrics").unwrap().2);
+    let m = samples(&http_get(port, "/metrics").unwrap().2);
     assert_eq!(m["delay_worker_live"], 1.0);
     // At least one outage each for the reader and the mover (counted once per outage,
     // not per attempt).
@@ -183,24 +182,6 @@ fn ops_systemd_is_told_ready_pinged_while_live_and_told_stopping() {
 }
 
 /// One HTTP/1.1 GET: status code, head, body.
-fn get(port: u16, path: &str) -> std::io::Result<(u16, String, String)> {
-    let mut s = TcpStream::connect(("127.0.0.1", port))?;
-    s.set_read_timeout(Some(Duration::from_secs(10)))?;
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
-    )?;
-    let mut raw = String::new();
-    s.read_to_string(&mut raw)?;
-    let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
-    let code = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    Ok((code, head.to_string(), body.to_string()))
-}
-
 /// The samples of an exposition, by `name{labels}`.
 fn samples(text: &str) -> HashMap<String, f64> {
     text.lines()
@@ -239,7 +220,7 @@ fn ops_metrics_count_jobs_and_healthz_follows_postgres() {
     let addr = format!("127.0.0.1:{port}");
     let mut worker = start_worker(&env, &[], &["--metrics-addr", &addr]);
     wait_until(WAIT, "the metrics endpoint", || {
-        get(port, "/healthz").is_ok()
+        http_get(port, "/healthz").is_ok()
     });
 
     push_timeouts(&env, &orders, 0);
@@ -258,7 +239,7 @@ fn ops_metrics_count_jobs_and_healthz_follows_postgres() {
         inbox_count(&env.db) == 6 && b.stream_pending == 0 && b.dead == 1
     });
 
-    let (code, head, body) = get(port, "/metrics").unwrap();
+    let (code, head, body) = http_get(port, "/metrics").unwrap();
     assert_eq!(code, 200, "{head}");
     assert!(
         head.contains("Content-Type: text/plain; version=0.0.4"),
@@ -301,22 +282,22 @@ fn ops_metrics_count_jobs_and_healthz_follows_postgres() {
     assert_eq!(v("delay_worker_live"), 1.0);
     assert!(v("process_resident_memory_bytes") > 1e6);
 
-    assert_eq!(get(port, "/healthz").unwrap().0, 200);
-    assert_eq!(get(port, "/healthz").unwrap().2, "ok\n");
-    assert_eq!(get(port, "/nope").unwrap().0, 404);
+    assert_eq!(http_get(port, "/healthz").unwrap().0, 200);
+    assert_eq!(http_get(port, "/healthz").unwrap().2, "ok\n");
+    assert_eq!(http_get(port, "/nope").unwrap().0, 404);
 
     // PostgreSQL refuses this database: the health check says so.
     set_connections(&env, false);
     let mut last = (0, String::new());
     wait_until(WAIT, "/healthz 503", || {
-        let (code, _, body) = get(port, "/healthz").unwrap();
+        let (code, _, body) = http_get(port, "/healthz").unwrap();
         last = (code, body);
         last.0 == 503
     });
     assert!(last.1.contains("PostgreSQL"), "{}", last.1);
     set_connections(&env, true);
     wait_until(WAIT, "/healthz 200 again", || {
-        get(port, "/healthz").unwrap().0 == 200
+        http_get(port, "/healthz").unwrap().0 == 200
     });
 
     // The metrics thread stops with the rest: a graceful exit, promptly.

@@ -1,0 +1,297 @@
+//! The five ways a message was lost, stalled or mistaken before the store layer acked
+//! last, each as the outsider reproduced it, run end to end against the daemon. Every
+//! test ends with the books: nothing lost, nothing twice.
+
+use crate::store::age_pending;
+use crate::support::*;
+use delay_worker::config::LegacyPool;
+use delay_worker::source::{stream::Reader, Feed};
+use delay_worker::stats::Stats;
+use delay_worker::store;
+use std::time::Duration;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// Entries pending in the group (without `books`, which reads the dead letters too); 0
+/// before the daemon created the group.
+fn pending_total(env: &Env) -> usize {
+    store::stream::pending(&mut env.con(), &env.config.keys, 0, 1000, None)
+        .map(|p| p.len())
+        .unwrap_or(0)
+}
+
+/// Defect 1: `SET mq:dead-letter x` while a malformed message falls due: it must wait, pending,
+/// while the health checks say what is wrong, and reach the dead letters once the key is
+/// fixed.
+#[test]
+fn a_dead_letter_key_of_the_wrong_type_loses_nothing_and_turns_health_red() {
+    let mut env = Env::new();
+    env.config.reader.claim_idle = Duration::from_secs(1);
+    let port = free_port();
+    env.config.metrics_addr = Some(format!("127.0.0.1:{port}").parse().unwrap());
+    let mut con = env.con();
+    let k = env.config.keys.clone();
+    redis::cmd("SET")
+        .arg(&k.dead)
+        .arg("x")
+        .query::<()>(&mut con)
+        .unwrap();
+    store::push(&mut con, &k, "bad-1", "not json", delay_worker::now_ms()).unwrap();
+    let daemon = Daemon::start(&env.config);
+    wait_until(WAIT, "the entry pending, not lost", || {
+        pending_total(&env) == 1
+    });
+    wait_until(WAIT, "/healthz to say why", || {
+        http_get(port, "/healthz")
+            .map(|(code, _, body)| code == 503 && body.contains(&k.dead))
+            .unwrap_or(false)
+    });
+    let check = run_worker(&["stats", "--check"], &env.redis.url(), &env.db.url);
+    assert_eq!(check.status.code(), Some(2), "{}", text(&check.stdout));
+    assert!(
+        text(&check.stdout).contains("CRITICAL"),
+        "{}",
+        text(&check.stdout)
+    );
+    // Still pending after several settle attempts.
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(pending_total(&env), 1);
+
+    redis::cmd("DEL")
+        .arg(&k.dead)
+        .query::<()>(&mut con)
+        .unwrap();
+    wait_until(WAIT, "the dead letter", || {
+        dead_letters(&env).len() == 1 && pending_total(&env) == 0
+    });
+    let report = daemon.stop();
+    let letter = &dead_letters(&env)[0];
+    assert_eq!(letter["key"], "bad-1");
+    assert!(letter["reason"].contains("not JSON"), "{letter:?}");
+    assert_eq!(report.stats.dead, 1, "counted once, when written");
+    assert_eq!(books(&env).pool, 0);
+}
+
+/// Defect 2: A dead host's pending entries are taken over in one maintenance pass, however small
+/// the survivor's channel.
+#[test]
+fn a_dead_consumer_is_taken_over_at_once_not_a_channel_at_a_time() {
+    let env = Env::new();
+    let mut con = env.con();
+    let k = env.config.keys.clone();
+    store::stream::ensure_group(&mut con, &k).unwrap();
+    for i in 0..150 {
+        store::push(
+            &mut con,
+            &k,
+            &format!("j{i}"),
+            r#"{"event":"e","payload":{}}"#,
+            delay_worker::now_ms() - 1000,
+        )
+        .unwrap();
+    }
+    let mover_stats = Stats::default();
+    let mover = delay_worker::mover::Mover::new(&k, &env.config.mover, &mover_stats);
+    while mover
+        .tick(&mut con, delay_worker::now_ms())
+        .unwrap()
+        .0
+        .moved
+        > 0
+    {}
+    let dead = store::stream::Reading {
+        keys: &k,
+        consumer: "host-a",
+        max_bytes: 1 << 20,
+    };
+    assert_eq!(
+        store::stream::read(&mut con, dead, 1000, ">")
+            .unwrap()
+            .deliveries
+            .len(),
+        150
+    );
+    age_pending(&mut con, &k, "host-a");
+
+    let stats = Stats::default();
+    let (tx, rx) = crossbeam_channel::bounded(8);
+    let (_space_tx, space_rx) = crossbeam_channel::bounded(1);
+    let mut reader = Reader::new(
+        &k,
+        &env.config.reader,
+        "host-b",
+        &stats,
+        Feed::new(tx, space_rx, &stats),
+    );
+    reader.maintain(&mut con).unwrap();
+    let mine = store::stream::pending(&mut con, &k, 0, 1000, Some("host-b")).unwrap();
+    assert_eq!(mine.len(), 150, "all of host-a's entries at once");
+    // And they are served as our own pending, channel by channel.
+    let mut got = 0;
+    while got < 150 {
+        reader.poll(&mut con).unwrap();
+        while rx.try_recv().is_ok() {
+            got += 1;
+        }
+    }
+    assert_eq!(got, 150);
+    assert_eq!(stats.snapshot().reclaimed, 150);
+}
+
+/// Defect 3: Messages of 10 MB never enter the worker: the mover dead-letters them inside Redis
+/// with a prefix, their length and a digest.
+#[test]
+fn ten_megabyte_messages_are_dead_letters_of_a_few_kilobytes() {
+    let env = Env::new();
+    let mut con = env.con();
+    let k = env.config.keys.clone();
+    let orders = seed_orders(&env.db, 5);
+    let big = format!(
+        r#"{{"event":"order.timeout","payload":{{"order_no":"{}","pad":"{}"}}}}"#,
+        orders[0].order_no,
+        "p".repeat(10 << 20)
+    );
+    for i in 0..3 {
+        store::push(
+            &mut con,
+            &k,
+            &format!("big-{i}"),
+            &big,
+            delay_worker::now_ms(),
+        )
+        .unwrap();
+    }
+    push_timeouts(&env, &orders[1..], 0);
+    let daemon = Daemon::start(&env.config);
+    wait_until(WAIT, "all settled", || {
+        inbox_count(&env.db) == 4 && dead_letters(&env).len() == 3
+    });
+    let report = daemon.stop();
+    assert_eq!(report.stats.delivered, 4, "only the small ones were read");
+    for letter in dead_letters(&env) {
+        assert!(letter["reason"].contains("too large"), "{letter:?}");
+        assert_eq!(letter["length"], big.len().to_string());
+        assert_eq!(letter["sha1"], sha1_hex(big.as_bytes()));
+        assert_eq!(letter["msg"].len(), 4096);
+    }
+    let cancelled: Vec<&SeedOrder> = orders[1..].iter().collect();
+    assert_accounting(&env.db, &orders, &cancelled);
+    assert_eq!(books(&env).pool, 0);
+}
+
+/// Defect 4: One `close_order_*` key holding a hash in a legacy pool is one dead letter; every
+/// other member moves, and the books add up.
+#[test]
+fn one_bad_legacy_member_does_not_stall_its_pool() {
+    let mut env = Env::new();
+    env.config.mover.legacy = vec![LegacyPool {
+        key: "delay:order_close".into(),
+        event: "order.timeout".into(),
+    }];
+    let orders = seed_orders(&env.db, 20);
+    let mut con = env.con();
+    let now = delay_worker::now_ms();
+    redis::cmd("HSET")
+        .arg("close_order_bad")
+        .arg("id")
+        .arg("1")
+        .query::<()>(&mut con)
+        .unwrap();
+    redis::cmd("ZADD")
+        .arg("delay:order_close")
+        .arg(now - 100)
+        .arg("close_order_bad")
+        .query::<()>(&mut con)
+        .unwrap();
+    for o in &orders {
+        let member = format!("close_order_{}", o.id);
+        redis::cmd("SET")
+            .arg(&member)
+            .arg(o.id)
+            .query::<()>(&mut con)
+            .unwrap();
+        redis::cmd("ZADD")
+            .arg("delay:order_close")
+            .arg(now - 50)
+            .arg(&member)
+            .query::<()>(&mut con)
+            .unwrap();
+    }
+    let daemon = Daemon::start(&env.config);
+    wait_until(WAIT, "every good member", || inbox_count(&env.db) == 20);
+    let report = daemon.stop();
+    let all: Vec<&SeedOrder> = orders.iter().collect();
+    assert_accounting(&env.db, &orders, &all);
+    let letters = dead_letters(&env);
+    assert_eq!(letters.len(), 1);
+    assert_eq!(letters[0]["key"], "close_order_bad");
+    assert!(
+        letters[0]["reason"].contains("holds a hash"),
+        "{:?}",
+        letters[0]
+    );
+    let left: usize = redis::cmd("ZCARD")
+        .arg("delay:order_close")
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(left, 0);
+    // One set of counters: every member that left the pool ended one way.
+    let s = report.stats;
+    assert_eq!(s.moved, 21);
+    assert_eq!(s.moved, s.done + s.noop + s.dead + s.retried);
+}
+
+/// Defect 5: PHP's `microtime(true)` writes `"ts": 1796040000.25`; the same job key pushed again
+/// with the same `ts` is a new job, while a redelivery is not.
+#[test]
+fn a_job_key_pushed_again_within_the_same_second_is_a_new_job() {
+    let env = Env::new();
+    let mut con = env.con();
+    let k = env.config.keys.clone();
+    let orders = seed_orders(&env.db, 2);
+    let daemon = Daemon::start(&env.config);
+    for (round, ts) in ["1796040000.25", r#""1796040000.25""#].iter().enumerate() {
+        let msg = format!(
+            r#"{{"event":"order.timeout","payload":{{"order_no":"{}"}},"retry":0,"ts":{ts}}}"#,
+            orders[0].order_no
+        );
+        // The PHP producer: HSET, then ZADD with a second score.
+        redis::cmd("HSET")
+            .arg(&k.data)
+            .arg("order.timeout:same")
+            .arg(&msg)
+            .query::<()>(&mut con)
+            .unwrap();
+        redis::cmd("ZADD")
+            .arg(&k.pool)
+            .arg(delay_worker::now_ms() / 1000 - 1)
+            .arg("order.timeout:same")
+            .query::<()>(&mut con)
+            .unwrap();
+        wait_until(WAIT, "the push to run", || {
+            inbox_count(&env.db) == round as i64 + 1
+        });
+    }
+    let report = daemon.stop();
+    assert_eq!(report.stats.duplicate, 0, "a new push is not a duplicate");
+    assert_eq!((report.stats.done, report.stats.noop), (1, 1));
+    let rows: Vec<(i64, String)> = env
+        .db
+        .client()
+        .query(
+            "SELECT enqueued_at, job_id FROM worker_inbox WHERE job_key = 'order.timeout:same'",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(rows.len(), 2);
+    assert!(
+        rows.iter()
+            .all(|(ts, id)| *ts == 1796040000 && !id.is_empty()),
+        "{rows:?}"
+    );
+    assert_ne!(rows[0].1, rows[1].1);
+    assert_accounting(&env.db, &orders, &[&orders[0]]);
+}

@@ -1,0 +1,600 @@
+//! Ack last, script by script: each store script is made to fail a write (a key of the
+//! wrong type where it would write) and the message must still be where it was; once the
+//! key is fixed, the same call finishes the job. Plus the screens: no message over the
+//! size limit is ever returned to the worker.
+
+use crate::support::*;
+use delay_worker::delivery::{Delivery, Origin, Outcome, Settlement};
+use delay_worker::keys::{Keys, Queue};
+use delay_worker::store::{
+    self, dead, list, stream, MoveReport, Pool, Settled, StoreError, Target,
+};
+use redis::{Connection, Value};
+use std::time::{Duration, Instant};
+
+const NOW: i64 = 1_800_000_000_000;
+const MAX: usize = 64 * 1024;
+
+fn keys() -> Keys {
+    Keys::default()
+}
+
+fn is_wrong_type(r: &Result<impl std::fmt::Debug, StoreError>, key: &str) {
+    match r {
+        Err(StoreError::WrongType { key: k, .. }) => assert_eq!(k, key),
+        other => panic!("expected a WRONGTYPE on {key}, got {other:?}"),
+    }
+}
+
+fn set_string(con: &mut Connection, key: &str) {
+    redis::cmd("SET")
+        .arg(key)
+        .arg("x")
+        .query::<()>(con)
+        .unwrap();
+}
+
+fn del(con: &mut Connection, key: &str) {
+    redis::cmd("DEL").arg(key).query::<()>(con).unwrap();
+}
+
+fn zcard(con: &mut Connection, key: &str) -> usize {
+    redis::cmd("ZCARD").arg(key).query(con).unwrap()
+}
+
+fn xlen(con: &mut Connection, key: &str) -> usize {
+    redis::cmd("XLEN").arg(key).query(con).unwrap()
+}
+
+fn llen(con: &mut Connection, key: &str) -> usize {
+    redis::cmd("LLEN").arg(key).query(con).unwrap()
+}
+
+fn pending(con: &mut Connection, k: &Keys) -> usize {
+    stream::pending(con, k, 0, 10_000, None).unwrap().len()
+}
+
+fn schedule(con: &mut Connection, k: &Keys, key: &str, msg: &str) {
+    store::push(con, k, key, msg, NOW - 1000).unwrap();
+}
+
+fn move_now(con: &mut Connection, k: &Keys) -> Result<MoveReport, StoreError> {
+    store::move_due(
+        con,
+        Pool::Enveloped {
+            pool: &k.pool,
+            data: &k.data,
+        },
+        Target::Stream {
+            stream: &k.stream,
+            dead: &k.dead,
+        },
+        NOW,
+        100,
+        60_000,
+        MAX,
+    )
+}
+
+fn reading(k: &Keys) -> stream::Reading<'_> {
+    stream::Reading {
+        keys: k,
+        consumer: "c1",
+        max_bytes: MAX,
+    }
+}
+
+/// One entry moved into the stream and read by `c1`: pending on it.
+fn one_pending(con: &mut Connection, k: &Keys, msg: &str) -> Delivery {
+    stream::ensure_group(con, k).unwrap();
+    schedule(con, k, "job-1", msg);
+    assert_eq!(move_now(con, k).unwrap().moved, 1);
+    let mut read = stream::read(con, reading(k), 10, ">").unwrap();
+    assert_eq!(read.deliveries.len(), 1);
+    read.deliveries.pop().unwrap()
+}
+
+#[test]
+fn push_and_cancel_write_nothing_when_a_key_has_the_wrong_type() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let k = keys();
+    set_string(&mut con, &k.data);
+    is_wrong_type(&store::push(&mut con, &k, "a", "{}", NOW), &k.data);
+    assert_eq!(zcard(&mut con, &k.pool), 0, "no score without its data");
+    del(&mut con, &k.data);
+    store::push(&mut con, &k, "a", "{}", NOW).unwrap();
+    set_string(&mut con, &k.data);
+    is_wrong_type(&store::cancel(&mut con, &k, "a"), &k.data);
+    assert_eq!(zcard(&mut con, &k.pool), 1, "still scheduled");
+}
+
+#[test]
+fn move_due_leaves_the_pool_alone_when_the_stream_is_the_wrong_type() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let k = keys();
+    schedule(&mut con, &k, "a", r#"{"event":"e","payload":{}}"#);
+    set_string(&mut con, &k.stream);
+    is_wrong_type(&move_now(&mut con, &k), &k.stream);
+    assert_eq!(zcard(&mut con, &k.pool), 1, "still in the pool");
+    let data: Option<String> = redis::cmd("HGET")
+        .arg(&k.data)
+        .arg("a")
+        .query(&mut con)
+        .unwrap();
+    assert!(data.is_some(), "its data too");
+    del(&mut con, &k.stream);
+    assert_eq!(move_now(&mut con, &k).unwrap().moved, 1);
+    assert_eq!(xlen(&mut con, &k.stream), 1);
+}
+
+#[test]
+fn move_due_keeps_a_member_it_cannot_bury_while_the_dead_letters_are_the_wrong_type() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let k = keys();
+    schedule(&mut con, &k, "good", r#"{"event":"e","payload":{}}"#);
+    schedule(&mut con, &k, "big", &"b".repeat(MAX + 1));
+    set_string(&mut con, &k.dead);
+    let report = move_now(&mut con, &k).unwrap();
+    assert_eq!(
+        (report.moved, report.skipped),
+        (1, 1),
+        "the rest keeps moving"
+    );
+    assert_eq!(report.blocked.unwrap().key, k.dead);
+    assert_eq!(zcard(&mut con, &k.pool), 1, "the big one waits in the pool");
+    del(&mut con, &k.dead);
+    let report = move_now(&mut con, &k).unwrap();
+    assert_eq!(report.buried.len(), 1);
+    assert_eq!((zcard(&mut con, &k.pool), xlen(&mut con, &k.dead)), (0, 1));
+}
+
+#[test]
+fn move_due_buries_an_oversized_member_as_a_prefix_length_and_digest() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let k = keys();
+    let big = format!(
+        r#"{{"event":"e","payload":{{"x":"{}"}}}}"#,
+        "y".repeat(10 << 20)
+    );
+    schedule(&mut con, &k, "big", &big);
+    schedule(&mut con, &k, "small", r#"{"event":"e","payload":{}}"#);
+    let report = move_now(&mut con, &k).unwrap();
+    assert_eq!(report.moved, 1, "the rest keeps moving");
+    assert_eq!(report.buried.len(), 1);
+    assert!(
+        report.buried[0].1.contains("too large"),
+        "{:?}",
+        report.buried
+    );
+    let entries = xrange(&mut con, &k.dead);
+    let letter = &entries[0];
+    assert_eq!(letter["length"], big.len().to_string());
+    assert_eq!(letter["sha1"], sha1_hex(big.as_bytes()));
+    assert_eq!(letter["msg"], big[..4096]);
+    assert_eq!(letter["key"], "big");
+    let bytes: i64 = redis::cmd("MEMORY")
+        .arg("USAGE")
+        .arg(&k.dead)
+        .query(&mut con)
+        .unwrap();
+    assert!(
+        bytes < 64 * 1024,
+        "no full copy in the dead letters: {bytes}"
+    );
+    assert_eq!(zcard(&mut con, &k.pool), 0);
+}
+
+#[test]
+fn a_legacy_member_of_the_wrong_type_is_one_dead_letter_and_the_rest_moves() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let k = keys();
+    for i in 1..=4 {
+        redis::cmd("SET")
+            .arg(format!("close_order_{i}"))
+            .arg(i)
+            .query::<()>(&mut con)
+            .unwrap();
+    }
+    redis::cmd("HSET")
+        .arg("close_order_9")
+        .arg("f")
+        .arg("v")
+        .query::<()>(&mut con)
+        .unwrap();
+    for i in [1, 2, 9, 3, 4] {
+        redis::cmd("ZADD")
+            .arg("delay:order_close")
+            .arg(NOW - 1000 + i)
+            .arg(format!("close_order_{i}"))
+            .query::<()>(&mut con)
+            .unwrap();
+    }
+    let report = store::move_due(
+        &mut con,
+        Pool::Legacy {
+            pool: "delay:order_close",
+            event: "order.timeout",
+        },
+        Target::Stream {
+            stream: &k.stream,
+            dead: &k.dead,
+        },
+        NOW,
+        100,
+        60_000,
+        MAX,
+    )
+    .unwrap();
+    assert_eq!(report.moved, 4);
+    assert_eq!(report.buried.len(), 1);
+    assert_eq!(report.buried[0].0, "close_order_9");
+    assert!(report.buried[0].1.contains("holds a hash"));
+    assert_eq!(zcard(&mut con, "delay:order_close"), 0);
+    let kind: String = redis::cmd("TYPE")
+        .arg("close_order_9")
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(kind, "hash", "the producer's key is left alone");
+}
+
+#[test]
+fn reads_hold_an_oversized_entry_back_while_the_dead_letters_are_the_wrong_type() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let k = keys();
+    stream::ensure_group(&mut con, &k).unwrap();
+    for (key, msg) in [("big", "b".repeat(MAX + 1)), ("small", "{}".to_string())] {
+        redis::cmd("XADD")
+            .arg(&k.stream)
+            .arg("*")
+            .arg("msg")
+            .arg(msg)
+            .arg("key")
+            .arg(key)
+            .query::<()>(&mut con)
+            .unwrap();
+    }
+    set_string(&mut con, &k.dead);
+    let read = stream::read(&mut con, reading(&k), 10, ">").unwrap();
+    assert_eq!(read.deliveries.len(), 1, "the small one is delivered");
+    assert_eq!(read.blocked.unwrap().key, k.dead);
+    assert_eq!(
+        pending(&mut con, &k),
+        2,
+        "the big one stays pending, unread"
+    );
+    del(&mut con, &k.dead);
+    let read = stream::read(&mut con, reading(&k), 10, "0").unwrap();
+    assert_eq!(read.buried.len(), 1, "buried once the key is fixed");
+    assert_eq!(
+        pending(&mut con, &k),
+        1,
+        "only the small one, with its worker"
+    );
+}
+
+#[test]
+fn reads_never_return_an_oversized_entry() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let k = keys();
+    stream::ensure_group(&mut con, &k).unwrap();
+    let big = vec![b'x'; 200_000];
+    redis::cmd("XADD")
+        .arg(&k.stream)
+        .arg("*")
+        .arg("msg")
+        .arg(&big)
+        .arg("key")
+        .arg("by-hand")
+        .query::<()>(&mut con)
+        .unwrap();
+    let read = stream::read(&mut con, reading(&k), 10, ">").unwrap();
+    assert!(read.deliveries.is_empty());
+    assert_eq!(read.buried.len(), 1);
+    assert_eq!(pending(&mut con, &k), 0, "acknowledged after its letter");
+    let letter = &xrange(&mut con, &k.dead)[0];
+    assert_eq!(letter["length"], "200000");
+    assert_eq!(letter["msg"].len(), 4096);
+}
+
+fn settlement(d: &Delivery, outcome: Outcome) -> Settlement {
+    Settlement::new(d.clone(), outcome)
+}
+
+#[test]
+fn settle_writes_the_dead_letter_and_the_retry_before_the_ack() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let k = keys();
+    let d = one_pending(&mut con, &k, "not json");
+    let dead = settlement(
+        &d,
+        Outcome::Dead {
+            reason: "message is not JSON".into(),
+            event: String::new(),
+            attempts: 1,
+        },
+    );
+    // The defect this guards against: the ack went first, the dead letter failed, and
+    // the message was nowhere.
+    set_string(&mut con, &k.dead);
+    let report =
+        store::settle(&mut con, &k, "c1", NOW / 1000, std::slice::from_ref(&dead)).unwrap();
+    assert_eq!(report.each, vec![Settled::Blocked]);
+    assert_eq!(report.blocked.unwrap().key, k.dead);
+    assert_eq!(pending(&mut con, &k), 1, "still pending");
+    del(&mut con, &k.dead);
+    let report = store::settle(&mut con, &k, "c1", NOW / 1000, &[dead]).unwrap();
+    assert_eq!(report.each, vec![Settled::Applied]);
+    assert_eq!(pending(&mut con, &k), 0);
+    assert_eq!(xlen(&mut con, &k.dead), 1);
+
+    // The retry path: the pool of the wrong type keeps the entry pending, and an ack in
+    // the same batch still goes through.
+    let d = one_pending(&mut con, &k, r#"{"event":"e","payload":{}}"#);
+    let retry = settlement(
+        &d,
+        Outcome::Retry {
+            msg: br#"{"event":"e","payload":{},"retry":1}"#.to_vec(),
+            due_ms: NOW,
+        },
+    );
+    set_string(&mut con, &k.pool);
+    let report =
+        store::settle(&mut con, &k, "c1", NOW / 1000, std::slice::from_ref(&retry)).unwrap();
+    assert_eq!(report.each, vec![Settled::Blocked]);
+    assert_eq!(pending(&mut con, &k), 1);
+    del(&mut con, &k.pool);
+    let report = store::settle(&mut con, &k, "c1", NOW / 1000, &[retry.clone()]).unwrap();
+    assert_eq!(report.each, vec![Settled::Applied]);
+    assert_eq!(zcard(&mut con, &k.pool), 1, "back in the pool");
+    let again = store::settle(&mut con, &k, "c1", NOW / 1000, &[retry]).unwrap();
+    assert_eq!(again.each, vec![Settled::AlreadySettled], "never twice");
+    assert_eq!(zcard(&mut con, &k.pool), 1);
+}
+
+#[test]
+fn burying_the_over_delivered_leaves_them_pending_when_the_dead_letters_are_the_wrong_type() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let k = keys();
+    one_pending(&mut con, &k, r#"{"event":"e","payload":{}}"#);
+    set_string(&mut con, &k.dead);
+    let (buried, blocked) =
+        stream::bury_overdelivered(&mut con, reading(&k), None, Duration::ZERO, 0, 10).unwrap();
+    assert!(buried.is_empty());
+    assert_eq!(blocked.unwrap().key, k.dead);
+    assert_eq!(pending(&mut con, &k), 1, "still pending");
+    del(&mut con, &k.dead);
+    // Delivered more often than a limit of 0: buried, letter first, then acknowledged.
+    let (buried, _) =
+        stream::bury_overdelivered(&mut con, reading(&k), None, Duration::ZERO, 0, 10).unwrap();
+    assert_eq!(buried.len(), 1);
+    assert_eq!(pending(&mut con, &k), 0);
+    assert_eq!(xlen(&mut con, &k.dead), 1);
+}
+
+#[test]
+fn a_dead_consumer_s_entries_are_all_taken_over_at_once() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let k = keys();
+    stream::ensure_group(&mut con, &k).unwrap();
+    for i in 0..2500 {
+        redis::cmd("XADD")
+            .arg(&k.stream)
+            .arg("*")
+            .arg("msg")
+            .arg(format!(r#"{{"event":"e","payload":{{"i":{i}}}}}"#))
+            .query::<()>(&mut con)
+            .unwrap();
+    }
+    let dead_reader = stream::Reading {
+        keys: &k,
+        consumer: "dead-host",
+        max_bytes: MAX,
+    };
+    assert_eq!(
+        stream::read(&mut con, dead_reader, 5000, ">")
+            .unwrap()
+            .deliveries
+            .len(),
+        2500
+    );
+    // Entries must be idle a second before they can be taken (a peer's fresh claim is
+    // not stolen back): age them instead of sleeping.
+    age_pending(&mut con, &k, "dead-host");
+    // A live peer keeps its work.
+    store::heartbeat(&mut con, &k, "dead-host", Duration::from_secs(10)).unwrap();
+    assert_eq!(
+        stream::take_over(&mut con, &k, "c1", "dead-host").unwrap(),
+        None
+    );
+    redis::cmd("DEL")
+        .arg(k.heartbeat("dead-host"))
+        .query::<()>(&mut con)
+        .unwrap();
+    let mut taken = 0;
+    while let Some(ids) = stream::take_over(&mut con, &k, "c1", "dead-host").unwrap() {
+        taken += ids.len();
+        if ids.len() < stream::TAKE_OVER_BATCH {
+            break;
+        }
+    }
+    assert_eq!(taken, 2500, "every entry, whatever a channel's room");
+    let mine = stream::pending(&mut con, &k, 0, 10_000, Some("c1")).unwrap();
+    assert_eq!(mine.len(), 2500);
+    assert!(
+        stream::consumers(&mut con, &k)
+            .unwrap()
+            .iter()
+            .all(|c| c.name != "dead-host"),
+        "a dead consumer that owes nothing is forgotten"
+    );
+}
+
+/// Marks every entry pending on `consumer` idle for a minute (XCLAIM ... IDLE).
+pub fn age_pending(con: &mut Connection, k: &Keys, consumer: &str) {
+    let ids: Vec<String> = stream::pending(con, k, 0, 100_000, Some(consumer))
+        .unwrap()
+        .into_iter()
+        .map(|p| p.id)
+        .collect();
+    for chunk in ids.chunks(500) {
+        redis::cmd("XCLAIM")
+            .arg(&k.stream)
+            .arg(&k.group)
+            .arg(consumer)
+            .arg(0)
+            .arg(chunk)
+            .arg("IDLE")
+            .arg(60_000)
+            .arg("JUSTID")
+            .query::<()>(con)
+            .unwrap();
+    }
+}
+
+fn list_keys() -> Keys {
+    let mut k = Keys::default();
+    k.queues = vec![Queue::new("q", None)];
+    k
+}
+
+#[test]
+fn fetch_skips_a_queue_whose_dead_list_is_the_wrong_type_and_screens_sizes() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let k = list_keys();
+    let q = &k.queues[0];
+    for m in ["small", &"z".repeat(MAX + 1)] {
+        redis::cmd("LPUSH")
+            .arg(&q.name)
+            .arg(m)
+            .query::<()>(&mut con)
+            .unwrap();
+    }
+    set_string(&mut con, &q.dead);
+    let f = list::fetch(&mut con, &k, "c1", 10, 3, MAX).unwrap();
+    assert!(f.messages.is_empty());
+    assert_eq!(f.blocked.unwrap().key, q.dead);
+    assert_eq!(llen(&mut con, &q.name), 2, "both still queued");
+    del(&mut con, &q.dead);
+    let f = list::fetch(&mut con, &k, "c1", 10, 3, MAX).unwrap();
+    assert_eq!(f.messages, vec![(0, b"small".to_vec())]);
+    assert_eq!(f.buried.len(), 1, "the oversized one is a dead letter");
+    let letter: String = redis::cmd("LINDEX")
+        .arg(&q.dead)
+        .arg(0)
+        .query(&mut con)
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_str(&letter).unwrap();
+    assert_eq!(v["length"], MAX + 1);
+    assert_eq!(v["msg"].as_str().unwrap().len(), 4096);
+    assert_eq!(llen(&mut con, &q.name), 0);
+}
+
+#[test]
+fn list_settle_and_push_back_keep_messages_when_a_key_is_the_wrong_type() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let k = list_keys();
+    let q = k.queues[0].clone();
+    redis::cmd("LPUSH")
+        .arg(&q.name)
+        .arg("m1")
+        .query::<()>(&mut con)
+        .unwrap();
+    list::fetch(&mut con, &k, "c1", 10, 3, MAX).unwrap();
+    let d = Delivery {
+        origin: Origin::List { queue: 0 },
+        key: b"k".to_vec(),
+        msg: b"m1".to_vec(),
+        due_ms: None,
+        received: Instant::now(),
+    };
+    let dead = settlement(
+        &d,
+        Outcome::Dead {
+            reason: "r".into(),
+            event: String::new(),
+            attempts: 1,
+        },
+    );
+    set_string(&mut con, &q.dead);
+    let report =
+        store::settle(&mut con, &k, "c1", NOW / 1000, std::slice::from_ref(&dead)).unwrap();
+    assert_eq!(report.each, vec![Settled::Blocked]);
+    assert_eq!(llen(&mut con, &q.processing("c1")), 1, "still held");
+    del(&mut con, &q.dead);
+
+    // Push-back of a dead consumer's list with its queue of the wrong type: nothing moves.
+    set_string(&mut con, &q.name);
+    is_wrong_type(
+        &list::requeue_processing(&mut con, &k, "c1", false),
+        &q.name,
+    );
+    assert_eq!(llen(&mut con, &q.processing("c1")), 1);
+    del(&mut con, &q.name);
+
+    let report = store::settle(&mut con, &k, "c1", NOW / 1000, &[dead]).unwrap();
+    assert_eq!(report.each, vec![Settled::Applied]);
+    assert_eq!(llen(&mut con, &q.processing("c1")), 0);
+    assert_eq!(llen(&mut con, &q.dead), 1);
+}
+
+#[test]
+fn requeue_of_dead_letters_keeps_the_letter_when_the_pool_is_the_wrong_type() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let k = keys();
+    let id: String = redis::cmd("XADD")
+        .arg(&k.dead)
+        .arg("*")
+        .arg("msg")
+        .arg("{}")
+        .query(&mut con)
+        .unwrap();
+    set_string(&mut con, &k.pool);
+    let letters: [(&str, &[u8], &[u8]); 1] = [(&id, b"job", b"{}")];
+    is_wrong_type(&dead::requeue(&mut con, &k, &letters, NOW), &k.pool);
+    assert_eq!(xlen(&mut con, &k.dead), 1, "the letter stays");
+    del(&mut con, &k.pool);
+    assert_eq!(
+        dead::requeue(&mut con, &k, &letters, NOW).unwrap(),
+        vec![dead::Requeued::Requeued]
+    );
+    assert_eq!((xlen(&mut con, &k.dead), zcard(&mut con, &k.pool)), (0, 1));
+}
+
+fn xrange(con: &mut Connection, key: &str) -> Vec<std::collections::HashMap<String, String>> {
+    let v: Value = redis::cmd("XRANGE")
+        .arg(key)
+        .arg("-")
+        .arg("+")
+        .query(con)
+        .unwrap();
+    let Value::Array(entries) = v else {
+        return Vec::new();
+    };
+    entries
+        .into_iter()
+        .filter_map(|e| match e {
+            Value::Array(mut pair) => match pair.pop() {
+                Some(Value::Array(f)) => Some(
+                    f.chunks(2)
+                        .map(|c| (store::value_to_string(&c[0]), store::value_to_string(&c[1])))
+                        .collect(),
+                ),
+                _ => None,
+            },
+            _ => None,
+        })
+        .collect()
+}
