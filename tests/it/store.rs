@@ -351,7 +351,8 @@ fn settle_writes_the_dead_letter_and_the_retry_before_the_ack() {
     assert_eq!(report.each, vec![Settled::Blocked]);
     assert_eq!(pending(&mut con, &k), 1);
     del(&mut con, &k.pool);
-    let report = store::settle(&mut con, &k, "c1", NOW / 1000, &[retry.clone()]).unwrap();
+    let report =
+        store::settle(&mut con, &k, "c1", NOW / 1000, std::slice::from_ref(&retry)).unwrap();
     assert_eq!(report.each, vec![Settled::Applied]);
     assert_eq!(zcard(&mut con, &k.pool), 1, "back in the pool");
     let again = store::settle(&mut con, &k, "c1", NOW / 1000, &[retry]).unwrap();
@@ -462,9 +463,10 @@ pub fn age_pending(con: &mut Connection, k: &Keys, consumer: &str) {
 }
 
 fn list_keys() -> Keys {
-    let mut k = Keys::default();
-    k.queues = vec![Queue::new("q", None)];
-    k
+    Keys {
+        queues: vec![Queue::new("q", None)],
+        ..Default::default()
+    }
 }
 
 #[test]
