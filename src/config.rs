@@ -1,14 +1,14 @@
 //! The validated configuration every role reads.
 //!
 //! `cli.rs` parses raw flags; [`Config`] is what they become once checked, with defaults
-//! that follow DESIGN.md. Nothing here touches the network. Errors name the flag or
+//! that follow the README. Nothing here touches the network. Errors name the flag or
 //! variable they came from, and URLs are only ever shown through [`redact_url`].
 
 use crate::keys::Keys;
 use std::path::PathBuf;
 use std::time::Duration;
 
-/// Where the worker reads from (DESIGN §2 and §4).
+/// Where the worker reads from.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Source {
     /// XREADGROUP on `keys.stream`.
@@ -17,7 +17,7 @@ pub enum Source {
     List,
 }
 
-/// An older producer's pool the mover also serves (DESIGN §1): ZSET of keys whose STRING
+/// An older producer's pool the mover also serves: ZSET of keys whose STRING
 /// value is an order id, all standing for `event`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LegacyPool {

@@ -1,4 +1,4 @@
-//! Every Redis name the worker touches, built in one place (DESIGN §1).
+//! Every Redis name the worker touches, built in one place.
 //!
 //! Defaults follow the wire contract with the existing PHP producers. A prefix replaces the
 //! leading `mq` of every name, so a Redis Cluster deployment passes `--key-prefix '{mq}'`
@@ -27,7 +27,7 @@ pub struct Keys {
     pub list_consumers: String,
 }
 
-/// One list queue (DESIGN §4).
+/// One list queue.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Queue {
     /// The LIST producers push onto, used as is (PHP writes `payment_queue`).

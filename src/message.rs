@@ -1,4 +1,4 @@
-//! The message envelope of the wire contract (DESIGN §1) and its validation.
+//! The message envelope of the wire contract and its validation.
 //!
 //! `{"event": "order.timeout", "payload": {...}, "retry": 0, "ts": 1768764300}`.
 //! Decoding never panics and never trusts the producer: every way a message can be wrong

@@ -1,7 +1,7 @@
 //! The producer side: schedule and cancel delayed jobs (what `worker push` and
 //! `worker cancel` call, and what a Rust service embeds).
 //!
-//! Writes exactly what the PHP producer writes (DESIGN §1): the message JSON into the
+//! Writes exactly what the PHP producer writes: the message JSON into the
 //! data hash and the job key into the pool, but in one atomic script, data first, so the
 //! mover never sees a member without data. Scores are written in milliseconds.
 

@@ -1,4 +1,4 @@
--- The reference shop schema (DESIGN §3a): the names the built-in handlers rely on.
+-- The reference shop schema: the names the built-in handlers rely on.
 -- Shops usually have these tables already, so every statement is "if not exists": a table
 -- that exists is kept as it is, and only the columns the handlers need are added to it.
 

@@ -53,7 +53,7 @@ pub struct StatsReport {
     pub queues: Vec<QueueFigures>,
 }
 
-/// One list queue (DESIGN §4).
+/// One list queue.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct QueueFigures {
     pub name: String,
@@ -146,7 +146,7 @@ const DEAD_NEW_CAP: u64 = 100_000;
 
 /// Counts stream entries from an id on, server side: a check must not download every
 /// dead letter just to count them.
-const COUNT_SINCE: &str = include_str!("../lua/count_since.lua");
+const COUNT_SINCE: &str = crate::store::dead::COUNT_SINCE_LUA;
 
 /// Reads every figure at `now_ms`: one pipelined round trip for the keys, a second one
 /// for the consumers' heartbeats and the oldest due member's data. A missing stream,

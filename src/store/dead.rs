@@ -7,6 +7,10 @@ use std::sync::LazyLock;
 
 static REQUEUE: LazyLock<Script> = script!("requeue.lua");
 
+/// A read-only script for `worker stats`: how many entries of a stream have an id at or
+/// after ARGV[1], up to ARGV[2], counted server side (see `lua/count_since.lua`).
+pub const COUNT_SINCE_LUA: &str = include_str!("../lua/count_since.lua");
+
 /// What became of one letter in [`requeue`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Requeued {
