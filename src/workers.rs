@@ -44,6 +44,9 @@ pub const ACK_BATCH: usize = 64;
 /// How long a worker with unsettled outcomes waits for more work before settling them.
 pub const ACK_LINGER: Duration = Duration::from_millis(2);
 
+/// How often outcomes held back by a key of the wrong type are tried again.
+pub const HELD_RETRY: Duration = Duration::from_secs(1);
+
 /// What every worker shares. Read-only except the counters.
 pub struct PoolContext<'a> {
     pub keys: &'a Keys,
@@ -160,6 +163,11 @@ pub struct Worker<'a> {
     /// too (a crashed server forgets them); their acks must not go out as acks.
     durability_lost: bool,
     redis: Option<redis::Connection>,
+    /// Outcomes a settle left where they were because a key they go to holds another
+    /// type: tried again every [`HELD_RETRY`] until it is fixed. At shutdown they stay
+    /// pending (or in the processing list) for the next start.
+    held: Vec<Settlement>,
+    held_tried: Option<std::time::Instant>,
     db_backoff: Backoff,
     redis_backoff: Backoff,
 }
@@ -177,6 +185,8 @@ impl<'a> Worker<'a> {
             flush_slot: format!("{}/{index}", ctx.consumer),
             durability_lost: false,
             redis: None,
+            held: Vec::new(),
+            held_tried: None,
         }
     }
 
@@ -264,9 +274,9 @@ impl<'a> Worker<'a> {
                         Err(RecvTimeoutError::Disconnected) => break,
                         Err(RecvTimeoutError::Timeout) => {
                             self.flush(&mut outcomes);
-                            match rx.recv() {
-                                Ok(d) => d,
-                                Err(_) => break,
+                            match self.wait_for_work(rx, &mut outcomes) {
+                                Some(d) => d,
+                                None => break,
                             }
                         }
                     }
@@ -301,6 +311,25 @@ impl<'a> Worker<'a> {
         }
         self.flush(&mut outcomes);
         log::debug!("{}: stopped", self.name);
+    }
+
+    /// Waits for the next delivery; while outcomes are held back, tries them again every
+    /// [`HELD_RETRY`] meanwhile. `None` when the channel is disconnected.
+    fn wait_for_work(
+        &mut self,
+        rx: &Receiver<Delivery>,
+        outcomes: &mut Vec<Settlement>,
+    ) -> Option<Delivery> {
+        loop {
+            if self.held.is_empty() {
+                return rx.recv().ok();
+            }
+            match rx.recv_timeout(HELD_RETRY) {
+                Ok(d) => return Some(d),
+                Err(RecvTimeoutError::Disconnected) => return None,
+                Err(RecvTimeoutError::Timeout) => self.flush(outcomes),
+            }
+        }
     }
 
     /// Decides what becomes of one delivery. `None` leaves it pending (only when the
@@ -511,6 +540,10 @@ impl<'a> Worker<'a> {
     /// is unreachable; gives up only at shutdown, leaving the entries pending (they are
     /// redelivered and the inbox turns the redelivery into a no-op).
     fn flush(&mut self, outcomes: &mut Vec<Settlement>) {
+        if !self.held.is_empty() && self.held_tried.is_none_or(|t| t.elapsed() >= HELD_RETRY) {
+            self.held_tried = Some(std::time::Instant::now());
+            outcomes.append(&mut self.held);
+        }
         if outcomes.is_empty() {
             return;
         }
@@ -538,7 +571,6 @@ impl<'a> Worker<'a> {
                 Ok(report) => {
                     self.redis_backoff.reset();
                     self.settled(outcomes, &report);
-                    outcomes.clear();
                     return;
                 }
                 Err(e) => {
@@ -566,13 +598,13 @@ impl<'a> Worker<'a> {
     }
 
     /// Counts and logs what a settle did, now that Redis has it: the retries written, the
-    /// dead letters written, and the outcomes left pending behind a key of the wrong type
-    /// (delivered again once it is fixed).
-    fn settled(&self, outcomes: &[Settlement], report: &store::SettleReport) {
+    /// dead letters written, and the outcomes left where they were behind a key of the
+    /// wrong type (held, and tried again). Empties `outcomes`.
+    fn settled(&mut self, outcomes: &mut Vec<Settlement>, report: &store::SettleReport) {
         let stats = self.ctx.stats;
         Stats::add(&stats.acked, report.applied() as u64);
         let mut blocked = 0;
-        for (s, what) in outcomes.iter().zip(&report.each) {
+        for (s, what) in outcomes.drain(..).zip(&report.each) {
             match (what, &s.outcome) {
                 (Settled::Applied, Outcome::Retry { .. }) => {
                     stats.jobs.job(&s.event, JobOutcome::Retry);
@@ -585,13 +617,16 @@ impl<'a> Worker<'a> {
                     );
                     stats.jobs.job(&s.event, JobOutcome::Dead);
                 }
-                (Settled::Blocked, _) => blocked += 1,
+                (Settled::Blocked, _) => {
+                    blocked += 1;
+                    self.held.push(s);
+                }
                 _ => {}
             }
         }
         if let Some(w) = &report.blocked {
             let problem = format!(
-                "{blocked} outcomes stay pending: {w}; rename or remove it and they are delivered again"
+                "{blocked} outcomes are held back: {w}; they are settled once it is renamed or removed"
             );
             log::error!("{}: {problem}", self.name);
             stats.report_problem(problem);
@@ -607,7 +642,6 @@ impl<'a> Worker<'a> {
                     store::settle(&mut c, self.ctx.keys, self.ctx.consumer, now_s, outcomes)
                 {
                     self.settled(outcomes, &report);
-                    outcomes.clear();
                     return true;
                 }
             }

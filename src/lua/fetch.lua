@@ -6,10 +6,11 @@
 -- A message over the size limit never reaches the worker: its dead letter (a prefix, its
 -- length and a digest) is pushed onto the queue's dead list, then it leaves the queue.
 -- Each fetch counts the message (by digest) in the queue's deliveries HASH; settling it
--- clears the count. A message fetched more than ARGV[2] times without being settled (it
--- kills its consumer, which restarts and pushes it back) goes to the dead list instead,
--- the dead letter written before the message leaves the processing list.
--- A queue one of whose keys holds another type is skipped and reported; the rest go on.
+-- clears the count. A message that would be fetched more than ARGV[2] times without being
+-- settled (it kills its consumer, which restarts and pushes it back) goes to the dead list
+-- instead, the dead letter written before the message leaves the queue.
+-- A queue whose queue, processing list or deliveries key holds another type is skipped
+-- and reported; the rest go on.
 --
 -- KEYS: per queue: queue, processing list, deliveries HASH, dead list
 -- ARGV[1] the most messages to take, ARGV[2] max deliveries, ARGV[3] now (unix seconds),
@@ -32,32 +33,40 @@ local function bury(dead, queue, msg, reason, attempts, length, digest)
 end
 for i = 1, #KEYS, 4 do
   local queue_name = ARGV[5 + (i + 3) / 4]
-  local w = wrong_type(KEYS[i], 'list', KEYS[i + 1], 'list', KEYS[i + 2], 'hash', KEYS[i + 3], 'list')
+  local w = wrong_type(KEYS[i], 'list', KEYS[i + 1], 'list', KEYS[i + 2], 'hash')
+  -- The dead list is needed only for a message that must be buried; while it holds
+  -- another type such a message stays at the tail of its queue (and the queue waits
+  -- behind it) until the key is fixed.
+  local dead_bad = wrong_type(KEYS[i + 3], 'list')
   if w then
     blocked = blocked or w
   else
     while n < max do
       local msg = redis.call('LINDEX', KEYS[i], -1)
       if not msg then break end
-      if #msg > max_bytes then
+      local digest = redis.sha1hex(msg)
+      local over = #msg > max_bytes
+      local count = tonumber(redis.call('HGET', KEYS[i + 2], digest) or '0') + 1
+      if (over or count > max_deliveries) and dead_bad then
+        blocked = blocked or dead_bad
+        break
+      end
+      if over then
         bury(KEYS[i + 3], queue_name, string.sub(msg, 1, OVERSIZE_PREFIX),
-          oversize_reason(#msg, max_bytes), 0, #msg, redis.sha1hex(msg))
+          oversize_reason(#msg, max_bytes), 0, #msg, digest)
+        redis.call('RPOP', KEYS[i])
+      elseif count > max_deliveries then
+        bury(KEYS[i + 3], queue_name, msg,
+          'fetched ' .. (count - 1) .. ' times without being settled (limit ' .. max_deliveries .. ')',
+          count - 1, #msg, '')
+        redis.call('HDEL', KEYS[i + 2], digest)
         redis.call('RPOP', KEYS[i])
       else
         redis.call('LMOVE', KEYS[i], KEYS[i + 1], 'RIGHT', 'LEFT')
-        local digest = redis.sha1hex(msg)
-        local count = redis.call('HINCRBY', KEYS[i + 2], digest, 1)
-        if count > max_deliveries then
-          bury(KEYS[i + 3], queue_name, msg,
-            'fetched ' .. (count - 1) .. ' times without being settled (limit ' .. max_deliveries .. ')',
-            count - 1, #msg, '')
-          redis.call('HDEL', KEYS[i + 2], digest)
-          redis.call('LREM', KEYS[i + 1], 1, msg)
-        else
-          n = n + 1
-          out[#out + 1] = (i - 1) / 4
-          out[#out + 1] = msg
-        end
+        redis.call('HSET', KEYS[i + 2], digest, count)
+        n = n + 1
+        out[#out + 1] = (i - 1) / 4
+        out[#out + 1] = msg
       end
     end
   end

@@ -295,3 +295,50 @@ fn a_job_key_pushed_again_within_the_same_second_is_a_new_job() {
     assert_ne!(rows[0].1, rows[1].1);
     assert_accounting(&env.db, &orders, &[&orders[0]]);
 }
+
+/// Defect 1 in list mode: the dead list of the wrong type holds the message in the
+/// processing list (not lost), and the worker settles it once the key is fixed, without a
+/// restart.
+#[test]
+fn list_mode_holds_a_dead_letter_back_until_its_dead_list_is_fixed() {
+    let mut env = Env::new();
+    env.config.source = delay_worker::config::Source::List;
+    env.config.keys.queues = vec![delay_worker::keys::Queue::new("q", None)];
+    let mut con = env.con();
+    redis::cmd("SET")
+        .arg("q:dead")
+        .arg("x")
+        .query::<()>(&mut con)
+        .unwrap();
+    redis::cmd("LPUSH")
+        .arg("q")
+        .arg("not json")
+        .query::<()>(&mut con)
+        .unwrap();
+    let daemon = Daemon::start(&env.config);
+    let held = |con: &mut redis::Connection| -> usize {
+        redis::cmd("LLEN")
+            .arg("q:processing:c1")
+            .query(con)
+            .unwrap()
+    };
+    wait_until(WAIT, "the message held in processing", || {
+        held(&mut env.con()) == 1
+    });
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(held(&mut con), 1, "still held, not lost");
+    redis::cmd("DEL")
+        .arg("q:dead")
+        .query::<()>(&mut con)
+        .unwrap();
+    wait_until(WAIT, "the dead letter", || {
+        let n: usize = redis::cmd("LLEN")
+            .arg("q:dead")
+            .query(&mut env.con())
+            .unwrap();
+        n == 1
+    });
+    let report = daemon.stop();
+    assert_eq!(held(&mut con), 0);
+    assert_eq!(report.stats.dead, 1);
+}

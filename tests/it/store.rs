@@ -470,11 +470,12 @@ fn list_keys() -> Keys {
 }
 
 #[test]
-fn fetch_skips_a_queue_whose_dead_list_is_the_wrong_type_and_screens_sizes() {
+fn fetch_holds_an_oversized_message_back_while_the_dead_list_is_the_wrong_type() {
     let r = RedisServer::start();
     let mut con = r.con();
     let k = list_keys();
     let q = &k.queues[0];
+    // Fetched from the tail: "small" first, then the oversized one.
     for m in ["small", &"z".repeat(MAX + 1)] {
         redis::cmd("LPUSH")
             .arg(&q.name)
@@ -484,13 +485,17 @@ fn fetch_skips_a_queue_whose_dead_list_is_the_wrong_type_and_screens_sizes() {
     }
     set_string(&mut con, &q.dead);
     let f = list::fetch(&mut con, &k, "c1", 10, 3, MAX).unwrap();
-    assert!(f.messages.is_empty());
+    assert_eq!(f.messages, vec![(0, b"small".to_vec())]);
     assert_eq!(f.blocked.unwrap().key, q.dead);
-    assert_eq!(llen(&mut con, &q.name), 2, "both still queued");
+    assert_eq!(
+        llen(&mut con, &q.name),
+        1,
+        "the oversized one waits in its queue"
+    );
     del(&mut con, &q.dead);
     let f = list::fetch(&mut con, &k, "c1", 10, 3, MAX).unwrap();
-    assert_eq!(f.messages, vec![(0, b"small".to_vec())]);
-    assert_eq!(f.buried.len(), 1, "the oversized one is a dead letter");
+    assert!(f.messages.is_empty());
+    assert_eq!(f.buried.len(), 1, "then it is a dead letter, never read");
     let letter: String = redis::cmd("LINDEX")
         .arg(&q.dead)
         .arg(0)
@@ -500,6 +505,24 @@ fn fetch_skips_a_queue_whose_dead_list_is_the_wrong_type_and_screens_sizes() {
     assert_eq!(v["length"], MAX + 1);
     assert_eq!(v["msg"].as_str().unwrap().len(), 4096);
     assert_eq!(llen(&mut con, &q.name), 0);
+}
+
+#[test]
+fn fetch_skips_a_queue_whose_processing_list_is_the_wrong_type() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let k = list_keys();
+    let q = &k.queues[0];
+    redis::cmd("LPUSH")
+        .arg(&q.name)
+        .arg("m")
+        .query::<()>(&mut con)
+        .unwrap();
+    set_string(&mut con, &q.processing("c1"));
+    let f = list::fetch(&mut con, &k, "c1", 10, 3, MAX).unwrap();
+    assert!(f.messages.is_empty());
+    assert_eq!(f.blocked.unwrap().key, q.processing("c1"));
+    assert_eq!(llen(&mut con, &q.name), 1, "still queued");
 }
 
 #[test]
