@@ -326,4 +326,80 @@ mod tests {
             "payload of \"order.timeout\" is missing order_id or order_no"
         );
     }
+
+    mod props {
+        //! Decoding never panics and never trusts the bytes: arbitrary bytes and arbitrary
+        //! JSON (deep, odd numbers, unknown fields) either decode or give a reason, and a
+        //! decoded message survives the retry round trip with its identity.
+        use super::super::*;
+        use proptest::prelude::*;
+
+        fn json() -> impl Strategy<Value = Value> {
+            let leaf = prop_oneof![
+                Just(Value::Null),
+                any::<bool>().prop_map(Value::from),
+                any::<i64>().prop_map(Value::from),
+                any::<f64>().prop_map(
+                    |f| serde_json::Number::from_f64(f).map_or(Value::Null, Value::Number)
+                ),
+                ".{0,12}".prop_map(Value::from),
+            ];
+            leaf.prop_recursive(6, 64, 6, |inner| {
+                prop_oneof![
+                    prop::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
+                    prop::collection::btree_map("[a-z_]{1,8}", inner, 0..6)
+                        .prop_map(|m| Value::Object(m.into_iter().collect())),
+                ]
+            })
+        }
+
+        fn check_round_trip(env: &Envelope) {
+            let next = env.next_retry();
+            let again = Envelope::decode(next.as_bytes(), usize::MAX).expect("a retry decodes");
+            assert_eq!(again.event, env.event);
+            assert_eq!(again.payload, env.payload);
+            assert_eq!(again.retry, env.retry.saturating_add(1));
+            assert_eq!(again.job_id, env.job_id, "a retry is the same job");
+            assert_eq!(again.ts, env.ts);
+            if let Some(id) = &env.job_id {
+                assert!(next.starts_with(&format!("{{\"job_id\":{}", Value::from(id.as_str()))));
+            }
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(2000))]
+
+            #[test]
+            fn arbitrary_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..512)) {
+                if let Ok(env) = Envelope::decode(&bytes, 64 * 1024) {
+                    let _ = env.require(&[vec!["order_id".into(), "order_no".into()]]);
+                    check_round_trip(&env);
+                }
+                if let Ok(env) = Envelope::decode_raw(&bytes, 64 * 1024, "payment.paid") {
+                    Envelope::decode(env.next_retry().as_bytes(), usize::MAX).expect("raw re-queues");
+                }
+                let _ = event_of(&bytes);
+            }
+
+            #[test]
+            fn arbitrary_json_decodes_or_names_its_reason(
+                v in json(),
+                event in prop_oneof![Just(None), ".{0,10}".prop_map(Some)],
+                payload in prop_oneof![Just(None), json().prop_map(Some)],
+                ts in prop_oneof![Just(Value::Null), any::<f64>().prop_map(|f| serde_json::Number::from_f64(f).map_or(Value::Null, Value::Number)), any::<i64>().prop_map(Value::from), "[0-9.]{0,14}".prop_map(Value::from)],
+                job_id in prop_oneof![Just(None), "[0-9-]{1,20}".prop_map(Some)],
+            ) {
+                let mut m = match v { Value::Object(m) => m, other => { let mut m = Map::new(); m.insert("x".into(), other); m } };
+                if let Some(e) = event { m.insert("event".into(), Value::from(e)); }
+                if let Some(p) = payload { m.insert("payload".into(), p); }
+                m.insert("ts".into(), ts);
+                if let Some(id) = job_id { m.insert("job_id".into(), Value::from(id)); }
+                let text = to_wire(m);
+                match Envelope::decode(text.as_bytes(), 1 << 20) {
+                    Ok(env) => check_round_trip(&env),
+                    Err(r) => prop_assert!(!r.to_string().is_empty()),
+                }
+            }
+        }
+    }
 }

@@ -22,5 +22,5 @@ fuzz_target!(|data: &[u8]| {
     }
     let key = delay_worker::workers::key_text(data);
     assert!(!key.contains('\0'));
-    let _ = delay_worker::workers::event_of(data);
+    let _ = delay_worker::message::event_of(data);
 });

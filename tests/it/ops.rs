@@ -106,9 +106,7 @@ fn start_worker(env: &Env, vars: &[(&str, &str)], extra: &[&str]) -> Proc {
     for (k, v) in vars {
         cmd.env(k, v);
     }
-    Proc {
-        child: cmd.spawn().expect("start the worker binary"),
-    }
+    Proc::spawn(cmd)
 }
 
 #[test]

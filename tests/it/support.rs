@@ -300,15 +300,17 @@ impl Drop for Daemon {
     }
 }
 
-/// The `worker` binary as a child process (for kill -9 and signals).
+/// The `worker` binary as a child process (for kill -9 and signals). Its log goes to a
+/// file of its own, printed only if the test fails: a passing run is quiet.
 pub struct Proc {
     pub child: Child,
+    log: PathBuf,
 }
 
 impl Proc {
     pub fn start(config: &Config, extra: &[String]) -> Proc {
-        let child = Command::new(env!("CARGO_BIN_EXE_worker"))
-            .env("REDIS_URL", &config.redis_url)
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_worker"));
+        cmd.env("REDIS_URL", &config.redis_url)
             .env("DATABASE_URL", &config.database_url)
             .env(
                 "RUST_LOG",
@@ -326,10 +328,21 @@ impl Proc {
             ])
             .args(["--retry-base", "100ms", "--stats-interval", "1s"])
             .args(extra)
-            .stdin(Stdio::null())
-            .spawn()
-            .expect("start the worker binary");
-        Proc { child }
+            .stdin(Stdio::null());
+        Proc::spawn(cmd)
+    }
+
+    /// Starts `cmd` (the worker binary with its flags) with its stderr in a log file.
+    pub fn spawn(mut cmd: Command) -> Proc {
+        let log = std::env::temp_dir().join(unique("dw-worker-log"));
+        let file = std::fs::File::create(&log).expect("create the child's log file");
+        let child = cmd.stderr(file).spawn().expect("start the worker binary");
+        Proc { child, log }
+    }
+
+    /// What the child logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
     pub fn kill9(&mut self) {
@@ -362,6 +375,14 @@ impl Proc {
 impl Drop for Proc {
     fn drop(&mut self) {
         self.kill9();
+        if std::thread::panicking() {
+            eprintln!(
+                "---- log of worker {} ----\n{}",
+                self.child.id(),
+                self.log()
+            );
+        }
+        let _ = std::fs::remove_file(&self.log);
     }
 }
 
