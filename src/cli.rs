@@ -4,7 +4,7 @@
 //! from `REDIS_URL` / `DATABASE_URL`. A value that does not make sense is a [`CliError`]
 //! naming the flag; `main` prints it as one line.
 
-use crate::config::parse_duration;
+use crate::config::{parse_delay, parse_duration};
 use crate::config::{Config, JobConfig, LegacyPool, MoverConfig, ReaderConfig, Source};
 use crate::keys::{KeyOverrides, Keys, Queue};
 use clap::{Args, Parser, Subcommand};
@@ -58,9 +58,9 @@ pub struct PushArgs {
     /// Payload, a JSON object, e.g. '{"order_no":"SO1"}'.
     #[arg(long)]
     pub payload: String,
-    /// Delay in seconds from now (fractions allowed).
-    #[arg(long)]
-    pub delay: f64,
+    /// Delay from now: a duration (900ms, 15m, 2h) or a bare number of seconds (1.5).
+    #[arg(long, value_parser = parse_delay)]
+    pub delay: Duration,
     /// Job key; a deterministic key (order.timeout:SO1) makes a second push reschedule.
     #[arg(long)]
     pub key: Option<String>,

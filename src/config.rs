@@ -111,6 +111,22 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     humantime::parse_duration(s).map_err(|e| format!("{e} (examples: 100ms, 2s, 5m, 24h, 7d)"))
 }
 
+/// A delay: a duration with units (`900ms`, `15m`) or a bare number of seconds (`1.5`),
+/// under 1e9 seconds.
+pub fn parse_delay(s: &str) -> Result<Duration, String> {
+    let d = match s.trim().parse::<f64>() {
+        Ok(secs) if secs.is_finite() && (0.0..1e9).contains(&secs) => {
+            Duration::from_secs_f64(secs)
+        }
+        Ok(_) => return Err("must be between 0 and 1e9 seconds".into()),
+        Err(_) => parse_duration(s)?,
+    };
+    if d.as_secs() >= 1_000_000_000 {
+        return Err("must be under 1e9 seconds".into());
+    }
+    Ok(d)
+}
+
 /// `--max-message-bytes` by default.
 pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 64 * 1024;
 

@@ -122,15 +122,11 @@ fn redis(config: &Config) -> anyhow::Result<redis::Connection> {
 fn push(config: &Config, args: &PushArgs) -> anyhow::Result<ExitCode> {
     let payload: serde_json::Value =
         serde_json::from_str(&args.payload).context("--payload is not valid JSON")?;
-    anyhow::ensure!(
-        args.delay.is_finite() && args.delay >= 0.0 && args.delay < 1e9,
-        "--delay: must be a number of seconds between 0 and 1e9"
-    );
     let now = delay_worker::now_ms();
     let job = producer::NewJob {
         event: args.event.clone(),
         payload,
-        due_ms: now + (args.delay * 1000.0).round() as i64,
+        due_ms: now + args.delay.as_millis() as i64,
         key: args.key.clone(),
     };
     let mut con = redis(config)?;
@@ -143,7 +139,7 @@ fn push(config: &Config, args: &PushArgs) -> anyhow::Result<ExitCode> {
             "scheduled"
         },
         pushed.key,
-        args.delay
+        args.delay.as_secs_f64()
     );
     Ok(ExitCode::SUCCESS)
 }

@@ -310,7 +310,7 @@ impl<'a> Worker<'a> {
             }
         }
         self.flush(&mut outcomes);
-        log::debug!("{}: stopped", self.name);
+        log::trace!("{}: stopped", self.name);
     }
 
     /// Waits for the next delivery; while outcomes are held back, tries them again every
@@ -409,14 +409,25 @@ impl<'a> Worker<'a> {
                     Effect::Applied => JobOutcome::Done,
                     Effect::NoOp => JobOutcome::NoOp,
                 };
+                let now = crate::now_ms();
                 stats.jobs.job(&env.event, outcome);
-                stats.jobs.lateness(d.due_ms, crate::now_ms());
-                log::debug!("job {key} {} {effect:?}", env.event);
+                stats.jobs.lateness(d.due_ms, now);
+                if log::log_enabled!(log::Level::Debug) {
+                    let what = match effect {
+                        Effect::Applied => "done",
+                        Effect::NoOp => "no-op (nothing to change)",
+                    };
+                    let late = d
+                        .due_ms
+                        .map(|due| format!(", {} ms after its due time", now - due))
+                        .unwrap_or_default();
+                    log::debug!("job {key} {}: {what}{late}", env.event);
+                }
                 Settlement::new(d, Outcome::Ack)
             }
             JobResult::Duplicate => {
                 stats.jobs.job(&env.event, JobOutcome::Duplicate);
-                log::debug!("job {key} {} duplicate (already in the inbox)", env.event);
+                log::debug!("job {key} {}: duplicate (already in the inbox)", env.event);
                 Settlement::new(d, Outcome::Ack)
             }
             // Connection-level failures never get here: `run_in_database` reruns those.
