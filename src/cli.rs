@@ -1,8 +1,12 @@
 //! Command-line flags and subcommands (clap derive), and their validation into [`Config`].
 //!
-//! Every flag has its doc comment as `--help` text. Connection URLs come from flags or
-//! from `REDIS_URL` / `DATABASE_URL`. A value that does not make sense is a [`CliError`]
-//! naming the flag; `main` prints it as one line.
+//! Every flag has its doc comment as `--help` text. Each subcommand owns its flags: the
+//! connection flags ([`ConnArgs`]: URLs and key names) are shared by all; the daemon's
+//! ([`RunArgs`]) belong to `run` (also accepted without a subcommand, `worker --threads 8`)
+//! and `bench`; the queue layout ([`QueueArgs`]) to those and `stats`. A subcommand
+//! rejects a flag it does not use. Connection URLs come from flags or from `REDIS_URL` /
+//! `DATABASE_URL`. A value that does not make sense is a [`CliError`] naming the flag as
+//! the user gave it; `main` prints it as one line and exits 2.
 
 use crate::config::{parse_delay, parse_duration};
 use crate::config::{Config, JobConfig, LegacyPool, MoverConfig, ReaderConfig, Source};
@@ -30,7 +34,7 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Run the daemon (the default when no subcommand is given).
-    Run,
+    Run(RunArgs),
     /// Apply the schema migrations (shop tables where absent, the worker's own tables).
     Migrate,
     /// Schedule a delayed job.
@@ -42,12 +46,22 @@ pub enum Command {
         key: String,
     },
     /// Queue figures (stream, group, consumers, pool, dead letters); --watch, --check.
-    Stats(crate::admin::StatsArgs),
+    Stats {
+        #[command(flatten)]
+        queues: QueueArgs,
+        #[command(flatten)]
+        args: crate::admin::StatsArgs,
+    },
     /// List, show, requeue or purge the dead letters.
     Dead(crate::admin::DeadArgs),
     /// Measure lateness and throughput against this machine's ceilings (destructive: use
     /// a bench database; scripts/bench.sh sets one up).
-    Bench(crate::bench::BenchArgs),
+    Bench {
+        #[command(flatten)]
+        run: RunArgs,
+        #[command(flatten)]
+        args: crate::bench::BenchArgs,
+    },
 }
 
 #[derive(Args, Debug)]
@@ -64,6 +78,13 @@ pub struct PushArgs {
     /// Job key; a deterministic key (order.timeout:SO1) makes a second push reschedule.
     #[arg(long)]
     pub key: Option<String>,
+    /// Directory of extra SQL handlers (*.sql), to check the event against.
+    #[arg(long)]
+    pub handlers_dir: Option<PathBuf>,
+    /// Push even an event no handler has, or a payload missing a required field (the
+    /// worker will dead-letter it unless a handler for it exists by then).
+    #[arg(long)]
+    pub unchecked: bool,
 }
 
 /// Where the servers are and what the keys are called.
@@ -116,100 +137,107 @@ pub enum SourceArg {
     List,
 }
 
-/// How the daemon runs.
+/// Where messages wait: the stream, or list queues; and older producers' pools.
 #[derive(Args, Debug, Clone)]
-pub struct RunArgs {
+pub struct QueueArgs {
     /// Read from the events stream or from list queues.
-    #[arg(long, value_enum, default_value = "stream", global = true)]
+    #[arg(long, value_enum, default_value = "stream")]
     pub source: SourceArg,
     /// List mode: the queues, highest priority first (the first non-empty one wins).
-    #[arg(long, value_delimiter = ',', global = true)]
+    #[arg(long, value_delimiter = ',')]
     pub queues: Vec<String>,
     /// List mode: a queue of raw JSON (no envelope) standing for one event, as
     /// NAME=EVENT (e.g. payment_queue=payment.paid); added after --queues if not listed.
-    #[arg(long = "queue", value_name = "NAME=EVENT", global = true)]
+    #[arg(long = "queue", value_name = "NAME=EVENT")]
     pub raw_queues: Vec<String>,
     /// List mode: the queue the mover pushes due messages onto [default: the first queue
     /// that is not raw].
-    #[arg(long, global = true)]
+    #[arg(long)]
     pub mover_queue: Option<String>,
     /// List mode: suffix of each queue's dead list.
-    #[arg(long, default_value = ":dead", global = true)]
+    #[arg(long, default_value = ":dead")]
     pub dead_suffix: String,
     /// An older producer's pool also moved, as KEY=EVENT (e.g.
     /// delay:order_close=order.timeout): a ZSET of keys whose STRING value is the order id.
-    #[arg(long = "legacy-pool", value_name = "KEY=EVENT", global = true)]
+    #[arg(long = "legacy-pool", value_name = "KEY=EVENT")]
     pub legacy_pools: Vec<String>,
+}
+
+/// How the daemon runs.
+#[derive(Args, Debug, Clone)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub queues: QueueArgs,
     /// Worker threads; the PostgreSQL pool and the channel are sized from it.
-    #[arg(long, default_value_t = 8, global = true)]
+    #[arg(long, default_value_t = 8)]
     pub threads: usize,
     /// Stable consumer name in the group [default: the host name]. Give each process
     /// on one host its own.
-    #[arg(long, global = true)]
+    #[arg(long)]
     pub consumer: Option<String>,
     /// Members moved per Lua call.
-    #[arg(long, default_value_t = 500, global = true)]
+    #[arg(long, default_value_t = 500)]
     pub batch_size: usize,
     /// Longest mover sleep when nothing is due sooner.
-    #[arg(long, default_value = "100ms", value_parser = parse_duration, global = true)]
+    #[arg(long, default_value = "100ms", value_parser = parse_duration)]
     pub poll_interval: Duration,
     /// A due member without data is removed as an orphan this long after its due time.
-    #[arg(long, default_value = "60s", value_parser = parse_duration, global = true)]
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
     pub orphan_grace: Duration,
     /// Do not run a mover in this process (another process moves).
-    #[arg(long, global = true)]
+    #[arg(long)]
     pub no_mover: bool,
     /// XREADGROUP block timeout; also how often the reader does its maintenance.
-    #[arg(long, default_value = "2s", value_parser = parse_duration, global = true)]
+    #[arg(long, default_value = "2s", value_parser = parse_duration)]
     pub block: Duration,
     /// Reclaim entries idle this long on another consumer.
-    #[arg(long, default_value = "60s", value_parser = parse_duration, global = true)]
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
     pub claim_idle: Duration,
     /// Dead-letter entries delivered more than this many times.
-    #[arg(long, default_value_t = 10, global = true)]
+    #[arg(long, default_value_t = 10)]
     pub max_deliveries: u64,
     /// TTL of this consumer's heartbeat key; peers take over its entries once expired.
-    #[arg(long, default_value = "10s", value_parser = parse_duration, global = true)]
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
     pub heartbeat_ttl: Duration,
     /// Trim acknowledged stream entries older than this (0 keeps all). Pending and
     /// undelivered entries are never trimmed; dead letters never automatically.
-    #[arg(long, default_value = "24h", value_parser = parse_duration, global = true)]
+    #[arg(long, default_value = "24h", value_parser = parse_duration)]
     pub retention: Duration,
     /// Retries of a transient failure before the dead letters.
-    #[arg(long, default_value_t = 3, global = true)]
+    #[arg(long, default_value_t = 3)]
     pub max_retries: u32,
     /// First retry delay; doubles with each retry.
-    #[arg(long, default_value = "1s", value_parser = parse_duration, global = true)]
+    #[arg(long, default_value = "1s", value_parser = parse_duration)]
     pub retry_base: Duration,
     /// Longest retry delay.
-    #[arg(long, default_value = "5m", value_parser = parse_duration, global = true)]
+    #[arg(long, default_value = "5m", value_parser = parse_duration)]
     pub retry_cap: Duration,
     /// PostgreSQL statement timeout of every handler statement.
-    #[arg(long, default_value = "5s", value_parser = parse_duration, global = true)]
+    #[arg(long, default_value = "5s", value_parser = parse_duration)]
     pub statement_timeout: Duration,
     /// Messages larger than this many bytes are dead-lettered unread.
-    #[arg(long, default_value_t = 65536, global = true)]
+    #[arg(long, default_value_t = 65536)]
     pub max_message_bytes: usize,
     /// Most jobs a worker runs in one transaction, each with its own inbox row (only jobs
     /// already waiting are batched; a failure reruns each job alone).
-    #[arg(long, default_value_t = 1, global = true)]
+    #[arg(long, default_value_t = 1)]
     pub tx_batch: usize,
     /// Wait for the WAL flush at every job's commit instead of once per batch of acks
     /// (group commit is the default; an acknowledged job is durable either way).
-    #[arg(long, global = true)]
+    #[arg(long)]
     pub no_group_commit: bool,
     /// Directory of extra SQL handlers (*.sql).
-    #[arg(long, global = true)]
+    #[arg(long)]
     pub handlers_dir: Option<PathBuf>,
     /// Acknowledge this event without any database work (measures the queue engine alone).
-    #[arg(long, global = true, hide = true)]
+    #[arg(long, hide = true)]
     pub noop_event: Vec<String>,
     /// How often to log the counters.
-    #[arg(long, default_value = "60s", value_parser = parse_duration, global = true)]
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
     pub stats_interval: Duration,
     /// Serve Prometheus metrics on /metrics and a health check on /healthz at this
     /// address, e.g. 127.0.0.1:9187 [default: off].
-    #[arg(long, global = true)]
+    #[arg(long)]
     pub metrics_addr: Option<std::net::SocketAddr>,
 }
 
@@ -262,10 +290,103 @@ impl ConnArgs {
     }
 }
 
+impl RunArgs {
+    /// Every daemon flag at its default (what `push` or `dead` run with), from the one
+    /// place the defaults are written: the `#[arg]`s above.
+    pub fn defaults() -> RunArgs {
+        use clap::{CommandFactory, FromArgMatches};
+        #[derive(Parser)]
+        struct Only {
+            #[command(flatten)]
+            run: RunArgs,
+        }
+        let m = Only::command().get_matches_from(["worker"]);
+        Only::from_arg_matches(&m)
+            .map(|o| o.run)
+            .expect("the daemon flags' defaults parse")
+    }
+}
+
 impl Cli {
+    /// The daemon flags this command runs with: its own, or the defaults with the queue
+    /// layout `stats` was given.
+    fn run_args(&self) -> std::borrow::Cow<'_, RunArgs> {
+        use std::borrow::Cow;
+        match &self.command {
+            None => Cow::Borrowed(&self.run),
+            Some(Command::Run(r)) | Some(Command::Bench { run: r, .. }) => Cow::Borrowed(r),
+            Some(Command::Stats { queues, .. }) => Cow::Owned(RunArgs {
+                queues: queues.clone(),
+                ..RunArgs::defaults()
+            }),
+            Some(_) => Cow::Owned(RunArgs::defaults()),
+        }
+    }
+
+    /// [`Cli::config`], plus the checks that need to know where a value came from: a URL
+    /// that does not parse is named as the user gave it (`--redis-url` or `REDIS_URL`).
+    pub fn config_from(&self, m: &clap::ArgMatches) -> Result<Config, CliError> {
+        if let Some(name) = m.subcommand_name() {
+            // The daemon's flags are accepted before a subcommand only by clap's grammar.
+            let daemon = RunArgs::augment_args(clap::Command::new("run"));
+            for arg in daemon.get_arguments() {
+                let id = arg.get_id().as_str();
+                if m.value_source(id) == Some(clap::parser::ValueSource::CommandLine) {
+                    let flag = arg.get_long().unwrap_or(id);
+                    let problem = if name == "run" || name == "bench" {
+                        format!("--{flag} goes after the subcommand: `worker {name} --{flag} ...`")
+                    } else {
+                        format!("--{flag} is a flag of the daemon (`worker run`), not of `worker {name}`")
+                    };
+                    return Err(CliError {
+                        flag: "usage",
+                        problem,
+                    });
+                }
+            }
+        }
+        let mut config = self.config()?;
+        let given = |id: &str, flag: &'static str, var: &'static str| {
+            let sub = m.subcommand().map(|(_, s)| s);
+            let from_env = [sub, Some(m)]
+                .into_iter()
+                .flatten()
+                .find_map(|mm| mm.value_source(id))
+                == Some(clap::parser::ValueSource::EnvVariable);
+            if from_env {
+                var
+            } else {
+                flag
+            }
+        };
+        if let Err(e) = redis::Client::open(config.redis_url.as_str()) {
+            return Err(CliError {
+                flag: given("redis_url", "--redis-url", "REDIS_URL"),
+                problem: format!(
+                    "not a Redis URL ({}): e.g. redis://:password@127.0.0.1:6379/0",
+                    e.detail().unwrap_or("cannot parse it")
+                ),
+            });
+        }
+        if let Err(e) = config.database_url.parse::<postgres::Config>() {
+            return Err(CliError {
+                flag: given("database_url", "--database-url", "DATABASE_URL"),
+                problem: format!(
+                    "not a PostgreSQL URL or key=value string ({e}): e.g. postgres://shop:password@127.0.0.1:5432/shop"
+                ),
+            });
+        }
+        if let Some(Command::Push(p)) = &self.command {
+            config.handlers_dir = p.handlers_dir.clone();
+        }
+        Ok(config)
+    }
+
     /// Validates the flags into a [`Config`].
     pub fn config(&self) -> Result<Config, CliError> {
-        let r = &self.run;
+        let run = self.run_args();
+        let r: &RunArgs = &run;
+        let q = &r.queues;
         check(
             (1..=1024).contains(&r.threads),
             "--threads",
@@ -317,7 +438,7 @@ impl Cli {
         }
         let mut config = Config::new(&self.conn.redis_url, &self.conn.database_url);
         config.keys = self.conn.keys()?;
-        let legacy = r
+        let legacy = q
             .legacy_pools
             .iter()
             .map(|spec| {
@@ -326,24 +447,24 @@ impl Cli {
             })
             .collect::<Result<Vec<_>, CliError>>()?;
         let mut mover_queue = 0;
-        match r.source {
+        match q.source {
             SourceArg::Stream => {
                 config.source = Source::Stream;
                 check(
-                    r.queues.is_empty() && r.raw_queues.is_empty() && r.mover_queue.is_none(),
+                    q.queues.is_empty() && q.raw_queues.is_empty() && q.mover_queue.is_none(),
                     "--queues",
                     "queues need --source list",
                 )?;
             }
             SourceArg::List => {
                 config.source = Source::List;
-                let mut queues: Vec<Queue> = r
+                let mut queues: Vec<Queue> = q
                     .queues
                     .iter()
                     .filter(|q| !q.trim().is_empty())
                     .map(|q| Queue::new(q.trim(), None))
                     .collect();
-                for spec in &r.raw_queues {
+                for spec in &q.raw_queues {
                     let (name, event) = split_pair(spec, "--queue")?;
                     match queues.iter_mut().find(|q| q.name == name) {
                         Some(q) => q.raw_event = Some(event),
@@ -355,10 +476,10 @@ impl Cli {
                     "--queues",
                     "list mode needs at least one queue",
                 )?;
-                for q in &mut queues {
-                    q.dead = format!("{}{}", q.name, r.dead_suffix);
+                for queue in &mut queues {
+                    queue.dead = format!("{}{}", queue.name, q.dead_suffix);
                 }
-                mover_queue = match &r.mover_queue {
+                mover_queue = match &q.mover_queue {
                     Some(name) => queues
                         .iter()
                         .position(|q| &q.name == name)
@@ -424,27 +545,46 @@ impl Cli {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+    use clap::{CommandFactory, FromArgMatches};
+
     #[test]
     fn the_admin_flags_do_not_clash_with_the_global_ones() {
-        use clap::CommandFactory;
-        super::Cli::command().debug_assert();
+        Cli::command().debug_assert();
     }
-
-    use super::*;
 
     fn parse(args: &[&str]) -> Cli {
         Cli::try_parse_from(std::iter::once("worker").chain(args.iter().copied())).unwrap()
     }
 
+    fn config_of(args: &[&str]) -> Result<Config, CliError> {
+        let argv = std::iter::once("worker").chain(args.iter().copied());
+        let m = Cli::command().try_get_matches_from(argv).unwrap();
+        Cli::from_arg_matches(&m).unwrap().config_from(&m)
+    }
+
     #[test]
-    fn flags_reach_the_config_before_or_after_the_subcommand() {
-        let c = parse(&["--threads", "3", "run", "--poll-interval", "20ms"])
-            .config()
-            .unwrap();
+    fn daemon_flags_belong_to_run_and_connection_flags_go_anywhere() {
+        let c = config_of(&["--threads", "3", "--poll-interval", "20ms"]).unwrap();
+        assert_eq!((c.threads, c.mover.poll), (3, Duration::from_millis(20)));
+        let c = config_of(&["run", "--threads", "3"]).unwrap();
         assert_eq!(c.threads, 3);
-        assert_eq!(c.mover.poll, Duration::from_millis(20));
-        let c = parse(&["--key-prefix", "{mq}"]).config().unwrap();
+        let c = config_of(&["--key-prefix", "{mq}", "stats"]).unwrap();
         assert_eq!(c.keys.pool, "{mq}:delay:pool");
+        let c = config_of(&["stats", "--key-prefix", "{mq}"]).unwrap();
+        assert_eq!(c.keys.pool, "{mq}:delay:pool");
+        let e = config_of(&["--threads", "3", "run"]).unwrap_err();
+        assert!(
+            e.problem.contains("--threads goes after the subcommand"),
+            "{e}"
+        );
+        let e = config_of(&["--threads", "3", "stats"]).unwrap_err();
+        assert!(
+            e.problem.contains("--threads is a flag of the daemon"),
+            "{e}"
+        );
+        let c = config_of(&["stats", "--source", "list", "--queues", "a"]).unwrap();
+        assert_eq!(c.keys.queues[0].name, "a");
     }
 
     #[test]

@@ -115,9 +115,7 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 /// under 1e9 seconds.
 pub fn parse_delay(s: &str) -> Result<Duration, String> {
     let d = match s.trim().parse::<f64>() {
-        Ok(secs) if secs.is_finite() && (0.0..1e9).contains(&secs) => {
-            Duration::from_secs_f64(secs)
-        }
+        Ok(secs) if secs.is_finite() && (0.0..1e9).contains(&secs) => Duration::from_secs_f64(secs),
         Ok(_) => return Err("must be between 0 and 1e9 seconds".into()),
         Err(_) => parse_duration(s)?,
     };

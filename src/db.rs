@@ -226,6 +226,20 @@ pub fn is_transient(e: &postgres::Error) -> bool {
 pub fn error_text(e: &postgres::Error) -> String {
     match e.as_db_error() {
         Some(db) => format!("{} ({})", db.message(), db.code().code()),
-        None => e.to_string(),
+        None => {
+            // "error connecting to server" alone does not say why: the cause (connection
+            // refused, timed out, a TLS failure) is the error's source.
+            let mut text = e.to_string();
+            let mut cause = std::error::Error::source(e);
+            while let Some(c) = cause {
+                let c_text = c.to_string();
+                if !text.contains(&c_text) {
+                    text.push_str(": ");
+                    text.push_str(&c_text);
+                }
+                cause = c.source();
+            }
+            text
+        }
     }
 }

@@ -1,11 +1,14 @@
 //! The `worker` binary: parse flags, install the signal handler, run, map the result to an
 //! exit code. Every error is one line on stderr.
 //!
-//! Exit codes: 0 done (or a graceful shutdown), 1 runtime failure (a server unreachable,
-//! a job not found by `cancel`), 2 bad flags, 130 a second signal during shutdown.
+//! Exit codes (the README's table): 0 done (or a graceful shutdown), 1 a runtime failure
+//! (a server unreachable, a job not found by `cancel`), 2 bad input of any kind (a flag, a
+//! URL, a payload, an unknown event, a payload missing a required field), 130 a second
+//! signal during shutdown. `stats --check` has its own: 0 OK, 1 WARNING, 2 CRITICAL,
+//! 3 UNKNOWN.
 
 use anyhow::Context;
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches};
 use delay_worker::cli::{Cli, Command, PushArgs};
 use delay_worker::{admin, daemon, db, producer, Config, Shutdown};
 use std::io::Write;
@@ -13,15 +16,22 @@ use std::process::ExitCode;
 
 fn main() -> ExitCode {
     init_logging();
-    let cli = match Cli::try_parse() {
-        Ok(cli) => cli,
-        Err(e) => {
-            // clap prints help/version to stdout (exit 0) and usage errors to stderr (2).
+    let parsed = Cli::command()
+        .try_get_matches()
+        .and_then(|m| Cli::from_arg_matches(&m).map(|c| (c, m)));
+    let (cli, matches) = match parsed {
+        Ok(p) => p,
+        Err(e) if e.exit_code() == 0 => {
+            // --help and --version, to stdout.
             let _ = e.print();
-            return ExitCode::from(e.exit_code() as u8);
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            eprintln!("worker: {}", clap_line(&e));
+            return ExitCode::from(2);
         }
     };
-    let config = match cli.config() {
+    let config = match cli.config_from(&matches) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("worker: {e}");
@@ -29,21 +39,43 @@ fn main() -> ExitCode {
         }
     };
     let result = match cli.command {
-        None | Some(Command::Run) => run(&config),
+        None | Some(Command::Run(_)) => run(&config),
         Some(Command::Migrate) => migrate(&config),
         Some(Command::Push(ref args)) => push(&config, args),
         Some(Command::Cancel { ref key }) => cancel(&config, key),
-        Some(Command::Stats(ref args)) => admin::stats(&config, args),
+        Some(Command::Stats { ref args, .. }) => admin::stats(&config, args),
         Some(Command::Dead(ref args)) => admin::dead(&config, args),
-        Some(Command::Bench(ref args)) => delay_worker::bench::run(&config, args),
+        Some(Command::Bench { ref args, .. }) => delay_worker::bench::run(&config, args),
     };
     match result {
         Ok(code) => code,
         Err(e) => {
             eprintln!("worker: {}", one_line(&e));
-            ExitCode::FAILURE
+            if e.downcast_ref::<BadInput>().is_some() {
+                ExitCode::from(2)
+            } else {
+                ExitCode::FAILURE
+            }
         }
     }
+}
+
+/// Input that can never work (exit 2), as opposed to a server that failed (exit 1).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct BadInput(String);
+
+/// clap's error as one line: its first paragraph joined, without the `error: ` tag (the
+/// usage and the `--help` hint that follow are left out; `--help` is one flag away).
+fn clap_line(e: &clap::Error) -> String {
+    let text = e.to_string();
+    let para: Vec<&str> = text
+        .lines()
+        .take_while(|l| !l.trim().is_empty())
+        .map(str::trim)
+        .collect();
+    let line = para.join(" ");
+    line.strip_prefix("error: ").unwrap_or(&line).to_string()
 }
 
 /// The error and its causes on one line, never a backtrace; a cause whose text the line
@@ -120,8 +152,14 @@ fn redis(config: &Config) -> anyhow::Result<redis::Connection> {
 }
 
 fn push(config: &Config, args: &PushArgs) -> anyhow::Result<ExitCode> {
-    let payload: serde_json::Value =
-        serde_json::from_str(&args.payload).context("--payload is not valid JSON")?;
+    let payload: serde_json::Value = serde_json::from_str(&args.payload)
+        .map_err(|e| BadInput(format!("--payload is not valid JSON: {e}")))?;
+    if !payload.is_object() {
+        return Err(BadInput("--payload must be a JSON object".into()).into());
+    }
+    if !args.unchecked {
+        check_job(config, &args.event, &payload)?;
+    }
     let now = delay_worker::now_ms();
     let job = producer::NewJob {
         event: args.event.clone(),
@@ -142,6 +180,24 @@ fn push(config: &Config, args: &PushArgs) -> anyhow::Result<ExitCode> {
         args.delay.as_secs_f64()
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// What a worker would dead-letter at once, refused before it is pushed: an event no
+/// handler has, a payload without a field its handler requires.
+fn check_job(config: &Config, event: &str, payload: &serde_json::Value) -> anyhow::Result<()> {
+    let registry = daemon::registry(config)?;
+    let Some((_, handler)) = registry.get(event) else {
+        return Err(BadInput(format!(
+            "--event: no handler for {event:?} (known: {}; --unchecked pushes it anyway)",
+            registry.events().join(", ")
+        ))
+        .into());
+    };
+    let map = payload.as_object().cloned().unwrap_or_default();
+    delay_worker::message::Envelope::new(event, map, 0)
+        .require(handler.required())
+        .map_err(|r| BadInput(format!("--payload: {r} (--unchecked pushes it anyway)")))?;
+    Ok(())
 }
 
 fn cancel(config: &Config, key: &str) -> anyhow::Result<ExitCode> {

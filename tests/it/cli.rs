@@ -94,7 +94,7 @@ fn bad_flags_and_unreachable_servers_give_one_readable_line() {
         &redis_down,
         &db_down,
     );
-    assert_one_line(&out, 1, "--payload");
+    assert_one_line(&out, 2, "--payload");
 
     let out = worker(&["--threads", "2"], &redis_down, &db_down);
     assert_one_line(&out, 1, "cannot reach Redis");
@@ -109,7 +109,149 @@ fn bad_flags_and_unreachable_servers_give_one_readable_line() {
     assert_one_line(&out, 1, "cannot reach PostgreSQL");
 
     let out = worker(&["--threads", "2"], "not a url", &db_down);
-    assert_one_line(&out, 1, "REDIS_URL");
+    assert_one_line(&out, 2, "REDIS_URL");
+}
+
+/// The README's exit-code table, row by row (the second signal's 130 is
+/// `consumer::a_second_signal_exits_at_once_and_the_next_start_recovers`, `stats --check`'s
+/// codes are in admin.rs).
+#[test]
+fn every_row_of_the_exit_code_table() {
+    let r = RedisServer::start();
+    let db = TestDb::new();
+    let (url, dburl) = (r.url(), db.url.clone());
+    let dead_port = free_port();
+    let redis_down = format!("redis://127.0.0.1:{dead_port}/");
+    let push = |extra: &[&str]| {
+        let mut a = vec!["push", "--event", "order.timeout", "--delay", "15m"];
+        a.extend_from_slice(extra);
+        worker(&a, &url, &dburl)
+    };
+    // 0: done.
+    let out = push(&["--payload", r#"{"order_no":"SO1"}"#, "--key", "k1"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(
+        worker(&["cancel", "--key", "k1"], &url, &dburl)
+            .status
+            .code(),
+        Some(0)
+    );
+    assert_eq!(worker(&["migrate"], &url, &dburl).status.code(), Some(0));
+    // 1: a runtime failure.
+    let out = worker(&["cancel", "--key", "k1"], &url, &dburl);
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(text(&out.stdout).trim(), "no scheduled job k1");
+    assert_one_line(
+        &worker(&["stats"], &redis_down, &dburl),
+        1,
+        "Connection refused",
+    );
+    let unmigrated = TestDb::empty();
+    assert_one_line(
+        &worker(&["--threads", "1"], &url, &unmigrated.url),
+        1,
+        "worker migrate",
+    );
+    // 2: bad input, one line naming what is wrong.
+    let rows: Vec<(Output, &str)> = vec![
+        (worker(&["--no-such-flag"], &url, &dburl), "--no-such-flag"),
+        (
+            worker(&["push", "--threads", "4"], &url, &dburl),
+            "--threads",
+        ),
+        (
+            worker(&["dead", "list", "--tx-batch", "9"], &url, &dburl),
+            "--tx-batch",
+        ),
+        (
+            worker(&["--threads", "4", "stats"], &url, &dburl),
+            "--threads",
+        ),
+        (worker(&["--block", "soon"], &url, &dburl), "--block"),
+        (
+            worker(&["--redis-url", "notaurl", "stats"], &url, &dburl),
+            "--redis-url",
+        ),
+        (worker(&["stats"], "notaurl", &dburl), "REDIS_URL"),
+        (
+            worker(
+                &[
+                    "--database-url",
+                    "postgres://u@127.0.0.1:notaport/db",
+                    "migrate",
+                ],
+                &url,
+                &dburl,
+            ),
+            "--database-url",
+        ),
+        (push(&["--payload", "not json"]), "--payload"),
+        (push(&["--payload", "[1]"]), "--payload"),
+        (
+            push(&["--payload", r#"{"user":1}"#]),
+            "missing order_id or order_no",
+        ),
+        (
+            worker(
+                &[
+                    "push",
+                    "--event",
+                    "no.such.event",
+                    "--payload",
+                    "{}",
+                    "--delay",
+                    "1",
+                ],
+                &url,
+                &dburl,
+            ),
+            "no handler for \"no.such.event\"",
+        ),
+        (
+            push(&["--payload", r#"{"order_no":"SO1"}"#, "--delay", "5 parsecs"]),
+            "--delay",
+        ),
+    ];
+    for (out, needle) in &rows {
+        assert_one_line(out, 2, needle);
+    }
+    // --unchecked pushes what a handler may exist for later.
+    let out = worker(
+        &[
+            "push",
+            "--event",
+            "no.such.event",
+            "--payload",
+            "{}",
+            "--delay",
+            "1",
+            "--unchecked",
+        ],
+        &url,
+        &dburl,
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+}
+
+#[test]
+fn push_help_fits_on_one_screen_and_shows_only_its_flags() {
+    let out = worker(&["push", "--help"], "redis://unused", "postgres://unused");
+    let help = text(&out.stdout);
+    assert!(
+        help.lines().count() <= 40,
+        "{} lines:\n{help}",
+        help.lines().count()
+    );
+    assert!(
+        !help.contains("--threads") && !help.contains("--tx-batch"),
+        "{help}"
+    );
+    assert!(
+        help.contains("--redis-url") && help.contains("--delay"),
+        "{help}"
+    );
+    let out = worker(&["stats", "--help"], "redis://unused", "postgres://unused");
+    assert!(!text(&out.stdout).contains("--threads"));
 }
 
 #[test]
