@@ -104,7 +104,10 @@ pub fn check_schema(url: &str) -> Result<(), DaemonError> {
     let mut client = db::connect(url)?;
     let applied: Vec<i32> = match client.query("SELECT version FROM worker_migrations", &[]) {
         Ok(rows) => rows.iter().map(|r| r.get(0)).collect(),
-        Err(_) => Vec::new(),
+        // No table yet: nothing applied. Any other failure (no permission, the server
+        // going away) is the database's own error, said as it is.
+        Err(e) if e.code() == Some(&postgres::error::SqlState::UNDEFINED_TABLE) => Vec::new(),
+        Err(e) => return Err(DaemonError::Db(DbError::Postgres(e))),
     };
     let missing: Vec<&str> = db::MIGRATIONS
         .iter()
@@ -152,8 +155,41 @@ fn spawn_role<'scope, 'env>(
         .map(|h| (name, h))
 }
 
-/// Runs the daemon until `shutdown` is triggered and the pool has drained.
+/// What the roles need, checked before any thread starts.
+struct Ready {
+    client: redis::Client,
+    registry: Registry,
+    pool: db::Pool,
+}
+
+/// Runs the daemon until `shutdown` is triggered and the pool has drained: [`preflight`],
+/// then the roles spawned and supervised in one scope ([`spawn_and_supervise`]).
 pub fn run(config: &Config, shutdown: &Shutdown) -> Result<Report, DaemonError> {
+    let ready = preflight(config)?;
+    log::info!("starting: {}", config.summary());
+    log::info!("handlers: {}", ready.registry.events().join(", "));
+    let started = Instant::now();
+    let (report, panicked) = spawn_and_supervise(config, shutdown, &ready)?;
+    // Peers may take over at once whatever this consumer still has pending. Best effort:
+    // if Redis is unreachable now, the key expires by itself.
+    if let Ok(mut con) = store::connect(&ready.client) {
+        let _ = store::forget_heartbeat(&mut con, &config.keys, &config.consumer);
+    }
+    log::info!(
+        "stopped after {:.1}s: drained {} jobs; {}",
+        started.elapsed().as_secs_f64(),
+        report.drained,
+        report.stats
+    );
+    match panicked.into_iter().next() {
+        Some(name) => Err(DaemonError::Panicked(name)),
+        None => Ok(report),
+    }
+}
+
+/// Fails fast, with one readable error, when Redis or PostgreSQL cannot be reached, the
+/// schema is not current, or a handler's SQL does not prepare.
+fn preflight(config: &Config) -> Result<Ready, DaemonError> {
     let client = redis_client(&config.redis_url)?;
     {
         let mut con = store::connect(&client).map_err(|e| DaemonError::RedisUnreachable {
@@ -181,10 +217,26 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<Report, DaemonError> 
     // Prepares every handler once now, so bad SQL stops the start with a clear error
     // instead of dead-lettering every job of that event.
     drop(Session::open(&pool, &registry)?);
+    Ok(Ready {
+        client,
+        registry,
+        pool,
+    })
+}
 
-    log::info!("starting: {}", config.summary());
-    log::info!("handlers: {}", registry.events().join(", "));
-
+/// Spawns the roles in one scope (mover, reader, workers, metrics), then supervises them
+/// from this thread: systemd notifications and the stats line until shutdown, then joins
+/// them. Returns the report and the names of roles that panicked.
+fn spawn_and_supervise(
+    config: &Config,
+    shutdown: &Shutdown,
+    ready: &Ready,
+) -> Result<(Report, Vec<String>), DaemonError> {
+    let Ready {
+        client,
+        registry,
+        pool,
+    } = ready;
     let stats = Stats::new(registry.events());
     let doorbell = Doorbell::default();
     // The roles' heartbeats start now: one that never completes a step counts as stalled.
@@ -197,10 +249,10 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<Report, DaemonError> 
         keys: &config.keys,
         jobs: &config.jobs,
         consumer: &config.consumer,
-        registry: &registry,
+        registry,
         stats: &stats,
-        db: &pool,
-        redis: &client,
+        db: pool,
+        redis: client,
         shutdown,
         drained: &drained,
     };
@@ -211,8 +263,8 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<Report, DaemonError> 
             metrics::Sources {
                 stats: &stats,
                 config,
-                pool: &pool,
-                redis: &client,
+                pool,
+                redis: client,
                 depth: Box::new({
                     let rx = rx.clone();
                     move || rx.len()
@@ -222,7 +274,6 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<Report, DaemonError> 
         )?),
         None => None,
     };
-    let started = Instant::now();
 
     let panicked: Vec<String> = std::thread::scope(|s| {
         let mut handles = Vec::new();
@@ -302,23 +353,9 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<Report, DaemonError> 
             .collect()
     });
 
-    // Peers may take over at once whatever this consumer still has pending.
-    // Best effort: if Redis is unreachable now, the key expires by itself.
-    if let Ok(mut con) = store::connect(&client) {
-        let _ = store::forget_heartbeat(&mut con, &config.keys, &config.consumer);
-    }
     let report = Report {
         stats: stats.snapshot(),
         drained: drained.load(Ordering::Relaxed),
     };
-    log::info!(
-        "stopped after {:.1}s: drained {} jobs; {}",
-        started.elapsed().as_secs_f64(),
-        report.drained,
-        report.stats
-    );
-    match panicked.into_iter().next() {
-        Some(name) => Err(DaemonError::Panicked(name)),
-        None => Ok(report),
-    }
+    Ok((report, panicked))
 }

@@ -20,7 +20,8 @@
 //! it removes it from the last (ack last).
 //!
 //! Layout:
-//! - `config.rs` — the validated [`Config`]; `cli.rs` — flags and subcommands.
+//! - `config.rs` — the validated [`Config`]; the binary (`bin/worker/`) parses the flags
+//!   into it (`cli.rs`) and carries `worker bench` (`bench/`), which is not library API.
 //! - `keys.rs` — every Redis key name; `store/` + `lua/` — every Redis state change, and
 //!   `StoreError`, the typed Redis failure (connection, wrong key type, refused).
 //! - `producer.rs` — push and cancel; `message.rs` — the envelope and its validation.
@@ -31,12 +32,9 @@
 //! - `shutdown.rs`, `backoff.rs` — the small shared pieces.
 //! - `admin/` — the operator's tools: `worker stats` (`--watch`, `--check`), `worker dead`.
 //! - `notify.rs` — systemd readiness and watchdog; `metrics.rs` — `/metrics` and `/healthz`.
-//! - `bench/` — `worker bench`: lateness and throughput next to the machine's ceilings.
 
 pub mod admin;
 pub mod backoff;
-pub mod bench;
-pub mod cli;
 pub mod config;
 pub mod daemon;
 pub mod db;

@@ -261,7 +261,7 @@ pub(super) fn run(
     };
     let verdict = match super::connect(config) {
         // The error already names the (redacted) URL.
-        Err(e) => unknown(one_line(&e)),
+        Err(e) => unknown(super::one_line(&e)),
         Ok(mut con) => match wrong_types(&mut con, config) {
             Ok(bad) if !bad.is_empty() => Verdict {
                 status: Status::Critical,
@@ -285,21 +285,6 @@ pub(super) fn run(
     };
     writeln!(out, "{}", verdict.line)?;
     Ok(ExitCode::from(verdict.status.code()))
-}
-
-/// The error and its causes on one line, each said once.
-fn one_line(e: &anyhow::Error) -> String {
-    let mut line = String::new();
-    for cause in e.chain() {
-        let c = cause.to_string();
-        if !line.contains(&c) {
-            if !line.is_empty() {
-                line.push_str(": ");
-            }
-            line.push_str(&c);
-        }
-    }
-    line.replace('\n', " ")
 }
 
 #[cfg(test)]

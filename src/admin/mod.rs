@@ -129,6 +129,22 @@ fn write_json(out: &mut dyn Write, v: &impl serde::Serialize) -> anyhow::Result<
     Ok(())
 }
 
+/// An error and its causes on one line, each said once, never a backtrace: how every
+/// command of the binary reports a failure.
+pub fn one_line(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let c = cause.to_string();
+        if !line.contains(&c) {
+            if !line.is_empty() {
+                line.push_str(": ");
+            }
+            line.push_str(&c);
+        }
+    }
+    line.replace('\n', " ")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -169,6 +169,11 @@ pub(crate) fn run(
     let v: Value = inv
         .invoke(con)
         .map_err(|e| StoreError::from_redis(what, e))?;
+    checked(what, v)
+}
+
+/// A script's reply, or the [`StoreError::WrongType`] it stands for.
+pub(crate) fn checked(what: &'static str, v: Value) -> StoreResult<Value> {
     if let Value::Array(items) = &v {
         if items.first().map(value_to_string).as_deref() == Some("WRONGTYPE") {
             let w = WrongType::parse(&items[1..]).unwrap_or(WrongType {

@@ -27,6 +27,49 @@ pub fn push(
     Ok(int(Some(&run("push", &inv, con)?)) == 1)
 }
 
+/// [`push`] for many jobs `(key, message, score)`, `per_trip` script calls per round trip
+/// (pipelined EVALSHA): for loading a backlog. Returns how many were pushed.
+pub fn push_many(
+    con: &mut redis::Connection,
+    keys: &Keys,
+    jobs: impl Iterator<Item = (String, String, i64)>,
+    per_trip: usize,
+) -> StoreResult<u64> {
+    let sha = PUSH
+        .load(con)
+        .map_err(|e| super::StoreError::from_redis("load push", e))?;
+    let mut pipe = redis::pipe();
+    let mut n = 0u64;
+    let send = |pipe: &mut redis::Pipeline, con: &mut redis::Connection| {
+        let replies: Vec<Value> = pipe
+            .query(con)
+            .map_err(|e| super::StoreError::from_redis("push", e))?;
+        pipe.clear();
+        let n = replies.len() as u64;
+        for r in replies {
+            super::checked("push", r)?;
+        }
+        Ok::<u64, super::StoreError>(n)
+    };
+    for (key, msg, score) in jobs {
+        pipe.cmd("EVALSHA")
+            .arg(&sha)
+            .arg(2)
+            .arg(&keys.pool)
+            .arg(&keys.data)
+            .arg(key)
+            .arg(msg)
+            .arg(score);
+        if pipe.len() == per_trip.max(1) {
+            n += send(&mut pipe, con)?;
+        }
+    }
+    if !pipe.is_empty() {
+        n += send(&mut pipe, con)?;
+    }
+    Ok(n)
+}
+
 /// Removes a scheduled job. Returns `true` if it existed.
 pub fn cancel(con: &mut dyn ConnectionLike, keys: &Keys, key: &str) -> StoreResult<bool> {
     let mut inv = CANCEL.prepare_invoke();

@@ -35,9 +35,9 @@ mod report;
 mod scenario;
 mod shop;
 
-use crate::config::{redact_url, Config};
-use crate::{daemon, db, Shutdown};
 use anyhow::{bail, Context, Result};
+use delay_worker::config::{redact_url, Config};
+use delay_worker::{daemon, db, Shutdown};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -127,6 +127,18 @@ pub struct BenchArgs {
     pub out: Option<PathBuf>,
 }
 
+/// The bench empties and reseeds the shop tables: it runs only on a database whose name
+/// says it is a benchmark's (contains `bench`, as `scripts/bench.sh`'s `dw_bench`).
+fn dedicated_database(url: &str) -> Result<()> {
+    let cfg: postgres::Config = url.parse().context("DATABASE_URL")?;
+    let name = cfg.get_dbname().unwrap_or("");
+    anyhow::ensure!(
+        name.contains("bench"),
+        "refusing to run: the benchmark empties the shop tables of database {name:?}; give it a database of its own whose name contains \"bench\" (scripts/bench.sh uses dw_bench)"
+    );
+    Ok(())
+}
+
 /// A duration flag of the bench: whole scenarios, so at least a second.
 fn at_least_1s(s: &str) -> Result<Duration, String> {
     let d = humantime::parse_duration(s).map_err(|e| format!("{e} (examples: 5s, 2m)"))?;
@@ -158,6 +170,7 @@ static CHILD_PID: AtomicU32 = AtomicU32::new(0);
 /// Runs the selected scenarios, prints the table, writes the JSON. Exit status 1 when a
 /// scenario's accounting failed (or it could not run); timings never fail the run.
 pub fn run(config: &Config, args: &BenchArgs) -> Result<ExitCode> {
+    dedicated_database(&config.database_url)?;
     let stop = Shutdown::new();
     {
         let stop = stop.clone();

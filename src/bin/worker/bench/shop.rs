@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 /// Stock of every sku before the seeded orders take theirs out.
 pub const START_STOCK: i64 = 1_000_000;
 
-const SEED_SQL: &str = include_str!("../../sql/bench/seed.sql");
+const SEED_SQL: &str = include_str!("../../../../sql/bench/seed.sql");
 
 /// The bench truncates the shop tables, so it only runs on a database meant for it.
 pub fn check_database(db: &mut Client) -> Result<()> {
@@ -71,7 +71,7 @@ pub fn seed(db: &mut Client, orders: u64, skus: u32) -> Result<Duration> {
     if let Err(e) = db.batch_execute("CHECKPOINT") {
         log::warn!(
             "CHECKPOINT after seeding failed: {}",
-            crate::db::error_text(&e)
+            delay_worker::db::error_text(&e)
         );
     }
     Ok(started.elapsed())

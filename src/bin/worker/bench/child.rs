@@ -7,9 +7,9 @@
 //! after [`STOP_GRACE`].
 
 use super::CHILD_PID;
-use crate::config::Config;
-use crate::keys::Keys;
 use anyhow::{bail, Context, Result};
+use delay_worker::config::Config;
+use delay_worker::keys::Keys;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -70,7 +70,7 @@ impl WorkerChild {
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(err);
-        let spawned_ms = crate::now_ms();
+        let spawned_ms = delay_worker::now_ms();
         let child = cmd
             .spawn()
             .with_context(|| format!("cannot start {}", exe.display()))?;
@@ -524,7 +524,7 @@ pub fn moved_times(
 /// Deletes the queue keys and the bench consumer's heartbeat: a scenario starts empty.
 pub fn reset_queue(con: &mut redis::Connection, keys: &Keys) -> Result<()> {
     let heartbeat = keys.heartbeat(CONSUMER);
-    crate::store::delete_keys(
+    delay_worker::store::delete_keys(
         con,
         &[&keys.pool, &keys.data, &keys.stream, &keys.dead, &heartbeat],
     )

@@ -8,10 +8,10 @@
 //! `DATABASE_URL`. A value that does not make sense is a [`CliError`] naming the flag as
 //! the user gave it; `main` prints it as one line and exits 2.
 
-use crate::config::{parse_delay, parse_duration};
-use crate::config::{Config, JobConfig, LegacyPool, MoverConfig, ReaderConfig, Source};
-use crate::keys::{KeyOverrides, Keys, Queue};
 use clap::{Args, Parser, Subcommand};
+use delay_worker::config::{parse_delay, parse_duration};
+use delay_worker::config::{Config, JobConfig, LegacyPool, MoverConfig, ReaderConfig, Source};
+use delay_worker::keys::{KeyOverrides, Keys, Queue};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -50,10 +50,10 @@ pub enum Command {
         #[command(flatten)]
         queues: QueueArgs,
         #[command(flatten)]
-        args: crate::admin::StatsArgs,
+        args: delay_worker::admin::StatsArgs,
     },
     /// List, show, requeue or purge the dead letters.
-    Dead(crate::admin::DeadArgs),
+    Dead(delay_worker::admin::DeadArgs),
     /// Measure lateness and throughput against this machine's ceilings (destructive: use
     /// a bench database; scripts/bench.sh sets one up).
     Bench {
@@ -109,7 +109,7 @@ pub struct ConnArgs {
     )]
     pub database_url: String,
     /// Prefix of every key name (use a hash tag such as '{mq}' on Redis Cluster).
-    #[arg(long, default_value = crate::keys::DEFAULT_PREFIX, global = true)]
+    #[arg(long, default_value = delay_worker::keys::DEFAULT_PREFIX, global = true)]
     pub key_prefix: String,
     /// Delay pool ZSET [default: <prefix>:delay:pool].
     #[arg(long, global = true)]

@@ -9,7 +9,10 @@
 
 use anyhow::Context;
 use clap::{CommandFactory, FromArgMatches};
-use delay_worker::cli::{Cli, Command, PushArgs};
+mod bench;
+mod cli;
+
+use cli::{Cli, Command, PushArgs};
 use delay_worker::{admin, daemon, db, producer, Config, Shutdown};
 use std::io::Write;
 use std::process::ExitCode;
@@ -45,12 +48,12 @@ fn main() -> ExitCode {
         Some(Command::Cancel { ref key }) => cancel(&config, key),
         Some(Command::Stats { ref args, .. }) => admin::stats(&config, args),
         Some(Command::Dead(ref args)) => admin::dead(&config, args),
-        Some(Command::Bench { ref args, .. }) => delay_worker::bench::run(&config, args),
+        Some(Command::Bench { ref args, .. }) => bench::run(&config, args),
     };
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("worker: {}", one_line(&e));
+            eprintln!("worker: {}", admin::one_line(&e));
             if e.downcast_ref::<BadInput>().is_some() {
                 ExitCode::from(2)
             } else {
@@ -76,20 +79,6 @@ fn clap_line(e: &clap::Error) -> String {
         .collect();
     let line = para.join(" ");
     line.strip_prefix("error: ").unwrap_or(&line).to_string()
-}
-
-/// The error and its causes on one line, never a backtrace; a cause whose text the line
-/// already holds is not repeated.
-fn one_line(e: &anyhow::Error) -> String {
-    let mut line = e.to_string();
-    for cause in e.chain().skip(1) {
-        let c = cause.to_string();
-        if !line.contains(&c) {
-            line.push_str(": ");
-            line.push_str(&c);
-        }
-    }
-    line.replace('\n', " ")
 }
 
 /// env_logger with `RUST_LOG` (default `info`). Under systemd (JOURNAL_STREAM set)

@@ -8,12 +8,12 @@
 //! batches them into one UPDATE every [`PAY_EVERY`], so the producer never waits on a
 //! commit. The bulk push sends the same `push.lua` by SHA, 1,000 calls per pipeline.
 
-use crate::keys::Keys;
-use crate::message::Envelope;
-use crate::producer::{self, NewJob};
-use crate::{store, Shutdown};
 use anyhow::{bail, Context, Result};
 use crossbeam_channel::{Receiver, RecvTimeoutError};
+use delay_worker::keys::Keys;
+use delay_worker::message::Envelope;
+use delay_worker::producer::{self, NewJob};
+use delay_worker::{store, Shutdown};
 use serde_json::{json, Map, Value};
 use std::time::{Duration, Instant};
 
@@ -96,7 +96,7 @@ pub fn steady(
     stop: &Shutdown,
 ) -> Result<Produced> {
     let mut con = store::connect(redis).context("producer: cannot connect to redis")?;
-    let mut payer_db = crate::db::connect(database_url).context("payer")?;
+    let mut payer_db = delay_worker::db::connect(database_url).context("payer")?;
     let (pay_tx, pay_rx) = crossbeam_channel::unbounded::<(i64, Instant)>();
     std::thread::scope(|s| {
         let payer = std::thread::Builder::new()
@@ -149,7 +149,7 @@ fn produce(
         } else {
             out.max_behind_ms = out.max_behind_ms.max((now - at).as_secs_f64() * 1000.0);
         }
-        let now_ms = crate::now_ms();
+        let now_ms = delay_worker::now_ms();
         let duplicate = rng.u32(0..100) < DUPLICATE_PERCENT && last.is_some_and(|l| !l.2);
         let (id, key, due_ms) = match (duplicate, last.as_mut()) {
             (true, Some(l)) => {
@@ -244,7 +244,7 @@ pub type Bulk = (String, String, i64);
 
 /// `order.timeout` for orders `1..=n`, all due a second before now.
 pub fn backlog_jobs(n: u64) -> impl Iterator<Item = Bulk> {
-    let now_ms = crate::now_ms();
+    let now_ms = delay_worker::now_ms();
     (1..=n as i64).map(move |id| {
         let msg = Envelope::new(ORDER_EVENT, order_payload(id), now_ms / 1000).to_json();
         (order_key(id), msg, now_ms - 1000)
@@ -253,7 +253,7 @@ pub fn backlog_jobs(n: u64) -> impl Iterator<Item = Bulk> {
 
 /// `n` no-op messages, all due a second before now.
 pub fn engine_jobs(n: u64) -> impl Iterator<Item = Bulk> {
-    let now_ms = crate::now_ms();
+    let now_ms = delay_worker::now_ms();
     (1..=n).map(move |i| {
         let mut payload = Map::new();
         payload.insert("n".into(), json!(i));
@@ -262,38 +262,12 @@ pub fn engine_jobs(n: u64) -> impl Iterator<Item = Bulk> {
     })
 }
 
-/// Pushes every job with `push.lua` (the producer's own script, by SHA), [`PIPELINE`]
-/// calls per round trip. Returns how many were pushed.
+/// Pushes every job with the store's `push`, [`PIPELINE`] calls per round trip. Returns
+/// how many were pushed.
 pub fn bulk_push(
     con: &mut redis::Connection,
     keys: &Keys,
     jobs: impl Iterator<Item = Bulk>,
 ) -> Result<u64> {
-    let script = redis::Script::new(include_str!("../lua/push.lua"));
-    let sha = script.load(con).context("cannot load push.lua")?;
-    let mut pipe = redis::pipe();
-    let (mut n, mut queued) = (0u64, 0usize);
-    for (key, msg, score) in jobs {
-        pipe.cmd("EVALSHA")
-            .arg(&sha)
-            .arg(2)
-            .arg(&keys.pool)
-            .arg(&keys.data)
-            .arg(key)
-            .arg(msg)
-            .arg(score)
-            .ignore();
-        queued += 1;
-        if queued == PIPELINE {
-            pipe.query::<()>(con).context("bulk push")?;
-            pipe.clear();
-            n += queued as u64;
-            queued = 0;
-        }
-    }
-    if queued > 0 {
-        pipe.query::<()>(con).context("bulk push")?;
-        n += queued as u64;
-    }
-    Ok(n)
+    delay_worker::store::pool::push_many(con, keys, jobs, PIPELINE).context("bulk push")
 }

@@ -9,9 +9,9 @@ use super::load::{self, Scores, SteadyPlan};
 use super::report::{Ceilings, CpuUse, Producer, ScenarioResult};
 use super::shop;
 use super::{BenchArgs, Scenario};
-use crate::config::Config;
-use crate::{store, Shutdown};
 use anyhow::{bail, Result};
+use delay_worker::config::Config;
+use delay_worker::{store, Shutdown};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -207,7 +207,8 @@ fn steady(
         &plan,
         ctx.stop,
     )?;
-    let last_due_in = Duration::from_millis((produced.last_due_ms - crate::now_ms()).max(0) as u64);
+    let last_due_in =
+        Duration::from_millis((produced.last_due_ms - delay_worker::now_ms()).max(0) as u64);
     let last_due = Instant::now() + last_due_in;
     let drain = wait_drained(
         &mut worker,

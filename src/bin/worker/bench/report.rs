@@ -5,8 +5,8 @@
 use super::child::QueueState;
 use super::shop::{Books, Lateness};
 use super::BenchArgs;
-use crate::config::Config;
 use anyhow::{Context, Result};
+use delay_worker::config::Config;
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -102,7 +102,7 @@ impl Environment {
             .filter(|o| o.status.success())
             .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
         Environment {
-            date: utc(crate::now_ms() / 1000, true),
+            date: utc(delay_worker::now_ms() / 1000, true),
             command: super::command_line(),
             worker_version: env!("CARGO_PKG_VERSION").to_string(),
             git,
@@ -553,7 +553,7 @@ pub fn utc(unix_s: i64, iso: bool) -> String {
 
 /// The default report's file name stem.
 pub fn file_stamp() -> String {
-    utc(crate::now_ms() / 1000, false)
+    utc(delay_worker::now_ms() / 1000, false)
 }
 
 #[cfg(test)]

@@ -14,15 +14,15 @@
 
 use super::report::{Ceilings, PgbenchFigures};
 use super::{shop, BenchArgs};
-use crate::config::Config;
-use crate::Shutdown;
 use anyhow::{bail, Context, Result};
+use delay_worker::config::Config;
+use delay_worker::Shutdown;
 use redis::ConnectionAddr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const PGBENCH_TEMPLATE: &str = include_str!("../../sql/bench/order_timeout.pgbench");
-const ORDER_TIMEOUT_SQL: &str = include_str!("../../sql/handlers/order.timeout.sql");
+const PGBENCH_TEMPLATE: &str = include_str!("../../../../sql/bench/order_timeout.pgbench");
+const ORDER_TIMEOUT_SQL: &str = include_str!("../../../../sql/handlers/order.timeout.sql");
 /// XADDs redis-benchmark sends.
 const XADD_REQUESTS: u32 = 200_000;
 const XADD_KEY: &str = "bench:stream";
@@ -109,7 +109,7 @@ fn redis_xadd(redis: &redis::Client) -> Result<f64> {
         .args(["XADD", XADD_KEY, "*", "msg", "x"]);
     let out = cmd.output().context("cannot run redis-benchmark")?;
     let mut con = redis.get_connection()?;
-    crate::store::delete_keys(&mut con, &[XADD_KEY])?;
+    delay_worker::store::delete_keys(&mut con, &[XADD_KEY])?;
     let stdout = String::from_utf8_lossy(&out.stdout);
     if !out.status.success() {
         bail!(
