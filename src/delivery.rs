@@ -68,6 +68,9 @@ pub struct Settlement {
     pub outcome: Outcome,
     /// The job's event when known, for the counters (empty for undecodable messages).
     pub event: String,
+    /// What an ack stands for (done, no-op, duplicate), counted once the ack is settled;
+    /// an ack turned into a re-queue (its commit's durability unconfirmed) counts as that.
+    pub counts_as: Option<crate::stats::JobOutcome>,
 }
 
 impl Settlement {
@@ -82,7 +85,15 @@ impl Settlement {
             msg: d.msg,
             outcome,
             event,
+            counts_as: None,
         }
+    }
+
+    /// An ack that counts as `o` once settled.
+    pub fn ack(d: Delivery, event: &str, o: crate::stats::JobOutcome) -> Settlement {
+        let mut s = Settlement::new(d, Outcome::Ack).with_event(event);
+        s.counts_as = Some(o);
+        s
     }
 
     pub fn with_event(mut self, event: &str) -> Settlement {

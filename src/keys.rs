@@ -12,6 +12,9 @@ pub struct Keys {
     pub pool: String,
     /// HASH: job key -> message JSON.
     pub data: String,
+    /// HASH: job key -> "<job id> <sha1>" of a retry waiting in the pool, so the retry
+    /// keeps its job id (`<pool>:jobs`; written by the settle scripts, read by the mover).
+    pub jobs: String,
     /// STREAM the mover appends due messages to, fields `msg` and `key`.
     pub stream: String,
     /// Consumer group on `stream`.
@@ -79,6 +82,7 @@ impl Keys {
             .unwrap_or_else(|| format!("{prefix}:delay:pool"));
         Keys {
             data: o.data.clone().unwrap_or_else(|| format!("{pool}:data")),
+            jobs: format!("{pool}:jobs"),
             pool,
             stream: o
                 .stream

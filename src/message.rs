@@ -6,11 +6,14 @@
 //! kept, so a retried message goes back to the pool as the producer wrote it, with only
 //! `retry` raised.
 //!
-//! **Job identity.** The mover stamps `job_id` as the first field of a message the first
-//! time it leaves the pool (`lua/move_due.lua`); a retry or a requeue keeps it, first. A
-//! job is its key plus that id (plus `ts`, for messages moved before the stamp existed):
-//! a redelivery or a retry of one message is the same job, while the same key pushed
-//! again — even within the same second — is a new one. `ts` may be an integer, a float or
+//! **Job identity.** Each time a message leaves the pool the mover stamps a `job_id` as
+//! its first field (`lua/move_due.lua`): the same id for a retry going round again (the
+//! settle script remembered it), a new one otherwise. A job is its key plus that id (plus
+//! `ts`, for messages moved before the stamp existed): a redelivery or a retry of one
+//! message is the same job, while the same key pushed again — even within the same second,
+//! even as a copy of an old message — is a new one. Only the exact prefix
+//! `{"job_id":"<digits and dashes>"` is the stamp ([`stamp_of`]); a `job_id` elsewhere is
+//! a field like any other. `ts` may be an integer, a float or
 //! a numeric string (PHP's `time()` and `microtime(true)` both occur).
 
 use serde_json::{Map, Value};
@@ -37,6 +40,7 @@ pub struct Envelope {
 /// Why a message can never succeed. Permanent: it goes to the dead letters at once.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Rejection {
+    Empty,
     TooLarge { size: usize, limit: usize },
     NotUtf8,
     NotJson(String),
@@ -53,6 +57,10 @@ pub enum Rejection {
 impl fmt::Display for Rejection {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
+            Rejection::Empty => write!(
+                f,
+                "message is empty (a stream entry without a \"msg\" field?)"
+            ),
             Rejection::TooLarge { size, limit } => {
                 write!(f, "message too large: {size} bytes, limit {limit}")
             }
@@ -74,6 +82,9 @@ impl fmt::Display for Rejection {
 
 /// Size limit, UTF-8, JSON, and an object at the top: what every message must pass.
 fn parse_object(bytes: &[u8], limit: usize) -> Result<Map<String, Value>, Rejection> {
+    if bytes.is_empty() {
+        return Err(Rejection::Empty);
+    }
     if bytes.len() > limit {
         return Err(Rejection::TooLarge {
             size: bytes.len(),
@@ -113,10 +124,7 @@ impl Envelope {
         };
         // A malformed `ts` is treated as absent rather than rejecting a good message.
         let ts = raw.get("ts").map_or(0, unix_seconds);
-        let job_id = match raw.get("job_id") {
-            Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
-            _ => None,
-        };
+        let job_id = stamp_of(bytes);
         Ok(Envelope {
             event,
             payload,
@@ -157,11 +165,11 @@ impl Envelope {
     pub fn next_retry(&self) -> String {
         let mut raw = self.raw.clone();
         raw.insert("retry".into(), Value::from(self.retry.saturating_add(1)));
-        to_wire(raw)
+        to_wire(raw, self.job_id.as_deref())
     }
 
     pub fn to_json(&self) -> String {
-        to_wire(self.raw.clone())
+        to_wire(self.raw.clone(), self.job_id.as_deref())
     }
 
     /// Checks that the payload names each group of `required` fields: every group is a
@@ -183,19 +191,29 @@ impl Envelope {
     }
 }
 
-/// A message object as text, with `job_id` (when it has a string one) as its first field:
-/// the mover keeps a message's stamp only where it puts it.
-pub fn to_wire(mut raw: Map<String, Value>) -> String {
-    let id = match raw.remove("job_id") {
-        Some(Value::String(id)) => id,
-        Some(other) => {
-            raw.insert("job_id".into(), other);
-            return Value::Object(raw).to_string();
-        }
-        None => return Value::Object(raw).to_string(),
+/// The mover's stamp: the id of `{"job_id":"<digits and dashes>"` at the very start of a
+/// message, followed by `,` or `}`; `None` for anything else.
+pub fn stamp_of(msg: &[u8]) -> Option<String> {
+    let rest = msg.strip_prefix(br#"{"job_id":""#)?;
+    let end = rest
+        .iter()
+        .position(|b| !(b.is_ascii_digit() || *b == b'-'))?;
+    let (id, after) = rest.split_at(end);
+    match after {
+        [b'"', b',' | b'}', ..] if !id.is_empty() => String::from_utf8(id.to_vec()).ok(),
+        _ => None,
+    }
+}
+
+/// A message object as text, with the mover's stamp `stamp` (when given) as its first
+/// field, where the mover looks for it; any other `job_id` field makes way for it.
+pub fn to_wire(mut raw: Map<String, Value>, stamp: Option<&str>) -> String {
+    let Some(id) = stamp else {
+        return Value::Object(raw).to_string();
     };
+    raw.remove("job_id");
     let rest = Value::Object(raw).to_string();
-    let head = format!("{{\"job_id\":{}", Value::String(id));
+    let head = format!("{{\"job_id\":{}", Value::from(id));
     match rest.as_str() {
         "{}" => head + "}",
         _ => head + "," + &rest[1..],
@@ -300,7 +318,7 @@ mod tests {
 
     #[test]
     fn a_retry_keeps_the_job_id_first() {
-        let e = d(r#"{"event":"e","payload":{},"job_id":"17-3","retry":0,"a":1}"#).unwrap();
+        let e = d(r#"{"job_id":"17-3","event":"e","payload":{},"retry":0,"a":1}"#).unwrap();
         assert_eq!(e.job_id.as_deref(), Some("17-3"));
         let r = e.next_retry();
         assert!(r.starts_with(r#"{"job_id":"17-3","#), "{r}");
@@ -309,10 +327,17 @@ mod tests {
         let bare = d(r#"{"event":"e","payload":{}}"#).unwrap();
         assert_eq!(bare.job_id, None);
         assert!(!bare.next_retry().contains("job_id"));
+        assert_eq!(to_wire(Map::new(), Some("1-2")), r#"{"job_id":"1-2"}"#);
+        // Only the exact prefix is the stamp.
         assert_eq!(
-            to_wire(serde_json::from_str(r#"{"job_id":"x"}"#).unwrap()),
-            r#"{"job_id":"x"}"#
+            stamp_of(br#"{"job_id":"17-3","a":1}"#).as_deref(),
+            Some("17-3")
         );
+        assert_eq!(stamp_of(br#"{"job_id":"17-3"}"#).as_deref(), Some("17-3"));
+        assert_eq!(stamp_of(br#"{"a":1,"job_id":"17-3"}"#), None);
+        assert_eq!(stamp_of(br#"{"job_id":"x"}"#), None);
+        assert_eq!(stamp_of(br#"{"job_id":"1\"2"}"#), None);
+        assert_eq!(stamp_of(br#"{ "job_id":"1"}"#), None);
     }
 
     #[test]
@@ -393,8 +418,10 @@ mod tests {
                 if let Some(e) = event { m.insert("event".into(), Value::from(e)); }
                 if let Some(p) = payload { m.insert("payload".into(), p); }
                 m.insert("ts".into(), ts);
-                if let Some(id) = job_id { m.insert("job_id".into(), Value::from(id)); }
-                let text = to_wire(m);
+                if let Some(id) = &job_id { m.insert("job_id".into(), Value::from(id.as_str())); }
+                let stamp = job_id.clone();
+                m.remove("job_id");
+                let text = to_wire(m, stamp.as_deref());
                 match Envelope::decode(text.as_bytes(), 1 << 20) {
                     Ok(env) => check_round_trip(&env),
                     Err(r) => prop_assert!(!r.to_string().is_empty()),

@@ -76,6 +76,7 @@ impl<'a> Mover<'a> {
             let report = store::move_due(
                 con,
                 pool,
+                &self.keys.jobs,
                 target,
                 now_ms,
                 self.cfg.batch,
@@ -94,8 +95,9 @@ impl<'a> Mover<'a> {
                 let problem = format!(
                     "members that cannot be moved stay in the pool: {w}; rename or remove the key"
                 );
-                log::error!("mover: {problem}");
-                self.stats.report_problem(problem);
+                if self.stats.report_problem("mover", problem.clone()) {
+                    log::error!("mover: {problem}");
+                }
             }
         }
         Stats::add(&self.stats.moved, (total.moved + total.buried.len()) as u64);
@@ -141,9 +143,13 @@ impl<'a> Mover<'a> {
                     }
                 },
             };
-            match self.tick(c, crate::now_ms()) {
+            let step_started = crate::now_ms();
+            match self.tick(c, step_started) {
                 Ok((_, sleep)) => {
                     backoff.reset();
+                    if self.stats.clear_problem("mover", step_started) {
+                        log::info!("mover: the key that held members back is fixed");
+                    }
                     Stats::beat(&self.stats.mover_beat_ms);
                     if !sleep.is_zero() {
                         shutdown.wait(sleep);
@@ -151,7 +157,7 @@ impl<'a> Mover<'a> {
                 }
                 Err(e) => {
                     if let Some(p) = e.operator_problem() {
-                        self.stats.report_problem(p);
+                        self.stats.report_problem("mover", p);
                     }
                     if e.is_connection() {
                         con = None;

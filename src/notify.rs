@@ -191,6 +191,10 @@ pub fn status_line(s: &Snapshot, in_channel: usize, problem: Option<&String>) ->
 
 /// The liveness verdict described in the module header; `Err` says what is wrong.
 pub fn live(stats: &Stats, config: &Config, now_ms: i64) -> Result<(), String> {
+    // What an operator must fix comes first: it is also why a role stopped moving.
+    if let Some(p) = stats.problem(now_ms) {
+        return Err(p);
+    }
     let stalled = |beat: u64, step: Duration| {
         let age = now_ms.saturating_sub(beat as i64).max(0) as u64;
         let limit = (step + STALL_MARGIN).as_millis() as u64;
@@ -207,9 +211,6 @@ pub fn live(stats: &Stats, config: &Config, now_ms: i64) -> Result<(), String> {
                 "the mover made no progress for {s}s (Redis unreachable or the thread stuck)"
             ));
         }
-    }
-    if let Some(p) = stats.problem(now_ms) {
-        return Err(p);
     }
     match stats.db_waiting.load(Relaxed) {
         0 => Ok(()),

@@ -39,11 +39,25 @@ pub struct Stats {
     /// it when its outage starts and lowers it when it ends. Read by the watchdog and
     /// metrics; left as is at shutdown.
     pub db_waiting: AtomicU64,
-    /// Written by any role that meets what only an operator can fix (a key of the wrong
-    /// type): when (unix ms) and what. Read by `/healthz` and the watchdog, which stay
-    /// red while it recurs within [`PROBLEM_WINDOW`].
-    problem: Mutex<Option<(i64, String)>>,
+    /// What only an operator can fix (a key of the wrong type), by the role that met it:
+    /// written by that role when it meets it and cleared after its next clean step; read
+    /// by `/healthz` and the watchdog, red while any role has one (at most
+    /// [`PROBLEM_WINDOW`] after it was last met, should its role never step again).
+    problems: Mutex<Vec<Problem>>,
 }
+
+struct Problem {
+    role: String,
+    /// Last met (unix ms).
+    at: i64,
+    what: String,
+    /// Last logged (unix ms): a role meets it at every step, the log hears it twice a
+    /// minute.
+    logged: i64,
+}
+
+/// How often a problem that persists is logged again.
+const PROBLEM_LOG_EVERY_MS: i64 = 30_000;
 
 /// How long a reported problem keeps the health check red after it was last seen. The
 /// roles meet it again at every retry, and their backoff is capped well below this.
@@ -89,19 +103,53 @@ impl Stats {
         }
     }
 
-    /// Records a problem only an operator can fix (see `problem`).
-    pub fn report_problem(&self, what: String) {
-        if let Ok(mut p) = self.problem.lock() {
-            *p = Some((crate::now_ms(), what));
+    /// Records a problem only an operator can fix, met by `role`. Returns whether to log
+    /// it: when it is new or changed, and every 30 s while it persists.
+    pub fn report_problem(&self, role: &str, what: String) -> bool {
+        let now = crate::now_ms();
+        let Ok(mut ps) = self.problems.lock() else {
+            return true;
+        };
+        match ps.iter_mut().find(|p| p.role == role) {
+            Some(p) => {
+                p.at = now;
+                let log = p.what != what || now - p.logged >= PROBLEM_LOG_EVERY_MS;
+                if log {
+                    p.logged = now;
+                }
+                p.what = what;
+                log
+            }
+            None => {
+                ps.push(Problem {
+                    role: role.to_string(),
+                    at: now,
+                    what,
+                    logged: now,
+                });
+                true
+            }
         }
     }
 
-    /// The problem reported within [`PROBLEM_WINDOW`] of `now_ms`, if any.
+    /// Forgets `role`'s problem unless it was met at or after `since_ms` (the start of the
+    /// step that just went cleanly). Returns whether one was cleared.
+    pub fn clear_problem(&self, role: &str, since_ms: i64) -> bool {
+        let Ok(mut ps) = self.problems.lock() else {
+            return false;
+        };
+        let before = ps.len();
+        ps.retain(|p| p.role != role || p.at >= since_ms);
+        ps.len() < before
+    }
+
+    /// A problem some role met within [`PROBLEM_WINDOW`] of `now_ms`, if any.
     pub fn problem(&self, now_ms: i64) -> Option<String> {
-        let p = self.problem.lock().ok()?;
-        p.as_ref()
-            .filter(|(at, _)| now_ms - at <= PROBLEM_WINDOW.as_millis() as i64)
-            .map(|(_, what)| what.clone())
+        let ps = self.problems.lock().ok()?;
+        ps.iter()
+            .filter(|p| now_ms - p.at <= PROBLEM_WINDOW.as_millis() as i64)
+            .map(|p| format!("{}: {}", p.role, p.what))
+            .next()
     }
 
     pub fn snapshot(&self) -> Snapshot {
@@ -457,9 +505,17 @@ mod tests {
     fn a_problem_is_reported_for_a_while() {
         let s = Stats::default();
         assert_eq!(s.problem(1_000), None);
-        s.report_problem("key \"k\" holds a string, not a stream".into());
+        let what = || "key \"k\" holds a string, not a stream".to_string();
+        assert!(s.report_problem("mover", what()), "logged the first time");
+        assert!(!s.report_problem("mover", what()), "not at every step");
         let now = crate::now_ms();
-        assert!(s.problem(now).unwrap().contains("holds a string"));
+        assert!(s.problem(now).unwrap().contains("mover: key"));
         assert_eq!(s.problem(now + PROBLEM_WINDOW.as_millis() as i64 + 1), None);
+        assert!(
+            !s.clear_problem("mover", now - 1),
+            "met during the step: kept"
+        );
+        assert!(s.clear_problem("mover", now + 1), "a clean step clears it");
+        assert_eq!(s.problem(now), None);
     }
 }

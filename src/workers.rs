@@ -410,7 +410,6 @@ impl<'a> Worker<'a> {
                     Effect::NoOp => JobOutcome::NoOp,
                 };
                 let now = crate::now_ms();
-                stats.jobs.job(&env.event, outcome);
                 stats.jobs.lateness(d.due_ms, now);
                 if log::log_enabled!(log::Level::Debug) {
                     let what = match effect {
@@ -423,12 +422,11 @@ impl<'a> Worker<'a> {
                         .unwrap_or_default();
                     log::debug!("job {key} {}: {what}{late}", env.event);
                 }
-                Settlement::new(d, Outcome::Ack)
+                Settlement::ack(d, &env.event, outcome)
             }
             JobResult::Duplicate => {
-                stats.jobs.job(&env.event, JobOutcome::Duplicate);
                 log::debug!("job {key} {}: duplicate (already in the inbox)", env.event);
-                Settlement::new(d, Outcome::Ack)
+                Settlement::ack(d, &env.event, JobOutcome::Duplicate)
             }
             // Connection-level failures never get here: `run_in_database` reruns those.
             JobResult::Failed(e) if db::is_transient(&e) => {
@@ -602,7 +600,7 @@ impl<'a> Worker<'a> {
     /// is the operator's problem (the health checks say so).
     fn store_failure(&mut self, e: &StoreError) {
         if let Some(p) = e.operator_problem() {
-            self.ctx.stats.report_problem(p);
+            self.ctx.stats.report_problem(&self.name, p);
         }
         self.redis = None;
         self.ctx.stats.redis_failure(&self.redis_backoff);
@@ -617,6 +615,12 @@ impl<'a> Worker<'a> {
         let mut blocked = 0;
         for (s, what) in outcomes.drain(..).zip(&report.each) {
             match (what, &s.outcome) {
+                // The commit happened whoever acknowledged it (a peer after a reclaim).
+                (Settled::Applied | Settled::AlreadySettled, Outcome::Ack) => {
+                    if let Some(o) = s.counts_as {
+                        stats.jobs.job(&s.event, o);
+                    }
+                }
                 (Settled::Applied, Outcome::Retry { .. }) => {
                     stats.jobs.job(&s.event, JobOutcome::Retry);
                 }
@@ -637,10 +641,13 @@ impl<'a> Worker<'a> {
         }
         if let Some(w) = &report.blocked {
             let problem = format!(
-                "{blocked} outcomes are held back: {w}; they are settled once it is renamed or removed"
+                "outcomes are held back: {w}; they are settled once it is renamed or removed"
             );
-            log::error!("{}: {problem}", self.name);
-            stats.report_problem(problem);
+            if stats.report_problem(&self.name, problem.clone()) {
+                log::error!("{}: {blocked} {problem}", self.name);
+            }
+        } else if self.held.is_empty() && stats.clear_problem(&self.name, i64::MAX) {
+            log::info!("{}: the held-back outcomes are settled", self.name);
         }
     }
 

@@ -347,8 +347,12 @@ pub fn requeue_message(msg: &[u8]) -> (Vec<u8>, bool) {
                 return (msg.to_vec(), true);
             }
             m.insert("retry".into(), 0.into());
-            // The job keeps its identity (`job_id` first, where the mover looks).
-            (crate::message::to_wire(m).into_bytes(), true)
+            // The job keeps its identity: the mover's stamp stays first, where it looks.
+            let stamp = crate::message::stamp_of(msg);
+            (
+                crate::message::to_wire(m, stamp.as_deref()).into_bytes(),
+                true,
+            )
         }
         _ => (msg.to_vec(), false),
     }

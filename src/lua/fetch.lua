@@ -35,12 +35,13 @@ for i = 1, #KEYS, 4 do
   local queue_name = ARGV[5 + (i + 3) / 4]
   local w = wrong_type(KEYS[i], 'list', KEYS[i + 1], 'list', KEYS[i + 2], 'hash')
   -- The dead list is needed only for a message that must be buried; while it holds
-  -- another type such a message stays at the tail of its queue (and the queue waits
-  -- behind it) until the key is fixed.
+  -- another type such a message stays in its queue (moved to its head) until the key is
+  -- fixed, and the rest of the queue goes on.
   local dead_bad = wrong_type(KEYS[i + 3], 'list')
   if w then
     blocked = blocked or w
   else
+    local rotations = redis.call('LLEN', KEYS[i])
     while n < max do
       local msg = redis.call('LINDEX', KEYS[i], -1)
       if not msg then break end
@@ -48,10 +49,13 @@ for i = 1, #KEYS, 4 do
       local over = #msg > max_bytes
       local count = tonumber(redis.call('HGET', KEYS[i + 2], digest) or '0') + 1
       if (over or count > max_deliveries) and dead_bad then
+        -- It cannot be buried: it goes to the head of its queue (still queued, never
+        -- lost) so the messages behind it go on; each is looked at once per fetch.
         blocked = blocked or dead_bad
-        break
-      end
-      if over then
+        rotations = rotations - 1
+        if rotations < 0 then break end
+        redis.call('LMOVE', KEYS[i], KEYS[i], 'RIGHT', 'LEFT')
+      elseif over then
         bury(KEYS[i + 3], queue_name, string.sub(msg, 1, OVERSIZE_PREFIX),
           oversize_reason(#msg, max_bytes), 0, #msg, digest)
         redis.call('RPOP', KEYS[i])

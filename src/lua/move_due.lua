@@ -3,7 +3,8 @@
 -- removed inside one script, so no two calls can move the same member.
 --
 -- KEYS[1] pool ZSET, KEYS[2] data HASH, KEYS[3] target (events STREAM or queue LIST),
--- KEYS[4] dead letters (STREAM in stream mode, the queue's dead LIST in list mode)
+-- KEYS[4] dead letters (STREAM in stream mode, the queue's dead LIST in list mode),
+-- KEYS[5] the pool's jobs HASH (job ids of retries waiting in the pool)
 -- ARGV[1] now in unix milliseconds
 -- ARGV[2] now in unix seconds (decimal)
 -- ARGV[3] limit
@@ -19,9 +20,15 @@
 -- Scores below 1e11 are unix seconds, the rest unix milliseconds. Seconds scores sort
 -- before any millisecond score, so each kind is one score range.
 --
--- Every message leaves with a `job_id` as its first field: a new one when it has none
--- (its first move), kept when it has one (a retry going round again). A job is its key
--- plus this id, so a key pushed again is a new job while a retry is the same job.
+-- Every message leaves with a `job_id` as its first field: the one its retry record in
+-- the jobs HASH names when the data is exactly the retried message (a retry going round
+-- again), otherwise a new one (a first move, or the key pushed again, even as a copy of
+-- an old message: a stamp already in the data is replaced). A job is its key plus this
+-- id, so a key pushed again is a new job while a retry is the same job.
+--
+-- Members whose data has not arrived (inside the grace) or that cannot be buried stay in
+-- the pool; the scan goes on past them, so they never hold back the members due after
+-- them (at most ten batches' worth of members are looked at per call).
 --
 -- A member that cannot be moved is not left to block the others: one whose data is over
 -- the size limit, whose legacy key holds another type, or whose data never arrived
@@ -69,14 +76,32 @@ local function with_job_key(msg, key)
   return '{"job_key":' .. json_string(key) .. sep .. rest
 end
 
-local function with_job_id(msg, n)
-  if string.sub(msg, 1, 1) ~= '{' or string.sub(msg, 1, 11) == '{"job_id":"' then
-    return msg
+-- The job id for the message of `key`: its retry record's when the data is exactly the
+-- retried message, otherwise a new one.
+local function job_id_for(msg, key, n)
+  local rec = redis.call('HGET', KEYS[5], key)
+  if rec then
+    local at = string.find(rec, ' ', 1, true)
+    if at and string.sub(rec, at + 1) == redis.sha1hex(msg) then return string.sub(rec, 1, at - 1) end
   end
+  return stamp .. '-' .. n
+end
+
+-- The message without a stamp of ours in front.
+local function unstamped(msg)
+  local old = stamped_id(msg)
+  if not old then return msg end
+  local rest = string.sub(msg, #'{"job_id":"' + #old + 2)
+  if string.sub(rest, 1, 1) == ',' then rest = string.sub(rest, 2) end
+  return '{' .. rest
+end
+
+local function with_job_id(msg, id)
+  if string.sub(msg, 1, 1) ~= '{' then return msg end
   local rest = string.sub(msg, 2)
   local sep = ','
   if string.match(rest, '^%s*}') then sep = '' end
-  return '{"job_id":"' .. stamp .. '-' .. n .. '"' .. sep .. rest
+  return '{"job_id":"' .. id .. '"' .. sep .. rest
 end
 
 -- The member's message, or nil and why not: 'missing' (no data yet) or a reason to bury.
@@ -104,6 +129,7 @@ end
 
 local function forget(key)
   if legacy == '' then redis.call('HDEL', KEYS[2], key) else redis.call('DEL', key) end
+  redis.call('HDEL', KEYS[5], key)
 end
 
 -- The dead letter of a member that cannot be moved; for an oversized one a prefix, its
@@ -141,10 +167,13 @@ local function handle(items, scale)
     local due = tonumber(items[i + 1]) * scale
     local msg, why, len = fetch(key)
     if msg then
+      local id = job_id_for(msg, key, moved)
+      local body = unstamped(msg)
       if mode == 'list' then
-        redis.call('LPUSH', KEYS[3], with_job_id(with_job_key(msg, key), moved))
+        -- job_key inside, the stamp in front of everything.
+        redis.call('LPUSH', KEYS[3], with_job_id(with_job_key(body, key), id))
       else
-        redis.call('XADD', KEYS[3], '*', 'msg', with_job_id(msg, moved), 'key', key,
+        redis.call('XADD', KEYS[3], '*', 'msg', with_job_id(body, id), 'key', key,
           'due', math.floor(due))
       end
       forget(key)
@@ -170,12 +199,25 @@ local function handle(items, scale)
   end
 end
 
-local secs = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[2], 'WITHSCORES', 'LIMIT', 0, limit)
-handle(secs, 1000)
-local left = limit - #secs / 2
-if left > 0 then
-  handle(redis.call('ZRANGEBYSCORE', KEYS[1], '1e11', ARGV[1], 'WITHSCORES', 'LIMIT', 0, left), 1)
+-- Due members page by page, from the front; those left in the pool (skipped) stay at the
+-- front, so the next page starts after them.
+local scan_left = limit * 10
+local function drain(min, max, scale)
+  local offset = 0
+  while scan_left > 0 do
+    local want = limit - moved - #buried / 2
+    if want <= 0 then return end
+    local items = redis.call('ZRANGEBYSCORE', KEYS[1], min, max, 'WITHSCORES', 'LIMIT', offset,
+      math.min(want, scan_left))
+    if #items == 0 then return end
+    local before = skipped
+    handle(items, scale)
+    scan_left = scan_left - #items / 2
+    offset = offset + skipped - before
+  end
 end
+drain('-inf', ARGV[2], 1000)
+drain('1e11', ARGV[1], 1)
 
 -- The earliest member not yet due, so the caller can sleep exactly until then.
 local next_due = -1

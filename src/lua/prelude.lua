@@ -31,6 +31,21 @@ local function json_string(s)
   end) .. '"'
 end
 
+-- The job id the mover stamps as a message's first field: `{"job_id":"<digits-digits>"`.
+-- Only this exact prefix counts; a `job_id` anywhere else is a field like any other.
+local function stamped_id(msg)
+  return string.match(msg, '^{"job_id":"([%d%-]+)"[,}]')
+end
+
+-- The record that lets a retry keep its job id through the pool: "<id> <sha1 of the
+-- message>" under the job key in the pool's jobs HASH. The mover keeps the id only if the
+-- data it moves is that very message, so a producer pushing the key again (even a copy
+-- of an old message) gets a new id.
+local function remember_job(jobs, key, msg)
+  local id = stamped_id(msg)
+  if id then redis.call('HSET', jobs, key, id .. ' ' .. redis.sha1hex(msg)) end
+end
+
 -- How much of an oversized message its dead letter keeps.
 local OVERSIZE_PREFIX = 4096
 
@@ -52,7 +67,7 @@ end
 -- Screens stream entries read or claimed by this script, before they reach the worker:
 -- an entry whose stream entry is gone (deleted while pending) is acknowledged and
 -- counted; one whose message is over the size limit goes to the dead letters (a prefix,
--- its length and a digest) and is then acknowledged. While the dead-letter key holds
+-- its length and a digest) and is then acknowledged and deleted from the stream. While the dead-letter key holds
 -- another type, an oversized entry stays pending, undelivered, and that key is reported.
 -- Returns the entries to deliver, the count of gone ones, {key, reason, ...} of the
 -- buried ones and {key, found, wanted} (empty when none) of a key that blocked one.
@@ -77,6 +92,9 @@ local function screen(entries, group, consumer, max_bytes, now_s)
           'reason', reason, 'ts', now_s, 'event', '', 'key', key, 'attempts', 0,
           'length', #msg, 'sha1', redis.sha1hex(msg), 'consumer', consumer, 'id', id)
         redis.call('XACK', KEYS[1], group, id)
+        -- Written by someone else (our mover never writes one): its bytes leave Redis
+        -- too, not after the retention.
+        redis.call('XDEL', KEYS[1], id)
         buried[#buried + 1] = key
         buried[#buried + 1] = reason
       else

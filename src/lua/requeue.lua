@@ -6,11 +6,12 @@
 -- A job key that is scheduled again (its producer pushed it anew since it died) is left
 -- alone: the newer message wins, and the letter stays for the operator to purge.
 --
--- KEYS[1] dead STREAM, KEYS[2] pool ZSET, KEYS[3] data HASH
+-- KEYS[1] dead STREAM, KEYS[2] pool ZSET, KEYS[3] data HASH, KEYS[4] the pool's jobs HASH
+-- (a requeued letter stays the same job: its stamp is remembered, as for a retry)
 -- ARGV[1] due score (unix ms), then triples: dead-letter id, job key, message
 -- Data and score are written before the XDEL (ack last).
 -- Returns one code per triple: 1 requeued, 0 gone, -1 job key scheduled again.
-local w = wrong_type(KEYS[1], 'stream', KEYS[2], 'zset', KEYS[3], 'hash')
+local w = wrong_type(KEYS[1], 'stream', KEYS[2], 'zset', KEYS[3], 'hash', KEYS[4], 'hash')
 if w then return wrongtype_reply(w) end
 local out = {}
 for i = 2, #ARGV, 3 do
@@ -21,6 +22,7 @@ for i = 2, #ARGV, 3 do
     out[#out + 1] = -1
   else
     -- Data before score, as push.lua: the mover never sees a member without data.
+    remember_job(KEYS[4], key, msg)
     redis.call('HSET', KEYS[3], key, msg)
     redis.call('ZADD', KEYS[2], ARGV[1], key)
     redis.call('XDEL', KEYS[1], id)

@@ -4,7 +4,8 @@
 -- reclaimed entry is never retried or dead-lettered twice). A record whose destination
 -- key holds another type is left pending, untouched, and reported; the others go on.
 --
--- KEYS[1] events STREAM, KEYS[2] pool ZSET, KEYS[3] data HASH, KEYS[4] dead STREAM
+-- KEYS[1] events STREAM, KEYS[2] pool ZSET, KEYS[3] data HASH, KEYS[4] dead STREAM,
+-- KEYS[5] the pool's jobs HASH (a retry keeps its job id through the pool)
 -- ARGV[1] group, ARGV[2] now (unix seconds), ARGV[3] consumer name
 -- then records of 7 fields: kind, entry id, job key, message, score-or-reason, event,
 -- attempts. kind: 'A' ack, 'R' retry (score = due time), 'D' dead letter (reason).
@@ -12,7 +13,7 @@
 -- pending: a key of another type), then {key, found, wanted} if any was -1.
 local w = wrong_type(KEYS[1], 'stream')
 if w then return wrongtype_reply(w) end
-local pool_bad = wrong_type(KEYS[2], 'zset', KEYS[3], 'hash')
+local pool_bad = wrong_type(KEYS[2], 'zset', KEYS[3], 'hash', KEYS[5], 'hash')
 local dead_bad = wrong_type(KEYS[4], 'stream')
 local blocked = nil
 local out = {}
@@ -32,6 +33,7 @@ for i = 4, #ARGV, 7 do
     code = 0
   else
     if kind == 'R' then
+      remember_job(KEYS[5], ARGV[i + 2], ARGV[i + 3])
       redis.call('HSET', KEYS[3], ARGV[i + 2], ARGV[i + 3])
       redis.call('ZADD', KEYS[2], ARGV[i + 4], ARGV[i + 2])
     else

@@ -4,19 +4,20 @@
 -- so nothing is settled twice. A record whose destination key holds another type is left
 -- in the processing list and reported; the others go on.
 --
--- KEYS[1] pool ZSET, KEYS[2] data HASH, then per queue: processing LIST, dead LIST,
--- deliveries HASH (the message's fetch count is cleared once it is settled)
+-- KEYS[1] pool ZSET, KEYS[2] data HASH, KEYS[3] the pool's jobs HASH (a retry keeps its
+-- job id through the pool), then per queue: processing LIST, dead LIST, deliveries HASH
+-- (the message's fetch count is cleared once it is settled)
 -- ARGV[1] now (unix seconds), ARGV[2] consumer name, then records of 8 fields:
 --   kind ('A' ack, 'R' retry, 'D' dead), queue index (0-based), queue name, job key,
 --   message as delivered, retry message or reason, due score or event, attempts
 -- Returns one code per record (1 settled, 0 already gone, -1 left: a key of another
 -- type), then {key, found, wanted} if any was -1.
-local pool_bad = wrong_type(KEYS[1], 'zset', KEYS[2], 'hash')
+local pool_bad = wrong_type(KEYS[1], 'zset', KEYS[2], 'hash', KEYS[3], 'hash')
 local blocked = nil
 local out = {}
 for i = 3, #ARGV, 8 do
   local kind, q = ARGV[i], tonumber(ARGV[i + 1])
-  local processing, dead, deliveries = KEYS[3 + q * 3], KEYS[4 + q * 3], KEYS[5 + q * 3]
+  local processing, dead, deliveries = KEYS[4 + q * 3], KEYS[5 + q * 3], KEYS[6 + q * 3]
   local msg = ARGV[i + 4]
   local bad = wrong_type(processing, 'list', deliveries, 'hash')
   if not bad and kind == 'R' then bad = pool_bad end
@@ -28,6 +29,7 @@ for i = 3, #ARGV, 8 do
     code = 0
   else
     if kind == 'R' then
+      remember_job(KEYS[3], ARGV[i + 3], ARGV[i + 5])
       redis.call('HSET', KEYS[2], ARGV[i + 3], ARGV[i + 5])
       redis.call('ZADD', KEYS[1], ARGV[i + 6], ARGV[i + 3])
     elseif kind == 'D' then

@@ -102,8 +102,9 @@ impl<'a> Feed<'a> {
     /// are): logged and shown by the health checks until it is fixed.
     pub fn blocked(&self, role: &str, w: &crate::store::WrongType) {
         let problem = format!("messages are held back: {w}; rename or remove the key");
-        log::error!("{role}: {problem}");
-        self.stats.report_problem(problem);
+        if self.stats.report_problem("reader", problem.clone()) {
+            log::error!("{role}: {problem}");
+        }
     }
 
     /// Counts and logs the messages a read sent to the dead letters instead of the pool.
@@ -170,17 +171,23 @@ pub fn run(mut source: impl Source, client: &redis::Client, stats: &Stats, shutd
                 }
             },
         };
+        let step_started = crate::now_ms();
         let step = if started {
             source.poll(c)
         } else {
             source.start(c, shutdown).inspect(|_| started = true)
         };
         match step {
-            Ok(_) => backoff.reset(),
+            Ok(_) => {
+                backoff.reset();
+                if stats.clear_problem("reader", step_started) {
+                    log::info!("{role}: the key that held messages back is fixed");
+                }
+            }
             Err(StepError::PoolGone) => break,
             Err(StepError::Store(e)) => {
                 if let Some(p) = e.operator_problem() {
-                    stats.report_problem(p);
+                    stats.report_problem("reader", p);
                 }
                 if e.is_connection() {
                     con = None;

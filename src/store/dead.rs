@@ -34,6 +34,7 @@ pub fn requeue(
     inv.key(&keys.dead)
         .key(&keys.pool)
         .key(&keys.data)
+        .key(&keys.jobs)
         .arg(due_ms);
     for (id, key, msg) in letters {
         inv.arg(*id).arg(*key).arg(*msg);

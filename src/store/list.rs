@@ -82,7 +82,7 @@ pub(super) fn settle(
     batch: &[&Settlement],
 ) -> StoreResult<Vec<Value>> {
     let mut inv = SETTLE.prepare_invoke();
-    inv.key(&keys.pool).key(&keys.data);
+    inv.key(&keys.pool).key(&keys.data).key(&keys.jobs);
     for q in &keys.queues {
         inv.key(q.processing(consumer))
             .key(&q.dead)

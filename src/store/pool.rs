@@ -21,6 +21,7 @@ pub fn push(
     let mut inv = PUSH.prepare_invoke();
     inv.key(&keys.pool)
         .key(&keys.data)
+        .key(&keys.jobs)
         .arg(key)
         .arg(msg)
         .arg(score);
@@ -54,9 +55,10 @@ pub fn push_many(
     for (key, msg, score) in jobs {
         pipe.cmd("EVALSHA")
             .arg(&sha)
-            .arg(2)
+            .arg(3)
             .arg(&keys.pool)
             .arg(&keys.data)
+            .arg(&keys.jobs)
             .arg(key)
             .arg(msg)
             .arg(score);
@@ -73,7 +75,7 @@ pub fn push_many(
 /// Removes a scheduled job. Returns `true` if it existed.
 pub fn cancel(con: &mut dyn ConnectionLike, keys: &Keys, key: &str) -> StoreResult<bool> {
     let mut inv = CANCEL.prepare_invoke();
-    inv.key(&keys.pool).key(&keys.data).arg(key);
+    inv.key(&keys.pool).key(&keys.data).key(&keys.jobs).arg(key);
     Ok(int(Some(&run("cancel", &inv, con)?)) == 1)
 }
 
@@ -114,9 +116,12 @@ pub enum Pool<'a> {
 }
 
 /// Moves up to `limit` members of `pool` due at `now_ms` to `target`, in one atomic script.
+/// `jobs` is the jobs HASH of our pool (retries keep their job id through it).
+#[allow(clippy::too_many_arguments)]
 pub fn move_due(
     con: &mut dyn ConnectionLike,
     pool: Pool<'_>,
+    jobs: &str,
     target: Target<'_>,
     now_ms: i64,
     limit: usize,
@@ -138,6 +143,7 @@ pub fn move_due(
         .key(data)
         .key(target_key)
         .key(dead)
+        .key(jobs)
         .arg(now_ms)
         .arg(now_s)
         .arg(limit)

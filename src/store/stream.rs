@@ -209,6 +209,7 @@ pub(super) fn settle(
         .key(&keys.pool)
         .key(&keys.data)
         .key(&keys.dead)
+        .key(&keys.jobs)
         .arg(&keys.group)
         .arg(now_s)
         .arg(consumer);

@@ -238,7 +238,7 @@ fn one_bad_legacy_member_does_not_stall_its_pool() {
     // One set of counters: every member that left the pool ended one way.
     let s = report.stats;
     assert_eq!(s.moved, 21);
-    assert_eq!(s.moved, s.done + s.noop + s.dead + s.retried);
+    assert_eq!(s.moved, s.done + s.noop + s.duplicate + s.dead + s.retried);
 }
 
 /// Defect 5: PHP's `microtime(true)` writes `"ts": 1796040000.25`; the same job key pushed again
@@ -341,4 +341,52 @@ fn list_mode_holds_a_dead_letter_back_until_its_dead_list_is_fixed() {
     let report = daemon.stop();
     assert_eq!(held(&mut con), 0);
     assert_eq!(report.stats.dead, 1);
+}
+
+/// `/healthz` names the key an operator must fix (not "the mover made no progress"), and
+/// turns green again soon after it is fixed.
+#[test]
+fn healthz_names_the_wrong_key_and_recovers_once_it_is_fixed() {
+    let mut env = Env::new();
+    let port = free_port();
+    env.config.metrics_addr = Some(format!("127.0.0.1:{port}").parse().unwrap());
+    let mut con = env.con();
+    let k = env.config.keys.clone();
+    redis::cmd("SET")
+        .arg(&k.data)
+        .arg("x")
+        .query::<()>(&mut con)
+        .unwrap();
+    redis::cmd("ZADD")
+        .arg(&k.pool)
+        .arg(1)
+        .arg("j")
+        .query::<()>(&mut con)
+        .unwrap();
+    let daemon = Daemon::start(&env.config);
+    let body = || {
+        http_get(port, "/healthz")
+            .map(|(c, _, b)| (c, b))
+            .unwrap_or((0, String::new()))
+    };
+    wait_until(WAIT, "a 503 naming the key", || {
+        let (code, b) = body();
+        code == 503 && b.contains(&k.data)
+    });
+    // Still naming it well past the mover's stall threshold.
+    std::thread::sleep(Duration::from_secs(3));
+    let (code, b) = body();
+    assert_eq!(code, 503);
+    assert!(b.contains(&k.data), "{b}");
+    redis::cmd("DEL")
+        .arg(&k.data)
+        .query::<()>(&mut con)
+        .unwrap();
+    wait_until(WAIT, "200 again", || body().0 == 200);
+    daemon.stop();
+    // The member without data (due in 1970) is an orphan: a dead letter with its reason.
+    let letters = dead_letters(&env);
+    assert_eq!(letters.len(), 1);
+    assert!(letters[0]["reason"].contains("no data"), "{:?}", letters[0]);
+    assert_eq!(books(&env).pool, 0);
 }

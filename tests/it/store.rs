@@ -65,6 +65,7 @@ fn move_now(con: &mut Connection, k: &Keys) -> Result<MoveReport, StoreError> {
             pool: &k.pool,
             data: &k.data,
         },
+        &k.jobs,
         Target::Stream {
             stream: &k.stream,
             dead: &k.dead,
@@ -220,6 +221,7 @@ fn a_legacy_member_of_the_wrong_type_is_one_dead_letter_and_the_rest_moves() {
             pool: "delay:order_close",
             event: "order.timeout",
         },
+        &k.jobs,
         Target::Stream {
             stream: &k.stream,
             dead: &k.dead,
@@ -483,9 +485,18 @@ fn fetch_holds_an_oversized_message_back_while_the_dead_list_is_the_wrong_type()
             .query::<()>(&mut con)
             .unwrap();
     }
+    // Behind the oversized one, more: it must not hold them back.
+    redis::cmd("LPUSH")
+        .arg(&q.name)
+        .arg("behind")
+        .query::<()>(&mut con)
+        .unwrap();
     set_string(&mut con, &q.dead);
     let f = list::fetch(&mut con, &k, "c1", 10, 3, MAX).unwrap();
-    assert_eq!(f.messages, vec![(0, b"small".to_vec())]);
+    assert_eq!(
+        f.messages,
+        vec![(0, b"small".to_vec()), (0, b"behind".to_vec())]
+    );
     assert_eq!(f.blocked.unwrap().key, q.dead);
     assert_eq!(
         llen(&mut con, &q.name),
@@ -622,4 +633,153 @@ fn xrange(con: &mut Connection, key: &str) -> Vec<std::collections::HashMap<Stri
             _ => None,
         })
         .collect()
+}
+
+#[test]
+fn members_waiting_for_their_data_do_not_hold_back_the_ones_due_after_them() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let k = keys();
+    // ZADD before HSET (allowed): due first, no data yet, inside the grace.
+    for i in 0..5 {
+        redis::cmd("ZADD")
+            .arg(&k.pool)
+            .arg(NOW - 3000 + i)
+            .arg(format!("orphan-{i}"))
+            .query::<()>(&mut con)
+            .unwrap();
+    }
+    for i in 0..3 {
+        store::push(&mut con, &k, &format!("good-{i}"), "{}", NOW - 1000).unwrap();
+    }
+    let report = store::move_due(
+        &mut con,
+        Pool::Enveloped {
+            pool: &k.pool,
+            data: &k.data,
+        },
+        &k.jobs,
+        Target::Stream {
+            stream: &k.stream,
+            dead: &k.dead,
+        },
+        NOW,
+        1,
+        60_000,
+        MAX,
+    )
+    .unwrap();
+    assert_eq!(report.moved, 1, "past the five waiting ones: {report:?}");
+    assert_eq!(move_now(&mut con, &k).unwrap().moved, 2);
+    assert_eq!(
+        zcard(&mut con, &k.pool),
+        5,
+        "the five still wait for their data"
+    );
+}
+
+#[test]
+fn unburiable_members_do_not_hold_back_the_ones_due_after_them() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let k = keys();
+    for i in 0..3 {
+        store::push(
+            &mut con,
+            &k,
+            &format!("big-{i}"),
+            &"b".repeat(MAX + 1),
+            NOW - 3000,
+        )
+        .unwrap();
+    }
+    for i in 0..4 {
+        store::push(&mut con, &k, &format!("good-{i}"), "{}", NOW - 1000).unwrap();
+    }
+    set_string(&mut con, &k.dead);
+    let call = |con: &mut Connection| {
+        store::move_due(
+            con,
+            Pool::Enveloped {
+                pool: &k.pool,
+                data: &k.data,
+            },
+            &k.jobs,
+            Target::Stream {
+                stream: &k.stream,
+                dead: &k.dead,
+            },
+            NOW,
+            2,
+            60_000,
+            MAX,
+        )
+        .unwrap()
+    };
+    assert_eq!(call(&mut con).moved, 2);
+    assert_eq!(call(&mut con).moved, 2);
+    assert_eq!(zcard(&mut con, &k.pool), 3, "only the unburiable wait");
+}
+
+fn stream_messages(con: &mut Connection, k: &Keys) -> Vec<String> {
+    xrange(con, &k.stream)
+        .into_iter()
+        .map(|e| e["msg"].clone())
+        .collect()
+}
+
+#[test]
+fn a_retry_keeps_its_job_id_and_a_copy_pushed_again_gets_a_new_one() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let k = keys();
+    let d = one_pending(&mut con, &k, r#"{"event":"e","payload":{},"retry":0}"#);
+    let first = delay_worker::message::stamp_of(&d.msg).expect("stamped on its first move");
+    // The worker's retry: the same message with retry raised, the stamp in front.
+    let env = delay_worker::message::Envelope::decode(&d.msg, MAX).unwrap();
+    let retry = settlement(
+        &d,
+        Outcome::Retry {
+            msg: env.next_retry().into_bytes(),
+            due_ms: NOW - 10,
+        },
+    );
+    store::settle(&mut con, &k, "c1", NOW / 1000, &[retry]).unwrap();
+    assert_eq!(move_now(&mut con, &k).unwrap().moved, 1);
+    let msgs = stream_messages(&mut con, &k);
+    assert_eq!(
+        delay_worker::message::stamp_of(msgs[1].as_bytes()).as_deref(),
+        Some(first.as_str()),
+        "a retry is the same job"
+    );
+    // A producer copies that message and pushes the key again, twice: new jobs.
+    for _ in 0..2 {
+        redis::cmd("HSET")
+            .arg(&k.data)
+            .arg("job-1")
+            .arg(&msgs[1])
+            .query::<()>(&mut con)
+            .unwrap();
+        redis::cmd("ZADD")
+            .arg(&k.pool)
+            .arg(NOW - 5)
+            .arg("job-1")
+            .query::<()>(&mut con)
+            .unwrap();
+        assert_eq!(move_now(&mut con, &k).unwrap().moved, 1);
+    }
+    let msgs = stream_messages(&mut con, &k);
+    let ids: std::collections::HashSet<String> = msgs
+        .iter()
+        .map(|m| delay_worker::message::stamp_of(m.as_bytes()).unwrap())
+        .collect();
+    assert_eq!(msgs.len(), 4);
+    assert_eq!(
+        ids.len(),
+        3,
+        "the retry shares the first id; each re-push has its own"
+    );
+    for m in &msgs {
+        assert_eq!(m.matches("job_id").count(), 1, "one stamp, never two: {m}");
+    }
 }
