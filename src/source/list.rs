@@ -100,8 +100,8 @@ impl Source for ListReader<'_> {
         "list reader"
     }
 
-    fn io_timeout(&self) -> Duration {
-        self.cfg.block + Duration::from_secs(5)
+    fn block(&self) -> Duration {
+        self.cfg.block
     }
 
     /// Registers this consumer, then pushes its own leftovers (from a previous run under

@@ -142,8 +142,12 @@ pub enum StepError {
 pub trait Source {
     /// For log lines.
     fn role(&self) -> &'static str;
-    /// Socket timeout: longer than the longest call.
-    fn io_timeout(&self) -> Duration;
+    /// Socket timeout: longer than the longest call (a wait for room is `block` long).
+    fn io_timeout(&self) -> Duration {
+        self.block() + Duration::from_secs(5)
+    }
+    /// The maintenance period (`--block`).
+    fn block(&self) -> Duration;
     /// Start-up (and after a lost connection): take back this consumer's own pending work.
     fn start(&mut self, con: &mut Connection, shutdown: &Shutdown) -> Result<usize, StepError>;
     /// One step: maintenance when due, then one bounded read (or a short wait).

@@ -260,8 +260,8 @@ impl Source for Reader<'_> {
     fn role(&self) -> &'static str {
         "reader"
     }
-    fn io_timeout(&self) -> Duration {
-        self.cfg.block + Duration::from_secs(5)
+    fn block(&self) -> Duration {
+        self.cfg.block
     }
     fn start(&mut self, con: &mut Connection, shutdown: &Shutdown) -> Result<usize, StepError> {
         Reader::start(self, con, shutdown)

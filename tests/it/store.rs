@@ -59,6 +59,11 @@ fn schedule(con: &mut Connection, k: &Keys, key: &str, msg: &str) {
 }
 
 fn move_now(con: &mut Connection, k: &Keys) -> Result<MoveReport, StoreError> {
+    move_at_most(con, k, 100)
+}
+
+/// One `move_due` call on our pool into the stream, at most `limit` members.
+fn move_at_most(con: &mut Connection, k: &Keys, limit: usize) -> Result<MoveReport, StoreError> {
     store::move_due(
         con,
         Pool::Enveloped {
@@ -71,7 +76,7 @@ fn move_now(con: &mut Connection, k: &Keys) -> Result<MoveReport, StoreError> {
             dead: &k.dead,
         },
         NOW,
-        100,
+        limit,
         60_000,
         MAX,
     )
@@ -652,23 +657,7 @@ fn members_waiting_for_their_data_do_not_hold_back_the_ones_due_after_them() {
     for i in 0..3 {
         store::push(&mut con, &k, &format!("good-{i}"), "{}", NOW - 1000).unwrap();
     }
-    let report = store::move_due(
-        &mut con,
-        Pool::Enveloped {
-            pool: &k.pool,
-            data: &k.data,
-        },
-        &k.jobs,
-        Target::Stream {
-            stream: &k.stream,
-            dead: &k.dead,
-        },
-        NOW,
-        1,
-        60_000,
-        MAX,
-    )
-    .unwrap();
+    let report = move_at_most(&mut con, &k, 1).unwrap();
     assert_eq!(report.moved, 1, "past the five waiting ones: {report:?}");
     assert_eq!(move_now(&mut con, &k).unwrap().moved, 2);
     assert_eq!(
@@ -697,27 +686,8 @@ fn unburiable_members_do_not_hold_back_the_ones_due_after_them() {
         store::push(&mut con, &k, &format!("good-{i}"), "{}", NOW - 1000).unwrap();
     }
     set_string(&mut con, &k.dead);
-    let call = |con: &mut Connection| {
-        store::move_due(
-            con,
-            Pool::Enveloped {
-                pool: &k.pool,
-                data: &k.data,
-            },
-            &k.jobs,
-            Target::Stream {
-                stream: &k.stream,
-                dead: &k.dead,
-            },
-            NOW,
-            2,
-            60_000,
-            MAX,
-        )
-        .unwrap()
-    };
-    assert_eq!(call(&mut con).moved, 2);
-    assert_eq!(call(&mut con).moved, 2);
+    assert_eq!(move_at_most(&mut con, &k, 2).unwrap().moved, 2);
+    assert_eq!(move_at_most(&mut con, &k, 2).unwrap().moved, 2);
     assert_eq!(zcard(&mut con, &k.pool), 3, "only the unburiable wait");
 }
 
