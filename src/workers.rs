@@ -310,6 +310,13 @@ impl<'a> Worker<'a> {
             }
         }
         self.flush(&mut outcomes);
+        if !self.held.is_empty() {
+            log::warn!(
+                "{}: {} outcomes held back by a key of the wrong type stay where they are for the next start",
+                self.name,
+                self.held.len()
+            );
+        }
         log::trace!("{}: stopped", self.name);
     }
 
