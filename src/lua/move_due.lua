@@ -77,7 +77,7 @@ local function with_job_key(msg, key)
 end
 
 -- The job id for the message of `key`: its retry record's when the data is exactly the
--- retried message, otherwise a new one.
+-- retried message (`-`: it stays unstamped), otherwise a new one.
 local function job_id_for(msg, key, n)
   local rec = redis.call('HGET', KEYS[5], key)
   if rec then
@@ -97,7 +97,7 @@ local function unstamped(msg)
 end
 
 local function with_job_id(msg, id)
-  if string.sub(msg, 1, 1) ~= '{' then return msg end
+  if id == '-' or string.sub(msg, 1, 1) ~= '{' then return msg end
   local rest = string.sub(msg, 2)
   local sep = ','
   if string.match(rest, '^%s*}') then sep = '' end

@@ -37,13 +37,15 @@ local function stamped_id(msg)
   return string.match(msg, '^{"job_id":"([%d%-]+)"[,}]')
 end
 
--- The record that lets a retry keep its job id through the pool: "<id> <sha1 of the
--- message>" under the job key in the pool's jobs HASH. The mover keeps the id only if the
--- data it moves is that very message, so a producer pushing the key again (even a copy
--- of an old message) gets a new id.
+-- The record that lets a retry keep its job identity through the pool: "<id> <sha1 of
+-- the message>" under the job key in the pool's jobs HASH, id `-` for a message that had
+-- no stamp (one written straight into the stream or a list queue, whose identity is its
+-- key and ts: it must stay unstamped). The mover keeps the id only if the data it moves
+-- is that very message, so a producer pushing the key again (even a copy of an old
+-- message) gets a new id.
 local function remember_job(jobs, key, msg)
-  local id = stamped_id(msg)
-  if id then redis.call('HSET', jobs, key, id .. ' ' .. redis.sha1hex(msg)) end
+  local id = stamped_id(msg) or '-'
+  redis.call('HSET', jobs, key, id .. ' ' .. redis.sha1hex(msg))
 end
 
 -- How much of an oversized message its dead letter keeps.

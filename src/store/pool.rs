@@ -15,7 +15,7 @@ pub fn push(
     con: &mut dyn ConnectionLike,
     keys: &Keys,
     key: &str,
-    msg: &str,
+    msg: impl AsRef<[u8]>,
     score: i64,
 ) -> StoreResult<bool> {
     let mut inv = PUSH.prepare_invoke();
@@ -23,7 +23,7 @@ pub fn push(
         .key(&keys.data)
         .key(&keys.jobs)
         .arg(key)
-        .arg(msg)
+        .arg(msg.as_ref())
         .arg(score);
     Ok(int(Some(&run("push", &inv, con)?)) == 1)
 }

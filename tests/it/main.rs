@@ -3,6 +3,7 @@
 mod support;
 
 mod admin;
+mod chaos;
 mod cli;
 mod consumer;
 mod faults;

@@ -677,7 +677,7 @@ fn unburiable_members_do_not_hold_back_the_ones_due_after_them() {
             &mut con,
             &k,
             &format!("big-{i}"),
-            &"b".repeat(MAX + 1),
+            "b".repeat(MAX + 1),
             NOW - 3000,
         )
         .unwrap();
@@ -752,4 +752,43 @@ fn a_retry_keeps_its_job_id_and_a_copy_pushed_again_gets_a_new_one() {
     for m in &msgs {
         assert_eq!(m.matches("job_id").count(), 1, "one stamp, never two: {m}");
     }
+}
+
+#[test]
+fn a_retry_of_an_unstamped_message_stays_unstamped() {
+    // A message written straight into the stream has no stamp: its identity is its key and
+    // ts. Its retry (or its re-queue after a PostgreSQL crash) must keep that identity, not
+    // get a stamp of its own, or a job that had committed would run again.
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let k = keys();
+    stream::ensure_group(&mut con, &k).unwrap();
+    let msg = r#"{"event":"e","payload":{},"ts":17}"#;
+    redis::cmd("XADD")
+        .arg(&k.stream)
+        .arg("*")
+        .arg("msg")
+        .arg(msg)
+        .arg("key")
+        .arg("by-hand")
+        .query::<()>(&mut con)
+        .unwrap();
+    let d = stream::read(&mut con, reading(&k), 10, ">")
+        .unwrap()
+        .deliveries
+        .pop()
+        .unwrap();
+    let again = delay_worker::message::Envelope::decode(&d.msg, MAX).unwrap();
+    assert_eq!(again.job_id, None);
+    let retry = settlement(
+        &d,
+        Outcome::Retry {
+            msg: again.next_retry().into_bytes(),
+            due_ms: NOW - 10,
+        },
+    );
+    store::settle(&mut con, &k, "c1", NOW / 1000, &[retry]).unwrap();
+    assert_eq!(move_now(&mut con, &k).unwrap().moved, 1);
+    let moved = stream_messages(&mut con, &k).pop().unwrap();
+    assert!(!moved.contains("job_id"), "{moved}");
 }
