@@ -639,6 +639,14 @@ impl<'a> Worker<'a> {
                     );
                     stats.jobs.job(&s.event, JobOutcome::Dead);
                 }
+                (Settled::Superseded, _) => {
+                    log::warn!(
+                        "job {} {} dead-lettered: its key was pushed again before the retry ran (the newer push runs)",
+                        key_text(&s.key),
+                        s.event
+                    );
+                    stats.jobs.job(&s.event, JobOutcome::Dead);
+                }
                 (Settled::Blocked, _) => {
                     blocked += 1;
                     self.held.push(s);

@@ -76,13 +76,21 @@ local function with_job_key(msg, key)
   return '{"job_key":' .. json_string(key) .. sep .. rest
 end
 
+local replaced
+
 -- The job id for the message of `key`: its retry record's when the data is exactly the
 -- retried message (`-`: it stays unstamped), otherwise a new one.
+-- A retry record that does not match the data means a producer pushed the key again
+-- before the retry ran (a push reschedules its key): that retry is reported as a dead
+-- letter (its message is gone; the letter names its job).
 local function job_id_for(msg, key, n)
   local rec = redis.call('HGET', KEYS[5], key)
   if rec then
     local at = string.find(rec, ' ', 1, true)
     if at and string.sub(rec, at + 1) == redis.sha1hex(msg) then return string.sub(rec, 1, at - 1) end
+    if not dead_bad then
+      replaced(key, string.sub(rec, 1, (at or 0) - 1))
+    end
   end
   return stamp .. '-' .. n
 end
@@ -159,6 +167,23 @@ local function bury(key, reason, len)
   buried[#buried + 1] = key
   buried[#buried + 1] = reason
   return true
+end
+
+-- The dead letter of a retry a newer push replaced in the pool.
+replaced = function(key, job_id)
+  local reason = 'retry of job ' .. job_id .. ' replaced: the job key was pushed again ' ..
+    'before the retry ran (a push reschedules its key; the newer push runs)'
+  if mode == 'list' then
+    redis.call('LPUSH', KEYS[4], cjson.encode({
+      msg = '', reason = reason, ts = tonumber(ARGV[7]), event = legacy, key = key,
+      attempts = 0, consumer = 'mover'
+    }))
+  else
+    redis.call('XADD', KEYS[4], '*', 'msg', '', 'reason', reason, 'ts', ARGV[7],
+      'event', legacy, 'key', key, 'attempts', 0, 'consumer', 'mover')
+  end
+  buried[#buried + 1] = key
+  buried[#buried + 1] = reason
 end
 
 local function handle(items, scale)

@@ -48,6 +48,10 @@ local function remember_job(jobs, key, msg)
   redis.call('HSET', jobs, key, id .. ' ' .. redis.sha1hex(msg))
 end
 
+-- Why a retry is a dead letter when its job key was pushed again before it ran.
+local SUPERSEDED = 'retry superseded: the job key was pushed again before the retry ran ' ..
+  '(a push reschedules its key; the newer push runs)'
+
 -- How much of an oversized message its dead letter keeps.
 local OVERSIZE_PREFIX = 4096
 

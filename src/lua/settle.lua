@@ -9,7 +9,8 @@
 -- ARGV[1] group, ARGV[2] now (unix seconds), ARGV[3] consumer name
 -- then records of 7 fields: kind, entry id, job key, message, score-or-reason, event,
 -- attempts. kind: 'A' ack, 'R' retry (score = due time), 'D' dead letter (reason).
--- Returns one code per record (1 settled by this call, 0 already settled, -1 left
+-- Returns one code per record (1 settled by this call, 2 settled as a dead letter because
+-- its retry was superseded by a newer push of its key, 0 already settled, -1 left
 -- pending: a key of another type), then {key, found, wanted} if any was -1.
 local w = wrong_type(KEYS[1], 'stream')
 if w then return wrongtype_reply(w) end
@@ -23,16 +24,27 @@ end
 for i = 4, #ARGV, 7 do
   local kind, id = ARGV[i], ARGV[i + 1]
   local code
+  local superseded = false
   if kind == 'A' then
     code = redis.call('XACK', KEYS[1], ARGV[1], id)
   elseif kind == 'R' and pool_bad then
     code, blocked = -1, pool_bad
   elseif kind == 'D' and dead_bad then
     code, blocked = -1, dead_bad
+  elseif kind == 'R' and dead_bad and redis.call('ZSCORE', KEYS[2], ARGV[i + 2]) then
+    code, blocked = -1, dead_bad
   elseif not pending(id) then
     code = 0
   else
-    if kind == 'R' then
+    if kind == 'R' and redis.call('ZSCORE', KEYS[2], ARGV[i + 2]) then
+      -- The key was pushed again while this job ran, and a push reschedules its key: the
+      -- newer push keeps the slot, this retry becomes a dead letter (nothing vanishes).
+      redis.call('XADD', KEYS[4], '*',
+        'msg', ARGV[i + 3], 'reason', SUPERSEDED, 'ts', ARGV[2],
+        'event', ARGV[i + 5], 'key', ARGV[i + 2], 'attempts', ARGV[i + 6],
+        'consumer', ARGV[3], 'id', id)
+      superseded = true
+    elseif kind == 'R' then
       remember_job(KEYS[5], ARGV[i + 2], ARGV[i + 3])
       redis.call('HSET', KEYS[3], ARGV[i + 2], ARGV[i + 3])
       redis.call('ZADD', KEYS[2], ARGV[i + 4], ARGV[i + 2])
@@ -43,6 +55,7 @@ for i = 4, #ARGV, 7 do
         'consumer', ARGV[3], 'id', id)
     end
     code = redis.call('XACK', KEYS[1], ARGV[1], id)
+    if superseded and code == 1 then code = 2 end
   end
   out[#out + 1] = code
 end

@@ -10,7 +10,8 @@
 -- ARGV[1] now (unix seconds), ARGV[2] consumer name, then records of 8 fields:
 --   kind ('A' ack, 'R' retry, 'D' dead), queue index (0-based), queue name, job key,
 --   message as delivered, retry message or reason, due score or event, attempts
--- Returns one code per record (1 settled, 0 already gone, -1 left: a key of another
+-- Returns one code per record (1 settled, 2 settled as a dead letter because its retry
+-- was superseded by a newer push of its key, 0 already gone, -1 left: a key of another
 -- type), then {key, found, wanted} if any was -1.
 local pool_bad = wrong_type(KEYS[1], 'zset', KEYS[2], 'hash', KEYS[3], 'hash')
 local blocked = nil
@@ -21,14 +22,23 @@ for i = 3, #ARGV, 8 do
   local msg = ARGV[i + 4]
   local bad = wrong_type(processing, 'list', deliveries, 'hash')
   if not bad and kind == 'R' then bad = pool_bad end
-  if not bad and kind == 'D' then bad = wrong_type(dead, 'list') end
+  -- A retry whose key was pushed again meanwhile becomes a dead letter (see below).
+  local superseded = not bad and kind == 'R' and redis.call('ZSCORE', KEYS[1], ARGV[i + 3])
+  if not bad and (kind == 'D' or superseded) then bad = wrong_type(dead, 'list') end
   local code
   if bad then
     code, blocked = -1, bad
   elseif not redis.call('LPOS', processing, msg) then
     code = 0
   else
-    if kind == 'R' then
+    if superseded then
+      -- The key was pushed again while this job ran, and a push reschedules its key: the
+      -- newer push keeps the slot, this retry becomes a dead letter (nothing vanishes).
+      redis.call('LPUSH', dead, cjson.encode({
+        msg = ARGV[i + 5], reason = SUPERSEDED, ts = tonumber(ARGV[1]),
+        event = '', key = ARGV[i + 3], attempts = 0, consumer = ARGV[2], queue = ARGV[i + 2]
+      }))
+    elseif kind == 'R' then
       remember_job(KEYS[3], ARGV[i + 3], ARGV[i + 5])
       redis.call('HSET', KEYS[2], ARGV[i + 3], ARGV[i + 5])
       redis.call('ZADD', KEYS[1], ARGV[i + 6], ARGV[i + 3])
@@ -41,6 +51,7 @@ for i = 3, #ARGV, 8 do
     end
     redis.call('HDEL', deliveries, redis.sha1hex(msg))
     code = redis.call('LREM', processing, 1, msg)
+    if superseded and code == 1 then code = 2 end
   end
   out[#out + 1] = code
 end

@@ -225,6 +225,9 @@ pub(crate) fn pairs(v: Option<&Value>) -> Buried {
 pub enum Settled {
     /// This call applied it: acknowledged, and the retry or dead letter written first.
     Applied,
+    /// A retry whose job key was pushed again meanwhile: the newer push keeps the key, so
+    /// this call wrote a dead letter ("retry superseded") instead, then acknowledged.
+    Superseded,
     /// It was no longer pending: a peer settled it first (after a reclaim).
     AlreadySettled,
     /// Its destination key holds another type: it stays pending, nothing written.
@@ -241,7 +244,10 @@ pub struct SettleReport {
 
 impl SettleReport {
     pub fn applied(&self) -> usize {
-        self.each.iter().filter(|s| **s == Settled::Applied).count()
+        self.each
+            .iter()
+            .filter(|s| matches!(s, Settled::Applied | Settled::Superseded))
+            .count()
     }
 
     /// Codes as the settle scripts return them (1, 0, -1), then the blocking key.
@@ -251,6 +257,7 @@ impl SettleReport {
             .take(n)
             .map(|v| match int(Some(v)) {
                 1 => Settled::Applied,
+                2 => Settled::Superseded,
                 -1 => Settled::Blocked,
                 _ => Settled::AlreadySettled,
             })

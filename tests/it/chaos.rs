@@ -2575,11 +2575,17 @@ fn oracle(
             }
             Class::Good | Class::Legacy { far: false } | Class::Direct => {
                 due_orders.insert(e.order);
+                // A retry whose key was pushed again before it ran is superseded by the
+                // newer push (a push reschedules its key): a dead letter that says so, and
+                // only for a key pushed more than once.
                 for &i in letters {
-                    f.add(
-                        "good messages dead-lettered",
-                        format!("{key}: {} ({})", books.dead[i].reason, books.dead[i].place),
-                    );
+                    let superseded = books.dead[i].reason.contains("pushed again");
+                    if !superseded || e.pushes.len() < 2 {
+                        f.add(
+                            "good messages dead-lettered",
+                            format!("{key}: {} ({})", books.dead[i].reason, books.dead[i].place),
+                        );
+                    }
                 }
                 if in_pool > 0 {
                     f.add("due messages still scheduled at the end", detail.clone());
