@@ -792,3 +792,67 @@ fn a_retry_of_an_unstamped_message_stays_unstamped() {
     let moved = stream_messages(&mut con, &k).pop().unwrap();
     assert!(!moved.contains("job_id"), "{moved}");
 }
+
+#[test]
+fn a_retry_never_overwrites_a_newer_push_of_its_key() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let k = keys();
+    let d = one_pending(&mut con, &k, r#"{"event":"e","payload":{"v":1},"retry":0}"#);
+    let env = delay_worker::message::Envelope::decode(&d.msg, MAX).unwrap();
+    // The producer pushes the key again while the first job runs.
+    let newer = r#"{"event":"e","payload":{"v":2}}"#;
+    store::push(&mut con, &k, "job-1", newer, NOW + 60_000).unwrap();
+    let retry = settlement(
+        &d,
+        Outcome::Retry {
+            msg: env.next_retry().into_bytes(),
+            due_ms: NOW,
+        },
+    );
+    let report = store::settle(&mut con, &k, "c1", NOW / 1000, &[retry]).unwrap();
+    assert_eq!(report.each, vec![Settled::Superseded]);
+    let data: String = redis::cmd("HGET")
+        .arg(&k.data)
+        .arg("job-1")
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(data, newer, "the newer push keeps its slot");
+    let letter = &xrange(&mut con, &k.dead)[0];
+    assert!(letter["reason"].contains("pushed again"), "{letter:?}");
+    assert_eq!(pending(&mut con, &k), 0);
+}
+
+#[test]
+fn a_push_over_a_waiting_retry_is_a_new_job_and_the_retry_is_reported() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let k = keys();
+    let d = one_pending(&mut con, &k, r#"{"event":"e","payload":{"v":1},"retry":0}"#);
+    let env = delay_worker::message::Envelope::decode(&d.msg, MAX).unwrap();
+    let retry = settlement(
+        &d,
+        Outcome::Retry {
+            msg: env.next_retry().into_bytes(),
+            due_ms: NOW + 60_000,
+        },
+    );
+    store::settle(&mut con, &k, "c1", NOW / 1000, &[retry]).unwrap();
+    // The producer pushes the key again while the retry waits: a push reschedules.
+    store::push(
+        &mut con,
+        &k,
+        "job-1",
+        r#"{"event":"e","payload":{"v":2}}"#,
+        NOW - 5,
+    )
+    .unwrap();
+    let report = move_now(&mut con, &k).unwrap();
+    assert_eq!(report.moved, 1);
+    assert_eq!(report.buried.len(), 1, "{report:?}");
+    assert!(report.buried[0].1.contains("replaced"), "{report:?}");
+    let msgs = stream_messages(&mut con, &k);
+    let first = delay_worker::message::stamp_of(msgs[0].as_bytes());
+    let second = delay_worker::message::stamp_of(msgs[1].as_bytes());
+    assert_ne!(first, second, "a new job");
+}
