@@ -310,8 +310,25 @@ fn reads_never_return_an_oversized_entry() {
     assert_eq!(letter["msg"].len(), 4096);
 }
 
-fn settlement(d: &Delivery, outcome: Outcome) -> Settlement {
-    Settlement::new(d.clone(), outcome)
+fn dead_of(d: &Delivery, reason: &str) -> Settlement {
+    Settlement::new(
+        d.clone(),
+        Outcome::Dead {
+            reason: reason.into(),
+            event: String::new(),
+            attempts: 1,
+        },
+    )
+}
+
+fn retry_of(d: &Delivery, msg: impl Into<Vec<u8>>, due_ms: i64) -> Settlement {
+    Settlement::new(
+        d.clone(),
+        Outcome::Retry {
+            msg: msg.into(),
+            due_ms,
+        },
+    )
 }
 
 #[test]
@@ -320,14 +337,7 @@ fn settle_writes_the_dead_letter_and_the_retry_before_the_ack() {
     let mut con = r.con();
     let k = keys();
     let d = one_pending(&mut con, &k, "not json");
-    let dead = settlement(
-        &d,
-        Outcome::Dead {
-            reason: "message is not JSON".into(),
-            event: String::new(),
-            attempts: 1,
-        },
-    );
+    let dead = dead_of(&d, "message is not JSON");
     // The defect this guards against: the ack went first, the dead letter failed, and
     // the message was nowhere.
     set_string(&mut con, &k.dead);
@@ -345,13 +355,7 @@ fn settle_writes_the_dead_letter_and_the_retry_before_the_ack() {
     // The retry path: the pool of the wrong type keeps the entry pending, and an ack in
     // the same batch still goes through.
     let d = one_pending(&mut con, &k, r#"{"event":"e","payload":{}}"#);
-    let retry = settlement(
-        &d,
-        Outcome::Retry {
-            msg: br#"{"event":"e","payload":{},"retry":1}"#.to_vec(),
-            due_ms: NOW,
-        },
-    );
+    let retry = retry_of(&d, br#"{"event":"e","payload":{},"retry":1}"#.to_vec(), NOW);
     set_string(&mut con, &k.pool);
     let report =
         store::settle(&mut con, &k, "c1", NOW / 1000, std::slice::from_ref(&retry)).unwrap();
@@ -560,14 +564,7 @@ fn list_settle_and_push_back_keep_messages_when_a_key_is_the_wrong_type() {
         due_ms: None,
         received: Instant::now(),
     };
-    let dead = settlement(
-        &d,
-        Outcome::Dead {
-            reason: "r".into(),
-            event: String::new(),
-            attempts: 1,
-        },
-    );
+    let dead = dead_of(&d, "r");
     set_string(&mut con, &q.dead);
     let report =
         store::settle(&mut con, &k, "c1", NOW / 1000, std::slice::from_ref(&dead)).unwrap();
@@ -707,13 +704,7 @@ fn a_retry_keeps_its_job_id_and_a_copy_pushed_again_gets_a_new_one() {
     let first = delay_worker::message::stamp_of(&d.msg).expect("stamped on its first move");
     // The worker's retry: the same message with retry raised, the stamp in front.
     let env = delay_worker::message::Envelope::decode(&d.msg, MAX).unwrap();
-    let retry = settlement(
-        &d,
-        Outcome::Retry {
-            msg: env.next_retry().into_bytes(),
-            due_ms: NOW - 10,
-        },
-    );
+    let retry = retry_of(&d, env.next_retry().into_bytes(), NOW - 10);
     store::settle(&mut con, &k, "c1", NOW / 1000, &[retry]).unwrap();
     assert_eq!(move_now(&mut con, &k).unwrap().moved, 1);
     let msgs = stream_messages(&mut con, &k);
@@ -780,13 +771,7 @@ fn a_retry_of_an_unstamped_message_stays_unstamped() {
         .unwrap();
     let again = delay_worker::message::Envelope::decode(&d.msg, MAX).unwrap();
     assert_eq!(again.job_id, None);
-    let retry = settlement(
-        &d,
-        Outcome::Retry {
-            msg: again.next_retry().into_bytes(),
-            due_ms: NOW - 10,
-        },
-    );
+    let retry = retry_of(&d, again.next_retry().into_bytes(), NOW - 10);
     store::settle(&mut con, &k, "c1", NOW / 1000, &[retry]).unwrap();
     assert_eq!(move_now(&mut con, &k).unwrap().moved, 1);
     let moved = stream_messages(&mut con, &k).pop().unwrap();
@@ -803,13 +788,7 @@ fn a_retry_never_overwrites_a_newer_push_of_its_key() {
     // The producer pushes the key again while the first job runs.
     let newer = r#"{"event":"e","payload":{"v":2}}"#;
     store::push(&mut con, &k, "job-1", newer, NOW + 60_000).unwrap();
-    let retry = settlement(
-        &d,
-        Outcome::Retry {
-            msg: env.next_retry().into_bytes(),
-            due_ms: NOW,
-        },
-    );
+    let retry = retry_of(&d, env.next_retry().into_bytes(), NOW);
     let report = store::settle(&mut con, &k, "c1", NOW / 1000, &[retry]).unwrap();
     assert_eq!(report.each, vec![Settled::Superseded]);
     let data: String = redis::cmd("HGET")
@@ -830,13 +809,7 @@ fn a_push_over_a_waiting_retry_is_a_new_job_and_the_retry_is_reported() {
     let k = keys();
     let d = one_pending(&mut con, &k, r#"{"event":"e","payload":{"v":1},"retry":0}"#);
     let env = delay_worker::message::Envelope::decode(&d.msg, MAX).unwrap();
-    let retry = settlement(
-        &d,
-        Outcome::Retry {
-            msg: env.next_retry().into_bytes(),
-            due_ms: NOW + 60_000,
-        },
-    );
+    let retry = retry_of(&d, env.next_retry().into_bytes(), NOW + 60_000);
     store::settle(&mut con, &k, "c1", NOW / 1000, &[retry]).unwrap();
     // The producer pushes the key again while the retry waits: a push reschedules.
     store::push(
