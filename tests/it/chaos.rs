@@ -22,7 +22,11 @@
 //! key. Hostile messages must all be dead letters.
 //!
 //! `chaos_fixed_seeds` (plain `cargo test`) runs three short fixed seeds; `chaos_seeded`
-//! (ignored) is what `scripts/chaos.sh` runs with `DW_CHAOS_SEED` and `DW_CHAOS_SECONDS`.
+//! (ignored) is what `scripts/chaos.sh` runs with `DW_CHAOS_SEED` and `DW_CHAOS_SECONDS`;
+//! `chaos_plan` (ignored) prints a seed's plan without running it. `DW_CHAOS_SKIP` takes
+//! fault kinds out of a plan and leaves the rest as drawn (to find which kind a failure
+//! needs). The workers log to `$DW_CHAOS_LOG_DIR` (default the temp dir), kept when a run
+//! fails (or with `DW_CHAOS_KEEP_LOGS`); `DW_CHILD_LOG` is their `RUST_LOG` (default `warn`).
 
 use crate::support::*;
 use delay_worker::keys::Keys;
@@ -184,7 +188,7 @@ impl Setup {
             "--retry-base",
             "100ms",
             "--stats-interval",
-            "1s",
+            "10s",
             "--max-message-bytes",
         ]
         .map(String::from)
@@ -1377,8 +1381,10 @@ struct Slot {
     offset: u64,
     starts: usize,
     spawned: Instant,
-    /// How long after its start this incarnation got its SIGTERM.
+    /// How long after its start this incarnation got its SIGTERM, and whether it had
+    /// passed its start checks then.
     signalled_after: Duration,
+    ready_when_signalled: bool,
     forever: bool,
 }
 
@@ -1410,6 +1416,7 @@ impl<'a> Workers<'a> {
                 starts: 0,
                 spawned: Instant::now(),
                 signalled_after: Duration::ZERO,
+                ready_when_signalled: false,
                 forever: false,
             })
             .collect();
@@ -1433,9 +1440,13 @@ impl<'a> Workers<'a> {
         let child = Command::new(env!("CARGO_BIN_EXE_worker"))
             .env("REDIS_URL", &self.ctx.redis_url)
             .env("DATABASE_URL", &self.ctx.db_url)
+            // The daemon's "starting:" line (info) says its start checks are over.
             .env(
                 "RUST_LOG",
-                std::env::var("DW_CHILD_LOG").unwrap_or_else(|_| "warn".into()),
+                format!(
+                    "{},delay_worker::daemon=info",
+                    std::env::var("DW_CHILD_LOG").unwrap_or_else(|_| "warn".into())
+                ),
             )
             .env("RUST_BACKTRACE", "1")
             .env_remove("JOURNAL_STREAM")
@@ -1478,9 +1489,27 @@ impl<'a> Workers<'a> {
         lines[lines.len().saturating_sub(n)..].join("\n      ")
     }
 
+    /// Whether this incarnation has passed its start checks (the daemon logs "starting:").
+    fn ready(&self, i: usize) -> bool {
+        self.output(i).contains("starting: ")
+    }
+
+    fn signalled(&mut self, i: usize) {
+        self.slots[i].signalled_after = self.slots[i].spawned.elapsed();
+        self.slots[i].ready_when_signalled = self.ready(i);
+    }
+
     fn exited(&mut self, i: usize, status: ExitStatus, expected: Option<&[i32]>) {
         let name = self.slots[i].name.clone();
         let out = self.output(i);
+        let ready = out.contains("starting: ");
+        let line = out
+            .lines()
+            .rev()
+            .find(|l| l.starts_with("worker: "))
+            .unwrap_or("(no error line)")
+            .to_string();
+        let refusal = status.code() == Some(1) && !ready && !out.contains("panicked");
         match expected {
             Some(codes) if status.code().is_some_and(|c| codes.contains(&c)) => {
                 self.ctx.note(format!("{name} exited: {status}"));
@@ -1491,11 +1520,23 @@ impl<'a> Workers<'a> {
             Some(_)
                 if std::os::unix::process::ExitStatusExt::signal(&status)
                     == Some(libc::SIGTERM)
-                    && self.slots[i].signalled_after < Duration::from_secs(1) =>
+                    && (!self.slots[i].ready_when_signalled
+                        || self.slots[i].signalled_after < Duration::from_secs(1)) =>
             {
                 self.ctx.note(format!(
                     "{name} died of the SIGTERM sent {:.0}ms after its start, before it could install its handler",
                     self.slots[i].signalled_after.as_secs_f64() * 1000.0
+                ));
+            }
+            // Stopped during its start checks: they fail with exit 1 and one line (a signal
+            // interrupting a blocked call reads "Interrupted system call"). Counted, not a
+            // failure: the daemon had not started.
+            Some(_) if refusal && !self.slots[i].ready_when_signalled => {
+                self.ctx
+                    .note(format!("{name} got its SIGTERM during its start checks: {line}"));
+                self.refused.push(format!(
+                    "+{:.2}s {name} (SIGTERM during the start checks): {line}",
+                    self.ctx.now()
                 ));
             }
             Some(codes) => self.anomalies.push(format!(
@@ -1503,17 +1544,9 @@ impl<'a> Workers<'a> {
                 self.ctx.now(),
                 Self::tail(&out, 8)
             )),
-            None if status.code() == Some(1)
-                && !out.contains("panicked")
-                && self.slots[i].spawned.elapsed() < Duration::from_secs(20) =>
-            {
+            None if refusal => {
                 // The daemon refuses to start when a server is unreachable (exit 1, one
                 // line); systemd restarts it, and so does this.
-                let line = out
-                    .lines()
-                    .rev()
-                    .find(|l| l.starts_with("worker: "))
-                    .unwrap_or("(no error line)");
                 self.ctx.note(format!("{name} refused to start: {line}"));
                 self.refused.push(format!("+{:.2}s {name}: {line}", self.ctx.now()));
             }
@@ -1640,7 +1673,7 @@ impl<'a> Workers<'a> {
             unreachable!()
         };
         let pid = child.id() as i32;
-        self.slots[slot].signalled_after = self.slots[slot].spawned.elapsed();
+        self.signalled(slot);
         unsafe {
             libc::kill(pid, libc::SIGTERM);
         }
@@ -1688,7 +1721,7 @@ impl<'a> Workers<'a> {
         for i in 0..self.slots.len() {
             match std::mem::replace(&mut self.slots[i].state, State::Down { restart_at: None }) {
                 State::Running(child) => {
-                    self.slots[i].signalled_after = self.slots[i].spawned.elapsed();
+                    self.signalled(i);
                     unsafe {
                         libc::kill(child.id() as i32, libc::SIGTERM);
                     }
@@ -2996,13 +3029,18 @@ fn run_seed(seed: u64, secs: f64) -> Result<String, String> {
         .count();
     let tally: Vec<String> = tally.iter().map(|(k, n)| format!("{k} {n}")).collect();
     let result = format!(
-        "chaos seed {seed} ({secs}s): {} in {:.0}s — faults: {} ({} of them on a worker not running); {}; {starts} worker starts, {} refused at start",
+        "chaos seed {seed} ({secs}s): {} in {:.0}s — faults: {} ({} of them on a worker not running); {}; {starts} worker starts, {} refused at start ({} by a SIGTERM interrupting the start checks)",
         if f.is_empty() { "PASS" } else { "FAIL" },
         began.elapsed().as_secs_f64(),
         tally.join(", "),
         skipped,
         summary,
         workers.refused.len(),
+        workers
+            .refused
+            .iter()
+            .filter(|r| r.contains("Interrupted system call"))
+            .count(),
     );
     println!("{result}");
     drop(workers);
