@@ -84,6 +84,9 @@ local replaced
 -- before the retry ran (a push reschedules its key): that retry is reported as a dead
 -- letter (its message is gone; the letter names its job).
 local function job_id_for(msg, key, n)
+  -- A legacy pool's members are always fresh messages; their retries wait in our pool,
+  -- under our records, which a legacy member of the same key must not touch.
+  if legacy ~= '' then return stamp .. '-' .. n end
   local rec = redis.call('HGET', KEYS[5], key)
   if rec then
     local at = string.find(rec, ' ', 1, true)
@@ -136,8 +139,12 @@ local function fetch(key)
 end
 
 local function forget(key)
-  if legacy == '' then redis.call('HDEL', KEYS[2], key) else redis.call('DEL', key) end
-  redis.call('HDEL', KEYS[5], key)
+  if legacy == '' then
+    redis.call('HDEL', KEYS[2], key)
+    redis.call('HDEL', KEYS[5], key)
+  else
+    redis.call('DEL', key)
+  end
 end
 
 -- The dead letter of a member that cannot be moved; for an oversized one a prefix, its

@@ -829,3 +829,77 @@ fn a_push_over_a_waiting_retry_is_a_new_job_and_the_retry_is_reported() {
     let second = delay_worker::message::stamp_of(msgs[1].as_bytes());
     assert_ne!(first, second, "a new job");
 }
+
+#[test]
+fn a_legacy_member_never_touches_the_retry_record_of_its_key() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let k = keys();
+    // A retry of close_order_1 waits in our pool (stamped, with its record), due later.
+    let retry = r#"{"job_id":"123-0","event":"order.timeout","payload":{"order_id":1},"retry":1}"#;
+    store::push(&mut con, &k, "close_order_1", retry, NOW + 60_000).unwrap();
+    redis::cmd("HSET")
+        .arg(&k.jobs)
+        .arg("close_order_1")
+        .arg(format!("123-0 {}", sha1_hex(retry.as_bytes())))
+        .query::<()>(&mut con)
+        .unwrap();
+    // Meanwhile the legacy producer schedules the same order again.
+    redis::cmd("SET")
+        .arg("close_order_1")
+        .arg(1)
+        .query::<()>(&mut con)
+        .unwrap();
+    redis::cmd("ZADD")
+        .arg("delay:order_close")
+        .arg(NOW - 5)
+        .arg("close_order_1")
+        .query::<()>(&mut con)
+        .unwrap();
+    let legacy = store::move_due(
+        &mut con,
+        Pool::Legacy {
+            pool: "delay:order_close",
+            event: "order.timeout",
+        },
+        &k.jobs,
+        Target::Stream {
+            stream: &k.stream,
+            dead: &k.dead,
+        },
+        NOW,
+        10,
+        60_000,
+        MAX,
+    )
+    .unwrap();
+    assert_eq!((legacy.moved, legacy.buried.len()), (1, 0), "{legacy:?}");
+    // The retry, once due, is still the same job.
+    store::move_due(
+        &mut con,
+        Pool::Enveloped {
+            pool: &k.pool,
+            data: &k.data,
+        },
+        &k.jobs,
+        Target::Stream {
+            stream: &k.stream,
+            dead: &k.dead,
+        },
+        NOW + 61_000,
+        10,
+        60_000,
+        MAX,
+    )
+    .unwrap();
+    let msgs = stream_messages(&mut con, &k);
+    assert_eq!(msgs.len(), 2);
+    assert_eq!(
+        delay_worker::message::stamp_of(msgs[1].as_bytes()).as_deref(),
+        Some("123-0")
+    );
+    assert_ne!(
+        delay_worker::message::stamp_of(msgs[0].as_bytes()).as_deref(),
+        Some("123-0")
+    );
+}
