@@ -16,7 +16,7 @@ use crate::config::MoverConfig;
 use crate::keys::Keys;
 use crate::shutdown::Shutdown;
 use crate::source::Doorbell;
-use crate::stats::{JobOutcome, Stats};
+use crate::stats::Stats;
 use crate::store::{self, MoveReport, Pool, StoreResult, Target};
 use redis::ConnectionLike;
 use std::time::Duration;
@@ -101,11 +101,7 @@ impl<'a> Mover<'a> {
             }
         }
         Stats::add(&self.stats.moved, (total.moved + total.buried.len()) as u64);
-        // Logged after the script: the dead letters exist.
-        for (key, reason) in &total.buried {
-            log::warn!("mover: {key:?} dead-lettered: {reason}");
-            self.stats.jobs.job("", JobOutcome::Dead);
-        }
+        self.stats.dead_lettered("mover", &total.buried);
         if total.moved > 0 {
             self.doorbell.ring();
         }

@@ -103,6 +103,15 @@ impl Stats {
         }
     }
 
+    /// Counts and logs the messages a store script sent to the dead letters itself
+    /// ((job key or queue, reason) each). Called after the script: the letters exist.
+    pub fn dead_lettered(&self, role: &str, buried: &[(String, String)]) {
+        for (key, reason) in buried {
+            log::warn!("{role}: {key:?} dead-lettered: {reason}");
+            self.jobs.job("", JobOutcome::Dead);
+        }
+    }
+
     /// Records a problem only an operator can fix, met by `role`. Returns whether to log
     /// it: when it is new or changed, and every 30 s while it persists.
     pub fn report_problem(&self, role: &str, what: String) -> bool {

@@ -108,12 +108,8 @@ impl<'a> Feed<'a> {
     }
 
     /// Counts and logs the messages a read sent to the dead letters instead of the pool.
-    /// Logged here, after the script wrote them: the letters exist.
     pub fn buried(&self, role: &str, buried: &[(String, String)]) {
-        for (key, reason) in buried {
-            log::warn!("{role}: {key:?} dead-lettered: {reason}");
-            self.stats.jobs.job("", crate::stats::JobOutcome::Dead);
-        }
+        self.stats.dead_lettered(role, buried);
     }
 }
 

@@ -64,23 +64,42 @@ fn move_now(con: &mut Connection, k: &Keys) -> Result<MoveReport, StoreError> {
 
 /// One `move_due` call on our pool into the stream, at most `limit` members.
 fn move_at_most(con: &mut Connection, k: &Keys, limit: usize) -> Result<MoveReport, StoreError> {
-    store::move_due(
-        con,
-        Pool::Enveloped {
-            pool: &k.pool,
-            data: &k.data,
-        },
-        &k.jobs,
-        Target::Stream {
-            stream: &k.stream,
-            dead: &k.dead,
-        },
-        NOW,
-        limit,
-        60_000,
-        MAX,
-    )
+    move_at_most_at(con, k, NOW, limit)
 }
+
+/// One `move_due` call on `pool` into the stream at `now`, at most `limit` members.
+fn move_from(
+    con: &mut Connection,
+    k: &Keys,
+    pool: Pool<'_>,
+    now: i64,
+    limit: usize,
+) -> Result<MoveReport, StoreError> {
+    let target = Target::Stream {
+        stream: &k.stream,
+        dead: &k.dead,
+    };
+    store::move_due(con, pool, &k.jobs, target, now, limit, 60_000, MAX)
+}
+
+/// [`move_at_most`] at another time.
+fn move_at_most_at(
+    con: &mut Connection,
+    k: &Keys,
+    now: i64,
+    limit: usize,
+) -> Result<MoveReport, StoreError> {
+    let pool = Pool::Enveloped {
+        pool: &k.pool,
+        data: &k.data,
+    };
+    move_from(con, k, pool, now, limit)
+}
+
+const LEGACY: Pool<'static> = Pool::Legacy {
+    pool: "delay:order_close",
+    event: "order.timeout",
+};
 
 fn reading(k: &Keys) -> stream::Reading<'_> {
     stream::Reading {
@@ -220,23 +239,7 @@ fn a_legacy_member_of_the_wrong_type_is_one_dead_letter_and_the_rest_moves() {
             .query::<()>(&mut con)
             .unwrap();
     }
-    let report = store::move_due(
-        &mut con,
-        Pool::Legacy {
-            pool: "delay:order_close",
-            event: "order.timeout",
-        },
-        &k.jobs,
-        Target::Stream {
-            stream: &k.stream,
-            dead: &k.dead,
-        },
-        NOW,
-        100,
-        60_000,
-        MAX,
-    )
-    .unwrap();
+    let report = move_from(&mut con, &k, LEGACY, NOW, 100).unwrap();
     assert_eq!(report.moved, 4);
     assert_eq!(report.buried.len(), 1);
     assert_eq!(report.buried[0].0, "close_order_9");
@@ -856,42 +859,10 @@ fn a_legacy_member_never_touches_the_retry_record_of_its_key() {
         .arg("close_order_1")
         .query::<()>(&mut con)
         .unwrap();
-    let legacy = store::move_due(
-        &mut con,
-        Pool::Legacy {
-            pool: "delay:order_close",
-            event: "order.timeout",
-        },
-        &k.jobs,
-        Target::Stream {
-            stream: &k.stream,
-            dead: &k.dead,
-        },
-        NOW,
-        10,
-        60_000,
-        MAX,
-    )
-    .unwrap();
+    let legacy = move_from(&mut con, &k, LEGACY, NOW, 10).unwrap();
     assert_eq!((legacy.moved, legacy.buried.len()), (1, 0), "{legacy:?}");
     // The retry, once due, is still the same job.
-    store::move_due(
-        &mut con,
-        Pool::Enveloped {
-            pool: &k.pool,
-            data: &k.data,
-        },
-        &k.jobs,
-        Target::Stream {
-            stream: &k.stream,
-            dead: &k.dead,
-        },
-        NOW + 61_000,
-        10,
-        60_000,
-        MAX,
-    )
-    .unwrap();
+    move_at_most_at(&mut con, &k, NOW + 61_000, 10).unwrap();
     let msgs = stream_messages(&mut con, &k);
     assert_eq!(msgs.len(), 2);
     assert_eq!(
