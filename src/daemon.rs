@@ -61,7 +61,7 @@ pub fn redis_client(url: &str) -> Result<redis::Client, DaemonError> {
     let client = redis::Client::open(url).map_err(DaemonError::BadRedisUrl)?;
     let unreachable = |e: redis::RedisError| DaemonError::RedisUnreachable {
         url: redact_url(url),
-        reason: e.to_string(),
+        reason: unreachable_reason(&e),
     };
     let mut con = store::connect(&client).map_err(unreachable)?;
     // A read-only probe: the first thing a new connection is asked.
@@ -76,8 +76,18 @@ pub fn redis_connection(url: &str) -> Result<redis::Connection, DaemonError> {
     let client = redis_client(url)?;
     store::connect(&client).map_err(|e| DaemonError::RedisUnreachable {
         url: redact_url(url),
-        reason: e.to_string(),
+        reason: unreachable_reason(&e),
     })
+}
+
+/// Why Redis could not be reached, in words: a server that accepts the connection but
+/// never answers reads as the socket's "Resource temporarily unavailable" otherwise.
+fn unreachable_reason(e: &redis::RedisError) -> String {
+    if e.is_timeout() {
+        format!("no answer within the timeout ({e})")
+    } else {
+        e.to_string()
+    }
 }
 
 /// The built-in handlers plus those of `--handlers-dir`.

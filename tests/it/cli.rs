@@ -186,6 +186,10 @@ fn every_row_of_the_exit_code_table() {
             "--database-url",
         ),
         (push(&["--payload", "not json"]), "--payload"),
+        (
+            push(&["--payload", r#"{"order_no":"SO1"}"#, "--key", ""]),
+            "job key must not be empty",
+        ),
         (push(&["--payload", "[1]"]), "--payload"),
         (
             push(&["--payload", r#"{"user":1}"#]),
@@ -260,4 +264,24 @@ fn an_unmigrated_database_is_refused_with_the_fix() {
     let db = TestDb::empty();
     let out = worker(&["--threads", "1"], &r.url(), &db.url);
     assert_one_line(&out, 1, "run `worker migrate`");
+}
+
+#[test]
+fn a_redis_that_never_answers_says_so() {
+    // Accepts connections and never answers: the start-up check must give up and say why.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for c in listener.incoming().flatten() {
+            held.push(c);
+        }
+    });
+    let out = worker(
+        &["stats"],
+        &format!("redis://:hunter2@127.0.0.1:{port}/"),
+        "postgres://unused",
+    );
+    assert_one_line(&out, 1, "no answer within the timeout");
+    assert!(!text(&out.stderr).contains("hunter2"));
 }

@@ -157,7 +157,11 @@ fn push(config: &Config, args: &PushArgs) -> anyhow::Result<ExitCode> {
         key: args.key.clone(),
     };
     let mut con = redis(config)?;
-    let pushed = producer::push(&mut con, &config.keys, &job, now)?;
+    let pushed = producer::push(&mut con, &config.keys, &job, now).map_err(|e| match e {
+        producer::PushError::Store(e) => anyhow::Error::new(e),
+        // The job itself is wrong (an empty key or event): bad input.
+        input => BadInput(format!("--key or --event: {input}")).into(),
+    })?;
     println!(
         "{} {} due in {:.3}s",
         if pushed.rescheduled {
