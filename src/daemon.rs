@@ -49,7 +49,7 @@ pub enum DaemonError {
 }
 
 /// What a run did, for the exit log and the tests.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct Report {
     pub stats: Snapshot,
     /// Jobs finished after shutdown was requested.
@@ -175,7 +175,16 @@ struct Ready {
 /// Runs the daemon until `shutdown` is triggered and the pool has drained: [`preflight`],
 /// then the roles spawned and supervised in one scope ([`spawn_and_supervise`]).
 pub fn run(config: &Config, shutdown: &Shutdown) -> Result<Report, DaemonError> {
-    let ready = preflight(config)?;
+    let ready = match preflight(config) {
+        Ok(ready) => ready,
+        // A signal during start-up interrupts a connect or a query: nothing was read yet,
+        // so there is nothing to drain and the stop is as graceful as any other.
+        Err(e) if shutdown.is_set() => {
+            log::info!("stopped during start-up ({e}); nothing was read");
+            return Ok(Report::default());
+        }
+        Err(e) => return Err(e),
+    };
     log::info!("starting: {}", config.summary());
     log::info!("handlers: {}", ready.registry.events().join(", "));
     let started = Instant::now();

@@ -3,6 +3,7 @@
 
 use crate::support::*;
 use std::process::Output;
+use std::time::Duration;
 
 fn worker(args: &[&str], redis: &str, db: &str) -> Output {
     run_worker(args, redis, db)
@@ -168,6 +169,11 @@ fn every_row_of_the_exit_code_table() {
             "--threads",
         ),
         (worker(&["--block", "soon"], &url, &dburl), "--block"),
+        (worker(&["--threads", "-1"], &url, &dburl), "--threads"),
+        (
+            worker(&["--database-url", "", "migrate"], &url, &dburl),
+            "--database-url: names no host",
+        ),
         (
             worker(&["--redis-url", "notaurl", "stats"], &url, &dburl),
             "--redis-url",
@@ -284,4 +290,23 @@ fn a_redis_that_never_answers_says_so() {
     );
     assert_one_line(&out, 1, "no answer within the timeout");
     assert!(!text(&out.stderr).contains("hunter2"));
+
+    // A signal while the daemon's start-up check waits on it is a graceful stop (exit 0),
+    // not a failure: nothing was read yet.
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_worker"));
+    cmd.env("REDIS_URL", format!("redis://127.0.0.1:{port}/"))
+        .env("DATABASE_URL", "postgres://unused")
+        .env("RUST_LOG", "info")
+        .args(["--threads", "1"]);
+    let mut daemon = Proc::spawn(cmd);
+    // Well inside the start-up check's own timeout (seconds), which the line above shows.
+    std::thread::sleep(Duration::from_millis(500));
+    daemon.signal(libc::SIGTERM);
+    let status = daemon.wait(Duration::from_secs(60));
+    assert_eq!(status.code(), Some(0), "{}", daemon.log());
+    assert!(
+        daemon.log().contains("stopped during start-up"),
+        "{}",
+        daemon.log()
+    );
 }

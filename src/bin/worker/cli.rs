@@ -20,7 +20,9 @@ use std::time::Duration;
     name = "worker",
     version,
     about = "Delayed business events from Redis, applied once in PostgreSQL",
-    long_about = None
+    long_about = None,
+    // `--threads -1` is a bad value of --threads, not an unknown flag `-1`.
+    allow_negative_numbers = true
 )]
 pub struct Cli {
     #[command(flatten)]
@@ -34,10 +36,12 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Run the daemon (the default when no subcommand is given).
+    #[command(allow_negative_numbers = true)]
     Run(RunArgs),
     /// Apply the schema migrations (shop tables where absent, the worker's own tables).
     Migrate,
     /// Schedule a delayed job.
+    #[command(allow_negative_numbers = true)]
     Push(PushArgs),
     /// Cancel a scheduled job by key; exits 1 if there was no such job.
     Cancel {
@@ -46,6 +50,7 @@ pub enum Command {
         key: String,
     },
     /// Queue figures (stream, group, consumers, pool, dead letters); --watch, --check.
+    #[command(allow_negative_numbers = true)]
     Stats {
         #[command(flatten)]
         queues: QueueArgs,
@@ -53,9 +58,11 @@ pub enum Command {
         args: delay_worker::admin::StatsArgs,
     },
     /// List, show, requeue or purge the dead letters.
+    #[command(allow_negative_numbers = true)]
     Dead(delay_worker::admin::DeadArgs),
     /// Measure lateness and throughput against this machine's ceilings (destructive: use
     /// a bench database; scripts/bench.sh sets one up).
+    #[command(allow_negative_numbers = true)]
     Bench {
         #[command(flatten)]
         run: RunArgs,
@@ -368,12 +375,15 @@ impl Cli {
                 ),
             });
         }
-        if let Err(e) = config.database_url.parse::<postgres::Config>() {
+        let problem = match config.database_url.parse::<postgres::Config>() {
+            Err(e) => Some(format!("not a PostgreSQL URL or key=value string ({e})")),
+            Ok(c) if c.get_hosts().is_empty() => Some("names no host".to_string()),
+            Ok(_) => None,
+        };
+        if let Some(problem) = problem {
             return Err(CliError {
                 flag: given("database_url", "--database-url", "DATABASE_URL"),
-                problem: format!(
-                    "not a PostgreSQL URL or key=value string ({e}): e.g. postgres://shop:password@127.0.0.1:5432/shop"
-                ),
+                problem: format!("{problem}: e.g. postgres://shop:password@127.0.0.1:5432/shop"),
             });
         }
         if let Some(Command::Push(p)) = &self.command {
