@@ -101,10 +101,17 @@ pub struct JobConfig {
     pub max_message_bytes: usize,
     /// Most jobs a worker runs in one transaction (only jobs already waiting are batched).
     pub tx_batch: usize,
+    /// Most jobs of one event, already waiting, a worker runs as one set through the
+    /// handler's set form (see `handlers::Handler::set_statement`); 1 turns sets off.
+    pub set_size: usize,
     /// Commit jobs without waiting for the WAL flush and make them durable with one flush
     /// before each batch of acks (see `db::flush_wal`).
     pub group_commit: bool,
 }
+
+/// Default of `--set-size`: enough jobs per set that a backlog's commits and round trips
+/// are shared (see README, Performance), few enough that a set's locks are brief.
+pub const DEFAULT_SET_SIZE: usize = 32;
 
 /// Durations in flags and thresholds: `100ms`, `2s`, `5m`, `24h`, `7d`.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -163,6 +170,7 @@ impl Default for JobConfig {
             statement_timeout: Duration::from_secs(5),
             max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
             tx_batch: 1,
+            set_size: DEFAULT_SET_SIZE,
             group_commit: true,
         }
     }
@@ -198,10 +206,11 @@ impl Config {
     }
 
     /// Capacity of the reader -> pool channel. Two transactions' worth per worker keeps
-    /// every worker fed while the reader is in a round trip, and bounds what a crash leaves
+    /// every worker fed while the reader is in a round trip, room for a full set per
+    /// worker lets a backlog form whole sets, and the bound limits what a crash leaves
     /// pending.
     pub fn channel_capacity(&self) -> usize {
-        self.threads * 2 * self.jobs.tx_batch.max(1)
+        self.threads * (2 * self.jobs.tx_batch.max(1)).max(self.jobs.set_size)
     }
 
     /// Size of the PostgreSQL pool: each worker holds one connection for its whole life

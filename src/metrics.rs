@@ -201,6 +201,7 @@ impl<'a> Server<'a> {
             ("delay_worker_delivered_total", "Messages handed to the worker pool (new, own pending, reclaimed).", s.delivered),
             ("delay_worker_reclaimed_total", "Messages taken over from dead or idle consumers.", s.reclaimed),
             ("delay_worker_acked_total", "Messages acknowledged in Redis.", s.acked),
+            ("delay_worker_set_jobs_total", "Jobs committed as part of a set (a handler's set form).", s.in_sets),
             ("delay_worker_dead_letters_total", "Messages sent to the dead letters by this process (workers, reader and mover), counted once the letter exists.", s.dead),
             ("delay_worker_redis_reconnects_total", "Redis outages (a connection lost or refused, then reconnecting with backoff), one per thread and outage.", src.stats.redis_reconnects.load(Relaxed)),
         ] {

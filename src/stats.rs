@@ -23,6 +23,8 @@ pub struct Stats {
     /// Written by workers: outcomes settled in Redis by this process (acks, retries and
     /// dead letters whose entry this process removed).
     pub acked: AtomicU64,
+    /// Written by workers: jobs that committed as part of a set (a handler's set form).
+    pub in_sets: AtomicU64,
     /// Jobs by event and outcome, handler times, lateness: written by workers once per
     /// job and by the mover and reader for the dead letters they write themselves.
     pub jobs: Metrics,
@@ -75,6 +77,7 @@ pub struct Snapshot {
     pub retried: u64,
     pub dead: u64,
     pub acked: u64,
+    pub in_sets: u64,
 }
 
 impl Stats {
@@ -173,6 +176,7 @@ impl Stats {
             retried: total(JobOutcome::Retry),
             dead: total(JobOutcome::Dead),
             acked: self.acked.load(Relaxed),
+            in_sets: self.in_sets.load(Relaxed),
         }
     }
 }
@@ -181,7 +185,7 @@ impl std::fmt::Display for Snapshot {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "moved={} delivered={} reclaimed={} done={} noop={} duplicate={} retried={} dead={} acked={}",
+            "moved={} delivered={} reclaimed={} done={} noop={} duplicate={} retried={} dead={} acked={} in_sets={}",
             self.moved,
             self.delivered,
             self.reclaimed,
@@ -191,6 +195,7 @@ impl std::fmt::Display for Snapshot {
             self.retried,
             self.dead,
             self.acked,
+            self.in_sets,
         )
     }
 }

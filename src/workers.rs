@@ -33,7 +33,9 @@ use crate::shutdown::Shutdown;
 use crate::stats::{JobOutcome, Stats};
 use crate::store::{self, Settled, StoreError};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
+use postgres::types::Type;
 use postgres::Statement;
+use std::collections::{BTreeMap, HashSet};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -65,14 +67,24 @@ pub struct PoolContext<'a> {
 pub struct Session {
     conn: db::Conn,
     inbox: Statement,
+    /// The inbox insert of a whole set.
+    inbox_set: Statement,
     /// `handlers[i]` holds the statements of the registry's handler `i`.
     handlers: Vec<Vec<Statement>>,
+    /// `sets[i]`: the set form of the registry's handler `i`, if it has one.
+    sets: Vec<Option<Statement>>,
 }
 
 /// The inbox insert. Its row count says whether this job is new (1) or a redelivery (0).
 /// A job is its key, the mover's `job_id` stamp and `ts` (see `message.rs`).
 const INBOX_SQL: &str = "INSERT INTO worker_inbox (job_key, enqueued_at, event, job_id) \
                          VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING";
+
+/// The inbox insert of a set: one statement for all its rows. It returns the rows it
+/// inserted; a job whose row is not among them is a redelivery.
+const INBOX_SET_SQL: &str = "INSERT INTO worker_inbox (job_key, enqueued_at, event, job_id) \
+                             SELECT * FROM unnest($1::text[], $2::bigint[], $3::text[], $4::text[]) \
+                             ON CONFLICT DO NOTHING RETURNING job_key, enqueued_at, job_id";
 
 /// Why a session could not be opened.
 #[derive(Debug, thiserror::Error)]
@@ -88,26 +100,35 @@ pub enum SessionError {
 impl Session {
     pub fn open(pool: &db::Pool, registry: &Registry) -> Result<Session, SessionError> {
         let mut conn = pool.get()?;
-        let inbox = conn
-            .prepare(INBOX_SQL)
-            .map_err(|e| SessionError::Inbox(db::error_text(&e)))?;
+        let inbox_err = |e: postgres::Error| SessionError::Inbox(db::error_text(&e));
+        let inbox = conn.prepare(INBOX_SQL).map_err(inbox_err)?;
+        let inbox_set = conn.prepare(INBOX_SET_SQL).map_err(inbox_err)?;
         let mut handlers = Vec::new();
+        let mut sets = Vec::new();
         for h in registry.iter() {
+            let prepare_err = |e: postgres::Error| SessionError::Prepare {
+                event: h.event().to_string(),
+                reason: db::error_text(&e),
+            };
             let mut stmts = Vec::new();
             for (sql, types) in h.statements() {
-                stmts.push(conn.prepare_typed(&sql, &types).map_err(|e| {
-                    SessionError::Prepare {
-                        event: h.event().to_string(),
-                        reason: db::error_text(&e),
-                    }
-                })?);
+                stmts.push(conn.prepare_typed(&sql, &types).map_err(prepare_err)?);
             }
             handlers.push(stmts);
+            sets.push(match h.set_statement() {
+                Some(sql) => Some(
+                    conn.prepare_typed(&sql, &[Type::JSONB])
+                        .map_err(prepare_err)?,
+                ),
+                None => None,
+            });
         }
         Ok(Session {
             conn,
             inbox,
+            inbox_set,
             handlers,
+            sets,
         })
     }
 }
@@ -256,7 +277,7 @@ impl<'a> Worker<'a> {
     /// The thread body. `space` wakes the reader when a slot frees up.
     pub fn run(mut self, rx: &Receiver<Delivery>, space: &Sender<()>) {
         let mut outcomes: Vec<Settlement> = Vec::with_capacity(ACK_BATCH);
-        let tx_batch = self.ctx.jobs.tx_batch.max(1);
+        let gather = self.ctx.jobs.tx_batch.max(self.ctx.jobs.set_size).max(1);
         loop {
             let first = match rx.try_recv() {
                 Ok(d) => d,
@@ -285,7 +306,7 @@ impl<'a> Worker<'a> {
             };
             // Only what is already waiting joins the batch: batching never delays a job.
             let mut batch = vec![first];
-            while batch.len() < tx_batch {
+            while batch.len() < gather {
                 match rx.try_recv() {
                     Ok(d) => batch.push(d),
                     Err(_) => break,
@@ -495,11 +516,12 @@ impl<'a> Worker<'a> {
             let started = std::time::Instant::now();
             let results = match jobs {
                 [job] => vec![run_job(session, job)],
-                _ => run_batch(session, jobs).unwrap_or_else(|| {
-                    // Something in the batch failed: nothing of it committed. Run each job
-                    // alone, so each gets its own outcome.
-                    jobs.iter().map(|job| run_job(session, job)).collect()
-                }),
+                _ => run_jobs(
+                    session,
+                    jobs,
+                    self.ctx.jobs.tx_batch,
+                    &self.ctx.stats.in_sets,
+                ),
             };
             if let Some(e) = results.iter().find_map(|r| match r {
                 JobResult::Failed(e) if db::is_connection_error(e) => Some(db::error_text(e)),
@@ -740,6 +762,7 @@ fn run_job(session: &mut Session, job: &Job<'_>) -> JobResult {
         conn,
         inbox,
         handlers,
+        ..
     } = session;
     let mut tx = match conn.transaction() {
         Ok(tx) => tx,
@@ -756,14 +779,123 @@ fn run_job(session: &mut Session, job: &Job<'_>) -> JobResult {
     }
 }
 
+/// The jobs a worker took together: those of an event with a set form, two or more, as
+/// one set ([`run_set`]); the rest alone, or `tx_batch` at a time in one transaction
+/// ([`run_batch`]). A set or batch that fails committed nothing, and its jobs run again
+/// one by one, so each gets its own outcome and one bad job never fails its neighbours.
+fn run_jobs(
+    session: &mut Session,
+    jobs: &[Job<'_>],
+    tx_batch: usize,
+    in_sets: &AtomicU64,
+) -> Vec<JobResult> {
+    let mut results: Vec<Option<JobResult>> = jobs.iter().map(|_| None).collect();
+    let mut sets: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+    let mut alone = Vec::new();
+    for (k, job) in jobs.iter().enumerate() {
+        match session.sets[job.index] {
+            Some(_) => sets.entry(job.index).or_default().push(k),
+            None => alone.push(k),
+        }
+    }
+    for ks in sets.into_values() {
+        let set: Vec<&Job<'_>> = ks.iter().map(|&k| &jobs[k]).collect();
+        match (set.len() > 1).then(|| run_set(session, &set)).flatten() {
+            Some(rs) => {
+                Stats::add(in_sets, rs.len() as u64);
+                for (k, r) in ks.into_iter().zip(rs) {
+                    results[k] = Some(r);
+                }
+            }
+            None => alone.extend(ks),
+        }
+    }
+    alone.sort_unstable();
+    for chunk in alone.chunks(tx_batch.max(1)) {
+        let batch: Vec<&Job<'_>> = chunk.iter().map(|&k| &jobs[k]).collect();
+        let rs = match batch.as_slice() {
+            [job] => vec![run_job(session, job)],
+            _ => run_batch(session, &batch)
+                .unwrap_or_else(|| batch.iter().map(|job| run_job(session, job)).collect()),
+        };
+        for (&k, r) in chunk.iter().zip(rs) {
+            results[k] = Some(r);
+        }
+    }
+    results
+        .into_iter()
+        .map(|r| r.expect("every job ran"))
+        .collect()
+}
+
+/// Jobs of one event in one transaction through the handler's set form: the inbox rows of
+/// all of them in one statement, then one statement for the jobs whose rows were new (the
+/// others are redeliveries), then one commit. `None` if anything failed (nothing
+/// committed): the caller runs each job alone.
+fn run_set(session: &mut Session, jobs: &[&Job<'_>]) -> Option<Vec<JobResult>> {
+    let Session {
+        conn,
+        inbox_set,
+        sets,
+        ..
+    } = session;
+    let statement = sets[jobs[0].index].as_ref()?;
+    let keys: Vec<&str> = jobs.iter().map(|j| j.key.as_str()).collect();
+    let ts: Vec<i64> = jobs.iter().map(|j| j.env.ts).collect();
+    let events: Vec<&str> = jobs.iter().map(|j| j.env.event.as_str()).collect();
+    let ids: Vec<&str> = jobs
+        .iter()
+        .map(|j| j.env.job_id.as_deref().unwrap_or(""))
+        .collect();
+    let mut tx = conn.transaction().ok()?;
+    let inserted: HashSet<(String, i64, String)> = tx
+        .query(inbox_set, &[&keys, &ts, &events, &ids])
+        .ok()?
+        .iter()
+        .map(|row| {
+            Some((
+                row.try_get(0).ok()?,
+                row.try_get(1).ok()?,
+                row.try_get(2).ok()?,
+            ))
+        })
+        .collect::<Option<_>>()?;
+    // A job is new if its row was inserted now; of two copies of one job in the set, the
+    // first is new and the second a redelivery.
+    let mut results: Vec<JobResult> = Vec::with_capacity(jobs.len());
+    let mut work = Vec::new();
+    let mut seen = HashSet::new();
+    for (i, job) in jobs.iter().enumerate() {
+        let id = (keys[i].to_string(), ts[i], ids[i].to_string());
+        if inserted.contains(&id) && seen.insert(id) {
+            results.push(JobResult::Committed(Effect::NoOp));
+            work.push(serde_json::json!({"i": i, "payload": job.env.payload}));
+        } else {
+            results.push(JobResult::Duplicate);
+        }
+    }
+    if !work.is_empty() {
+        let work = serde_json::Value::Array(work);
+        for row in tx.query(statement, &[&work]).ok()? {
+            let i: i32 = row.try_get(0).ok()?;
+            if let Some(r @ JobResult::Committed(_)) = results.get_mut(i as usize) {
+                *r = JobResult::Committed(Effect::Applied);
+            }
+        }
+    }
+    tx.commit().ok()?;
+    Some(results)
+}
+
 /// Several jobs in one transaction (`--tx-batch`): one commit for all of them, which is
 /// what a job costs most. Each job keeps its own inbox row, so each stays idempotent; if
 /// any statement fails nothing commits and `None` tells the caller to run each job alone.
-fn run_batch(session: &mut Session, jobs: &[Job<'_>]) -> Option<Vec<JobResult>> {
+fn run_batch(session: &mut Session, jobs: &[&Job<'_>]) -> Option<Vec<JobResult>> {
     let Session {
         conn,
         inbox,
         handlers,
+        ..
     } = session;
     let mut tx = conn.transaction().ok()?;
     let mut results = Vec::with_capacity(jobs.len());

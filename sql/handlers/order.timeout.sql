@@ -44,3 +44,60 @@ WITH target AS (
 )
 SELECT c.id, (SELECT count(*) FROM stock) AS skus, (SELECT count(*) FROM coupon) AS coupons
   FROM cancelled c
+
+-- set:
+-- The set form: many jobs in one statement, for a backlog. $1 is a jsonb array of
+-- {"i": <index>, "payload": <payload>}; a row per job that cancelled its order, holding
+-- its index. Every lock is taken in one global order — orders by id, then skus by id,
+-- then coupons by id — the same order as the one-job form above, so concurrent sets (and
+-- single jobs) wait for each other but never deadlock. Two jobs of one order: the first
+-- in the set acts, the other finds nothing to do, as it would one after the other.
+WITH jobs AS (
+    SELECT (j ->> 'i')::integer AS i, j -> 'payload' AS p
+      FROM jsonb_array_elements($1) j
+), wanted AS (
+    SELECT DISTINCT ON (w.id) w.id, w.i
+      FROM (SELECT o.id, jobs.i FROM jobs JOIN orders o ON o.id = (jobs.p ->> 'order_id')::bigint
+            UNION ALL
+            SELECT o.id, jobs.i FROM jobs JOIN orders o ON o.order_no = (jobs.p ->> 'order_no')) w
+     ORDER BY w.id, w.i
+), locked AS (
+    SELECT o.id, o.coupon_id, wanted.i FROM orders o JOIN wanted ON wanted.id = o.id
+     WHERE o.status = 'pending'
+     ORDER BY o.id
+       FOR UPDATE OF o
+), cancelled AS (
+    UPDATE orders o
+       SET status = 'cancelled', cancel_reason = 'timeout',
+           cancelled_at = now(), updated_at = now()
+      FROM locked l
+     WHERE o.id = l.id AND o.status = 'pending'
+    RETURNING o.id, o.coupon_id
+), items AS (
+    SELECT i.sku_id, sum(i.qty)::integer AS qty
+      FROM order_items i JOIN cancelled c ON c.id = i.order_id
+     GROUP BY i.sku_id
+), skus AS (
+    SELECT s.id FROM sku s JOIN items ON items.sku_id = s.id
+     ORDER BY s.id
+       FOR UPDATE OF s
+), stock AS (
+    UPDATE sku s
+       SET stock = s.stock + items.qty, updated_at = now()
+      FROM items JOIN skus ON skus.id = items.sku_id
+     WHERE s.id = items.sku_id
+    RETURNING s.id
+), coupons AS (
+    SELECT u.id FROM coupon_user u JOIN cancelled c ON c.coupon_id = u.id
+     WHERE u.status = 'used'
+     ORDER BY u.id
+       FOR UPDATE OF u
+), coupon AS (
+    UPDATE coupon_user u
+       SET status = 'unused', used_at = NULL, updated_at = now()
+      FROM coupons c
+     WHERE u.id = c.id AND u.status = 'used'
+    RETURNING u.id
+)
+SELECT l.i, (SELECT count(*) FROM stock) AS skus, (SELECT count(*) FROM coupon) AS coupons
+  FROM cancelled c JOIN locked l ON l.id = c.id

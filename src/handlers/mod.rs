@@ -48,6 +48,17 @@ pub trait Handler: Send + Sync {
     /// `handle` receives the statements in the same order.
     fn statements(&self) -> Vec<(String, Vec<Type>)>;
 
+    /// The set form, if any: one statement that does the work of many jobs of this event
+    /// at once, prepared once per connection with one `jsonb` parameter, an array of
+    /// `{"i": <index>, "payload": <payload>}`. It returns a row per job that changed
+    /// something, the job's index first (`integer`); the jobs it returns no row for did
+    /// nothing. It takes every row lock in one global order, so concurrent sets never
+    /// deadlock each other. Workers use it for jobs already waiting together (a backlog);
+    /// a set that fails is run again job by job with [`Handler::handle`].
+    fn set_statement(&self) -> Option<String> {
+        None
+    }
+
     /// Does the work inside `tx`. A transient database error (see `db::is_transient`)
     /// retries the job; any other error dead-letters it. The caller commits.
     fn handle(

@@ -12,6 +12,15 @@
 //! returned by a final `SELECT`) says what happened: 0 is a no-op, more is applied.
 //! `requires:` lists comma-separated groups of `|`-separated alternatives; without an
 //! `event:` line the file name (less `.sql`) is the event.
+//!
+//! A line `-- set:` may follow the statement, and after it a second statement: the
+//! handler's *set form*, which does the work of many jobs at once (see
+//! [`Handler::set_statement`]). `$1` is then a `jsonb` array of
+//! `{"i": <index>, "payload": <payload>}`, and the statement returns one row per job that
+//! changed something, its index in the first column (`integer`). It must take its row
+//! locks in one global order (for example `ORDER BY id ... FOR UPDATE` per table, tables
+//! in the same order as the one-job statement), so that sets running at once never
+//! deadlock each other.
 
 use super::{Effect, Handler};
 use postgres::types::Type;
@@ -44,12 +53,18 @@ pub struct SqlHandler {
     event: String,
     required: Vec<Vec<String>>,
     sql: String,
+    set_sql: Option<String>,
 }
+
+/// The line that starts a handler file's set form.
+const SET_MARKER: &str = "-- set:";
 
 #[derive(Debug, thiserror::Error)]
 pub enum SqlHandlerError {
     #[error("{file}: no SQL after the header")]
     Empty { file: String },
+    #[error("{file}: no SQL after the `-- set:` line")]
+    EmptySet { file: String },
     #[error("{file}: cannot read: {source}")]
     Read {
         file: String,
@@ -60,6 +75,7 @@ pub enum SqlHandlerError {
 impl SqlHandler {
     /// Parses a handler file's text; `file` names it in errors and gives the default event.
     pub fn parse(file: &str, text: &str) -> Result<SqlHandler, SqlHandlerError> {
+        let (text, set_text) = split_set_form(text);
         let mut event = file.strip_suffix(".sql").unwrap_or(file).to_string();
         let mut required = Vec::new();
         for line in text.lines() {
@@ -82,19 +98,36 @@ impl SqlHandler {
                 }
             }
         }
-        let has_sql = text
-            .lines()
-            .any(|l| !l.trim().is_empty() && !l.trim().starts_with("--"));
-        if !has_sql {
+        if !has_sql(text) {
             return Err(SqlHandlerError::Empty {
                 file: file.to_string(),
             });
         }
+        let set_sql = match set_text {
+            Some(t) if has_sql(t) => Some(t.trim().trim_end_matches(';').to_string()),
+            Some(_) => {
+                return Err(SqlHandlerError::EmptySet {
+                    file: file.to_string(),
+                })
+            }
+            None => None,
+        };
         Ok(SqlHandler {
             event,
             required,
-            sql: text.to_string(),
+            sql: text.trim().trim_end_matches(';').to_string(),
+            set_sql,
         })
+    }
+
+    /// The one-job statement.
+    pub fn sql(&self) -> &str {
+        &self.sql
+    }
+
+    /// The set form's statement, if the file has one.
+    pub fn set_sql(&self) -> Option<&str> {
+        self.set_sql.as_deref()
     }
 
     /// Loads every `*.sql` file of a directory, sorted by name.
@@ -123,6 +156,24 @@ impl SqlHandler {
     }
 }
 
+/// The text before the `-- set:` line, and the set form after it.
+fn split_set_form(text: &str) -> (&str, Option<&str>) {
+    let mut at = 0;
+    for line in text.split_inclusive('\n') {
+        if line.trim().starts_with(SET_MARKER) {
+            return (&text[..at], Some(&text[at + line.len()..]));
+        }
+        at += line.len();
+    }
+    (text, None)
+}
+
+/// Whether a text holds a line that is neither blank nor a comment.
+fn has_sql(text: &str) -> bool {
+    text.lines()
+        .any(|l| !l.trim().is_empty() && !l.trim().starts_with("--"))
+}
+
 impl Handler for SqlHandler {
     fn event(&self) -> &str {
         &self.event
@@ -134,6 +185,10 @@ impl Handler for SqlHandler {
 
     fn statements(&self) -> Vec<(String, Vec<Type>)> {
         vec![(self.sql.clone(), vec![Type::JSONB])]
+    }
+
+    fn set_statement(&self) -> Option<String> {
+        self.set_sql.clone()
     }
 
     fn handle(

@@ -2873,7 +2873,7 @@ fn run_seed(seed: u64, secs: f64) -> Result<String, String> {
             .unwrap();
         HandlerDir::new(&[(
             "order.timeout.sql",
-            order_timeout_with(
+            order_timeout_set_with(
                 "flaky AS (SELECT chaos_flaky() AS ok)",
                 "(SELECT ok FROM flaky)",
             ),

@@ -16,4 +16,5 @@ mod mover;
 mod ops;
 mod producer;
 mod retention;
+mod sets;
 mod store;

@@ -269,7 +269,7 @@ fn ops_metrics_count_jobs_and_healthz_follows_postgres() {
     assert_eq!(v("delay_worker_channel_depth"), 0.0);
     assert_eq!(
         v("delay_worker_channel_capacity"),
-        (env.config.threads * 2) as f64
+        env.config.channel_capacity() as f64
     );
     assert_eq!(
         v("delay_worker_db_pool_max_connections"),

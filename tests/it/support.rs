@@ -750,17 +750,41 @@ impl Drop for HandlerDir {
     }
 }
 
-/// The built-in order.timeout with an extra CTE spliced in front (`name AS (...)`), which
-/// the `target` CTE references so it runs: how a test injects failures or slowness into
-/// the real handler.
+/// The built-in order.timeout's one-job form (without its set form, so every job runs
+/// alone) with an extra CTE spliced in front (`name AS (...)`), which the `target` CTE
+/// references so it runs: how a test injects failures or slowness into the real handler.
 pub fn order_timeout_with(cte: &str, condition: &str) -> String {
     let sql = include_str!("../../sql/handlers/order.timeout.sql");
-    let sql = sql.replacen("WITH target AS (", &format!("WITH {cte}, target AS ("), 1);
-    sql.replacen(
+    let (one, _set) = sql
+        .split_once("\n-- set:")
+        .expect("order.timeout has a set form");
+    let one = one.replacen("WITH target AS (", &format!("WITH {cte}, target AS ("), 1);
+    one.replacen(
         "    LIMIT 1\n), cancelled",
         &format!("      AND {condition}\n    LIMIT 1\n), cancelled"),
         1,
     )
+}
+
+/// [`order_timeout_with`] and the built-in set form with the same CTE spliced in front,
+/// which its `locked` CTE references (the condition must not use `$1`: in the set form it
+/// is the array of jobs).
+pub fn order_timeout_set_with(cte: &str, condition: &str) -> String {
+    let sql = include_str!("../../sql/handlers/order.timeout.sql");
+    let (_, set) = sql
+        .split_once("\n-- set:")
+        .expect("order.timeout has a set form");
+    let set = set.replacen("WITH jobs AS (", &format!("WITH {cte}, jobs AS ("), 1);
+    let set = set.replacen(
+        "     WHERE o.status = 'pending'\n     ORDER BY o.id",
+        &format!("     WHERE o.status = 'pending' AND {condition}\n     ORDER BY o.id"),
+        1,
+    );
+    assert!(
+        set.contains(condition),
+        "the condition went into the set form"
+    );
+    format!("{}\n-- set:{set}", order_timeout_with(cte, condition))
 }
 
 /// Pushed = done + dead-lettered + still scheduled, and nothing stuck pending.

@@ -229,6 +229,10 @@ pub struct RunArgs {
     /// already waiting are batched; a failure reruns each job alone).
     #[arg(long, default_value_t = 1)]
     pub tx_batch: usize,
+    /// Most jobs of one event, already waiting, a worker runs as one set through the
+    /// handler's set form (one statement per table); 1 runs every job alone.
+    #[arg(long, default_value_t = delay_worker::config::DEFAULT_SET_SIZE)]
+    pub set_size: usize,
     /// Wait for the WAL flush at every job's commit instead of once per batch of acks
     /// (group commit is the default; an acknowledged job is durable either way).
     #[arg(long)]
@@ -439,6 +443,11 @@ impl Cli {
             "must be between 1 and 256",
         )?;
         check(
+            (1..=1000).contains(&r.set_size),
+            "--set-size",
+            "must be between 1 and 1000",
+        )?;
+        check(
             r.max_message_bytes >= 64,
             "--max-message-bytes",
             "must be at least 64",
@@ -536,6 +545,7 @@ impl Cli {
             statement_timeout: r.statement_timeout,
             max_message_bytes: r.max_message_bytes,
             tx_batch: r.tx_batch,
+            set_size: r.set_size,
             group_commit: !r.no_group_commit,
         };
         config.handlers_dir = r.handlers_dir.clone();

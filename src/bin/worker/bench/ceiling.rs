@@ -8,7 +8,10 @@
 //!   SQL), at `--threads` clients, prepared statements as the worker's, against freshly
 //!   seeded pending orders so each transaction really cancels one (the backlog
 //!   scenario's ceiling). A discarded warm-up run goes first: a fresh cluster's first
-//!   write load is much slower (WAL segments created, caches cold).
+//!   write load is much slower (WAL segments created, caches cold);
+//! - PostgreSQL, set-based: the same work 8 orders per transaction, as the worker's set
+//!   form does it (sql/bench/order_timeout_set.pgbench): the database's real limit for a
+//!   backlog.
 //!
 //! A missing tool is not fatal: that ceiling is reported as unavailable with the reason.
 
@@ -16,13 +19,17 @@ use super::report::{Ceilings, PgbenchFigures};
 use super::{shop, BenchArgs};
 use anyhow::{bail, Context, Result};
 use delay_worker::config::Config;
+use delay_worker::handlers::sql::SqlHandler;
 use delay_worker::Shutdown;
 use redis::ConnectionAddr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 const PGBENCH_TEMPLATE: &str = include_str!("../../../../sql/bench/order_timeout.pgbench");
+const PGBENCH_SET_TEMPLATE: &str = include_str!("../../../../sql/bench/order_timeout_set.pgbench");
 const ORDER_TIMEOUT_SQL: &str = include_str!("../../../../sql/handlers/order.timeout.sql");
+/// Orders per transaction of the set-based ceiling.
+pub const SET_ORDERS: u64 = 8;
 /// XADDs redis-benchmark sends.
 const XADD_REQUESTS: u32 = 200_000;
 const XADD_KEY: &str = "bench:stream";
@@ -51,9 +58,21 @@ pub fn measure(
         WARMUP_SECS.min(args.ceiling_time.as_secs()),
         args.ceiling_orders
     );
-    match pgbench(config, args, db, out_dir) {
+    match pgbench(config, args, db, out_dir, Shape::One) {
         Ok(f) => c.pgbench = Some(f),
         Err(e) => c.pgbench_error = Some(format!("{e:#}")),
+    }
+    if stop.is_set() {
+        bail!("interrupted");
+    }
+    println!(
+        "ceiling: pgbench order.timeout sets of {SET_ORDERS}, {} clients, {}s after a warm-up ...",
+        config.threads,
+        args.ceiling_time.as_secs(),
+    );
+    match pgbench(config, args, db, out_dir, Shape::Set) {
+        Ok(f) => c.pgbench_set = Some(f),
+        Err(e) => c.pgbench_set_error = Some(format!("{e:#}")),
     }
     Ok(c)
 }
@@ -129,17 +148,51 @@ fn redis_xadd(redis: &redis::Client) -> Result<f64> {
         .with_context(|| format!("no rate in the redis-benchmark output: {}", stdout.trim()))
 }
 
-/// The pgbench script: the template with the handler's statement, its `$1` built from
-/// `:id`. Comment lines are dropped (the handler's mention `$1` and `;`).
-pub fn pgbench_script() -> String {
-    let handler: Vec<&str> = ORDER_TIMEOUT_SQL
+/// Which transaction a pgbench ceiling runs: one order, or a set of [`SET_ORDERS`].
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Shape {
+    One,
+    Set,
+}
+
+/// A statement without its comment lines (they mention `$1` and `;`).
+fn without_comments(sql: &str) -> String {
+    let lines: Vec<&str> = sql
         .lines()
         .filter(|l| !l.trim_start().starts_with("--") && !l.trim().is_empty())
         .collect();
-    let handler = handler
+    lines
         .join("\n")
+        .trim_end()
+        .trim_end_matches(';')
+        .to_string()
+}
+
+fn order_timeout() -> SqlHandler {
+    SqlHandler::parse("order.timeout.sql", ORDER_TIMEOUT_SQL).expect("the built-in handler parses")
+}
+
+/// The pgbench script: the template with the handler's statement, its `$1` built from
+/// `:id`.
+pub fn pgbench_script() -> String {
+    let handler = without_comments(order_timeout().sql())
         .replace("$1", "jsonb_build_object('order_id', :id::bigint)");
-    PGBENCH_TEMPLATE.replace("@ORDER_TIMEOUT@", handler.trim_end().trim_end_matches(';'))
+    PGBENCH_TEMPLATE.replace("@ORDER_TIMEOUT@", &handler)
+}
+
+/// The set-based pgbench script: the template with the handler's set form, its `$1` the
+/// array of the 8 jobs from `:id`.
+pub fn pgbench_set_script() -> String {
+    let set = order_timeout()
+        .set_sql()
+        .map(without_comments)
+        .expect("order.timeout has a set form");
+    let jobs = format!(
+        "(SELECT jsonb_agg(jsonb_build_object('i', g - :id::bigint, 'payload', jsonb_build_object('order_id', g))) \
+         FROM generate_series(:id::bigint, :id::bigint + {}) g)",
+        SET_ORDERS - 1
+    );
+    PGBENCH_SET_TEMPLATE.replace("@ORDER_TIMEOUT_SET@", &set.replace("$1", &jobs))
 }
 
 fn pgbench(
@@ -147,24 +200,37 @@ fn pgbench(
     args: &BenchArgs,
     db: &mut postgres::Client,
     out_dir: &Path,
+    shape: Shape,
 ) -> Result<PgbenchFigures> {
     let tool = find_tool("pgbench").context(
         "pgbench not found (Debian: postgresql-contrib or the postgresql server package)",
     )?;
-    let script = out_dir.join("order_timeout.pgbench");
-    std::fs::write(&script, pgbench_script())
-        .with_context(|| format!("cannot write {}", script.display()))?;
+    let (name, text, orders) = match shape {
+        Shape::One => (
+            "order_timeout.pgbench",
+            pgbench_script(),
+            args.ceiling_orders,
+        ),
+        // A set transaction cancels 8 orders at several times the one-order rate.
+        Shape::Set => (
+            "order_timeout_set.pgbench",
+            pgbench_set_script(),
+            args.ceiling_orders * SET_ORDERS / 2,
+        ),
+    };
+    let script = out_dir.join(name);
+    std::fs::write(&script, text).with_context(|| format!("cannot write {}", script.display()))?;
     let secs = args.ceiling_time.as_secs().max(1);
 
     // Warm-up, discarded: the first write load on a fresh cluster pays for creating WAL
     // segments and for cold caches (we saw 3,800 tps cold against 6,700 warm on the same
     // machine). The ceiling is the steady state, as the scenarios after it see it.
     shop::reset(db)?;
-    shop::seed(db, args.ceiling_orders, args.skus)?;
+    shop::seed(db, orders, args.skus)?;
     let warmup = run_pgbench(&tool, config, &script, WARMUP_SECS.min(secs))?;
 
     shop::reset(db)?;
-    shop::seed(db, args.ceiling_orders, args.skus)?;
+    shop::seed(db, orders, args.skus)?;
     let mut f = run_pgbench(&tool, config, &script, secs)?;
     f.warmup_tps = Some(warmup.tps);
     f.cancelled = shop::cancelled_count(db)?;
@@ -260,6 +326,11 @@ mod tests {
         assert!(!s.contains("$1"));
         assert!(s.contains("jsonb_build_object('order_id', :id::bigint) ->> 'order_id'"));
         assert!(s.contains("UPDATE orders o"));
+        assert!(s.trim_end().ends_with("COMMIT;"));
+        assert!(!s.contains("jsonb_array_elements"), "the one-job form only");
+        let s = super::pgbench_set_script();
+        assert!(!s.contains('@') && !s.contains("$1"));
+        assert!(s.contains("FROM jsonb_array_elements((SELECT jsonb_agg("));
         assert!(s.trim_end().ends_with("COMMIT;"));
     }
 }

@@ -62,6 +62,7 @@ impl WorkerChild {
             .args(["--heartbeat-ttl", &ms(config.reader.heartbeat_ttl)])
             .args(["--statement-timeout", &ms(config.jobs.statement_timeout)])
             .args(["--tx-batch", &config.jobs.tx_batch.to_string()])
+            .args(["--set-size", &config.jobs.set_size.to_string()])
             .args(["--pool-key", &k.pool, "--data-key", &k.data])
             .args(["--stream-key", &k.stream, "--group", &k.group])
             .args(["--dead-key", &k.dead])

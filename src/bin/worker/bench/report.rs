@@ -185,11 +185,21 @@ pub struct Ceilings {
     pub redis_error: Option<String>,
     pub pgbench: Option<PgbenchFigures>,
     pub pgbench_error: Option<String>,
+    /// The same work in sets of `ceiling::SET_ORDERS` orders per transaction.
+    pub pgbench_set: Option<PgbenchFigures>,
+    pub pgbench_set_error: Option<String>,
 }
 
 impl Ceilings {
     pub fn pgbench_tps(&self) -> Option<f64> {
         self.pgbench.as_ref().map(|p| p.tps)
+    }
+
+    /// Orders the set-based ceiling cancelled per second.
+    pub fn pgbench_set_orders_per_s(&self) -> Option<f64> {
+        self.pgbench_set
+            .as_ref()
+            .map(|p| p.tps * super::ceiling::SET_ORDERS as f64)
     }
 
     pub fn print(&self) {
@@ -215,6 +225,22 @@ impl Ceilings {
                 }
             }
             (None, Some(e)) => println!("ceiling: pgbench unavailable: {e}"),
+            _ => {}
+        }
+        match (&self.pgbench_set, &self.pgbench_set_error) {
+            (Some(p), _) => println!(
+                "ceiling: pgbench order.timeout in sets of {} {} tps = {} orders/s ({} clients, avg latency {} ms; {} of {} orders cancelled, {} failed; warm-up run {} tps)",
+                super::ceiling::SET_ORDERS,
+                n0(p.tps),
+                n0(p.tps * super::ceiling::SET_ORDERS as f64),
+                p.clients,
+                p.latency_avg_ms.map(|v| format!("{v:.2}")).unwrap_or("?".into()),
+                p.cancelled,
+                p.transactions * super::ceiling::SET_ORDERS as i64,
+                p.failed,
+                p.warmup_tps.map(n0).unwrap_or("-".into())
+            ),
+            (None, Some(e)) => println!("ceiling: pgbench sets unavailable: {e}"),
             _ => {}
         }
     }
@@ -263,6 +289,8 @@ pub struct ScenarioResult {
     pub drain_from: Option<String>,
     /// `jobs_per_s` over its ceiling: backlog ÷ pgbench tps, engine ÷ redis XADD/s.
     pub ceiling_ratio: Option<f64>,
+    /// Backlog only: `jobs_per_s` over the set-based pgbench ceiling (orders/s).
+    pub set_ceiling_ratio: Option<f64>,
     pub ceiling: Option<String>,
     pub cpu: CpuUse,
     pub cpu_s_per_1k_jobs: Option<f64>,
@@ -393,9 +421,14 @@ impl Report {
         println!();
         if let Some(p) = &self.ceilings.pgbench {
             println!(
-                "ceilings: pgbench order.timeout {} tps at {} clients; redis XADD {}/s",
+                "ceilings: pgbench order.timeout {} tps at {} clients; in sets of {}: {} orders/s; redis XADD {}/s",
                 n0(p.tps),
                 p.clients,
+                super::ceiling::SET_ORDERS,
+                self.ceilings
+                    .pgbench_set_orders_per_s()
+                    .map(n0)
+                    .unwrap_or("-".into()),
                 self.ceilings.redis_xadd_per_s.map(n0).unwrap_or("-".into())
             );
         } else if let Some(x) = self.ceilings.redis_xadd_per_s {
@@ -415,6 +448,12 @@ impl ScenarioResult {
     /// The lines under the table: where the CPU went, the producer, problems, notes.
     fn details(&self) -> Vec<String> {
         let mut out = Vec::new();
+        if let (Some(one), Some(set)) = (self.ceiling_ratio, self.set_ceiling_ratio) {
+            out.push(format!(
+                "throughput: {one:.2} × the one-order pgbench ceiling, {set:.2} × the set-based one (sets of {})",
+                super::ceiling::SET_ORDERS
+            ));
+        }
         if let Some(p) = &self.producer {
             out.push(format!(
                 "producer: {} msg/s asked, {} achieved, at most {} ms behind schedule; {} duplicates; {} orders paid, at most {} ms after their push",

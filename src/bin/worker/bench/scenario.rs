@@ -336,6 +336,9 @@ fn backlog(ctx: &Ctx, db: &mut postgres::Client, s: Scenario) -> Result<Scenario
         jobs: n,
         orders: n,
         ceiling_ratio: jobs_per_s.zip(tps).map(|(j, t)| j / t),
+        set_ceiling_ratio: jobs_per_s
+            .zip(ctx.ceilings.pgbench_set_orders_per_s())
+            .map(|(j, t)| j / t),
         ceiling: tps.map(|_| "pgbench order.timeout tps".into()),
         jobs_per_s,
         drain_s: drain
