@@ -16,4 +16,6 @@ mod mover;
 mod ops;
 mod producer;
 mod retention;
+mod secrets;
 mod store;
+mod tls;
