@@ -5,8 +5,11 @@
 //! ([`RunArgs`]) belong to `run` (also accepted without a subcommand, `worker --threads 8`)
 //! and `bench`; the queue layout ([`QueueArgs`]) to those and `stats`. A subcommand
 //! rejects a flag it does not use. Connection URLs come from flags or from `REDIS_URL` /
-//! `DATABASE_URL`. A value that does not make sense is a [`CliError`] naming the flag as
-//! the user gave it; `main` prints it as one line and exits 2.
+//! `DATABASE_URL` (a password in a flag is warned about: `ps` shows it), Redis's TLS files
+//! from `--redis-ca-file`, `--redis-cert-file`, `--redis-key-file` or their variables. A
+//! value that does not make sense (a URL, a TLS file that cannot be read) is a
+//! [`CliError`] naming the flag as the user gave it; `main` prints it as one line and
+//! exits 2.
 
 use clap::{Args, Parser, Subcommand};
 use delay_worker::config::{parse_delay, parse_duration};
@@ -408,6 +411,12 @@ impl Cli {
                     ),
                 });
             }
+        }
+        if config.redis_url.ends_with("#insecure") {
+            log::warn!(
+                "{}: #insecure: the Redis server's certificate is not checked (encrypted, but anyone in the path can pose as the server); give its CA with --redis-ca-file instead",
+                given("redis_url", "--redis-url", "REDIS_URL")
+            );
         }
         // A command line is visible to every user of the host (ps, /proc/PID/cmdline).
         for (id, flag, var, url) in [
