@@ -510,6 +510,20 @@ fn a_refused_handshake_or_login_is_one_readable_line() {
         "TLS handshake failed: the server requires a client certificate",
     );
 
+    // `#insecure`: encrypted without checking the certificate, and said so at start.
+    let (crt, key) = (s.pki.path("client.crt"), s.pki.path("client.key"));
+    let client_cert = ["--redis-cert-file", &crt, "--redis-key-file", &key];
+    let mut args = vec!["cancel", "--key", "k"];
+    args.extend(client_cert);
+    let out = run(&args, &format!("{rediss}#insecure"), &pg_ok);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout).trim(), "no scheduled job k");
+    assert!(
+        text(&out.stderr).contains("#insecure: the Redis server's certificate is not checked"),
+        "{}",
+        text(&out.stderr)
+    );
+
     // PostgreSQL: verify-full to a name the certificate does not carry.
     let wrong = format!(
         "postgres://postgres@wrong.example:{}/postgres?hostaddr=127.0.0.1&sslmode=verify-full&sslrootcert={ca}",
