@@ -4,7 +4,9 @@
 //! that follow the README. Nothing here touches the network. Errors name the flag or
 //! variable they came from, and URLs are only ever shown through [`redact_url`].
 
+use crate::conninfo;
 use crate::keys::Keys;
+use std::ops::Range;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -25,9 +27,22 @@ pub struct LegacyPool {
     pub event: String,
 }
 
-#[derive(Clone, Debug)]
+/// Files for TLS to Redis (a `rediss://` URL): the CA that signed the server's
+/// certificate (the system's trust store when absent), and a client certificate and its
+/// key for a server that asks for one (`tls-auth-clients yes`). PostgreSQL's TLS settings
+/// live in its connection string (`sslmode`, `sslrootcert`, `sslcert`, `sslkey`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RedisTls {
+    pub ca_file: Option<PathBuf>,
+    pub cert_file: Option<PathBuf>,
+    pub key_file: Option<PathBuf>,
+}
+
+/// `Debug` shows the URLs redacted (see the impl below).
+#[derive(Clone)]
 pub struct Config {
     pub redis_url: String,
+    pub redis_tls: RedisTls,
     pub database_url: String,
     pub keys: Keys,
     pub source: Source,
@@ -49,6 +64,24 @@ pub struct Config {
     pub run_mover: bool,
     /// Where `/metrics` and `/healthz` are served (`--metrics-addr`); off when `None`.
     pub metrics_addr: Option<std::net::SocketAddr>,
+}
+
+/// By hand, so that a config printed with `{:?}` never shows a password.
+impl std::fmt::Debug for Config {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Config")
+            .field("redis_url", &redact_url(&self.redis_url))
+            .field("redis_tls", &self.redis_tls)
+            .field("database_url", &redact_url(&self.database_url))
+            .field("keys", &self.keys)
+            .field("source", &self.source)
+            .field("threads", &self.threads)
+            .field("consumer", &self.consumer)
+            .field("mover", &self.mover)
+            .field("reader", &self.reader)
+            .field("jobs", &self.jobs)
+            .finish_non_exhaustive()
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -181,6 +214,7 @@ impl Config {
     pub fn new(redis_url: &str, database_url: &str) -> Config {
         Config {
             redis_url: redis_url.to_string(),
+            redis_tls: RedisTls::default(),
             database_url: database_url.to_string(),
             keys: Keys::default(),
             source: Source::Stream,
@@ -252,33 +286,59 @@ pub fn default_consumer_name() -> String {
         .unwrap_or_else(|| "worker".to_string())
 }
 
-/// Hides the password of a URL (`redis://:pw@h`, `postgres://u:pw@h/db`) or of a
-/// key=value connection string (`password=pw`).
+/// Hides every secret of a connection string, whatever its form, and keeps the rest
+/// readable: the password of a URL's userinfo (`redis://:pw@h`, `redis://user:pw@h`,
+/// `postgres://u:pw@h/db`), a `password` (or `pass`, `sslpassword`) in a URL's query, and
+/// those settings of a libpq `key=value` string, quoted or not, with backslash escapes and
+/// spaces around `=`. Each secret becomes `***`.
 pub fn redact_url(url: &str) -> String {
-    if let Some(scheme_end) = url.find("://") {
-        let rest = &url[scheme_end + 3..];
-        let authority_end = rest.find('/').unwrap_or(rest.len());
-        let authority = &rest[..authority_end];
-        if let Some(at) = authority.rfind('@') {
-            let userinfo = &authority[..at];
-            let user = match userinfo.find(':') {
-                Some(colon) => format!("{}:***", &userinfo[..colon]),
-                None => userinfo.to_string(),
-            };
-            return format!("{}{}@{}", &url[..scheme_end + 3], user, &rest[at + 1..]);
-        }
-        return url.to_string();
-    }
-    url.split_whitespace()
-        .map(|kv| {
-            if kv.to_ascii_lowercase().starts_with("password=") {
-                "password=***".to_string()
-            } else {
-                kv.to_string()
+    let mut hide: Vec<Range<usize>> = Vec::new();
+    let secret = |p: &conninfo::Setting| conninfo::is_secret_key(&p.key) && !p.value.is_empty();
+    if conninfo::is_url(url) {
+        hide.extend(conninfo::url_password_range(url).filter(|r| !r.is_empty()));
+        hide.extend(
+            conninfo::query_settings(url)
+                .iter()
+                .filter(|p| secret(p))
+                .map(|p| p.value_span.clone()),
+        );
+    } else {
+        let settings = conninfo::key_values(url);
+        hide.extend(
+            settings
+                .iter()
+                .filter(|p| secret(p))
+                .map(|p| p.value_span.clone()),
+        );
+        // Not a setting, but shaped like `user:password@host` (a URL without its scheme):
+        // hidden all the same.
+        let mut start = 0;
+        for word in url.split(|c: char| c.is_ascii_whitespace()) {
+            let range = start..start + word.len();
+            start = range.end + 1;
+            let in_setting = settings
+                .iter()
+                .any(|p| p.span.start <= range.start && range.end <= p.span.end);
+            if let (false, Some(at)) = (in_setting, word.rfind('@')) {
+                if let Some(colon) = word[..at].find(':') {
+                    hide.push(range.start + colon + 1..range.start + at);
+                }
             }
-        })
-        .collect::<Vec<_>>()
-        .join(" ")
+        }
+    }
+    hide.sort_by_key(|r| r.start);
+    let mut out = String::with_capacity(url.len());
+    let mut last = 0;
+    for r in hide {
+        if r.start < last {
+            continue;
+        }
+        out.push_str(&url[last..r.start]);
+        out.push_str("***");
+        last = r.end;
+    }
+    out.push_str(&url[last..]);
+    out
 }
 
 #[cfg(test)]

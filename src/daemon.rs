@@ -30,8 +30,9 @@ use std::time::Instant;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
-    #[error("REDIS_URL is not a valid Redis URL: {0}")]
-    BadRedisUrl(redis::RedisError),
+    /// The Redis URL or its TLS files cannot work (bad input).
+    #[error(transparent)]
+    BadRedis(#[from] crate::tls::SetupError),
     #[error("cannot reach Redis at {url}: {reason}")]
     RedisUnreachable { url: String, reason: String },
     #[error(transparent)]
@@ -56,12 +57,14 @@ pub struct Report {
     pub drained: u64,
 }
 
-/// Opens the Redis client and checks that the server answers.
-pub fn redis_client(url: &str) -> Result<redis::Client, DaemonError> {
-    let client = redis::Client::open(url).map_err(DaemonError::BadRedisUrl)?;
+/// Opens the Redis client (with its TLS files for a `rediss://` URL) and checks that the
+/// server answers.
+pub fn redis_client(config: &Config) -> Result<redis::Client, DaemonError> {
+    let url = &config.redis_url;
+    let client = crate::tls::redis_client(url, &config.redis_tls)?;
     let unreachable = |e: redis::RedisError| DaemonError::RedisUnreachable {
         url: redact_url(url),
-        reason: unreachable_reason(&e),
+        reason: unreachable_reason(&e, url),
     };
     let mut con = store::connect(&client).map_err(unreachable)?;
     // A read-only probe: the first thing a new connection is asked.
@@ -72,19 +75,30 @@ pub fn redis_client(url: &str) -> Result<redis::Client, DaemonError> {
 }
 
 /// One checked connection, for the admin commands, `push` and `cancel`.
-pub fn redis_connection(url: &str) -> Result<redis::Connection, DaemonError> {
-    let client = redis_client(url)?;
+pub fn redis_connection(config: &Config) -> Result<redis::Connection, DaemonError> {
+    let client = redis_client(config)?;
     store::connect(&client).map_err(|e| DaemonError::RedisUnreachable {
-        url: redact_url(url),
-        reason: unreachable_reason(&e),
+        url: redact_url(&config.redis_url),
+        reason: unreachable_reason(&e, &config.redis_url),
     })
 }
 
 /// Why Redis could not be reached, in words: a server that accepts the connection but
-/// never answers reads as the socket's "Resource temporarily unavailable" otherwise.
-fn unreachable_reason(e: &redis::RedisError) -> String {
-    if e.is_timeout() {
-        format!("no answer within the timeout ({e})")
+/// never answers reads as the socket's "Resource temporarily unavailable" otherwise, and
+/// a TLS failure is said in plain words.
+fn unreachable_reason(e: &redis::RedisError, url: &str) -> String {
+    let tls_url = url.starts_with("rediss://") || url.starts_with("valkeys://");
+    if let Some(tls) = crate::tls::describe(e, "--redis-ca-file") {
+        tls
+    } else if e.is_timeout() {
+        let hint = if tls_url {
+            "; if this port does not speak TLS, use redis://"
+        } else {
+            ""
+        };
+        format!("no answer within the timeout ({e}){hint}")
+    } else if !tls_url && e.is_connection_dropped() {
+        format!("{e} (if this port speaks TLS, use rediss://)")
     } else {
         e.to_string()
     }
@@ -209,11 +223,11 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<Report, DaemonError> 
 /// Fails fast, with one readable error, when Redis or PostgreSQL cannot be reached, the
 /// schema is not current, or a handler's SQL does not prepare.
 fn preflight(config: &Config) -> Result<Ready, DaemonError> {
-    let client = redis_client(&config.redis_url)?;
+    let client = redis_client(config)?;
     {
         let mut con = store::connect(&client).map_err(|e| DaemonError::RedisUnreachable {
             url: redact_url(&config.redis_url),
-            reason: e.to_string(),
+            reason: unreachable_reason(&e, &config.redis_url),
         })?;
         if config.source == Source::Stream {
             store::stream::ensure_group(&mut con, &config.keys).map_err(|e| {

@@ -1,22 +1,49 @@
-//! PostgreSQL: the connection pool, schema migrations, and how errors are classified.
+//! PostgreSQL: where it is and how to reach it ([`Target`]: the connection string with
+//! libpq's TLS settings, every connection attempt under one deadline), the connection
+//! pool, schema migrations, and how errors are classified.
 //!
 //! The pool (r2d2) holds one connection per worker thread; each connection carries the
 //! statement timeout from the config (set once at connect, not per job). Migrations are
 //! embedded in the binary and applied in order, each in its own transaction, under an
 //! advisory lock so several hosts starting at once apply each exactly once.
 
+use crate::conninfo;
+use crate::tls::{self, PgTls, RootCert, SslMode};
 use postgres::error::SqlState;
-use postgres::NoTls;
-use r2d2_postgres::PostgresConnectionManager;
+use postgres::tls::MakeTlsConnect;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
+use tokio_postgres_rustls::MakeRustlsConnect;
 
-pub type Pool = r2d2::Pool<PostgresConnectionManager<NoTls>>;
-pub type Conn = r2d2::PooledConnection<PostgresConnectionManager<NoTls>>;
+pub type Pool = r2d2::Pool<Manager>;
+pub type Conn = r2d2::PooledConnection<Manager>;
+
+/// The longest a whole connection attempt may take: TCP connect, TLS handshake,
+/// authentication, up to the server's first "ready". A server that accepts the
+/// connection and then says nothing is given up on after this.
+pub const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(5);
+
+/// The TCP connect alone (per address tried), within [`HANDSHAKE_DEADLINE`].
+const TCP_CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Connection attempts given up on that still wait for their server; past this many, a
+/// new attempt fails at once instead of adding one more waiting thread.
+const MAX_WAITING_ATTEMPTS: usize = 4;
+
+/// The connection-string settings that are libpq's TLS settings, taken out before the
+/// rest goes to the `postgres` crate (which knows only `sslmode=disable|prefer|require`).
+const TLS_KEYS: &[&str] = &["sslmode", "sslrootcert", "sslcert", "sslkey"];
 
 #[derive(Debug, thiserror::Error)]
 pub enum DbError {
     #[error("DATABASE_URL is not a valid PostgreSQL connection string: {0}")]
-    BadUrl(postgres::Error),
+    BadUrl(String),
+    /// A TLS setting that cannot work (a file that cannot be read, a mode that needs a
+    /// root certificate): bad input.
+    #[error("DATABASE_URL: {0}")]
+    BadTls(#[source] tls::SetupError),
     #[error("cannot reach PostgreSQL at {url}: {reason}")]
     Unreachable { url: String, reason: String },
     #[error("migration {name} failed: {}", error_text(.error))]
@@ -36,6 +63,233 @@ impl From<postgres::Error> for DbError {
     }
 }
 
+/// A PostgreSQL server to connect to: the connection string parsed, its TLS settings
+/// (libpq's `sslmode`, `sslrootcert`, `sslcert`, `sslkey`, in either form of the string)
+/// turned into a rustls connector, the files read.
+#[derive(Clone)]
+pub struct Target {
+    /// Everything but TLS; callers may add options, timeouts, the application name.
+    pub config: postgres::Config,
+    tls: MakeRustlsConnect,
+    /// The TLS settings, as understood.
+    pub tls_settings: PgTls,
+    /// The connection string with its secrets hidden, for messages.
+    pub shown: String,
+}
+
+impl Target {
+    /// Parses a URL or `key=value` connection string. Without `sslmode`, `prefer` (as
+    /// libpq; `verify-full` with `sslrootcert=system`).
+    pub fn parse(url: &str) -> Result<Target, DbError> {
+        let settings = if conninfo::is_url(url) {
+            conninfo::query_settings(url)
+        } else {
+            conninfo::key_values(url)
+        };
+        // As libpq: a setting given twice counts with its last value.
+        let get = |key: &str| {
+            settings
+                .iter()
+                .rev()
+                .find(|p| p.key == key)
+                .map(|p| p.value.clone())
+                .filter(|v| !v.is_empty())
+        };
+        let rest = conninfo::without(url, |k| TLS_KEYS.contains(&k));
+        let mut config: postgres::Config = rest
+            .parse()
+            .map_err(|e: postgres::Error| DbError::BadUrl(error_text(&e)))?;
+        let root = get("sslrootcert").map(|v| {
+            if v == "system" {
+                RootCert::System
+            } else {
+                RootCert::File(PathBuf::from(v))
+            }
+        });
+        let mode = match get("sslmode") {
+            Some(m) => SslMode::parse(&m).map_err(DbError::BadTls)?,
+            None if root == Some(RootCert::System) => SslMode::VerifyFull,
+            None => SslMode::Prefer,
+        };
+        if root == Some(RootCert::System) && mode != SslMode::VerifyFull {
+            return Err(DbError::BadTls(tls::SetupError {
+                setting: "sslrootcert",
+                problem: format!(
+                    "system needs sslmode=verify-full (or none), not {}",
+                    mode.as_str()
+                ),
+            }));
+        }
+        let tls_settings = PgTls {
+            mode,
+            root,
+            cert: get("sslcert").map(PathBuf::from),
+            key: get("sslkey").map(PathBuf::from),
+        };
+        let tls = if mode == SslMode::Disable {
+            tls::pg_connector(&PgTls {
+                mode,
+                root: None,
+                cert: None,
+                key: None,
+            })
+        } else {
+            tls::pg_connector(&tls_settings)
+        }
+        .map_err(DbError::BadTls)?;
+        // libpq uses no TLS on Unix sockets, whatever the mode.
+        let all_unix = !config.get_hosts().is_empty()
+            && config
+                .get_hosts()
+                .iter()
+                .all(|h| !matches!(h, postgres::config::Host::Tcp(_)));
+        config.ssl_mode(match mode {
+            _ if all_unix => postgres::config::SslMode::Disable,
+            SslMode::Disable => postgres::config::SslMode::Disable,
+            SslMode::Prefer => postgres::config::SslMode::Prefer,
+            SslMode::Require | SslMode::VerifyCa | SslMode::VerifyFull => {
+                postgres::config::SslMode::Require
+            }
+        });
+        // The string's own connect_timeout counts; the whole attempt stays within the
+        // handshake deadline either way.
+        if config.get_connect_timeout().is_none() {
+            config.connect_timeout(TCP_CONNECT_TIMEOUT);
+        }
+        config.application_name("delay-worker");
+        Ok(Target {
+            config,
+            tls,
+            tls_settings,
+            shown: crate::config::redact_url(url),
+        })
+    }
+
+    /// One connection, without a deadline of its own (for callers that bound the wait
+    /// themselves).
+    pub fn connect(&self) -> Result<postgres::Client, postgres::Error> {
+        self.config.connect(Tls {
+            inner: self.tls.clone(),
+            reached: None,
+        })
+    }
+
+    /// One connection, the whole attempt within `deadline`. The attempt runs on a thread
+    /// of its own; one given up on is left to finish by itself (at most
+    /// [`MAX_WAITING_ATTEMPTS`] at a time). The error says why: refused, timed out (and
+    /// whether the server accepted the connection), authentication, TLS.
+    pub fn connect_within(&self, deadline: Duration) -> Result<postgres::Client, DbError> {
+        const RUNNING: u8 = 0;
+        const DONE: u8 = 1;
+        const ABANDONED: u8 = 2;
+        static WAITING: AtomicUsize = AtomicUsize::new(0);
+        let waiting = WAITING.load(Ordering::SeqCst);
+        if waiting >= MAX_WAITING_ATTEMPTS {
+            return Err(self.unreachable(format!(
+                "timed out: {waiting} earlier connection attempts still wait for the server to answer"
+            )));
+        }
+        let reached = Arc::new(AtomicBool::new(false));
+        let state = Arc::new(AtomicU8::new(RUNNING));
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let (config, st) = (self.config.clone(), state.clone());
+        let tls = Tls {
+            inner: self.tls.clone(),
+            reached: Some(reached.clone()),
+        };
+        std::thread::Builder::new()
+            .name("pg-connect".into())
+            .spawn(move || {
+                let _ = tx.send(config.connect(tls));
+                if st.swap(DONE, Ordering::SeqCst) == ABANDONED {
+                    WAITING.fetch_sub(1, Ordering::SeqCst);
+                }
+            })
+            .map_err(|e| self.unreachable(format!("cannot start a connection attempt: {e}")))?;
+        let result = match rx.recv_timeout(deadline) {
+            Ok(r) => r,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                WAITING.fetch_add(1, Ordering::SeqCst);
+                match state.compare_exchange(RUNNING, ABANDONED, Ordering::SeqCst, Ordering::SeqCst)
+                {
+                    Ok(_) => {
+                        let secs = deadline.as_secs_f64();
+                        return Err(self.unreachable(if reached.load(Ordering::SeqCst) {
+                            format!("timed out: the server accepted the connection but did not answer within {secs}s")
+                        } else {
+                            format!("timed out: no connection within {secs}s")
+                        }));
+                    }
+                    // It finished just now.
+                    Err(_) => {
+                        WAITING.fetch_sub(1, Ordering::SeqCst);
+                        rx.recv()
+                            .map_err(|_| self.unreachable("the connection attempt failed"))?
+                    }
+                }
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                return Err(self.unreachable("the connection attempt failed"))
+            }
+        };
+        result.map_err(|e| self.unreachable(error_text(&e)))
+    }
+
+    fn unreachable(&self, reason: impl Into<String>) -> DbError {
+        DbError::Unreachable {
+            url: self.shown.clone(),
+            reason: reason.into(),
+        }
+    }
+}
+
+/// The rustls connector, noting when a connection attempt has its TCP connection (the
+/// `postgres` crate asks for the TLS connector right after the socket connects, in every
+/// mode), so a deadline can tell a silent server from an unreachable one.
+#[derive(Clone)]
+struct Tls {
+    inner: MakeRustlsConnect,
+    reached: Option<Arc<AtomicBool>>,
+}
+
+impl<S> MakeTlsConnect<S> for Tls
+where
+    MakeRustlsConnect: MakeTlsConnect<S>,
+{
+    type Stream = <MakeRustlsConnect as MakeTlsConnect<S>>::Stream;
+    type TlsConnect = <MakeRustlsConnect as MakeTlsConnect<S>>::TlsConnect;
+    type Error = <MakeRustlsConnect as MakeTlsConnect<S>>::Error;
+
+    fn make_tls_connect(&mut self, domain: &str) -> Result<Self::TlsConnect, Self::Error> {
+        if let Some(r) = &self.reached {
+            r.store(true, Ordering::SeqCst);
+        }
+        self.inner.make_tls_connect(domain)
+    }
+}
+
+/// The pool's connection manager: every connection made under [`HANDSHAKE_DEADLINE`].
+pub struct Manager {
+    target: Target,
+}
+
+impl r2d2::ManageConnection for Manager {
+    type Connection = postgres::Client;
+    type Error = DbError;
+
+    fn connect(&self) -> Result<postgres::Client, DbError> {
+        self.target.connect_within(HANDSHAKE_DEADLINE)
+    }
+
+    fn is_valid(&self, client: &mut postgres::Client) -> Result<(), DbError> {
+        client.simple_query("").map(|_| ()).map_err(DbError::from)
+    }
+
+    fn has_broken(&self, client: &mut postgres::Client) -> bool {
+        client.is_closed()
+    }
+}
+
 /// Builds the pool. `size` connections at most; the pool waits at most `checkout` for one.
 /// Fails fast (one readable line) if the server cannot be reached at all.
 /// With `group_commit`, the sessions commit without waiting for the WAL flush
@@ -48,7 +302,7 @@ pub fn pool(
     checkout: Duration,
     group_commit: bool,
 ) -> Result<Pool, DbError> {
-    let mut cfg: postgres::Config = url.parse().map_err(DbError::BadUrl)?;
+    let mut target = Target::parse(url)?;
     let ms = statement_timeout.as_millis();
     // Every handler statement runs under the statement timeout, and a transaction left
     // idle by a stuck thread is ended by the server.
@@ -59,19 +313,17 @@ pub fn pool(
     if group_commit {
         options.push_str(" -c synchronous_commit=off");
     }
-    cfg.options(&options);
-    cfg.connect_timeout(Duration::from_secs(3));
-    cfg.application_name("delay-worker");
-    let manager = PostgresConnectionManager::new(cfg, NoTls);
+    target.config.options(&options);
+    let shown = target.shown.clone();
     r2d2::Pool::builder()
         .max_size(size)
         .min_idle(Some(0))
         .connection_timeout(checkout)
         // r2d2 logs every failed connect attempt itself; the worker logs outages once.
         .error_handler(Box::new(r2d2::NopErrorHandler))
-        .build(manager)
+        .build(Manager { target })
         .map_err(|e| DbError::Unreachable {
-            url: crate::config::redact_url(url),
+            url: shown,
             reason: e.to_string(),
         })
 }
@@ -104,15 +356,9 @@ pub fn flush_wal(client: &mut postgres::Client, slot: &str) -> Result<(), postgr
     ))
 }
 
-/// One plain connection (admin commands, migrations).
+/// One plain connection (admin commands, migrations), within [`HANDSHAKE_DEADLINE`].
 pub fn connect(url: &str) -> Result<postgres::Client, DbError> {
-    let mut cfg: postgres::Config = url.parse().map_err(DbError::BadUrl)?;
-    cfg.connect_timeout(Duration::from_secs(3));
-    cfg.application_name("delay-worker");
-    cfg.connect(NoTls).map_err(|e| DbError::Unreachable {
-        url: crate::config::redact_url(url),
-        reason: error_text(&e),
-    })
+    Target::parse(url)?.connect_within(HANDSHAKE_DEADLINE)
 }
 
 /// The migrations, in the order they apply. Never edit an applied one: add a new file.
@@ -227,6 +473,9 @@ pub fn error_text(e: &postgres::Error) -> String {
     match e.as_db_error() {
         Some(db) => format!("{} ({})", db.message(), db.code().code()),
         None => {
+            if let Some(tls) = tls::describe(e, "sslrootcert") {
+                return tls;
+            }
             // "error connecting to server" alone does not say why: the cause (connection
             // refused, timed out, a TLS failure) is the error's source.
             let mut text = e.to_string();

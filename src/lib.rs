@@ -28,6 +28,8 @@
 //! - `mover.rs`, `source/` (`stream.rs`, `list.rs`: the reader thread's two sources and
 //!   what they share), `workers.rs` — the three roles; `daemon.rs` runs them.
 //! - `handlers/` — what a job does in PostgreSQL; `db.rs` — pool, migrations, errors.
+//! - `tls.rs` — TLS to both servers (rustls); `conninfo.rs` — connection strings read as
+//!   their clients read them (for the TLS settings and for redaction).
 //! - `stats.rs` — the one set of counters (log line, exit report, `/metrics`).
 //! - `shutdown.rs`, `backoff.rs` — the small shared pieces.
 //! - `admin/` — the operator's tools: `worker stats` (`--watch`, `--check`), `worker dead`.
@@ -36,6 +38,7 @@
 pub mod admin;
 pub mod backoff;
 pub mod config;
+pub mod conninfo;
 pub mod daemon;
 pub mod db;
 pub mod delivery;
@@ -50,6 +53,7 @@ pub mod shutdown;
 pub mod source;
 pub mod stats;
 pub mod store;
+pub mod tls;
 pub mod workers;
 
 pub use config::Config;

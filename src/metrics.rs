@@ -79,14 +79,11 @@ impl<'a> Server<'a> {
         let listener = TcpListener::bind(addr).map_err(err)?;
         listener.set_nonblocking(true).map_err(err)?;
         // The daemon checked this URL at start; a parse error here is not expected.
-        let mut pg: postgres::Config = src
-            .config
-            .database_url
-            .parse()
-            .map_err(|e: postgres::Error| err(std::io::Error::other(db::error_text(&e))))?;
-        pg.connect_timeout(PROBE_IO_TIMEOUT);
-        pg.application_name("delay-worker healthz");
-        pg.options(&format!(
+        let mut pg = db::Target::parse(&src.config.database_url)
+            .map_err(|e| err(std::io::Error::other(e.to_string())))?;
+        pg.config.connect_timeout(PROBE_IO_TIMEOUT);
+        pg.config.application_name("delay-worker healthz");
+        pg.config.options(&format!(
             "-c statement_timeout={}",
             PROBE_IO_TIMEOUT.as_millis()
         ));
@@ -270,7 +267,7 @@ fn read_request(stream: &mut TcpStream) -> Result<(String, String), String> {
 /// itself when its socket times out or errors, and only one runs at a time.
 struct Probe {
     redis: redis::Client,
-    pg: postgres::Config,
+    pg: db::Target,
     /// Set while a check runs; cleared by the check's thread when it ends.
     busy: Arc<AtomicBool>,
 }
@@ -303,14 +300,14 @@ impl Probe {
     }
 }
 
-fn probe(redis: &redis::Client, pg: &postgres::Config) -> Result<(), String> {
+fn probe(redis: &redis::Client, pg: &db::Target) -> Result<(), String> {
     let mut con = store::connect_with(redis, PROBE_IO_TIMEOUT)
         .map_err(|e| format!("Redis unreachable: {e}"))?;
     redis::cmd("PING")
         .query::<String>(&mut con)
         .map_err(|e| format!("Redis does not answer PING: {e}"))?;
     let mut c = pg
-        .connect(postgres::NoTls)
+        .connect()
         .map_err(|e| format!("no PostgreSQL connection: {}", db::error_text(&e)))?;
     c.simple_query("SELECT 1")
         .map_err(|e| format!("PostgreSQL SELECT 1 failed: {}", db::error_text(&e)))?;

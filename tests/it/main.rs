@@ -16,5 +16,7 @@ mod mover;
 mod ops;
 mod producer;
 mod retention;
+mod secrets;
 mod sets;
 mod store;
+mod tls;

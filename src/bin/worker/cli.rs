@@ -5,12 +5,17 @@
 //! ([`RunArgs`]) belong to `run` (also accepted without a subcommand, `worker --threads 8`)
 //! and `bench`; the queue layout ([`QueueArgs`]) to those and `stats`. A subcommand
 //! rejects a flag it does not use. Connection URLs come from flags or from `REDIS_URL` /
-//! `DATABASE_URL`. A value that does not make sense is a [`CliError`] naming the flag as
-//! the user gave it; `main` prints it as one line and exits 2.
+//! `DATABASE_URL` (a password in a flag is warned about: `ps` shows it), Redis's TLS files
+//! from `--redis-ca-file`, `--redis-cert-file`, `--redis-key-file` or their variables. A
+//! value that does not make sense (a URL, a TLS file that cannot be read) is a
+//! [`CliError`] naming the flag as the user gave it; `main` prints it as one line and
+//! exits 2.
 
 use clap::{Args, Parser, Subcommand};
 use delay_worker::config::{parse_delay, parse_duration};
-use delay_worker::config::{Config, JobConfig, LegacyPool, MoverConfig, ReaderConfig, Source};
+use delay_worker::config::{
+    Config, JobConfig, LegacyPool, MoverConfig, ReaderConfig, RedisTls, Source,
+};
 use delay_worker::keys::{KeyOverrides, Keys, Queue};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -106,7 +111,8 @@ pub struct ConnArgs {
         hide_env_values = true
     )]
     pub redis_url: String,
-    /// PostgreSQL URL or key=value connection string.
+    /// PostgreSQL URL or key=value connection string; TLS with libpq's sslmode,
+    /// sslrootcert, sslcert, sslkey settings.
     #[arg(
         long,
         env = "DATABASE_URL",
@@ -115,6 +121,16 @@ pub struct ConnArgs {
         hide_env_values = true
     )]
     pub database_url: String,
+    /// CA certificates (PEM) that signed the Redis server's certificate, for a rediss://
+    /// URL [default: the system's trust store].
+    #[arg(long, env = "REDIS_CA_FILE", global = true, value_name = "PEM")]
+    pub redis_ca_file: Option<PathBuf>,
+    /// Client certificate (PEM) for a Redis server that asks for one (tls-auth-clients).
+    #[arg(long, env = "REDIS_CERT_FILE", global = true, value_name = "PEM")]
+    pub redis_cert_file: Option<PathBuf>,
+    /// Private key (PEM, not encrypted) of --redis-cert-file.
+    #[arg(long, env = "REDIS_KEY_FILE", global = true, value_name = "PEM")]
+    pub redis_key_file: Option<PathBuf>,
     /// Prefix of every key name (use a hash tag such as '{mq}' on Redis Cluster).
     #[arg(long, default_value = delay_worker::keys::DEFAULT_PREFIX, global = true)]
     pub key_prefix: String,
@@ -357,38 +373,86 @@ impl Cli {
             }
         }
         let mut config = self.config()?;
-        let given = |id: &str, flag: &'static str, var: &'static str| {
+        let source = |id: &str| {
             let sub = m.subcommand().map(|(_, s)| s);
-            let from_env = [sub, Some(m)]
+            [sub, Some(m)]
                 .into_iter()
                 .flatten()
                 .find_map(|mm| mm.value_source(id))
-                == Some(clap::parser::ValueSource::EnvVariable);
-            if from_env {
+        };
+        let given = |id: &str, flag: &'static str, var: &'static str| {
+            if source(id) == Some(clap::parser::ValueSource::EnvVariable) {
                 var
             } else {
                 flag
             }
         };
-        if let Err(e) = redis::Client::open(config.redis_url.as_str()) {
+        if let Err(e) = delay_worker::tls::redis_client(&config.redis_url, &config.redis_tls) {
+            let flag = match e.setting {
+                "--redis-ca-file" => given("redis_ca_file", "--redis-ca-file", "REDIS_CA_FILE"),
+                "--redis-cert-file" => {
+                    given("redis_cert_file", "--redis-cert-file", "REDIS_CERT_FILE")
+                }
+                "--redis-key-file" => given("redis_key_file", "--redis-key-file", "REDIS_KEY_FILE"),
+                _ => given("redis_url", "--redis-url", "REDIS_URL"),
+            };
             return Err(CliError {
-                flag: given("redis_url", "--redis-url", "REDIS_URL"),
-                problem: format!(
-                    "not a Redis URL ({}): e.g. redis://:password@127.0.0.1:6379/0",
-                    e.detail().unwrap_or("cannot parse it")
-                ),
+                flag,
+                problem: e.problem,
             });
         }
-        let problem = match config.database_url.parse::<postgres::Config>() {
-            Err(e) => Some(format!("not a PostgreSQL URL or key=value string ({e})")),
-            Ok(c) if c.get_hosts().is_empty() => Some("names no host".to_string()),
-            Ok(_) => None,
-        };
-        if let Some(problem) = problem {
-            return Err(CliError {
-                flag: given("database_url", "--database-url", "DATABASE_URL"),
-                problem: format!("{problem}: e.g. postgres://shop:password@127.0.0.1:5432/shop"),
-            });
+        let db_flag = given("database_url", "--database-url", "DATABASE_URL");
+        match delay_worker::db::Target::parse(&config.database_url) {
+            Ok(t) if t.config.get_hosts().is_empty() => {
+                return Err(CliError {
+                    flag: db_flag,
+                    problem: "names no host: e.g. postgres://shop:password@127.0.0.1:5432/shop"
+                        .into(),
+                })
+            }
+            Ok(_) => {}
+            Err(delay_worker::db::DbError::BadTls(e)) => {
+                return Err(CliError {
+                    flag: db_flag,
+                    problem: e.to_string(),
+                })
+            }
+            Err(e) => {
+                let detail = match e {
+                    delay_worker::db::DbError::BadUrl(d) => d,
+                    other => other.to_string(),
+                };
+                return Err(CliError {
+                    flag: db_flag,
+                    problem: format!(
+                        "not a PostgreSQL URL or key=value string ({detail}): e.g. postgres://shop:password@127.0.0.1:5432/shop"
+                    ),
+                });
+            }
+        }
+        if config.redis_url.ends_with("#insecure") {
+            log::warn!(
+                "{}: #insecure: the Redis server's certificate is not checked (encrypted, but anyone in the path can pose as the server); give its CA with --redis-ca-file instead",
+                given("redis_url", "--redis-url", "REDIS_URL")
+            );
+        }
+        // A command line is visible to every user of the host (ps, /proc/PID/cmdline).
+        for (id, flag, var, url) in [
+            ("redis_url", "--redis-url", "REDIS_URL", &config.redis_url),
+            (
+                "database_url",
+                "--database-url",
+                "DATABASE_URL",
+                &config.database_url,
+            ),
+        ] {
+            if source(id) == Some(clap::parser::ValueSource::CommandLine)
+                && delay_worker::conninfo::has_password(url)
+            {
+                log::warn!(
+                    "{flag} carries a password on the command line, where every user of this host can read it (ps, /proc/PID/cmdline): set {var} in the environment instead (for the systemd unit: /etc/delay-worker/worker.env, mode 0600)"
+                );
+            }
         }
         if let Some(Command::Push(p)) = &self.command {
             config.handlers_dir = p.handlers_dir.clone();
@@ -456,6 +520,11 @@ impl Cli {
             check(!c.trim().is_empty(), "--consumer", "must not be empty")?;
         }
         let mut config = Config::new(&self.conn.redis_url, &self.conn.database_url);
+        config.redis_tls = RedisTls {
+            ca_file: self.conn.redis_ca_file.clone(),
+            cert_file: self.conn.redis_cert_file.clone(),
+            key_file: self.conn.redis_key_file.clone(),
+        };
         config.keys = self.conn.keys()?;
         let legacy = q
             .legacy_pools

@@ -30,7 +30,11 @@ fn main() -> ExitCode {
             return ExitCode::SUCCESS;
         }
         Err(e) => {
-            eprintln!("worker: {}", clap_line(&e));
+            // clap may quote an argument it did not expect, a mistyped URL among them.
+            eprintln!(
+                "worker: {}",
+                delay_worker::config::redact_url(&clap_line(&e))
+            );
             return ExitCode::from(2);
         }
     };
@@ -137,7 +141,7 @@ fn migrate(config: &Config) -> anyhow::Result<ExitCode> {
 }
 
 fn redis(config: &Config) -> anyhow::Result<redis::Connection> {
-    Ok(daemon::redis_connection(&config.redis_url)?)
+    Ok(daemon::redis_connection(config)?)
 }
 
 fn push(config: &Config, args: &PushArgs) -> anyhow::Result<ExitCode> {

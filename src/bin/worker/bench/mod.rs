@@ -188,7 +188,7 @@ pub fn run(config: &Config, args: &BenchArgs) -> Result<ExitCode> {
         .context("cannot install the signal handler")?;
     }
 
-    let redis = daemon::redis_client(&config.redis_url)?;
+    let redis = daemon::redis_client(config)?;
     let mut pg = db::connect(&config.database_url)?;
     shop::check_database(&mut pg)?;
     daemon::check_schema(&config.database_url)?;
