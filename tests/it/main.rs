@@ -14,6 +14,7 @@ mod loss;
 mod migrate;
 mod mover;
 mod ops;
+mod privilege;
 mod producer;
 mod retention;
 mod secrets;

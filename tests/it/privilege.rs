@@ -1,0 +1,929 @@
+//! Least privilege, written down and run: the worker binary under a Redis ACL user made
+//! from the rules in `scripts/redis-acl/` and a PostgreSQL role that holds only what
+//! `sql/grants.sql` grants (the tables migrated by an owner role), through the whole order
+//! story in stream mode and in list mode with a legacy pool; then proof that neither the
+//! user nor the role can do anything else. The rules and grants are read from the very
+//! files the README tells the operator to apply, so the test and the documentation cannot
+//! drift apart.
+
+use crate::support::*;
+use delay_worker::config::{LegacyPool, Source};
+use delay_worker::keys::Queue;
+use delay_worker::Config;
+use postgres::error::SqlState;
+use postgres::NoTls;
+use redis::Value;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+const WAIT: Duration = Duration::from_secs(30);
+
+/// A file of the repository: the rules and grants are read where the README points the
+/// operator.
+fn repo_file(path: &str) -> String {
+    let full = Path::new(env!("CARGO_MANIFEST_DIR")).join(path);
+    std::fs::read_to_string(&full).unwrap_or_else(|e| panic!("{}: {e}", full.display()))
+}
+
+/// The ACL SETUSER rules of these files (under `scripts/redis-acl/`): every word of the
+/// lines that are not comments.
+fn rules(files: &[&str]) -> Vec<String> {
+    files
+        .iter()
+        .map(|f| repo_file(&format!("scripts/redis-acl/{f}")))
+        .flat_map(|text| {
+            text.lines()
+                .filter(|l| !l.trim_start().starts_with('#'))
+                .flat_map(|l| l.split_whitespace())
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// What README "Least privilege" adds for list mode: `~Q ~Q:*` for each queue Q, and for
+/// each legacy pool its key and the pattern of its members' names.
+fn list_mode_rules(queues: &[&str], legacy: &[(&str, &str)]) -> Vec<String> {
+    let mut r = Vec::new();
+    for q in queues {
+        r.push(format!("~{q}"));
+        r.push(format!("~{q}:*"));
+    }
+    for (pool, members) in legacy {
+        r.push(format!("~{pool}"));
+        r.push(format!("~{members}"));
+    }
+    r
+}
+
+static ROLES: AtomicU32 = AtomicU32::new(0);
+
+/// A PostgreSQL URL for `user` on the test server (the shared server trusts local users;
+/// the password is set on the role all the same, as a real deployment would).
+fn pg_url(user: &str, password: &str, db: &str) -> String {
+    let cfg: postgres::Config = admin_url().parse().expect("DW_TEST_DATABASE_URL parses");
+    let host = match cfg.get_hosts().first() {
+        Some(postgres::config::Host::Tcp(h)) => h.clone(),
+        other => panic!("the test PostgreSQL must be reached over TCP, not {other:?}"),
+    };
+    let port = cfg.get_ports().first().copied().unwrap_or(5432);
+    format!("postgres://{user}:{password}@{host}:{port}/{db}")
+}
+
+/// `psql`, from PATH or from the installed server's binaries.
+fn psql() -> PathBuf {
+    if Command::new("psql").arg("--version").output().is_ok() {
+        return PathBuf::from("psql");
+    }
+    let mut found: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+        .expect("psql is not installed: run scripts/services.sh install")
+        .filter_map(|e| e.ok().map(|e| e.path().join("bin/psql")))
+        .filter(|p| p.exists())
+        .collect();
+    found.sort();
+    found.pop().expect("no psql under /usr/lib/postgresql")
+}
+
+/// The roles of one test, dropped with it (after its database).
+struct Roles(Vec<String>);
+
+impl Drop for Roles {
+    fn drop(&mut self) {
+        if let Ok(mut a) = postgres::Client::connect(&admin_url(), NoTls) {
+            for r in &self.0 {
+                let _ = a.batch_execute(&format!("DROP ROLE IF EXISTS {r}"));
+            }
+        }
+    }
+}
+
+/// Redis with two ACL users (the daemon's rules; the daemon's plus the operator's), an
+/// empty database owned by an owner role that migrated it and ran `sql/grants.sql` for a
+/// runtime role, and a config that reaches both as the limited user and role.
+struct Locked {
+    /// The Redis and database of the test; `env.con()` and `env.db.client()` are the
+    /// test's own unrestricted connections, for seeding and for the books.
+    env: Env,
+    /// Dropped after `env` (its database), which the owner role owns.
+    _roles: Roles,
+    operator_redis: String,
+    runtime_role: String,
+    runtime_db: String,
+}
+
+impl Locked {
+    /// `extra` are the key rules a deployment adds to the files' (list mode).
+    fn new(extra: &[String]) -> Locked {
+        let n = ROLES.fetch_add(1, Ordering::SeqCst);
+        let owner = format!("dw_owner_{}_{n}", std::process::id());
+        let runtime = format!("dw_runtime_{}_{n}", std::process::id());
+        // Before the database, so a failed setup drops the database first, then the roles.
+        let roles = Roles(vec![owner.clone(), runtime.clone()]);
+        let redis = RedisServer::start();
+        let db = TestDb::empty();
+
+        let mut con = redis.con();
+        let mut setuser = |user: &str, password: &str, files: &[&str]| {
+            redis::cmd("ACL")
+                .arg("SETUSER")
+                .arg(user)
+                .arg("reset")
+                .arg("on")
+                .arg(format!(">{password}"))
+                .arg(rules(files))
+                .arg(extra)
+                .query::<()>(&mut con)
+                .unwrap_or_else(|e| panic!("ACL SETUSER {user} from scripts/redis-acl: {e}"));
+        };
+        setuser("dw-worker", "worker-secret", &["worker.acl"]);
+        setuser(
+            "dw-operator",
+            "operator-secret",
+            &["worker.acl", "operator.acl"],
+        );
+        let worker_redis = format!("redis://dw-worker:worker-secret@127.0.0.1:{}/", redis.port);
+        let operator_redis = format!(
+            "redis://dw-operator:operator-secret@127.0.0.1:{}/",
+            redis.port
+        );
+
+        let mut a = postgres::Client::connect(&admin_url(), NoTls).unwrap();
+        a.batch_execute(&format!(
+            "CREATE ROLE {owner} LOGIN PASSWORD 'owner-secret';
+             CREATE ROLE {runtime} LOGIN PASSWORD 'runtime-secret';
+             ALTER DATABASE {} OWNER TO {owner};",
+            db.name
+        ))
+        .unwrap();
+        // What the README asks of PostgreSQL 14 and older (15 has it so already): nobody
+        // but the schema's owner creates objects in it.
+        db.client()
+            .batch_execute("REVOKE CREATE ON SCHEMA public FROM PUBLIC")
+            .unwrap();
+        let owner_db = pg_url(&owner, "owner-secret", &db.name);
+        let runtime_db = pg_url(&runtime, "runtime-secret", &db.name);
+
+        let out = run_worker(&["migrate"], &worker_redis, &owner_db);
+        assert!(
+            out.status.success(),
+            "worker migrate as the owner: {}",
+            text(&out.stderr)
+        );
+        let grants = Path::new(env!("CARGO_MANIFEST_DIR")).join("sql/grants.sql");
+        let out = Command::new(psql())
+            .args(["-X", "-q", "-v", "ON_ERROR_STOP=1", "-v"])
+            .arg(format!("role={runtime}"))
+            .arg("-f")
+            .arg(&grants)
+            .arg("-d")
+            .arg(&owner_db)
+            .output()
+            .expect("run psql");
+        assert!(
+            out.status.success(),
+            "psql -f sql/grants.sql as the owner: {}{}",
+            text(&out.stdout),
+            text(&out.stderr)
+        );
+
+        let mut config = Config::new(&worker_redis, &runtime_db);
+        config.threads = 2;
+        config.consumer = "c1".into();
+        Locked {
+            env: Env { redis, db, config },
+            _roles: roles,
+            operator_redis,
+            runtime_role: runtime,
+            runtime_db,
+        }
+    }
+
+    /// The worker binary with these arguments, as the daemon's ACL user or the operator's.
+    fn worker(&self, operator: bool, args: &[&str]) -> std::process::Output {
+        let redis = if operator {
+            &self.operator_redis
+        } else {
+            &self.env.config.redis_url
+        };
+        run_worker(args, redis, &self.runtime_db)
+    }
+
+    /// `worker push` as the daemon's ACL user; panics unless it succeeded.
+    fn push(&self, event: &str, payload: serde_json::Value, key: &str) {
+        let payload = payload.to_string();
+        let args = [
+            "push",
+            "--event",
+            event,
+            "--payload",
+            &payload,
+            "--delay",
+            "100ms",
+            "--key",
+            key,
+        ];
+        let out = self.worker(false, &args);
+        assert!(out.status.success(), "{args:?}: {}", text(&out.stderr));
+    }
+
+    /// Every denial Redis recorded (ACL LOG), as field maps.
+    fn acl_log(&self) -> Vec<HashMap<String, String>> {
+        let v: Value = redis::cmd("ACL")
+            .arg("LOG")
+            .query(&mut self.env.con())
+            .unwrap();
+        let Value::Array(entries) = v else {
+            return Vec::new();
+        };
+        entries
+            .iter()
+            .map(|e| match e {
+                Value::Array(f) => f
+                    .chunks(2)
+                    .map(|c| {
+                        let s = delay_worker::store::value_to_string;
+                        (s(&c[0]), s(&c[1]))
+                    })
+                    .collect(),
+                Value::Map(m) => m
+                    .iter()
+                    .map(|(k, v)| {
+                        let s = delay_worker::store::value_to_string;
+                        (s(k), s(v))
+                    })
+                    .collect(),
+                _ => HashMap::new(),
+            })
+            .collect()
+    }
+
+    fn runtime_client(&self) -> postgres::Client {
+        postgres::Client::connect(&self.runtime_db, NoTls).expect("connect as the runtime role")
+    }
+}
+
+/// The job key the test uses for an event about an order.
+fn key(event: &str, order: &SeedOrder) -> String {
+    format!("{event}:{}", order.order_no)
+}
+
+/// An after-sale request past its deadline and an unused coupon past its expiry.
+fn seed_aftersale_and_coupon(db: &TestDb, order: &SeedOrder) -> (i64, i64) {
+    let mut c = db.client();
+    let aftersale: i64 = c
+        .query_one(
+            "INSERT INTO aftersale (order_id, deadline_at) VALUES ($1, now() - interval '1 hour') RETURNING id",
+            &[&order.id],
+        )
+        .unwrap()
+        .get(0);
+    let coupon: i64 = c
+        .query_one(
+            "INSERT INTO coupon_user (user_id, status, expire_at) VALUES (7, 'unused', now() - interval '1 hour') RETURNING id",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    (aftersale, coupon)
+}
+
+fn status_of(db: &TestDb, table: &str, id: i64) -> String {
+    db.client()
+        .query_one(&format!("SELECT status FROM {table} WHERE id = $1"), &[&id])
+        .unwrap()
+        .get(0)
+}
+
+/// The payment reviews as (order_id, order_no, reason), in order of creation.
+fn reviews(db: &TestDb) -> Vec<(Option<i64>, Option<String>, String)> {
+    db.client()
+        .query(
+            "SELECT order_id, order_no, reason FROM payment_review ORDER BY id",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect()
+}
+
+/// The message of the job under `key` in the delay pool, if it is there.
+fn pool_message(l: &Locked, key: &str) -> Option<String> {
+    redis::cmd("HGET")
+        .arg(&l.env.config.keys.data)
+        .arg(key)
+        .query(&mut l.env.con())
+        .unwrap()
+}
+
+/// Whether the job under `key` waits in the delay pool as a retry.
+fn retried(l: &Locked, key: &str) -> bool {
+    pool_message(l, key)
+        .and_then(|m| serde_json::from_str::<serde_json::Value>(&m).ok())
+        .and_then(|m| m["retry"].as_i64())
+        .is_some_and(|n| n >= 1)
+}
+
+/// The ids of the dead letters, oldest first.
+fn dead_ids(env: &Env) -> Vec<String> {
+    let v: Value = redis::cmd("XRANGE")
+        .arg(&env.config.keys.dead)
+        .arg("-")
+        .arg("+")
+        .query(&mut env.con())
+        .unwrap();
+    match v {
+        Value::Array(entries) => entries
+            .iter()
+            .filter_map(|e| match e {
+                Value::Array(pair) => pair.first().map(delay_worker::store::value_to_string),
+                _ => None,
+            })
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// What no run under the rules and the grants may log.
+fn assert_no_denial(log: &str) {
+    for word in [
+        "permission denied",
+        "NOPERM",
+        "no permissions",
+        "can't access",
+    ] {
+        assert!(
+            !log.contains(word),
+            "the worker was refused something ({word}):\n{log}"
+        );
+    }
+}
+
+#[test]
+fn the_order_story_runs_as_the_acl_user_and_the_runtime_role() {
+    let l = Locked::new(&[]);
+    let env = &l.env;
+    let orders = seed_orders(&env.db, 8);
+    pay(&env.db, &orders[5..6]);
+    let (aftersale, coupon) = seed_aftersale_and_coupon(&env.db, &orders[1]);
+
+    // A dead host's leftover: an entry delivered to consumer "gone", never acknowledged,
+    // and no heartbeat. The worker takes it over.
+    let leftover = serde_json::json!({
+        "event": "order.timeout", "payload": {"order_no": orders[7].order_no},
+        "retry": 0, "ts": delay_worker::now_ms() / 1000
+    });
+    xadd(
+        env,
+        &key("order.timeout", &orders[7]),
+        leftover.to_string().as_bytes(),
+    );
+    let mut con = env.con();
+    let k = &env.config.keys;
+    redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg(&k.stream)
+        .arg(&k.group)
+        .arg("0")
+        .query::<()>(&mut con)
+        .unwrap();
+    redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg(&k.group)
+        .arg("gone")
+        .arg("COUNT")
+        .arg(1)
+        .arg("STREAMS")
+        .arg(&k.stream)
+        .arg(">")
+        .query::<Value>(&mut con)
+        .unwrap();
+
+    // `push` and `cancel` need nothing beyond the daemon's rules.
+    for o in &orders[0..4] {
+        l.push(
+            "order.timeout",
+            serde_json::json!({"order_no": o.order_no}),
+            &key("order.timeout", o),
+        );
+    }
+    let o5 = &orders[5];
+    l.push(
+        "order.timeout",
+        serde_json::json!({"order_no": o5.order_no}),
+        &key("order.timeout", o5),
+    );
+    let o4 = &orders[4];
+    l.push(
+        "payment.paid",
+        serde_json::json!({"order_no": o4.order_no}),
+        &key("payment.paid", o4),
+    );
+    l.push(
+        "payment.paid",
+        serde_json::json!({"order_no": "SO-MISSING"}),
+        "payment.paid:SO-MISSING",
+    );
+    l.push(
+        "aftersale.timeout",
+        serde_json::json!({"aftersale_id": aftersale}),
+        "aftersale.timeout:1",
+    );
+    l.push(
+        "coupon.expire",
+        serde_json::json!({"coupon_id": coupon}),
+        "coupon.expire:1",
+    );
+    // Two dead letters: a handler whose cast fails for good, and an entry a producer
+    // wrote into the stream over --max-message-bytes (never read into the worker).
+    xadd(env, "big", &[b'x'; 70_000]);
+    l.push(
+        "order.timeout",
+        serde_json::json!({"order_id": "not-a-number"}),
+        "order.timeout:bad",
+    );
+    let out = l.worker(
+        false,
+        &[
+            "push",
+            "--event",
+            "order.timeout",
+            "--payload",
+            r#"{"order_no":"SO-LATER"}"#,
+            "--delay",
+            "1h",
+            "--key",
+            "later",
+        ],
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let out = l.worker(false, &["cancel", "--key", "later"]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "cancel of a scheduled job: {}",
+        text(&out.stderr)
+    );
+    let out = l.worker(false, &["cancel", "--key", "later"]);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "cancel of a job no longer scheduled"
+    );
+
+    // A transient failure: the order's row is locked past the lock timeout, so the job
+    // goes back to the pool as a retry; once the lock is gone the retry cancels it.
+    let o6 = &orders[6];
+    let (release, locker) = lock_order(env, o6.id);
+    l.push(
+        "order.timeout",
+        serde_json::json!({"order_no": o6.order_no}),
+        &key("order.timeout", o6),
+    );
+
+    let mut worker = Proc::start(
+        &env.config,
+        &[
+            "--statement-timeout".into(),
+            "300ms".into(),
+            "--max-retries".into(),
+            "10".into(),
+        ],
+    );
+    wait_until(WAIT, "the locked order's job to be retried", || {
+        retried(&l, &key("order.timeout", o6))
+    });
+    release.send(()).unwrap();
+    locker.join().unwrap();
+    // 11 jobs commit: 4 + 1 timeouts, the leftover, the retried one, 2 payments, the
+    // after-sale and the coupon.
+    wait_until(WAIT, "the first jobs", || {
+        inbox_count(&env.db) == 11 && books(env).dead == 2
+    });
+    // Then a payment for an order its timeout cancelled, and the timeout of the order
+    // paid by the event: a review, and a no-op.
+    let o0 = &orders[0];
+    l.push(
+        "payment.paid",
+        serde_json::json!({"order_no": o0.order_no}),
+        &key("payment.paid", o0),
+    );
+    l.push(
+        "order.timeout",
+        serde_json::json!({"order_no": o4.order_no}),
+        &key("order.timeout", o4),
+    );
+    wait_until(WAIT, "every job", || {
+        let b = books(env);
+        inbox_count(&env.db) == 13 && b.pool == 0 && b.stream_pending == 0
+    });
+    // 13 pushed into the pool (the cancelled one aside), 2 written into the stream.
+    assert_all_accounted(env, &env.db, 15);
+    let dead = dead_letters(env);
+    let reason_of = |key: &str| {
+        let d = dead.iter().find(|d| d["key"] == key);
+        d.map(|d| d["reason"].clone()).unwrap_or_default()
+    };
+    assert_eq!(dead.len(), 2);
+    assert!(reason_of("order.timeout:bad").contains("22P02"), "{dead:?}");
+    assert!(
+        reason_of("big").starts_with("message too large"),
+        "{dead:?}"
+    );
+
+    // The operator's commands, as the operator's user: stats in every form, the dead
+    // letters listed, requeued (it fails again: a new letter), purged.
+    let out = l.worker(true, &["stats", "--json"]);
+    assert!(out.status.success(), "stats --json: {}", text(&out.stderr));
+    let stats: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(stats["group"]["pending"], 0, "{stats}");
+    assert_eq!(stats["dead"]["length"], 2, "{stats}");
+    let out = l.worker(true, &["stats"]);
+    assert!(out.status.success(), "stats: {}", text(&out.stderr));
+    let out = l.worker(true, &["stats", "--check"]);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "a new dead letter is a WARNING: {}",
+        text(&out.stdout)
+    );
+    assert!(
+        text(&out.stdout).starts_with("WARNING"),
+        "{}",
+        text(&out.stdout)
+    );
+    let out = l.worker(true, &["dead", "list", "--json"]);
+    assert!(out.status.success(), "dead list: {}", text(&out.stderr));
+    let listed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let bad = listed.as_array().unwrap().iter();
+    let bad = bad
+        .filter(|d| d["key"] == "order.timeout:bad")
+        .collect::<Vec<_>>();
+    let first = bad[0]["id"].as_str().unwrap().to_string();
+    let out = l.worker(true, &["dead", "show", &first]);
+    assert!(out.status.success(), "dead show: {}", text(&out.stderr));
+    let out = l.worker(true, &["dead", "requeue", "--id", &first]);
+    assert!(out.status.success(), "dead requeue: {}", text(&out.stderr));
+    wait_until(WAIT, "the requeued letter to die again", || {
+        let ids = dead_ids(env);
+        ids.len() == 2 && !ids.contains(&first) && books(env).pool == 0
+    });
+    let out = l.worker(true, &["dead", "purge", "--all"]);
+    assert!(out.status.success(), "dead purge: {}", text(&out.stderr));
+    assert_eq!(books(env).dead, 0);
+
+    worker.signal(libc::SIGTERM);
+    assert!(worker.wait(WAIT).success(), "a graceful stop exits 0");
+    assert_no_denial(&worker.log());
+    assert_eq!(
+        l.acl_log(),
+        Vec::<HashMap<String, String>>::new(),
+        "Redis refused nothing"
+    );
+
+    // The books: exactly these orders cancelled with their stock and coupons back, the
+    // paid ones paid, one review per payment that could not apply.
+    let cancelled: Vec<&SeedOrder> = [0, 1, 2, 3, 6, 7].iter().map(|&i| &orders[i]).collect();
+    assert_accounting(&env.db, &orders, &cancelled);
+    assert_eq!(status_of(&env.db, "orders", o4.id), "paid");
+    assert_eq!(status_of(&env.db, "orders", o5.id), "paid");
+    assert_eq!(status_of(&env.db, "aftersale", aftersale), "approved");
+    assert_eq!(status_of(&env.db, "coupon_user", coupon), "expired");
+    assert_eq!(
+        reviews(&env.db),
+        vec![
+            (
+                None,
+                Some("SO-MISSING".to_string()),
+                "paid for an order that does not exist".to_string()
+            ),
+            (
+                Some(o0.id),
+                Some(o0.order_no.clone()),
+                "paid after the order was cancelled (timeout)".to_string()
+            ),
+        ]
+    );
+    assert_eq!(inbox_count(&env.db), 13);
+
+    // The operator's extra rules are needed: the daemon's user alone cannot read stats.
+    let out = l.worker(false, &["stats"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stdout));
+    assert!(
+        text(&out.stderr).contains("no permissions to run"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
+#[test]
+fn list_mode_and_a_legacy_pool_run_as_the_acl_user_with_their_key_rules() {
+    let queue_rules = list_mode_rules(
+        &["high", "payment_queue"],
+        &[("delay:order_close", "close_order_*")],
+    );
+    let mut l = Locked::new(&queue_rules);
+    l.env.config.source = Source::List;
+    l.env.config.keys.queues = vec![
+        Queue::new("high", None),
+        Queue::new("payment_queue", Some("payment.paid")),
+    ];
+    l.env.config.mover.legacy = vec![LegacyPool {
+        key: "delay:order_close".into(),
+        event: "order.timeout".into(),
+    }];
+    let list_args: Vec<String> = [
+        "--source",
+        "list",
+        "--queues",
+        "high",
+        "--queue",
+        "payment_queue=payment.paid",
+        "--legacy-pool",
+        "delay:order_close=order.timeout",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let env = &l.env;
+    let orders = seed_orders(&env.db, 9);
+    pay(&env.db, &orders[7..8]);
+    let mut con = env.con();
+    let lpush = |con: &mut redis::Connection, list: &str, msg: String| {
+        redis::cmd("LPUSH")
+            .arg(list)
+            .arg(msg)
+            .query::<()>(con)
+            .unwrap();
+    };
+    let llen =
+        |list: &str| -> usize { redis::cmd("LLEN").arg(list).query(&mut env.con()).unwrap() };
+    let now_s = delay_worker::now_ms() / 1000;
+
+    // The older producer's pool: a STRING key per order, its member due now.
+    for i in [0, 1, 2, 7] {
+        let member = format!("close_order_{}", orders[i].id);
+        redis::cmd("SET")
+            .arg(&member)
+            .arg(orders[i].id)
+            .query::<()>(&mut con)
+            .unwrap();
+        redis::cmd("ZADD")
+            .arg("delay:order_close")
+            .arg(delay_worker::now_ms())
+            .arg(&member)
+            .query::<()>(&mut con)
+            .unwrap();
+    }
+    // A producer's envelope straight onto the queue; raw payments; a message whose
+    // handler fails for good and one over --max-message-bytes: two dead letters.
+    let envelope = |o: &SeedOrder| {
+        serde_json::json!({"event": "order.timeout", "payload": {"order_no": o.order_no}, "retry": 0, "ts": now_s}).to_string()
+    };
+    lpush(&mut con, "high", envelope(&orders[3]));
+    lpush(
+        &mut con,
+        "payment_queue",
+        serde_json::json!({"order_no": orders[5].order_no, "amount": 990}).to_string(),
+    );
+    lpush(
+        &mut con,
+        "payment_queue",
+        serde_json::json!({"order_no": "SO-MISSING", "amount": 990}).to_string(),
+    );
+    lpush(&mut con, "high", serde_json::json!({"event": "order.timeout", "payload": {"order_id": "x"}, "retry": 0, "ts": now_s}).to_string());
+    lpush(&mut con, "high", "x".repeat(70_000));
+    // A dead consumer's processing list, pushed back by the worker.
+    lpush(&mut con, "high:processing:gone", envelope(&orders[8]));
+    redis::cmd("SADD")
+        .arg(&env.config.keys.list_consumers)
+        .arg("gone")
+        .query::<()>(&mut con)
+        .unwrap();
+    // Through the delay pool onto the mover's queue, once straight and once by a retry.
+    l.push(
+        "order.timeout",
+        serde_json::json!({"order_no": orders[4].order_no}),
+        &key("order.timeout", &orders[4]),
+    );
+    let o6 = &orders[6];
+    let (release, locker) = lock_order(env, o6.id);
+    l.push(
+        "order.timeout",
+        serde_json::json!({"order_no": o6.order_no}),
+        &key("order.timeout", o6),
+    );
+
+    let mut args = list_args.clone();
+    args.extend(["--statement-timeout", "300ms", "--max-retries", "10"].map(String::from));
+    let mut worker = Proc::start(&env.config, &args);
+    wait_until(WAIT, "the locked order's job to be retried", || {
+        retried(&l, &key("order.timeout", o6))
+    });
+    release.send(()).unwrap();
+    locker.join().unwrap();
+    // 10 jobs commit: 4 legacy members, the envelope, 2 payments, the leftover, the pushed
+    // one and the retried one.
+    wait_until(WAIT, "the first jobs", || {
+        inbox_count(&env.db) == 10 && llen("high:dead") == 2
+    });
+    // A payment for an order the legacy pool's timeout cancelled.
+    lpush(
+        &mut con,
+        "payment_queue",
+        serde_json::json!({"order_no": orders[0].order_no}).to_string(),
+    );
+    wait_until(WAIT, "every job", || {
+        inbox_count(&env.db) == 11
+            && [
+                "high",
+                "payment_queue",
+                "high:processing:c1",
+                "payment_queue:processing:c1",
+                "high:processing:gone",
+            ]
+            .iter()
+            .all(|q| llen(q) == 0)
+    });
+
+    let mut stats_args = vec!["stats", "--json"];
+    stats_args.extend(list_args.iter().map(String::as_str));
+    let out = l.worker(true, &stats_args);
+    assert!(
+        out.status.success(),
+        "stats of list mode: {}",
+        text(&out.stderr)
+    );
+
+    worker.signal(libc::SIGTERM);
+    assert!(worker.wait(WAIT).success(), "a graceful stop exits 0");
+    assert_no_denial(&worker.log());
+    assert_eq!(
+        l.acl_log(),
+        Vec::<HashMap<String, String>>::new(),
+        "Redis refused nothing"
+    );
+
+    let cancelled: Vec<&SeedOrder> = [0, 1, 2, 3, 4, 6, 8].iter().map(|&i| &orders[i]).collect();
+    assert_accounting(&env.db, &orders, &cancelled);
+    assert_eq!(status_of(&env.db, "orders", orders[5].id), "paid");
+    assert_eq!(status_of(&env.db, "orders", orders[7].id), "paid");
+    assert_eq!(
+        reviews(&env.db)
+            .into_iter()
+            .map(|r| r.2)
+            .collect::<Vec<_>>(),
+        vec![
+            "paid for an order that does not exist",
+            "paid after the order was cancelled (timeout)"
+        ],
+    );
+    let dead: Vec<String> = redis::cmd("LRANGE")
+        .arg("high:dead")
+        .arg(0)
+        .arg(-1)
+        .query(&mut con)
+        .unwrap();
+    assert!(dead.iter().any(|d| d.contains("22P02")), "{dead:?}");
+    assert!(
+        dead.iter().any(|d| d.contains("message too large")),
+        "{dead:?}"
+    );
+    assert_eq!(llen("payment_queue:dead"), 0);
+    assert_eq!(books(env).pool, 0);
+    let legacy_left: usize = redis::cmd("ZCARD")
+        .arg("delay:order_close")
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(legacy_left, 0);
+    let keys_left: usize = redis::cmd("EXISTS")
+        .arg(&[0, 1, 2, 7].map(|i| format!("close_order_{}", orders[i].id)))
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(keys_left, 0, "each legacy member's STRING key went with it");
+    assert_eq!(inbox_count(&env.db), 11);
+}
+
+/// The error code of a refused Redis command.
+fn refused(con: &mut redis::Connection, cmd: &redis::Cmd) -> String {
+    match cmd.query::<Value>(con) {
+        Ok(v) => panic!("{cmd:?} was allowed: {v:?}"),
+        Err(e) => e.code().unwrap_or("").to_string(),
+    }
+}
+
+#[test]
+fn the_acl_users_and_the_runtime_role_can_do_nothing_else() {
+    let l = Locked::new(&[]);
+    let mut admin = l.env.con();
+    redis::cmd("SET")
+        .arg("shop:cart:1")
+        .arg("kept")
+        .query::<()>(&mut admin)
+        .unwrap();
+
+    for url in [&l.env.config.redis_url, &l.operator_redis] {
+        let mut con = redis::Client::open(url.as_str())
+            .unwrap()
+            .get_connection()
+            .unwrap();
+        // Inside its patterns it may (the denials below are not a failed login).
+        let v: Option<String> = redis::cmd("GET").arg("mq:probe").query(&mut con).unwrap();
+        assert_eq!(v, None);
+        for cmd in [
+            redis::cmd("GET").arg("shop:cart:1").to_owned(),
+            redis::cmd("SET").arg("shop:cart:1").arg("x").to_owned(),
+            redis::cmd("DEL").arg("shop:cart:1").to_owned(),
+            redis::cmd("RENAME").arg("mq:a").arg("mq:b").to_owned(),
+        ] {
+            assert_eq!(refused(&mut con, &cmd), "NOPERM", "{cmd:?}");
+        }
+        for cmd in [
+            redis::cmd("FLUSHALL").to_owned(),
+            redis::cmd("FLUSHDB").to_owned(),
+            redis::cmd("KEYS").arg("*").to_owned(),
+            redis::cmd("SCAN").arg(0).to_owned(),
+            redis::cmd("CONFIG").arg("GET").arg("*").to_owned(),
+            redis::cmd("SELECT").arg(1).to_owned(),
+            redis::cmd("PUBLISH").arg("mq:events").arg("x").to_owned(),
+            redis::cmd("ACL").arg("LIST").to_owned(),
+            redis::cmd("SCRIPT").arg("FLUSH").to_owned(),
+        ] {
+            assert_eq!(refused(&mut con, &cmd), "NOPERM", "{cmd:?}");
+        }
+        // A script can do no more than its user: loading one is allowed, running it
+        // against a key or a command outside the rules is not.
+        for body in [
+            "return redis.call('GET', 'shop:cart:1')",
+            "return redis.call('FLUSHALL')",
+        ] {
+            let sha: String = redis::cmd("SCRIPT")
+                .arg("LOAD")
+                .arg(body)
+                .query(&mut con)
+                .unwrap();
+            let cmd = redis::cmd("EVALSHA").arg(&sha).arg(0).to_owned();
+            assert!(cmd.query::<Value>(&mut con).is_err(), "{body}");
+        }
+    }
+    let kept: String = redis::cmd("GET")
+        .arg("shop:cart:1")
+        .query(&mut admin)
+        .unwrap();
+    assert_eq!(kept, "kept");
+    // Every denial above is on record, with the key or the command it was about.
+    let log = l.acl_log();
+    for object in ["shop:cart:1", "flushall", "keys", "config|get"] {
+        assert!(
+            log.iter()
+                .any(|e| e.get("object").map(String::as_str) == Some(object)),
+            "{object}: {log:?}"
+        );
+    }
+
+    // The runtime role: what the handlers need and nothing else.
+    let mut c = l.runtime_client();
+    let me: String = c
+        .query_one("SELECT current_user::text", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(me, l.runtime_role);
+    let versions: i64 = c
+        .query_one("SELECT count(*) FROM worker_migrations", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(versions, delay_worker::db::MIGRATIONS.len() as i64);
+    for sql in [
+        "DROP TABLE orders",
+        "ALTER TABLE orders ADD COLUMN note text",
+        "CREATE TABLE scratch (id int)",
+        "TRUNCATE sku",
+        "DELETE FROM orders",
+        "DELETE FROM worker_inbox",
+        "INSERT INTO orders (order_no) VALUES ('SO-FORGED')",
+        "UPDATE orders SET order_no = 'SO-FORGED'",
+        "UPDATE sku SET id = id + 1000",
+        "SELECT * FROM orders",
+        "SELECT user_id FROM orders",
+        "SELECT * FROM worker_inbox",
+        "SELECT payload FROM payment_review",
+        "UPDATE payment_review SET resolved_at = now()",
+        "INSERT INTO worker_migrations (version, name) VALUES (99, 'forged')",
+        "SELECT setval('payment_review_id_seq', 1)",
+        "CREATE INDEX forged ON orders (user_id)",
+    ] {
+        let e = c.batch_execute(sql).expect_err(sql);
+        assert_eq!(
+            e.code(),
+            Some(&SqlState::INSUFFICIENT_PRIVILEGE),
+            "{sql}: {e}"
+        );
+    }
+    // Nor can it migrate: that is the owner's.
+    let out = run_worker(&["migrate"], &l.env.config.redis_url, &l.runtime_db);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    assert!(text(&out.stderr).contains("42501"), "{}", text(&out.stderr));
+}
