@@ -10,6 +10,7 @@ mod faults;
 mod hostile;
 mod list;
 mod loss;
+mod metrics_server;
 
 mod migrate;
 mod mover;
