@@ -9,6 +9,7 @@ mod consumer;
 mod faults;
 mod hostile;
 mod list;
+mod list_dead;
 mod loss;
 mod metrics_server;
 
