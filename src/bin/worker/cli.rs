@@ -232,7 +232,12 @@ impl Args for DeadCli {
         let layout = QueueArgs::augment_args(clap::Command::new("layout"));
         let cmd = layout.get_arguments().fold(cmd, |cmd, a| {
             let id = dead_id(a.get_id().as_str());
-            cmd.arg(a.clone().id(id).global(true))
+            cmd.arg(
+                a.clone()
+                    .id(id)
+                    .global(true)
+                    .help_heading("Queue layout (list mode: the dead lists)"),
+            )
         });
         delay_worker::admin::DeadArgs::augment_args(cmd)
     }
