@@ -1,17 +1,27 @@
 //! Prometheus metrics and a health check, served over plain HTTP/1.1 (`--metrics-addr`).
 //!
 //! The exporter over the one set of counters ([`Stats`], `stats.rs`): [`Server`], one
-//! named thread in the daemon's scope with a blocking `TcpListener`. `GET /metrics`
-//! renders the counters, channel depth, database pool state and resident memory in the
-//! text exposition format; `GET /healthz` answers `200 ok` when the roles make progress
-//! (the watchdog's verdict, which includes a key of the wrong type reported by a role),
-//! Redis answers PING and PostgreSQL a `SELECT 1`, else `503` with the reason. One
-//! request at a time, `Connection: close`: a scraper every few seconds is the whole load.
+//! named thread in the daemon's scope. `GET /metrics` renders the counters, channel depth,
+//! database pool state and resident memory in the text exposition format; `GET /healthz`
+//! answers `200 ok` when the roles make progress (the watchdog's verdict, which includes a
+//! key of the wrong type reported by a role), Redis answers PING and PostgreSQL a
+//! `SELECT 1`, else `503` with the reason. Routing is by method and path
+//! ([`Server::route`]) on a parsed [`Request`]: the head parsed by `httparse`, a body of at
+//! most [`MAX_BODY`] bytes read by its `Content-Length`. `Connection: close` always.
 //!
-//! **How it stops.** The listener is non-blocking; when no connection is waiting the
-//! thread sleeps in `Shutdown::wait` for [`ACCEPT_POLL`], which returns at once on
-//! shutdown. So the thread notices shutdown immediately and costs ~20 wake-ups a second
-//! when idle; a request waits at most that long to be accepted.
+//! **Slow clients cannot starve it.** The thread blocks in `accept` and hands each
+//! connection to a thread of its own, at most [`MAX_CONNECTIONS`] at once. A connection
+//! must deliver its whole request within [`REQUEST_DEADLINE`] (a head of at most
+//! [`MAX_HEAD`] bytes) and take its answer within [`WRITE_TIMEOUT`], else it is closed
+//! (with `408` if it sent part of a request). When every slot is taken, the connection that
+//! has been sending its request longest is closed to make room, so a new request never
+//! waits behind clients that connect and stall, however many there are. Only when every
+//! slot is busy answering (answers take milliseconds, a health check at most
+//! [`HEALTH_TIMEOUT`]) does a new connection get `503` at once. Nothing is queued.
+//!
+//! **How it stops.** On shutdown a helper thread of the server closes the connections
+//! still open and wakes the blocked `accept` by connecting to the listener itself; the
+//! connection threads end with the server's thread scope.
 
 use crate::config::Config;
 use crate::db;
@@ -19,18 +29,29 @@ use crate::shutdown::Shutdown;
 use crate::stats::{sample, Stats};
 use crate::store;
 use std::io::{ErrorKind, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::AtomicBool;
+use std::net::Shutdown as Close;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
-/// Sleep between two looks at an idle listener (woken at once by shutdown).
-pub const ACCEPT_POLL: Duration = Duration::from_millis(50);
-/// A client gets this long to send its request and read the answer.
-const CLIENT_TIMEOUT: Duration = Duration::from_secs(2);
-/// Longest request head read; anything longer is not a scraper.
-const MAX_REQUEST: usize = 8 * 1024;
+/// Connections served at once, one thread each.
+pub const MAX_CONNECTIONS: usize = 16;
+/// A client must have sent its whole request (head and body) within this of connecting.
+pub const REQUEST_DEADLINE: Duration = Duration::from_secs(1);
+/// A client that does not take its answer within this is dropped.
+pub const WRITE_TIMEOUT: Duration = Duration::from_secs(1);
+/// Longest request head (request line and headers): `431` beyond.
+pub const MAX_HEAD: usize = 8 * 1024;
+/// Longest request body: `413` beyond.
+pub const MAX_BODY: usize = 64 * 1024;
+/// Most request headers: `431` beyond.
+const MAX_HEADERS: usize = 32;
+/// Stack of a connection thread: rendering the exposition needs little.
+const CONNECTION_STACK: usize = 256 * 1024;
+/// How long the accepting thread waits for a connection it closed to free its slot.
+const EVICT_WAIT: Duration = Duration::from_millis(200);
 /// `/healthz` answers 503 when the servers have not answered within this.
 pub const HEALTH_TIMEOUT: Duration = Duration::from_secs(3);
 /// Connect and I/O timeout of each server the health check asks.
@@ -65,19 +86,85 @@ pub struct Sources<'a> {
     pub capacity: usize,
 }
 
+/// One request as read from a client.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Request {
+    pub method: String,
+    /// The path, without its query string.
+    pub path: String,
+    /// What followed `?`, as sent.
+    pub query: String,
+    /// The `Content-Type` header, if any.
+    pub content_type: Option<String>,
+    /// The body (`Content-Length` bytes, at most [`MAX_BODY`]).
+    pub body: Vec<u8>,
+}
+
+/// One answer; always sent with `Connection: close`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Response {
+    pub status: u16,
+    pub content_type: &'static str,
+    pub body: String,
+    /// The `Allow` header of a `405`.
+    pub allow: Option<&'static str>,
+}
+
+impl Response {
+    pub fn text(status: u16, body: impl Into<String>) -> Response {
+        Response {
+            status,
+            content_type: "text/plain; charset=utf-8",
+            body: body.into(),
+            allow: None,
+        }
+    }
+
+    fn write_to(&self, w: &mut impl Write, head_only: bool) -> std::io::Result<()> {
+        let reason = match self.status {
+            200 => "OK",
+            400 => "Bad Request",
+            404 => "Not Found",
+            405 => "Method Not Allowed",
+            408 => "Request Timeout",
+            413 => "Content Too Large",
+            431 => "Request Header Fields Too Large",
+            501 => "Not Implemented",
+            503 => "Service Unavailable",
+            _ => "",
+        };
+        let mut out = format!(
+            "HTTP/1.1 {} {reason}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\n",
+            self.status,
+            self.content_type,
+            self.body.len()
+        );
+        if let Some(allow) = self.allow {
+            out.push_str(&format!("Allow: {allow}\r\n"));
+        }
+        out.push_str("\r\n");
+        if !head_only {
+            out.push_str(&self.body);
+        }
+        w.write_all(out.as_bytes())?;
+        w.flush()
+    }
+}
+
 /// The HTTP endpoint; [`Server::run`] is the thread body.
 pub struct Server<'a> {
     listener: TcpListener,
     src: Sources<'a>,
     probe: Probe,
+    slots: Slots,
 }
 
 impl<'a> Server<'a> {
-    /// Binds now, so a port in use stops the start with one readable line.
+    /// Binds now, so a port in use stops the start with one readable line. Warns when the
+    /// address is not a loopback one: the endpoint has no authentication.
     pub fn bind(addr: SocketAddr, src: Sources<'a>) -> Result<Server<'a>, MetricsError> {
         let err = |source| MetricsError { addr, source };
         let listener = TcpListener::bind(addr).map_err(err)?;
-        listener.set_nonblocking(true).map_err(err)?;
         // The daemon checked this URL at start; a parse error here is not expected.
         let mut pg = db::Target::parse(&src.config.database_url)
             .map_err(|e| err(std::io::Error::other(e.to_string())))?;
@@ -87,13 +174,22 @@ impl<'a> Server<'a> {
             "-c statement_timeout={}",
             PROBE_IO_TIMEOUT.as_millis()
         ));
+        if !addr.ip().to_canonical().is_loopback() {
+            log::warn!(
+                "metrics: --metrics-addr {addr} is not a loopback address, and /metrics and \
+                 /healthz have no authentication: anyone who can reach this port can read the \
+                 metrics and run the health check; bind 127.0.0.1, or a private interface \
+                 behind a firewall"
+            );
+        }
         Ok(Server {
             listener,
             probe: Probe {
                 redis: src.redis.clone(),
                 pg,
-                busy: Arc::new(AtomicBool::new(false)),
+                shared: Arc::default(),
             },
+            slots: Slots::default(),
             src,
         })
     }
@@ -108,82 +204,137 @@ impl<'a> Server<'a> {
         if let Ok(a) = self.local_addr() {
             log::info!("metrics: serving http://{a}/metrics and /healthz");
         }
+        let stopped = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            let waker = std::thread::Builder::new()
+                .name("metrics-stop".into())
+                .spawn_scoped(s, || {
+                    // Disconnected (an error) exactly when shutdown is triggered.
+                    let _ = shutdown.receiver().recv();
+                    self.slots.close_all();
+                    self.wake_accept(&stopped);
+                });
+            if let Err(e) = waker {
+                // Without it a blocked accept could not be woken at shutdown.
+                log::error!("metrics: cannot start its stop thread, not serving: {e}");
+                return;
+            }
+            self.accept_loop(s, shutdown);
+            stopped.store(true, Relaxed);
+        });
+        log::debug!("metrics: stopped");
+    }
+
+    fn accept_loop<'s>(&'s self, s: &'s std::thread::Scope<'s, '_>, shutdown: &Shutdown) {
         while !shutdown.is_set() {
-            match self.listener.accept() {
-                Ok((stream, _)) => self.serve(stream),
-                Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                    shutdown.wait(ACCEPT_POLL);
+            let stream = match self.listener.accept() {
+                Ok((stream, _)) => stream,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        ErrorKind::Interrupted
+                            | ErrorKind::ConnectionAborted
+                            | ErrorKind::ConnectionReset
+                    ) =>
+                {
+                    continue
                 }
-                Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(e) => {
                     // Out of file descriptors and the like: say so, and do not spin.
                     log::warn!("metrics: accept failed: {e}");
                     shutdown.wait(Duration::from_secs(1));
+                    continue;
                 }
+            };
+            if shutdown.is_set() {
+                break;
+            }
+            let Some(id) = self.slots.admit(&stream) else {
+                log::debug!("metrics: every connection slot is answering; 503");
+                refuse(stream);
+                continue;
+            };
+            let spawned = std::thread::Builder::new()
+                .name("metrics-conn".into())
+                .stack_size(CONNECTION_STACK)
+                .spawn_scoped(s, move || {
+                    let _leave = Leave(&self.slots, id);
+                    self.serve(stream, id);
+                });
+            if let Err(e) = spawned {
+                // The closure, and the connection with it, is dropped: closed.
+                self.slots.leave(id);
+                log::warn!("metrics: cannot start a connection thread: {e}");
             }
         }
-        log::debug!("metrics: stopped");
+    }
+
+    /// Connects to the listener until the accepting thread has noticed the shutdown.
+    fn wake_accept(&self, stopped: &AtomicBool) {
+        let Ok(mut addr) = self.local_addr() else {
+            return;
+        };
+        match addr.ip() {
+            IpAddr::V4(ip) if ip.is_unspecified() => addr.set_ip(Ipv4Addr::LOCALHOST.into()),
+            IpAddr::V6(ip) if ip.is_unspecified() => addr.set_ip(Ipv6Addr::LOCALHOST.into()),
+            _ => {}
+        }
+        let mut warned = false;
+        while !stopped.load(Relaxed) {
+            if let Err(e) = TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
+                if !warned {
+                    log::warn!("metrics: cannot reach {addr} to stop the listener: {e}; retrying");
+                    warned = true;
+                }
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// One request, one answer, close. Errors writing mean the client went away: there
     /// is nobody left to tell, so they are dropped.
-    fn serve(&self, mut stream: TcpStream) {
-        let _ = stream.set_nonblocking(false);
-        let _ = stream.set_read_timeout(Some(CLIENT_TIMEOUT));
-        let _ = stream.set_write_timeout(Some(CLIENT_TIMEOUT));
-        let (status, content_type, body, head_only) = match read_request(&mut stream) {
-            Ok((method, path)) => {
-                let head_only = method == "HEAD";
-                let (s, t, b) = if method != "GET" && !head_only {
-                    (405, "text/plain", "only GET and HEAD\n".to_string())
-                } else {
-                    self.route(&path)
-                };
-                (s, t, b, head_only)
+    fn serve(&self, mut stream: TcpStream, id: u64) {
+        let _ = stream.set_nodelay(true);
+        let _ = stream.set_write_timeout(Some(WRITE_TIMEOUT));
+        let deadline = Instant::now() + REQUEST_DEADLINE;
+        let (response, head_only) = match read_request(&mut stream, deadline) {
+            Ok(req) => {
+                if !self.slots.answering(id) {
+                    return; // closed to make room for a newer connection
+                }
+                (self.route(&req), req.method == "HEAD")
             }
-            Err(why) => (400, "text/plain", format!("{why}\n"), false),
+            Err(Some(r)) => (r, false),
+            Err(None) => return,
         };
-        let reason = match status {
-            200 => "OK",
-            400 => "Bad Request",
-            404 => "Not Found",
-            405 => "Method Not Allowed",
-            _ => "Service Unavailable",
-        };
-        let mut response = format!(
-            "HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-            body.len()
-        );
-        if !head_only {
-            response.push_str(&body);
-        }
-        let _ = stream.write_all(response.as_bytes());
-        let _ = stream.flush();
+        let _ = response.write_to(&mut stream, head_only);
+        let _ = stream.shutdown(Close::Write);
     }
 
-    fn route(&self, path: &str) -> (u16, &'static str, String) {
-        match path {
-            "/metrics" => (
-                200,
-                "text/plain; version=0.0.4; charset=utf-8",
-                self.render(),
-            ),
+    /// The answer to one request, by method and path.
+    pub fn route(&self, req: &Request) -> Response {
+        let read_only = matches!(req.method.as_str(), "GET" | "HEAD");
+        match req.path.as_str() {
+            "/metrics" | "/healthz" if !read_only => Response {
+                allow: Some("GET, HEAD"),
+                ..Response::text(405, format!("{} takes GET or HEAD\n", req.path))
+            },
+            "/metrics" => Response {
+                content_type: "text/plain; version=0.0.4; charset=utf-8",
+                ..Response::text(200, self.render())
+            },
             "/healthz" => {
                 match crate::notify::live(self.src.stats, self.src.config, crate::now_ms())
                     .and_then(|()| self.probe.check())
                 {
-                    Ok(()) => (200, "text/plain", "ok\n".to_string()),
+                    Ok(()) => Response::text(200, "ok\n"),
                     Err(why) => {
                         log::debug!("healthz: {why}");
-                        (503, "text/plain", format!("{why}\n"))
+                        Response::text(503, format!("{why}\n"))
                     }
                 }
             }
-            _ => (
-                404,
-                "text/plain",
-                "not found: try /metrics or /healthz\n".to_string(),
-            ),
+            _ => Response::text(404, "not found: try /metrics or /healthz\n"),
         }
     }
 
@@ -230,28 +381,238 @@ impl<'a> Server<'a> {
     }
 }
 
-/// Reads the request head; returns the method and the path without its query string.
-fn read_request(stream: &mut TcpStream) -> Result<(String, String), String> {
-    let mut buf = Vec::with_capacity(1024);
-    let mut chunk = [0u8; 1024];
-    while !buf.windows(4).any(|w| w == b"\r\n\r\n") && !buf.windows(2).any(|w| w == b"\n\n") {
-        if buf.len() >= MAX_REQUEST {
-            return Err("request head too large".into());
+/// The open connections: at most [`MAX_CONNECTIONS`], each with a handle to close it.
+#[derive(Default)]
+struct Slots {
+    open: Mutex<Vec<Open>>,
+    /// Signalled whenever a connection leaves.
+    freed: Condvar,
+    next_id: AtomicU64,
+}
+
+struct Open {
+    id: u64,
+    /// A second handle on the connection's socket, to close it from another thread.
+    handle: TcpStream,
+    since: Instant,
+    state: ConnState,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum ConnState {
+    /// Still receiving its request: may be closed to make room.
+    Reading,
+    Answering,
+    /// Closed from outside; its thread is on its way out.
+    Closed,
+}
+
+/// Leaves the slot when the connection thread ends, however it ends.
+struct Leave<'a>(&'a Slots, u64);
+
+impl Drop for Leave<'_> {
+    fn drop(&mut self) {
+        self.0.leave(self.1);
+    }
+}
+
+impl Slots {
+    fn lock(&self) -> MutexGuard<'_, Vec<Open>> {
+        self.open.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A slot for `stream`, closing the connection that has been reading its request the
+    /// longest when none is free; `None` when every slot is answering.
+    fn admit(&self, stream: &TcpStream) -> Option<u64> {
+        let handle = stream.try_clone().ok()?;
+        let mut open = self.lock();
+        if open.len() >= MAX_CONNECTIONS {
+            let victim = open
+                .iter_mut()
+                .filter(|o| o.state == ConnState::Reading)
+                .min_by_key(|o| o.since)?;
+            victim.state = ConnState::Closed;
+            // Its blocked read returns at once, and its thread leaves.
+            let _ = victim.handle.shutdown(Close::Both);
+            log::debug!("metrics: closed a connection that sent no request yet, to make room");
+            open = match self
+                .freed
+                .wait_timeout_while(open, EVICT_WAIT, |o| o.len() >= MAX_CONNECTIONS)
+            {
+                Ok((g, _)) => g,
+                Err(p) => p.into_inner().0,
+            };
+            if open.len() >= MAX_CONNECTIONS {
+                return None;
+            }
         }
-        match stream.read(&mut chunk) {
-            Ok(0) => break,
-            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-            Err(e) => return Err(format!("cannot read the request: {e}")),
+        let id = self.next_id.fetch_add(1, Relaxed);
+        open.push(Open {
+            id,
+            handle,
+            since: Instant::now(),
+            state: ConnState::Reading,
+        });
+        Some(id)
+    }
+
+    /// The connection has its request: from now on it is not closed to make room.
+    /// `false` if it was closed already.
+    fn answering(&self, id: u64) -> bool {
+        let mut open = self.lock();
+        match open.iter_mut().find(|o| o.id == id) {
+            Some(o) if o.state == ConnState::Reading => {
+                o.state = ConnState::Answering;
+                true
+            }
+            _ => false,
         }
     }
-    let head = String::from_utf8_lossy(&buf);
-    let mut parts = head.lines().next().unwrap_or("").split_whitespace();
-    match (parts.next(), parts.next()) {
-        (Some(method), Some(target)) => {
-            let path = target.split('?').next().unwrap_or(target);
-            Ok((method.to_string(), path.to_string()))
+
+    fn leave(&self, id: u64) {
+        self.lock().retain(|o| o.id != id);
+        self.freed.notify_all();
+    }
+
+    /// At shutdown: every open connection's blocked read or write returns at once.
+    fn close_all(&self) {
+        for o in self.lock().iter_mut() {
+            o.state = ConnState::Closed;
+            let _ = o.handle.shutdown(Close::Both);
         }
-        _ => Err("not an HTTP request".into()),
+    }
+}
+
+/// `503` at once for a connection no slot can take. Never blocks: whatever the client
+/// sent already is read first (closing a socket with unread data resets it, and the
+/// answer with it), the answer goes into the socket's buffer, and the connection closes.
+fn refuse(mut stream: TcpStream) {
+    let _ = stream.set_nonblocking(true);
+    let _ = stream.read(&mut [0u8; 4096]);
+    let _ = Response::text(503, "busy: every connection is being answered; try again\n")
+        .write_to(&mut stream, false);
+    let _ = stream.shutdown(Close::Write);
+}
+
+/// Reads one request by `deadline`. `Err(Some(answer))` for a request that is malformed,
+/// too large or incomplete at the deadline; `Err(None)` when there is nobody to answer (the
+/// client sent nothing, or closed, or the connection was closed from outside).
+fn read_request(stream: &mut TcpStream, deadline: Instant) -> Result<Request, Option<Response>> {
+    let mut buf = Vec::with_capacity(1024);
+    let mut chunk = [0u8; 4096];
+    loop {
+        let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+        let mut head = httparse::Request::new(&mut headers);
+        match head.parse(&buf) {
+            Ok(httparse::Status::Complete(len)) if len <= MAX_HEAD => {
+                let request = parse_head(&head)?;
+                let body_len = content_length(&head)?;
+                let mut body = buf.split_off(len);
+                while body.len() < body_len {
+                    let n = read_some(stream, &mut chunk, deadline, true)?;
+                    body.extend_from_slice(&chunk[..n]);
+                }
+                body.truncate(body_len);
+                return Ok(Request { body, ..request });
+            }
+            Ok(httparse::Status::Partial) if buf.len() < MAX_HEAD => {}
+            Ok(_) | Err(httparse::Error::TooManyHeaders) => {
+                return Err(Some(Response::text(
+                    431,
+                    format!("request head over {MAX_HEAD} bytes or {MAX_HEADERS} headers\n"),
+                )))
+            }
+            Err(e) => {
+                return Err(Some(Response::text(
+                    400,
+                    format!("not an HTTP request: {e}\n"),
+                )))
+            }
+        }
+        let n = read_some(stream, &mut chunk, deadline, !buf.is_empty())?;
+        buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+/// Method, path, query and content type of a complete head.
+fn parse_head(head: &httparse::Request) -> Result<Request, Option<Response>> {
+    let (Some(method), Some(target)) = (head.method, head.path) else {
+        return Err(Some(Response::text(400, "not an HTTP request\n")));
+    };
+    let (path, query) = target.split_once('?').unwrap_or((target, ""));
+    let content_type = head
+        .headers
+        .iter()
+        .find(|h| h.name.eq_ignore_ascii_case("content-type"))
+        .map(|h| String::from_utf8_lossy(h.value).into_owned());
+    Ok(Request {
+        method: method.to_string(),
+        path: path.to_string(),
+        query: query.to_string(),
+        content_type,
+        body: Vec::new(),
+    })
+}
+
+/// The body's length from `Content-Length` (0 without one); chunked bodies are refused.
+fn content_length(head: &httparse::Request) -> Result<usize, Option<Response>> {
+    let header = |name: &str| {
+        head.headers
+            .iter()
+            .find(|h| h.name.eq_ignore_ascii_case(name))
+            .map(|h| String::from_utf8_lossy(h.value).trim().to_string())
+    };
+    if header("transfer-encoding").is_some() {
+        return Err(Some(Response::text(
+            501,
+            "request bodies must come with Content-Length\n",
+        )));
+    }
+    match header("content-length").map(|v| v.parse::<usize>()) {
+        None => Ok(0),
+        Some(Ok(n)) if n <= MAX_BODY => Ok(n),
+        Some(Ok(n)) => Err(Some(Response::text(
+            413,
+            format!("request body of {n} bytes, limit {MAX_BODY}\n"),
+        ))),
+        Some(Err(_)) => Err(Some(Response::text(400, "bad Content-Length\n"))),
+    }
+}
+
+/// One read, given the time left until `deadline`. `started`: the client has sent part of
+/// a request, so running out of time is a `408`; otherwise the connection just closes.
+fn read_some(
+    stream: &mut TcpStream,
+    chunk: &mut [u8],
+    deadline: Instant,
+    started: bool,
+) -> Result<usize, Option<Response>> {
+    let late = || {
+        started.then(|| {
+            Response::text(
+                408,
+                format!(
+                    "the request did not arrive within {}s\n",
+                    REQUEST_DEADLINE.as_secs_f64()
+                ),
+            )
+        })
+    };
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(late());
+        }
+        let _ = stream.set_read_timeout(Some(left));
+        match stream.read(chunk) {
+            Ok(0) => return Err(None),
+            Ok(n) => return Ok(n),
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                return Err(late())
+            }
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(_) => return Err(None),
+        }
     }
 }
 
@@ -260,39 +621,71 @@ fn read_request(stream: &mut TcpStream) -> Result<(String, String), String> {
 /// `Sources::pool`) that answers `SELECT 1`. A fresh connection also gives the server's
 /// own reason when it refuses, where a pool would only time out.
 ///
-/// It runs on a short-lived thread of its own: a server that
-/// accepts connections but never answers (stopped, or a network black hole) must cost a
-/// 503 after [`HEALTH_TIMEOUT`], not a metrics thread stuck in a read, which would also
-/// hold up the daemon's exit. That thread is not joined for the same reason; it ends by
-/// itself when its socket times out or errors, and only one runs at a time.
+/// It runs on a short-lived thread of its own: a server that accepts connections but
+/// never answers (stopped, or a network black hole) must cost a 503 after
+/// [`HEALTH_TIMEOUT`], not a connection thread stuck in a read. That thread is not joined
+/// for the same reason; it ends by itself when its socket times out or errors. One check
+/// runs at a time: a request that comes while one runs waits for that one's result
+/// (so two probes at the same moment both get the answer, and a hung server costs one
+/// thread, not one per request).
 struct Probe {
     redis: redis::Client,
     pg: db::Target,
-    /// Set while a check runs; cleared by the check's thread when it ends.
-    busy: Arc<AtomicBool>,
+    shared: Arc<ProbeShared>,
+}
+
+#[derive(Default)]
+struct ProbeShared {
+    state: Mutex<ProbeState>,
+    /// Signalled when a check ends.
+    done: Condvar,
+}
+
+#[derive(Default)]
+struct ProbeState {
+    /// The number of the check that is running, if one is.
+    running: Option<u64>,
+    /// The number of the last check started.
+    started: u64,
+    /// The last check that ended: its number and result.
+    last: Option<(u64, Result<(), String>)>,
 }
 
 impl Probe {
     fn check(&self) -> Result<(), String> {
-        if self.busy.swap(true, Relaxed) {
-            return Err("the previous health check is still waiting for a server".into());
-        }
-        let (tx, rx) = crossbeam_channel::bounded(1);
-        let (redis, pg, busy) = (self.redis.clone(), self.pg.clone(), self.busy.clone());
-        let spawned = std::thread::Builder::new()
-            .name("healthz".into())
-            .spawn(move || {
-                // The receiver is gone when the answer came too late: nothing to do.
-                let _ = tx.send(probe(&redis, &pg));
-                busy.store(false, Relaxed);
-            });
-        if let Err(e) = spawned {
-            self.busy.store(false, Relaxed);
-            return Err(format!("cannot start the health check: {e}"));
-        }
-        match rx.recv_timeout(HEALTH_TIMEOUT) {
-            Ok(r) => r,
-            Err(_) => Err(format!(
+        let shared = &self.shared;
+        let mut st = shared.state.lock().unwrap_or_else(|p| p.into_inner());
+        let number = match st.running {
+            Some(n) => n,
+            None => {
+                st.started += 1;
+                let n = st.started;
+                let (redis, pg, sh) = (self.redis.clone(), self.pg.clone(), shared.clone());
+                std::thread::Builder::new()
+                    .name("healthz".into())
+                    .spawn(move || {
+                        let r = probe(&redis, &pg);
+                        let mut st = sh.state.lock().unwrap_or_else(|p| p.into_inner());
+                        st.running = None;
+                        st.last = Some((n, r));
+                        sh.done.notify_all();
+                    })
+                    .map_err(|e| format!("cannot start the health check: {e}"))?;
+                st.running = Some(n);
+                n
+            }
+        };
+        let ended = |st: &ProbeState| matches!(&st.last, Some((n, _)) if *n == number);
+        let st = match shared
+            .done
+            .wait_timeout_while(st, HEALTH_TIMEOUT, |st| !ended(st))
+        {
+            Ok((g, _)) => g,
+            Err(p) => p.into_inner().0,
+        };
+        match &st.last {
+            Some((n, r)) if *n == number => r.clone(),
+            _ => Err(format!(
                 "no answer from Redis or PostgreSQL within {}s",
                 HEALTH_TIMEOUT.as_secs()
             )),

@@ -42,6 +42,18 @@ pub struct Thresholds {
     /// New dead letters above this: critical [default: never].
     #[arg(long)]
     pub dead_crit: Option<u64>,
+    /// List mode: messages waiting in a queue above this: warning.
+    #[arg(long, default_value_t = 10_000)]
+    pub queue_length_warn: u64,
+    /// List mode: messages waiting in a queue above this: critical.
+    #[arg(long, default_value_t = 100_000)]
+    pub queue_length_crit: u64,
+    /// List mode: a queue's oldest waiting message older than this: warning.
+    #[arg(long, default_value = "1m", value_parser = super::parse_duration)]
+    pub queue_oldest_warn: Duration,
+    /// List mode: a queue's oldest waiting message older than this: critical.
+    #[arg(long, default_value = "10m", value_parser = super::parse_duration)]
+    pub queue_oldest_crit: Duration,
 }
 
 impl Default for Thresholds {
@@ -130,16 +142,107 @@ fn num(v: f64) -> String {
     }
 }
 
-/// Holds the report against the thresholds.
+/// A perfdata label from a queue name: `=` and `'` cannot be in one, and one with
+/// spaces is quoted.
+fn label(name: &str, figure: &str) -> String {
+    let l = format!("{name}_{figure}").replace(['=', '\''], "_");
+    if l.contains(char::is_whitespace) {
+        format!("'{l}'")
+    } else {
+        l
+    }
+}
+
+/// Holds the report against the thresholds. In list mode (the report has queues) the
+/// queues take the place of the stream: each queue's length and oldest waiting message,
+/// and the new letters of their dead lists; the mover lag counts in both modes.
 pub fn evaluate(r: &StatsReport, t: &Thresholds) -> Verdict {
     let secs = |d: Duration| d.as_secs_f64();
-    let oldest_ms = r.group.oldest_pending_age_ms.unwrap_or(0);
     let lag = r.pool.mover_lag_ms as f64 / 1000.0;
     let orphan = if r.pool.oldest_due_has_data == Some(false) && r.pool.mover_lag_ms > 0 {
         " [oldest due member has no data]"
     } else {
         ""
     };
+    let mover_lag = figure(
+        "mover lag",
+        format!("{lag:.1}s{orphan}"),
+        lag,
+        secs(t.mover_lag_warn),
+        Some(secs(t.mover_lag_crit)),
+        format!(
+            "mover_lag={lag:.3}s;{};{}",
+            num(secs(t.mover_lag_warn)),
+            num(secs(t.mover_lag_crit))
+        ),
+    );
+    let dead = |new: u64| {
+        figure(
+            "dead",
+            format!("{new} new"),
+            new as f64,
+            t.dead_warn as f64,
+            t.dead_crit.map(|c| c as f64),
+            format!(
+                "dead_new={new};{};{}",
+                t.dead_warn,
+                t.dead_crit.map_or(String::new(), |c| c.to_string())
+            ),
+        )
+    };
+    if !r.queues.is_empty() {
+        let mut figures = Vec::new();
+        for q in &r.queues {
+            figures.push(figure(
+                &format!("queue {}", q.name),
+                format!("{} waiting", q.length),
+                q.length as f64,
+                t.queue_length_warn as f64,
+                Some(t.queue_length_crit as f64),
+                format!(
+                    "{}={};{};{}",
+                    label(&q.name, "length"),
+                    q.length,
+                    t.queue_length_warn,
+                    t.queue_length_crit
+                ),
+            ));
+            let levels = format!(
+                "{};{}",
+                num(secs(t.queue_oldest_warn)),
+                num(secs(t.queue_oldest_crit))
+            );
+            figures.push(match (q.oldest_age_ms, q.oldest_unknown) {
+                // Not guessed: said, and no level.
+                (None, Some(why)) => Figure {
+                    status: Status::Ok,
+                    text: format!("oldest unknown ({why})"),
+                    perf: format!("{}=U;{levels}", label(&q.name, "oldest")),
+                },
+                (age, _) => {
+                    let ms = age.unwrap_or(0);
+                    figure(
+                        "oldest",
+                        super::fmt_age(ms),
+                        ms as f64 / 1000.0,
+                        secs(t.queue_oldest_warn),
+                        Some(secs(t.queue_oldest_crit)),
+                        format!("{}={}s;{levels}", label(&q.name, "oldest"), ms / 1000),
+                    )
+                }
+            });
+        }
+        figures.push(mover_lag);
+        figures.push(dead(r.queues.iter().map(|q| q.dead_new).sum()));
+        let extra = format!(
+            "pool={} due={} dead={}",
+            r.pool.size,
+            r.pool.due,
+            r.queues.iter().map(|q| q.dead).sum::<u64>()
+        );
+        return verdict(&figures, &extra);
+    }
+    let oldest_ms = r.group.oldest_pending_age_ms.unwrap_or(0);
     let figures = [
         figure(
             "pending",
@@ -165,35 +268,9 @@ pub fn evaluate(r: &StatsReport, t: &Thresholds) -> Verdict {
                 num(secs(t.oldest_crit))
             ),
         ),
-        figure(
-            "mover lag",
-            format!("{lag:.1}s{orphan}"),
-            lag,
-            secs(t.mover_lag_warn),
-            Some(secs(t.mover_lag_crit)),
-            format!(
-                "mover_lag={lag:.3}s;{};{}",
-                num(secs(t.mover_lag_warn)),
-                num(secs(t.mover_lag_crit))
-            ),
-        ),
-        figure(
-            "dead",
-            format!("{} new", r.dead.new),
-            r.dead.new as f64,
-            t.dead_warn as f64,
-            t.dead_crit.map(|c| c as f64),
-            format!(
-                "dead_new={};{};{}",
-                r.dead.new,
-                t.dead_warn,
-                t.dead_crit.map_or(String::new(), |c| c.to_string())
-            ),
-        ),
+        mover_lag,
+        dead(r.dead.new),
     ];
-    let status = figures.iter().map(|f| f.status).max().unwrap_or(Status::Ok);
-    let text: Vec<&str> = figures.iter().map(|f| f.text.as_str()).collect();
-    let mut perf: Vec<&str> = figures.iter().map(|f| f.perf.as_str()).collect();
     // Figures without a threshold, for the graphs.
     let extra = format!(
         "pool={} due={} stream_lag={} dead={}",
@@ -202,7 +279,16 @@ pub fn evaluate(r: &StatsReport, t: &Thresholds) -> Verdict {
         r.group.lag.unwrap_or(0),
         r.dead.length
     );
-    perf.push(&extra);
+    verdict(&figures, &extra)
+}
+
+/// The worst figure's status, and the line: every figure's text, then the perfdata with
+/// `extra` (figures without a threshold) at the end.
+fn verdict(figures: &[Figure], extra: &str) -> Verdict {
+    let status = figures.iter().map(|f| f.status).max().unwrap_or(Status::Ok);
+    let text: Vec<&str> = figures.iter().map(|f| f.text.as_str()).collect();
+    let mut perf: Vec<&str> = figures.iter().map(|f| f.perf.as_str()).collect();
+    perf.push(extra);
     Verdict {
         status,
         line: format!(
@@ -290,7 +376,9 @@ pub(super) fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::admin::stats::{DeadFigures, GroupFigures, PoolFigures, StreamFigures};
+    use crate::admin::stats::{
+        DeadFigures, GroupFigures, PoolFigures, QueueFigures, StreamFigures,
+    };
 
     fn report(pending: u64, oldest_ms: i64, lag_ms: i64, dead_new: u64) -> StatsReport {
         StatsReport {
@@ -365,5 +453,61 @@ mod tests {
             ..Thresholds::default()
         };
         assert_eq!(evaluate(&report(0, 0, 0, 6), &t).status, Status::Critical);
+    }
+
+    fn queue(name: &str, length: u64, oldest_ms: Option<i64>, dead_new: u64) -> QueueFigures {
+        QueueFigures {
+            name: name.into(),
+            length,
+            processing: vec![],
+            dead: dead_new,
+            dead_new,
+            oldest_age_ms: oldest_ms,
+            oldest_unknown: oldest_ms.is_none().then_some("raw message"),
+        }
+    }
+
+    #[test]
+    fn in_list_mode_the_queues_are_held_against_their_levels() {
+        let t = Thresholds::default();
+        let mut r = report(5000, 7_200_000, 0, 9);
+        r.queues = vec![queue("high", 3, Some(2_000), 0), queue("pay q", 1, None, 0)];
+        let v = evaluate(&r, &t);
+        assert_eq!(
+            v.status,
+            Status::Ok,
+            "stream figures do not count in list mode"
+        );
+        assert_eq!(
+            v.line,
+            "OK - queue high 3 waiting, oldest 2s, queue pay q 1 waiting, oldest unknown (raw message), \
+             mover lag 0.0s, dead 0 new | high_length=3;10000;100000 high_oldest=2s;60;600 \
+             'pay q_length'=1;10000;100000 'pay q_oldest'=U;60;600 mover_lag=0.000s;1;5 \
+             dead_new=0;0; pool=0 due=0 dead=0"
+        );
+        r.queues = vec![queue("high", 10_001, Some(2_000), 0)];
+        assert_eq!(evaluate(&r, &t).status, Status::Warning);
+        r.queues = vec![queue("high", 100_001, Some(2_000), 0)];
+        assert_eq!(evaluate(&r, &t).status, Status::Critical);
+        r.queues = vec![queue("high", 1, Some(61_000), 0)];
+        assert_eq!(evaluate(&r, &t).status, Status::Warning);
+        r.queues = vec![queue("high", 1, Some(601_000), 0)];
+        let v = evaluate(&r, &t);
+        assert_eq!(v.status, Status::Critical);
+        assert!(v.line.contains("oldest 10m01s (crit > 600)"), "{}", v.line);
+        r.queues = vec![queue("a", 0, None, 1), queue("b", 0, None, 1)];
+        let v = evaluate(
+            &r,
+            &Thresholds {
+                dead_crit: Some(1),
+                ..t
+            },
+        );
+        assert_eq!(
+            v.status,
+            Status::Critical,
+            "the dead lists add up: {}",
+            v.line
+        );
     }
 }

@@ -9,6 +9,9 @@
 //! every other field kept, in one Lua call per batch that also deletes the dead letter
 //! (`lua/requeue.lua`); the script re-reads each letter by id, so two operators requeueing
 //! the same letters put each back once.
+//!
+//! In list mode (`--source list --queues ...`) the same commands work on the queues' dead
+//! lists instead: see [`list`].
 
 use super::{fmt_age, fmt_time, is_stream_id, write_json};
 use crate::config::Config;
@@ -23,6 +26,8 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::process::ExitCode;
 use std::time::Duration;
+
+pub mod list;
 
 /// Dead letters per XRANGE page and per requeue script call: small enough that one call
 /// holds Redis for well under a millisecond per letter.
@@ -370,6 +375,59 @@ pub struct RequeueReport {
     pub key_scheduled: Vec<String>,
     /// Already gone when the script ran: requeued or purged by someone else.
     pub gone: Vec<String>,
+    /// Left in the dead letters because there is no whole message to requeue: (id, why).
+    /// List mode only: a letter that keeps only a prefix of an oversized message, none at
+    /// all, or an entry that is not a letter as the worker writes them.
+    pub cannot: Vec<(String, String)>,
+}
+
+impl RequeueReport {
+    fn add(&mut self, r: RequeueReport) {
+        self.requeued.extend(r.requeued);
+        self.as_is.extend(r.as_is);
+        self.key_scheduled.extend(r.key_scheduled);
+        self.gone.extend(r.gone);
+        self.cannot.extend(r.cannot);
+    }
+
+    /// What `worker dead requeue` prints; exit 1 when an id named was not found.
+    fn print(&self, missing: &[String], out: &mut dyn Write) -> anyhow::Result<ExitCode> {
+        writeln!(out, "requeued {}", self.requeued.len())?;
+        if !self.as_is.is_empty() {
+            writeln!(
+                out,
+                "{} of them not a JSON object, requeued as written: they will be dead-lettered again ({})",
+                self.as_is.len(),
+                self.as_is.join(", ")
+            )?;
+        }
+        if !self.key_scheduled.is_empty() {
+            writeln!(
+                out,
+                "left {} in the dead letters: their job key is scheduled again and the newer push wins ({})",
+                self.key_scheduled.len(),
+                self.key_scheduled.join(", ")
+            )?;
+        }
+        for (id, why) in &self.cannot {
+            writeln!(out, "left {id} in the dead letters: {why}")?;
+        }
+        if !self.gone.is_empty() {
+            writeln!(
+                out,
+                "skipped {} already requeued or purged by someone else",
+                self.gone.len()
+            )?;
+        }
+        for id in missing {
+            writeln!(out, "no dead letter {id}")?;
+        }
+        Ok(if missing.is_empty() {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        })
+    }
 }
 
 /// Requeues `letters`, due at `now_ms`, one script call per [`PAGE`].
@@ -423,6 +481,9 @@ pub(super) fn run(
     args: &DeadArgs,
     out: &mut dyn Write,
 ) -> anyhow::Result<ExitCode> {
+    if config.source == crate::config::Source::List {
+        return list::run(config, args, out);
+    }
     let mut con = super::connect(config)?;
     let keys = &config.keys;
     let now = crate::now_ms();
@@ -595,12 +656,6 @@ fn requeue_cmd(
     let limit = a.limit.unwrap_or(usize::MAX);
     let mut missing = Vec::new();
     let mut report = RequeueReport::default();
-    let mut add = |r: RequeueReport| {
-        report.requeued.extend(r.requeued);
-        report.as_is.extend(r.as_is);
-        report.key_scheduled.extend(r.key_scheduled);
-        report.gone.extend(r.gone);
-    };
     if a.ids.is_empty() {
         let mut scan = Scan::new(keys, &a.filter, now);
         let mut left = limit;
@@ -610,7 +665,7 @@ fn requeue_cmd(
             };
             page.truncate(left);
             left -= page.len();
-            add(requeue(con, keys, &page, now).context("cannot requeue")?);
+            report.add(requeue(con, keys, &page, now).context("cannot requeue")?);
         }
     } else {
         for id in &a.ids {
@@ -633,40 +688,9 @@ fn requeue_cmd(
             }
         }
         letters.truncate(limit);
-        add(requeue(con, keys, &letters, now).context("cannot requeue")?);
+        report.add(requeue(con, keys, &letters, now).context("cannot requeue")?);
     }
-    writeln!(out, "requeued {}", report.requeued.len())?;
-    if !report.as_is.is_empty() {
-        writeln!(
-            out,
-            "{} of them not a JSON object, requeued as written: they will be dead-lettered again ({})",
-            report.as_is.len(),
-            report.as_is.join(", ")
-        )?;
-    }
-    if !report.key_scheduled.is_empty() {
-        writeln!(
-            out,
-            "left {} in the dead letters: their job key is scheduled again and the newer push wins ({})",
-            report.key_scheduled.len(),
-            report.key_scheduled.join(", ")
-        )?;
-    }
-    if !report.gone.is_empty() {
-        writeln!(
-            out,
-            "skipped {} already requeued or purged by someone else",
-            report.gone.len()
-        )?;
-    }
-    for id in &missing {
-        writeln!(out, "no dead letter {id}")?;
-    }
-    Ok(if missing.is_empty() {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    })
+    report.print(&missing, out)
 }
 
 #[cfg(test)]

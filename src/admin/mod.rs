@@ -9,7 +9,8 @@
 //!
 //! - `stats.rs` — what the queue looks like right now, the table, `--watch`.
 //! - `check.rs` — thresholds and the one-line verdict of `--check`.
-//! - `dead.rs` — the dead-letter stream: filters, list, show, requeue, purge.
+//! - `dead.rs` — the dead-letter stream: filters, list, show, requeue, purge; `dead/list.rs`
+//!   the same on list mode's dead lists.
 
 pub mod check;
 pub mod dead;

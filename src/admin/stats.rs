@@ -64,9 +64,52 @@ pub struct QueueFigures {
     pub processing: Vec<(String, u64)>,
     /// The queue's dead list.
     pub dead: u64,
-    /// Age of the oldest waiting message, from its `ts` (unknown for raw messages).
+    /// Letters of the dead list that died within the dead window (their `ts`), counted
+    /// up to 10,000 letters looked at.
+    pub dead_new: u64,
+    /// How long the oldest waiting message has waited (see [`waiting_since_ms`]); `None`
+    /// when the queue is empty or its age cannot be known.
     pub oldest_age_ms: Option<i64>,
+    /// Why the oldest waiting message's age cannot be known, when it cannot.
+    pub oldest_unknown: Option<&'static str>,
 }
+
+/// When a waiting list message started to wait, unix ms: the time in the mover's stamp
+/// (`job_id`, when the mover pushed it; a message retried through the pool keeps its
+/// first stamp, so its age includes its retries), else its `ts` (when the producer wrote
+/// it). `Err(why)` when it has neither: a raw queue's messages are the producer's own
+/// JSON, and a `ts` in them is not ours to read.
+pub fn waiting_since_ms(msg: &[u8], raw: bool) -> Result<i64, &'static str> {
+    if raw {
+        return Err("raw message");
+    }
+    let stamped = crate::message::stamp_of(msg)
+        .and_then(|id| id.split('-').next()?.parse::<i64>().ok())
+        .filter(|us| *us > 0);
+    if let Some(us) = stamped {
+        return Ok(us / 1000);
+    }
+    let ts = serde_json::from_slice::<serde_json::Value>(msg)
+        .ok()
+        .and_then(|v| match v.get("ts")? {
+            serde_json::Value::Number(n) => n.as_f64(),
+            serde_json::Value::String(s) => s.trim().parse::<f64>().ok(),
+            _ => None,
+        })
+        .filter(|t| t.is_finite() && *t > 0.0 && *t < 9.0e12);
+    match ts {
+        Some(t) => Ok((t * 1000.0) as i64),
+        None => Err("no job_id or ts in it"),
+    }
+}
+
+/// Dead-list letters looked at, at most, to count the new ones: a check stays quick
+/// whatever the flood.
+pub const LIST_DEAD_NEW_CAP: u64 = 10_000;
+
+/// Letters slightly older than the window still do not end the count of new ones: the
+/// writers' clocks (each worker host's) differ a little.
+const LIST_DEAD_CLOCK_SLACK_S: i64 = 60;
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct StreamFigures {
@@ -147,6 +190,8 @@ const DEAD_NEW_CAP: u64 = 100_000;
 /// Counts stream entries from an id on, server side: a check must not download every
 /// dead letter just to count them.
 const COUNT_SINCE: &str = crate::store::dead::COUNT_SINCE_LUA;
+/// The same for a dead list, by the letters' `ts`.
+const COUNT_LIST_SINCE: &str = crate::store::dead::COUNT_LIST_SINCE_LUA;
 
 /// Reads every figure at `now_ms`: one pipelined round trip for the keys, a second one
 /// for the consumers' heartbeats and the oldest due member's data. A missing stream,
@@ -327,7 +372,7 @@ pub fn gather(
             .map(|t| (now_ms - t).max(0)),
     };
 
-    let queues = gather_queues(con, keys, now_ms)?;
+    let queues = gather_queues(con, keys, now_ms, window_ms)?;
     Ok(StatsReport {
         now_ms,
         stream,
@@ -344,6 +389,7 @@ fn gather_queues(
     con: &mut redis::Connection,
     keys: &Keys,
     now_ms: i64,
+    window_ms: i64,
 ) -> RedisResult<Vec<QueueFigures>> {
     if keys.queues.is_empty() {
         return Ok(Vec::new());
@@ -358,6 +404,13 @@ fn gather_queues(
         p.cmd("LLEN").arg(&q.dead);
         // The tail is the oldest: consumers take from the right.
         p.cmd("LINDEX").arg(&q.name).arg(-1);
+        p.cmd("EVAL")
+            .arg(COUNT_LIST_SINCE)
+            .arg(1)
+            .arg(&q.dead)
+            .arg(now_ms.saturating_sub(window_ms).div_euclid(1000))
+            .arg(LIST_DEAD_NEW_CAP)
+            .arg(LIST_DEAD_CLOCK_SLACK_S);
         for c in &consumers {
             p.cmd("LLEN").arg(q.processing(c));
         }
@@ -371,14 +424,14 @@ fn gather_queues(
         .map(|q| {
             let length = uint(Some(&next())).unwrap_or(0);
             let dead = uint(Some(&next())).unwrap_or(0);
-            let oldest = match next() {
-                Value::BulkString(b) => serde_json::from_slice::<serde_json::Value>(&b)
-                    .ok()
-                    .and_then(|v| v.get("ts").and_then(serde_json::Value::as_i64))
-                    .filter(|ts| *ts > 0)
-                    .map(|ts| (now_ms - ts * 1000).max(0)),
-                _ => None,
+            let (oldest_age_ms, oldest_unknown) = match next() {
+                Value::BulkString(b) => match waiting_since_ms(&b, q.raw_event.is_some()) {
+                    Ok(since) => (Some((now_ms - since).max(0)), None),
+                    Err(why) => (None, Some(why)),
+                },
+                _ => (None, None),
             };
+            let dead_new = uint(Some(&next())).unwrap_or(0);
             let processing = consumers
                 .iter()
                 .map(|c| (c.clone(), uint(Some(&next())).unwrap_or(0)))
@@ -388,7 +441,9 @@ fn gather_queues(
                 length,
                 processing,
                 dead,
-                oldest_age_ms: oldest,
+                dead_new,
+                oldest_age_ms,
+                oldest_unknown,
             }
         })
         .collect())
@@ -545,18 +600,23 @@ pub fn render(r: &StatsReport, rates: Option<&Rates>, out: &mut dyn Write) -> st
             .filter(|(_, n)| *n > 0)
             .map(|(c, n)| format!("{c} {n}"))
             .collect();
+        let oldest = match (q.oldest_age_ms, q.oldest_unknown) {
+            (Some(age), _) => fmt_age(age),
+            (None, Some(why)) => format!("? ({why})"),
+            (None, None) => "-".to_string(),
+        };
         writeln!(
             out,
-            "queue   {:w$}  length {}  oldest {}  processing {}  dead {}",
+            "queue   {:w$}  length {}  oldest {oldest}  processing {}  dead {} (new {})",
             q.name,
             q.length,
-            q.oldest_age_ms.map_or("-".to_string(), fmt_age),
             if held.is_empty() {
                 "0".to_string()
             } else {
                 held.join(", ")
             },
             q.dead,
+            q.dead_new,
         )?;
     }
     if let Some(x) = rates {

@@ -1,15 +1,21 @@
-//! The operator's changes to the dead letters: requeue into the delay pool, purge.
+//! The operator's changes to the dead letters: requeue into the delay pool, purge; and
+//! for list mode's dead lists, requeue onto the queue, purge.
 
 use super::{query, run, script, StoreResult};
-use crate::keys::Keys;
+use crate::keys::{Keys, Queue};
 use redis::{ConnectionLike, Script, Value};
 use std::sync::LazyLock;
 
 static REQUEUE: LazyLock<Script> = script!("requeue.lua");
+static REQUEUE_LIST: LazyLock<Script> = script!("requeue_list.lua");
 
 /// A read-only script for `worker stats`: how many entries of a stream have an id at or
 /// after ARGV[1], up to ARGV[2], counted server side (see `lua/count_since.lua`).
 pub const COUNT_SINCE_LUA: &str = include_str!("../lua/count_since.lua");
+
+/// A read-only script for `worker stats`: how many letters of a dead list died at or
+/// after ARGV[1] (unix seconds), up to ARGV[2] looked at (see `lua/count_list_since.lua`).
+pub const COUNT_LIST_SINCE_LUA: &str = include_str!("../lua/count_list_since.lua");
 
 /// What became of one letter in [`requeue`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,4 +66,56 @@ pub fn purge(con: &mut dyn ConnectionLike, keys: &Keys, ids: &[&str]) -> StoreRe
     let mut cmd = redis::cmd("XDEL");
     cmd.arg(&keys.dead).arg(ids);
     query("purge dead letters", &cmd, con)
+}
+
+/// Puts letters `(letter bytes, job key or empty, message)` of `queue`'s dead list back
+/// onto the queue (LPUSH), each in one step with its LREM from the dead list (queue first,
+/// LREM last), in one script call; the letter is named by its exact bytes.
+pub fn requeue_list(
+    con: &mut dyn ConnectionLike,
+    keys: &Keys,
+    queue: &Queue,
+    letters: &[(&[u8], &[u8], &[u8])],
+) -> StoreResult<Vec<Requeued>> {
+    let mut inv = REQUEUE_LIST.prepare_invoke();
+    inv.key(&queue.dead)
+        .key(&queue.name)
+        .key(queue.deliveries())
+        .key(&keys.pool)
+        .key(&keys.data);
+    for (letter, key, msg) in letters {
+        inv.arg(*letter).arg(*key).arg(*msg);
+    }
+    let Value::Array(codes) = run("requeue dead letters", &inv, con)? else {
+        return Ok(Vec::new());
+    };
+    Ok(codes
+        .iter()
+        .map(|c| match super::int(Some(c)) {
+            1 => Requeued::Requeued,
+            -1 => Requeued::KeyScheduled,
+            _ => Requeued::Gone,
+        })
+        .collect())
+}
+
+/// Deletes letters from a dead list by their exact bytes, one LREM each, all in one
+/// MULTI; returns how many were still there.
+pub fn purge_list(
+    con: &mut dyn ConnectionLike,
+    queue: &Queue,
+    letters: &[&[u8]],
+) -> StoreResult<u64> {
+    if letters.is_empty() {
+        return Ok(0);
+    }
+    let mut p = redis::pipe();
+    p.atomic();
+    for letter in letters {
+        p.cmd("LREM").arg(&queue.dead).arg(1).arg(*letter);
+    }
+    let removed: Vec<u64> = p
+        .query(con)
+        .map_err(|e| super::StoreError::from_redis("purge dead letters", e))?;
+    Ok(removed.iter().sum())
 }

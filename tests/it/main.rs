@@ -9,7 +9,9 @@ mod consumer;
 mod faults;
 mod hostile;
 mod list;
+mod list_dead;
 mod loss;
+mod metrics_server;
 
 mod migrate;
 mod mover;

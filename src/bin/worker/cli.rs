@@ -62,9 +62,9 @@ pub enum Command {
         #[command(flatten)]
         args: delay_worker::admin::StatsArgs,
     },
-    /// List, show, requeue or purge the dead letters.
+    /// List, show, requeue or purge the dead letters (list mode: the dead lists).
     #[command(allow_negative_numbers = true)]
-    Dead(delay_worker::admin::DeadArgs),
+    Dead(DeadCli),
     /// Measure lateness and throughput against this machine's ceilings (destructive: use
     /// a bench database; scripts/bench.sh sets one up).
     #[command(allow_negative_numbers = true)]
@@ -184,6 +184,90 @@ pub struct QueueArgs {
     /// delay:order_close=order.timeout): a ZSET of keys whose STRING value is the order id.
     #[arg(long = "legacy-pool", value_name = "KEY=EVENT")]
     pub legacy_pools: Vec<String>,
+}
+
+/// `worker dead`: the dead-letter commands, with the queue layout: given list mode's
+/// flags (`--source list --queues ...`, anywhere after `dead`) they work on the queues'
+/// dead lists instead of the dead-letter stream.
+#[derive(Debug, Clone)]
+pub struct DeadCli {
+    pub queues: QueueArgs,
+    pub args: delay_worker::admin::DeadArgs,
+}
+
+impl std::ops::Deref for DeadCli {
+    type Target = delay_worker::admin::DeadArgs;
+    fn deref(&self) -> &Self::Target {
+        &self.args
+    }
+}
+
+/// The ids of the queue layout's flags under `dead`: their own, so that a value given
+/// after `dead` is not taken for the daemon's flag of the same name before it.
+fn dead_id(id: &str) -> &'static str {
+    const IDS: [(&str, &str); 6] = [
+        ("source", "dead-source"),
+        ("queues", "dead-queues"),
+        ("raw_queues", "dead-raw_queues"),
+        ("mover_queue", "dead-mover_queue"),
+        ("dead_suffix", "dead-dead_suffix"),
+        ("legacy_pools", "dead-legacy_pools"),
+    ];
+    IDS.iter()
+        .find(|(from, _)| *from == id)
+        .map(|(_, to)| *to)
+        .expect("every flag of QueueArgs has its id under `dead`")
+}
+
+impl clap::FromArgMatches for DeadCli {
+    fn from_arg_matches(m: &clap::ArgMatches) -> Result<Self, clap::Error> {
+        let one = |id: &str| m.get_one::<String>(dead_id(id)).cloned();
+        let many = |id: &str| {
+            m.get_many::<String>(dead_id(id))
+                .map(|v| v.cloned().collect())
+                .unwrap_or_default()
+        };
+        Ok(DeadCli {
+            queues: QueueArgs {
+                source: m
+                    .get_one::<SourceArg>(dead_id("source"))
+                    .copied()
+                    .unwrap_or(SourceArg::Stream),
+                queues: many("queues"),
+                raw_queues: many("raw_queues"),
+                mover_queue: one("mover_queue"),
+                dead_suffix: one("dead_suffix").unwrap_or_else(|| ":dead".into()),
+                legacy_pools: many("legacy_pools"),
+            },
+            args: delay_worker::admin::DeadArgs::from_arg_matches(m)?,
+        })
+    }
+
+    fn update_from_arg_matches(&mut self, m: &clap::ArgMatches) -> Result<(), clap::Error> {
+        *self = Self::from_arg_matches(m)?;
+        Ok(())
+    }
+}
+
+impl Args for DeadCli {
+    /// The queue layout's flags are global to `dead`, so they also go after `dead list`.
+    fn augment_args(cmd: clap::Command) -> clap::Command {
+        let layout = QueueArgs::augment_args(clap::Command::new("layout"));
+        let cmd = layout.get_arguments().fold(cmd, |cmd, a| {
+            let id = dead_id(a.get_id().as_str());
+            cmd.arg(
+                a.clone()
+                    .id(id)
+                    .global(true)
+                    .help_heading("Queue layout (list mode: the dead lists)"),
+            )
+        });
+        delay_worker::admin::DeadArgs::augment_args(cmd)
+    }
+
+    fn augment_args_for_update(cmd: clap::Command) -> clap::Command {
+        Self::augment_args(cmd)
+    }
 }
 
 /// How the daemon runs.
@@ -342,10 +426,12 @@ impl Cli {
         match &self.command {
             None => Cow::Borrowed(&self.run),
             Some(Command::Run(r)) | Some(Command::Bench { run: r, .. }) => Cow::Borrowed(r),
-            Some(Command::Stats { queues, .. }) => Cow::Owned(RunArgs {
-                queues: queues.clone(),
-                ..RunArgs::defaults()
-            }),
+            Some(Command::Stats { queues, .. }) | Some(Command::Dead(DeadCli { queues, .. })) => {
+                Cow::Owned(RunArgs {
+                    queues: queues.clone(),
+                    ..RunArgs::defaults()
+                })
+            }
             Some(_) => Cow::Owned(RunArgs::defaults()),
         }
     }
@@ -458,6 +544,14 @@ impl Cli {
             config.handlers_dir = p.handlers_dir.clone();
         }
         Ok(config)
+    }
+
+    /// A command that reads or repairs the queues without running the daemon's roles.
+    fn runs_no_mover(&self) -> bool {
+        matches!(
+            self.command,
+            Some(Command::Stats { .. }) | Some(Command::Dead(_))
+        )
     }
 
     /// Validates the flags into a [`Config`].
@@ -575,13 +669,18 @@ impl Cli {
                             flag: "--mover-queue",
                             problem: format!("{name:?} is not one of the queues"),
                         })?,
-                    None => queues
-                        .iter()
-                        .position(|q| q.raw_event.is_none())
-                        .ok_or(CliError {
-                            flag: "--mover-queue",
-                            problem: "every queue is raw; name the queue due messages go to".into(),
-                        })?,
+                    None => match queues.iter().position(|q| q.raw_event.is_none()) {
+                        Some(i) => i,
+                        // `stats` and `dead` run no mover: raw queues alone are fine.
+                        None if self.runs_no_mover() => 0,
+                        None => {
+                            return Err(CliError {
+                                flag: "--mover-queue",
+                                problem: "every queue is raw; name the queue due messages go to"
+                                    .into(),
+                            })
+                        }
+                    },
                 };
                 config.keys.queues = queues;
             }
@@ -674,6 +773,38 @@ mod tests {
         );
         let c = config_of(&["stats", "--source", "list", "--queues", "a"]).unwrap();
         assert_eq!(c.keys.queues[0].name, "a");
+    }
+
+    #[test]
+    fn dead_takes_the_queue_layout_before_or_after_its_command() {
+        for args in [
+            &["dead", "list", "--source", "list", "--queues", "a,b"][..],
+            &["dead", "--source", "list", "--queues", "a,b", "list"][..],
+            &[
+                "dead", "requeue", "--queues", "a,b", "--source", "list", "--limit", "1",
+            ][..],
+        ] {
+            let c = config_of(args).unwrap();
+            assert_eq!(c.source, Source::List, "{args:?}");
+            let names: Vec<&str> = c.keys.queues.iter().map(|q| q.name.as_str()).collect();
+            assert_eq!(names, ["a", "b"], "{args:?}");
+        }
+        // Raw queues alone: no mover runs here, so no mover queue is needed.
+        let c = config_of(&[
+            "dead",
+            "list",
+            "--source",
+            "list",
+            "--queue",
+            "p=payment.paid",
+        ])
+        .unwrap();
+        assert_eq!(c.keys.queues[0].dead, "p:dead");
+        let c = config_of(&["stats", "--source", "list", "--queue", "p=payment.paid"]).unwrap();
+        assert_eq!(c.keys.queues[0].raw_event.as_deref(), Some("payment.paid"));
+        assert!(config_of(&["dead", "list"]).unwrap().keys.queues.is_empty());
+        let e = config_of(&["--source", "list", "dead", "list"]).unwrap_err();
+        assert!(e.problem.contains("not of `worker dead`"), "{e}");
     }
 
     #[test]

@@ -1,0 +1,665 @@
+//! `worker dead list|show|requeue|purge` in list mode: the dead lists
+//! `<queue><dead-suffix>` of the queues named by `--queues` and `--queue NAME=EVENT`.
+//!
+//! A list letter is a JSON object (`msg`, `reason`, `ts`, `event`, `key`, `attempts`,
+//! `consumer`, `queue`, and for an oversized message `length` and `sha1`) pushed onto the
+//! head of its dead list, so the tail holds the oldest. It has no id of its own, and an
+//! index shifts whenever a letter is added or removed; so its id here is the start of the
+//! SHA-1 of its bytes ([`ID_LEN`] hex digits, a longer or shorter prefix of at least
+//! [`MIN_ID_LEN`] works too). `show`, `requeue --id` and `purge` find letters by reading
+//! the list, then hand the store each letter's exact bytes, which its script looks for
+//! again: whatever was pushed or removed meanwhile, it removes that letter or nothing.
+//! A letter's age is its `ts` (when it died, unix seconds); a letter without one has no age
+//! and matches no age filter. Letters are read a page at a time from the tail ([`Walk`]).
+//!
+//! Requeue pushes each message back onto its queue's head (as a producer pushes), in one
+//! script call per batch that removes the letter in the same step
+//! (`lua/requeue_list.lua`): `retry` reset to 0 and every other field kept (the mover's
+//! `job_key` and `job_id` too, so the job keeps its identity and its inbox row still
+//! counts), a raw queue's message byte for byte. A letter without a whole message stays
+//! where it is ([`requeueable`]).
+
+use super::{
+    clip, lossy, millis, or_dash, requeue_message, DeadArgs, DeadCommand, Filter, ListArgs,
+    RequeueArgs, RequeueReport, ShowArgs, PAGE,
+};
+use crate::admin::{connect, fmt_age, fmt_time, write_json};
+use crate::config::Config;
+use crate::keys::{Keys, Queue};
+use crate::store::dead::Requeued;
+use crate::store::{self, StoreError};
+use anyhow::Context;
+use redis::{Connection, RedisResult};
+use serde::Serialize;
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::process::ExitCode;
+
+/// Hex digits of the SHA-1 a letter's id shows.
+pub const ID_LEN: usize = 16;
+/// The shortest prefix of that digest taken as an id.
+pub const MIN_ID_LEN: usize = 8;
+
+/// One letter of a dead list.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ListLetter {
+    /// The first [`ID_LEN`] hex digits of the SHA-1 of the letter's bytes.
+    pub id: String,
+    /// The queue whose dead list holds it: where a requeue sends it.
+    pub queue: String,
+    /// Since it died (from `ts`); `None` when the letter has no `ts`.
+    pub age_ms: Option<i64>,
+    /// The `event` field, or the message's own when a writer left the field out.
+    pub event: String,
+    /// The job key (`key` field), bytes as written; empty when the writer had none.
+    #[serde(serialize_with = "lossy")]
+    pub key: Vec<u8>,
+    pub attempts: Option<u64>,
+    pub reason: String,
+    /// `ts`: when it died, unix seconds.
+    pub ts: Option<i64>,
+    pub consumer: Option<String>,
+    /// A message over the size limit: its whole length (`msg` is only its start) ...
+    pub length: Option<u64>,
+    /// ... and its SHA-1.
+    pub sha1: Option<String>,
+    /// The message as it was delivered.
+    #[serde(serialize_with = "lossy")]
+    pub msg: Vec<u8>,
+    /// Fields this version does not know, as written.
+    pub other: BTreeMap<String, String>,
+    /// False for an entry that is not a JSON object with a `msg` (pushed by hand?): shown
+    /// as it is, never requeued.
+    pub readable: bool,
+    /// The letter's bytes, as the dead list holds them.
+    #[serde(skip)]
+    pub raw: Vec<u8>,
+}
+
+/// A JSON value as text: strings without their quotes.
+fn text(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+impl ListLetter {
+    /// Parses one entry of `queue`'s dead list; never fails (see `readable`).
+    pub fn parse(raw: Vec<u8>, queue: &str, now_ms: i64) -> ListLetter {
+        let digest = sha1_smol::Sha1::from(&raw).digest().to_string();
+        let mut l = ListLetter {
+            id: digest[..ID_LEN].to_string(),
+            queue: queue.to_string(),
+            age_ms: None,
+            event: String::new(),
+            key: Vec::new(),
+            attempts: None,
+            reason: String::new(),
+            ts: None,
+            consumer: None,
+            length: None,
+            sha1: None,
+            msg: Vec::new(),
+            other: BTreeMap::new(),
+            readable: false,
+            raw,
+        };
+        let Ok(Value::Object(fields)) = serde_json::from_slice::<Value>(&l.raw) else {
+            return l;
+        };
+        l.readable = fields.contains_key("msg");
+        for (name, v) in &fields {
+            match name.as_str() {
+                "msg" => l.msg = text(v).into_bytes(),
+                "key" => l.key = text(v).into_bytes(),
+                "event" => l.event = text(v),
+                "reason" => l.reason = text(v),
+                "ts" => {
+                    l.ts = v
+                        .as_i64()
+                        .or_else(|| text(v).trim().parse::<f64>().ok().map(|f| f as i64))
+                }
+                "attempts" => l.attempts = v.as_u64(),
+                "consumer" => l.consumer = Some(text(v)),
+                "length" => l.length = v.as_u64().filter(|n| *n > 0),
+                "sha1" => l.sha1 = Some(text(v)).filter(|s| !s.is_empty()),
+                "queue" if text(v) == queue => {}
+                _ => {
+                    l.other.insert(name.clone(), text(v));
+                }
+            }
+        }
+        if l.event.is_empty() {
+            l.event = crate::message::event_of(&l.msg);
+        }
+        l.age_ms = l.ts.map(|t| (now_ms - t.saturating_mul(1000)).max(0));
+        l
+    }
+
+    fn died_ms(&self) -> Option<i64> {
+        self.ts.map(|t| t.saturating_mul(1000))
+    }
+
+    /// Whether its id starts with `id` (lower-case hex).
+    fn has_id(&self, id: &str) -> bool {
+        sha1_smol::Sha1::from(&self.raw)
+            .digest()
+            .to_string()
+            .starts_with(id)
+    }
+}
+
+/// The filters of [`Filter`] on a list letter: the age is from its `ts`, and a letter
+/// without one matches no age filter.
+pub fn matches(f: &Filter, l: &ListLetter, now_ms: i64) -> bool {
+    f.event.as_ref().is_none_or(|e| *e == l.event)
+        && f.older_than
+            .is_none_or(|a| l.died_ms().is_some_and(|t| t <= now_ms - millis(a)))
+        && f.newer_than
+            .is_none_or(|a| l.died_ms().is_some_and(|t| t >= now_ms - millis(a)))
+}
+
+/// A walk over one dead list, oldest first, a page at a time from the tail. New letters
+/// go onto the head and do not disturb it; letters the caller removes are reported with
+/// [`Walk::removed`], so the next page starts right after those still there.
+pub struct Walk<'a> {
+    queue: &'a Queue,
+    /// Letters at the tail already read and still there.
+    behind: i64,
+    done: bool,
+}
+
+impl<'a> Walk<'a> {
+    pub fn new(queue: &'a Queue) -> Walk<'a> {
+        Walk {
+            queue,
+            behind: 0,
+            done: false,
+        }
+    }
+
+    /// The next letters, oldest first; `None` once the list is exhausted.
+    pub fn next_page(
+        &mut self,
+        con: &mut Connection,
+        now_ms: i64,
+    ) -> RedisResult<Option<Vec<ListLetter>>> {
+        if self.done {
+            return Ok(None);
+        }
+        let end = -(self.behind + 1);
+        let mut raw: Vec<Vec<u8>> = redis::cmd("LRANGE")
+            .arg(&self.queue.dead)
+            .arg(end - (PAGE as i64 - 1))
+            .arg(end)
+            .query(con)?;
+        if raw.len() < PAGE {
+            self.done = true;
+        }
+        if raw.is_empty() {
+            return Ok(None);
+        }
+        self.behind += raw.len() as i64;
+        raw.reverse();
+        Ok(Some(
+            raw.into_iter()
+                .map(|r| ListLetter::parse(r, &self.queue.name, now_ms))
+                .collect(),
+        ))
+    }
+
+    /// `n` letters of the pages read so far are no longer in the list.
+    pub fn removed(&mut self, n: usize) {
+        self.behind -= n as i64;
+    }
+}
+
+/// The matching letters of every queue's dead list, queue by queue in the order given,
+/// each oldest first; at most `limit`.
+pub fn scan(
+    con: &mut Connection,
+    keys: &Keys,
+    filter: &Filter,
+    now_ms: i64,
+    limit: usize,
+) -> RedisResult<Vec<ListLetter>> {
+    let mut out = Vec::new();
+    for q in &keys.queues {
+        let mut walk = Walk::new(q);
+        while out.len() < limit {
+            let Some(page) = walk.next_page(con, now_ms)? else {
+                break;
+            };
+            out.extend(page.into_iter().filter(|l| matches(filter, l, now_ms)));
+        }
+    }
+    out.truncate(limit);
+    Ok(out)
+}
+
+/// For each id, the letter it names: `Ok(None)` when no letter has it, an error when it
+/// names different letters (a prefix too short). The same bytes twice are one letter.
+pub fn find(
+    con: &mut Connection,
+    keys: &Keys,
+    ids: &[String],
+    now_ms: i64,
+) -> anyhow::Result<Vec<Option<ListLetter>>> {
+    let mut found: Vec<Option<ListLetter>> = vec![None; ids.len()];
+    for q in &keys.queues {
+        let mut walk = Walk::new(q);
+        while let Some(page) = walk
+            .next_page(con, now_ms)
+            .context("cannot read the dead lists")?
+        {
+            for l in page {
+                for (id, slot) in ids.iter().zip(found.iter_mut()) {
+                    if !l.has_id(id) {
+                        continue;
+                    }
+                    match slot {
+                        Some(seen) if seen.raw != l.raw => {
+                            anyhow::bail!(
+                                "{id:?} names more than one dead letter; give more of its digits"
+                            )
+                        }
+                        Some(_) => {}
+                        None => *slot = Some(l.clone()),
+                    }
+                }
+            }
+        }
+    }
+    Ok(found)
+}
+
+/// An id as `worker dead list` prints it (or a prefix of it): hex digits, lower-cased.
+fn parse_id(s: &str) -> anyhow::Result<String> {
+    let id = s.trim().to_ascii_lowercase();
+    anyhow::ensure!(
+        (MIN_ID_LEN..=40).contains(&id.len()) && id.bytes().all(|b| b.is_ascii_hexdigit()),
+        "{s:?} is not a list dead-letter id (like 3f2a9c01d4e5b6a7, as `worker dead list` shows)"
+    );
+    Ok(id)
+}
+
+/// The message a letter puts back onto its queue, and whether it is a JSON object; or
+/// why it cannot go back: it keeps no message, only the start of an oversized one, or it
+/// is not a letter the worker wrote.
+pub fn requeueable(l: &ListLetter, q: &Queue) -> Result<(Vec<u8>, bool), String> {
+    if !l.readable {
+        return Err("not a dead letter as the worker writes them (a JSON object with a \"msg\"); see `worker dead show`".into());
+    }
+    if l.msg.is_empty() {
+        return Err("it keeps no message (the mover's letter of a member whose data never arrived, or of a retry replaced by a newer push)".into());
+    }
+    if let Some(len) = l.length.filter(|n| *n > l.msg.len() as u64) {
+        return Err(format!(
+            "it keeps only the first {} bytes of a {len}-byte message (over --max-message-bytes)",
+            l.msg.len()
+        ));
+    }
+    if q.raw_event.is_some() {
+        // A raw queue's message is the payload itself: a `retry` in it is the producer's.
+        let object = matches!(
+            serde_json::from_slice::<Value>(&l.msg),
+            Ok(Value::Object(_))
+        );
+        return Ok((l.msg.clone(), object));
+    }
+    Ok(requeue_message(&l.msg))
+}
+
+/// Requeues `letters`, all of `queue`'s dead list, one script call per [`PAGE`].
+pub fn requeue(
+    con: &mut Connection,
+    keys: &Keys,
+    queue: &Queue,
+    letters: &[ListLetter],
+) -> Result<RequeueReport, StoreError> {
+    let mut report = RequeueReport::default();
+    let mut ready = Vec::new();
+    for l in letters {
+        match requeueable(l, queue) {
+            Ok((msg, object)) => ready.push((l, msg, object)),
+            Err(why) => report.cannot.push((l.id.clone(), why)),
+        }
+    }
+    for batch in ready.chunks(PAGE) {
+        let args: Vec<(&[u8], &[u8], &[u8])> = batch
+            .iter()
+            .map(|(l, msg, _)| (l.raw.as_slice(), l.key.as_slice(), msg.as_slice()))
+            .collect();
+        let codes = store::dead::requeue_list(con, keys, queue, &args)?;
+        for ((l, _, object), code) in batch.iter().zip(codes) {
+            let id = l.id.clone();
+            match code {
+                Requeued::Requeued => {
+                    if !object {
+                        report.as_is.push(id.clone());
+                    }
+                    report.requeued.push(id);
+                }
+                Requeued::KeyScheduled => report.key_scheduled.push(id),
+                Requeued::Gone => report.gone.push(id),
+            }
+        }
+    }
+    Ok(report)
+}
+
+/// Deletes `letters` of `queue`'s dead list; returns how many were still there.
+pub fn purge(
+    con: &mut Connection,
+    queue: &Queue,
+    letters: &[ListLetter],
+) -> Result<u64, StoreError> {
+    let mut n = 0;
+    for batch in letters.chunks(PAGE) {
+        let raw: Vec<&[u8]> = batch.iter().map(|l| l.raw.as_slice()).collect();
+        n += store::dead::purge_list(con, queue, &raw)?;
+    }
+    Ok(n)
+}
+
+pub(super) fn run(
+    config: &Config,
+    args: &DeadArgs,
+    out: &mut dyn Write,
+) -> anyhow::Result<ExitCode> {
+    let mut con = connect(config)?;
+    let keys = &config.keys;
+    let now = crate::now_ms();
+    match &args.command {
+        DeadCommand::List(a) => list(&mut con, keys, a, now, out),
+        DeadCommand::Show(a) => show(&mut con, keys, a, now, out),
+        DeadCommand::Requeue(a) => requeue_cmd(&mut con, keys, a, now, out),
+        DeadCommand::Purge(a) => {
+            let mut purged = 0;
+            for q in &keys.queues {
+                let mut walk = Walk::new(q);
+                while let Some(page) = walk
+                    .next_page(&mut con, now)
+                    .context("cannot read the dead lists")?
+                {
+                    let doomed: Vec<ListLetter> = page
+                        .into_iter()
+                        .filter(|l| matches(&a.filter, l, now))
+                        .collect();
+                    purged += purge(&mut con, q, &doomed).context("cannot purge")?;
+                    // Each of them is gone now, by this purge or another one.
+                    walk.removed(doomed.len());
+                }
+            }
+            writeln!(out, "purged {purged}")?;
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+fn list(
+    con: &mut Connection,
+    keys: &Keys,
+    a: &ListArgs,
+    now: i64,
+    out: &mut dyn Write,
+) -> anyhow::Result<ExitCode> {
+    // One more than shown tells whether there are more.
+    let mut letters = scan(con, keys, &a.filter, now, a.limit.saturating_add(1))
+        .context("cannot read the dead lists")?;
+    let more = letters.len() > a.limit;
+    letters.truncate(a.limit);
+    if a.json {
+        write_json(out, &letters)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    if letters.is_empty() {
+        writeln!(out, "no dead letters")?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let keys_shown: Vec<String> = letters
+        .iter()
+        .map(|l| String::from_utf8_lossy(&l.key).into_owned())
+        .collect();
+    let width = |f: &dyn Fn(usize) -> usize, title: &str, cap: usize| {
+        (0..letters.len())
+            .map(f)
+            .max()
+            .unwrap_or(0)
+            .max(title.len())
+            .min(cap)
+    };
+    let wq = width(&|i| letters[i].queue.chars().count(), "QUEUE", 32);
+    let we = width(&|i| letters[i].event.chars().count(), "EVENT", 32);
+    let wk = width(&|i| keys_shown[i].chars().count(), "KEY", 40);
+    writeln!(
+        out,
+        "{:ID_LEN$}  {:wq$}  {:>6}  {:we$}  {:wk$}  {:>8}  REASON",
+        "ID", "QUEUE", "AGE", "EVENT", "KEY", "ATTEMPTS"
+    )?;
+    for (l, key) in letters.iter().zip(&keys_shown) {
+        let reason = if l.readable {
+            clip(&l.reason, 60)
+        } else {
+            "(not a letter the worker wrote: see show)".to_string()
+        };
+        writeln!(
+            out,
+            "{:ID_LEN$}  {:wq$}  {:>6}  {:we$}  {:wk$}  {:>8}  {reason}",
+            l.id,
+            clip(&l.queue, wq),
+            l.age_ms.map_or("?".to_string(), fmt_age),
+            clip(or_dash(&l.event), we),
+            clip(or_dash(key), wk),
+            l.attempts.map_or("-".to_string(), |n| n.to_string()),
+        )?;
+    }
+    if more {
+        writeln!(out, "... more not shown (--limit {})", a.limit)?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn show(
+    con: &mut Connection,
+    keys: &Keys,
+    a: &ShowArgs,
+    now: i64,
+    out: &mut dyn Write,
+) -> anyhow::Result<ExitCode> {
+    let id = parse_id(&a.id)?;
+    let Some(Some(l)) = find(con, keys, std::slice::from_ref(&id), now)?
+        .into_iter()
+        .next()
+    else {
+        writeln!(out, "no dead letter {}", a.id)?;
+        return Ok(ExitCode::FAILURE);
+    };
+    if a.json {
+        write_json(out, &l)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    if !l.readable {
+        writeln!(out, "dead letter  {}", l.id)?;
+        writeln!(out, "queue        {}", l.queue)?;
+        writeln!(
+            out,
+            "not a letter the worker wrote (a JSON object with a \"msg\"), as stored\n{}",
+            String::from_utf8_lossy(&l.raw)
+        )?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let opt = |o: &Option<String>| o.clone().unwrap_or_else(|| "-".into());
+    let mut rows: Vec<(String, String)> = vec![
+        ("dead letter".into(), l.id.clone()),
+        ("queue".into(), l.queue.clone()),
+        (
+            "died".into(),
+            match (l.died_ms(), l.age_ms) {
+                (Some(t), Some(age)) => format!("{} ({} ago)", fmt_time(t), fmt_age(age)),
+                _ => "? (no ts)".into(),
+            },
+        ),
+        ("event".into(), l.event.clone()),
+        ("key".into(), String::from_utf8_lossy(&l.key).into_owned()),
+        (
+            "attempts".into(),
+            l.attempts.map_or("-".into(), |n| n.to_string()),
+        ),
+        ("reason".into(), l.reason.clone()),
+        ("consumer".into(), opt(&l.consumer)),
+        ("ts".into(), l.ts.map_or("-".into(), |t| t.to_string())),
+    ];
+    if let Some(n) = l.length {
+        rows.push(("length".into(), n.to_string()));
+    }
+    if let Some(d) = &l.sha1 {
+        rows.push(("sha1".into(), d.clone()));
+    }
+    rows.extend(l.other.iter().map(|(k, v)| (k.clone(), v.clone())));
+    let w = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+    for (k, v) in &rows {
+        writeln!(out, "{k:w$}  {v}")?;
+    }
+    match serde_json::from_slice::<Value>(&l.msg) {
+        Ok(v) => writeln!(out, "message\n{}", serde_json::to_string_pretty(&v)?)?,
+        Err(e) => writeln!(
+            out,
+            "message (not JSON: {e}), as written\n{}",
+            String::from_utf8_lossy(&l.msg)
+        )?,
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn requeue_cmd(
+    con: &mut Connection,
+    keys: &Keys,
+    a: &RequeueArgs,
+    now: i64,
+    out: &mut dyn Write,
+) -> anyhow::Result<ExitCode> {
+    let mut left = a.limit.unwrap_or(usize::MAX);
+    let mut report = RequeueReport::default();
+    let mut missing = Vec::new();
+    if a.ids.is_empty() {
+        for q in &keys.queues {
+            let mut walk = Walk::new(q);
+            while left > 0 {
+                let Some(page) = walk
+                    .next_page(con, now)
+                    .context("cannot read the dead lists")?
+                else {
+                    break;
+                };
+                let mut chosen: Vec<ListLetter> = page
+                    .into_iter()
+                    .filter(|l| matches(&a.filter, l, now))
+                    .collect();
+                chosen.truncate(left);
+                left -= chosen.len();
+                let r = requeue(con, keys, q, &chosen).context("cannot requeue")?;
+                walk.removed(r.requeued.len() + r.gone.len());
+                report.add(r);
+            }
+        }
+    } else {
+        // The same id twice is one letter, not a second one "gone".
+        let mut ids = Vec::new();
+        for id in &a.ids {
+            let id = parse_id(id).context("--id")?;
+            if !ids.contains(&id) {
+                ids.push(id);
+            }
+        }
+        let found = find(con, keys, &ids, now)?;
+        let mut chosen: Vec<ListLetter> = Vec::new();
+        for (id, l) in ids.iter().zip(found) {
+            match l {
+                Some(l) if matches(&a.filter, &l, now) => chosen.push(l),
+                Some(_) => {}
+                None => missing.push(id.clone()),
+            }
+        }
+        chosen.truncate(left);
+        for q in &keys.queues {
+            let of_q: Vec<ListLetter> = chosen
+                .iter()
+                .filter(|l| l.queue == q.name)
+                .cloned()
+                .collect();
+            report.add(requeue(con, keys, q, &of_q).context("cannot requeue")?);
+        }
+    }
+    report.print(&missing, out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const NOW: i64 = 1_800_000_000_000;
+
+    #[test]
+    fn letters_parse_as_the_scripts_write_them() {
+        let raw = br#"{"msg":"{\"event\":\"e\",\"payload\":{}}","reason":"boom","ts":1799999940,"event":"","key":"k1","attempts":3,"consumer":"c1","queue":"q","length":0,"sha1":""}"#;
+        let l = ListLetter::parse(raw.to_vec(), "q", NOW);
+        assert!(l.readable);
+        assert_eq!(l.id.len(), ID_LEN);
+        assert!(l.has_id(&l.id));
+        assert_eq!((l.event.as_str(), l.reason.as_str()), ("e", "boom"));
+        assert_eq!((l.key.as_slice(), l.attempts), (&b"k1"[..], Some(3)));
+        assert_eq!((l.ts, l.age_ms), (Some(1_799_999_940), Some(60_000)));
+        assert_eq!((l.length, l.sha1.as_deref()), (None, None));
+        assert!(l.other.is_empty(), "{:?}", l.other);
+        let q = Queue::new("q", None);
+        assert!(requeueable(&l, &q).is_ok());
+
+        let f = |older: Option<u64>, newer: Option<u64>| Filter {
+            event: None,
+            older_than: older.map(std::time::Duration::from_secs),
+            newer_than: newer.map(std::time::Duration::from_secs),
+        };
+        assert!(matches(&f(Some(59), None), &l, NOW));
+        assert!(!matches(&f(Some(61), None), &l, NOW));
+        assert!(matches(&f(None, Some(61)), &l, NOW));
+        assert!(!matches(&f(None, Some(59)), &l, NOW));
+
+        let bare = ListLetter::parse(b"{}".to_vec(), "q", NOW);
+        assert!(!bare.readable && bare.age_ms.is_none());
+        assert!(!matches(&f(Some(0), None), &bare, NOW), "no ts, no age");
+        assert!(requeueable(&bare, &q).is_err());
+        let cut = ListLetter::parse(
+            br#"{"msg":"{\"ev","length":70000,"sha1":"ab","ts":1}"#.to_vec(),
+            "q",
+            NOW,
+        );
+        assert!(requeueable(&cut, &q).unwrap_err().contains("first 4 bytes"));
+        let none = ListLetter::parse(br#"{"msg":"","key":"k"}"#.to_vec(), "q", NOW);
+        assert!(requeueable(&none, &q).unwrap_err().contains("no message"));
+    }
+
+    #[test]
+    fn a_raw_queue_s_message_goes_back_byte_for_byte() {
+        let raw = br#"{"msg":"{\"order_no\":\"SO1\",\"retry\":5}","ts":1}"#;
+        let l = ListLetter::parse(raw.to_vec(), "pay", NOW);
+        let q = Queue::new("pay", Some("payment.paid"));
+        assert_eq!(
+            requeueable(&l, &q).unwrap(),
+            (br#"{"order_no":"SO1","retry":5}"#.to_vec(), true)
+        );
+        let q = Queue::new("pay", None);
+        let (msg, _) = requeueable(&l, &q).unwrap();
+        assert!(String::from_utf8(msg).unwrap().contains(r#""retry":0"#));
+    }
+
+    #[test]
+    fn ids_are_hex_prefixes() {
+        assert_eq!(parse_id(" 3F2A9C01D4E5B6A7 ").unwrap(), "3f2a9c01d4e5b6a7");
+        for bad in ["", "3f2a9c0", "1768764300123-0", "xyzxyzxyz"] {
+            assert!(parse_id(bad).is_err(), "{bad:?}");
+        }
+    }
+}
