@@ -2449,13 +2449,16 @@ fn oracle(
                 e.min += (e.max == 0) as i64;
                 e.max += 1;
             }
-            // A first push resent is one job either way (same key and ts); a later one
-            // may or may not have replaced the message before it.
+            // A push whose reply was lost is sent again: the resend replaces the first
+            // copy while it is still scheduled (one job), but once the mover has taken the
+            // first copy (stamping its job id) the resend is a new job of the same key,
+            // as any later push of that key is. A later push may also have replaced the
+            // message before it.
             Class::Good | Class::Far if r.uncertain => {
                 if e.max == 0 {
                     e.min += 1;
                 }
-                e.max += 1;
+                e.max += 2;
             }
             _ if !r.existed => {
                 e.min += 1;
