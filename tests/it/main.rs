@@ -12,8 +12,10 @@ mod list;
 mod loss;
 
 mod migrate;
+mod monitoring;
 mod mover;
 mod ops;
 mod producer;
+mod release;
 mod retention;
 mod store;
