@@ -12,6 +12,9 @@
 #   DIR/delay-worker_<version>-1_amd64.deb that binary as /usr/bin/worker, the unit, the
 #                                          environment file template (a conffile, mode 0600)
 #                                          and the system user (README "Packages")
+#   DIR/delay-worker-<version>-x86_64-linux.tar.gz
+#                                          for hosts without dpkg: the binary, install.sh,
+#                                          worker.service, worker.env (./install.sh ./worker)
 #   DIR/SHA256SUMS
 #
 # cargo-zigbuild links the binary against glibc 2.17's symbol versions (Zig is the linker
@@ -112,10 +115,20 @@ sed 's|^ExecStart=/usr/local/bin/worker |ExecStart=/usr/bin/worker |' \
 grep -q '^ExecStart=/usr/bin/worker ' "$built/delay-worker.service" ||
   die "scripts/worker.service has no ExecStart=/usr/local/bin/worker line to point at /usr/bin/worker"
 mkdir -p "$out"
-rm -f "$out"/delay-worker_*.deb "$out/worker" "$out/SHA256SUMS"
+rm -f "$out"/delay-worker_*.deb "$out"/delay-worker-*.tar.gz "$out/worker" "$out/SHA256SUMS"
 (cd "$root" && cargo deb --no-build --quiet --strip --target "$TRIPLE" --profile "$profile" \
   --output "$out/")
 strip -o "$out/worker" "$bin"
-(cd "$out" && sha256sum worker delay-worker_*.deb >SHA256SUMS)
+
+# 5. The tarball: install.sh finds the unit and the template beside itself.
+name=delay-worker-$version-x86_64-linux
+stage=$(mktemp -d)
+trap 'rm -rf "$stage"' EXIT
+mkdir "$stage/$name"
+install -m 0755 "$out/worker" "$here/install.sh" "$stage/$name/"
+install -m 0644 "$here/worker.service" "$here/worker.env" "$stage/$name/"
+tar -C "$stage" --owner=0 --group=0 -czf "$out/$name.tar.gz" "$name"
+
+(cd "$out" && sha256sum worker delay-worker_*.deb "$name.tar.gz" >SHA256SUMS)
 say "made in $out:"
-(cd "$out" && ls -l worker delay-worker_*.deb SHA256SUMS | sed 's/^/  /')
+(cd "$out" && ls -l worker delay-worker_*.deb "$name.tar.gz" SHA256SUMS | sed 's/^/  /')

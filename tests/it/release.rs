@@ -131,14 +131,14 @@ fn release_binary_needs_glibc_2_17_at_most_and_runs() {
         format!("worker {}", env!("CARGO_PKG_VERSION")),
         "{version}"
     );
-    // SHA256SUMS covers both files.
+    // SHA256SUMS covers the binary, the .deb and the tarball.
     let sums = run(Command::new("sha256sum")
         .arg("-c")
         .arg("SHA256SUMS")
         .current_dir(&r.dir));
     assert_eq!(
         sums.lines().filter(|l| l.ends_with(": OK")).count(),
-        2,
+        3,
         "{sums}"
     );
 }
@@ -378,4 +378,51 @@ fn release_deb_over_a_copy_install_keeps_its_environment_file() {
         "{text}"
     );
     assert!(!text.contains("useradd"), "{text}");
+}
+
+/// Hosts without dpkg (RHEL/CentOS 7) get a tarball: the binary with install.sh, which finds
+/// the unit and the environment file template beside itself.
+#[test]
+fn release_tarball_carries_the_binary_and_install_sh() {
+    let r = release();
+    let name = format!("delay-worker-{}-x86_64-linux", env!("CARGO_PKG_VERSION"));
+    let dir = temp_dir("dw-tarball");
+    run(Command::new("tar")
+        .arg("-xzf")
+        .arg(r.dir.join(format!("{name}.tar.gz")))
+        .arg("-C")
+        .arg(&dir));
+    let top = dir.join(&name);
+    for (file, mode) in [
+        ("worker", 0o755),
+        ("install.sh", 0o755),
+        ("worker.service", 0o644),
+        ("worker.env", 0o644),
+    ] {
+        assert_eq!(mode_and_owner(&top.join(file)).0, mode, "{file}");
+    }
+    assert_eq!(
+        std::fs::read(top.join("worker")).unwrap(),
+        std::fs::read(r.dir.join("worker")).unwrap(),
+        "the tarball's binary is not the released one"
+    );
+    let out = Command::new("bash")
+        .arg("install.sh")
+        .args(["--dry-run", "./worker"])
+        .current_dir(&top)
+        .output()
+        .unwrap();
+    let text = said(&out);
+    assert!(out.status.success(), "{text}");
+    for step in [
+        "install -D -m 0755 -o root -g root ./worker /usr/local/bin/worker",
+        &format!("{}/worker.env /etc/delay-worker/worker.env", top.display()),
+        &format!(
+            "{}/worker.service /etc/systemd/system/delay-worker.service",
+            top.display()
+        ),
+    ] {
+        assert!(text.contains(step), "no {step:?} in:\n{text}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
