@@ -45,7 +45,7 @@ file=
 for arg in "$@"; do
   case "$arg" in
     --dry-run) dry_run=1 ;;
-    -h|--help) sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,/^set /{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;;
     -*) echo "install: unknown option $arg (try --help)" >&2; exit 2 ;;
     *)
       [ -z "$file" ] || { echo "install: more than one file given" >&2; exit 2; }

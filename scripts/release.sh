@@ -39,7 +39,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --out) [ $# -ge 2 ] || { echo "release: --out needs a directory" >&2; exit 2; }; out=$2; shift ;;
     --profile) [ $# -ge 2 ] || { echo "release: --profile needs a name" >&2; exit 2; }; profile=$2; shift ;;
-    -h|--help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,/^set /{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;;
     *) echo "release: unknown argument $1 (try --help)" >&2; exit 2 ;;
   esac
   shift
