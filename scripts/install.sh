@@ -1,27 +1,39 @@
 #!/usr/bin/env bash
 # Installs the worker as a systemd service on a host without containers. Run as root.
 #
-#   scripts/install.sh [--dry-run] [BINARY]
+#   scripts/install.sh [--dry-run] [FILE]
 #
-#   BINARY     the worker binary to install [default: target/release/worker]
+#   FILE       a delay-worker .deb (scripts/release.sh makes one) or a worker binary
+#              [default: where dpkg exists, the .deb in target/dist; elsewhere
+#              target/release/worker]
 #   --dry-run  print the steps, change nothing (needs neither root nor systemd)
 #
-# Steps: the binary to /usr/local/bin/worker; a system user and group `delay-worker`; the
-# environment file /etc/delay-worker/worker.env (mode 0600, root; created from a template
-# only when absent, never overwritten); the unit scripts/worker.service as
-# /etc/systemd/system/delay-worker.service; then, when systemd is running (PID 1),
-# `systemctl daemon-reload` and `systemctl enable --now` (or a restart when the service
-# already runs, so a new binary takes over). A freshly created environment file is only a
-# template, so the service is then enabled but not started: fill it in, run
-# `worker migrate`, then `systemctl start delay-worker`. Without systemd the script says
-# what it would have done and exits 0. Running it again is safe (an upgrade).
+# A .deb (Debian, Ubuntu: where dpkg exists) is installed with `dpkg -i --force-confold`:
+# the package holds the binary (/usr/bin/worker), the unit, the environment file template
+# and creates the system user (README "Packages"); an existing environment file is kept. A
+# host installed from a binary before moves to the package: its /usr/local/bin/worker and
+# the copied unit in /etc/systemd/system (which would hide the package's) are removed.
+#
+# A binary is copied instead: to /usr/local/bin/worker; a system user and group
+# `delay-worker`; the environment file /etc/delay-worker/worker.env (mode 0600, root;
+# created from scripts/worker.env only when absent, never overwritten); the unit
+# scripts/worker.service as /etc/systemd/system/delay-worker.service.
+#
+# Then, when systemd is running (PID 1), `systemctl daemon-reload` and `systemctl enable
+# --now` (or a restart when the service already runs, so a new binary takes over). A
+# freshly created environment file is only a template, so the service is then enabled but
+# not started: fill it in, run `worker migrate`, then `systemctl start delay-worker`.
+# Without systemd the script says what it would have done and exits 0. Running it again is
+# safe (an upgrade).
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(dirname "$here")
 
+PACKAGE=delay-worker
 UNIT_NAME=delay-worker.service
 UNIT_SRC=$here/worker.service
+ENV_SRC=$here/worker.env
 BIN_DST=/usr/local/bin/worker
 USER_NAME=delay-worker
 ETC_DIR=/etc/delay-worker
@@ -29,95 +41,129 @@ ENV_FILE=$ETC_DIR/worker.env
 UNIT_DST=/etc/systemd/system/$UNIT_NAME
 
 dry_run=0
-binary=
+file=
 for arg in "$@"; do
   case "$arg" in
     --dry-run) dry_run=1 ;;
-    -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,/^set /{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;;
     -*) echo "install: unknown option $arg (try --help)" >&2; exit 2 ;;
     *)
-      [ -z "$binary" ] || { echo "install: more than one binary given" >&2; exit 2; }
-      binary=$arg
+      [ -z "$file" ] || { echo "install: more than one file given" >&2; exit 2; }
+      file=$arg
       ;;
   esac
 done
-binary=${binary:-$root/target/release/worker}
+have_dpkg=0
+command -v dpkg >/dev/null && have_dpkg=1
+if [ -z "$file" ]; then
+  if [ "$have_dpkg" = 1 ]; then
+    file=$(ls -1 "$root"/target/dist/${PACKAGE}_*.deb 2>/dev/null | sort -V | tail -n 1 || true)
+    file=${file:-$root/target/dist/${PACKAGE}_VERSION_amd64.deb}
+  else
+    file=$root/target/release/worker
+  fi
+fi
+case "$file" in
+  *.deb) kind=deb ;;
+  *) kind=binary ;;
+esac
 
 die() { echo "install: $*" >&2; exit 1; }
 step() { echo "+ $*"; }
+note() { echo "install: $*"; }
 # Runs a command, or only shows it under --dry-run.
 run() {
   step "$(printf '%q ' "$@")"
   [ "$dry_run" = 1 ] || "$@"
 }
+# Stops unless this is a dry run, which only notes the problem.
+refuse() {
+  [ "$dry_run" = 1 ] || die "$*"
+  note "note: $*"
+}
+package_installed() {
+  [ "$have_dpkg" = 1 ] &&
+    dpkg-query -W -f='${Status}' "$PACKAGE" 2>/dev/null | grep -q ' installed$'
+}
 
 [ -f "$UNIT_SRC" ] || die "unit file $UNIT_SRC is missing"
-if [ ! -x "$binary" ]; then
-  [ "$dry_run" = 1 ] || die "no executable worker at $binary (build it: cargo build --release, or name one)"
-  echo "install: note: no executable worker at $binary yet (cargo build --release)"
+[ -f "$ENV_SRC" ] || die "environment file template $ENV_SRC is missing"
+if [ "$kind" = deb ]; then
+  [ "$have_dpkg" = 1 ] ||
+    die "a .deb needs dpkg; on this host install the binary instead: scripts/install.sh DIR/worker"
+  [ -f "$file" ] ||
+    refuse "no package at $file (make one: scripts/release.sh; or name a .deb or a binary)"
+else
+  [ -x "$file" ] ||
+    refuse "no executable worker at $file (build it: cargo build --release, or name one)"
+  ! package_installed ||
+    refuse "$PACKAGE is installed as a package (/usr/bin/worker): install a newer .deb, or remove it first (dpkg -r $PACKAGE)"
 fi
 if [ "$dry_run" = 0 ] && [ "$(id -u)" != 0 ]; then
   die "run as root (or with --dry-run to see the steps)"
 fi
-[ "$dry_run" = 1 ] && echo "install: dry run, nothing is changed"
+[ "$dry_run" = 1 ] && note "dry run, nothing is changed"
 
-# 1. The binary. `install` writes a new file and renames it over the old one, so a
-#    running worker keeps its inode and is not disturbed until the restart below.
-run install -D -m 0755 -o root -g root "$binary" "$BIN_DST"
-
-# 2. A dedicated system user without a login or a home directory.
-if getent passwd "$USER_NAME" >/dev/null; then
-  step "system user $USER_NAME exists"
-else
-  run useradd --system --user-group --no-create-home --home-dir /nonexistent \
-    --shell /usr/sbin/nologin --comment "delay-worker service" "$USER_NAME"
-fi
-
-# 3. The environment file: secrets, so root-only; systemd reads it before dropping to
-#    the service user. An existing file is the operator's and is left alone.
 env_created=0
-run install -d -m 0755 -o root -g root "$ETC_DIR"
-if [ -e "$ENV_FILE" ]; then
-  step "keeping the existing $ENV_FILE"
-else
-  env_created=1
-  step "write $ENV_FILE (mode 0600, owner root) from the template"
-  if [ "$dry_run" = 0 ]; then
-    (
-      umask 077
-      cat >"$ENV_FILE" <<'EOF'
-# delay-worker settings, read by systemd for delay-worker.service (keep mode 0600).
-# Fill in both URLs, then: worker migrate; systemctl start delay-worker
-#REDIS_URL=redis://:password@127.0.0.1:6379/0
-#DATABASE_URL=postgres://shop:password@127.0.0.1:5432/shop
-RUST_LOG=info
-# Extra flags for `worker --threads 8`, e.g. metrics for Prometheus:
-#WORKER_ARGS=--metrics-addr 127.0.0.1:9187
-EOF
-    )
-    chown root:root "$ENV_FILE"
-    chmod 0600 "$ENV_FILE"
-  fi
-fi
+[ -e "$ENV_FILE" ] || env_created=1
+# A restart is left to this script unless the package's postinst makes it (an upgrade of
+# the package restarts a running worker itself).
+restart=1
 
-# 4. The unit.
-run install -D -m 0644 -o root -g root "$UNIT_SRC" "$UNIT_DST"
+if [ "$kind" = deb ]; then
+  # 1. Leftovers of a copy install: the unit in /etc would hide the package's, and
+  #    /usr/local/bin comes before /usr/bin in PATH.
+  if [ -f "$UNIT_DST" ] && grep -q '^ExecStart=/usr/local/bin/worker' "$UNIT_DST"; then
+    run rm -f "$UNIT_DST"
+  fi
+  if [ -x "$BIN_DST" ] && "$BIN_DST" --version 2>/dev/null | grep -q '^worker '; then
+    run rm -f "$BIN_DST"
+  fi
+  # 2. The package. --force-confold: an environment file already there (edited, or
+  #    written by a copy install) is kept without a question.
+  package_installed && restart=0
+  run dpkg -i --force-confold "$file"
+else
+  # 1. The binary. `install` writes a new file and renames it over the old one, so a
+  #    running worker keeps its inode and is not disturbed until the restart below.
+  run install -D -m 0755 -o root -g root "$file" "$BIN_DST"
+
+  # 2. A dedicated system user without a login or a home directory.
+  if getent passwd "$USER_NAME" >/dev/null; then
+    step "system user $USER_NAME exists"
+  else
+    run useradd --system --user-group --no-create-home --home-dir /nonexistent \
+      --shell /usr/sbin/nologin --comment "delay-worker service" "$USER_NAME"
+  fi
+
+  # 3. The environment file: secrets, so root-only; systemd reads it before dropping to
+  #    the service user. An existing file is the operator's and is left alone.
+  run install -d -m 0755 -o root -g root "$ETC_DIR"
+  if [ "$env_created" = 0 ]; then
+    step "keeping the existing $ENV_FILE"
+  else
+    run install -m 0600 -o root -g root "$ENV_SRC" "$ENV_FILE"
+  fi
+
+  # 4. The unit.
+  run install -D -m 0644 -o root -g root "$UNIT_SRC" "$UNIT_DST"
+fi
 
 # 5. systemd, when it is what runs this host (the check sd_booted(3) makes).
 if [ -d /run/systemd/system ]; then
   run systemctl daemon-reload
   if [ "$env_created" = 1 ]; then
     run systemctl enable "$UNIT_NAME"
-    echo "install: fill in $ENV_FILE, run \`worker migrate\` with those URLs, then: systemctl start $UNIT_NAME"
+    note "fill in $ENV_FILE, run \`worker migrate\` with those URLs, then: systemctl start $UNIT_NAME"
   elif [ "$dry_run" = 0 ] && systemctl is-active --quiet "$UNIT_NAME"; then
     run systemctl enable "$UNIT_NAME"
-    run systemctl restart "$UNIT_NAME"
+    [ "$restart" = 0 ] || run systemctl restart "$UNIT_NAME"
   else
     run systemctl enable --now "$UNIT_NAME"
   fi
 else
-  echo "install: systemd is not running here (PID 1 is $(cat /proc/1/comm 2>/dev/null || echo unknown)); on a systemd host this would now run:"
+  note "systemd is not running here (PID 1 is $(cat /proc/1/comm 2>/dev/null || echo unknown)); on a systemd host this would now run:"
   echo "    systemctl daemon-reload"
   echo "    systemctl enable --now $UNIT_NAME"
 fi
-echo "install: done"
+note "done"

@@ -4,10 +4,30 @@
 # port and clones its own PostgreSQL database from a migrated template, so tests run in
 # parallel. Message decoding is covered by property tests in the normal suite; long fuzzing
 # (scripts/fuzz.sh) and the long chaos soak (scripts/chaos.sh) are separate.
+#
+# The glibc 2.17 release build (scripts/release.sh with the quick glibc-check profile,
+# minutes of CPU) runs in the background from the start at a low CPU priority (nice 10), so
+# it mostly takes what the build and the tests leave idle; tests/it/release.rs waits for it
+# (DW_RELEASE_CHECK names its directory: log, then rc). promtool is fetched first, for
+# tests/it/monitoring.rs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
 phase() { echo "== $* ($(( $(date +%s) - start ))s)"; }
+phase "background: promtool, then the glibc 2.17 release build (log: target/release-check/log)"
+export DW_RELEASE_CHECK=$PWD/target/release-check
+mkdir -p "$DW_RELEASE_CHECK"
+rm -f "$DW_RELEASE_CHECK/rc"
+setsid nice -n 10 bash -c '
+  scripts/monitoring/promtool.sh >/dev/null 2>&1 || true
+  rc=0
+  CARGO_TARGET_DIR=$DW_RELEASE_CHECK/build scripts/release.sh --profile glibc-check \
+    --out "$DW_RELEASE_CHECK/dist" || rc=$?
+  echo "$rc" >"$DW_RELEASE_CHECK/rc.new" && mv "$DW_RELEASE_CHECK/rc.new" "$DW_RELEASE_CHECK/rc"
+' >"$DW_RELEASE_CHECK/log" 2>&1 </dev/null &
+release_pid=$!
+# A run filtered to some tests does not wait for it.
+trap 'kill -- -"$release_pid" 2>/dev/null || true' EXIT
 phase "services: redis-server and postgresql (installed with apt-get when missing)"
 scripts/services.sh start --fast
 export DW_TEST_DATABASE_URL="postgres://postgres@127.0.0.1:${DW_PG_PORT:-5439}/postgres"

@@ -14,10 +14,12 @@ mod loss;
 mod metrics_server;
 
 mod migrate;
+mod monitoring;
 mod mover;
 mod ops;
 mod privilege;
 mod producer;
+mod release;
 mod retention;
 mod secrets;
 mod sets;
