@@ -28,6 +28,7 @@ use crate::db;
 use crate::shutdown::Shutdown;
 use crate::stats::{sample, Stats};
 use crate::store;
+use std::fmt::Write as _;
 use std::io::{ErrorKind, Read, Write};
 use std::net::Shutdown as Close;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
@@ -368,6 +369,7 @@ impl<'a> Server<'a> {
         ] {
             sample(&mut out, name, "gauge", help, v);
         }
+        self.render_queue(&mut out);
         if let Some(rss) = resident_memory_bytes() {
             sample(
                 &mut out,
@@ -380,6 +382,130 @@ impl<'a> Server<'a> {
         out
     }
 }
+
+impl Server<'_> {
+    /// The queue's own figures, as `worker stats` reads them (one connection of the
+    /// scrape's own, two pipelined round trips, bounded by [`PROBE_IO_TIMEOUT`]): the same
+    /// for every worker process of one queue, so alert rules take `max` over them.
+    /// `delay_worker_queue_up` is 0 when they could not be read.
+    fn render_queue(&self, out: &mut String) {
+        let src = &self.src;
+        let report = store::connect_with(src.redis, PROBE_IO_TIMEOUT)
+            .map_err(|e| e.to_string())
+            .and_then(|mut con| {
+                crate::admin::gather(
+                    &mut con,
+                    &src.config.keys,
+                    crate::now_ms(),
+                    QUEUE_DEAD_WINDOW,
+                )
+                .map_err(|e| e.to_string())
+            });
+        let r = match report {
+            Ok(r) => r,
+            Err(e) => {
+                log::debug!("metrics: queue figures unavailable: {e}");
+                sample(out, "delay_worker_queue_up", "gauge", QUEUE_UP_HELP, 0);
+                return;
+            }
+        };
+        sample(out, "delay_worker_queue_up", "gauge", QUEUE_UP_HELP, 1);
+        let secs = |ms: Option<i64>| ms.unwrap_or(0).max(0) as f64 / 1000.0;
+        let g = &r.group;
+        for (name, help, v) in [
+            (
+                "delay_worker_stream_pending",
+                "Stream entries delivered to the group and not yet acknowledged (XPENDING).",
+                g.pending as f64,
+            ),
+            (
+                "delay_worker_stream_oldest_pending_seconds",
+                "Age of the oldest pending stream entry (0 when none is pending).",
+                secs(g.oldest_pending_age_ms),
+            ),
+            (
+                "delay_worker_stream_lag",
+                "Stream entries not yet delivered to the group (0 when Redis cannot tell).",
+                g.lag.unwrap_or(0) as f64,
+            ),
+            (
+                "delay_worker_pool_size",
+                "Members scheduled in the delay pool.",
+                r.pool.size as f64,
+            ),
+            (
+                "delay_worker_pool_due",
+                "Members due now but not moved yet.",
+                r.pool.due as f64,
+            ),
+            (
+                "delay_worker_mover_lag_seconds",
+                "How overdue the oldest due member of the delay pool is (0 when nothing is due).",
+                r.pool.mover_lag_ms.max(0) as f64 / 1000.0,
+            ),
+            (
+                "delay_worker_dead_letters",
+                "Dead letters kept in the dead-letter stream (XLEN).",
+                r.dead.length as f64,
+            ),
+            (
+                "delay_worker_dead_letters_recent",
+                "Dead letters of the dead-letter stream written within the last 5 minutes.",
+                r.dead.new as f64,
+            ),
+        ] {
+            sample(out, name, "gauge", help, v);
+        }
+        if r.queues.is_empty() {
+            return;
+        }
+        let labelled =
+            |out: &mut String,
+             name: &str,
+             help: &str,
+             value: &dyn Fn(&crate::admin::stats::QueueFigures) -> f64| {
+                crate::stats::header(out, name, "gauge", help);
+                for q in &r.queues {
+                    let _ = writeln!(
+                        out,
+                        "{name}{{queue=\"{}\"}} {}",
+                        crate::stats::escape(&q.name),
+                        value(q)
+                    );
+                }
+            };
+        labelled(
+            out,
+            "delay_worker_list_queue_length",
+            "List mode: messages waiting in the queue.",
+            &|q| q.length as f64,
+        );
+        labelled(
+            out,
+            "delay_worker_list_queue_oldest_seconds",
+            "List mode: how long the queue's oldest message has waited (0 when empty or unknown).",
+            &|q| secs(q.oldest_age_ms),
+        );
+        labelled(
+            out,
+            "delay_worker_list_dead",
+            "List mode: letters in the queue's dead list.",
+            &|q| q.dead as f64,
+        );
+        labelled(
+            out,
+            "delay_worker_list_dead_recent",
+            "List mode: letters of the queue's dead list written within the last 5 minutes.",
+            &|q| q.dead_new as f64,
+        );
+    }
+}
+
+const QUEUE_UP_HELP: &str =
+    "1 when the queue figures below could be read from Redis for this scrape, else 0.";
+
+/// Dead letters this recent count as recent in the queue figures.
+const QUEUE_DEAD_WINDOW: Duration = Duration::from_secs(300);
 
 /// The open connections: at most [`MAX_CONNECTIONS`], each with a handle to close it.
 #[derive(Default)]

@@ -266,6 +266,13 @@ fn ops_metrics_count_jobs_and_healthz_follows_postgres() {
     );
     assert!(v("delay_worker_moved_total") >= 6.0);
     assert_eq!(v("delay_worker_dead_letters_total"), 1.0);
+    // The queue's own figures, read from Redis for the scrape: the letter is kept, nothing
+    // is pending or due.
+    assert_eq!(v("delay_worker_queue_up"), 1.0);
+    assert_eq!(v("delay_worker_dead_letters"), 1.0);
+    assert_eq!(v("delay_worker_dead_letters_recent"), 1.0);
+    assert_eq!(v("delay_worker_stream_pending"), 0.0);
+    assert_eq!(v("delay_worker_pool_due"), 0.0);
     assert_eq!(v("delay_worker_channel_depth"), 0.0);
     assert_eq!(
         v("delay_worker_channel_capacity"),
