@@ -4,21 +4,27 @@
 //! batch and pool (ours, plus any legacy pools), into the stream or, in list mode, a
 //! queue, so any number of movers (one per worker process) run at once without duplicates
 //! or loss. A member that cannot be moved (over the size limit, a legacy key of another
-//! type, no data past the grace) is dead-lettered by the same script and the rest move
-//! on. After moving anything it rings the reader's doorbell. A full batch loops at once;
-//! otherwise it sleeps until the next due score or the poll interval, whichever comes
-//! first. Stops within one poll interval of shutdown (the sleep is woken at once); a
-//! Redis error backs off (and reconnects when the connection is lost); a key of the wrong
-//! type is reported to the health checks until an operator fixes it.
+//! type or that Redis refuses to read, no data past the grace) is dead-lettered by the
+//! same script and the rest move on. After moving anything it rings the reader's
+//! doorbell. A full batch loops at once; otherwise it sleeps until the next due score or
+//! the poll interval, whichever comes first. Stops within one poll interval of shutdown
+//! (the sleep is woken at once).
+//!
+//! Each pool is moved on its own: a call that fails for one pool (a key of the wrong type,
+//! a command Redis refuses) is reported to the health checks under that pool's name, and
+//! that pool alone backs off (capped at 30 s) while the others keep their schedule; its
+//! problem is cleared by its next clean call. Only a lost connection fails the whole tick:
+//! the thread reconnects and backs off.
 
-use crate::backoff::Backoff;
+use crate::backoff::{Backoff, MAX_BACKOFF};
 use crate::config::MoverConfig;
 use crate::keys::Keys;
 use crate::shutdown::Shutdown;
 use crate::source::Doorbell;
 use crate::stats::Stats;
-use crate::store::{self, MoveReport, Pool, StoreResult, Target};
+use crate::store::{self, MoveReport, Pool, StoreError, StoreResult, Target};
 use redis::ConnectionLike;
+use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 pub struct Mover<'a> {
@@ -26,15 +32,54 @@ pub struct Mover<'a> {
     cfg: &'a MoverConfig,
     stats: &'a Stats,
     doorbell: Doorbell,
+    /// Ours first, then each legacy pool in the order of `cfg.legacy`.
+    pools: Mutex<Vec<PoolState>>,
+}
+
+/// One pool's own schedule: after a failed call it waits out its own backoff.
+struct PoolState {
+    /// The name its problems are reported and logged under: `mover` for our pool,
+    /// `mover (legacy pool KEY)` for a legacy one.
+    role: String,
+    backoff: Backoff,
+    /// Not tried again before this time (unix ms), after a failed call.
+    retry_at_ms: Option<i64>,
+}
+
+impl PoolState {
+    fn new(role: String) -> PoolState {
+        PoolState {
+            backoff: Backoff::new(&role),
+            role,
+            retry_at_ms: None,
+        }
+    }
+
+    /// How long this pool still waits out its backoff at `now_ms`; `None` when it is due.
+    fn waiting(&self, now_ms: i64) -> Option<Duration> {
+        let left = self.retry_at_ms? - now_ms;
+        // A wall clock stepped back is no reason to wait longer than the longest backoff.
+        (left > 0 && left <= MAX_BACKOFF.as_millis() as i64)
+            .then(|| Duration::from_millis(left as u64))
+    }
 }
 
 impl<'a> Mover<'a> {
     pub fn new(keys: &'a Keys, cfg: &'a MoverConfig, stats: &'a Stats) -> Self {
+        let pools = std::iter::once("mover".to_string())
+            .chain(
+                cfg.legacy
+                    .iter()
+                    .map(|l| format!("mover (legacy pool {})", l.key)),
+            )
+            .map(PoolState::new)
+            .collect();
         Mover {
             keys,
             cfg,
             stats,
             doorbell: Doorbell::default(),
+            pools: Mutex::new(pools),
         }
     }
 
@@ -44,8 +89,10 @@ impl<'a> Mover<'a> {
         self
     }
 
-    /// One batch from each pool at time `now_ms`. Returns what moved and how long to
-    /// sleep before the next tick (zero: loop at once).
+    /// One batch from each pool that is not backing off, at time `now_ms`. Returns what
+    /// moved and how long to sleep before the next tick (zero: loop at once). A pool whose
+    /// call fails is reported and backs off on its own (see the module header); only a
+    /// lost connection is returned as an error, after what moved before it was counted.
     pub fn tick(
         &self,
         con: &mut dyn ConnectionLike,
@@ -70,10 +117,16 @@ impl<'a> Mover<'a> {
             pool: &l.key,
             event: &l.event,
         });
+        let mut states = self.pools.lock().unwrap_or_else(PoisonError::into_inner);
         let mut sleep = self.cfg.poll;
         let mut total = MoveReport::default();
-        for pool in std::iter::once(ours).chain(legacy) {
-            let report = store::move_due(
+        let mut lost = None;
+        for (pool, state) in std::iter::once(ours).chain(legacy).zip(states.iter_mut()) {
+            if let Some(wait) = state.waiting(now_ms) {
+                sleep = sleep.min(wait);
+                continue;
+            }
+            match store::move_due(
                 con,
                 pool,
                 &self.keys.jobs,
@@ -82,30 +135,69 @@ impl<'a> Mover<'a> {
                 self.cfg.batch,
                 grace,
                 self.cfg.max_message_bytes,
-            )?;
-            sleep = sleep.min(self.next_sleep(&report, now_ms));
-            total.moved += report.moved;
-            total.skipped += report.skipped;
-            total.next_due_ms = match (total.next_due_ms, report.next_due_ms) {
-                (Some(a), Some(b)) => Some(a.min(b)),
-                (a, b) => a.or(b),
-            };
-            total.buried.extend(report.buried);
-            if let Some(w) = report.blocked {
-                let problem = format!(
-                    "members that cannot be moved stay in the pool: {w}; rename or remove the key"
-                );
-                if self.stats.report_problem("mover", problem.clone()) {
-                    log::error!("mover: {problem}");
+            ) {
+                Ok(report) => {
+                    sleep = sleep.min(self.next_sleep(&report, now_ms));
+                    self.moved(state, &report);
+                    absorb(&mut total, report);
                 }
+                Err(e) if e.is_connection() => {
+                    lost = Some(e);
+                    break;
+                }
+                Err(e) => sleep = sleep.min(self.failed(state, &e, now_ms)),
             }
         }
+        drop(states);
         Stats::add(&self.stats.moved, (total.moved + total.buried.len()) as u64);
         self.stats.dead_lettered("mover", &total.buried);
         if total.moved > 0 {
             self.doorbell.ring();
         }
-        Ok((total, sleep))
+        match lost {
+            Some(e) => Err(e),
+            None => Ok((total, sleep)),
+        }
+    }
+
+    /// A pool's clean call: its backoff ends, and its problem with it unless the call met
+    /// a dead-letter key of the wrong type again.
+    fn moved(&self, state: &mut PoolState, report: &MoveReport) {
+        state.retry_at_ms = None;
+        state.backoff.reset();
+        let role = &state.role;
+        if let Some(w) = &report.blocked {
+            let problem = format!(
+                "members that cannot be moved stay in the pool: {w}; rename or remove the key"
+            );
+            if self.stats.report_problem(role, problem.clone()) {
+                log::error!("{role}: {problem}");
+            }
+        } else if self.stats.clear_problem(role, i64::MAX) {
+            log::info!("{role}: fixed, the pool moves again");
+        }
+        if let Some((key, err)) = report.undeleted.first() {
+            log::warn!(
+                "{role}: {} moved or buried member(s) whose STRING key Redis refused to \
+                 delete, left in place (first: {key:?}: {err}); give the ACL user write \
+                 access to those keys",
+                report.undeleted.len()
+            );
+        }
+    }
+
+    /// A pool's failed call: reported under its name, and it alone waits before its next
+    /// try. Returns that wait.
+    fn failed(&self, state: &mut PoolState, e: &StoreError, now_ms: i64) -> Duration {
+        let wait = state.backoff.next_delay();
+        state.retry_at_ms = Some(now_ms.saturating_add(wait.as_millis() as i64));
+        let role = &state.role;
+        if self.stats.report_problem(role, e.to_string()) {
+            log::error!("{role}: {e}; this pool retries with backoff, the others go on");
+        } else {
+            log::debug!("{role}: still failing: {e}");
+        }
+        wait
     }
 
     fn next_sleep(&self, r: &MoveReport, now_ms: i64) -> Duration {
@@ -139,30 +231,36 @@ impl<'a> Mover<'a> {
                     }
                 },
             };
-            let step_started = crate::now_ms();
-            match self.tick(c, step_started) {
+            match self.tick(c, crate::now_ms()) {
                 Ok((_, sleep)) => {
                     backoff.reset();
-                    if self.stats.clear_problem("mover", step_started) {
-                        log::info!("mover: the key that held members back is fixed");
-                    }
                     Stats::beat(&self.stats.mover_beat_ms);
                     if !sleep.is_zero() {
                         shutdown.wait(sleep);
                     }
                 }
                 Err(e) => {
-                    if let Some(p) = e.operator_problem() {
-                        self.stats.report_problem("mover", p);
-                    }
-                    if e.is_connection() {
-                        con = None;
-                        self.stats.redis_failure(&backoff);
-                    }
+                    // Only a lost connection ends a tick (each pool's own failures are
+                    // handled in it).
+                    con = None;
+                    self.stats.redis_failure(&backoff);
                     backoff.fail("move_due failed", &e, shutdown);
                 }
             }
         }
         log::info!("mover: stopped");
     }
+}
+
+/// Adds one pool's report to the tick's.
+fn absorb(total: &mut MoveReport, r: MoveReport) {
+    total.moved += r.moved;
+    total.skipped += r.skipped;
+    total.next_due_ms = match (total.next_due_ms, r.next_due_ms) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    };
+    total.buried.extend(r.buried);
+    total.blocked = total.blocked.take().or(r.blocked);
+    total.undeleted.extend(r.undeleted);
 }

@@ -31,14 +31,22 @@
 -- them (at most ten batches' worth of members are looked at per call).
 --
 -- A member that cannot be moved is not left to block the others: one whose data is over
--- the size limit, whose legacy key holds another type, or whose data never arrived
--- within the grace goes to the dead letters with its reason (an oversized message as a
--- prefix, its length and a digest), and then leaves the pool.
+-- the size limit, whose legacy key holds another type or cannot be read (Redis refuses
+-- the command: an ACL user whose key patterns leave that key out), or whose data never
+-- arrived within the grace goes to the dead letters with its reason (an oversized
+-- message as a prefix, its length and a digest), and then leaves the pool.
+--
+-- A legacy member's key is not declared in KEYS, so an error of a command on it is about
+-- that member alone: those commands run under redis.pcall, and their error becomes the
+-- member's dead letter (a read) or is reported (the DEL after a move) instead of ending
+-- the script at that member, which would stop the pool there at every call.
 --
 -- Returns {moved, skipped, next_due_ms or -1, {key, reason, ...} of the buried,
--- {key, found, wanted} or {}}. `skipped` counts due members left in the pool: data not
--- arrived yet (inside the grace), or a burial blocked by a dead-letter key of another
--- type (reported in the last element).
+-- {key, found, wanted} or {}, {key, error, ...} of legacy keys Redis refused to delete}.
+-- `skipped` counts due members left in the pool: data not arrived yet (inside the
+-- grace), or a burial blocked by a dead-letter key of another type (reported in the
+-- fifth element). A legacy key that cannot be deleted stays as it is; its member has
+-- left the pool all the same (moved once, or buried).
 local now_ms = tonumber(ARGV[1])
 local limit = tonumber(ARGV[3])
 local grace = tonumber(ARGV[4])
@@ -62,6 +70,7 @@ local blocked = {}
 
 local moved, skipped = 0, 0
 local buried = {}
+local undeleted = {}
 local t = redis.call('TIME')
 local stamp = t[1] .. string.format('%06d', tonumber(t[2]))
 
@@ -115,6 +124,17 @@ local function with_job_id(msg, id)
   return '{"job_id":"' .. id .. '"' .. sep .. rest
 end
 
+-- A command on a legacy member's own key: its reply, or nil and the error Redis gave.
+local function on_member(cmd, key)
+  local r = redis.pcall(cmd, key)
+  if type(r) == 'table' and r.err then return nil, r.err end
+  return r
+end
+
+local function unreadable(key, err)
+  return 'legacy key ' .. key .. ' cannot be read: ' .. err
+end
+
 -- The member's message, or nil and why not: 'missing' (no data yet) or a reason to bury.
 local function fetch(key)
   if legacy == '' then
@@ -124,14 +144,20 @@ local function fetch(key)
     if not msg then return nil, 'missing' end
     return msg
   end
-  local kt = redis.call('TYPE', key)['ok']
+  local kt, err = on_member('TYPE', key)
+  if err then return nil, unreadable(key, err) end
+  kt = kt['ok']
   if kt == 'none' then return nil, 'missing' end
   if kt ~= 'string' then
     return nil, 'legacy job key holds a ' .. kt .. ', not a string with an order id'
   end
-  local len = redis.call('STRLEN', key)
+  local len
+  len, err = on_member('STRLEN', key)
+  if err then return nil, unreadable(key, err) end
   if len > max_bytes then return nil, oversize_reason(len, max_bytes), len end
-  local id = redis.call('GET', key)
+  local id
+  id, err = on_member('GET', key)
+  if err then return nil, unreadable(key, err) end
   local value = id
   if not string.match(id, '^%-?%d+$') then value = json_string(id) end
   return '{"event":' .. json_string(legacy) .. ',"payload":{"order_id":' .. value ..
@@ -143,7 +169,11 @@ local function forget(key)
     redis.call('HDEL', KEYS[2], key)
     redis.call('HDEL', KEYS[5], key)
   else
-    redis.call('DEL', key)
+    local _, err = on_member('DEL', key)
+    if err then
+      undeleted[#undeleted + 1] = key
+      undeleted[#undeleted + 1] = err
+    end
   end
 end
 
@@ -157,9 +187,11 @@ local function bury(key, reason, len)
   local msg, digest = '', ''
   if len then
     local full
-    if legacy == '' then full = redis.call('HGET', KEYS[2], key) else full = redis.call('GET', key) end
-    msg = string.sub(full, 1, OVERSIZE_PREFIX)
-    digest = redis.sha1hex(full)
+    if legacy == '' then full = redis.call('HGET', KEYS[2], key) else full = on_member('GET', key) end
+    if full then
+      msg = string.sub(full, 1, OVERSIZE_PREFIX)
+      digest = redis.sha1hex(full)
+    end
   end
   if mode == 'list' then
     redis.call('LPUSH', KEYS[4], cjson.encode({
@@ -213,7 +245,8 @@ local function handle(items, scale)
       moved = moved + 1
     elseif why ~= 'missing' then
       if bury(key, why, len) then
-        -- A legacy key of another type is the producer's: left alone, only unscheduled.
+        -- A legacy key of another type is the producer's, and one that cannot be read
+        -- cannot be deleted either: left alone, only unscheduled.
         if len then forget(key) end
         redis.call('ZREM', KEYS[1], key)
       else
@@ -263,4 +296,4 @@ end
 -- Lua numbers become integers in the reply; keep absurd scores (1e300, inf) in range.
 if next_due > 9e15 then next_due = 9e15 end
 
-return {moved, skipped, next_due, buried, blocked}
+return {moved, skipped, next_due, buried, blocked, undeleted}

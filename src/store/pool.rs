@@ -88,11 +88,16 @@ pub struct MoveReport {
     /// Due time (unix ms) of the earliest member not yet due.
     pub next_due_ms: Option<i64>,
     /// Members sent to the dead letters instead (job key, reason): data over the size
-    /// limit, a legacy key of another type, or no data past the grace.
+    /// limit, a legacy key of another type or that Redis refuses to read (an ACL user's
+    /// key patterns leave it out), or no data past the grace.
     pub buried: Vec<(String, String)>,
     /// The dead-letter key, when it holds another type: members that should have been
     /// buried stay in the pool (counted in `skipped`) until it is fixed.
     pub blocked: Option<WrongType>,
+    /// Legacy keys whose member left the pool (moved or buried) but that Redis refused to
+    /// delete (key, Redis's error): an ACL user allowed to read them but not to write.
+    /// They stay as they are; nothing schedules them again.
+    pub undeleted: Vec<(String, String)>,
 }
 
 /// Where the mover puts due messages, and where the members it cannot move go.
@@ -162,5 +167,6 @@ pub fn move_due(
         next_due_ms: (next >= 0).then_some(next),
         buried: pairs(reply.get(3)),
         blocked: WrongType::from_reply(reply.get(4)),
+        undeleted: pairs(reply.get(5)),
     })
 }

@@ -8,6 +8,7 @@ mod cli;
 mod consumer;
 mod faults;
 mod hostile;
+mod legacy_stall;
 mod list;
 mod list_dead;
 mod loss;

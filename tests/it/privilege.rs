@@ -30,7 +30,7 @@ fn repo_file(path: &str) -> String {
 
 /// The ACL SETUSER rules of these files (under `scripts/redis-acl/`): every word of the
 /// lines that are not comments.
-fn rules(files: &[&str]) -> Vec<String> {
+pub(crate) fn rules(files: &[&str]) -> Vec<String> {
     files
         .iter()
         .map(|f| repo_file(&format!("scripts/redis-acl/{f}")))
