@@ -29,6 +29,7 @@
 //!   what they share), `workers.rs` — the three roles; `daemon.rs` runs them.
 //! - `handlers/` — what a job does in PostgreSQL; `db.rs` — pool, migrations, errors.
 //! - `stats.rs` — the one set of counters (log line, exit report, `/metrics`).
+//! - `prune.rs` — the inbox pruner: old `worker_inbox` rows deleted, one process at a time.
 //! - `shutdown.rs`, `backoff.rs` — the small shared pieces.
 //! - `admin/` — the operator's tools: `worker stats` (`--watch`, `--check`), `worker dead`.
 //! - `notify.rs` — systemd readiness and watchdog; `metrics.rs` — `/metrics` and `/healthz`.
@@ -46,6 +47,7 @@ pub mod metrics;
 pub mod mover;
 pub mod notify;
 pub mod producer;
+pub mod prune;
 pub mod shutdown;
 pub mod source;
 pub mod stats;

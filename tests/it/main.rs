@@ -15,5 +15,6 @@ mod migrate;
 mod mover;
 mod ops;
 mod producer;
+mod prune;
 mod retention;
 mod store;
