@@ -158,9 +158,8 @@ impl<'a> Pruner<'a> {
                 Err(e) => {
                     let what = format!("cannot prune old inbox rows: {e}");
                     if self.stats.report_trouble(ROLE, what.clone()) {
-                        log::warn!("inbox: {what} (tried again every {})", {
-                            humantime::format_duration(self.cfg.interval)
-                        });
+                        let every = humantime::format_duration(self.cfg.interval);
+                        log::warn!("inbox: {what} (tried again every {every})");
                     }
                 }
             }

@@ -332,3 +332,55 @@ fn pruning_while_jobs_run_keeps_the_books_and_redeliveries_within_the_retention_
         "{metrics}"
     );
 }
+
+#[test]
+fn a_failing_pruner_holds_no_job_back_and_tries_again() {
+    let mut env = Env::new();
+    env.config.prune.retention = Duration::from_secs(HOUR as u64);
+    env.config.prune.interval = Duration::from_millis(100);
+    let port = free_port();
+    env.config.metrics_addr = Some(format!("127.0.0.1:{port}").parse().unwrap());
+    fill(&env.db, "old:", 100, 2 * HOUR);
+    // Every delete fails, as it would without the DELETE privilege.
+    env.db
+        .client()
+        .batch_execute(
+            "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql
+               AS $$ BEGIN RAISE EXCEPTION 'no deletes here'; END $$;
+             CREATE TRIGGER refuse BEFORE DELETE ON worker_inbox
+               FOR EACH ROW EXECUTE FUNCTION refuse();",
+        )
+        .unwrap();
+    let config = prune_config(&env, HOUR as u64, 10);
+    let (stats, redis) = (
+        Stats::default(),
+        redis::Client::open(env.redis.url()).unwrap(),
+    );
+    let e = Pruner::new(&config, &stats, &redis)
+        .pass(&Shutdown::new())
+        .unwrap_err();
+    assert!(e.to_string().contains("no deletes here (P0001)"), "{e}");
+
+    let orders = seed_orders(&env.db, 20);
+    let daemon = Daemon::start(&env.config);
+    push_timeouts(&env, &orders, 0);
+    wait_until(WAIT, "every job done", || {
+        rows(&env.db, "order.timeout:") == 20
+    });
+    // Passes keep failing meanwhile; the daemon stays healthy.
+    std::thread::sleep(Duration::from_millis(300));
+    let (code, _, body) = http_get(port, "/healthz").unwrap();
+    assert_eq!((code, body.as_str()), (200, "ok\n"));
+    assert_eq!(rows(&env.db, "old:"), 100);
+    env.db
+        .client()
+        .batch_execute("DROP TRIGGER refuse ON worker_inbox")
+        .unwrap();
+    wait_until(WAIT, "the old rows pruned once deletes work", || {
+        rows(&env.db, "old:") == 0
+    });
+    let report = daemon.stop();
+    assert_eq!(report.stats.done, 20, "{}", report.stats);
+    assert_accounting(&env.db, &orders, &orders.iter().collect::<Vec<_>>());
+    assert_eq!(inbox_count(&env.db), 20);
+}

@@ -253,9 +253,12 @@ pub struct PruneFigures {
     pub rows_before: u64,
     pub pruned: u64,
     pub remaining: u64,
-    /// From the worker's readiness to its stop: what `rows_per_s` is counted over.
-    pub worker_s: f64,
+    /// From the first pass (one interval after the worker was ready) to the worker's
+    /// stop: what `rows_per_s` is counted over (passes and the waits between them).
+    pub pruning_s: f64,
     pub rows_per_s: f64,
+    /// Within the passes alone (batches and pauses), from the worker's log lines.
+    pub passes_rows_per_s: Option<f64>,
     pub p99_without_ms: Option<f64>,
     pub p99_with_ms: Option<f64>,
     pub p99_delta_ms: Option<f64>,
@@ -515,11 +518,12 @@ impl ScenarioResult {
         if let Some(p) = &self.prune {
             let opt = |v: Option<f64>| v.map(ms).unwrap_or("-".into());
             out.push(format!(
-                "pruning: {} of {} old inbox rows in {:.0} s = {} rows/s, {} remain (batch {}, pause {} ms, a pass every {} s, working at most half of it; the rows written in {:.0} s)",
+                "pruning: {} of {} old inbox rows in {:.0} s = {} rows/s ({} rows/s within the passes), {} remain (batch {}, pause {} ms, a pass every {} s, working at most half of it; the rows written in {:.0} s)",
                 n0(p.pruned as f64),
                 n0(p.rows_before as f64),
-                p.worker_s,
+                p.pruning_s,
                 n0(p.rows_per_s),
+                p.passes_rows_per_s.map(n0).unwrap_or("-".into()),
                 n0(p.remaining as f64),
                 p.batch,
                 ms(p.pause_ms),
