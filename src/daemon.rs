@@ -236,9 +236,9 @@ fn preflight(config: &Config) -> Result<Ready, DaemonError> {
     })
 }
 
-/// Spawns the roles in one scope (mover, reader, workers, metrics, pruner), then supervises them
-/// from this thread: systemd notifications and the stats line until shutdown, then joins
-/// them. Returns the report and the names of roles that panicked.
+/// Spawns the roles in one scope (mover, reader, workers, metrics, pruner), then
+/// supervises them from this thread: systemd notifications and the stats line until
+/// shutdown, then joins them. Returns the report and the names of roles that panicked.
 fn spawn_and_supervise(
     config: &Config,
     shutdown: &Shutdown,
