@@ -6,13 +6,15 @@
 # the order.timeout transaction; checks the books of every scenario. Prints a table and
 # writes JSON (target/bench/<UTC date-time>.json unless --out is given).
 #
-#   scripts/bench.sh                                  every scenario, default sizes
+#   scripts/bench.sh                                  every scenario but prune, default sizes
 #   scripts/bench.sh backlog engine                   some of them
 #   scripts/bench.sh steady-ms --duration 5s --rate 500 --threads 4
+#   scripts/bench.sh prune --no-ceilings              inbox pruning under the steady load
 #
-# Scenarios: steady-ms steady-s backlog engine. Anything else is passed on to
-# `worker bench` (see `worker bench --help`: --duration, --rate, --max-delay,
-# --backlog-jobs, --engine-jobs, --timeout, --ceiling-time, --threads, ...).
+# Scenarios: steady-ms steady-s backlog engine (the default set) and prune. Anything else
+# is passed on to `worker bench` (see `worker bench --help`: --duration, --rate,
+# --max-delay, --backlog-jobs, --engine-jobs, --prune-rows, --timeout, --ceiling-time,
+# --threads, --inbox-prune-batch, ...).
 #
 # Works on a fresh Debian machine (as root it installs what is missing). It runs its OWN
 # Redis (6391) and PostgreSQL (5440) with durable settings (fsync and synchronous commit
@@ -32,7 +34,7 @@ scenarios=()
 flags=()
 for a in "$@"; do
   case "$a" in
-    steady-ms|steady-s|backlog|engine) scenarios+=(--scenario "$a") ;;
+    steady-ms|steady-s|backlog|engine|prune) scenarios+=(--scenario "$a") ;;
     *) flags+=("$a") ;;
   esac
 done

@@ -64,6 +64,8 @@ pub struct Config {
     pub run_mover: bool,
     /// Where `/metrics` and `/healthz` are served (`--metrics-addr`); off when `None`.
     pub metrics_addr: Option<std::net::SocketAddr>,
+    /// Pruning of old `worker_inbox` rows (`prune.rs`).
+    pub prune: PruneConfig,
 }
 
 /// By hand, so that a config printed with `{:?}` never shows a password.
@@ -145,6 +147,43 @@ pub struct JobConfig {
 /// Default of `--set-size`: enough jobs per set that a backlog's commits and round trips
 /// are shared (see README, Performance), few enough that a set's locks are brief.
 pub const DEFAULT_SET_SIZE: usize = 32;
+
+/// How old inbox rows are removed (`prune.rs`): one process at a time, in short batches.
+#[derive(Clone, Debug)]
+pub struct PruneConfig {
+    /// Inbox rows whose `processed_at` is older than this are deleted. Zero: never.
+    pub retention: Duration,
+    /// Time from the start of one pass to the start of the next; a pass works at most
+    /// half of it ([`PruneConfig::budget`]).
+    pub interval: Duration,
+    /// Rows deleted per statement (each its own short transaction).
+    pub batch: usize,
+    /// Pause between two batches, so the jobs' own transactions keep their latency.
+    pub pause: Duration,
+}
+
+impl PruneConfig {
+    /// Whether this process prunes at all.
+    pub fn enabled(&self) -> bool {
+        !self.retention.is_zero()
+    }
+
+    /// The longest a pass works before it leaves the rest to the next pass.
+    pub fn budget(&self) -> Duration {
+        self.interval / 2
+    }
+}
+
+impl Default for PruneConfig {
+    fn default() -> Self {
+        PruneConfig {
+            retention: Duration::from_secs(7 * 24 * 3600),
+            interval: Duration::from_secs(60),
+            batch: 1000,
+            pause: Duration::from_millis(20),
+        }
+    }
+}
 
 /// Durations in flags and thresholds: `100ms`, `2s`, `5m`, `24h`, `7d`.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -228,6 +267,7 @@ impl Config {
             stats_interval: Duration::from_secs(60),
             run_mover: true,
             metrics_addr: None,
+            prune: PruneConfig::default(),
         }
     }
 

@@ -9,7 +9,8 @@
 //!
 //! Under systemd the main thread also tells readiness, pings the watchdog while the roles
 //! make progress and reports a status line (`notify.rs`); with `--metrics-addr` one more
-//! thread serves `/metrics` and `/healthz` (`metrics.rs`).
+//! thread serves `/metrics` and `/healthz` (`metrics.rs`), and unless `--inbox-retention 0`
+//! one prunes old inbox rows (`prune.rs`).
 
 use crate::config::Source;
 use crate::config::{redact_url, Config};
@@ -20,6 +21,7 @@ use crate::handlers::Registry;
 use crate::metrics;
 use crate::mover::Mover;
 use crate::notify::Notifier;
+use crate::prune::Pruner;
 use crate::shutdown::Shutdown;
 use crate::source::{self, list::ListReader, stream::Reader, Doorbell, Feed};
 use crate::stats::{Snapshot, Stats};
@@ -257,9 +259,9 @@ fn preflight(config: &Config) -> Result<Ready, DaemonError> {
     })
 }
 
-/// Spawns the roles in one scope (mover, reader, workers, metrics), then supervises them
-/// from this thread: systemd notifications and the stats line until shutdown, then joins
-/// them. Returns the report and the names of roles that panicked.
+/// Spawns the roles in one scope (mover, reader, workers, metrics, pruner), then
+/// supervises them from this thread: systemd notifications and the stats line until
+/// shutdown, then joins them. Returns the report and the names of roles that panicked.
 fn spawn_and_supervise(
     config: &Config,
     shutdown: &Shutdown,
@@ -351,6 +353,12 @@ fn spawn_and_supervise(
         if let Some(server) = &server {
             spawned.push(spawn_role(s, shutdown, "metrics".into(), move || {
                 server.run(shutdown)
+            }));
+        }
+        if config.prune.enabled() {
+            let pruner = Pruner::new(config, &stats, client);
+            spawned.push(spawn_role(s, shutdown, "pruner".into(), move || {
+                pruner.run(shutdown)
             }));
         }
         // `rx` stays here for the channel depth of the status line. A receiver that never

@@ -31,6 +31,7 @@
 //! - `tls.rs` — TLS to both servers (rustls); `conninfo.rs` — connection strings read as
 //!   their clients read them (for the TLS settings and for redaction).
 //! - `stats.rs` — the one set of counters (log line, exit report, `/metrics`).
+//! - `prune.rs` — the inbox pruner: old `worker_inbox` rows deleted, one process at a time.
 //! - `shutdown.rs`, `backoff.rs` — the small shared pieces.
 //! - `admin/` — the operator's tools: `worker stats` (`--watch`, `--check`), `worker dead`.
 //! - `notify.rs` — systemd readiness and watchdog; `metrics.rs` — `/metrics` and `/healthz`.
@@ -49,6 +50,7 @@ pub mod metrics;
 pub mod mover;
 pub mod notify;
 pub mod producer;
+pub mod prune;
 pub mod shutdown;
 pub mod source;
 pub mod stats;

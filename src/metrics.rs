@@ -353,6 +353,7 @@ impl<'a> Server<'a> {
             ("delay_worker_set_jobs_total", "Jobs committed as part of a set (a handler's set form).", s.in_sets),
             ("delay_worker_dead_letters_total", "Messages sent to the dead letters by this process (workers, reader and mover), counted once the letter exists.", s.dead),
             ("delay_worker_redis_reconnects_total", "Redis outages (a connection lost or refused, then reconnecting with backoff), one per thread and outage.", src.stats.redis_reconnects.load(Relaxed)),
+            ("delay_worker_inbox_pruned_total", "worker_inbox rows older than --inbox-retention deleted by this process.", src.stats.inbox_pruned.load(Relaxed)),
         ] {
             sample(&mut out, name, "counter", help, v);
         }

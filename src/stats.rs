@@ -41,6 +41,8 @@ pub struct Stats {
     /// it when its outage starts and lowers it when it ends. Read by the watchdog and
     /// metrics; left as is at shutdown.
     pub db_waiting: AtomicU64,
+    /// Written by the inbox pruner after each batch: `worker_inbox` rows it deleted.
+    pub inbox_pruned: AtomicU64,
     /// What only an operator can fix (a key of the wrong type), by the role that met it:
     /// written by that role when it meets it and cleared after its next clean step; read
     /// by `/healthz` and the watchdog, red while any role has one (at most
@@ -56,6 +58,9 @@ struct Problem {
     /// Last logged (unix ms): a role meets it at every step, the log hears it twice a
     /// minute.
     logged: i64,
+    /// Whether it holds jobs back, and so turns `/healthz` and the watchdog red (see
+    /// [`Stats::report_trouble`] for the kind that does not).
+    blocking: bool,
 }
 
 /// How often a problem that persists is logged again.
@@ -118,6 +123,18 @@ impl Stats {
     /// Records a problem only an operator can fix, met by `role`. Returns whether to log
     /// it: when it is new or changed, and every 30 s while it persists.
     pub fn report_problem(&self, role: &str, what: String) -> bool {
+        self.report(role, what, true)
+    }
+
+    /// Like [`Stats::report_problem`] (logged as rarely, cleared the same way), for a
+    /// failure that holds no job back, such as the inbox pruner's: it never turns
+    /// `/healthz` or the watchdog red, since a restart would not fix it and would only
+    /// interrupt the jobs.
+    pub fn report_trouble(&self, role: &str, what: String) -> bool {
+        self.report(role, what, false)
+    }
+
+    fn report(&self, role: &str, what: String, blocking: bool) -> bool {
         let now = crate::now_ms();
         let Ok(mut ps) = self.problems.lock() else {
             return true;
@@ -125,6 +142,7 @@ impl Stats {
         match ps.iter_mut().find(|p| p.role == role) {
             Some(p) => {
                 p.at = now;
+                p.blocking = blocking;
                 let log = p.what != what || now - p.logged >= PROBLEM_LOG_EVERY_MS;
                 if log {
                     p.logged = now;
@@ -138,6 +156,7 @@ impl Stats {
                     at: now,
                     what,
                     logged: now,
+                    blocking,
                 });
                 true
             }
@@ -155,11 +174,12 @@ impl Stats {
         ps.len() < before
     }
 
-    /// A problem some role met within [`PROBLEM_WINDOW`] of `now_ms`, if any.
+    /// A problem some role met within [`PROBLEM_WINDOW`] of `now_ms`, if any (not the
+    /// troubles of [`Stats::report_trouble`]).
     pub fn problem(&self, now_ms: i64) -> Option<String> {
         let ps = self.problems.lock().ok()?;
         ps.iter()
-            .filter(|p| now_ms - p.at <= PROBLEM_WINDOW.as_millis() as i64)
+            .filter(|p| p.blocking && now_ms - p.at <= PROBLEM_WINDOW.as_millis() as i64)
             .map(|p| format!("{}: {}", p.role, p.what))
             .next()
     }
@@ -531,5 +551,9 @@ mod tests {
         );
         assert!(s.clear_problem("mover", now + 1), "a clean step clears it");
         assert_eq!(s.problem(now), None);
+        assert!(s.report_trouble("inbox pruner", "no DELETE privilege".into()));
+        assert!(!s.report_trouble("inbox pruner", "no DELETE privilege".into()));
+        assert_eq!(s.problem(now), None, "a trouble never turns health red");
+        assert!(s.clear_problem("inbox pruner", now + 1));
     }
 }

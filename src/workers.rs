@@ -800,14 +800,32 @@ fn run_jobs(
     }
     for ks in sets.into_values() {
         let set: Vec<&Job<'_>> = ks.iter().map(|&k| &jobs[k]).collect();
-        match (set.len() > 1).then(|| run_set(session, &set)).flatten() {
-            Some(rs) => {
+        if set.len() < 2 {
+            alone.extend(ks);
+            continue;
+        }
+        match run_set(session, &set) {
+            Ok(rs) => {
                 Stats::add(in_sets, rs.len() as u64);
                 for (k, r) in ks.into_iter().zip(rs) {
                     results[k] = Some(r);
                 }
             }
-            None => alone.extend(ks),
+            Err(e) => {
+                // A bad payload or a deadlock with the shop's own transactions is the
+                // jobs' business: each runs alone and gets its own outcome. A refused
+                // privilege is the operator's: the set form would never work.
+                let text = db::error_text(&e);
+                if e.code() == Some(&postgres::error::SqlState::INSUFFICIENT_PRIVILEGE) {
+                    log::warn!("a set of {} jobs was refused, so they run one by one: {text} (see sql/grants.sql)", set.len());
+                } else {
+                    log::debug!(
+                        "a set of {} jobs failed, so they run one by one: {text}",
+                        set.len()
+                    );
+                }
+                alone.extend(ks);
+            }
         }
     }
     alone.sort_unstable();
@@ -830,16 +848,18 @@ fn run_jobs(
 
 /// Jobs of one event in one transaction through the handler's set form: the inbox rows of
 /// all of them in one statement, then one statement for the jobs whose rows were new (the
-/// others are redeliveries), then one commit. `None` if anything failed (nothing
+/// others are redeliveries), then one commit. An error if anything failed (nothing
 /// committed): the caller runs each job alone.
-fn run_set(session: &mut Session, jobs: &[&Job<'_>]) -> Option<Vec<JobResult>> {
+fn run_set(session: &mut Session, jobs: &[&Job<'_>]) -> Result<Vec<JobResult>, postgres::Error> {
     let Session {
         conn,
         inbox_set,
         sets,
         ..
     } = session;
-    let statement = sets[jobs[0].index].as_ref()?;
+    let statement = sets[jobs[0].index]
+        .as_ref()
+        .expect("only jobs of a handler with a set form form a set");
     let keys: Vec<&str> = jobs.iter().map(|j| j.key.as_str()).collect();
     let ts: Vec<i64> = jobs.iter().map(|j| j.env.ts).collect();
     let events: Vec<&str> = jobs.iter().map(|j| j.env.event.as_str()).collect();
@@ -847,19 +867,12 @@ fn run_set(session: &mut Session, jobs: &[&Job<'_>]) -> Option<Vec<JobResult>> {
         .iter()
         .map(|j| j.env.job_id.as_deref().unwrap_or(""))
         .collect();
-    let mut tx = conn.transaction().ok()?;
+    let mut tx = conn.transaction()?;
     let inserted: HashSet<(String, i64, String)> = tx
-        .query(inbox_set, &[&keys, &ts, &events, &ids])
-        .ok()?
+        .query(inbox_set, &[&keys, &ts, &events, &ids])?
         .iter()
-        .map(|row| {
-            Some((
-                row.try_get(0).ok()?,
-                row.try_get(1).ok()?,
-                row.try_get(2).ok()?,
-            ))
-        })
-        .collect::<Option<_>>()?;
+        .map(|row| Ok((row.try_get(0)?, row.try_get(1)?, row.try_get(2)?)))
+        .collect::<Result<_, postgres::Error>>()?;
     // A job is new if its row was inserted now; of two copies of one job in the set, the
     // first is new and the second a redelivery.
     let mut results: Vec<JobResult> = Vec::with_capacity(jobs.len());
@@ -876,15 +889,15 @@ fn run_set(session: &mut Session, jobs: &[&Job<'_>]) -> Option<Vec<JobResult>> {
     }
     if !work.is_empty() {
         let work = serde_json::Value::Array(work);
-        for row in tx.query(statement, &[&work]).ok()? {
-            let i: i32 = row.try_get(0).ok()?;
+        for row in tx.query(statement, &[&work])? {
+            let i: i32 = row.try_get(0)?;
             if let Some(r @ JobResult::Committed(_)) = results.get_mut(i as usize) {
                 *r = JobResult::Committed(Effect::Applied);
             }
         }
     }
-    tx.commit().ok()?;
-    Some(results)
+    tx.commit()?;
+    Ok(results)
 }
 
 /// Several jobs in one transaction (`--tx-batch`): one commit for all of them, which is

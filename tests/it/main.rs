@@ -20,6 +20,7 @@ mod mover;
 mod ops;
 mod privilege;
 mod producer;
+mod prune;
 mod release;
 mod retention;
 mod secrets;

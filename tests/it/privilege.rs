@@ -369,6 +369,14 @@ fn the_order_story_runs_as_the_acl_user_and_the_runtime_role() {
     let orders = seed_orders(&env.db, 8);
     pay(&env.db, &orders[5..6]);
     let (aftersale, coupon) = seed_aftersale_and_coupon(&env.db, &orders[1]);
+    // An inbox row older than --inbox-retention below: the pruner deletes it as the role.
+    env.db
+        .client()
+        .batch_execute(
+            "INSERT INTO worker_inbox (job_key, enqueued_at, event, job_id, processed_at)
+             VALUES ('order.timeout:OLD', 0, 'order.timeout', '', now() - interval '3 days')",
+        )
+        .unwrap();
 
     // A dead host's leftover: an entry delivered to consumer "gone", never acknowledged,
     // and no heartbeat. The worker takes it over.
@@ -491,6 +499,10 @@ fn the_order_story_runs_as_the_acl_user_and_the_runtime_role() {
             "300ms".into(),
             "--max-retries".into(),
             "10".into(),
+            "--inbox-retention".into(),
+            "2d".into(),
+            "--inbox-prune-interval".into(),
+            "1s".into(),
         ],
     );
     wait_until(WAIT, "the locked order's job to be retried", || {
@@ -575,6 +587,18 @@ fn the_order_story_runs_as_the_acl_user_and_the_runtime_role() {
     assert!(out.status.success(), "dead purge: {}", text(&out.stderr));
     assert_eq!(books(env).dead, 0);
 
+    wait_until(WAIT, "the pruner to delete the old inbox row", || {
+        let n: i64 = env
+            .db
+            .client()
+            .query_one(
+                "SELECT count(*) FROM worker_inbox WHERE job_key = 'order.timeout:OLD'",
+                &[],
+            )
+            .unwrap()
+            .get(0);
+        n == 0
+    });
     worker.signal(libc::SIGTERM);
     assert!(worker.wait(WAIT).success(), "a graceful stop exits 0");
     assert_no_denial(&worker.log());
@@ -902,13 +926,12 @@ fn the_acl_users_and_the_runtime_role_can_do_nothing_else() {
         "CREATE TABLE scratch (id int)",
         "TRUNCATE sku",
         "DELETE FROM orders",
-        "DELETE FROM worker_inbox",
+        "UPDATE worker_inbox SET event = 'forged'",
         "INSERT INTO orders (order_no) VALUES ('SO-FORGED')",
         "UPDATE orders SET order_no = 'SO-FORGED'",
         "UPDATE sku SET id = id + 1000",
         "SELECT * FROM orders",
         "SELECT user_id FROM orders",
-        "SELECT * FROM worker_inbox",
         "SELECT payload FROM payment_review",
         "UPDATE payment_review SET resolved_at = now()",
         "INSERT INTO worker_migrations (version, name) VALUES (99, 'forged')",

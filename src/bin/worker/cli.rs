@@ -14,7 +14,7 @@
 use clap::{Args, Parser, Subcommand};
 use delay_worker::config::{parse_delay, parse_duration};
 use delay_worker::config::{
-    Config, JobConfig, LegacyPool, MoverConfig, ReaderConfig, RedisTls, Source,
+    Config, JobConfig, LegacyPool, MoverConfig, PruneConfig, ReaderConfig, RedisTls, Source,
 };
 use delay_worker::keys::{KeyOverrides, Keys, Queue};
 use std::path::PathBuf;
@@ -310,6 +310,19 @@ pub struct RunArgs {
     /// undelivered entries are never trimmed; dead letters never automatically.
     #[arg(long, default_value = "24h", value_parser = parse_duration)]
     pub retention: Duration,
+    /// Delete worker_inbox rows older than this (0 keeps all). Must be longer than
+    /// every way a job can arrive again, --retention included (see README).
+    #[arg(long, default_value = "7d", value_parser = parse_duration)]
+    pub inbox_retention: Duration,
+    /// Time between two inbox pruning passes (a pass works at most half of it).
+    #[arg(long, default_value = "60s", value_parser = parse_duration, hide = true)]
+    pub inbox_prune_interval: Duration,
+    /// Inbox rows deleted per statement.
+    #[arg(long, default_value_t = 1000, hide = true)]
+    pub inbox_prune_batch: usize,
+    /// Pause between two inbox pruning batches.
+    #[arg(long, default_value = "20ms", value_parser = parse_duration, hide = true)]
+    pub inbox_prune_pause: Duration,
     /// Retries of a transient failure before the dead letters.
     #[arg(long, default_value_t = 3)]
     pub max_retries: u32,
@@ -613,6 +626,31 @@ impl Cli {
         if let Some(c) = &r.consumer {
             check(!c.trim().is_empty(), "--consumer", "must not be empty")?;
         }
+        if !r.inbox_retention.is_zero() {
+            check(
+                r.inbox_retention >= Duration::from_secs(60),
+                "--inbox-retention",
+                "must be 0 (keep all) or at least 1m",
+            )?;
+            check(
+                r.retention.is_zero() || r.inbox_retention > r.retention,
+                "--inbox-retention",
+                &format!(
+                    "must be longer than --retention ({}): the stream's acknowledged entries can be delivered again while it keeps them",
+                    humantime::format_duration(r.retention)
+                ),
+            )?;
+        }
+        check(
+            r.inbox_prune_interval >= Duration::from_millis(10),
+            "--inbox-prune-interval",
+            "must be at least 10ms",
+        )?;
+        check(
+            (1..=100_000).contains(&r.inbox_prune_batch),
+            "--inbox-prune-batch",
+            "must be between 1 and 100000",
+        )?;
         let mut config = Config::new(&self.conn.redis_url, &self.conn.database_url);
         config.redis_tls = RedisTls {
             ca_file: self.conn.redis_ca_file.clone(),
@@ -727,6 +765,12 @@ impl Cli {
             )?;
         }
         config.metrics_addr = r.metrics_addr;
+        config.prune = PruneConfig {
+            retention: r.inbox_retention,
+            interval: r.inbox_prune_interval,
+            batch: r.inbox_prune_batch,
+            pause: r.inbox_prune_pause,
+        };
         Ok(config)
     }
 }
@@ -835,6 +879,36 @@ mod tests {
         assert_eq!(e.flag, "--queues");
         let e = parse(&["--legacy-pool", "nope"]).config().unwrap_err();
         assert_eq!(e.flag, "--legacy-pool");
+    }
+
+    #[test]
+    fn inbox_retention_outlasts_the_stream_s_or_is_off() {
+        let c = parse(&[]).config().unwrap();
+        assert_eq!(c.prune.retention, Duration::from_secs(7 * 24 * 3600));
+        assert!(c.prune.enabled());
+        let c = parse(&["--inbox-retention", "0"]).config().unwrap();
+        assert!(!c.prune.enabled());
+        let e = parse(&["--inbox-retention", "12h"]).config().unwrap_err();
+        assert_eq!(e.flag, "--inbox-retention");
+        assert!(e.problem.contains("longer than --retention (1day)"), "{e}");
+        let c = parse(&["--inbox-retention", "12h", "--retention", "6h"])
+            .config()
+            .unwrap();
+        assert_eq!(c.prune.retention, Duration::from_secs(12 * 3600));
+        let e = parse(&["--inbox-retention", "30s", "--retention", "0"])
+            .config()
+            .unwrap_err();
+        assert!(e.problem.contains("at least 1m"), "{e}");
+        let c = parse(&[
+            "--inbox-prune-interval",
+            "200ms",
+            "--inbox-prune-batch",
+            "50",
+        ])
+        .config()
+        .unwrap();
+        assert_eq!(c.prune.interval, Duration::from_millis(200));
+        assert_eq!(c.prune.batch, 50);
     }
 
     #[test]

@@ -24,7 +24,7 @@
 //! deletes the queue keys in `REDIS_URL`, so the bench refuses a database whose name does
 //! not contain `bench`.
 //!
-//! Layout: `scenario.rs` the four flows; `load.rs` producing; `shop.rs` seeding, lateness
+//! Layout: `scenario.rs` the five flows; `load.rs` producing; `shop.rs` seeding, lateness
 //! and accounting in SQL; `child.rs` the worker process and the /proc and Redis probes;
 //! `ceiling.rs` redis-benchmark and pgbench; `report.rs` the table and the JSON.
 
@@ -55,14 +55,25 @@ pub enum Scenario {
     Backlog,
     /// --engine-jobs no-op messages, all due: push, move, read, ack; no database work.
     Engine,
+    /// steady-ms twice over an inbox holding --prune-rows old rows: without pruning, then
+    /// while the worker prunes them (not run by default: the fill takes minutes).
+    Prune,
 }
 
 impl Scenario {
-    pub const ALL: [Scenario; 4] = [
+    /// What runs when no scenario is named.
+    pub const DEFAULT: [Scenario; 4] = [
         Scenario::SteadyMs,
         Scenario::SteadyS,
         Scenario::Backlog,
         Scenario::Engine,
+    ];
+    pub const ALL: [Scenario; 5] = [
+        Scenario::SteadyMs,
+        Scenario::SteadyS,
+        Scenario::Backlog,
+        Scenario::Engine,
+        Scenario::Prune,
     ];
 
     pub fn name(self) -> &'static str {
@@ -71,6 +82,7 @@ impl Scenario {
             Scenario::SteadyS => "steady-s",
             Scenario::Backlog => "backlog",
             Scenario::Engine => "engine",
+            Scenario::Prune => "prune",
         }
     }
 }
@@ -81,7 +93,7 @@ impl Scenario {
 #[derive(clap::Args, Debug, Clone)]
 #[command(next_help_heading = "Bench")]
 pub struct BenchArgs {
-    /// Scenario to run; repeat or separate with commas [default: all of them].
+    /// Scenario to run; repeat or separate with commas [default: all but prune].
     #[arg(
         long = "scenario",
         value_name = "NAME",
@@ -107,6 +119,14 @@ pub struct BenchArgs {
     /// Engine scenario: no-op messages already due when the worker starts.
     #[arg(long, default_value_t = 200_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub engine_jobs: u64,
+    /// Prune scenario: old inbox rows written before the runs (2,000 a second's worth,
+    /// a day older than --inbox-retention).
+    #[arg(long, default_value_t = 10_000_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub prune_rows: u64,
+    /// Prune scenario: the worker's --inbox-prune-interval (a pass works at most half of
+    /// it); its batch and pause are the worker flags --inbox-prune-batch and -pause.
+    #[arg(long, default_value = "10s", value_parser = at_least_1s)]
+    pub prune_interval: Duration,
     /// SKUs the seeded orders' lines are spread over (fewer: more row-lock contention).
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..))]
     pub skus: u32,
@@ -150,8 +170,11 @@ fn at_least_1s(s: &str) -> Result<Duration, String> {
 
 impl BenchArgs {
     fn selected(&self) -> Vec<Scenario> {
-        if self.all || self.scenarios.is_empty() {
+        if self.all {
             return Scenario::ALL.to_vec();
+        }
+        if self.scenarios.is_empty() {
+            return Scenario::DEFAULT.to_vec();
         }
         let mut out = Vec::new();
         for s in &self.scenarios {
@@ -230,9 +253,10 @@ pub fn run(config: &Config, args: &BenchArgs) -> Result<ExitCode> {
             bail!("interrupted");
         }
         println!("running {} ...", s.name());
-        let r = scenario::run(&ctx, &mut pg, s);
-        println!("  {}", r.one_line());
-        results.push(r);
+        for r in scenario::run(&ctx, &mut pg, s) {
+            println!("  {}: {}", r.name, r.one_line());
+            results.push(r);
+        }
     }
     if stop.is_set() {
         bail!("interrupted");

@@ -271,6 +271,31 @@ pub struct Producer {
     pub pay_max_lag_ms: f64,
 }
 
+/// The prune scenario's figures: what the worker pruned while the steady load ran, and
+/// the load's lateness p99 next to the same run without pruning.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct PruneFigures {
+    /// Inbox rows older than the retention when the run started, pruned during it, left.
+    pub rows_before: u64,
+    pub pruned: u64,
+    pub remaining: u64,
+    /// From the first pass (one interval after the worker was ready) to the worker's
+    /// stop: what `rows_per_s` is counted over (passes and the waits between them).
+    pub pruning_s: f64,
+    pub rows_per_s: f64,
+    /// Within the passes alone (batches and pauses), from the worker's log lines.
+    pub passes_rows_per_s: Option<f64>,
+    pub p99_without_ms: Option<f64>,
+    pub p99_with_ms: Option<f64>,
+    pub p99_delta_ms: Option<f64>,
+    /// How long the one INSERT of the old rows took.
+    pub fill_s: f64,
+    /// The worker's --inbox-prune-batch, --inbox-prune-pause, --inbox-prune-interval.
+    pub batch: usize,
+    pub pause_ms: f64,
+    pub interval_s: f64,
+}
+
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct ScenarioResult {
     pub name: String,
@@ -303,6 +328,8 @@ pub struct ScenarioResult {
     pub queue_after: Option<QueueState>,
     pub seed_s: Option<f64>,
     pub push_s: Option<f64>,
+    /// The prune scenario's run with pruning.
+    pub prune: Option<PruneFigures>,
     pub pass: bool,
     /// Why it failed; empty on PASS.
     pub problems: Vec<String>,
@@ -526,6 +553,33 @@ impl ScenarioResult {
         }
         if !times.is_empty() {
             out.push(times.join("; "));
+        }
+        if let Some(p) = &self.prune {
+            let opt = |v: Option<f64>| v.map(ms).unwrap_or("-".into());
+            out.push(format!(
+                "pruning: {} of {} old inbox rows in {:.0} s = {} rows/s ({} rows/s within the passes), {} remain (batch {}, pause {} ms, a pass every {} s, working at most half of it; the rows written in {:.0} s)",
+                n0(p.pruned as f64),
+                n0(p.rows_before as f64),
+                p.pruning_s,
+                n0(p.rows_per_s),
+                p.passes_rows_per_s.map(n0).unwrap_or("-".into()),
+                n0(p.remaining as f64),
+                p.batch,
+                ms(p.pause_ms),
+                p.interval_s,
+                p.fill_s
+            ));
+            out.push(format!(
+                "lateness p99 {} ms while pruning, {} ms without (prune-off): {}{} ms",
+                opt(p.p99_with_ms),
+                opt(p.p99_without_ms),
+                if p.p99_delta_ms.unwrap_or(0.0) >= 0.0 {
+                    "+"
+                } else {
+                    ""
+                },
+                opt(p.p99_delta_ms)
+            ));
         }
         if let Some(b) = &self.books {
             out.push(format!(

@@ -1,4 +1,4 @@
-//! The four scenarios. Each starts from empty queue keys and freshly seeded tables, runs
+//! The scenarios. Each starts from empty queue keys and freshly seeded tables, runs
 //! one worker child, waits (bounded) until Redis has nothing left to move, deliver or
 //! acknowledge, reads the CPU and memory figures before stopping the child, then does
 //! the books. A scenario that cannot run (the worker does not start, a server goes away)
@@ -6,7 +6,7 @@
 
 use super::child::{self, QueueState, RssSampler, WorkerChild};
 use super::load::{self, Scores, SteadyPlan};
-use super::report::{Ceilings, CpuUse, Producer, ScenarioResult};
+use super::report::{Ceilings, CpuUse, Producer, PruneFigures, ScenarioResult};
 use super::shop;
 use super::{BenchArgs, Scenario};
 use anyhow::{bail, Result};
@@ -25,14 +25,16 @@ pub struct Ctx<'a> {
     pub stop: &'a Shutdown,
 }
 
-pub fn run(ctx: &Ctx, db: &mut postgres::Client, s: Scenario) -> ScenarioResult {
+/// One result per scenario; two for `prune` (its run without pruning, then with).
+pub fn run(ctx: &Ctx, db: &mut postgres::Client, s: Scenario) -> Vec<ScenarioResult> {
     let r = match s {
-        Scenario::SteadyMs => steady(ctx, db, s, Scores::Millis),
-        Scenario::SteadyS => steady(ctx, db, s, Scores::Seconds),
-        Scenario::Backlog => backlog(ctx, db, s),
-        Scenario::Engine => engine(ctx, db, s),
+        Scenario::SteadyMs => steady(ctx, db, s, Scores::Millis).map(|r| vec![r]),
+        Scenario::SteadyS => steady(ctx, db, s, Scores::Seconds).map(|r| vec![r]),
+        Scenario::Backlog => backlog(ctx, db, s).map(|r| vec![r]),
+        Scenario::Engine => engine(ctx, db, s).map(|r| vec![r]),
+        Scenario::Prune => prune(ctx, db),
     };
-    r.unwrap_or_else(|e| ScenarioResult::failed(s.name(), format!("{e:#}")))
+    r.unwrap_or_else(|e| vec![ScenarioResult::failed(s.name(), format!("{e:#}"))])
 }
 
 /// CPU counters of everything but the worker, at one moment.
@@ -147,9 +149,9 @@ fn wait_drained(
     }
 }
 
-/// The worker's log file of a scenario, next to the report.
-fn log_path(ctx: &Ctx, s: Scenario) -> std::path::PathBuf {
-    ctx.out_dir.join(format!("worker-{}.log", s.name()))
+/// The worker's log file of a scenario (or of one run of it), next to the report.
+fn log_path(ctx: &Ctx, name: &str) -> std::path::PathBuf {
+    ctx.out_dir.join(format!("worker-{name}.log"))
 }
 
 /// Redis must hold nothing of the scenario afterwards.
@@ -176,35 +178,54 @@ fn cpu_per_1k(cpu: &CpuUse, jobs: u64) -> Option<f64> {
     (jobs > 0).then(|| cpu.worker_s * 1000.0 / jobs as f64)
 }
 
+fn steady_plan(args: &BenchArgs, scores: Scores) -> SteadyPlan {
+    SteadyPlan {
+        rate: args.rate,
+        duration: args.duration,
+        max_delay: args.max_delay,
+        scores,
+        seed: 7,
+    }
+}
+
 fn steady(
     ctx: &Ctx,
     db: &mut postgres::Client,
     s: Scenario,
     scores: Scores,
 ) -> Result<ScenarioResult> {
+    let plan = steady_plan(ctx.args, scores);
+    shop::reset(db)?;
+    let seed_s = shop::seed(db, plan.messages(), ctx.args.skus)?;
+    Ok(steady_run(ctx, db, s.name(), &plan, &[], seed_s)?.0)
+}
+
+/// One steady run on the seeded shop: the worker (with `extra` flags) started, the plan
+/// produced, the drain awaited, the books done. Also returns how long the worker ran.
+fn steady_run(
+    ctx: &Ctx,
+    db: &mut postgres::Client,
+    name: &str,
+    plan: &SteadyPlan,
+    extra: &[&str],
+    seed_s: Duration,
+) -> Result<(ScenarioResult, Duration)> {
     let (config, args) = (ctx.config, ctx.args);
-    let plan = SteadyPlan {
-        rate: args.rate,
-        duration: args.duration,
-        max_delay: args.max_delay,
-        scores,
-        seed: 7,
-    };
+    let scores = plan.scores;
     let mut con = store::connect(ctx.redis)?;
     child::reset_queue(&mut con, &config.keys)?;
-    shop::reset(db)?;
-    let seed_s = shop::seed(db, plan.messages(), args.skus)?;
     let postmaster = child::postmaster_pid(db);
 
-    let mut worker = WorkerChild::spawn(config, &[], &log_path(ctx, s))?;
+    let mut worker = WorkerChild::spawn(config, extra, &log_path(ctx, name))?;
     worker.wait_ready(&mut con, &config.keys)?;
+    let ready = Instant::now();
     let before = Marks::take(&mut con, postmaster);
     let rss = RssSampler::start(worker.pid);
     let produced = load::steady(
         ctx.redis,
         &config.database_url,
         &config.keys,
-        &plan,
+        plan,
         ctx.stop,
     )?;
     let last_due_in =
@@ -218,6 +239,7 @@ fn steady(
         Duration::from_millis(20),
     )?;
     let m = finish(worker, rss, &before, &mut con, postmaster);
+    let ran = ready.elapsed();
 
     let moved = child::moved_times(&mut con, &config.keys)?;
     shop::record(db, &produced.dues, &moved, &produced.orders)?;
@@ -249,8 +271,8 @@ fn steady(
         let span = (l.last_processed_ms - l.first_processed_ms) / 1000.0;
         (span > 0.0).then(|| l.count as f64 / span)
     });
-    Ok(ScenarioResult {
-        name: s.name().into(),
+    let result = ScenarioResult {
+        name: name.into(),
         jobs,
         orders: produced.orders.len() as u64,
         producer: Some(Producer {
@@ -279,7 +301,120 @@ fn steady(
         problems,
         notes,
         ..Default::default()
-    })
+    };
+    Ok((result, ran))
+}
+
+/// Rows and seconds of the worker's "inbox: pruned N rows ... (S s)" log lines.
+fn pass_lines(log: &Path) -> (u64, f64) {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let mut out = (0, 0.0);
+    for line in text.lines() {
+        let Some(rest) = line.split("inbox: pruned ").nth(1) else {
+            continue;
+        };
+        let rows = rest.split(' ').next().and_then(|n| n.parse::<u64>().ok());
+        let secs = rest
+            .split(" batches (")
+            .nth(1)
+            .and_then(|t| t.split("s)").next())
+            .and_then(|t| t.parse::<f64>().ok());
+        if let (Some(r), Some(s)) = (rows, secs) {
+            out.0 += r;
+            out.1 += s;
+        }
+    }
+    out
+}
+
+/// The steady-ms load twice over an inbox holding `--prune-rows` rows older than the
+/// retention: first with pruning off (`prune-off`), then while the worker prunes them
+/// (`prune`). The old rows are written once, in one statement, before both runs; between
+/// the runs only the first run's own rows are removed, so both start from the same table.
+fn prune(ctx: &Ctx, db: &mut postgres::Client) -> Result<Vec<ScenarioResult>> {
+    let (config, args) = (ctx.config, ctx.args);
+    let retention = config.prune.retention;
+    if retention.is_zero() {
+        bail!("the prune scenario needs --inbox-retention above 0");
+    }
+    let plan = steady_plan(args, Scores::Millis);
+    let n = args.prune_rows;
+    let mut con = store::connect(ctx.redis)?;
+    child::reset_queue(&mut con, &config.keys)?;
+    shop::reset(db)?;
+    println!("  writing {n} old inbox rows ...");
+    let day = Duration::from_secs(24 * 3600);
+    let fill_s = shop::fill_inbox(db, n, retention + day)?;
+    println!("  written in {:.0} s", fill_s.as_secs_f64());
+    let seed_s = shop::seed(db, plan.messages(), args.skus)?;
+    let (base, _) = steady_run(
+        ctx,
+        db,
+        "prune-off",
+        &plan,
+        &["--inbox-retention", "0"],
+        seed_s,
+    )?;
+
+    shop::reset_keep_filler(db)?;
+    let seed_s = shop::seed(db, plan.messages(), args.skus)?;
+    let old_before = shop::inbox_older_than(db, retention)?;
+    let ms = |d: Duration| format!("{}ms", d.as_millis());
+    let (retention_s, interval, batch, pause) = (
+        format!("{}s", retention.as_secs()),
+        ms(args.prune_interval),
+        config.prune.batch.to_string(),
+        ms(config.prune.pause),
+    );
+    let (mut on, ran) = steady_run(
+        ctx,
+        db,
+        "prune",
+        &plan,
+        &[
+            "--inbox-retention",
+            &retention_s,
+            "--inbox-prune-interval",
+            &interval,
+            "--inbox-prune-batch",
+            &batch,
+            "--inbox-prune-pause",
+            &pause,
+        ],
+        seed_s,
+    )?;
+    let remaining = shop::inbox_older_than(db, retention)?;
+    let pruned = (old_before - remaining).max(0) as u64;
+    // The first pass starts one interval after the worker.
+    let pruning = ran.saturating_sub(args.prune_interval);
+    let (pass_rows, pass_s) = pass_lines(&log_path(ctx, "prune"));
+    let p99 = |r: &ScenarioResult| r.lateness.as_ref().map(|l| l.p99_ms);
+    let figures = PruneFigures {
+        rows_before: old_before as u64,
+        pruned,
+        remaining: remaining as u64,
+        pruning_s: pruning.as_secs_f64(),
+        rows_per_s: pruned as f64 / pruning.as_secs_f64().max(0.001),
+        passes_rows_per_s: (pass_s > 0.0).then(|| pass_rows as f64 / pass_s),
+        p99_without_ms: p99(&base),
+        p99_with_ms: p99(&on),
+        p99_delta_ms: p99(&on).zip(p99(&base)).map(|(a, b)| a - b),
+        fill_s: fill_s.as_secs_f64(),
+        batch: config.prune.batch,
+        pause_ms: config.prune.pause.as_secs_f64() * 1000.0,
+        interval_s: args.prune_interval.as_secs_f64(),
+    };
+    if pruned == 0 {
+        on.pass = false;
+        on.problems
+            .push("the worker pruned no old inbox row during the run".into());
+    }
+    on.notes.push(format!(
+        "{} old inbox rows (a day older than --inbox-retention) when the run started",
+        old_before
+    ));
+    on.prune = Some(figures);
+    Ok(vec![base, on])
 }
 
 fn backlog(ctx: &Ctx, db: &mut postgres::Client, s: Scenario) -> Result<ScenarioResult> {
@@ -295,7 +430,7 @@ fn backlog(ctx: &Ctx, db: &mut postgres::Client, s: Scenario) -> Result<Scenario
     let push_s = pushed_at.elapsed().as_secs_f64();
 
     let before = Marks::take(&mut con, postmaster);
-    let mut worker = WorkerChild::spawn(config, &[], &log_path(ctx, s))?;
+    let mut worker = WorkerChild::spawn(config, &[], &log_path(ctx, s.name()))?;
     let started = Instant::now();
     let spawned_ms = worker.spawned_ms;
     let rss = RssSampler::start(worker.pid);
@@ -377,7 +512,7 @@ fn engine(ctx: &Ctx, db: &mut postgres::Client, s: Scenario) -> Result<ScenarioR
     let mut worker = WorkerChild::spawn(
         config,
         &["--noop-event", load::NOOP_EVENT],
-        &log_path(ctx, s),
+        &log_path(ctx, s.name()),
     )?;
     let started = Instant::now();
     let rss = RssSampler::start(worker.pid);

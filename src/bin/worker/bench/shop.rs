@@ -46,6 +46,46 @@ pub fn reset(db: &mut Client) -> Result<()> {
     .context("cannot reset the shop tables")
 }
 
+/// The key prefix of the inbox rows [`fill_inbox`] writes: old jobs, not the scenario's.
+pub const FILLER_PREFIX: &str = "fill:";
+
+/// Writes `n` old inbox rows in one statement: keys `fill:<i>` in order, processed 2,000
+/// a second (as the steady load writes them), the newest `age` ago. Returns how long it
+/// took.
+pub fn fill_inbox(db: &mut Client, n: u64, age: Duration) -> Result<Duration> {
+    let started = Instant::now();
+    db.execute(
+        "INSERT INTO worker_inbox (job_key, job_id, enqueued_at, event, processed_at)
+         SELECT $1 || lpad(i::text, 10, '0'), '', i, 'order.timeout',
+                now() - make_interval(secs => $2) - ($3::bigint - i) * interval '500 microseconds'
+           FROM generate_series(1, $3::bigint) i",
+        &[&FILLER_PREFIX, &age.as_secs_f64(), &(n as i64)],
+    )
+    .context("cannot fill the inbox")?;
+    Ok(started.elapsed())
+}
+
+/// Inbox rows processed longer than `age` ago.
+pub fn inbox_older_than(db: &mut Client, age: Duration) -> Result<i64> {
+    Ok(db
+        .query_one(
+            "SELECT count(*) FROM worker_inbox WHERE processed_at < now() - make_interval(secs => $1)",
+            &[&age.as_secs_f64()],
+        )?
+        .get(0))
+}
+
+/// Empties the shop and the bench's records like [`reset`], but of the inbox removes only
+/// the scenario's own rows, keeping [`fill_inbox`]'s.
+pub fn reset_keep_filler(db: &mut Client) -> Result<()> {
+    db.batch_execute(
+        "TRUNCATE orders, order_items, sku, coupon_user, bench_due, bench_orders
+         RESTART IDENTITY CASCADE;
+         DELETE FROM worker_inbox WHERE NOT starts_with(job_key, 'fill:');",
+    )
+    .context("cannot reset the shop tables")
+}
+
 /// Seeds `orders` pending orders over `skus` skus (sql/bench/seed.sql), then vacuums,
 /// analyzes and checkpoints, so neither hint bits, stale statistics nor the seed's
 /// checkpoint land inside the measurement. Returns how long it took.
@@ -184,6 +224,7 @@ pub struct Books {
     /// Pushed orders the bench did not pay: each must be cancelled, once.
     pub expected_cancelled: i64,
     pub cancelled: i64,
+    /// The scenario's own inbox rows (not [`fill_inbox`]'s).
     pub inbox_rows: i64,
     /// Orders the bench paid (before their due time) that are not `paid` now: a payment
     /// that came too late, or a cancellation of a paid order.
@@ -207,7 +248,7 @@ pub fn books(db: &mut Client) -> Result<Books> {
         "SELECT
            (SELECT count(*) FROM bench_orders WHERE NOT paid),
            (SELECT count(*) FROM orders WHERE status = 'cancelled'),
-           (SELECT count(*) FROM worker_inbox),
+           (SELECT count(*) FROM worker_inbox WHERE NOT starts_with(job_key, 'fill:')),
            (SELECT count(*) FROM orders o JOIN bench_orders b ON b.order_id = o.id
              WHERE b.paid AND o.status <> 'paid'),
            (SELECT count(*) FROM orders o JOIN bench_orders b ON b.order_id = o.id
@@ -225,7 +266,8 @@ pub fn books(db: &mut Client) -> Result<Books> {
            (SELECT count(*) FROM orders o JOIN coupon_user c ON c.id = o.coupon_id
              WHERE (o.status = 'cancelled') <> (c.status = 'unused')
                 OR c.status NOT IN ('used', 'unused')),
-           (SELECT count(*) - count(DISTINCT job_key) FROM worker_inbox),
+           (SELECT count(*) - count(DISTINCT job_key) FROM worker_inbox
+             WHERE NOT starts_with(job_key, 'fill:')),
            (SELECT count(*) FROM bench_due d
              WHERE NOT EXISTS (SELECT 1 FROM worker_inbox i WHERE i.job_key = d.job_key))"
     );
