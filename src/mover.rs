@@ -210,7 +210,9 @@ impl<'a> Mover<'a> {
             return self.cfg.poll;
         }
         match r.next_due_ms {
-            Some(due) => Duration::from_millis((due - now_ms).max(0) as u64).min(self.cfg.poll),
+            Some(due) => Duration::from_millis((due - now_ms).max(0) as u64)
+                .max(self.cfg.window)
+                .min(self.cfg.poll),
             None => self.cfg.poll,
         }
     }

@@ -288,6 +288,10 @@ pub struct RunArgs {
     /// Longest mover sleep when nothing is due sooner.
     #[arg(long, default_value = "100ms", value_parser = parse_duration)]
     pub poll_interval: Duration,
+    /// Members falling due within this window of each other move together (one call, one
+    /// set); each waits at most this long past its due time for it. 0 moves each at once.
+    #[arg(long, default_value = "2ms", value_parser = parse_duration)]
+    pub move_window: Duration,
     /// A due member without data is removed as an orphan this long after its due time.
     #[arg(long, default_value = "60s", value_parser = parse_duration)]
     pub orphan_grace: Duration,
@@ -584,6 +588,11 @@ impl Cli {
             "must be at least 1ms",
         )?;
         check(
+            r.move_window <= r.poll_interval,
+            "--move-window",
+            "must not be longer than --poll-interval",
+        )?;
+        check(
             r.block >= Duration::from_millis(10),
             "--block",
             "must be at least 10ms",
@@ -730,6 +739,7 @@ impl Cli {
         config.mover = MoverConfig {
             batch: r.batch_size,
             poll: r.poll_interval,
+            window: r.move_window,
             orphan_grace: r.orphan_grace,
             queue: mover_queue,
             legacy,

@@ -58,6 +58,7 @@ impl WorkerChild {
             .args(["--threads", &config.threads.to_string()])
             .args(["--batch-size", &config.mover.batch.to_string()])
             .args(["--poll-interval", &ms(config.mover.poll)])
+            .args(["--move-window", &ms(config.mover.window)])
             .args(["--block", &ms(config.reader.block)])
             .args(["--heartbeat-ttl", &ms(config.reader.heartbeat_ttl)])
             .args(["--statement-timeout", &ms(config.jobs.statement_timeout)])

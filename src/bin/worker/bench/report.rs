@@ -31,6 +31,8 @@ pub struct Environment {
     pub tx_batch: usize,
     pub batch_size: usize,
     pub poll_interval_ms: u128,
+    pub move_window_ms: u128,
+    pub set_size: usize,
     pub rate: u32,
     pub duration_s: f64,
     pub max_delay_s: f64,
@@ -121,6 +123,8 @@ impl Environment {
             tx_batch: config.jobs.tx_batch,
             batch_size: config.mover.batch,
             poll_interval_ms: config.mover.poll.as_millis(),
+            move_window_ms: config.mover.window.as_millis(),
+            set_size: config.jobs.set_size,
             rate: args.rate,
             duration_s: args.duration.as_secs_f64(),
             max_delay_s: args.max_delay.as_secs_f64(),
@@ -157,8 +161,13 @@ impl Environment {
             get("shared_buffers")
         );
         println!(
-            "worker: --threads {} --tx-batch {} --batch-size {} --poll-interval {}ms",
-            self.threads, self.tx_batch, self.batch_size, self.poll_interval_ms
+            "worker: --threads {} --tx-batch {} --set-size {} --batch-size {} --poll-interval {}ms --move-window {}ms",
+            self.threads,
+            self.tx_batch,
+            self.set_size,
+            self.batch_size,
+            self.poll_interval_ms,
+            self.move_window_ms
         );
         println!("command: {}", self.command);
     }
