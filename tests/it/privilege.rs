@@ -139,11 +139,7 @@ impl Locked {
                 .unwrap_or_else(|e| panic!("ACL SETUSER {user} from scripts/redis-acl: {e}"));
         };
         setuser("dw-worker", "worker-secret", &["worker.acl"]);
-        setuser(
-            "dw-operator",
-            "operator-secret",
-            &["worker.acl"],
-        );
+        setuser("dw-operator", "operator-secret", &["worker.acl"]);
         let worker_redis = format!("redis://dw-worker:worker-secret@127.0.0.1:{}/", redis.port);
         let operator_redis = format!(
             "redis://dw-operator:operator-secret@127.0.0.1:{}/",
@@ -639,7 +635,6 @@ fn the_order_story_runs_as_the_acl_user_and_the_runtime_role() {
         ]
     );
     assert_eq!(inbox_count(&env.db), 13);
-
 }
 
 #[test]

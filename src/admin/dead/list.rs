@@ -72,6 +72,10 @@ pub struct ListLetter {
     /// False for an entry that is not a JSON object with a `msg` (pushed by hand?): shown
     /// as it is, never requeued.
     pub readable: bool,
+    /// The letter is not UTF-8 (the message it keeps was not): read with the bad bytes
+    /// replaced, so `msg` is not the message's exact bytes and it is never requeued.
+    #[serde(skip)]
+    pub replaced: bool,
     /// The letter's bytes, as the dead list holds them.
     #[serde(skip)]
     pub raw: Vec<u8>,
@@ -104,9 +108,17 @@ impl ListLetter {
             msg: Vec::new(),
             other: BTreeMap::new(),
             readable: false,
+            replaced: false,
             raw,
         };
-        let Ok(Value::Object(fields)) = serde_json::from_slice::<Value>(&l.raw) else {
+        // The letter of a message that is not UTF-8 holds its bytes as they were inside
+        // the JSON string: read it with those bytes replaced (U+FFFD) rather than not at
+        // all. Requeue and purge go by the letter's exact bytes, so nothing is lost.
+        let parsed = serde_json::from_slice::<Value>(&l.raw).or_else(|_| {
+            l.replaced = std::str::from_utf8(&l.raw).is_err();
+            serde_json::from_str::<Value>(&String::from_utf8_lossy(&l.raw))
+        });
+        let Ok(Value::Object(fields)) = parsed else {
             return l;
         };
         l.readable = fields.contains_key("msg");
@@ -291,6 +303,9 @@ fn parse_id(s: &str) -> anyhow::Result<String> {
 pub fn requeueable(l: &ListLetter, q: &Queue) -> Result<(Vec<u8>, bool), String> {
     if !l.readable {
         return Err("not a dead letter as the worker writes them (a JSON object with a \"msg\"); see `worker dead show`".into());
+    }
+    if l.replaced {
+        return Err("its message is not UTF-8, so the worker would only dead-letter it again; fix the producer, then purge it".into());
     }
     if l.msg.is_empty() {
         return Err("it keeps no message (the mover's letter of a member whose data never arrived, or of a retry replaced by a newer push)".into());
@@ -601,6 +616,23 @@ mod tests {
     use super::*;
 
     const NOW: i64 = 1_800_000_000_000;
+
+    #[test]
+    fn a_letter_of_a_message_that_is_not_utf8_is_readable() {
+        let mut raw = br#"{"msg":""#.to_vec();
+        raw.extend_from_slice(b"\xff\xfegarbage");
+        raw.extend_from_slice(
+            br#"","reason":"message is not valid UTF-8","ts":1799999940,"key":"k2"}"#,
+        );
+        let l = ListLetter::parse(raw, "q", NOW);
+        assert!(l.readable);
+        assert_eq!(l.reason, "message is not valid UTF-8");
+        assert_eq!(l.age_ms, Some(60_000));
+        assert_eq!(l.key, b"k2");
+        assert!(String::from_utf8_lossy(&l.msg).ends_with("garbage"));
+        // Its message is read with the bad bytes replaced: never put back like that.
+        assert!(l.replaced);
+    }
 
     #[test]
     fn letters_parse_as_the_scripts_write_them() {
