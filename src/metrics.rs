@@ -394,9 +394,9 @@ impl Server<'_> {
         let report = store::connect_with(src.redis, PROBE_IO_TIMEOUT)
             .map_err(|e| e.to_string())
             .and_then(|mut con| {
-                crate::admin::gather(
+                crate::admin::stats::gather_all(
                     &mut con,
-                    &src.config.keys,
+                    src.config,
                     crate::now_ms(),
                     QUEUE_DEAD_WINDOW,
                 )

@@ -7,7 +7,7 @@
 //! figure decides the status. Unknown is only for "could not look": Redis unreachable or
 //! answering with an error.
 
-use super::stats::{gather, StatsArgs, StatsReport};
+use super::stats::{StatsArgs, StatsReport};
 use crate::config::{redact_url, Config};
 use clap::Args;
 use std::io::Write;
@@ -360,13 +360,16 @@ pub(super) fn run(
                 "cannot read the key types from {}: {e}",
                 redact_url(&config.redis_url)
             )),
-            Ok(_) => match gather(&mut con, &config.keys, crate::now_ms(), args.dead_window) {
-                Ok(r) => evaluate(&r, &args.thresholds),
-                Err(e) => unknown(format!(
-                    "cannot read the queue figures from {}: {e}",
-                    redact_url(&config.redis_url)
-                )),
-            },
+            Ok(_) => {
+                match super::stats::gather_all(&mut con, config, crate::now_ms(), args.dead_window)
+                {
+                    Ok(r) => evaluate(&r, &args.thresholds),
+                    Err(e) => unknown(format!(
+                        "cannot read the queue figures from {}: {e}",
+                        redact_url(&config.redis_url)
+                    )),
+                }
+            }
         },
     };
     writeln!(out, "{}", verdict.line)?;
@@ -399,6 +402,7 @@ mod tests {
             },
             consumers: vec![],
             queues: vec![],
+            legacy: Vec::new(),
             pool: PoolFigures {
                 key: "p".into(),
                 size: 0,

@@ -51,6 +51,22 @@ pub struct StatsReport {
     pub dead: DeadFigures,
     /// List mode (`--source list --queues ...`): each queue; empty in stream mode.
     pub queues: Vec<QueueFigures>,
+    /// The older producers' pools (`--legacy-pool`), each; their mover lag counts in
+    /// `pool.mover_lag_ms` too.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub legacy: Vec<LegacyFigures>,
+}
+
+/// One older producer's pool (`--legacy-pool KEY=EVENT`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LegacyFigures {
+    pub key: String,
+    /// ZCARD: every member, due or not.
+    pub size: u64,
+    /// Members due at `now_ms` and not moved yet.
+    pub due: u64,
+    /// How overdue its oldest due member is (0 when nothing is due).
+    pub mover_lag_ms: i64,
 }
 
 /// One list queue.
@@ -381,7 +397,80 @@ pub fn gather(
         pool,
         dead,
         queues,
+        legacy: Vec::new(),
     })
+}
+
+/// [`gather`], and every `--legacy-pool` of `config` (one more pipelined round trip when
+/// there are any): their mover lag counts in the report's, so a mover that stopped shows
+/// whichever pool it leaves behind.
+pub fn gather_all(
+    con: &mut redis::Connection,
+    config: &Config,
+    now_ms: i64,
+    dead_window: Duration,
+) -> RedisResult<StatsReport> {
+    let mut report = gather(con, &config.keys, now_ms, dead_window)?;
+    let pools = &config.mover.legacy;
+    if pools.is_empty() {
+        return Ok(report);
+    }
+    let now_s = format!("{}.{:03}", now_ms.div_euclid(1000), now_ms.rem_euclid(1000));
+    let mut p = redis::pipe();
+    for l in pools {
+        p.cmd("ZCARD").arg(&l.key);
+        p.cmd("ZCOUNT").arg(&l.key).arg("-inf").arg(&now_s);
+        p.cmd("ZCOUNT").arg(&l.key).arg("1e11").arg(now_ms);
+        // The oldest seconds score, then the oldest millisecond score (seconds scores sort
+        // first, so each kind is looked up in its own range).
+        p.cmd("ZRANGEBYSCORE")
+            .arg(&l.key)
+            .arg("-inf")
+            .arg("(1e11")
+            .arg("WITHSCORES")
+            .arg("LIMIT")
+            .arg(0)
+            .arg(1);
+        p.cmd("ZRANGEBYSCORE")
+            .arg(&l.key)
+            .arg("1e11")
+            .arg("+inf")
+            .arg("WITHSCORES")
+            .arg("LIMIT")
+            .arg(0)
+            .arg(1);
+    }
+    let replies: Vec<Value> = p.query(con)?;
+    for (l, r) in pools.iter().zip(replies.chunks(5)) {
+        let n = |v: &Value| redis::from_redis_value::<u64>(v.clone()).unwrap_or(0);
+        let first_due_ms = |v: &Value, seconds: bool| -> Option<i64> {
+            let (_, score): (String, f64) =
+                redis::from_redis_value::<Vec<(String, f64)>>(v.clone())
+                    .ok()?
+                    .into_iter()
+                    .next()?;
+            Some(if seconds {
+                (score * 1000.0) as i64
+            } else {
+                score as i64
+            })
+        };
+        let lag = [first_due_ms(&r[3], true), first_due_ms(&r[4], false)]
+            .into_iter()
+            .flatten()
+            .map(|due| now_ms - due)
+            .max()
+            .unwrap_or(0)
+            .max(0);
+        report.pool.mover_lag_ms = report.pool.mover_lag_ms.max(lag);
+        report.legacy.push(LegacyFigures {
+            key: l.key.clone(),
+            size: n(&r[0]),
+            due: n(&r[1]) + n(&r[2]),
+            mover_lag_ms: lag,
+        });
+    }
+    Ok(report)
 }
 
 /// List mode's figures: two round trips (the consumers, then every length at once).
@@ -582,6 +671,16 @@ pub fn render(r: &StatsReport, rates: Option<&Rates>, out: &mut dyn Write) -> st
         r.pool.due_ms,
         r.pool.mover_lag_ms as f64 / 1000.0,
     )?;
+    for l in &r.legacy {
+        writeln!(
+            out,
+            "legacy  {:w$}  size {}  due {}  mover lag {:.1}s",
+            l.key,
+            l.size,
+            l.due,
+            l.mover_lag_ms as f64 / 1000.0,
+        )?;
+    }
     writeln!(
         out,
         "dead    {:w$}  length {}  new {} (last {})  newest {}",
@@ -665,7 +764,7 @@ pub fn render(r: &StatsReport, rates: Option<&Rates>, out: &mut dyn Write) -> st
 
 fn read(config: &Config, args: &StatsArgs) -> anyhow::Result<(redis::Connection, StatsReport)> {
     let mut con = super::connect(config)?;
-    let report = gather(&mut con, &config.keys, crate::now_ms(), args.dead_window)
+    let report = gather_all(&mut con, config, crate::now_ms(), args.dead_window)
         .context("cannot read the queue figures")?;
     Ok((con, report))
 }
@@ -729,10 +828,10 @@ pub(super) fn watch(
             _ => break,
         }
         now_report = match con.as_mut() {
-            Some(c) => gather(c, &config.keys, crate::now_ms(), args.dead_window)
+            Some(c) => gather_all(c, config, crate::now_ms(), args.dead_window)
                 .map_err(anyhow::Error::from),
             None => super::connect(config).and_then(|mut c| {
-                let r = gather(&mut c, &config.keys, crate::now_ms(), args.dead_window)?;
+                let r = gather_all(&mut c, config, crate::now_ms(), args.dead_window)?;
                 con = Some(c);
                 Ok(r)
             }),

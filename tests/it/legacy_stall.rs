@@ -461,3 +461,55 @@ impl Drop for StopOnDrop<'_> {
         self.0.trigger();
     }
 }
+
+/// `worker stats --check` and `/metrics` count an overdue legacy member in the mover lag: a
+/// stopped mover shows whichever pool it leaves behind.
+#[test]
+fn the_check_counts_a_legacy_pools_mover_lag() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let due = delay_worker::now_ms() - 60_000;
+    let _: () = redis::pipe()
+        .cmd("SET")
+        .arg("close_order_27")
+        .arg(27)
+        .ignore()
+        .cmd("ZADD")
+        .arg("delay:order_close")
+        .arg(due)
+        .arg("close_order_27")
+        .ignore()
+        .query(&mut con)
+        .unwrap();
+    let args = [
+        "stats",
+        "--check",
+        "--legacy-pool",
+        "delay:order_close=order.timeout",
+    ];
+    let out = run_worker(&args, &r.url(), "postgres://unused");
+    let line = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(2), "{line}");
+    assert!(line.contains("mover lag 60"), "{line}");
+    let out = run_worker(&["stats", "--check"], &r.url(), "postgres://unused");
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "our own pool is empty: {}",
+        text(&out.stdout)
+    );
+    let out = run_worker(
+        &args[..1]
+            .iter()
+            .chain(&args[2..])
+            .copied()
+            .collect::<Vec<_>>(),
+        &r.url(),
+        "postgres://unused",
+    );
+    assert!(
+        text(&out.stdout).contains("legacy  delay:order_close"),
+        "{}",
+        text(&out.stdout)
+    );
+}
