@@ -14,10 +14,11 @@
 //! must deliver its whole request within [`REQUEST_DEADLINE`] (a head of at most
 //! [`MAX_HEAD`] bytes) and take its answer within [`WRITE_TIMEOUT`], else it is closed
 //! (with `408` if it sent part of a request). When every slot is taken, the connection that
-//! has been sending its request longest is closed to make room, so a new request never
-//! waits behind clients that connect and stall, however many there are. Only when every
-//! slot is busy answering (answers take milliseconds, a health check at most
-//! [`HEALTH_TIMEOUT`]) does a new connection get `503` at once. Nothing is queued.
+//! has been sending its request longest (at least [`STALLED`]) is closed to make room, so a
+//! new request never waits behind clients that connect and stall, however many there are.
+//! Only when every slot is busy answering (answers take milliseconds, a health check at
+//! most [`HEALTH_TIMEOUT`]) or was taken just now does a new connection get `503` at once,
+//! and a request that was sent whole is never closed unanswered. Nothing is queued.
 //!
 //! **How it stops.** On shutdown a helper thread of the server closes the connections
 //! still open and wakes the blocked `accept` by connecting to the listener itself; the
@@ -53,6 +54,10 @@ const MAX_HEADERS: usize = 32;
 const CONNECTION_STACK: usize = 256 * 1024;
 /// How long the accepting thread waits for a connection it closed to free its slot.
 const EVICT_WAIT: Duration = Duration::from_millis(200);
+/// A connection still sending its request after this long may be closed to make room for
+/// a new one; a client that sends its request at once is read well within it.
+const STALLED: Duration = Duration::from_millis(250);
+
 /// `/healthz` answers 503 when the servers have not answered within this.
 pub const HEALTH_TIMEOUT: Duration = Duration::from_secs(3);
 /// Connect and I/O timeout of each server the health check asks.
@@ -549,14 +554,17 @@ impl Slots {
     }
 
     /// A slot for `stream`, closing the connection that has been reading its request the
-    /// longest when none is free; `None` when every slot is answering.
+    /// longest (at least [`STALLED`]) when none is free; `None` when every slot is
+    /// answering or has just connected.
     fn admit(&self, stream: &TcpStream) -> Option<u64> {
         let handle = stream.try_clone().ok()?;
         let mut open = self.lock();
         if open.len() >= MAX_CONNECTIONS {
+            // Only a client that is slow to send: one whose request is merely not parsed
+            // yet (its thread not scheduled) is left to be answered.
             let victim = open
                 .iter_mut()
-                .filter(|o| o.state == ConnState::Reading)
+                .filter(|o| o.state == ConnState::Reading && o.since.elapsed() >= STALLED)
                 .min_by_key(|o| o.since)?;
             victim.state = ConnState::Closed;
             // Its blocked read returns at once, and its thread leaves.

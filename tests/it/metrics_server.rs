@@ -101,6 +101,9 @@ fn metrics_endpoint_answers_while_clients_stall_and_stops_promptly() {
     // connection threads. Health and metrics still answer, on the first try.
     let mut stalled = stallers(port, 50, b"G");
     stalled.extend(stallers(port, 10, b""));
+    // Stalled: a connection is closed to make room once it has sent no whole request for
+    // 250 ms (one that has just connected may be a request about to be read).
+    std::thread::sleep(std::time::Duration::from_millis(300));
     let (code, _, body) = get(port, "/healthz");
     assert_eq!((code, body.as_str()), (200, "ok\n"));
     let (code, head, body) = get(port, "/metrics");
@@ -163,4 +166,45 @@ fn metrics_endpoint_answers_while_clients_stall_and_stops_promptly() {
     worker.signal(libc::SIGTERM);
     let status = worker.wait(Duration::from_secs(15));
     assert!(status.success(), "worker exited with {status}");
+}
+
+/// A flood of whole requests, far more than the connection threads: each gets an answer,
+/// `200` or `503 busy`, never a connection closed unanswered.
+#[test]
+fn a_flood_of_whole_requests_gets_answers_never_an_empty_reply() {
+    let env = Env::new();
+    let port = free_port();
+    let mut worker = start(&env, &format!("127.0.0.1:{port}"));
+    wait_until(WAIT, "the metrics endpoint", || {
+        exchange(port, b"GET /healthz HTTP/1.1\r\n\r\n").is_ok_and(|r| r.0 == 200)
+    });
+    let flood: Vec<_> = (0..48)
+        .map(|_| {
+            std::thread::spawn(move || {
+                let mut codes = Vec::new();
+                for _ in 0..10 {
+                    let got = exchange(port, b"GET /metrics HTTP/1.1\r\n\r\n");
+                    codes.push(got.map(|r| r.0).map_err(|e| e.to_string()));
+                }
+                codes
+            })
+        })
+        .collect();
+    let codes: Vec<_> = flood.into_iter().flat_map(|t| t.join().unwrap()).collect();
+    let answered = codes
+        .iter()
+        .filter(|c| matches!(c, Ok(200) | Ok(503)))
+        .count();
+    assert_eq!(
+        answered,
+        codes.len(),
+        "{:?}",
+        codes
+            .iter()
+            .filter(|c| !matches!(c, Ok(200) | Ok(503)))
+            .collect::<Vec<_>>()
+    );
+    assert!(codes.iter().any(|c| matches!(c, Ok(200))));
+    worker.signal(libc::SIGTERM);
+    assert!(worker.wait(WAIT).success());
 }
