@@ -164,6 +164,11 @@ if [ -d /run/systemd/system ]; then
 else
   note "systemd is not running here (PID 1 is $(cat /proc/1/comm 2>/dev/null || echo unknown)); on a systemd host this would now run:"
   echo "    systemctl daemon-reload"
-  echo "    systemctl enable --now $UNIT_NAME"
+  if [ "$env_created" = 1 ]; then
+    echo "    systemctl enable $UNIT_NAME"
+    note "fill in $ENV_FILE, run \`worker migrate\` with those URLs, then: systemctl start $UNIT_NAME"
+  else
+    echo "    systemctl enable --now $UNIT_NAME"
+  fi
 fi
 note "done"

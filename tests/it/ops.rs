@@ -400,6 +400,11 @@ fn ops_install_dry_run_prints_the_steps_and_changes_nothing() {
     ] {
         assert!(text.contains(step), "no {step:?} in:\n{text}");
     }
+    // A fresh environment file is only a template: enabled, not started.
+    if !std::path::Path::new("/etc/delay-worker/worker.env").exists() {
+        assert!(!text.contains("enable --now"), "{text}");
+        assert!(text.contains("then: systemctl start"), "{text}");
+    }
     assert_eq!(unit_dst.exists(), existed, "a dry run installed the unit");
     let bad = Command::new("bash")
         .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/install.sh"))
