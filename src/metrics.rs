@@ -5,7 +5,8 @@
 //! database pool state and resident memory in the text exposition format; `GET /healthz`
 //! answers `200 ok` when the roles make progress (the watchdog's verdict, which includes a
 //! key of the wrong type reported by a role), Redis answers PING and PostgreSQL a
-//! `SELECT 1`, else `503` with the reason. Routing is by method and path
+//! `SELECT 1`, else `503` with the reason. `/` and `/dead...` are the status page
+//! (`status/`), served by the same threads. Routing is by method and path
 //! ([`Server::route`]) on a parsed [`Request`]: the head parsed by `httparse`, a body of at
 //! most [`MAX_BODY`] bytes read by its `Content-Length`. `Connection: close` always.
 //!
@@ -96,8 +97,20 @@ pub struct Request {
     pub query: String,
     /// The `Content-Type` header, if any.
     pub content_type: Option<String>,
+    /// Every header as sent, names lower-cased (at most [`MAX_HEADERS`]).
+    pub headers: Vec<(String, String)>,
     /// The body (`Content-Length` bytes, at most [`MAX_BODY`]).
     pub body: Vec<u8>,
+}
+
+impl Request {
+    /// The first header of this (lower-case) name.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
 }
 
 /// One answer; always sent with `Connection: close`.
@@ -108,6 +121,8 @@ pub struct Response {
     pub body: String,
     /// The `Allow` header of a `405`.
     pub allow: Option<&'static str>,
+    /// More headers (the status page's security headers).
+    pub headers: Vec<(&'static str, &'static str)>,
 }
 
 impl Response {
@@ -117,6 +132,7 @@ impl Response {
             content_type: "text/plain; charset=utf-8",
             body: body.into(),
             allow: None,
+            headers: Vec::new(),
         }
     }
 
@@ -124,10 +140,12 @@ impl Response {
         let reason = match self.status {
             200 => "OK",
             400 => "Bad Request",
+            403 => "Forbidden",
             404 => "Not Found",
             405 => "Method Not Allowed",
             408 => "Request Timeout",
             413 => "Content Too Large",
+            415 => "Unsupported Media Type",
             431 => "Request Header Fields Too Large",
             501 => "Not Implemented",
             503 => "Service Unavailable",
@@ -141,6 +159,9 @@ impl Response {
         );
         if let Some(allow) = self.allow {
             out.push_str(&format!("Allow: {allow}\r\n"));
+        }
+        for (name, value) in &self.headers {
+            out.push_str(&format!("{name}: {value}\r\n"));
         }
         out.push_str("\r\n");
         if !head_only {
@@ -157,6 +178,7 @@ pub struct Server<'a> {
     src: Sources<'a>,
     probe: Probe,
     slots: Slots,
+    status: crate::status::Page<'a>,
 }
 
 impl<'a> Server<'a> {
@@ -190,6 +212,7 @@ impl<'a> Server<'a> {
                 shared: Arc::default(),
             },
             slots: Slots::default(),
+            status: crate::status::Page::new(src.config, src.stats, src.redis.clone()),
             src,
         })
     }
@@ -202,7 +225,10 @@ impl<'a> Server<'a> {
     /// Serves until shutdown (see the module header for how it stops).
     pub fn run(&self, shutdown: &Shutdown) {
         if let Ok(a) = self.local_addr() {
-            log::info!("metrics: serving http://{a}/metrics and /healthz");
+            log::info!(
+                "metrics: serving http://{a}/metrics, /healthz and the status page http://{a}/ ({})",
+                self.status.mode()
+            );
         }
         let stopped = AtomicBool::new(false);
         std::thread::scope(|s| {
@@ -334,7 +360,8 @@ impl<'a> Server<'a> {
                     }
                 }
             }
-            _ => Response::text(404, "not found: try /metrics or /healthz\n"),
+            path if crate::status::serves(path) => self.status.route(req),
+            _ => Response::text(404, "not found: try /, /metrics or /healthz\n"),
         }
     }
 
@@ -540,16 +567,26 @@ fn parse_head(head: &httparse::Request) -> Result<Request, Option<Response>> {
         return Err(Some(Response::text(400, "not an HTTP request\n")));
     };
     let (path, query) = target.split_once('?').unwrap_or((target, ""));
-    let content_type = head
+    let headers: Vec<(String, String)> = head
         .headers
         .iter()
-        .find(|h| h.name.eq_ignore_ascii_case("content-type"))
-        .map(|h| String::from_utf8_lossy(h.value).into_owned());
+        .map(|h| {
+            (
+                h.name.to_ascii_lowercase(),
+                String::from_utf8_lossy(h.value).trim().to_string(),
+            )
+        })
+        .collect();
+    let content_type = headers
+        .iter()
+        .find(|(n, _)| n == "content-type")
+        .map(|(_, v)| v.clone());
     Ok(Request {
         method: method.to_string(),
         path: path.to_string(),
         query: query.to_string(),
         content_type,
+        headers,
         body: Vec::new(),
     })
 }
