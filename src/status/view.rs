@@ -333,6 +333,24 @@ fn action_buttons(what: &str) -> Markup {
     }
 }
 
+/// `inner` (a list with a checkbox per letter) in the form that requeues or purges the
+/// letters ticked, when actions are on (`nonce`); as it is otherwise: no form at all.
+fn selection_form(nonce: Option<&str>, hidden: &[(&str, String)], inner: Markup) -> Markup {
+    match nonce {
+        None => inner,
+        Some(n) => html! {
+            form method="post" action="/dead/requeue" {
+                @for (k, v) in hidden {
+                    input type="hidden" name=(k) value=(v);
+                }
+                input type="hidden" name="nonce" value=(n);
+                (inner)
+                (action_buttons("selected"))
+            }
+        },
+    }
+}
+
 fn read_only_note() -> Markup {
     html! {
         p.muted { "Read-only: requeue and purge here need the worker started with --admin-token-file (or use worker dead requeue | purge)." }
@@ -413,8 +431,7 @@ pub fn dead_stream(v: &DeadStream) -> Markup {
             p { @if v.event.is_some() { "No dead letter of this event" } @else { "No dead letters" }
                 @if v.next.is_some() { " among the " (DEAD_BUDGET) " looked at" } "." }
         } @else {
-            form method="post" action="/dead/requeue" {
-                @if let Some(n) = v.nonce { input type="hidden" name="nonce" value=(n); }
+            (selection_form(v.nonce, &[], html! {
                 table.letters {
                     @for d in v.letters {
                         tr data-letter=(d.id) {
@@ -435,8 +452,7 @@ pub fn dead_stream(v: &DeadStream) -> Markup {
                         }
                     }
                 }
-                @if v.nonce.is_some() { (action_buttons("selected")) }
-            }
+            }))
         }
         @if let Some(href) = &older {
             p { a href=(href) { "Older →" } }
@@ -483,10 +499,7 @@ pub fn dead_list_mode(v: &DeadListMode) -> Markup {
         @if v.letters.is_empty() {
             p { "No dead letters here" @if v.next.is_some() { " among the " (DEAD_BUDGET) " looked at" } "." }
         } @else {
-            form method="post" action="/dead/requeue" {
-                input type="hidden" name="queue" value=(v.queue);
-                input type="hidden" name="at" value=(v.from);
-                @if let Some(n) = v.nonce { input type="hidden" name="nonce" value=(n); }
+            (selection_form(v.nonce, &[("queue", v.queue.to_string()), ("at", v.from.to_string())], html! {
                 table.letters {
                     @for (pos, l) in v.letters {
                         tr data-letter=(l.id) {
@@ -507,8 +520,7 @@ pub fn dead_list_mode(v: &DeadListMode) -> Markup {
                         }
                     }
                 }
-                @if v.nonce.is_some() { (action_buttons("selected")) }
-            }
+            }))
         }
         @if let Some(href) = &older {
             p { a href=(href) { "Older →" } }

@@ -21,5 +21,6 @@ mod producer;
 mod retention;
 mod secrets;
 mod sets;
+mod status_page;
 mod store;
 mod tls;
