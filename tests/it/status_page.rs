@@ -4,7 +4,8 @@
 //! servers, the chart has the points of the jobs this run did, a dead letter holding
 //! HTML and script shows as text, the forms are there only with `--admin-token-file`,
 //! and a requeue through the page needs the token (the letter then goes back and is
-//! done once, the books exact), a purge too. List mode's dead lists over plain HTTP.
+//! done once, the books exact), a purge too. List mode's dead lists over plain HTTP,
+//! and page loads while Redis stalls: bounded, and never in the way of `/healthz`.
 //! Few browser launches (each costs a second or two): five, all in one test.
 
 use crate::support::*;
@@ -570,7 +571,7 @@ fn status_page_in_a_browser_stream_mode() {
     assert_eq!(dead_ids(&env), vec![hostile.clone()]);
     assert_accounting(&env.db, &orders, &orders.iter().collect::<Vec<_>>());
     // The same form again: the letter is gone, nothing goes back twice.
-    let (code, said) = post(port, "/dead/requeue", &body, &[origin.clone()]);
+    let (code, said) = post(port, "/dead/requeue", &body, std::slice::from_ref(&origin));
     assert_eq!(code, 200);
     assert!(
         plain(&said).contains(&format!("No such dead letter: {order_letter}")),
@@ -704,7 +705,7 @@ fn status_page_list_mode_dead_lists() {
         ("nonce", &nonce),
     ]);
     assert_eq!(
-        post(port, "/dead/requeue", &body, &[origin.clone()]).0,
+        post(port, "/dead/requeue", &body, std::slice::from_ref(&origin)).0,
         403,
         "no token"
     );
@@ -716,7 +717,7 @@ fn status_page_list_mode_dead_lists() {
         ("nonce", &nonce),
         ("token", TOKEN),
     ]);
-    let (code, said) = post(port, "/dead/requeue", &body, &[origin.clone()]);
+    let (code, said) = post(port, "/dead/requeue", &body, std::slice::from_ref(&origin));
     assert_eq!(code, 200, "{said}");
     assert!(plain(&said).contains("Requeued 1 dead letter(s)"), "{said}");
     wait_until(WAIT, "the letter dead again", || {
@@ -736,6 +737,55 @@ fn status_page_list_mode_dead_lists() {
     assert_eq!(code, 200, "{said}");
     assert!(plain(&said).contains("Purged 1 dead letter(s)"), "{said}");
     assert_eq!(dead_len(&mut con), 0);
+    // Redis stalls (CLIENT PAUSE): a page load waits for it at most its Redis timeout,
+    // at most four are made at once and the others are told so at once, and /healthz
+    // still finds a connection thread and gives its own verdict.
+    redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(4000)
+        .arg("ALL")
+        .query::<()>(&mut con)
+        .unwrap();
+    let loads: Vec<_> = (0..20)
+        .map(|_| std::thread::spawn(move || http_get(port, "/")))
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let (_, _, health) = http_get(port, "/healthz").unwrap();
+    assert!(!health.starts_with("busy"), "{health}");
+    let answers: Vec<(u16, String)> = loads
+        .into_iter()
+        .map(|h| {
+            let (code, _, body) = h.join().unwrap().unwrap();
+            (code, body)
+        })
+        .collect();
+    let busy = answers
+        .iter()
+        .filter(|(c, b)| *c == 503 && b.contains("the status page is busy"))
+        .count();
+    let made: Vec<&String> = answers
+        .iter()
+        .filter(|(c, _)| *c == 200)
+        .map(|(_, b)| b)
+        .collect();
+    assert!(busy >= 1 && made.len() <= 4, "{answers:?}");
+    for page in made {
+        assert!(
+            plain(page).contains("Cannot read the queue figures"),
+            "{page}"
+        );
+        assert_eq!(
+            figure(page, "hour.dead"),
+            "2",
+            "the process's own figures still"
+        );
+    }
+    redis::cmd("CLIENT")
+        .arg("UNPAUSE")
+        .query::<()>(&mut con)
+        .unwrap();
+    assert_eq!(http_get(port, "/").unwrap().0, 200);
+
     let log = worker.log();
     assert!(
         log.contains("status page: requeued 1 dead letter(s) of normal:dead"),
