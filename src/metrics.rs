@@ -164,10 +164,11 @@ impl Response {
             out.push_str(&format!("{name}: {value}\r\n"));
         }
         out.push_str("\r\n");
-        if !head_only {
-            out.push_str(&self.body);
-        }
+        // The body on its own: a page is not copied once more behind its head.
         w.write_all(out.as_bytes())?;
+        if !head_only {
+            w.write_all(self.body.as_bytes())?;
+        }
         w.flush()
     }
 }
@@ -244,6 +245,14 @@ impl<'a> Server<'a> {
                 // Without it a blocked accept could not be woken at shutdown.
                 log::error!("metrics: cannot start its stop thread, not serving: {e}");
                 return;
+            }
+            let pages = std::thread::Builder::new()
+                .name("status-page".into())
+                .stack_size(CONNECTION_STACK)
+                .spawn_scoped(s, || self.status.run(shutdown));
+            if let Err(e) = pages {
+                // /metrics and /healthz still work; the page answers 503.
+                log::error!("metrics: cannot start the status page's thread: {e}");
             }
             self.accept_loop(s, shutdown);
             stopped.store(true, Relaxed);

@@ -13,11 +13,16 @@
 //! - `POST /dead/requeue`, `POST /dead/purge`: only with `--admin-token-file`
 //!   (`actions.rs`); without it the page is read-only, says so, and renders no form.
 //!
-//! **Bounded.** A page load takes a Redis connection of its own (kept for the next load,
-//! at most [`IDLE_CONNECTIONS`]) with a [`REDIS_TIMEOUT`], reads a bounded amount (the
-//! figures are counted up to caps; a dead-letter page looks at no more than
-//! [`DEAD_BUDGET`] letters), and at most [`MAX_RENDERS`] pages are made at once, so page
-//! loads never take all the connection threads `/healthz` needs: more get `503` at once.
+//! **Bounded.** Pages are made one at a time by one thread of their own ([`Page::run`],
+//! in the metrics server's scope): a connection thread hands its request over and waits
+//! for the answer, at most [`QUEUED`] wait, and more get `503` at once, so page loads never
+//! take the connection threads `/healthz` needs. One thread also keeps a page's
+//! allocations in one place: made on the short-lived connection threads, they would be
+//! spread over every malloc arena of the process and each would keep its high-water mark.
+//! A page takes a Redis connection of its own (kept for the next one, at most
+//! [`IDLE_CONNECTIONS`]) with a [`REDIS_TIMEOUT`] and reads a bounded amount (the figures
+//! are counted up to caps; a dead-letter page looks at no more than [`DEAD_BUDGET`]
+//! letters).
 //!
 //! Layout: `view.rs` the HTML, `chart.rs` the SVG, `actions.rs` requeue and purge with
 //! their checks, `pretty.rs` a message's JSON laid out for reading.
@@ -30,14 +35,18 @@ mod view;
 use crate::admin::{self, dead, StatsReport};
 use crate::config::{Config, Source};
 use crate::metrics::{Request, Response};
+use crate::shutdown::Shutdown;
 use crate::stats::Stats;
-use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+use crossbeam_channel::{Receiver, Sender};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-/// Pages made at once; more get `503` at once (the metrics server has 16 connection
-/// threads, and `/healthz` must always find one).
-pub const MAX_RENDERS: usize = 4;
+/// Requests waiting for the page thread, besides the one it is making; more get `503` at
+/// once (the metrics server has 16 connection threads, and `/healthz` must always find one).
+pub const QUEUED: usize = 3;
+/// A request waits this long for its page, then gets `503` (Redis stalled for longer than
+/// the pages ahead of it could time out).
+pub const PAGE_WAIT: Duration = Duration::from_secs(6);
 /// Connect and I/O timeout of the page's Redis connection.
 pub const REDIS_TIMEOUT: Duration = Duration::from_secs(2);
 /// Redis connections kept between page loads.
@@ -68,19 +77,17 @@ pub struct Page<'a> {
     stats: &'a Stats,
     redis: redis::Client,
     idle: Mutex<Vec<redis::Connection>>,
-    renders: AtomicUsize,
+    /// Requests for the page thread, and where each answer goes.
+    jobs: (Sender<Job>, Receiver<Job>),
     started: Instant,
     /// `Some` with `--admin-token-file`.
     actions: Option<actions::Actions>,
 }
 
-/// Leaves the render count when a page is done.
-struct Rendering<'a>(&'a AtomicUsize);
-
-impl Drop for Rendering<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, SeqCst);
-    }
+/// One request for the page thread.
+struct Job {
+    req: Request,
+    reply: Sender<Response>,
 }
 
 impl<'a> Page<'a> {
@@ -90,7 +97,7 @@ impl<'a> Page<'a> {
             stats,
             redis,
             idle: Mutex::new(Vec::new()),
-            renders: AtomicUsize::new(0),
+            jobs: crossbeam_channel::bounded(QUEUED),
             started: Instant::now(),
             actions: config.admin_token.clone().map(actions::Actions::new),
         }
@@ -105,27 +112,57 @@ impl<'a> Page<'a> {
         }
     }
 
-    /// The answer to one request of a path [`serves`] names.
+    /// The answer to one request of a path [`serves`] names: a wrong method at once,
+    /// anything else from the page thread.
     pub fn route(&self, req: &Request) -> Response {
         let read = matches!(req.method.as_str(), "GET" | "HEAD");
-        let post = req.method == "POST";
         let path = req.path.as_str();
         let action = matches!(path, "/dead/requeue" | "/dead/purge");
-        if (action && !post) || (!action && !read) {
+        if (action && req.method != "POST") || (!action && !read) {
             let allow = if action { "POST" } else { "GET, HEAD" };
             return Response {
                 allow: Some(allow),
                 ..Response::text(405, format!("{path} takes {allow}\n"))
             };
         }
-        if self.renders.fetch_add(1, SeqCst) >= MAX_RENDERS {
-            self.renders.fetch_sub(1, SeqCst);
+        let (reply, answer) = crossbeam_channel::bounded(1);
+        let job = Job {
+            req: req.clone(),
+            reply,
+        };
+        if self.jobs.0.try_send(job).is_err() {
             return Response::text(
                 503,
                 "the status page is busy (other pages are being made); try again\n",
             );
         }
-        let _done = Rendering(&self.renders);
+        answer.recv_timeout(PAGE_WAIT).unwrap_or_else(|_| {
+            Response::text(
+                503,
+                format!(
+                    "the status page did not answer within {}s (Redis slow?); try again\n",
+                    PAGE_WAIT.as_secs()
+                ),
+            )
+        })
+    }
+
+    /// The page thread: makes the pages asked for, one at a time, until shutdown.
+    pub fn run(&self, shutdown: &Shutdown) {
+        loop {
+            crossbeam_channel::select! {
+                recv(self.jobs.1) -> job => match job {
+                    // The asker may have given up waiting: nobody to tell.
+                    Ok(job) => { let _ = job.reply.send(self.make(&job.req)); }
+                    Err(_) => return,
+                },
+                recv(shutdown.receiver()) -> _ => return,
+            }
+        }
+    }
+
+    /// One page.
+    fn make(&self, req: &Request) -> Response {
         let query: Vec<(String, String)> = form_urlencoded::parse(req.query.as_bytes())
             .into_owned()
             .collect();
@@ -136,6 +173,7 @@ impl<'a> Page<'a> {
                 .map(|(_, v)| v.as_str())
                 .filter(|v| !v.is_empty())
         };
+        let path = req.path.as_str();
         match path {
             "/" => self.overview(),
             "/dead" => self.dead_list(arg("event"), arg("queue"), arg("before"), arg("at")),

@@ -737,8 +737,8 @@ fn status_page_list_mode_dead_lists() {
     assert_eq!(code, 200, "{said}");
     assert!(plain(&said).contains("Purged 1 dead letter(s)"), "{said}");
     assert_eq!(dead_len(&mut con), 0);
-    // Redis stalls (CLIENT PAUSE): a page load waits for it at most its Redis timeout,
-    // at most four are made at once and the others are told so at once, and /healthz
+    // Redis stalls (CLIENT PAUSE): a page waits for it at most its Redis timeout, one is
+    // made at a time with three more waiting, the others are told so at once, and /healthz
     // still finds a connection thread and gives its own verdict.
     redis::cmd("CLIENT")
         .arg("PAUSE")
@@ -769,16 +769,13 @@ fn status_page_list_mode_dead_lists() {
         .map(|(_, b)| b)
         .collect();
     assert!(busy >= 1 && made.len() <= 4, "{answers:?}");
+    assert!(
+        made.iter()
+            .any(|p| plain(p).contains("Cannot read the queue figures")),
+        "the first page waited for Redis and says so: {made:?}"
+    );
     for page in made {
-        assert!(
-            plain(page).contains("Cannot read the queue figures"),
-            "{page}"
-        );
-        assert_eq!(
-            figure(page, "hour.dead"),
-            "2",
-            "the process's own figures still"
-        );
+        assert_eq!(figure(page, "hour.dead"), "2", "the process's own figures");
     }
     redis::cmd("CLIENT")
         .arg("UNPAUSE")

@@ -196,10 +196,21 @@ fn steady(
     let seed_s = shop::seed(db, plan.messages(), args.skus)?;
     let postmaster = child::postmaster_pid(db);
 
-    let mut worker = WorkerChild::spawn(config, &[], &log_path(ctx, s))?;
+    let page = if args.poll_status {
+        Some(super::poll::free_addr()?)
+    } else {
+        None
+    };
+    let addr_flag = page.map(|a| a.to_string());
+    let extra: Vec<&str> = match &addr_flag {
+        Some(a) => vec!["--metrics-addr", a.as_str()],
+        None => Vec::new(),
+    };
+    let mut worker = WorkerChild::spawn(config, &extra, &log_path(ctx, s))?;
     worker.wait_ready(&mut con, &config.keys)?;
     let before = Marks::take(&mut con, postmaster);
     let rss = RssSampler::start(worker.pid);
+    let poller = page.map(super::poll::Poller::start);
     let produced = load::steady(
         ctx.redis,
         &config.database_url,
@@ -217,6 +228,7 @@ fn steady(
         last_due + args.timeout,
         Duration::from_millis(20),
     )?;
+    let polled = poller.map(|p| p.finish());
     let m = finish(worker, rss, &before, &mut con, postmaster);
 
     let moved = child::moved_times(&mut con, &config.keys)?;
@@ -239,6 +251,7 @@ fn steady(
             produced.max_behind_ms
         ));
     }
+    notes.extend(polled);
     if scores == Scores::Seconds {
         notes.push(format!(
             "whole-second scores: about {} jobs fall due at each second",
