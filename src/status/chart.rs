@@ -7,12 +7,12 @@ use super::view::fmt_ms;
 use crate::stats::{Hour, MinuteFigures};
 use maud::{html, Markup};
 
-const W: f64 = 600.0;
+const W: f64 = 420.0;
 const H: f64 = 150.0;
-const LEFT: f64 = 46.0;
+const LEFT: f64 = 44.0;
 const RIGHT: f64 = 10.0;
 const TOP: f64 = 10.0;
-const BOTTOM: f64 = 22.0;
+const BOTTOM: f64 = 24.0;
 
 const BLUE: &str = "#0969da";
 const RED: &str = "#cf222e";
@@ -48,10 +48,10 @@ fn time_axis(minutes: &[MinuteFigures]) -> Markup {
     let y = H - BOTTOM;
     html! {
         line x1=(LEFT) y1=(y) x2=(W - RIGHT) y2=(y) stroke=(GRID) {}
-        @for (i, anchor, label) in [(0, "start", "-60 min"), (n / 2, "middle", "-30 min"), (n - 1, "end", "now (UTC)")] {
+        @for (i, anchor, label) in [(0, "start", "−60 min"), (n / 2, "middle", "−30 min"), (n - 1, "end", "now")] {
             @if let Some(m) = minutes.get(i) {
-                text x=(format!("{:.1}", x(i, n))) y=(H - 6.0) font-size="11" fill="currentColor" text-anchor=(anchor) {
-                    (label) " " (hhmm(m.start_ms))
+                text x=(format!("{:.1}", x(i, n))) y=(H - 6.0) font-size="12" fill="currentColor" text-anchor=(anchor) {
+                    (label) " · " (hhmm(m.start_ms))
                 }
             }
         }
@@ -86,9 +86,9 @@ pub fn throughput(hour: &Hour) -> Markup {
             svg.throughput viewBox=(format!("0 0 {W} {H}")) role="img" aria-label=(label) {
                 @for v in [top, top / 2] {
                     line x1=(LEFT) y1=(format!("{:.1}", y(v))) x2=(W - RIGHT) y2=(format!("{:.1}", y(v))) stroke=(GRID) stroke-dasharray="3 3" {}
-                    text x=(LEFT - 4.0) y=(format!("{:.1}", y(v) + 4.0)) font-size="11" fill="currentColor" text-anchor="end" { (v) }
+                    text x=(LEFT - 4.0) y=(format!("{:.1}", y(v) + 4.0)) font-size="12" fill="currentColor" text-anchor="end" { (v) }
                 }
-                text x=(LEFT - 4.0) y=(format!("{:.1}", y(0) + 4.0)) font-size="11" fill="currentColor" text-anchor="end" { "0" }
+                text x=(LEFT - 4.0) y=(format!("{:.1}", y(0) + 4.0)) font-size="12" fill="currentColor" text-anchor="end" { "0" }
                 (time_axis(m))
                 polyline.committed points=(points(&|f| f.committed)) fill="none" stroke=(BLUE) stroke-width="2" stroke-linejoin="round" {}
                 @if hour.dead > 0 {
@@ -106,7 +106,7 @@ pub fn throughput(hour: &Hour) -> Markup {
                 }
             }
             figcaption {
-                "Jobs committed per minute" @if hour.dead > 0 { " (blue) and dead-lettered (red)" } ", this process, last hour."
+                "Jobs committed per minute" @if hour.dead > 0 { " (blue) and dead-lettered (red)" } ", this process, last hour (times UTC)."
             }
         }
     }
@@ -161,7 +161,7 @@ pub fn lateness(hour: &Hour) -> Markup {
                 @for k in 0..=decades {
                     @let ms = 10f64.powi(k);
                     line x1=(LEFT) y1=(format!("{:.1}", y(ms))) x2=(W - RIGHT) y2=(format!("{:.1}", y(ms))) stroke=(GRID) stroke-dasharray="3 3" {}
-                    text x=(LEFT - 4.0) y=(format!("{:.1}", y(ms) + 4.0)) font-size="11" fill="currentColor" text-anchor="end" { (fmt_ms(ms)) }
+                    text x=(LEFT - 4.0) y=(format!("{:.1}", y(ms) + 4.0)) font-size="12" fill="currentColor" text-anchor="end" { (fmt_ms(ms)) }
                 }
                 (time_axis(m))
                 path.p50 d=(line_d(&|f| f.p50_ms)) fill="none" stroke=(BLUE) stroke-width="2" {}

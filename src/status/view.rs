@@ -33,7 +33,7 @@ pre{white-space:pre-wrap;overflow-wrap:anywhere;background:#8881;padding:.6rem;b
 td.text{overflow-wrap:anywhere;min-width:8rem}
 td.sel{width:1.5rem}
 .letters td{padding:.4rem .45rem}
-svg{display:block;width:100%;max-width:40rem;height:auto}
+svg{display:block;width:100%;max-width:36rem;height:auto}
 figure{margin:.5rem 0 1rem}
 figcaption{font-size:.85rem;color:#777}
 form.row{display:flex;flex-wrap:wrap;gap:.4rem;align-items:center;margin:.5rem 0}
@@ -189,7 +189,7 @@ fn queue_figures(r: &StatsReport, c: &Config) -> Markup {
                         tr { th { "length" } td.n data-k="stream.length" { (r.stream.length) } }
                         tr { th { "group" } td { (r.group.name) } }
                         @if r.group.exists {
-                            tr { th { "lag (not yet delivered)" } td.n data-k="group.lag" { (count(r.group.lag)) } }
+                            tr { th { "lag" } td.n data-k="group.lag" { (count(r.group.lag)) } }
                             tr { th { "read" } td.n data-k="group.entries_read" { (count(r.group.entries_read)) } }
                             tr { th { "pending" } td.n data-k="group.pending" { (r.group.pending) } }
                             tr {
@@ -209,9 +209,11 @@ fn queue_figures(r: &StatsReport, c: &Config) -> Markup {
                 table.kv {
                     tr { th { "pool" } td { (r.pool.key) } }
                     tr { th { "scheduled" } td.n data-k="pool.size" { (r.pool.size) } }
-                    tr { th { "due, not moved yet" } td.n data-k="pool.due" { (r.pool.due) } }
-                    tr { th { "… with seconds scores" } td.n data-k="pool.due_seconds" { (r.pool.due_seconds) } }
-                    tr { th { "… with millisecond scores" } td.n data-k="pool.due_ms" { (r.pool.due_ms) } }
+                    tr { th { "due, not moved" } td.n data-k="pool.due" { (r.pool.due) } }
+                    tr {
+                        th { "… s / ms scores" }
+                        td.n { span data-k="pool.due_seconds" { (r.pool.due_seconds) } " / " span data-k="pool.due_ms" { (r.pool.due_ms) } }
+                    }
                     tr {
                         th { "mover lag" }
                         td.n data-k="pool.mover_lag_ms" { (secs(r.pool.mover_lag_ms)) }
@@ -222,7 +224,11 @@ fn queue_figures(r: &StatsReport, c: &Config) -> Markup {
                 }
             }
             div {
-                h2 { a href="/dead" { "Dead letters" } }
+                @if list {
+                    h2 { "Dead-letter stream" }
+                } @else {
+                    h2 { a href="/dead" { "Dead letters" } }
+                }
                 table.kv {
                     tr { th { "stream" } td { (r.dead.key) } }
                     tr { th { "kept" } td.n data-k="dead.length" { (r.dead.length) } }
@@ -260,7 +266,7 @@ fn queue_figures(r: &StatsReport, c: &Config) -> Markup {
             }
         }
         @if !r.queues.is_empty() {
-            h2 { "Queues" }
+            h2 { "Queues " span.muted { "(dead: their dead lists)" } }
             div.wrap {
                 table {
                     tr {
@@ -310,9 +316,9 @@ fn process(v: &Overview) -> Markup {
             }
             table.kv {
                 tr { th { "since start" } td.n { (fmt_age(v.uptime.as_millis() as i64)) } }
-                tr { th { "done / no-op / duplicate" } td.n { (t.done) " / " (t.noop) " / " (t.duplicate) } }
+                tr { th { "done / no-op / dup." } td.n { (t.done) " / " (t.noop) " / " (t.duplicate) } }
                 tr { th { "retried / dead" } td.n { (t.retried) " / " (t.dead) } }
-                tr { th { "moved by this mover" } td.n { (t.moved) } }
+                tr { th { "moved" } td.n { (t.moved) } }
                 tr { th { "resident memory" } td.n { (v.rss.map_or("?".to_string(), |b| format!("{:.1} MB", b as f64 / 1e6))) } }
             }
         }
