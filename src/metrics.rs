@@ -6,7 +6,8 @@
 //! answers `200 ok` when the roles make progress (the watchdog's verdict, which includes a
 //! key of the wrong type reported by a role), Redis answers PING and PostgreSQL a
 //! `SELECT 1`, else `503` with the reason. `/` and `/dead...` are the status page
-//! (`status/`), served by the same threads. Routing is by method and path
+//! (`status/`): a connection thread hands those requests to the page's own thread
+//! (`status::Page::run`, in this server's scope). Routing is by method and path
 //! ([`Server::route`]) on a parsed [`Request`]: the head parsed by `httparse`, a body of at
 //! most [`MAX_BODY`] bytes read by its `Content-Length`. `Connection: close` always.
 //!
