@@ -9,7 +9,7 @@ use maud::{html, Markup};
 
 const W: f64 = 420.0;
 const H: f64 = 150.0;
-const LEFT: f64 = 44.0;
+const LEFT: f64 = 54.0;
 const RIGHT: f64 = 10.0;
 const TOP: f64 = 10.0;
 const BOTTOM: f64 = 24.0;
