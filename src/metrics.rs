@@ -249,7 +249,7 @@ impl<'a> Server<'a> {
             }
             let pages = std::thread::Builder::new()
                 .name("status-page".into())
-                .stack_size(CONNECTION_STACK)
+                .stack_size(crate::status::PAGE_STACK)
                 .spawn_scoped(s, || self.status.run(shutdown));
             if let Err(e) = pages {
                 // /metrics and /healthz still work; the page answers 503.

@@ -47,7 +47,7 @@ pub const QUEUED: usize = 3;
 /// A request waits this long for its page, then gets `503` (Redis stalled for longer than
 /// the pages ahead of it could time out).
 pub const PAGE_WAIT: Duration = Duration::from_secs(6);
-/// Connect and I/O timeout of the page's Redis connection.
+/// I/O timeout of the page's Redis connection (it connects within `store::CONNECT_TIMEOUT`).
 pub const REDIS_TIMEOUT: Duration = Duration::from_secs(2);
 /// Redis connections kept between page loads.
 const IDLE_CONNECTIONS: usize = 2;
@@ -60,6 +60,9 @@ pub const DEAD_BUDGET: usize = 500;
 const FIND_BUDGET: usize = 2_000;
 /// The `--dead-window` of `worker stats`: what counts as a new dead letter.
 pub const DEAD_WINDOW: Duration = Duration::from_secs(300);
+/// Stack of the page thread: as a worker's (Rust's default), for `serde_json` on a
+/// letter's message (`message::event_of`, `pretty::json`); only what is used is resident.
+pub const PAGE_STACK: usize = 2 * 1024 * 1024;
 /// The overview's meta refresh.
 pub const REFRESH_S: u32 = 10;
 

@@ -124,4 +124,25 @@ mod tests {
         let ok = format!("{}{}", "[".repeat(MAX_DEPTH), "]".repeat(MAX_DEPTH));
         assert!(json(ok.as_bytes()).is_some());
     }
+
+    #[test]
+    fn the_deepest_message_shown_fits_the_page_thread_s_stack() {
+        let deep = format!(
+            "{}1{}",
+            "{\"a\":[".repeat(MAX_DEPTH / 2),
+            "]}".repeat(MAX_DEPTH / 2)
+        );
+        let shown = std::thread::Builder::new()
+            .stack_size(super::super::PAGE_STACK)
+            .spawn(move || {
+                (
+                    json(deep.as_bytes()).is_some(),
+                    crate::message::event_of(deep.as_bytes()),
+                )
+            })
+            .unwrap()
+            .join()
+            .unwrap();
+        assert_eq!(shown, (true, String::new()));
+    }
 }
