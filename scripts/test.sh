@@ -10,6 +10,9 @@
 # it mostly takes what the build and the tests leave idle; tests/it/release.rs waits for it
 # (DW_RELEASE_CHECK names its directory: log, then rc). promtool is fetched first, for
 # tests/it/monitoring.rs.
+#
+# The status page tests look at the page in headless Chromium: Debian's `chromium` is
+# installed (as root, with apt-get) in the background while cargo builds, when missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
@@ -31,8 +34,31 @@ trap 'kill -- -"$release_pid" 2>/dev/null || true' EXIT
 phase "services: redis-server and postgresql (installed with apt-get when missing)"
 scripts/services.sh start --fast
 export DW_TEST_DATABASE_URL="postgres://postgres@127.0.0.1:${DW_PG_PORT:-5439}/postgres"
+chromium_pid=
+chromium_log=target/chromium-install.log
+if ! command -v chromium >/dev/null; then
+  if [ "$(id -u)" = 0 ]; then
+    phase "installing chromium in the background (apt-get; log: $chromium_log)"
+    mkdir -p target
+    (
+      export DEBIAN_FRONTEND=noninteractive
+      apt-get install -y -qq chromium || { apt-get update -qq && apt-get install -y -qq chromium; }
+    ) >"$chromium_log" 2>&1 &
+    chromium_pid=$!
+  else
+    echo "chromium is missing and this is not root: the status page tests will fail (apt-get install chromium)"
+  fi
+fi
 phase "building the tests (a first build takes about 2-3 minutes on 2 cores)"
 cargo build --all-targets --quiet
+if [ -n "$chromium_pid" ]; then
+  if wait "$chromium_pid"; then
+    phase "chromium installed"
+  else
+    echo "installing chromium failed (the status page tests will fail); the last lines of $chromium_log:"
+    tail -n 5 "$chromium_log"
+  fi
+fi
 phase "testing"
 cargo test --all-targets -- "$@"
 phase "done"

@@ -66,6 +66,80 @@ pub struct Config {
     pub metrics_addr: Option<std::net::SocketAddr>,
     /// Pruning of old `worker_inbox` rows (`prune.rs`).
     pub prune: PruneConfig,
+    /// The status page's actions (requeue, purge) need this token (`--admin-token-file`);
+    /// without one the page is read-only.
+    pub admin_token: Option<AdminToken>,
+}
+
+/// The secret that unlocks the status page's actions, read from `--admin-token-file`.
+/// `Debug` never shows it; [`AdminToken::matches`] compares in constant time.
+#[derive(Clone, PartialEq, Eq)]
+pub struct AdminToken(String);
+
+impl std::fmt::Debug for AdminToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AdminToken(***)")
+    }
+}
+
+/// The shortest token taken.
+pub const MIN_TOKEN_LEN: usize = 16;
+
+impl AdminToken {
+    /// Reads the token file: a regular file open to its owner only (mode 0600 or 0400,
+    /// like `/etc/delay-worker/worker.env`), holding one line of at least
+    /// [`MIN_TOKEN_LEN`] printable ASCII characters without spaces. The error is one line
+    /// naming the file and what to do.
+    pub fn read(path: &std::path::Path) -> Result<AdminToken, String> {
+        use std::os::unix::fs::PermissionsExt;
+        let p = path.display();
+        let meta = std::fs::metadata(path).map_err(|e| format!("cannot read {p}: {e}"))?;
+        if !meta.is_file() {
+            return Err(format!("{p} is not a file"));
+        }
+        let mode = meta.permissions().mode() & 0o777;
+        if mode & 0o077 != 0 {
+            return Err(format!(
+                "{p} is open to group or others (mode {mode:04o}): `chmod 600 {p}` (or 400), owned by the user the worker runs as"
+            ));
+        }
+        if meta.len() > 1024 {
+            return Err(format!(
+                "{p} must hold one line, the token ({} bytes)",
+                meta.len()
+            ));
+        }
+        let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {p}: {e}"))?;
+        let line = text
+            .strip_suffix('\n')
+            .map(|l| l.strip_suffix('\r').unwrap_or(l))
+            .unwrap_or(&text);
+        if line.contains(['\n', '\r']) {
+            return Err(format!("{p} must hold one line, the token"));
+        }
+        AdminToken::new(line).map_err(|e| format!("{p}: {e}"))
+    }
+
+    /// A token from its text, checked as [`AdminToken::read`] checks a file's line.
+    pub fn new(token: &str) -> Result<AdminToken, String> {
+        if !token.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err("the token must be printable ASCII without spaces".into());
+        }
+        if token.len() < MIN_TOKEN_LEN {
+            return Err(format!(
+                "the token has {} characters, at least {MIN_TOKEN_LEN} are needed (e.g. `openssl rand -hex 32`)",
+                token.len()
+            ));
+        }
+        Ok(AdminToken(token.to_string()))
+    }
+
+    /// Whether `given` is the token, compared in constant time (for tokens of the same
+    /// length; a different length is told apart at once, which says nothing of the token).
+    pub fn matches(&self, given: &[u8]) -> bool {
+        use subtle::ConstantTimeEq;
+        self.0.as_bytes().ct_eq(given).into()
+    }
 }
 
 /// By hand, so that a config printed with `{:?}` never shows a password.
@@ -277,6 +351,7 @@ impl Config {
             run_mover: true,
             metrics_addr: None,
             prune: PruneConfig::default(),
+            admin_token: None,
         }
     }
 
@@ -393,6 +468,40 @@ pub fn redact_url(url: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_admin_token_file_is_private_and_one_line() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("dw-token-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("token");
+        let write = |text: &str, mode: u32| {
+            std::fs::write(&file, text).unwrap();
+            std::fs::set_permissions(&file, std::fs::Permissions::from_mode(mode)).unwrap();
+        };
+        write("0123456789abcdef0123\n", 0o600);
+        let t = AdminToken::read(&file).unwrap();
+        assert!(t.matches(b"0123456789abcdef0123"));
+        assert!(!t.matches(b"0123456789abcdef0124"));
+        assert!(!t.matches(b"0123456789abcdef012"));
+        assert!(!format!("{t:?}").contains("0123"));
+        write("0123456789abcdef0123", 0o400);
+        assert!(AdminToken::read(&file).is_ok(), "no newline, read-only");
+        write("0123456789abcdef0123\n", 0o640);
+        let e = AdminToken::read(&file).unwrap_err();
+        assert!(e.contains("open to group or others (mode 0640)"), "{e}");
+        write("0123456789abcdef0123\nsecond\n", 0o600);
+        assert!(AdminToken::read(&file).unwrap_err().contains("one line"));
+        write("short\n", 0o600);
+        assert!(AdminToken::read(&file).unwrap_err().contains("at least 16"));
+        write("0123456789 abcdef0123\n", 0o600);
+        assert!(AdminToken::read(&file)
+            .unwrap_err()
+            .contains("without spaces"));
+        let e = AdminToken::read(&dir.join("none")).unwrap_err();
+        assert!(e.starts_with("cannot read "), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn passwords_never_show() {

@@ -34,7 +34,9 @@
 //! - `prune.rs` — the inbox pruner: old `worker_inbox` rows deleted, one process at a time.
 //! - `shutdown.rs`, `backoff.rs` — the small shared pieces.
 //! - `admin/` — the operator's tools: `worker stats` (`--watch`, `--check`), `worker dead`.
-//! - `notify.rs` — systemd readiness and watchdog; `metrics.rs` — `/metrics` and `/healthz`.
+//! - `notify.rs` — systemd readiness and watchdog; `metrics.rs` — `/metrics` and `/healthz`;
+//!   `status/` — the status page on the same address (`/`, the dead letters, requeue and
+//!   purge with `--admin-token-file`).
 
 pub mod admin;
 pub mod backoff;
@@ -54,6 +56,7 @@ pub mod prune;
 pub mod shutdown;
 pub mod source;
 pub mod stats;
+pub mod status;
 pub mod store;
 pub mod tls;
 pub mod workers;

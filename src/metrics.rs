@@ -5,7 +5,9 @@
 //! database pool state and resident memory in the text exposition format; `GET /healthz`
 //! answers `200 ok` when the roles make progress (the watchdog's verdict, which includes a
 //! key of the wrong type reported by a role), Redis answers PING and PostgreSQL a
-//! `SELECT 1`, else `503` with the reason. Routing is by method and path
+//! `SELECT 1`, else `503` with the reason. `/` and `/dead...` are the status page
+//! (`status/`): a connection thread hands those requests to the page's own thread
+//! (`status::Page::run`, in this server's scope). Routing is by method and path
 //! ([`Server::route`]) on a parsed [`Request`]: the head parsed by `httparse`, a body of at
 //! most [`MAX_BODY`] bytes read by its `Content-Length`. `Connection: close` always.
 //!
@@ -102,8 +104,20 @@ pub struct Request {
     pub query: String,
     /// The `Content-Type` header, if any.
     pub content_type: Option<String>,
+    /// Every header as sent, names lower-cased (at most [`MAX_HEADERS`]).
+    pub headers: Vec<(String, String)>,
     /// The body (`Content-Length` bytes, at most [`MAX_BODY`]).
     pub body: Vec<u8>,
+}
+
+impl Request {
+    /// The first header of this (lower-case) name.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
 }
 
 /// One answer; always sent with `Connection: close`.
@@ -114,6 +128,8 @@ pub struct Response {
     pub body: String,
     /// The `Allow` header of a `405`.
     pub allow: Option<&'static str>,
+    /// More headers (the status page's security headers).
+    pub headers: Vec<(&'static str, &'static str)>,
 }
 
 impl Response {
@@ -123,6 +139,7 @@ impl Response {
             content_type: "text/plain; charset=utf-8",
             body: body.into(),
             allow: None,
+            headers: Vec::new(),
         }
     }
 
@@ -130,10 +147,12 @@ impl Response {
         let reason = match self.status {
             200 => "OK",
             400 => "Bad Request",
+            403 => "Forbidden",
             404 => "Not Found",
             405 => "Method Not Allowed",
             408 => "Request Timeout",
             413 => "Content Too Large",
+            415 => "Unsupported Media Type",
             431 => "Request Header Fields Too Large",
             501 => "Not Implemented",
             503 => "Service Unavailable",
@@ -148,11 +167,15 @@ impl Response {
         if let Some(allow) = self.allow {
             out.push_str(&format!("Allow: {allow}\r\n"));
         }
-        out.push_str("\r\n");
-        if !head_only {
-            out.push_str(&self.body);
+        for (name, value) in &self.headers {
+            out.push_str(&format!("{name}: {value}\r\n"));
         }
+        out.push_str("\r\n");
+        // The body on its own: a page is not copied once more behind its head.
         w.write_all(out.as_bytes())?;
+        if !head_only {
+            w.write_all(self.body.as_bytes())?;
+        }
         w.flush()
     }
 }
@@ -163,6 +186,7 @@ pub struct Server<'a> {
     src: Sources<'a>,
     probe: Probe,
     slots: Slots,
+    status: crate::status::Page<'a>,
 }
 
 impl<'a> Server<'a> {
@@ -196,6 +220,7 @@ impl<'a> Server<'a> {
                 shared: Arc::default(),
             },
             slots: Slots::default(),
+            status: crate::status::Page::new(src.config, src.stats, src.redis.clone()),
             src,
         })
     }
@@ -208,7 +233,10 @@ impl<'a> Server<'a> {
     /// Serves until shutdown (see the module header for how it stops).
     pub fn run(&self, shutdown: &Shutdown) {
         if let Ok(a) = self.local_addr() {
-            log::info!("metrics: serving http://{a}/metrics and /healthz");
+            log::info!(
+                "metrics: serving http://{a}/metrics, /healthz and the status page http://{a}/ ({})",
+                self.status.mode()
+            );
         }
         let stopped = AtomicBool::new(false);
         std::thread::scope(|s| {
@@ -224,6 +252,14 @@ impl<'a> Server<'a> {
                 // Without it a blocked accept could not be woken at shutdown.
                 log::error!("metrics: cannot start its stop thread, not serving: {e}");
                 return;
+            }
+            let pages = std::thread::Builder::new()
+                .name("status-page".into())
+                .stack_size(crate::status::PAGE_STACK)
+                .spawn_scoped(s, || self.status.run(shutdown));
+            if let Err(e) = pages {
+                // /metrics and /healthz still work; the page answers 503.
+                log::error!("metrics: cannot start the status page's thread: {e}");
             }
             self.accept_loop(s, shutdown);
             stopped.store(true, Relaxed);
@@ -340,7 +376,8 @@ impl<'a> Server<'a> {
                     }
                 }
             }
-            _ => Response::text(404, "not found: try /metrics or /healthz\n"),
+            path if crate::status::serves(path) => self.status.route(req),
+            _ => Response::text(404, "not found: try /, /metrics or /healthz\n"),
         }
     }
 
@@ -675,16 +712,26 @@ fn parse_head(head: &httparse::Request) -> Result<Request, Option<Response>> {
         return Err(Some(Response::text(400, "not an HTTP request\n")));
     };
     let (path, query) = target.split_once('?').unwrap_or((target, ""));
-    let content_type = head
+    let headers: Vec<(String, String)> = head
         .headers
         .iter()
-        .find(|h| h.name.eq_ignore_ascii_case("content-type"))
-        .map(|h| String::from_utf8_lossy(h.value).into_owned());
+        .map(|h| {
+            (
+                h.name.to_ascii_lowercase(),
+                String::from_utf8_lossy(h.value).trim().to_string(),
+            )
+        })
+        .collect();
+    let content_type = headers
+        .iter()
+        .find(|(n, _)| n == "content-type")
+        .map(|(_, v)| v.clone());
     Ok(Request {
         method: method.to_string(),
         path: path.to_string(),
         query: query.to_string(),
         content_type,
+        headers,
         body: Vec::new(),
     })
 }

@@ -5,11 +5,15 @@
 //! A job's outcome is counted once, by event, in [`Metrics`] (`Stats::jobs`); the totals
 //! of [`Snapshot`] are sums over it. A dead letter or retry is counted once Redis has
 //! it (after the settle or the script that wrote it), never when it is only decided.
+//!
+//! The same per-job calls also feed [`History`], the last hour minute by minute (jobs by
+//! outcome, a lateness histogram per minute) in a ring of fixed size, which the status
+//! page draws: its memory does not grow with uptime.
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 #[derive(Default)]
@@ -331,6 +335,8 @@ pub struct Metrics {
     index: HashMap<String, usize>,
     /// Commit time minus the due time the mover recorded, of committed jobs (done, noop).
     lateness: Histogram,
+    /// The same figures, minute by minute over the last hour.
+    history: History,
 }
 
 impl Default for Metrics {
@@ -365,6 +371,7 @@ impl Metrics {
             events,
             index,
             lateness: Histogram::new(LATENESS_BOUNDS),
+            history: History::default(),
         }
     }
 
@@ -384,6 +391,7 @@ impl Metrics {
             .position(|(o, _)| *o == outcome)
             .unwrap_or(0);
         self.slot(event).outcomes[i].fetch_add(1, Relaxed);
+        self.history.job(crate::now_ms(), outcome);
     }
 
     /// Times one handler transaction (inbox row, handler, commit or failure).
@@ -395,9 +403,15 @@ impl Metrics {
     /// (an entry a producer XADDed by hand).
     pub fn lateness(&self, due_ms: Option<i64>, committed_ms: i64) {
         if let Some(due) = due_ms {
-            self.lateness
-                .observe(committed_ms.saturating_sub(due) as f64 / 1000.0);
+            let late_ms = committed_ms.saturating_sub(due);
+            self.lateness.observe(late_ms as f64 / 1000.0);
+            self.history.lateness(committed_ms, late_ms);
         }
+    }
+
+    /// The last hour, minute by minute, as of `now_ms`.
+    pub fn last_hour(&self, now_ms: i64) -> Hour {
+        self.history.last_hour(now_ms)
     }
 
     /// Jobs of `event` (or `_other`) that ended with `outcome`.
@@ -462,6 +476,201 @@ impl Metrics {
         );
         self.lateness
             .render(out, "delay_worker_lateness_seconds", "");
+    }
+}
+
+// ---- the last hour, minute by minute ------------------------------------------------------
+
+/// Minutes the status page looks back: the ring holds this many, the current one included.
+pub const HISTORY_MINUTES: usize = 60;
+
+/// Lateness buckets of one minute: below 1 ms, then four per doubling (about 19 % wide)
+/// up to 2^24.25 ms (6.5 h), then everything later.
+const LATE_BUCKETS: usize = 100;
+
+/// The bucket of a lateness in milliseconds.
+fn late_bucket(ms: i64) -> usize {
+    if ms < 1 {
+        return 0;
+    }
+    let i = 1 + (4.0 * (ms as f64).log2()).floor() as usize;
+    i.min(LATE_BUCKETS - 1)
+}
+
+/// The upper bound (ms) of a lateness bucket; `None` for the last one, which has none.
+fn late_upper_ms(i: usize) -> Option<f64> {
+    match i {
+        0 => Some(1.0),
+        i if i < LATE_BUCKETS - 1 => Some((i as f64 / 4.0).exp2()),
+        _ => None,
+    }
+}
+
+/// One minute of the ring.
+struct MinuteSlot {
+    /// The unix minute it holds (`ms / 60_000`); another value means the slot is stale.
+    minute: i64,
+    outcomes: [u32; 5],
+    late: [u32; LATE_BUCKETS],
+}
+
+impl MinuteSlot {
+    const EMPTY: MinuteSlot = MinuteSlot {
+        minute: i64::MIN,
+        outcomes: [0; 5],
+        late: [0; LATE_BUCKETS],
+    };
+}
+
+/// The last [`HISTORY_MINUTES`] minutes of job outcomes and lateness, in a ring of fixed
+/// size (about 25 KB): a slot is reused, zeroed, when its minute comes round again. One
+/// short lock per finished job (workers rarely finish within the same microsecond).
+pub struct History {
+    ring: Mutex<Box<[MinuteSlot; HISTORY_MINUTES]>>,
+}
+
+impl Default for History {
+    fn default() -> Self {
+        History {
+            ring: Mutex::new(Box::new([MinuteSlot::EMPTY; HISTORY_MINUTES])),
+        }
+    }
+}
+
+/// One minute as the status page shows it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MinuteFigures {
+    /// Start of the minute, unix ms.
+    pub start_ms: i64,
+    /// Jobs that committed (done, no-op, duplicate).
+    pub committed: u64,
+    pub retried: u64,
+    pub dead: u64,
+    /// Committed jobs whose lateness was recorded, and its percentiles (ms, the upper
+    /// bound of the bucket: "at most"); `None` without any.
+    pub late_count: u64,
+    pub p50_ms: Option<f64>,
+    pub p95_ms: Option<f64>,
+    pub p99_ms: Option<f64>,
+}
+
+/// The last hour: [`HISTORY_MINUTES`] minutes, oldest first, the current (partial) one
+/// last; and the hour's totals and lateness percentiles.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Hour {
+    pub minutes: Vec<MinuteFigures>,
+    pub committed: u64,
+    pub retried: u64,
+    pub dead: u64,
+    pub late_count: u64,
+    pub p50_ms: Option<f64>,
+    pub p95_ms: Option<f64>,
+    pub p99_ms: Option<f64>,
+}
+
+/// The `q` quantile of a bucket histogram, as the upper bound of its bucket (the last
+/// bucket's lower bound, for lateness beyond the buckets); `None` when empty.
+fn quantile(late: &[u32; LATE_BUCKETS], q: f64) -> Option<f64> {
+    let total: u64 = late.iter().map(|&c| c as u64).sum();
+    if total == 0 {
+        return None;
+    }
+    let rank = ((q * total as f64).ceil() as u64).max(1);
+    let mut seen = 0;
+    for (i, &c) in late.iter().enumerate() {
+        seen += c as u64;
+        if seen >= rank {
+            return Some(late_upper_ms(i).unwrap_or(((LATE_BUCKETS - 2) as f64 / 4.0).exp2()));
+        }
+    }
+    None
+}
+
+impl History {
+    fn lock(&self) -> MutexGuard<'_, Box<[MinuteSlot; HISTORY_MINUTES]>> {
+        self.ring.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The slot of the minute of `now_ms`, zeroed if it held an older minute.
+    fn slot(ring: &mut [MinuteSlot; HISTORY_MINUTES], now_ms: i64) -> &mut MinuteSlot {
+        let minute = now_ms.div_euclid(60_000);
+        let s = &mut ring[minute.rem_euclid(HISTORY_MINUTES as i64) as usize];
+        if s.minute != minute {
+            *s = MinuteSlot::EMPTY;
+            s.minute = minute;
+        }
+        s
+    }
+
+    pub fn job(&self, now_ms: i64, outcome: JobOutcome) {
+        let i = OUTCOMES
+            .iter()
+            .position(|(o, _)| *o == outcome)
+            .unwrap_or(0);
+        let mut ring = self.lock();
+        let s = Self::slot(&mut ring, now_ms);
+        s.outcomes[i] = s.outcomes[i].saturating_add(1);
+    }
+
+    pub fn lateness(&self, now_ms: i64, late_ms: i64) {
+        let mut ring = self.lock();
+        let s = Self::slot(&mut ring, now_ms);
+        let b = &mut s.late[late_bucket(late_ms)];
+        *b = b.saturating_add(1);
+    }
+
+    /// The hour up to the minute of `now_ms`; minutes nothing happened in are zeros.
+    /// Worked out under the lock (a few microseconds), so no copy of the ring is made.
+    pub fn last_hour(&self, now_ms: i64) -> Hour {
+        let now_minute = now_ms.div_euclid(60_000);
+        let mut all = [0u32; LATE_BUCKETS];
+        let mut hour = Hour {
+            minutes: Vec::with_capacity(HISTORY_MINUTES),
+            committed: 0,
+            retried: 0,
+            dead: 0,
+            late_count: 0,
+            p50_ms: None,
+            p95_ms: None,
+            p99_ms: None,
+        };
+        let ring = self.lock();
+        for back in (0..HISTORY_MINUTES as i64).rev() {
+            let minute = now_minute - back;
+            let slot = &ring[minute.rem_euclid(HISTORY_MINUTES as i64) as usize];
+            let s = if slot.minute == minute {
+                slot
+            } else {
+                &MinuteSlot::EMPTY
+            };
+            let n = |o: JobOutcome| {
+                let i = OUTCOMES.iter().position(|(x, _)| *x == o).unwrap_or(0);
+                s.outcomes[i] as u64
+            };
+            let m = MinuteFigures {
+                start_ms: minute * 60_000,
+                committed: n(JobOutcome::Done) + n(JobOutcome::NoOp) + n(JobOutcome::Duplicate),
+                retried: n(JobOutcome::Retry),
+                dead: n(JobOutcome::Dead),
+                late_count: s.late.iter().map(|&c| c as u64).sum(),
+                p50_ms: quantile(&s.late, 0.50),
+                p95_ms: quantile(&s.late, 0.95),
+                p99_ms: quantile(&s.late, 0.99),
+            };
+            for (a, b) in all.iter_mut().zip(s.late.iter()) {
+                *a = a.saturating_add(*b);
+            }
+            hour.committed += m.committed;
+            hour.retried += m.retried;
+            hour.dead += m.dead;
+            hour.late_count += m.late_count;
+            hour.minutes.push(m);
+        }
+        drop(ring);
+        hour.p50_ms = quantile(&all, 0.50);
+        hour.p95_ms = quantile(&all, 0.95);
+        hour.p99_ms = quantile(&all, 0.99);
+        hour
     }
 }
 
@@ -555,5 +764,63 @@ mod tests {
         assert!(!s.report_trouble("inbox pruner", "no DELETE privilege".into()));
         assert_eq!(s.problem(now), None, "a trouble never turns health red");
         assert!(s.clear_problem("inbox pruner", now + 1));
+    }
+
+    #[test]
+    fn the_last_hour_is_a_ring_of_minutes() {
+        let h = History::default();
+        let t0 = 1_800_000_000_000i64; // a minute's start (a multiple of 60,000)
+        for _ in 0..3 {
+            h.job(t0 + 5_000, JobOutcome::Done);
+        }
+        h.job(t0 + 6_000, JobOutcome::Duplicate);
+        h.job(t0 + 7_000, JobOutcome::Retry);
+        h.job(t0 + 61_000, JobOutcome::Dead);
+        for ms in [0, 3, 40, 40, 900] {
+            h.lateness(t0 + 8_000, ms);
+        }
+        let hour = h.last_hour(t0 + 61_500);
+        assert_eq!(hour.minutes.len(), HISTORY_MINUTES);
+        let last = &hour.minutes[HISTORY_MINUTES - 1];
+        let prev = &hour.minutes[HISTORY_MINUTES - 2];
+        assert_eq!(
+            (last.start_ms, last.dead, last.committed),
+            (t0 + 60_000, 1, 0)
+        );
+        assert_eq!((prev.start_ms, prev.committed, prev.retried), (t0, 4, 1));
+        assert_eq!(prev.late_count, 5);
+        // 40 ms is in the bucket [2^21/4, 2^22/4) = [38.05, 45.25) ms: "at most 45.25".
+        let p50 = prev.p50_ms.unwrap();
+        assert!((40.0..46.0).contains(&p50), "{p50}");
+        assert!(prev.p99_ms.unwrap() >= 900.0 && prev.p99_ms.unwrap() < 1100.0);
+        assert_eq!(prev.p50_ms, hour.p50_ms);
+        assert_eq!((hour.committed, hour.retried, hour.dead), (4, 1, 1));
+        assert_eq!(hour.minutes[0].start_ms, t0 + 60_000 - 59 * 60_000);
+
+        // An hour later the same slots hold new minutes; the old counts are gone.
+        let later = t0 + 60 * 60_000;
+        h.job(later + 1, JobOutcome::NoOp);
+        let hour = h.last_hour(later + 2);
+        assert_eq!((hour.committed, hour.dead, hour.late_count), (1, 1, 0));
+        let hour = h.last_hour(later + 120 * 60_000);
+        assert_eq!(
+            (hour.committed, hour.dead),
+            (0, 0),
+            "nothing in the last hour"
+        );
+        assert!(hour.p50_ms.is_none());
+    }
+
+    #[test]
+    fn lateness_buckets_cover_every_value() {
+        assert_eq!(late_bucket(-5), 0);
+        assert_eq!(late_bucket(0), 0);
+        assert_eq!(late_bucket(1), 1);
+        assert_eq!(late_bucket(i64::MAX), LATE_BUCKETS - 1);
+        for ms in [1, 2, 7, 100, 1_000, 65_000, 3_600_000] {
+            let b = late_bucket(ms);
+            assert!(late_upper_ms(b).unwrap() > ms as f64, "{ms} in {b}");
+            assert!(b == 1 || late_upper_ms(b - 1).unwrap() <= ms as f64, "{ms}");
+        }
     }
 }

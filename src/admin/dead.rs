@@ -317,6 +317,62 @@ pub fn scan(
     Ok(out)
 }
 
+/// Letters per XREVRANGE of [`newest`]: dead letters are small, but one may hold up to
+/// `--max-message-bytes`, so a page read for the status page stays a few megabytes at most.
+const NEWEST_PAGE: usize = 50;
+
+/// The status page's view: up to `limit` letters matching `filter`, newest first, with an
+/// id before `before` (exclusive; from the newest when `None`), looking at no more than
+/// `budget` letters; and the id to continue from when more may follow (the last one
+/// looked at).
+pub fn newest(
+    con: &mut Connection,
+    keys: &Keys,
+    filter: &Filter,
+    now_ms: i64,
+    before: Option<&str>,
+    limit: usize,
+    budget: usize,
+) -> RedisResult<(Vec<DeadLetter>, Option<String>)> {
+    let mut end = before.map_or("+".to_string(), |b| format!("({b}"));
+    let mut out = Vec::new();
+    let mut looked = 0;
+    loop {
+        let count = NEWEST_PAGE.min(budget.saturating_sub(looked));
+        if count == 0 {
+            return Ok((out, end.strip_prefix('(').map(str::to_string)));
+        }
+        let reply: Value = redis::cmd("XREVRANGE")
+            .arg(&keys.dead)
+            .arg(&end)
+            .arg("-")
+            .arg("COUNT")
+            .arg(count)
+            .query(con)?;
+        let entries = match reply {
+            Value::Array(e) => e,
+            _ => Vec::new(),
+        };
+        looked += entries.len();
+        let exhausted = entries.len() < count;
+        for e in &entries {
+            let Some(d) = DeadLetter::parse(e, now_ms) else {
+                continue;
+            };
+            end = format!("({}", d.id);
+            if filter.matches(&d, now_ms) {
+                out.push(d);
+                if out.len() >= limit {
+                    return Ok((out, end.strip_prefix('(').map(str::to_string)));
+                }
+            }
+        }
+        if exhausted {
+            return Ok((out, None));
+        }
+    }
+}
+
 /// The dead letters with these ids, in order; `None` for an id not there.
 pub fn fetch(
     con: &mut Connection,

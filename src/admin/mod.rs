@@ -71,7 +71,7 @@ pub fn id_ms(id: &str) -> Option<i64> {
 }
 
 /// A stream id as XRANGE takes it: `<ms>` or `<ms>-<seq>`.
-fn is_stream_id(s: &str) -> bool {
+pub fn is_stream_id(s: &str) -> bool {
     let mut parts = s.split('-');
     let digits =
         |p: Option<&str>| p.is_some_and(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()));
@@ -93,7 +93,7 @@ pub fn fmt_age(ms: i64) -> String {
 }
 
 /// Unix milliseconds as an RFC 3339 time (UTC, whole seconds).
-fn fmt_time(ms: i64) -> String {
+pub fn fmt_time(ms: i64) -> String {
     let t = std::time::UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64);
     humantime::format_rfc3339_seconds(t).to_string()
 }

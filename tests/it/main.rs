@@ -25,5 +25,6 @@ mod release;
 mod retention;
 mod secrets;
 mod sets;
+mod status_page;
 mod store;
 mod tls;

@@ -287,8 +287,96 @@ pub fn find(
     Ok(found)
 }
 
+/// Letters per LRANGE of [`newest`] and [`find_near`] (see `dead::NEWEST_PAGE`).
+const NEWEST_PAGE: usize = 50;
+
+/// Letters with their positions, and where the next page starts when more may follow.
+pub type NewestPage = (Vec<(usize, ListLetter)>, Option<usize>);
+
+/// The status page's view of `queue`'s dead list: newest first from position `from`
+/// (0 is the head, the newest letter), up to `limit` letters matching `filter`, looking at
+/// no more than `budget`; each with its position, and the position to continue from when
+/// more may follow. Positions shift as letters come and go: a page is a view, not a cursor.
+pub fn newest(
+    con: &mut Connection,
+    queue: &Queue,
+    filter: &Filter,
+    now_ms: i64,
+    from: usize,
+    limit: usize,
+    budget: usize,
+) -> RedisResult<NewestPage> {
+    let mut out = Vec::new();
+    let mut at = from;
+    loop {
+        let count = NEWEST_PAGE.min(budget.saturating_sub(at - from));
+        if count == 0 {
+            return Ok((out, Some(at)));
+        }
+        let raw: Vec<Vec<u8>> = redis::cmd("LRANGE")
+            .arg(&queue.dead)
+            .arg(at)
+            .arg(at + count - 1)
+            .query(con)?;
+        let exhausted = raw.len() < count;
+        for r in raw {
+            let l = ListLetter::parse(r, &queue.name, now_ms);
+            let pos = at;
+            at += 1;
+            if matches(filter, &l, now_ms) {
+                out.push((pos, l));
+                if out.len() >= limit {
+                    return Ok((out, Some(at)));
+                }
+            }
+        }
+        if exhausted {
+            return Ok((out, None));
+        }
+    }
+}
+
+/// The letter of `queue`'s dead list whose id starts with `id` (as [`parse_id`] gives
+/// it), looked for around position `near` first (where the page showed it), then from the
+/// head, at no more than `budget` letters in all; `Ok(None)` when not found within them.
+pub fn find_near(
+    con: &mut Connection,
+    queue: &Queue,
+    id: &str,
+    now_ms: i64,
+    near: usize,
+    budget: usize,
+) -> RedisResult<Option<ListLetter>> {
+    let start = near.saturating_sub(NEWEST_PAGE / 2);
+    let mut ranges = vec![(start, start + NEWEST_PAGE - 1)];
+    let mut at = 0;
+    while at < budget.saturating_sub(NEWEST_PAGE) {
+        ranges.push((at, at + NEWEST_PAGE - 1));
+        at += NEWEST_PAGE;
+    }
+    for (i, (a, b)) in ranges.into_iter().enumerate() {
+        let raw: Vec<Vec<u8>> = redis::cmd("LRANGE")
+            .arg(&queue.dead)
+            .arg(a)
+            .arg(b)
+            .query(con)?;
+        let short = raw.len() < b - a + 1;
+        if let Some(l) = raw
+            .into_iter()
+            .map(|r| ListLetter::parse(r, &queue.name, now_ms))
+            .find(|l| l.has_id(id))
+        {
+            return Ok(Some(l));
+        }
+        if short && (i > 0 || a == 0) {
+            break; // the end of the list
+        }
+    }
+    Ok(None)
+}
+
 /// An id as `worker dead list` prints it (or a prefix of it): hex digits, lower-cased.
-fn parse_id(s: &str) -> anyhow::Result<String> {
+pub fn parse_id(s: &str) -> anyhow::Result<String> {
     let id = s.trim().to_ascii_lowercase();
     anyhow::ensure!(
         (MIN_ID_LEN..=40).contains(&id.len()) && id.bytes().all(|b| b.is_ascii_hexdigit()),

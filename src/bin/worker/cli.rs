@@ -367,6 +367,10 @@ pub struct RunArgs {
     /// address, e.g. 127.0.0.1:9187 [default: off].
     #[arg(long)]
     pub metrics_addr: Option<std::net::SocketAddr>,
+    /// File holding the token (one line, mode 0600 or 0400) that unlocks the status
+    /// page's requeue and purge [default: the page is read-only].
+    #[arg(long, value_name = "PATH")]
+    pub admin_token_file: Option<PathBuf>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -781,6 +785,19 @@ impl Cli {
             batch: r.inbox_prune_batch,
             pause: r.inbox_prune_pause,
         };
+        if let Some(path) = &r.admin_token_file {
+            check(
+                r.metrics_addr.is_some(),
+                "--admin-token-file",
+                "unlocks the status page's actions, which needs --metrics-addr",
+            )?;
+            config.admin_token = Some(delay_worker::config::AdminToken::read(path).map_err(
+                |problem| CliError {
+                    flag: "--admin-token-file",
+                    problem,
+                },
+            )?);
+        }
         Ok(config)
     }
 }

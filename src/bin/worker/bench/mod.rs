@@ -26,11 +26,13 @@
 //!
 //! Layout: `scenario.rs` the five flows; `load.rs` producing; `shop.rs` seeding, lateness
 //! and accounting in SQL; `child.rs` the worker process and the /proc and Redis probes;
-//! `ceiling.rs` redis-benchmark and pgbench; `report.rs` the table and the JSON.
+//! `ceiling.rs` redis-benchmark and pgbench; `report.rs` the table and the JSON;
+//! `poll.rs` the status page loaded once a second during a steady run (`--poll-status`).
 
 mod ceiling;
 mod child;
 mod load;
+mod poll;
 mod report;
 mod scenario;
 mod shop;
@@ -139,6 +141,10 @@ pub struct BenchArgs {
     /// Pending orders seeded for the pgbench ceiling; each transaction cancels its own.
     #[arg(long, default_value_t = 100_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub ceiling_orders: u64,
+    /// Steady scenarios: the worker serves its status page (--metrics-addr on a free
+    /// loopback port) and the bench loads `/` once a second for the whole run.
+    #[arg(long)]
+    pub poll_status: bool,
     /// Skip the redis-benchmark and pgbench ceilings.
     #[arg(long)]
     pub no_ceilings: bool,

@@ -216,11 +216,22 @@ fn steady_run(
     child::reset_queue(&mut con, &config.keys)?;
     let postmaster = child::postmaster_pid(db);
 
-    let mut worker = WorkerChild::spawn(config, extra, &log_path(ctx, name))?;
+    let page = if args.poll_status {
+        Some(super::poll::free_addr()?)
+    } else {
+        None
+    };
+    let addr_flag = page.map(|a| a.to_string());
+    let mut extra: Vec<&str> = extra.to_vec();
+    if let Some(a) = &addr_flag {
+        extra.extend(["--metrics-addr", a.as_str()]);
+    }
+    let mut worker = WorkerChild::spawn(config, &extra, &log_path(ctx, name))?;
     worker.wait_ready(&mut con, &config.keys)?;
     let ready = Instant::now();
     let before = Marks::take(&mut con, postmaster);
     let rss = RssSampler::start(worker.pid);
+    let poller = page.map(super::poll::Poller::start);
     let produced = load::steady(
         ctx.redis,
         &config.database_url,
@@ -238,6 +249,7 @@ fn steady_run(
         last_due + args.timeout,
         Duration::from_millis(20),
     )?;
+    let polled = poller.map(|p| p.finish());
     let m = finish(worker, rss, &before, &mut con, postmaster);
     let ran = ready.elapsed();
 
@@ -261,6 +273,7 @@ fn steady_run(
             produced.max_behind_ms
         ));
     }
+    notes.extend(polled);
     if scores == Scores::Seconds {
         notes.push(format!(
             "whole-second scores: about {} jobs fall due at each second",

@@ -1,0 +1,412 @@
+//! The status page: `/` on the metrics address (`--metrics-addr`), for shops that run no
+//! Prometheus. Plain HTML (escaped by construction: `maud`), a small inline SVG chart, no
+//! script at all (the Content-Security-Policy forbids any); the overview reloads itself
+//! every 10 s with a meta refresh. Served by the metrics server's threads
+//! (`metrics.rs` routes the paths of [`serves`] here).
+//!
+//! - `GET /`: what `worker stats` shows, read by the same code ([`admin::gather`]) so the
+//!   figures are the same, plus this process's own last hour from its counters
+//!   (`stats::History`: jobs and lateness percentiles per minute, a fixed ring).
+//! - `GET /dead`: the dead letters, newest first, a page at a time, filtered by event;
+//!   list mode: the dead list of one queue at a time. `GET /dead/letter`: one letter, its
+//!   reason and its message pretty-printed. Both through `admin::dead` (and `dead::list`).
+//! - `POST /dead/requeue`, `POST /dead/purge`: only with `--admin-token-file`
+//!   (`actions.rs`); without it the page is read-only, says so, and renders no form.
+//!
+//! **Bounded.** Pages are made one at a time by one thread of their own ([`Page::run`],
+//! in the metrics server's scope): a connection thread hands its request over and waits
+//! for the answer, at most [`QUEUED`] wait, and more get `503` at once, so page loads never
+//! take the connection threads `/healthz` needs. One thread also keeps a page's
+//! allocations in one place: made on the short-lived connection threads, they would be
+//! spread over every malloc arena of the process and each would keep its high-water mark.
+//! A page takes a Redis connection of its own (kept for the next one, at most
+//! [`IDLE_CONNECTIONS`]) with a [`REDIS_TIMEOUT`] and reads a bounded amount (the figures
+//! are counted up to caps; a dead-letter page looks at no more than [`DEAD_BUDGET`]
+//! letters).
+//!
+//! Layout: `view.rs` the HTML, `chart.rs` the SVG, `actions.rs` requeue and purge with
+//! their checks, `pretty.rs` a message's JSON laid out for reading.
+
+mod actions;
+mod chart;
+mod pretty;
+mod view;
+
+use crate::admin::{self, dead, StatsReport};
+use crate::config::{Config, Source};
+use crate::metrics::{Request, Response};
+use crate::shutdown::Shutdown;
+use crate::stats::Stats;
+use crossbeam_channel::{Receiver, Sender};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// Requests waiting for the page thread, besides the one it is making; more get `503` at
+/// once (the metrics server has 16 connection threads, and `/healthz` must always find one).
+pub const QUEUED: usize = 3;
+/// A request waits this long for its page, then gets `503` (Redis stalled for longer than
+/// the pages ahead of it could time out).
+pub const PAGE_WAIT: Duration = Duration::from_secs(6);
+/// I/O timeout of the page's Redis connection (it connects within `store::CONNECT_TIMEOUT`).
+pub const REDIS_TIMEOUT: Duration = Duration::from_secs(2);
+/// Redis connections kept between page loads.
+const IDLE_CONNECTIONS: usize = 2;
+/// Dead letters shown per page.
+pub const DEAD_PER_PAGE: usize = 50;
+/// Dead letters a page load looks at, at most (a filter that matches few letters shows a
+/// short page with a link to look further).
+pub const DEAD_BUDGET: usize = 500;
+/// Letters looked at, at most, to find one list letter by its id.
+const FIND_BUDGET: usize = 2_000;
+/// The `--dead-window` of `worker stats`: what counts as a new dead letter.
+pub const DEAD_WINDOW: Duration = Duration::from_secs(300);
+/// Stack of the page thread: as a worker's (Rust's default), for `serde_json` on a
+/// letter's message (`message::event_of`, `pretty::json`); only what is used is resident.
+pub const PAGE_STACK: usize = 2 * 1024 * 1024;
+/// The overview's meta refresh.
+pub const REFRESH_S: u32 = 10;
+
+/// Whether `path` is the status page's.
+pub fn serves(path: &str) -> bool {
+    matches!(
+        path,
+        "/" | "/dead" | "/dead/letter" | "/dead/requeue" | "/dead/purge"
+    )
+}
+
+/// The status page of one daemon.
+pub struct Page<'a> {
+    config: &'a Config,
+    stats: &'a Stats,
+    redis: redis::Client,
+    idle: Mutex<Vec<redis::Connection>>,
+    /// Requests for the page thread, and where each answer goes.
+    jobs: (Sender<Job>, Receiver<Job>),
+    started: Instant,
+    /// `Some` with `--admin-token-file`.
+    actions: Option<actions::Actions>,
+}
+
+/// One request for the page thread.
+struct Job {
+    req: Request,
+    reply: Sender<Response>,
+}
+
+impl<'a> Page<'a> {
+    pub fn new(config: &'a Config, stats: &'a Stats, redis: redis::Client) -> Page<'a> {
+        Page {
+            config,
+            stats,
+            redis,
+            idle: Mutex::new(Vec::new()),
+            jobs: crossbeam_channel::bounded(QUEUED),
+            started: Instant::now(),
+            actions: config.admin_token.clone().map(actions::Actions::new),
+        }
+    }
+
+    /// For the start's log line.
+    pub fn mode(&self) -> &'static str {
+        if self.actions.is_some() {
+            "requeue and purge with the admin token"
+        } else {
+            "read-only"
+        }
+    }
+
+    /// The answer to one request of a path [`serves`] names: a wrong method at once,
+    /// anything else from the page thread.
+    pub fn route(&self, req: &Request) -> Response {
+        let read = matches!(req.method.as_str(), "GET" | "HEAD");
+        let path = req.path.as_str();
+        let action = matches!(path, "/dead/requeue" | "/dead/purge");
+        if (action && req.method != "POST") || (!action && !read) {
+            let allow = if action { "POST" } else { "GET, HEAD" };
+            return Response {
+                allow: Some(allow),
+                ..Response::text(405, format!("{path} takes {allow}\n"))
+            };
+        }
+        let (reply, answer) = crossbeam_channel::bounded(1);
+        let job = Job {
+            req: req.clone(),
+            reply,
+        };
+        if self.jobs.0.try_send(job).is_err() {
+            return Response::text(
+                503,
+                "the status page is busy (other pages are being made); try again\n",
+            );
+        }
+        answer.recv_timeout(PAGE_WAIT).unwrap_or_else(|_| {
+            Response::text(
+                503,
+                format!(
+                    "the status page did not answer within {}s (Redis slow?); try again\n",
+                    PAGE_WAIT.as_secs()
+                ),
+            )
+        })
+    }
+
+    /// The page thread: makes the pages asked for, one at a time, until shutdown.
+    pub fn run(&self, shutdown: &Shutdown) {
+        loop {
+            crossbeam_channel::select! {
+                recv(self.jobs.1) -> job => match job {
+                    // The asker may have given up waiting: nobody to tell.
+                    Ok(job) => { let _ = job.reply.send(self.make(&job.req)); }
+                    Err(_) => return,
+                },
+                recv(shutdown.receiver()) -> _ => return,
+            }
+        }
+    }
+
+    /// One page.
+    fn make(&self, req: &Request) -> Response {
+        let query: Vec<(String, String)> = form_urlencoded::parse(req.query.as_bytes())
+            .into_owned()
+            .collect();
+        let arg = |name: &str| {
+            query
+                .iter()
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| v.as_str())
+                .filter(|v| !v.is_empty())
+        };
+        let path = req.path.as_str();
+        match path {
+            "/" => self.overview(),
+            "/dead" => self.dead_list(arg("event"), arg("queue"), arg("before"), arg("at")),
+            "/dead/letter" => self.letter(arg("id"), arg("queue"), arg("at")),
+            _ => match &self.actions {
+                Some(a) => a.handle(self, req),
+                None => {
+                    log::warn!(
+                        "status page: refused {} {path}: the page is read-only (no --admin-token-file)",
+                        req.method
+                    );
+                    Response::text(
+                        403,
+                        "the status page is read-only: start the worker with --admin-token-file to requeue or purge here\n",
+                    )
+                }
+            },
+        }
+    }
+
+    /// Runs `f` on a Redis connection of the page's own: an idle one, or a new one.
+    /// A connection that failed is dropped, not kept.
+    fn with_redis<T>(
+        &self,
+        f: impl FnOnce(&mut redis::Connection) -> anyhow::Result<T>,
+    ) -> anyhow::Result<T> {
+        let idle = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let mut con = match idle {
+            Some(c) => c,
+            None => crate::store::connect_with(&self.redis, REDIS_TIMEOUT)
+                .map_err(|e| anyhow::anyhow!("cannot reach Redis: {e}"))?,
+        };
+        let r = f(&mut con);
+        if r.is_ok() {
+            let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+            if idle.len() < IDLE_CONNECTIONS {
+                idle.push(con);
+            }
+        }
+        r
+    }
+
+    fn overview(&self) -> Response {
+        let now = crate::now_ms();
+        let report: Result<StatsReport, String> = self
+            .with_redis(|con| Ok(admin::gather(con, &self.config.keys, now, DEAD_WINDOW)?))
+            .map_err(|e| admin::one_line(&e));
+        if let Err(e) = &report {
+            log::debug!("status page: {e}");
+        }
+        let v = view::Overview {
+            config: self.config,
+            report: &report,
+            hour: &self.stats.jobs.last_hour(now),
+            totals: &self.stats.snapshot(),
+            live: crate::notify::live(self.stats, self.config, now),
+            uptime: self.started.elapsed(),
+            rss: crate::metrics::resident_memory_bytes(),
+            now_ms: now,
+            actions: self.actions.is_some(),
+        };
+        html(200, view::overview(&v))
+    }
+
+    /// The queue a `queue` argument names (list mode); the first one without.
+    fn queue(&self, name: Option<&str>) -> Option<&crate::keys::Queue> {
+        let queues = &self.config.keys.queues;
+        match name {
+            Some(n) => queues.iter().find(|q| q.name == n),
+            None => queues.first(),
+        }
+    }
+
+    fn dead_list(
+        &self,
+        event: Option<&str>,
+        queue: Option<&str>,
+        before: Option<&str>,
+        at: Option<&str>,
+    ) -> Response {
+        let now = crate::now_ms();
+        let filter = dead::Filter {
+            event: event.map(str::to_string),
+            ..Default::default()
+        };
+        let actions = self.actions.as_ref().map(|a| a.nonce());
+        let page = if self.config.source == Source::List {
+            let Some(q) = self.queue(queue) else {
+                return not_found("no such queue");
+            };
+            let from = match at.map(str::parse::<usize>) {
+                None => 0,
+                Some(Ok(n)) => n,
+                Some(Err(_)) => return bad_request("at: not a position"),
+            };
+            let read = self.with_redis(|con| {
+                let mut p = redis::pipe();
+                for q in &self.config.keys.queues {
+                    p.cmd("LLEN").arg(&q.dead);
+                }
+                let lengths: Vec<u64> = p.query(con)?;
+                let (letters, next) =
+                    dead::list::newest(con, q, &filter, now, from, DEAD_PER_PAGE, DEAD_BUDGET)?;
+                Ok((lengths, letters, next))
+            });
+            match read {
+                Ok((lengths, letters, next)) => view::dead_list_mode(&view::DeadListMode {
+                    queues: self
+                        .config
+                        .keys
+                        .queues
+                        .iter()
+                        .map(|q| q.name.as_str())
+                        .zip(lengths)
+                        .collect(),
+                    queue: &q.name,
+                    event,
+                    from,
+                    letters: &letters,
+                    next,
+                    nonce: actions,
+                }),
+                Err(e) => return unavailable(&e),
+            }
+        } else {
+            if before.is_some_and(|b| !admin::is_stream_id(b)) {
+                return bad_request("before: not a dead-letter id");
+            }
+            let read = self.with_redis(|con| {
+                let length: u64 = redis::cmd("XLEN").arg(&self.config.keys.dead).query(con)?;
+                let (letters, next) = dead::newest(
+                    con,
+                    &self.config.keys,
+                    &filter,
+                    now,
+                    before,
+                    DEAD_PER_PAGE,
+                    DEAD_BUDGET,
+                )?;
+                Ok((length, letters, next))
+            });
+            match read {
+                Ok((length, letters, next)) => view::dead_stream(&view::DeadStream {
+                    key: &self.config.keys.dead,
+                    length,
+                    event,
+                    before,
+                    letters: &letters,
+                    next,
+                    nonce: actions,
+                }),
+                Err(e) => return unavailable(&e),
+            }
+        };
+        html(200, page)
+    }
+
+    fn letter(&self, id: Option<&str>, queue: Option<&str>, at: Option<&str>) -> Response {
+        let now = crate::now_ms();
+        let Some(id) = id else {
+            return bad_request("id: which dead letter?");
+        };
+        let nonce = self.actions.as_ref().map(|a| a.nonce());
+        if self.config.source == Source::List {
+            let Some(q) = self.queue(queue) else {
+                return not_found("no such queue");
+            };
+            let Ok(id) = dead::list::parse_id(id) else {
+                return bad_request("id: not a list dead-letter id");
+            };
+            let near = at.and_then(|a| a.parse().ok()).unwrap_or(0);
+            match self
+                .with_redis(|con| Ok(dead::list::find_near(con, q, &id, now, near, FIND_BUDGET)?))
+            {
+                Ok(Some(l)) => html(200, view::list_letter(&l, near, nonce)),
+                Ok(None) => not_found(&format!(
+                    "no dead letter {id} in the first {FIND_BUDGET} letters of {}",
+                    q.dead
+                )),
+                Err(e) => unavailable(&e),
+            }
+        } else {
+            if !admin::is_stream_id(id) {
+                return bad_request("id: not a dead-letter id (like 1768764300123-0)");
+            }
+            let ids = [id.to_string()];
+            match self.with_redis(|con| Ok(dead::fetch(con, &self.config.keys, &ids, now)?)) {
+                Ok(found) => match found.into_iter().next().flatten() {
+                    Some(d) => html(200, view::stream_letter(&d, nonce)),
+                    None => not_found(&format!("no dead letter {id}")),
+                },
+                Err(e) => unavailable(&e),
+            }
+        }
+    }
+}
+
+/// Headers of every HTML answer: no script may run, no other site may frame the page or
+/// see where a link from it came from, and nothing is cached.
+const HTML_HEADERS: [(&str, &str); 5] = [
+    (
+        "Content-Security-Policy",
+        "default-src 'none'; style-src 'unsafe-inline'; img-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
+    ),
+    ("X-Frame-Options", "DENY"),
+    ("X-Content-Type-Options", "nosniff"),
+    ("Referrer-Policy", "same-origin"),
+    ("Cache-Control", "no-store"),
+];
+
+fn html(status: u16, markup: maud::Markup) -> Response {
+    Response {
+        status,
+        content_type: "text/html; charset=utf-8",
+        body: markup.into_string(),
+        allow: None,
+        headers: HTML_HEADERS.to_vec(),
+    }
+}
+
+fn bad_request(why: &str) -> Response {
+    html(400, view::message("Bad request", why))
+}
+
+fn not_found(why: &str) -> Response {
+    html(404, view::message("Not found", why))
+}
+
+fn unavailable(e: &anyhow::Error) -> Response {
+    let line = admin::one_line(e);
+    log::debug!("status page: {line}");
+    html(503, view::message("Redis did not answer", &line))
+}

@@ -1,0 +1,701 @@
+//! The status page's HTML. `maud` escapes every value put into the markup, so a dead
+//! letter's event, key, reason or message shows as text whatever it holds; nothing here
+//! writes unescaped text but the fixed style sheet. Every figure of `worker stats` carries
+//! `data-k="<its JSON path>"` (and consumers, queues and chart points their own `data-`
+//! attributes), so the tests read the same numbers a person reads.
+
+use super::{chart, pretty, DEAD_BUDGET, DEAD_PER_PAGE, DEAD_WINDOW, REFRESH_S};
+use crate::admin::dead::list::ListLetter;
+use crate::admin::dead::{DeadLetter, RequeueReport};
+use crate::admin::{fmt_age, fmt_time, id_ms, StatsReport};
+use crate::config::{Config, Source};
+use crate::stats::{Hour, Snapshot};
+use maud::{html, Markup, PreEscaped, DOCTYPE};
+use std::time::Duration;
+
+const CSS: &str = r#"
+:root{color-scheme:light dark}
+body{font:15px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:0 auto;max-width:62rem;padding:.5rem .8rem 2rem}
+nav{display:flex;flex-wrap:wrap;gap:.2rem 1rem;padding:.3rem 0;border-bottom:1px solid #8885}
+h1{font-size:1.3rem;margin:.6rem 0 .2rem}
+h2{font-size:1.05rem;margin:1.3rem 0 .3rem}
+table{border-collapse:collapse;width:100%}
+th,td{padding:.22rem .45rem;text-align:left;vertical-align:top;border-bottom:1px solid #8883}
+th{font-weight:600}
+.n{text-align:right;font-variant-numeric:tabular-nums}
+.kv th{font-weight:normal;color:#777;width:45%}
+.grid{display:grid;grid-template-columns:repeat(auto-fit,minmax(17rem,1fr));gap:0 1.5rem}
+.wrap{overflow-x:auto}
+.ok{color:#1a7f37}.bad{color:#cf222e}.muted{color:#777}
+.box{border:1px solid #8886;border-radius:6px;padding:.5rem .7rem;margin:.6rem 0}
+.box.bad{border-color:#cf222e}
+pre{white-space:pre-wrap;overflow-wrap:anywhere;background:#8881;padding:.6rem;border-radius:6px;margin:.3rem 0}
+td.text{overflow-wrap:anywhere;min-width:8rem}
+td.sel{width:1.5rem}
+.letters td{padding:.4rem .45rem}
+svg{display:block;width:100%;max-width:36rem;height:auto}
+figure{margin:.5rem 0 1rem}
+figcaption{font-size:.85rem;color:#777}
+form.row{display:flex;flex-wrap:wrap;gap:.4rem;align-items:center;margin:.5rem 0}
+input,button{font:inherit;padding:.25rem .5rem}
+"#;
+
+/// The page around `body`; the overview refreshes itself.
+fn layout(title: &str, refresh: bool, body: Markup) -> Markup {
+    html! {
+        (DOCTYPE)
+        html lang="en" {
+            head {
+                meta charset="utf-8";
+                meta name="viewport" content="width=device-width, initial-scale=1";
+                @if refresh {
+                    meta http-equiv="refresh" content=(REFRESH_S);
+                }
+                title { (title) " · delay-worker" }
+                style { (PreEscaped(CSS)) }
+            }
+            body {
+                nav {
+                    a href="/" { "Status" }
+                    a href="/dead" { "Dead letters" }
+                    a href="/metrics" { "Metrics" }
+                    a href="/healthz" { "Health" }
+                }
+                (body)
+            }
+        }
+    }
+}
+
+/// A page that only says something: an error, a letter not found.
+pub fn message(title: &str, text: &str) -> Markup {
+    layout(
+        title,
+        false,
+        html! {
+            h1 { (title) }
+            p.box.bad { (text) }
+        },
+    )
+}
+
+/// A query string, each value encoded.
+fn query(pairs: &[(&str, &str)]) -> String {
+    let mut s = form_urlencoded::Serializer::new(String::new());
+    for (k, v) in pairs {
+        s.append_pair(k, v);
+    }
+    s.finish()
+}
+
+fn count(v: Option<u64>) -> String {
+    v.map_or("?".to_string(), |n| n.to_string())
+}
+
+fn secs(ms: i64) -> String {
+    format!("{:.1} s", ms as f64 / 1000.0)
+}
+
+fn dash(s: &str) -> &str {
+    if s.is_empty() {
+        "-"
+    } else {
+        s
+    }
+}
+
+/// Milliseconds for people: `0.8 ms`, `45 ms`, `2.5 s`, `3m05s`.
+pub fn fmt_ms(ms: f64) -> String {
+    if ms < 10.0 {
+        format!("{ms:.1} ms")
+    } else if ms < 1000.0 {
+        format!("{ms:.0} ms")
+    } else if ms < 60_000.0 {
+        format!("{:.1} s", ms / 1000.0)
+    } else {
+        fmt_age(ms as i64)
+    }
+}
+
+/// At most `max` characters on one line, `…` marking a cut.
+fn clip(s: &str, max: usize) -> String {
+    let s = s.replace(['\n', '\r', '\t'], " ");
+    if s.chars().count() <= max {
+        return s;
+    }
+    let mut t: String = s.chars().take(max.saturating_sub(1)).collect();
+    t.push('…');
+    t
+}
+
+/// What the overview shows.
+pub struct Overview<'a> {
+    pub config: &'a Config,
+    pub report: &'a Result<StatsReport, String>,
+    pub hour: &'a Hour,
+    pub totals: &'a Snapshot,
+    pub live: Result<(), String>,
+    pub uptime: Duration,
+    pub rss: Option<u64>,
+    pub now_ms: i64,
+    pub actions: bool,
+}
+
+pub fn overview(v: &Overview) -> Markup {
+    let c = v.config;
+    let body = html! {
+        h1 { "delay-worker " span.muted { (c.consumer) } }
+        p {
+            @match &v.live {
+                Ok(()) => { strong.ok data-k="live" { "Live" } }
+                Err(why) => { strong.bad data-k="live" { "Not live" } ": " (why) }
+            }
+            " · " (fmt_time(v.now_ms)) " · refreshes every " (REFRESH_S) " s"
+        }
+        @match v.report {
+            Err(e) => { p.box.bad { "Cannot read the queue figures: " (e) } }
+            Ok(r) => { (queue_figures(r, c)) }
+        }
+        h2 { "This process, last hour" }
+        (process(v))
+        (chart::throughput(v.hour))
+        (chart::lateness(v.hour))
+        (footer(v.actions))
+    };
+    layout("Status", true, body)
+}
+
+fn footer(actions: bool) -> Markup {
+    html! {
+        p.muted {
+            @if actions {
+                "Requeue and purge on the dead-letter pages need the admin token (--admin-token-file)."
+            } @else {
+                "Read-only: start the worker with --admin-token-file to requeue and purge dead letters here."
+            }
+        }
+    }
+}
+
+fn queue_figures(r: &StatsReport, c: &Config) -> Markup {
+    let list = c.source == Source::List;
+    html! {
+        div.grid {
+            @if !list {
+                div {
+                    h2 { "Stream" }
+                    table.kv {
+                        tr { th { "stream" } td { (r.stream.key) } }
+                        tr { th { "length" } td.n data-k="stream.length" { (r.stream.length) } }
+                        tr { th { "group" } td { (r.group.name) } }
+                        @if r.group.exists {
+                            tr { th { "lag" } td.n data-k="group.lag" { (count(r.group.lag)) } }
+                            tr { th { "read" } td.n data-k="group.entries_read" { (count(r.group.entries_read)) } }
+                            tr { th { "pending" } td.n data-k="group.pending" { (r.group.pending) } }
+                            tr {
+                                th { "oldest pending" }
+                                td.n data-k="group.oldest_pending_age_ms" {
+                                    (r.group.oldest_pending_age_ms.map_or("-".to_string(), fmt_age))
+                                }
+                            }
+                        } @else {
+                            tr { td colspan="2" { "not created yet (no worker has started on this stream)" } }
+                        }
+                    }
+                }
+            }
+            div {
+                h2 { "Delay pool" }
+                table.kv {
+                    tr { th { "pool" } td { (r.pool.key) } }
+                    tr { th { "scheduled" } td.n data-k="pool.size" { (r.pool.size) } }
+                    tr { th { "due, not moved" } td.n data-k="pool.due" { (r.pool.due) } }
+                    tr {
+                        th { "… s / ms scores" }
+                        td.n { span data-k="pool.due_seconds" { (r.pool.due_seconds) } " / " span data-k="pool.due_ms" { (r.pool.due_ms) } }
+                    }
+                    tr {
+                        th { "mover lag" }
+                        td.n data-k="pool.mover_lag_ms" { (secs(r.pool.mover_lag_ms)) }
+                    }
+                    @if r.pool.oldest_due_has_data == Some(false) {
+                        tr { td colspan="2" { "its oldest due member has no data yet" } }
+                    }
+                }
+            }
+            div {
+                @if list {
+                    h2 { "Dead-letter stream" }
+                } @else {
+                    h2 { a href="/dead" { "Dead letters" } }
+                }
+                table.kv {
+                    tr { th { "stream" } td { (r.dead.key) } }
+                    tr { th { "kept" } td.n data-k="dead.length" { (r.dead.length) } }
+                    tr {
+                        th { "new (last " (humantime::format_duration(DEAD_WINDOW)) ")" }
+                        td.n data-k="dead.new" { (r.dead.new) }
+                    }
+                    tr {
+                        th { "newest" }
+                        td.n { (r.dead.newest_age_ms.map_or("-".to_string(), |a| format!("{} ago", fmt_age(a)))) }
+                    }
+                }
+            }
+        }
+        @if !list && !r.consumers.is_empty() {
+            h2 { "Consumers" }
+            div.wrap {
+                table {
+                    tr { th { "consumer" } th.n { "pending" } th.n { "idle" } th { "heartbeat" } }
+                    @for cf in &r.consumers {
+                        tr data-consumer=(cf.name) {
+                            td { (cf.name) }
+                            td.n data-k="pending" { (cf.pending) }
+                            td.n { (fmt_age(cf.idle_ms as i64)) }
+                            td data-k="heartbeat" {
+                                @match (cf.heartbeat, cf.pending) {
+                                    (true, _) => { span.ok { "alive" } }
+                                    (false, 0) => { "none" }
+                                    (false, _) => { span.bad { "none (dead host: its entries wait for a takeover)" } }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        @if !r.queues.is_empty() {
+            h2 { "Queues " span.muted { "(dead: their dead lists)" } }
+            div.wrap {
+                table {
+                    tr {
+                        th { "queue" } th.n { "waiting" } th.n { "oldest" } th { "processing" }
+                        th.n { "dead" } th.n { "new dead" }
+                    }
+                    @for q in &r.queues {
+                        @let held: Vec<String> = q.processing.iter().filter(|(_, n)| *n > 0).map(|(c, n)| format!("{c} {n}")).collect();
+                        tr data-queue=(q.name) {
+                            td { (q.name) }
+                            td.n data-k="length" { (q.length) }
+                            td.n {
+                                @match (q.oldest_age_ms, q.oldest_unknown) {
+                                    (Some(age), _) => { (fmt_age(age)) }
+                                    (None, Some(why)) => { "? (" (why) ")" }
+                                    (None, None) => { "-" }
+                                }
+                            }
+                            td data-k="processing" {
+                                @if held.is_empty() { "0" } @else { (held.join(", ")) }
+                            }
+                            td.n data-k="dead" {
+                                a href={ "/dead?" (query(&[("queue", &q.name)])) } { (q.dead) }
+                            }
+                            td.n data-k="dead_new" { (q.dead_new) }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn process(v: &Overview) -> Markup {
+    let h = v.hour;
+    let t = v.totals;
+    let pct = |p: Option<f64>| p.map_or("-".to_string(), |ms| format!("≤ {}", fmt_ms(ms)));
+    html! {
+        div.grid {
+            table.kv {
+                tr { th { "committed" } td.n data-k="hour.committed" { (h.committed) } }
+                tr { th { "retried" } td.n data-k="hour.retried" { (h.retried) } }
+                tr { th { "dead-lettered" } td.n data-k="hour.dead" { (h.dead) } }
+                tr { th { "lateness p50" } td.n data-k="hour.p50" { (pct(h.p50_ms)) } }
+                tr { th { "lateness p95" } td.n data-k="hour.p95" { (pct(h.p95_ms)) } }
+                tr { th { "lateness p99" } td.n data-k="hour.p99" { (pct(h.p99_ms)) } }
+            }
+            table.kv {
+                tr { th { "since start" } td.n { (fmt_age(v.uptime.as_millis() as i64)) } }
+                tr { th { "done / no-op / dup." } td.n { (t.done) " / " (t.noop) " / " (t.duplicate) } }
+                tr { th { "retried / dead" } td.n { (t.retried) " / " (t.dead) } }
+                tr { th { "moved" } td.n { (t.moved) } }
+                tr { th { "resident memory" } td.n { (v.rss.map_or("?".to_string(), |b| format!("{:.1} MB", b as f64 / 1e6))) } }
+            }
+        }
+    }
+}
+
+/// The token field and the two buttons of an action form.
+fn action_buttons(what: &str) -> Markup {
+    html! {
+        div.row {
+            label {
+                "Admin token "
+                input type="password" name="token" autocomplete="current-password" required;
+            }
+            button type="submit" formaction="/dead/requeue" { "Requeue " (what) }
+            button type="submit" formaction="/dead/purge" { "Purge " (what) }
+        }
+    }
+}
+
+/// `inner` (a list with a checkbox per letter) in the form that requeues or purges the
+/// letters ticked, when actions are on (`nonce`); as it is otherwise: no form at all.
+fn selection_form(nonce: Option<&str>, hidden: &[(&str, String)], inner: Markup) -> Markup {
+    match nonce {
+        None => inner,
+        Some(n) => html! {
+            form method="post" action="/dead/requeue" {
+                @for (k, v) in hidden {
+                    input type="hidden" name=(k) value=(v);
+                }
+                input type="hidden" name="nonce" value=(n);
+                (inner)
+                (action_buttons("selected"))
+            }
+        },
+    }
+}
+
+fn read_only_note() -> Markup {
+    html! {
+        p.muted { "Read-only: requeue and purge here need the worker started with --admin-token-file (or use worker dead requeue | purge)." }
+    }
+}
+
+fn filter_form(event: Option<&str>, queue: Option<&str>) -> Markup {
+    let all = match queue {
+        Some(q) => format!("/dead?{}", query(&[("queue", q)])),
+        None => "/dead".to_string(),
+    };
+    html! {
+        form.row method="get" action="/dead" {
+            @if let Some(q) = queue {
+                input type="hidden" name="queue" value=(q);
+            }
+            label { "Event " input type="text" name="event" value=(event.unwrap_or("")); }
+            button type="submit" { "Filter" }
+            @if event.is_some() {
+                a href=(all) { "all events" }
+            }
+        }
+    }
+}
+
+/// One letter in a list: when it died (the link to it), its event, key, attempts and
+/// reason, on up to three short lines (narrow screens too).
+fn letter_cell(
+    href: &str,
+    died: &str,
+    event: &str,
+    event_href: Option<&str>,
+    key: &str,
+    attempts: Option<u64>,
+    reason: &str,
+) -> Markup {
+    html! {
+        div {
+            a href=(href) { (died) } " · "
+            @match event_href {
+                Some(e) => { a.event href=(e) { strong { (dash(event)) } } }
+                None => { strong.event { (dash(event)) } }
+            }
+        }
+        div.muted {
+            "key " span.key { (dash(key)) }
+            @if let Some(n) = attempts { " · " (n) " attempts" }
+        }
+        div.reason { (reason) }
+    }
+}
+
+/// What the stream-mode list shows.
+pub struct DeadStream<'a> {
+    pub key: &'a str,
+    pub length: u64,
+    pub event: Option<&'a str>,
+    pub before: Option<&'a str>,
+    pub letters: &'a [DeadLetter],
+    pub next: Option<String>,
+    /// The form nonce when actions are on.
+    pub nonce: Option<&'a str>,
+}
+
+pub fn dead_stream(v: &DeadStream) -> Markup {
+    let event_link = |e: &str| format!("/dead?{}", query(&[("event", e)]));
+    let older = v.next.as_deref().map(|next| {
+        let mut q = vec![("before", next)];
+        q.extend(v.event.map(|e| ("event", e)));
+        format!("/dead?{}", query(&q))
+    });
+    let body = html! {
+        h1 { "Dead letters" }
+        p { span data-k="dead.length" { (v.length) } " kept in " code { (v.key) } ", newest first"
+            @if v.before.is_some() { " (older page)" } "." }
+        (filter_form(v.event, None))
+        @if v.letters.is_empty() {
+            p { @if v.event.is_some() { "No dead letter of this event" } @else { "No dead letters" }
+                @if v.next.is_some() { " among the " (DEAD_BUDGET) " looked at" } "." }
+        } @else {
+            (selection_form(v.nonce, &[], html! {
+                table.letters {
+                    @for d in v.letters {
+                        tr data-letter=(d.id) {
+                            @if v.nonce.is_some() {
+                                td.sel { input type="checkbox" name="id" value=(d.id) aria-label="select"; }
+                            }
+                            td.text {
+                                (letter_cell(
+                                    &format!("/dead/letter?{}", query(&[("id", &d.id)])),
+                                    &format!("{} ago", fmt_age(d.age_ms)),
+                                    &d.event,
+                                    Some(&event_link(&d.event)),
+                                    &String::from_utf8_lossy(&d.key),
+                                    d.attempts,
+                                    &clip(&d.reason, 160),
+                                ))
+                            }
+                        }
+                    }
+                }
+            }))
+        }
+        @if let Some(href) = &older {
+            p { a href=(href) { "Older →" } }
+        }
+        @if v.nonce.is_none() { (read_only_note()) }
+        p.muted { (DEAD_PER_PAGE) " a page; a page looks at " (DEAD_BUDGET) " letters at most." }
+    };
+    layout("Dead letters", false, body)
+}
+
+/// What the list-mode list shows: one queue's dead list.
+pub struct DeadListMode<'a> {
+    /// Every queue and the length of its dead list.
+    pub queues: Vec<(&'a str, u64)>,
+    pub queue: &'a str,
+    pub event: Option<&'a str>,
+    pub from: usize,
+    pub letters: &'a [(usize, ListLetter)],
+    pub next: Option<usize>,
+    pub nonce: Option<&'a str>,
+}
+
+pub fn dead_list_mode(v: &DeadListMode) -> Markup {
+    let older = v.next.map(|next| {
+        let at = next.to_string();
+        let mut q = vec![("queue", v.queue), ("at", at.as_str())];
+        q.extend(v.event.map(|e| ("event", e)));
+        format!("/dead?{}", query(&q))
+    });
+    let body = html! {
+        h1 { "Dead letters" }
+        p {
+            "Dead lists: "
+            @for (i, (name, len)) in v.queues.iter().enumerate() {
+                @if i > 0 { " · " }
+                @if *name == v.queue {
+                    strong { (name) " " span data-k="dead.length" { (len) } }
+                } @else {
+                    a href={ "/dead?" (query(&[("queue", name)])) } { (name) " " (len) }
+                }
+            }
+        }
+        (filter_form(v.event, Some(v.queue)))
+        @if v.letters.is_empty() {
+            p { "No dead letters here" @if v.next.is_some() { " among the " (DEAD_BUDGET) " looked at" } "." }
+        } @else {
+            (selection_form(v.nonce, &[("queue", v.queue.to_string()), ("at", v.from.to_string())], html! {
+                table.letters {
+                    @for (pos, l) in v.letters {
+                        tr data-letter=(l.id) {
+                            @if v.nonce.is_some() {
+                                td.sel { input type="checkbox" name="id" value=(l.id) aria-label="select"; }
+                            }
+                            td.text {
+                                (letter_cell(
+                                    &format!("/dead/letter?{}", query(&[("queue", v.queue), ("id", &l.id), ("at", &pos.to_string())])),
+                                    &l.age_ms.map_or("? (no ts)".to_string(), |a| format!("{} ago", fmt_age(a))),
+                                    &l.event,
+                                    None,
+                                    &String::from_utf8_lossy(&l.key),
+                                    l.attempts,
+                                    &if l.readable { clip(&l.reason, 160) } else { "(not a letter the worker wrote)".to_string() },
+                                ))
+                            }
+                        }
+                    }
+                }
+            }))
+        }
+        @if let Some(href) = &older {
+            p { a href=(href) { "Older →" } }
+        }
+        @if v.nonce.is_none() { (read_only_note()) }
+    };
+    layout("Dead letters", false, body)
+}
+
+/// A message as text: reindented JSON, or as written.
+fn message_block(msg: &[u8]) -> Markup {
+    html! {
+        @match pretty::json(msg) {
+            Some(p) => { h2 { "Message" } pre data-k="msg" { (p) } }
+            None => {
+                h2 { "Message " span.muted { "(not JSON, as written)" } }
+                pre data-k="msg" { (String::from_utf8_lossy(msg)) }
+            }
+        }
+    }
+}
+
+fn rows(rows: &[(String, String)]) -> Markup {
+    html! {
+        table.kv {
+            @for (k, v) in rows {
+                tr { th { (k) } td.text data-k=(k) { (v) } }
+            }
+        }
+    }
+}
+
+pub fn stream_letter(d: &DeadLetter, nonce: Option<&str>) -> Markup {
+    let opt = |o: &Option<String>| o.clone().unwrap_or_else(|| "-".into());
+    let died = id_ms(&d.id).unwrap_or(0);
+    let mut fields: Vec<(String, String)> = vec![
+        ("id".into(), d.id.clone()),
+        (
+            "died".into(),
+            format!("{} ({} ago)", fmt_time(died), fmt_age(d.age_ms)),
+        ),
+        ("event".into(), d.event.clone()),
+        ("key".into(), String::from_utf8_lossy(&d.key).into_owned()),
+        (
+            "attempts".into(),
+            d.attempts.map_or("-".into(), |n| n.to_string()),
+        ),
+        ("reason".into(), d.reason.clone()),
+        ("consumer".into(), opt(&d.consumer)),
+        ("entry".into(), opt(&d.entry_id)),
+    ];
+    fields.extend(d.other.iter().map(|(k, v)| (k.clone(), v.clone())));
+    let body = html! {
+        h1 { "Dead letter" }
+        (rows(&fields))
+        (message_block(&d.msg))
+        @match nonce {
+            Some(n) => {
+                form method="post" action="/dead/requeue" {
+                    input type="hidden" name="nonce" value=(n);
+                    input type="hidden" name="id" value=(d.id);
+                    (action_buttons("this letter"))
+                }
+            }
+            None => { (read_only_note()) }
+        }
+        p { a href="/dead" { "← All dead letters" } }
+    };
+    layout("Dead letter", false, body)
+}
+
+pub fn list_letter(l: &ListLetter, at: usize, nonce: Option<&str>) -> Markup {
+    let opt = |o: &Option<String>| o.clone().unwrap_or_else(|| "-".into());
+    let mut fields: Vec<(String, String)> = vec![
+        ("id".into(), l.id.clone()),
+        ("queue".into(), l.queue.clone()),
+        (
+            "died".into(),
+            match (l.ts, l.age_ms) {
+                (Some(t), Some(age)) => format!(
+                    "{} ({} ago)",
+                    fmt_time(t.saturating_mul(1000)),
+                    fmt_age(age)
+                ),
+                _ => "? (no ts)".into(),
+            },
+        ),
+        ("event".into(), l.event.clone()),
+        ("key".into(), String::from_utf8_lossy(&l.key).into_owned()),
+        (
+            "attempts".into(),
+            l.attempts.map_or("-".into(), |n| n.to_string()),
+        ),
+        ("reason".into(), l.reason.clone()),
+        ("consumer".into(), opt(&l.consumer)),
+    ];
+    if let Some(n) = l.length {
+        fields.push(("length".into(), n.to_string()));
+    }
+    if let Some(d) = &l.sha1 {
+        fields.push(("sha1".into(), d.clone()));
+    }
+    fields.extend(l.other.iter().map(|(k, v)| (k.clone(), v.clone())));
+    let back = format!("/dead?{}", query(&[("queue", &l.queue)]));
+    let body = html! {
+        h1 { "Dead letter" }
+        @if l.readable {
+            (rows(&fields))
+            (message_block(&l.msg))
+        } @else {
+            p { "Not a letter the worker wrote (a JSON object with a \"msg\"); as stored:" }
+            pre data-k="msg" { (String::from_utf8_lossy(&l.raw)) }
+        }
+        @match nonce {
+            Some(n) => {
+                form method="post" action="/dead/requeue" {
+                    input type="hidden" name="nonce" value=(n);
+                    input type="hidden" name="queue" value=(l.queue);
+                    input type="hidden" name="at" value=(at);
+                    input type="hidden" name="id" value=(l.id);
+                    (action_buttons("this letter"))
+                }
+            }
+            None => { (read_only_note()) }
+        }
+        p { a href=(back) { "← All dead letters of " (l.queue) } }
+    };
+    layout("Dead letter", false, body)
+}
+
+/// After a requeue or purge.
+pub struct Done<'a> {
+    pub title: String,
+    pub report: Option<&'a RequeueReport>,
+    pub purged: &'a [String],
+    pub missing: &'a [String],
+    pub back: String,
+}
+
+pub fn done(v: &Done) -> Markup {
+    let list = |ids: &[String]| ids.join(", ");
+    let body = html! {
+        h1 data-k="done" { (v.title) }
+        ul {
+            @if let Some(r) = v.report {
+                @if !r.requeued.is_empty() {
+                    li data-k="requeued" { "Requeued, due now: " (list(&r.requeued)) }
+                }
+                @if !r.as_is.is_empty() {
+                    li { "Not a JSON object, requeued as written (they will be dead-lettered again): " (list(&r.as_is)) }
+                }
+                @if !r.key_scheduled.is_empty() {
+                    li { "Left in place, their job key is scheduled again and the newer push wins: " (list(&r.key_scheduled)) }
+                }
+                @for (id, why) in &r.cannot {
+                    li { "Left " (id) ": " (why) }
+                }
+                @if !r.gone.is_empty() {
+                    li data-k="gone" { "Already requeued or purged by someone else: " (list(&r.gone)) }
+                }
+            }
+            @if !v.purged.is_empty() {
+                li data-k="purged" { "Deleted: " (list(v.purged)) }
+            }
+            @if !v.missing.is_empty() {
+                li data-k="missing" { "No such dead letter: " (list(v.missing)) }
+            }
+        }
+        p { a href=(v.back) { "← Dead letters" } }
+    };
+    layout(&v.title, false, body)
+}

@@ -1,0 +1,848 @@
+//! The status page of the real binary, looked at in headless Chromium (Debian's
+//! `chromium`; `scripts/test.sh` installs it, and without it these tests fail rather
+//! than skip): the figures a person reads match `worker stats --json` of the same
+//! servers, the chart has the points of the jobs this run did, a dead letter holding
+//! HTML and script shows as text, the forms are there only with `--admin-token-file`,
+//! and a requeue through the page needs the token (the letter then goes back and is
+//! done once, the books exact), a purge too. List mode's dead lists over plain HTTP,
+//! and page loads while Redis stalls: bounded, and never in the way of `/healthz`.
+//! Few browser launches (each costs a second or two): five, all in one test.
+
+use crate::support::*;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const WAIT: Duration = Duration::from_secs(60);
+const TOKEN: &str = "3f9c2a61d0b84e7a9c55e1f0b2d4c6a8";
+const HOSTILE_EVENT: &str = "<img src=x onerror=alert(2)>";
+const HOSTILE_NOTE: &str = "<script>alert(1)</script>";
+const HOSTILE_KEY: &str = "<b>hostile</b>";
+
+// ---- the browser --------------------------------------------------------------------------
+
+fn chromium() -> PathBuf {
+    let found = std::env::var_os("PATH")
+        .map(|p| {
+            std::env::split_paths(&p)
+                .map(|d| d.join("chromium"))
+                .collect::<Vec<_>>()
+        })
+        .unwrap_or_default()
+        .into_iter()
+        .chain([PathBuf::from("/usr/bin/chromium")])
+        .find(|p| p.is_file());
+    found.unwrap_or_else(|| {
+        panic!(
+            "chromium is not installed, and the status page tests need a real browser: \
+             scripts/test.sh installs it (as root: apt-get install chromium)"
+        )
+    })
+}
+
+/// Runs headless Chromium on `url` with `args` and a fresh profile; fails the test if it
+/// does not finish within a minute or exits with an error.
+fn browser(args: &[String], url: &str) -> Output {
+    let profile = std::env::temp_dir().join(format!(
+        "dw-chromium-{}-{}",
+        std::process::id(),
+        crate::support::free_port()
+    ));
+    std::fs::create_dir_all(&profile).unwrap();
+    let mut child = Command::new(chromium())
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--hide-scrollbars",
+        ])
+        .arg(format!("--user-data-dir={}", profile.display()))
+        .args(args)
+        .arg(url)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start chromium");
+    let mut stdout = child.stdout.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut b = Vec::new();
+        let _ = stdout.read_to_end(&mut b);
+        b
+    });
+    let started = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if started.elapsed() > WAIT {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("chromium did not finish with {url} within {WAIT:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let stdout = reader.join().unwrap();
+    let mut stderr = Vec::new();
+    let _ = child.stderr.take().unwrap().read_to_end(&mut stderr);
+    let _ = std::fs::remove_dir_all(&profile);
+    assert!(
+        status.success(),
+        "chromium {args:?} {url}: {status}\n{}",
+        text(&stderr)
+    );
+    Output {
+        status,
+        stdout,
+        stderr,
+    }
+}
+
+/// The DOM of `url` after Chromium has parsed and laid it out.
+fn dom(url: &str) -> String {
+    let out = browser(&["--dump-dom".into()], url);
+    let dom = text(&out.stdout);
+    assert!(dom.contains("</html>"), "no page from {url}: {dom}");
+    dom
+}
+
+/// A screenshot of `url` at `width` x `height`; returns the PNG's own size.
+fn screenshot(url: &str, file: &Path, width: u32, height: u32) -> (u32, u32) {
+    let _ = std::fs::remove_file(file);
+    browser(
+        &[
+            format!("--screenshot={}", file.display()),
+            format!("--window-size={width},{height}"),
+        ],
+        url,
+    );
+    let png = std::fs::read(file).expect("chromium wrote the screenshot");
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n", "a PNG");
+    let be = |b: &[u8]| u32::from_be_bytes([b[0], b[1], b[2], b[3]]);
+    (be(&png[16..20]), be(&png[20..24]))
+}
+
+// ---- reading the DOM ------------------------------------------------------------------------
+
+/// Text as a person reads it: tags dropped, entities decoded.
+fn plain(html: &str) -> String {
+    let mut out = String::new();
+    let mut in_tag = false;
+    for c in html.chars() {
+        match c {
+            '<' => in_tag = true,
+            '>' if in_tag => in_tag = false,
+            c if !in_tag => out.push(c),
+            _ => {}
+        }
+    }
+    out.replace("&lt;", "<")
+        .replace("&gt;", ">")
+        .replace("&quot;", "\"")
+        .replace("&#39;", "'")
+        .replace("&nbsp;", " ")
+        .replace("&amp;", "&")
+}
+
+/// The text of the first element at or after `from` whose start tag holds `attr`
+/// (`data-k="pool.size"`), and where it ends.
+fn text_at(dom: &str, from: usize, attr: &str) -> Option<(String, usize)> {
+    let at = from + dom[from..].find(attr)?;
+    let open = dom[..at].rfind('<')?;
+    let name: String = dom[open + 1..]
+        .chars()
+        .take_while(|c| c.is_ascii_alphanumeric())
+        .collect();
+    let body = at + dom[at..].find('>')? + 1;
+    let close = body + dom[body..].find(&format!("</{name}>"))?;
+    Some((plain(&dom[body..close]).trim().to_string(), close))
+}
+
+fn figure(dom: &str, key: &str) -> String {
+    text_at(dom, 0, &format!("data-k=\"{key}\""))
+        .unwrap_or_else(|| panic!("no figure {key} on the page:\n{dom}"))
+        .0
+}
+
+/// Every value of attribute `name` in the DOM, in order.
+fn attr_values(dom: &str, name: &str) -> Vec<String> {
+    let needle = format!(" {name}=\"");
+    dom.match_indices(&needle)
+        .map(|(i, _)| {
+            let v = &dom[i + needle.len()..];
+            v[..v.find('"').unwrap()].to_string()
+        })
+        .collect()
+}
+
+/// A figure of `worker stats --json` as the page writes it: `?` for null.
+fn json_figure(v: &serde_json::Value, path: &str) -> String {
+    let mut x = v;
+    for p in path.split('.') {
+        x = &x[p];
+    }
+    match x {
+        serde_json::Value::Null => "?".into(),
+        other => other.to_string(),
+    }
+}
+
+// ---- the worker ------------------------------------------------------------------------------
+
+/// The worker binary on `port`, logging at info to its own file (shown only on failure).
+fn start(env: &Env, consumer: &str, port: u16, extra: &[&str]) -> Proc {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_worker"));
+    cmd.env("REDIS_URL", &env.config.redis_url)
+        .env("DATABASE_URL", &env.config.database_url)
+        .env("RUST_LOG", "info")
+        .env_remove("NOTIFY_SOCKET")
+        .args(["--consumer", consumer, "--threads", "2"])
+        .args([
+            "--poll-interval",
+            "20ms",
+            "--block",
+            "200ms",
+            "--heartbeat-ttl",
+            "2s",
+        ])
+        .args(["--retry-base", "100ms", "--stats-interval", "60s"])
+        .args(["--metrics-addr", &format!("127.0.0.1:{port}")])
+        .args(extra)
+        .stdin(Stdio::null());
+    let p = Proc::spawn(cmd);
+    wait_until(WAIT, "the status page to answer", || {
+        http_get(port, "/healthz").is_ok_and(|r| r.0 == 200)
+    });
+    p
+}
+
+/// A token file of mode `mode` in a directory of its own.
+fn token_file(mode: u32, body: &str) -> (PathBuf, PathBuf) {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = std::env::temp_dir().join(format!("dw-token-{}-{}", std::process::id(), free_port()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("admin.token");
+    std::fs::write(&file, body).unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(mode)).unwrap();
+    (dir, file)
+}
+
+/// A POST of form fields (already encoded) with extra headers: (status, body).
+fn post(port: u16, path: &str, body: &str, headers: &[(&str, String)]) -> (u16, String) {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut req = format!(
+        "POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\
+         Content-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    req.push_str(body);
+    s.write_all(req.as_bytes()).unwrap();
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).unwrap();
+    let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
+    let code = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    (code, body.to_string())
+}
+
+fn form(pairs: &[(&str, &str)]) -> String {
+    pairs
+        .iter()
+        .map(|(k, v)| {
+            let enc: String = v
+                .bytes()
+                .map(|b| match b {
+                    b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'-' | b'_' | b'.' => {
+                        (b as char).to_string()
+                    }
+                    b => format!("%{b:02X}"),
+                })
+                .collect();
+            format!("{k}={enc}")
+        })
+        .collect::<Vec<_>>()
+        .join("&")
+}
+
+/// The dead-letter ids in the stream, oldest first.
+fn dead_ids(env: &Env) -> Vec<String> {
+    let mut con = env.con();
+    let v: Vec<(String, Vec<(String, String)>)> = redis::cmd("XRANGE")
+        .arg(&env.config.keys.dead)
+        .arg("-")
+        .arg("+")
+        .query(&mut con)
+        .unwrap();
+    v.into_iter().map(|(id, _)| id).collect()
+}
+
+/// A counter of `/metrics`, summed over its labels.
+fn metric(port: u16, name: &str) -> u64 {
+    let (_, _, body) = http_get(port, "/metrics").unwrap();
+    body.lines()
+        .filter(|l| l.starts_with(name) && !l.starts_with('#'))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum()
+}
+
+#[test]
+fn status_page_in_a_browser_stream_mode() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 12);
+    // One order's handler times out on a row lock until its retries are used up: a dead
+    // letter that goes through once the lock is gone.
+    let (release, locker) = lock_order(&env, orders[0].id);
+    push_timeouts(&env, &orders, 0);
+    {
+        let mut con = env.con();
+        let now = delay_worker::now_ms();
+        let job = delay_worker::producer::NewJob {
+            event: HOSTILE_EVENT.into(),
+            payload: serde_json::json!({ "note": HOSTILE_NOTE, "html": "<i>x</i> & \"y\"" }),
+            due_ms: now,
+            key: Some(HOSTILE_KEY.into()),
+        };
+        delay_worker::producer::push(&mut con, &env.config.keys, &job, now).unwrap();
+    }
+    let (token_dir, token) = token_file(0o600, &format!("{TOKEN}\n"));
+    let port = free_port();
+    let mut worker = start(
+        &env,
+        "c1",
+        port,
+        &[
+            "--admin-token-file",
+            token.to_str().unwrap(),
+            "--statement-timeout",
+            "150ms",
+            "--max-retries",
+            "1",
+        ],
+    );
+    wait_until(WAIT, "11 orders done and two dead letters", || {
+        let b = books(&env);
+        inbox_count(&env.db) == 11 && b.dead == 2 && b.pool == 0 && b.stream_pending == 0
+    });
+    let base = format!("http://127.0.0.1:{port}");
+
+    // The overview, as the browser has it, against `worker stats --json` of the same
+    // servers at the same (quiescent) moment.
+    let page = dom(&format!("{base}/"));
+    let out = run_worker(
+        &["stats", "--json"],
+        &env.config.redis_url,
+        &env.config.database_url,
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stats: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    for key in [
+        "stream.length",
+        "group.lag",
+        "group.entries_read",
+        "group.pending",
+        "pool.size",
+        "pool.due",
+        "pool.due_seconds",
+        "pool.due_ms",
+        "dead.length",
+        "dead.new",
+    ] {
+        assert_eq!(figure(&page, key), json_figure(&stats, key), "{key}");
+    }
+    assert_eq!(figure(&page, "dead.length"), "2");
+    assert_eq!(figure(&page, "group.pending"), "0");
+    let consumers = stats["consumers"].as_array().unwrap();
+    assert_eq!(consumers.len(), 1, "{stats}");
+    let row = page.find("data-consumer=\"c1\"").expect("a row for c1");
+    assert_eq!(
+        text_at(&page, row, "data-k=\"pending\"").unwrap().0,
+        consumers[0]["pending"].to_string()
+    );
+    assert_eq!(
+        text_at(&page, row, "data-k=\"heartbeat\"").unwrap().0,
+        "alive"
+    );
+    assert_eq!(consumers[0]["heartbeat"], true);
+    // This process's last hour: the jobs of this run, and the chart drawn from them.
+    assert_eq!(figure(&page, "hour.committed"), "11");
+    assert_eq!(figure(&page, "hour.dead"), "2");
+    assert_eq!(figure(&page, "hour.retried"), "1");
+    assert!(
+        figure(&page, "hour.p99").starts_with('≤'),
+        "a lateness was recorded"
+    );
+    let svg = &page[page.find("<svg").expect("an inline SVG chart")..];
+    let points = attr_values(svg, "points");
+    let line = points.first().expect("a polyline");
+    assert_eq!(line.split(' ').count(), 60, "one point per minute: {line}");
+    let ys: Vec<f64> = line
+        .split(' ')
+        .map(|p| p.split(',').nth(1).unwrap().parse().unwrap())
+        .collect();
+    assert!(
+        ys.iter().any(|y| *y != ys[0]),
+        "the line rises where jobs ran: {line}"
+    );
+    let sum = |name: &str| -> u64 {
+        attr_values(svg, name)
+            .iter()
+            .map(|v| v.parse::<u64>().unwrap())
+            .sum()
+    };
+    assert_eq!(
+        sum("data-committed"),
+        11,
+        "the chart's points hold this run's jobs"
+    );
+    assert_eq!(sum("data-dead"), 2);
+    assert!(
+        page.contains("<title>"),
+        "each point says its figures on hover"
+    );
+    assert!(!page.contains("Read-only"), "actions are on with the token");
+
+    // A screenshot at a phone's width: the page renders there (the README's picture is
+    // made the same way).
+    let shot = std::env::temp_dir().join(format!("dw-status-{port}.png"));
+    let (w, h) = screenshot(&format!("{base}/"), &shot, 412, 1200);
+    assert_eq!((w, h), (412, 1200));
+    let _ = std::fs::remove_file(&shot);
+
+    // The dead letters, newest first: the hostile one as text, with the requeue form.
+    let list = dom(&format!("{base}/dead"));
+    let ids = dead_ids(&env);
+    assert_eq!(ids.len(), 2);
+    let rows = attr_values(&list, "data-letter");
+    let mut newest_first = ids.clone();
+    newest_first.reverse();
+    assert_eq!(rows, newest_first, "newest first");
+    let shown = plain(&list);
+    assert!(shown.contains(HOSTILE_EVENT), "{shown}");
+    assert!(shown.contains(HOSTILE_KEY), "{shown}");
+    assert!(!list.contains("<img") && !list.contains("<script") && !list.contains("<b>"));
+    assert!(list.contains("action=\"/dead/requeue\""), "{list}");
+    let nonce = attr_values(&list, "value")
+        .into_iter()
+        .find(|v| v.len() == 32 && v.bytes().all(|b| b.is_ascii_hexdigit()))
+        .expect("the form's nonce");
+    assert!(list.contains(&format!("name=\"nonce\" value=\"{nonce}\"")));
+    // The filter by event.
+    let filtered = http_get(port, "/dead?event=order.timeout").unwrap().2;
+    assert_eq!(attr_values(&filtered, "data-letter").len(), 1, "{filtered}");
+
+    // The hostile letter in full: its message pretty-printed, every byte of it text.
+    let dead = dead_letters(&env);
+    let hostile = ids
+        .iter()
+        .zip(&dead)
+        .find(|(_, d)| d["event"] == HOSTILE_EVENT)
+        .map(|(id, _)| id.clone())
+        .unwrap();
+    let order_letter = ids.iter().find(|id| **id != hostile).unwrap().clone();
+    let letter = dom(&format!("{base}/dead/letter?id={hostile}"));
+    assert!(
+        !letter.contains("<script") && !letter.contains("<img") && !letter.contains("<i>"),
+        "no element came from the letter:\n{letter}"
+    );
+    assert_eq!(figure(&letter, "event"), HOSTILE_EVENT);
+    assert_eq!(figure(&letter, "key"), HOSTILE_KEY);
+    assert!(figure(&letter, "reason").contains(HOSTILE_EVENT));
+    let msg = figure(&letter, "msg");
+    assert!(
+        msg.contains(&format!("\"note\": \"{HOSTILE_NOTE}\"")),
+        "pretty-printed, as text: {msg}"
+    );
+    assert!(msg.contains(r#""html": "<i>x</i> & \"y\"""#), "{msg}");
+    assert!(msg.lines().count() > 5, "one field a line: {msg}");
+
+    // A second worker without the token: the same pages, read-only, no form; a POST with
+    // the right token is refused there all the same.
+    let ro_port = free_port();
+    let mut ro = start(&env, "c2", ro_port, &["--no-mover"]);
+    let ro_list = dom(&format!("http://127.0.0.1:{ro_port}/dead"));
+    assert_eq!(attr_values(&ro_list, "data-letter").len(), 2);
+    assert!(
+        !ro_list.contains("<form method=\"post\"")
+            && !ro_list.contains("type=\"password\"")
+            && !ro_list.contains("type=\"checkbox\""),
+        "{ro_list}"
+    );
+    assert!(plain(&ro_list).contains("Read-only"), "the page says so");
+    let body = form(&[("id", &order_letter), ("token", TOKEN), ("nonce", &nonce)]);
+    assert_eq!(post(ro_port, "/dead/requeue", &body, &[]).0, 403);
+    ro.signal(libc::SIGTERM);
+    assert!(ro.wait(WAIT).success());
+    assert!(ro
+        .log()
+        .contains("refused POST /dead/requeue: the page is read-only"));
+
+    // Refused: no token, a wrong one, the right token without this page's nonce, from
+    // another origin. Nothing changes.
+    let origin = ("Origin", base.clone());
+    for (why, body, headers) in [
+        (
+            "no token",
+            form(&[("id", &order_letter), ("nonce", &nonce)]),
+            vec![origin.clone()],
+        ),
+        (
+            "wrong token",
+            form(&[
+                ("id", &order_letter),
+                ("nonce", &nonce),
+                ("token", "3f9c2a61d0b84e7a9c55e1f0b2d4c6a9"),
+            ]),
+            vec![origin.clone()],
+        ),
+        (
+            "wrong bearer",
+            form(&[("id", &order_letter)]),
+            vec![("Authorization", "Bearer not-the-token-at-all".to_string())],
+        ),
+        (
+            "stale nonce",
+            form(&[
+                ("id", &order_letter),
+                ("nonce", "00112233445566778899aabbccddeeff"),
+                ("token", TOKEN),
+            ]),
+            vec![origin.clone()],
+        ),
+        (
+            "other origin",
+            form(&[("id", &order_letter), ("nonce", &nonce), ("token", TOKEN)]),
+            vec![("Origin", "http://evil.example".to_string())],
+        ),
+        (
+            "other referer",
+            form(&[("id", &order_letter), ("nonce", &nonce), ("token", TOKEN)]),
+            vec![("Referer", "http://evil.example/page".to_string())],
+        ),
+    ] {
+        let (code, said) = post(port, "/dead/requeue", &body, &headers);
+        assert_eq!(code, 403, "{why}: {said}");
+        let (code, _) = post(port, "/dead/purge", &body, &headers);
+        assert_eq!(code, 403, "{why}");
+    }
+    assert_eq!(dead_ids(&env), ids, "nothing changed");
+    assert_eq!(inbox_count(&env.db), 11);
+    let log = worker.log();
+    assert!(
+        log.contains("status page: refused a requeue: wrong admin token"),
+        "{log}"
+    );
+    assert!(
+        log.contains("status page: refused a purge: no admin token"),
+        "{log}"
+    );
+
+    // The fix, then the requeue as the form sends it: the letter goes back, is done once.
+    release.send(()).unwrap();
+    locker.join().unwrap();
+    let body = form(&[("nonce", &nonce), ("id", &order_letter), ("token", TOKEN)]);
+    let (code, said) = post(
+        port,
+        "/dead/requeue",
+        &body,
+        &[origin.clone(), ("Referer", format!("{base}/dead"))],
+    );
+    assert_eq!(code, 200, "{said}");
+    assert_eq!(figure(&said, "done"), "Requeued 1 dead letter(s)");
+    assert!(figure(&said, "requeued").contains(&order_letter), "{said}");
+    wait_until(WAIT, "the requeued order done", || {
+        let b = books(&env);
+        inbox_count(&env.db) == 12 && b.pool == 0 && b.stream_pending == 0
+    });
+    assert_eq!(dead_ids(&env), vec![hostile.clone()]);
+    assert_accounting(&env.db, &orders, &orders.iter().collect::<Vec<_>>());
+    // The same form again: the letter is gone, nothing goes back twice.
+    let (code, said) = post(port, "/dead/requeue", &body, std::slice::from_ref(&origin));
+    assert_eq!(code, 200);
+    assert!(
+        plain(&said).contains(&format!("No such dead letter: {order_letter}")),
+        "{said}"
+    );
+    assert_eq!(
+        metric(
+            port,
+            "delay_worker_jobs_total{event=\"order.timeout\",outcome=\"duplicate\"}"
+        ),
+        0
+    );
+    assert_eq!(
+        metric(
+            port,
+            "delay_worker_jobs_total{event=\"order.timeout\",outcome=\"done\"}"
+        ),
+        12
+    );
+
+    // A purge with the token in a header (no form, no nonce): the hostile letter goes.
+    let (code, said) = post(
+        port,
+        "/dead/purge",
+        &form(&[("id", &hostile)]),
+        &[("Authorization", format!("Bearer {TOKEN}"))],
+    );
+    assert_eq!(code, 200, "{said}");
+    assert!(plain(&said).contains("Purged 1 dead letter(s)"), "{said}");
+    assert!(dead_ids(&env).is_empty());
+    assert_accounting(&env.db, &orders, &orders.iter().collect::<Vec<_>>());
+    assert_eq!(inbox_count(&env.db), 12);
+
+    let log = worker.log();
+    assert!(
+        log.contains(&format!(
+            "status page: requeued 1 dead letter(s) of mq:dead-letter: {order_letter}"
+        )),
+        "{log}"
+    );
+    assert!(
+        log.contains(&format!(
+            "status page: purged 1 dead letter(s) of mq:dead-letter: {hostile}"
+        )),
+        "{log}"
+    );
+    assert!(!log.contains(TOKEN), "the token is never logged");
+    worker.signal(libc::SIGTERM);
+    assert!(worker.wait(WAIT).success());
+    let _ = std::fs::remove_dir_all(token_dir);
+}
+
+#[test]
+fn status_page_list_mode_dead_lists() {
+    let env = Env::new();
+    let (token_dir, token) = token_file(0o400, TOKEN);
+    let port = free_port();
+    let layout = ["--source", "list", "--queues", "high,normal"];
+    let mut args: Vec<&str> = layout.to_vec();
+    args.extend(["--admin-token-file", token.to_str().unwrap()]);
+    let mut worker = start(&env, "c1", port, &args);
+    // A producer's direct push of an event no handler has: dead-lettered onto normal:dead.
+    let msg = serde_json::json!({
+        "event": HOSTILE_EVENT, "payload": { "note": HOSTILE_NOTE }, "ts": delay_worker::now_ms() / 1000
+    })
+    .to_string();
+    let mut con = env.con();
+    redis::cmd("LPUSH")
+        .arg("normal")
+        .arg(&msg)
+        .query::<()>(&mut con)
+        .unwrap();
+    let dead_len = |con: &mut redis::Connection| -> u64 {
+        redis::cmd("LLEN").arg("normal:dead").query(con).unwrap()
+    };
+    wait_until(WAIT, "the letter on normal:dead", || {
+        dead_len(&mut con) == 1
+    });
+
+    // The queue figures are `worker stats --json`'s.
+    let (code, _, page) = http_get(port, "/").unwrap();
+    assert_eq!(code, 200);
+    let mut stats_args = vec!["stats", "--json"];
+    stats_args.extend(layout);
+    let out = run_worker(&stats_args, &env.config.redis_url, &env.config.database_url);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stats: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    for q in stats["queues"].as_array().unwrap() {
+        let name = q["name"].as_str().unwrap();
+        let row = page
+            .find(&format!("data-queue=\"{name}\""))
+            .unwrap_or_else(|| panic!("a row for {name}: {page}"));
+        for k in ["length", "dead", "dead_new"] {
+            assert_eq!(
+                text_at(&page, row, &format!("data-k=\"{k}\"")).unwrap().0,
+                q[k].to_string(),
+                "{name} {k}"
+            );
+        }
+    }
+
+    // The dead list of one queue, the letter in full, as text.
+    let (code, _, list) = http_get(port, "/dead?queue=normal").unwrap();
+    assert_eq!(code, 200, "{list}");
+    let ids = attr_values(&list, "data-letter");
+    assert_eq!(ids.len(), 1, "{list}");
+    assert!(!list.contains("<img") && plain(&list).contains(HOSTILE_EVENT));
+    let nonce = attr_values(&list, "value")
+        .into_iter()
+        .find(|v| v.len() == 32 && v.bytes().all(|b| b.is_ascii_hexdigit()))
+        .expect("the form's nonce");
+    let (code, _, letter) = http_get(
+        port,
+        &format!("/dead/letter?queue=normal&id={}&at=0", ids[0]),
+    )
+    .unwrap();
+    assert_eq!(code, 200, "{letter}");
+    assert!(!letter.contains("<script"));
+    assert!(figure(&letter, "msg").contains(HOSTILE_NOTE));
+    let (_, _, other) = http_get(port, "/dead?queue=high").unwrap();
+    assert!(attr_values(&other, "data-letter").is_empty());
+
+    // Requeue through the form: back onto its queue, where the worker dead-letters it
+    // again (its event still has no handler): the letter count stays, the worker's
+    // dead-letter counter says it went round once more.
+    let origin = ("Origin", format!("http://127.0.0.1:{port}"));
+    let body = form(&[
+        ("queue", "normal"),
+        ("at", "0"),
+        ("id", &ids[0]),
+        ("nonce", &nonce),
+    ]);
+    assert_eq!(
+        post(port, "/dead/requeue", &body, std::slice::from_ref(&origin)).0,
+        403,
+        "no token"
+    );
+    assert_eq!(metric(port, "delay_worker_dead_letters_total"), 1);
+    let body = form(&[
+        ("queue", "normal"),
+        ("at", "0"),
+        ("id", &ids[0]),
+        ("nonce", &nonce),
+        ("token", TOKEN),
+    ]);
+    let (code, said) = post(port, "/dead/requeue", &body, std::slice::from_ref(&origin));
+    assert_eq!(code, 200, "{said}");
+    assert!(plain(&said).contains("Requeued 1 dead letter(s)"), "{said}");
+    wait_until(WAIT, "the letter dead again", || {
+        metric(port, "delay_worker_dead_letters_total") == 2 && dead_len(&mut con) == 1
+    });
+
+    // Purge it.
+    let (_, _, list) = http_get(port, "/dead?queue=normal").unwrap();
+    let ids = attr_values(&list, "data-letter");
+    let body = form(&[
+        ("queue", "normal"),
+        ("id", &ids[0]),
+        ("nonce", &nonce),
+        ("token", TOKEN),
+    ]);
+    let (code, said) = post(port, "/dead/purge", &body, &[origin]);
+    assert_eq!(code, 200, "{said}");
+    assert!(plain(&said).contains("Purged 1 dead letter(s)"), "{said}");
+    assert_eq!(dead_len(&mut con), 0);
+    // Redis stalls (CLIENT PAUSE): a page waits for it at most its Redis timeout, one is
+    // made at a time with three more waiting, the others are told so at once, and /healthz
+    // still finds a connection thread and gives its own verdict.
+    redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(4000)
+        .arg("ALL")
+        .query::<()>(&mut con)
+        .unwrap();
+    let loads: Vec<_> = (0..20)
+        .map(|_| std::thread::spawn(move || http_get(port, "/")))
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let (_, _, health) = http_get(port, "/healthz").unwrap();
+    assert!(!health.starts_with("busy"), "{health}");
+    let answers: Vec<(u16, String)> = loads
+        .into_iter()
+        .map(|h| {
+            let (code, _, body) = h.join().unwrap().unwrap();
+            (code, body)
+        })
+        .collect();
+    let busy = answers
+        .iter()
+        .filter(|(c, b)| *c == 503 && b.contains("the status page is busy"))
+        .count();
+    let made: Vec<&String> = answers
+        .iter()
+        .filter(|(c, _)| *c == 200)
+        .map(|(_, b)| b)
+        .collect();
+    assert!(busy >= 1 && made.len() <= 4, "{answers:?}");
+    assert!(
+        made.iter()
+            .any(|p| plain(p).contains("Cannot read the queue figures")),
+        "the first page waited for Redis and says so: {made:?}"
+    );
+    for page in made {
+        assert_eq!(figure(page, "hour.dead"), "2", "the process's own figures");
+    }
+    redis::cmd("CLIENT")
+        .arg("UNPAUSE")
+        .query::<()>(&mut con)
+        .unwrap();
+    assert_eq!(http_get(port, "/").unwrap().0, 200);
+
+    let log = worker.log();
+    assert!(
+        log.contains("status page: requeued 1 dead letter(s) of normal:dead"),
+        "{log}"
+    );
+    assert!(
+        log.contains("status page: purged 1 dead letter(s) of normal:dead"),
+        "{log}"
+    );
+    worker.signal(libc::SIGTERM);
+    assert!(worker.wait(WAIT).success());
+    let _ = std::fs::remove_dir_all(token_dir);
+}
+
+#[test]
+fn admin_token_file_must_be_private_and_needs_the_metrics_address() {
+    let (dir, open) = token_file(0o644, &format!("{TOKEN}\n"));
+    let redis = "redis://127.0.0.1:1/";
+    let db = "postgres://postgres@127.0.0.1:1/none";
+    let path = open.to_str().unwrap();
+    let out = run_worker(
+        &["--metrics-addr", "127.0.0.1:9", "--admin-token-file", path],
+        redis,
+        db,
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(
+        text(&out.stderr),
+        format!(
+            "worker: --admin-token-file: {path} is open to group or others (mode 0644): `chmod 600 {path}` (or 400), owned by the user the worker runs as\n"
+        )
+    );
+    let (dir2, private) = token_file(0o600, "short\n");
+    let out = run_worker(
+        &[
+            "--metrics-addr",
+            "127.0.0.1:9",
+            "--admin-token-file",
+            private.to_str().unwrap(),
+        ],
+        redis,
+        db,
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).contains("at least 16 are needed"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = run_worker(
+        &["--admin-token-file", private.to_str().unwrap()],
+        redis,
+        db,
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).contains("needs --metrics-addr"),
+        "{}",
+        text(&out.stderr)
+    );
+    let _ = std::fs::remove_dir_all(dir);
+    let _ = std::fs::remove_dir_all(dir2);
+}
