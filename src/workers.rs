@@ -116,10 +116,26 @@ impl Session {
             }
             handlers.push(stmts);
             sets.push(match h.set_statement() {
-                Some(sql) => Some(
-                    conn.prepare_typed(&sql, &[Type::JSONB])
-                        .map_err(prepare_err)?,
-                ),
+                Some(sql) => {
+                    let st = conn
+                        .prepare_typed(&sql, &[Type::JSONB])
+                        .map_err(prepare_err)?;
+                    // The contract, checked once: `$1` only, the job's index first.
+                    let shape = if st.params().len() != 1 {
+                        Some(format!("its set form takes {} parameters; it gets one, $1 (the jobs)", st.params().len()))
+                    } else if st.columns().first().map(|c| c.type_()) != Some(&Type::INT4) {
+                        Some("its set form must return the job's index first, as an integer (RETURNING or SELECT ... i)".to_string())
+                    } else {
+                        None
+                    };
+                    if let Some(reason) = shape {
+                        return Err(SessionError::Prepare {
+                            event: h.event().to_string(),
+                            reason,
+                        });
+                    }
+                    Some(st)
+                }
                 None => None,
             });
         }
@@ -516,12 +532,7 @@ impl<'a> Worker<'a> {
             let started = std::time::Instant::now();
             let results = match jobs {
                 [job] => vec![run_job(session, job)],
-                _ => run_jobs(
-                    session,
-                    jobs,
-                    self.ctx.jobs.tx_batch,
-                    &self.ctx.stats.in_sets,
-                ),
+                _ => run_jobs(session, jobs, self.ctx.jobs, &self.ctx.stats.in_sets),
             };
             if let Some(e) = results.iter().find_map(|r| match r {
                 JobResult::Failed(e) if db::is_connection_error(e) => Some(db::error_text(e)),
@@ -779,6 +790,15 @@ fn run_job(session: &mut Session, job: &Job<'_>) -> JobResult {
     }
 }
 
+/// Why a set did not commit.
+#[derive(Debug, thiserror::Error)]
+enum SetError {
+    #[error("{}", db::error_text(.0))]
+    Db(#[from] postgres::Error),
+    #[error("the set form returned index {0}, not one of a new job of the set, or twice")]
+    Index(i32),
+}
+
 /// The jobs a worker took together: those of an event with a set form, two or more, as
 /// one set ([`run_set`]); the rest alone, or `tx_batch` at a time in one transaction
 /// ([`run_batch`]). A set or batch that fails committed nothing, and its jobs run again
@@ -786,19 +806,24 @@ fn run_job(session: &mut Session, job: &Job<'_>) -> JobResult {
 fn run_jobs(
     session: &mut Session,
     jobs: &[Job<'_>],
-    tx_batch: usize,
+    cfg: &JobConfig,
     in_sets: &AtomicU64,
 ) -> Vec<JobResult> {
+    let tx_batch = cfg.tx_batch;
     let mut results: Vec<Option<JobResult>> = jobs.iter().map(|_| None).collect();
     let mut sets: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
     let mut alone = Vec::new();
     for (k, job) in jobs.iter().enumerate() {
         match session.sets[job.index] {
-            Some(_) => sets.entry(job.index).or_default().push(k),
-            None => alone.push(k),
+            Some(_) if cfg.set_size > 1 => sets.entry(job.index).or_default().push(k),
+            _ => alone.push(k),
         }
     }
-    for ks in sets.into_values() {
+    for ks in sets.into_values().flat_map(|ks| {
+        ks.chunks(cfg.set_size)
+            .map(<[usize]>::to_vec)
+            .collect::<Vec<_>>()
+    }) {
         let set: Vec<&Job<'_>> = ks.iter().map(|&k| &jobs[k]).collect();
         if set.len() < 2 {
             alone.extend(ks);
@@ -814,10 +839,17 @@ fn run_jobs(
             Err(e) => {
                 // A bad payload or a deadlock with the shop's own transactions is the
                 // jobs' business: each runs alone and gets its own outcome. A refused
-                // privilege is the operator's: the set form would never work.
-                let text = db::error_text(&e);
-                if e.code() == Some(&postgres::error::SqlState::INSUFFICIENT_PRIVILEGE) {
-                    log::warn!("a set of {} jobs was refused, so they run one by one: {text} (see sql/grants.sql)", set.len());
+                // privilege, or a set form that breaks its contract, is the operator's:
+                // the set form would never work.
+                let text = e.to_string();
+                let privilege = matches!(&e, SetError::Db(e)
+                    if e.code() == Some(&postgres::error::SqlState::INSUFFICIENT_PRIVILEGE));
+                if privilege || matches!(e, SetError::Index(_)) {
+                    log::warn!(
+                        "a set of {} {} jobs failed, so they run one by one: {text}",
+                        set.len(),
+                        set[0].env.event
+                    );
                 } else {
                     log::debug!(
                         "a set of {} jobs failed, so they run one by one: {text}",
@@ -850,7 +882,7 @@ fn run_jobs(
 /// all of them in one statement, then one statement for the jobs whose rows were new (the
 /// others are redeliveries), then one commit. An error if anything failed (nothing
 /// committed): the caller runs each job alone.
-fn run_set(session: &mut Session, jobs: &[&Job<'_>]) -> Result<Vec<JobResult>, postgres::Error> {
+fn run_set(session: &mut Session, jobs: &[&Job<'_>]) -> Result<Vec<JobResult>, SetError> {
     let Session {
         conn,
         inbox_set,
@@ -891,8 +923,13 @@ fn run_set(session: &mut Session, jobs: &[&Job<'_>]) -> Result<Vec<JobResult>, p
         let work = serde_json::Value::Array(work);
         for row in tx.query(statement, &[&work])? {
             let i: i32 = row.try_get(0)?;
-            if let Some(r @ JobResult::Committed(_)) = results.get_mut(i as usize) {
-                *r = JobResult::Committed(Effect::Applied);
+            // An index the set was not given, or one given twice, is a set form that does
+            // not keep its contract: nothing commits and every job runs alone.
+            match usize::try_from(i).ok().and_then(|i| results.get_mut(i)) {
+                Some(r @ JobResult::Committed(Effect::NoOp)) => {
+                    *r = JobResult::Committed(Effect::Applied)
+                }
+                _ => return Err(SetError::Index(i)),
             }
         }
     }

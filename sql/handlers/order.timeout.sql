@@ -13,6 +13,8 @@ WITH target AS (
     SELECT id FROM orders
     WHERE id = ($1 ->> 'order_id')::bigint
        OR order_no = ($1 ->> 'order_no')
+    -- A payload naming both: the order of its order_id (as the set form below).
+    ORDER BY id = ($1 ->> 'order_id')::bigint DESC NULLS LAST
     LIMIT 1
 ), cancelled AS (
     UPDATE orders o
@@ -55,12 +57,16 @@ SELECT c.id, (SELECT count(*) FROM stock) AS skus, (SELECT count(*) FROM coupon)
 WITH jobs AS (
     SELECT (j ->> 'i')::integer AS i, j -> 'payload' AS p
       FROM jsonb_array_elements($1) j
+), targets AS (
+    -- One order per job, as the one-job form finds it: by order_id, else by order_no.
+    SELECT jobs.i, t.id
+      FROM jobs CROSS JOIN LATERAL (
+               SELECT o.id FROM orders o WHERE o.id = (jobs.p ->> 'order_id')::bigint
+               UNION ALL
+               SELECT o.id FROM orders o WHERE o.order_no = (jobs.p ->> 'order_no')
+               LIMIT 1) t
 ), wanted AS (
-    SELECT DISTINCT ON (w.id) w.id, w.i
-      FROM (SELECT o.id, jobs.i FROM jobs JOIN orders o ON o.id = (jobs.p ->> 'order_id')::bigint
-            UNION ALL
-            SELECT o.id, jobs.i FROM jobs JOIN orders o ON o.order_no = (jobs.p ->> 'order_no')) w
-     ORDER BY w.id, w.i
+    SELECT DISTINCT ON (id) id, i FROM targets ORDER BY id, i
 ), locked AS (
     SELECT o.id, o.coupon_id, wanted.i FROM orders o JOIN wanted ON wanted.id = o.id
      WHERE o.status = 'pending'

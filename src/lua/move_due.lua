@@ -158,8 +158,11 @@ local function fetch(key)
   local id
   id, err = on_member('GET', key)
   if err then return nil, unreadable(key, err) end
-  local value = id
-  if not string.match(id, '^%-?%d+$') then value = json_string(id) end
+  -- An integer goes in as a JSON number, without leading zeros (JSON has none: "00014"
+  -- is order 14); anything else as a string, for the handler to refuse.
+  local value = json_string(id)
+  local sign, digits = string.match(id, '^(%-?)(%d+)$')
+  if digits then value = sign .. (string.match(digits, '^0*(%d.*)$')) end
   return '{"event":' .. json_string(legacy) .. ',"payload":{"order_id":' .. value ..
     '},"retry":0,"ts":' .. ARGV[7] .. '}'
 end

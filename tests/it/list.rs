@@ -304,9 +304,15 @@ fn the_legacy_pool_becomes_order_timeouts() {
     for (i, o) in orders.iter().enumerate() {
         // What the PHP does: zAdd('delay:order_close', $ms, 'close_order_'.$id); set(...).
         let member = format!("close_order_{}", o.id);
+        // Some producers write the id zero-padded: still that order.
+        let value = if i % 7 == 0 {
+            format!("000{}", o.id)
+        } else {
+            o.id.to_string()
+        };
         redis::cmd("SET")
             .arg(&member)
-            .arg(o.id)
+            .arg(value)
             .query::<()>(&mut con)
             .unwrap();
         let due = if i < 40 { now - 10 } else { now + 3_600_000 };

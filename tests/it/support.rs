@@ -759,11 +759,16 @@ pub fn order_timeout_with(cte: &str, condition: &str) -> String {
         .split_once("\n-- set:")
         .expect("order.timeout has a set form");
     let one = one.replacen("WITH target AS (", &format!("WITH {cte}, target AS ("), 1);
-    one.replacen(
-        "    LIMIT 1\n), cancelled",
-        &format!("      AND {condition}\n    LIMIT 1\n), cancelled"),
+    let one = one.replacen(
+        "\n    -- A payload naming both",
+        &format!("\n      AND {condition}\n    -- A payload naming both"),
         1,
-    )
+    );
+    assert!(
+        one.contains(condition),
+        "the condition went into the one-job form"
+    );
+    one
 }
 
 /// [`order_timeout_with`] and the built-in set form with the same CTE spliced in front,
