@@ -230,26 +230,8 @@ fn a_retry_storm_with_several_jobs_per_transaction() {
 }
 
 fn retry_storm(mut env: Env) {
-    env.db
-        .client()
-        .batch_execute(
-            "CREATE FUNCTION chaos() RETURNS boolean LANGUAGE plpgsql VOLATILE AS $$
-             BEGIN
-               IF random() < 0.3 THEN
-                 RAISE EXCEPTION 'injected serialization failure' USING ERRCODE = '40001';
-               END IF;
-               RETURN true;
-             END $$",
-        )
-        .unwrap();
-    let dir = HandlerDir::new(&[(
-        "order.timeout.sql",
-        order_timeout_with("chaos AS (SELECT chaos() AS ok)", "(SELECT ok FROM chaos)"),
-    )]);
-    env.config.handlers_dir = Some(dir.0.clone());
-    env.config.jobs.max_retries = 12;
-    env.config.jobs.retry_base = Duration::from_millis(20);
-    env.config.jobs.retry_cap = Duration::from_millis(200);
+    // Serialization failures in 30 % of the runs.
+    let _dir = failing_order_timeout(&mut env, 0.3, "40001", order_timeout_with);
     let orders = seed_orders(&env.db, 1000);
     push_timeouts(&env, &orders, 0);
     let daemon = Daemon::start(&env.config);

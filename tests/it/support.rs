@@ -792,6 +792,38 @@ pub fn order_timeout_set_with(cte: &str, condition: &str) -> String {
     format!("{}\n-- set:{set}", order_timeout_with(cte, condition))
 }
 
+/// A handler directory whose order.timeout (`handler`: [`order_timeout_with`] or
+/// [`order_timeout_set_with`]) fails transiently with SQLSTATE `code` for a `rate` share of
+/// its runs, and a config that retries it often and fast: a retry storm.
+pub fn failing_order_timeout(
+    env: &mut Env,
+    rate: f64,
+    code: &str,
+    handler: fn(&str, &str) -> String,
+) -> HandlerDir {
+    env.db
+        .client()
+        .batch_execute(&format!(
+            "CREATE FUNCTION chaos() RETURNS boolean LANGUAGE plpgsql VOLATILE AS $$
+             BEGIN
+               IF random() < {rate} THEN
+                 RAISE EXCEPTION 'injected failure {code}' USING ERRCODE = '{code}';
+               END IF;
+               RETURN true;
+             END $$"
+        ))
+        .unwrap();
+    let dir = HandlerDir::new(&[(
+        "order.timeout.sql",
+        handler("chaos AS (SELECT chaos() AS ok)", "(SELECT ok FROM chaos)"),
+    )]);
+    env.config.handlers_dir = Some(dir.0.clone());
+    env.config.jobs.max_retries = 12;
+    env.config.jobs.retry_base = Duration::from_millis(20);
+    env.config.jobs.retry_cap = Duration::from_millis(200);
+    dir
+}
+
 /// Pushed = done + dead-lettered + still scheduled, and nothing stuck pending.
 pub fn assert_all_accounted(env_redis: &Env, db: &TestDb, pushed: usize) {
     let b = books(env_redis);
