@@ -37,15 +37,16 @@ use crate::config::{Config, Source};
 use crate::metrics::{Request, Response};
 use crate::shutdown::Shutdown;
 use crate::stats::Stats;
-use crossbeam_channel::{Receiver, Sender};
-use std::sync::Mutex;
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering::SeqCst};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Requests waiting for the page thread, besides the one it is making; more get `503` at
 /// once (the metrics server has 16 connection threads, and `/healthz` must always find one).
 pub const QUEUED: usize = 3;
-/// A request waits this long for its page, then gets `503` (Redis stalled for longer than
-/// the pages ahead of it could time out).
+/// A request waits this long for the page thread to start on it, then gets `503` and is
+/// dropped (Redis stalled, and the pages ahead of it take their timeouts).
 pub const PAGE_WAIT: Duration = Duration::from_secs(6);
 /// I/O timeout of the page's Redis connection (it connects within `store::CONNECT_TIMEOUT`).
 pub const REDIS_TIMEOUT: Duration = Duration::from_secs(2);
@@ -82,6 +83,8 @@ pub struct Page<'a> {
     idle: Mutex<Vec<redis::Connection>>,
     /// Requests for the page thread, and where each answer goes.
     jobs: (Sender<Job>, Receiver<Job>),
+    /// Set when the page thread has stopped.
+    stopped: AtomicBool,
     started: Instant,
     /// `Some` with `--admin-token-file`.
     actions: Option<actions::Actions>,
@@ -91,7 +94,14 @@ pub struct Page<'a> {
 struct Job {
     req: Request,
     reply: Sender<Response>,
+    /// [`WAITING`], then [`STARTED`] by the page thread or [`ABANDONED`] by the asker,
+    /// whichever comes first.
+    state: Arc<AtomicU8>,
 }
+
+const WAITING: u8 = 0;
+const STARTED: u8 = 1;
+const ABANDONED: u8 = 2;
 
 impl<'a> Page<'a> {
     pub fn new(config: &'a Config, stats: &'a Stats, redis: redis::Client) -> Page<'a> {
@@ -101,6 +111,7 @@ impl<'a> Page<'a> {
             redis,
             idle: Mutex::new(Vec::new()),
             jobs: crossbeam_channel::bounded(QUEUED),
+            stopped: AtomicBool::new(false),
             started: Instant::now(),
             actions: config.admin_token.clone().map(actions::Actions::new),
         }
@@ -128,10 +139,15 @@ impl<'a> Page<'a> {
                 ..Response::text(405, format!("{path} takes {allow}\n"))
             };
         }
+        if self.stopped.load(SeqCst) {
+            return Response::text(503, "stopping\n");
+        }
         let (reply, answer) = crossbeam_channel::bounded(1);
+        let state = Arc::new(AtomicU8::new(WAITING));
         let job = Job {
             req: req.clone(),
             reply,
+            state: state.clone(),
         };
         if self.jobs.0.try_send(job).is_err() {
             return Response::text(
@@ -139,29 +155,55 @@ impl<'a> Page<'a> {
                 "the status page is busy (other pages are being made); try again\n",
             );
         }
-        answer.recv_timeout(PAGE_WAIT).unwrap_or_else(|_| {
-            Response::text(
-                503,
-                format!(
-                    "the status page did not answer within {}s (Redis slow?); try again\n",
-                    PAGE_WAIT.as_secs()
-                ),
-            )
-        })
+        let deadline = Instant::now() + PAGE_WAIT;
+        loop {
+            match answer.recv_timeout(Duration::from_millis(100)) {
+                Ok(r) => return r,
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Response::text(503, "stopping\n");
+                }
+                // Once the page thread has started on it, its answer is awaited whatever
+                // the time (an action it runs is not to be reported as not done); its
+                // Redis timeouts bound it.
+                Err(RecvTimeoutError::Timeout) => {
+                    let late = Instant::now() >= deadline || self.stopped.load(SeqCst);
+                    if late
+                        && state
+                            .compare_exchange(WAITING, ABANDONED, SeqCst, SeqCst)
+                            .is_ok()
+                    {
+                        return Response::text(
+                            503,
+                            format!(
+                                "the status page did not start on this within {}s (Redis slow?); nothing was done; try again\n",
+                                PAGE_WAIT.as_secs()
+                            ),
+                        );
+                    }
+                }
+            }
+        }
     }
 
-    /// The page thread: makes the pages asked for, one at a time, until shutdown.
+    /// The page thread: makes the pages asked for, one at a time, until shutdown; a
+    /// request whose asker gave up waiting is skipped (an action in it is not run).
     pub fn run(&self, shutdown: &Shutdown) {
         loop {
             crossbeam_channel::select! {
                 recv(self.jobs.1) -> job => match job {
-                    // The asker may have given up waiting: nobody to tell.
-                    Ok(job) => { let _ = job.reply.send(self.make(&job.req)); }
-                    Err(_) => return,
+                    Ok(job) => {
+                        if job.state.compare_exchange(WAITING, STARTED, SeqCst, SeqCst).is_ok() {
+                            let _ = job.reply.send(self.make(&job.req));
+                        }
+                    }
+                    Err(_) => break,
                 },
-                recv(shutdown.receiver()) -> _ => return,
+                recv(shutdown.receiver()) -> _ => break,
             }
         }
+        // Whoever still waits is told at once (their reply channels close).
+        self.stopped.store(true, SeqCst);
+        while self.jobs.1.try_recv().is_ok() {}
     }
 
     /// One page.
