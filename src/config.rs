@@ -269,6 +269,37 @@ impl Default for PruneConfig {
 
 /// Durations in flags and thresholds: `100ms`, `2s`, `5m`, `24h`, `7d`.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    // humantime also reads months (`M`, `months`), weeks and years: a `15M` meant as
+    // minutes would be 15 months. Only the units a delay of this worker needs are taken.
+    let units_ok = s
+        .split(|c: char| c.is_ascii_digit() || c == '.' || c.is_whitespace())
+        .filter(|u| !u.is_empty())
+        .all(|u| {
+            matches!(
+                u,
+                "ns" | "us"
+                    | "ms"
+                    | "s"
+                    | "sec"
+                    | "secs"
+                    | "m"
+                    | "min"
+                    | "mins"
+                    | "h"
+                    | "hr"
+                    | "hrs"
+                    | "hour"
+                    | "hours"
+                    | "d"
+                    | "day"
+                    | "days"
+            )
+        });
+    if !units_ok {
+        return Err(format!(
+            "{s:?}: units are ms, s, m (minutes), h and d (examples: 100ms, 2s, 5m, 24h, 7d)"
+        ));
+    }
     humantime::parse_duration(s).map_err(|e| format!("{e} (examples: 100ms, 2s, 5m, 24h, 7d)"))
 }
 

@@ -128,6 +128,21 @@ fn every_row_of_the_exit_code_table() {
         a.extend_from_slice(extra);
         worker(&a, &url, &dburl)
     };
+    let delayed = |delay: &str| {
+        worker(
+            &[
+                "push",
+                "--event",
+                "order.timeout",
+                "--payload",
+                r#"{"order_no":"SO1"}"#,
+                "--delay",
+                delay,
+            ],
+            &url,
+            &dburl,
+        )
+    };
     // 0: done.
     let out = push(&["--payload", r#"{"order_no":"SO1"}"#, "--key", "k1"]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
@@ -218,9 +233,11 @@ fn every_row_of_the_exit_code_table() {
             "no handler for \"no.such.event\"",
         ),
         (
-            push(&["--payload", r#"{"order_no":"SO1"}"#, "--delay", "5 parsecs"]),
-            "--delay",
+            delayed("5 parsecs"),
+            "invalid value '5 parsecs' for '--delay",
         ),
+        // `M` is months to humantime: a typo for minutes is refused, not a year away.
+        (delayed("15M"), "units are ms, s, m (minutes), h and d"),
     ];
     for (out, needle) in &rows {
         assert_one_line(out, 2, needle);
