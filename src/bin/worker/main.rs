@@ -67,6 +67,15 @@ fn main() -> ExitCode {
     }
 }
 
+/// A handler file that cannot be read or parsed is bad input, named by its flag (exit 2);
+/// any other error passes as it is.
+fn handlers_dir(e: daemon::DaemonError) -> anyhow::Error {
+    match e {
+        daemon::DaemonError::Handler(h) => BadInput(format!("--handlers-dir: {h}")).into(),
+        other => other.into(),
+    }
+}
+
 /// Input that can never work (exit 2), as opposed to a server that failed (exit 1).
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
@@ -123,7 +132,7 @@ fn run(config: &Config) -> anyhow::Result<ExitCode> {
         log::info!("signal received: finishing the jobs in hand (signal again to exit now)");
     })
     .context("cannot install the signal handler")?;
-    daemon::run(config, &shutdown)?;
+    daemon::run(config, &shutdown).map_err(handlers_dir)?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -182,7 +191,7 @@ fn push(config: &Config, args: &PushArgs) -> anyhow::Result<ExitCode> {
 /// What a worker would dead-letter at once, refused before it is pushed: an event no
 /// handler has, a payload without a field its handler requires.
 fn check_job(config: &Config, event: &str, payload: &serde_json::Value) -> anyhow::Result<()> {
-    let registry = daemon::registry(config)?;
+    let registry = daemon::registry(config).map_err(handlers_dir)?;
     let Some((_, handler)) = registry.get(event) else {
         return Err(BadInput(format!(
             "--event: no handler for {event:?} (known: {}; --unchecked pushes it anyway)",
