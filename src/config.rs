@@ -260,9 +260,9 @@ impl Default for PruneConfig {
     fn default() -> Self {
         PruneConfig {
             retention: Duration::from_secs(7 * 24 * 3600),
-            interval: Duration::from_secs(60),
-            batch: 1000,
-            pause: Duration::from_millis(20),
+            interval: Duration::from_secs(10),
+            batch: 250,
+            pause: Duration::from_millis(10),
         }
     }
 }

@@ -319,13 +319,13 @@ pub struct RunArgs {
     #[arg(long, default_value = "7d", value_parser = parse_duration)]
     pub inbox_retention: Duration,
     /// Time between two inbox pruning passes (a pass works at most half of it).
-    #[arg(long, default_value = "60s", value_parser = parse_duration, hide = true)]
+    #[arg(long, default_value = "10s", value_parser = parse_duration, hide = true)]
     pub inbox_prune_interval: Duration,
     /// Inbox rows deleted per statement.
-    #[arg(long, default_value_t = 1000, hide = true)]
+    #[arg(long, default_value_t = 250, hide = true)]
     pub inbox_prune_batch: usize,
     /// Pause between two inbox pruning batches.
-    #[arg(long, default_value = "20ms", value_parser = parse_duration, hide = true)]
+    #[arg(long, default_value = "10ms", value_parser = parse_duration, hide = true)]
     pub inbox_prune_pause: Duration,
     /// Retries of a transient failure before the dead letters.
     #[arg(long, default_value_t = 3)]
