@@ -28,3 +28,4 @@ mod sets;
 mod status_page;
 mod store;
 mod tls;
+mod topology;
