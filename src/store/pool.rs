@@ -31,7 +31,7 @@ pub fn push(
 /// [`push`] for many jobs `(key, message, score)`, `per_trip` script calls per round trip
 /// (pipelined EVALSHA): for loading a backlog. Returns how many were pushed.
 pub fn push_many(
-    con: &mut redis::Connection,
+    con: &mut crate::store::Con,
     keys: &Keys,
     jobs: impl Iterator<Item = (String, String, i64)>,
     per_trip: usize,
@@ -41,7 +41,7 @@ pub fn push_many(
         .map_err(|e| super::StoreError::from_redis("load push", e))?;
     let mut pipe = redis::pipe();
     let mut n = 0u64;
-    let send = |pipe: &mut redis::Pipeline, con: &mut redis::Connection| {
+    let send = |pipe: &mut redis::Pipeline, con: &mut crate::store::Con| {
         let replies: Vec<Value> = pipe
             .query(con)
             .map_err(|e| super::StoreError::from_redis("push", e))?;
