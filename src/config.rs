@@ -182,6 +182,9 @@ pub struct MoverConfig {
     /// List mode: index in `keys.queues` of the queue due messages go to.
     pub queue: usize,
     /// Older producers' pools, moved as well.
+    /// On a Redis Cluster: a legacy member whose key is in another hash slot than its
+    /// pool is dead-lettered (one script cannot move it).
+    pub cluster: bool,
     pub legacy: Vec<LegacyPool>,
     /// A member whose data is larger is dead-lettered instead of moved (the same figure
     /// as `JobConfig::max_message_bytes`).
@@ -334,6 +337,7 @@ impl Default for MoverConfig {
             window: DEFAULT_MOVE_WINDOW,
             orphan_grace: Duration::from_secs(60),
             queue: 0,
+            cluster: false,
             legacy: Vec::new(),
             max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
         }

@@ -116,6 +116,7 @@ impl<'a> Mover<'a> {
         let legacy = self.cfg.legacy.iter().map(|l| Pool::Legacy {
             pool: &l.key,
             event: &l.event,
+            cluster: self.cfg.cluster,
         });
         let mut states = self.pools.lock().unwrap_or_else(PoisonError::into_inner);
         let mut sleep = self.cfg.poll;

@@ -99,6 +99,7 @@ fn move_at_most_at(
 const LEGACY: Pool<'static> = Pool::Legacy {
     pool: "delay:order_close",
     event: "order.timeout",
+    cluster: false,
 };
 
 fn reading(k: &Keys) -> stream::Reading<'_> {
@@ -250,6 +251,92 @@ fn a_legacy_member_of_the_wrong_type_is_one_dead_letter_and_the_rest_moves() {
         .query(&mut con)
         .unwrap();
     assert_eq!(kind, "hash", "the producer's key is left alone");
+}
+
+/// On a Cluster a legacy pool's members are read first and declared to the script; a
+/// member whose key is in another hash slot than the pool is one dead letter saying so,
+/// a member not due yet or gone meanwhile is left alone, and the batch limit holds.
+#[test]
+fn a_declared_legacy_pool_moves_its_tagged_members_and_buries_the_others() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let k = Keys::with_prefix("{close}");
+    let pool_key = "{close}:delay:order_close";
+    let pool = Pool::Legacy {
+        pool: pool_key,
+        event: "order.timeout",
+        cluster: true,
+    };
+    let mut add = |member: &str, id: &str, score: i64| {
+        redis::cmd("SET")
+            .arg(member)
+            .arg(id)
+            .query::<()>(&mut con)
+            .unwrap();
+        redis::cmd("ZADD")
+            .arg(pool_key)
+            .arg(score)
+            .arg(member)
+            .query::<()>(&mut con)
+            .unwrap();
+    };
+    for i in 1..=5 {
+        add(
+            &format!("{{close}}close_order_{i}"),
+            &i.to_string(),
+            NOW - 100 + i,
+        );
+    }
+    add("close_order_9", "9", NOW - 50);
+    // Seconds scores are read as their own kind.
+    add("{close}close_order_7", "7", NOW / 1000 - 5);
+    add("{close}close_order_8", "8", NOW + 60_000);
+
+    let first = move_from(&mut con, &k, pool, NOW, 3).unwrap();
+    assert_eq!(first.moved + first.buried.len(), 3, "{first:?}");
+    let mut moved = first.moved;
+    let mut buried = first.buried.clone();
+    for _ in 0..5 {
+        let r = move_from(&mut con, &k, pool, NOW, 3).unwrap();
+        moved += r.moved;
+        buried.extend(r.buried);
+    }
+    assert_eq!(moved, 6, "five tagged members and the seconds-score one");
+    assert_eq!(buried.len(), 1, "{buried:?}");
+    assert_eq!(buried[0].0, "close_order_9");
+    assert!(buried[0].1.contains("another hash slot"), "{}", buried[0].1);
+    let exists: bool = redis::cmd("EXISTS")
+        .arg("close_order_9")
+        .query(&mut con)
+        .unwrap();
+    assert!(exists, "the producer's key in another slot is left alone");
+    // Only the member not due yet is left; the moved ones took their keys with them.
+    let left: Vec<String> = redis::cmd("ZRANGE")
+        .arg(pool_key)
+        .arg(0)
+        .arg(-1)
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(left, vec!["{close}close_order_8".to_string()]);
+    let entries = xrange(&mut con, &k.stream);
+    let mut ids: Vec<i64> = entries
+        .iter()
+        .map(|e| {
+            let v: serde_json::Value = serde_json::from_str(&e["msg"]).unwrap();
+            v["payload"]["order_id"].as_i64().unwrap()
+        })
+        .collect();
+    ids.sort();
+    assert_eq!(ids, vec![1, 2, 3, 4, 5, 7]);
+    let tagged_left: usize = (1..=7)
+        .filter(|i| {
+            redis::cmd("EXISTS")
+                .arg(format!("{{close}}close_order_{i}"))
+                .query::<bool>(&mut con)
+                .unwrap()
+        })
+        .count();
+    assert_eq!(tagged_left, 0);
 }
 
 #[test]

@@ -537,12 +537,6 @@ impl Cli {
         if delay_worker::store::Topology::of(&config.redis_url)
             == delay_worker::store::Topology::Cluster
         {
-            if !config.mover.legacy.is_empty() {
-                return Err(CliError {
-                    flag: "--legacy-pool",
-                    problem: "does not run on a Redis Cluster: a legacy pool's STRING keys are not declared to the mover's script".into(),
-                });
-            }
             for (i, keys) in config.shard_keys().iter().enumerate() {
                 let mut names = keys.script_names();
                 if i == 0 {
@@ -801,6 +795,8 @@ impl Cli {
             window: r.move_window,
             orphan_grace: r.orphan_grace,
             queue: mover_queue,
+            cluster: delay_worker::store::Topology::of(&self.conn.redis_url)
+                == delay_worker::store::Topology::Cluster,
             legacy,
             max_message_bytes: r.max_message_bytes,
         };
