@@ -45,6 +45,12 @@ pub struct Config {
     pub redis_tls: RedisTls,
     pub database_url: String,
     pub keys: Keys,
+    /// `--shards`: the pool, its data, the stream and the dead letters split into this
+    /// many hash-tagged key sets under `shard_prefix` (1: `keys` alone). See
+    /// [`Config::shard_keys`].
+    pub shards: usize,
+    /// The `--key-prefix` the shard key sets are named from.
+    pub shard_prefix: String,
     pub source: Source,
     /// Worker pool size; the PostgreSQL pool and the channel are sized from it.
     pub threads: usize,
@@ -176,6 +182,9 @@ pub struct MoverConfig {
     /// List mode: index in `keys.queues` of the queue due messages go to.
     pub queue: usize,
     /// Older producers' pools, moved as well.
+    /// On a Redis Cluster: a legacy member whose key is in another hash slot than its
+    /// pool is dead-lettered (one script cannot move it).
+    pub cluster: bool,
     pub legacy: Vec<LegacyPool>,
     /// A member whose data is larger is dead-lettered instead of moved (the same figure
     /// as `JobConfig::max_message_bytes`).
@@ -328,6 +337,7 @@ impl Default for MoverConfig {
             window: DEFAULT_MOVE_WINDOW,
             orphan_grace: Duration::from_secs(60),
             queue: 0,
+            cluster: false,
             legacy: Vec::new(),
             max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
         }
@@ -363,6 +373,23 @@ impl Default for JobConfig {
 }
 
 impl Config {
+    /// The key set of each shard, in shard order: `keys` itself when unsharded. A job key
+    /// lives in shard [`crate::keys::shard_of`]`(key, shards)`.
+    pub fn shard_keys(&self) -> Vec<Keys> {
+        self.keys.sharded(&self.shard_prefix, self.shards)
+    }
+
+    /// The key set a job key belongs to.
+    pub fn keys_for(&self, job_key: &[u8]) -> Keys {
+        if self.shards <= 1 {
+            return self.keys.clone();
+        }
+        let i = crate::keys::shard_of(job_key, self.shards);
+        self.keys
+            .sharded(&self.shard_prefix, self.shards)
+            .swap_remove(i)
+    }
+
     /// A config with every default, for tests and library users.
     pub fn new(redis_url: &str, database_url: &str) -> Config {
         Config {
@@ -370,6 +397,8 @@ impl Config {
             redis_tls: RedisTls::default(),
             database_url: database_url.to_string(),
             keys: Keys::default(),
+            shards: 1,
+            shard_prefix: crate::keys::DEFAULT_PREFIX.to_string(),
             source: Source::Stream,
             threads: 8,
             consumer: default_consumer_name(),
@@ -410,13 +439,26 @@ impl Config {
 
     /// One line for the log, secrets redacted.
     pub fn summary(&self) -> String {
+        let (stream, pool, shards) = if self.shards > 1 {
+            let all = |k: &str| k.replacen(":0}", &format!(":0..{}}}", self.shards - 1), 1);
+            let first = &self.shard_keys()[0];
+            (
+                all(&first.stream),
+                all(&first.pool),
+                format!(" shards={}", self.shards),
+            )
+        } else {
+            (
+                self.keys.stream.clone(),
+                self.keys.pool.clone(),
+                String::new(),
+            )
+        };
         format!(
-            "redis={} database={} stream={} group={} pool={} consumer={} threads={} batch={} poll={}ms block={}ms claim_idle={}s max_deliveries={} max_retries={} statement_timeout={}ms mover={}",
+            "redis={} database={} stream={stream} group={} pool={pool}{shards} consumer={} threads={} batch={} poll={}ms block={}ms claim_idle={}s max_deliveries={} max_retries={} statement_timeout={}ms mover={}",
             redact_url(&self.redis_url),
             redact_url(&self.database_url),
-            self.keys.stream,
             self.keys.group,
-            self.keys.pool,
             self.consumer,
             self.threads,
             self.mover.batch,

@@ -37,6 +37,9 @@ pub enum DaemonError {
     BadRedis(#[from] crate::tls::SetupError),
     #[error("cannot reach Redis at {url}: {reason}")]
     RedisUnreachable { url: String, reason: String },
+    /// The keys in Redis are laid out for another `--shards`.
+    #[error("{0}")]
+    Layout(String),
     #[error(transparent)]
     Db(#[from] DbError),
     #[error("the database schema is not current (missing {missing}): run `worker migrate`")]
@@ -61,7 +64,7 @@ pub struct Report {
 
 /// Opens the Redis client (with its TLS files for a `rediss://` URL) and checks that the
 /// server answers.
-pub fn redis_client(config: &Config) -> Result<redis::Client, DaemonError> {
+pub fn redis_client(config: &Config) -> Result<crate::store::Redis, DaemonError> {
     let url = &config.redis_url;
     let client = crate::tls::redis_client(url, &config.redis_tls)?;
     let unreachable = |e: redis::RedisError| DaemonError::RedisUnreachable {
@@ -76,13 +79,43 @@ pub fn redis_client(config: &Config) -> Result<redis::Client, DaemonError> {
     Ok(client)
 }
 
+/// Checks `--shards` against the count recorded in Redis; with `claim` (a worker's start,
+/// a push) records it when nothing is recorded yet.
+pub fn check_shards(
+    config: &Config,
+    con: &mut dyn redis::ConnectionLike,
+    claim: bool,
+) -> Result<(), DaemonError> {
+    let n = config.shards;
+    let key = &config.keys.shard_count;
+    match store::check_shards(con, &config.keys, n, claim) {
+        Ok(store::ShardLayout::Agrees) => Ok(()),
+        Ok(store::ShardLayout::Differs { recorded }) => Err(DaemonError::Layout(format!(
+            "--shards {n}: Redis records {recorded} shards ({key}); every worker and producer \
+             of one queue must use the same count. To change it: stop the producers, let the \
+             workers drain every shard (`worker stats --shards {recorded}` shows nothing \
+             waiting or pending), stop them, DEL {key}, and start everything with the new count"
+        ))),
+        Ok(store::ShardLayout::UnshardedJobs { pool, jobs }) => Err(DaemonError::Layout(format!(
+            "--shards {n}: the unsharded pool {pool} still holds {jobs} jobs; let workers \
+             without --shards drain it (and the stream) first, then start with --shards {n}"
+        ))),
+        Err(e) => Err(DaemonError::RedisUnreachable {
+            url: redact_url(&config.redis_url),
+            reason: e.to_string(),
+        }),
+    }
+}
+
 /// One checked connection, for the admin commands, `push` and `cancel`.
-pub fn redis_connection(config: &Config) -> Result<redis::Connection, DaemonError> {
+pub fn redis_connection(config: &Config) -> Result<crate::store::Con, DaemonError> {
     let client = redis_client(config)?;
-    store::connect(&client).map_err(|e| DaemonError::RedisUnreachable {
+    let mut con = store::connect(&client).map_err(|e| DaemonError::RedisUnreachable {
         url: redact_url(&config.redis_url),
         reason: unreachable_reason(&e, &config.redis_url),
-    })
+    })?;
+    check_shards(config, &mut con, false)?;
+    Ok(con)
 }
 
 /// Why Redis could not be reached, in words: a server that accepts the connection but
@@ -183,7 +216,7 @@ fn spawn_role<'scope, 'env>(
 
 /// What the roles need, checked before any thread starts.
 struct Ready {
-    client: redis::Client,
+    client: crate::store::Redis,
     registry: Registry,
     pool: db::Pool,
 }
@@ -208,7 +241,9 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<Report, DaemonError> 
     // Peers may take over at once whatever this consumer still has pending. Best effort:
     // if Redis is unreachable now, the key expires by itself.
     if let Ok(mut con) = store::connect(&ready.client) {
-        let _ = store::forget_heartbeat(&mut con, &config.keys, &config.consumer);
+        for keys in config.shard_keys() {
+            let _ = store::forget_heartbeat(&mut con, &keys, &config.consumer);
+        }
     }
     log::info!(
         "stopped after {:.1}s: drained {} jobs; {}",
@@ -231,13 +266,16 @@ fn preflight(config: &Config) -> Result<Ready, DaemonError> {
             url: redact_url(&config.redis_url),
             reason: unreachable_reason(&e, &config.redis_url),
         })?;
+        check_shards(config, &mut con, true)?;
         if config.source == Source::Stream {
-            store::stream::ensure_group(&mut con, &config.keys).map_err(|e| {
-                DaemonError::RedisUnreachable {
-                    url: redact_url(&config.redis_url),
-                    reason: e.to_string(),
-                }
-            })?;
+            for keys in config.shard_keys() {
+                store::stream::ensure_group(&mut con, &keys).map_err(|e| {
+                    DaemonError::RedisUnreachable {
+                        url: redact_url(&config.redis_url),
+                        reason: e.to_string(),
+                    }
+                })?;
+            }
         }
     }
     check_schema(&config.database_url)?;
@@ -280,8 +318,14 @@ fn spawn_and_supervise(
     let drained = AtomicU64::new(0);
     let (tx, rx) = crossbeam_channel::bounded::<Delivery>(config.channel_capacity());
     let (space_tx, space_rx) = crossbeam_channel::bounded::<()>(1);
+    let shard_keys = config.shard_keys();
+    let shard_mover = crate::config::MoverConfig {
+        legacy: Vec::new(),
+        ..config.mover.clone()
+    };
     let ctx = PoolContext {
         keys: &config.keys,
+        shards: &shard_keys,
         jobs: &config.jobs,
         consumer: &config.consumer,
         registry,
@@ -315,17 +359,40 @@ fn spawn_and_supervise(
         let mut spawned = Vec::new();
         if config.run_mover {
             let (client, stats, bell) = (&client, &stats, doorbell.clone());
+            let (shard_keys, shard_mover) = (&shard_keys, &shard_mover);
             spawned.push(spawn_role(s, shutdown, "mover".into(), move || {
-                Mover::new(&config.keys, &config.mover, stats)
-                    .with_doorbell(bell)
-                    .run(client, shutdown)
+                // Legacy pools are served once, with the first shard.
+                let movers: Vec<Mover> = shard_keys
+                    .iter()
+                    .enumerate()
+                    .map(|(i, keys)| {
+                        let cfg = if i == 0 { &config.mover } else { shard_mover };
+                        Mover::new(keys, cfg, stats).with_doorbell(bell.clone())
+                    })
+                    .collect();
+                crate::mover::run_shards(&movers, client, shutdown)
             }));
         }
         {
             let (client, stats, bell) = (&client, &stats, doorbell.clone());
             let feed = Feed::new(tx, space_rx, stats);
             let (keys, cfg, consumer) = (&config.keys, &config.reader, config.consumer.as_str());
+            let shard_keys = &shard_keys;
             spawned.push(match config.source {
+                Source::Stream if shard_keys.len() > 1 => {
+                    spawn_role(s, shutdown, "reader".into(), move || {
+                        let readers = shard_keys
+                            .iter()
+                            .map(|k| Reader::new(k, cfg, consumer, stats, feed.clone()))
+                            .collect();
+                        source::run(
+                            crate::source::stream::Shards::new(readers, bell),
+                            client,
+                            stats,
+                            shutdown,
+                        )
+                    })
+                }
                 Source::Stream => spawn_role(s, shutdown, "reader".into(), move || {
                     source::run(
                         Reader::new(keys, cfg, consumer, stats, feed).with_doorbell(bell),

@@ -30,6 +30,8 @@ pub struct Delivery {
     pub due_ms: Option<i64>,
     /// When the reader got it.
     pub received: Instant,
+    /// The shard (key set, `--shards`) it was read from; 0 when unsharded.
+    pub shard: usize,
 }
 
 impl Delivery {
@@ -71,6 +73,8 @@ pub struct Settlement {
     /// What an ack stands for (done, no-op, duplicate), counted once the ack is settled;
     /// an ack turned into a re-queue (its commit's durability unconfirmed) counts as that.
     pub counts_as: Option<crate::stats::JobOutcome>,
+    /// The shard the delivery came from: where it is settled.
+    pub shard: usize,
 }
 
 impl Settlement {
@@ -86,6 +90,7 @@ impl Settlement {
             outcome,
             event,
             counts_as: None,
+            shard: d.shard,
         }
     }
 

@@ -28,6 +28,10 @@ pub struct Keys {
     /// List mode: SET of the consumer names that have processing lists, so a peer can
     /// find the lists of a consumer that died.
     pub list_consumers: String,
+    /// STRING: how many shards the keys of this prefix are split into (`<prefix>:shards`,
+    /// absent for one unsharded set). Written once; every process checks its `--shards`
+    /// against it.
+    pub shard_count: String,
 }
 
 /// One list queue.
@@ -96,7 +100,50 @@ impl Keys {
             heartbeat_prefix: format!("{prefix}:consumer"),
             queues: Vec::new(),
             list_consumers: format!("{prefix}:list-consumers"),
+            shard_count: format!("{prefix}:shards"),
         }
+    }
+
+    /// The key sets of `n` shards: shard `i` is the default layout under the prefix
+    /// `{<prefix>:<i>}`, so each set is one hash slot of its own on a Redis Cluster
+    /// (`{mq:0}:delay:pool`, `{mq:0}:events`, ...). One shard is these keys themselves.
+    pub fn sharded(&self, prefix: &str, n: usize) -> Vec<Keys> {
+        if n <= 1 {
+            return vec![self.clone()];
+        }
+        (0..n)
+            .map(|i| {
+                let mut k = Keys::with_prefix(&format!("{{{prefix}:{i}}}"));
+                k.group = self.group.clone();
+                k.shard_count = self.shard_count.clone();
+                k
+            })
+            .collect()
+    }
+
+    /// Every name the scripts of this set use together (a sample heartbeat stands for the
+    /// heartbeat keys), for the one-slot check on a Redis Cluster.
+    pub fn script_names(&self) -> Vec<String> {
+        let mut names = vec![
+            self.pool.clone(),
+            self.data.clone(),
+            self.jobs.clone(),
+            self.stream.clone(),
+            self.dead.clone(),
+            self.heartbeat("any"),
+        ];
+        if !self.queues.is_empty() {
+            names.push(self.list_consumers.clone());
+        }
+        for q in &self.queues {
+            names.extend([
+                q.name.clone(),
+                q.dead.clone(),
+                q.deliveries(),
+                q.processing("any"),
+            ]);
+        }
+        names
     }
 
     /// The contract's defaults (`mq:delay:pool`, ...).
@@ -108,6 +155,42 @@ impl Keys {
     pub fn heartbeat(&self, consumer: &str) -> String {
         format!("{}:{consumer}:alive", self.heartbeat_prefix)
     }
+}
+
+/// The shard of a job key among `n`: `crc32(key) mod n`, CRC-32 as zlib, PHP's `crc32()`
+/// and MySQL's `CRC32()` compute it (IEEE, the one almost every library means).
+pub fn shard_of(job_key: &[u8], n: usize) -> usize {
+    if n <= 1 {
+        return 0;
+    }
+    (crc32fast::hash(job_key) % n as u32) as usize
+}
+
+/// The Redis Cluster hash slot of a key: CRC16 (XMODEM) of its hash tag (the text between
+/// the first `{` and the next `}`, when not empty) or of the whole name, mod 16384.
+pub fn slot(key: &str) -> u16 {
+    let b = key.as_bytes();
+    let tagged = b.iter().position(|&c| c == b'{').and_then(|open| {
+        let rest = &b[open + 1..];
+        let close = rest.iter().position(|&c| c == b'}')?;
+        (close > 0).then(|| &rest[..close])
+    });
+    crc16::State::<crc16::XMODEM>::calculate(tagged.unwrap_or(b)) % 16384
+}
+
+/// On a Redis Cluster every key one script touches must share a hash slot: the first
+/// pair of `names` that does not, in words, or `None`.
+pub fn slot_conflict(names: &[String]) -> Option<String> {
+    let first = names.first()?;
+    let want = slot(first);
+    names.iter().find(|n| slot(n) != want).map(|n| {
+        format!(
+            "on a Redis Cluster the keys a script uses together must share one hash slot, \
+             but {first:?} is in slot {want} and {n:?} in slot {}: put one hash tag in every \
+             name (e.g. --key-prefix '{{mq}}', queue names such as '{{mq}}payment_queue')",
+            slot(n)
+        )
+    })
 }
 
 impl Default for Keys {
@@ -137,6 +220,37 @@ mod tests {
             assert!(name.starts_with("{mq}:"), "{name}");
         }
         assert!(k.heartbeat("h1").starts_with("{mq}:"));
+    }
+
+    #[test]
+    fn slots_follow_redis_cluster() {
+        // Vectors from the Redis Cluster specification and `CLUSTER KEYSLOT`.
+        assert_eq!(slot("123456789"), 12739);
+        assert_eq!(slot("foo"), 12182);
+        assert_eq!(slot("{user1000}.following"), slot("{user1000}.followers"));
+        assert_eq!(slot("foo{}{bar}"), 8363);
+        assert_eq!(slot("foo{{bar}}zap"), 4015);
+        assert_eq!(slot("{bar"), 4015);
+        assert!(slot_conflict(&Keys::with_prefix("{mq}").script_names()).is_none());
+        let e = slot_conflict(&Keys::default().script_names()).unwrap();
+        assert!(e.contains("--key-prefix '{mq}'"), "{e}");
+    }
+
+    #[test]
+    fn shards_are_tagged_and_chosen_by_crc32() {
+        let k = Keys::default().sharded("mq", 3);
+        assert_eq!(k.len(), 3);
+        assert_eq!(k[2].pool, "{mq:2}:delay:pool");
+        assert_eq!(k[2].stream, "{mq:2}:events");
+        assert_eq!(k[2].shard_count, "mq:shards");
+        for s in &k {
+            assert!(slot_conflict(&s.script_names()).is_none());
+        }
+        // The test vector of the README: PHP's crc32('order:1001') % 3.
+        assert_eq!(crc32fast::hash(b"order:1001"), 0xdf03_51ab);
+        assert_eq!(shard_of(b"order:1001", 3), 1);
+        assert_eq!(shard_of(b"anything", 1), 0);
+        assert_eq!(Keys::default().sharded("mq", 1), vec![Keys::default()]);
     }
 
     #[test]

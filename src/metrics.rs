@@ -88,7 +88,7 @@ pub struct Sources<'a> {
     /// The workers' pool, for its state only: it never checks a connection out (each
     /// worker holds one for its whole life, so a checkout would wait for the timeout).
     pub pool: &'a db::Pool,
-    pub redis: &'a redis::Client,
+    pub redis: &'a crate::store::Redis,
     /// Messages waiting in the reader -> pool channel.
     pub depth: Box<dyn Fn() -> usize + Send + Sync + 'a>,
     pub capacity: usize,
@@ -811,7 +811,7 @@ fn read_some(
 /// (so two probes at the same moment both get the answer, and a hung server costs one
 /// thread, not one per request).
 struct Probe {
-    redis: redis::Client,
+    redis: crate::store::Redis,
     pg: db::Target,
     shared: Arc<ProbeShared>,
 }
@@ -875,7 +875,7 @@ impl Probe {
     }
 }
 
-fn probe(redis: &redis::Client, pg: &db::Target) -> Result<(), String> {
+fn probe(redis: &crate::store::Redis, pg: &db::Target) -> Result<(), String> {
     let mut con = store::connect_with(redis, PROBE_IO_TIMEOUT)
         .map_err(|e| format!("Redis unreachable: {e}"))?;
     redis::cmd("PING")

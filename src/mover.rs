@@ -116,6 +116,7 @@ impl<'a> Mover<'a> {
         let legacy = self.cfg.legacy.iter().map(|l| Pool::Legacy {
             pool: &l.key,
             event: &l.event,
+            cluster: self.cfg.cluster,
         });
         let mut states = self.pools.lock().unwrap_or_else(PoisonError::into_inner);
         let mut sleep = self.cfg.poll;
@@ -218,40 +219,59 @@ impl<'a> Mover<'a> {
     }
 
     /// The thread body: ticks until shutdown.
-    pub fn run(&self, client: &redis::Client, shutdown: &Shutdown) {
-        let mut backoff = Backoff::new("mover");
-        let mut con = None;
-        while !shutdown.is_set() {
-            let c = match con.as_mut() {
-                Some(c) => c,
-                None => match store::connect(client) {
-                    Ok(c) => con.insert(c),
-                    Err(e) => {
-                        self.stats.redis_failure(&backoff);
-                        backoff.fail("cannot connect to redis", &e, shutdown);
-                        continue;
-                    }
-                },
-            };
-            match self.tick(c, crate::now_ms()) {
-                Ok((_, sleep)) => {
-                    backoff.reset();
-                    Stats::beat(&self.stats.mover_beat_ms);
-                    if !sleep.is_zero() {
-                        shutdown.wait(sleep);
-                    }
-                }
+    pub fn run(&self, client: &crate::store::Redis, shutdown: &Shutdown) {
+        run_shards(std::slice::from_ref(self), client, shutdown)
+    }
+}
+
+/// The mover thread over every shard (one mover per key set, `--shards`): a tick of each
+/// in turn on one connection, then the shortest of their sleeps.
+pub fn run_shards(movers: &[Mover<'_>], client: &crate::store::Redis, shutdown: &Shutdown) {
+    let Some(first) = movers.first() else { return };
+    let stats = first.stats;
+    let mut backoff = Backoff::new("mover");
+    let mut con = None;
+    while !shutdown.is_set() {
+        let c = match con.as_mut() {
+            Some(c) => c,
+            None => match store::connect(client) {
+                Ok(c) => con.insert(c),
                 Err(e) => {
-                    // Only a lost connection ends a tick (each pool's own failures are
-                    // handled in it).
-                    con = None;
-                    self.stats.redis_failure(&backoff);
-                    backoff.fail("move_due failed", &e, shutdown);
+                    stats.redis_failure(&backoff);
+                    backoff.fail("cannot connect to redis", &e, shutdown);
+                    continue;
+                }
+            },
+        };
+        let mut sleep = Duration::MAX;
+        let mut failed = None;
+        for m in movers {
+            match m.tick(c, crate::now_ms()) {
+                Ok((_, s)) => sleep = sleep.min(s),
+                Err(e) => {
+                    failed = Some(e);
+                    break;
                 }
             }
         }
-        log::info!("mover: stopped");
+        match failed {
+            None => {
+                backoff.reset();
+                Stats::beat(&stats.mover_beat_ms);
+                if !sleep.is_zero() && sleep != Duration::MAX {
+                    shutdown.wait(sleep);
+                }
+            }
+            Some(e) => {
+                // Only a lost connection ends a tick (each pool's own failures are
+                // handled in it).
+                con = None;
+                stats.redis_failure(&backoff);
+                backoff.fail("move_due failed", &e, shutdown);
+            }
+        }
     }
+    log::info!("mover: stopped");
 }
 
 /// Adds one pool's report to the tick's.

@@ -113,19 +113,19 @@ pub struct Pruner<'a> {
     database_url: &'a str,
     cfg: &'a PruneConfig,
     stats: &'a Stats,
-    /// Stream mode: where to find the oldest pending entry.
-    stream: Option<(&'a redis::Client, &'a Keys)>,
+    /// Stream mode: where to find the oldest pending entry (each shard's group).
+    stream: Option<(&'a crate::store::Redis, Vec<Keys>)>,
 }
 
 impl<'a> Pruner<'a> {
     /// The daemon's pruner: the config's database and prune settings, and in stream mode
     /// the group whose pending entries hold the cutoff back.
-    pub fn new(config: &'a Config, stats: &'a Stats, redis: &'a redis::Client) -> Pruner<'a> {
+    pub fn new(config: &'a Config, stats: &'a Stats, redis: &'a crate::store::Redis) -> Pruner<'a> {
         Pruner {
             database_url: &config.database_url,
             cfg: &config.prune,
             stats,
-            stream: (config.source == Source::Stream).then_some((redis, &config.keys)),
+            stream: (config.source == Source::Stream).then(|| (redis, config.shard_keys())),
         }
     }
 
@@ -286,19 +286,28 @@ impl<'a> Pruner<'a> {
     /// The time (Redis clock, unix ms) of the oldest entry pending in the group, in
     /// stream mode; `None` when nothing is pending (or in list mode).
     fn oldest_pending_ms(&self) -> Result<Option<i64>, PruneError> {
-        let Some((client, keys)) = self.stream else {
+        let Some((client, shards)) = &self.stream else {
             return Ok(None);
         };
         let mut con = store::connect(client).map_err(|e| PruneError::Redis(e.to_string()))?;
-        match store::stream::pending(&mut con, keys, 0, 1, None) {
-            Ok(entries) => Ok(entries
-                .first()
-                .and_then(|e| e.id.split('-').next().and_then(|ms| ms.parse::<i64>().ok()))),
-            // No stream or group yet (the reader creates them): nothing pending.
-            Err(store::StoreError::Refused { source, .. }) if source.code() == Some("NOGROUP") => {
-                Ok(None)
-            }
-            Err(e) => Err(PruneError::Redis(e.to_string())),
+        let mut oldest: Option<i64> = None;
+        for keys in shards {
+            let first = match store::stream::pending(&mut con, keys, 0, 1, None) {
+                Ok(entries) => entries
+                    .first()
+                    .and_then(|e| e.id.split('-').next().and_then(|ms| ms.parse::<i64>().ok())),
+                // No stream or group yet (the reader creates them): nothing pending.
+                Err(
+                    store::StoreError::Refused { source, .. }
+                    | store::StoreError::Connection { source, .. },
+                ) if source.code() == Some("NOGROUP") => None,
+                Err(e) => return Err(PruneError::Redis(e.to_string())),
+            };
+            oldest = match (oldest, first) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
         }
+        Ok(oldest)
     }
 }

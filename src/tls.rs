@@ -15,6 +15,7 @@
 //! plain words for the one-line errors.
 
 use crate::config::RedisTls;
+use crate::store::{Redis, Topology};
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::client::WebPkiServerVerifier;
 use rustls::crypto::CryptoProvider;
@@ -97,20 +98,23 @@ fn private_key(
 
 /// The Redis client for `url`: with the CA and client certificate of `tls` for a
 /// `rediss://` URL. Reads the files now, so a missing or malformed file is said at start.
-pub fn redis_client(url: &str, tls: &RedisTls) -> Result<redis::Client, SetupError> {
-    let client = redis::Client::open(url).map_err(|e| {
+pub fn redis_client(url: &str, tls: &RedisTls) -> Result<Redis, SetupError> {
+    let bad_url = |detail: &str| {
         setup(
             "--redis-url",
             format!(
-                "not a Redis URL ({}): e.g. redis://:password@127.0.0.1:6379/0 or rediss://... for TLS",
-                e.detail().unwrap_or("cannot parse it")
+                "not a Redis URL ({detail}): e.g. redis://:password@127.0.0.1:6379/0, rediss://... for TLS, \
+                 redis+cluster://host:port,host:port or redis+sentinel://host:port,host:port/<master-name>"
             ),
         )
-    })?;
-    let is_tls = matches!(
-        client.get_connection_info().addr(),
-        redis::ConnectionAddr::TcpTls { .. }
-    );
+    };
+    let is_tls = match Topology::of(url) {
+        Topology::Single => Redis::open(url, None).map_err(|e| bad_url(&e.0))?.is_tls(),
+        _ => {
+            let scheme = url.split("://").next().unwrap_or("");
+            scheme.starts_with("rediss") || scheme.starts_with("valkeys")
+        }
+    };
     let files = [
         ("--redis-ca-file", &tls.ca_file),
         ("--redis-cert-file", &tls.cert_file),
@@ -123,7 +127,7 @@ pub fn redis_client(url: &str, tls: &RedisTls) -> Result<redis::Client, SetupErr
                 "is for TLS, but the Redis URL does not start with rediss://",
             ));
         }
-        return Ok(client);
+        return Redis::open(url, None).map_err(|e| bad_url(&e.0));
     }
     provider();
     let root_cert = match &tls.ca_file {
@@ -149,17 +153,11 @@ pub fn redis_client(url: &str, tls: &RedisTls) -> Result<redis::Client, SetupErr
             ))
         }
     };
-    if root_cert.is_none() && client_tls.is_none() {
-        return Ok(client);
-    }
-    redis::Client::build_with_tls(
-        url,
-        redis::TlsCertificates {
-            client_tls,
-            root_cert,
-        },
-    )
-    .map_err(|e| setup("--redis-url", e.to_string()))
+    let certs = (root_cert.is_some() || client_tls.is_some()).then_some(redis::TlsCertificates {
+        client_tls,
+        root_cert,
+    });
+    Redis::open(url, certs).map_err(|e| setup("--redis-url", e.0))
 }
 
 /// libpq's `sslmode` (`allow` is not offered).

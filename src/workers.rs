@@ -52,12 +52,14 @@ pub const HELD_RETRY: Duration = Duration::from_secs(1);
 /// What every worker shares. Read-only except the counters.
 pub struct PoolContext<'a> {
     pub keys: &'a Keys,
+    /// Every shard's key set (`keys` alone when unsharded): settlements go to their own.
+    pub shards: &'a [Keys],
     pub jobs: &'a JobConfig,
     pub consumer: &'a str,
     pub registry: &'a Registry,
     pub stats: &'a Stats,
     pub db: &'a db::Pool,
-    pub redis: &'a redis::Client,
+    pub redis: &'a crate::store::Redis,
     pub shutdown: &'a Shutdown,
     /// Jobs finished after shutdown was requested (the drain), for the exit log.
     pub drained: &'a AtomicU64,
@@ -199,7 +201,7 @@ pub struct Worker<'a> {
     /// Group commit: a session with unflushed commits was lost, so those commits may be
     /// too (a crashed server forgets them); their acks must not go out as acks.
     durability_lost: bool,
-    redis: Option<redis::Connection>,
+    redis: Option<crate::store::Con>,
     /// Outcomes a settle left where they were because a key they go to holds another
     /// type: tried again every [`HELD_RETRY`] until it is fixed. At shutdown they stay
     /// pending (or in the processing list) for the next start.
@@ -616,7 +618,7 @@ impl<'a> Worker<'a> {
                 },
             };
             let now_s = crate::now_ms() / 1000;
-            match store::settle(con, self.ctx.keys, self.ctx.consumer, now_s, outcomes) {
+            match store::settle(con, self.ctx.shards, self.ctx.consumer, now_s, outcomes) {
                 Ok(report) => {
                     self.redis_backoff.reset();
                     self.settled(outcomes, &report);
@@ -705,7 +707,7 @@ impl<'a> Worker<'a> {
             if let Ok(mut c) = store::connect(self.ctx.redis) {
                 let now_s = crate::now_ms() / 1000;
                 if let Ok(report) =
-                    store::settle(&mut c, self.ctx.keys, self.ctx.consumer, now_s, outcomes)
+                    store::settle(&mut c, self.ctx.shards, self.ctx.consumer, now_s, outcomes)
                 {
                     self.settled(outcomes, &report);
                     return true;

@@ -304,7 +304,7 @@ fn verdict(figures: &[Figure], extra: &str) -> Verdict {
 /// `SET` by hand, a name clash): the worker stops moving, reading or settling what needs
 /// them, so the check is CRITICAL, naming each. Read only (TYPE).
 pub fn wrong_types(
-    con: &mut redis::Connection,
+    con: &mut dyn redis::ConnectionLike,
     config: &Config,
 ) -> redis::RedisResult<Vec<String>> {
     let k = &config.keys;
@@ -403,6 +403,7 @@ mod tests {
             consumers: vec![],
             queues: vec![],
             legacy: Vec::new(),
+            shards: Vec::new(),
             pool: PoolFigures {
                 key: "p".into(),
                 size: 0,

@@ -20,7 +20,7 @@ use crate::store::dead::Requeued;
 use crate::store::{self, value_to_string, StoreError};
 use anyhow::Context;
 use clap::{ArgGroup, Args, Subcommand};
-use redis::{Connection, RedisResult, Value};
+use redis::{RedisResult, Value};
 use serde::{Serialize, Serializer};
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -259,7 +259,10 @@ impl<'a> Scan<'a> {
 
     /// The next matching letters; `None` once the stream is exhausted. A page may be
     /// empty when none of its letters matched `--event`.
-    pub fn next_page(&mut self, con: &mut Connection) -> RedisResult<Option<Vec<DeadLetter>>> {
+    pub fn next_page(
+        &mut self,
+        con: &mut dyn redis::ConnectionLike,
+    ) -> RedisResult<Option<Vec<DeadLetter>>> {
         if self.done {
             return Ok(None);
         }
@@ -298,7 +301,7 @@ impl<'a> Scan<'a> {
 
 /// The matching dead letters, oldest first, at most `limit`.
 pub fn scan(
-    con: &mut Connection,
+    con: &mut dyn redis::ConnectionLike,
     keys: &Keys,
     filter: &Filter,
     now_ms: i64,
@@ -326,7 +329,7 @@ const NEWEST_PAGE: usize = 50;
 /// `budget` letters; and the id to continue from when more may follow (the last one
 /// looked at).
 pub fn newest(
-    con: &mut Connection,
+    con: &mut dyn redis::ConnectionLike,
     keys: &Keys,
     filter: &Filter,
     now_ms: i64,
@@ -375,7 +378,7 @@ pub fn newest(
 
 /// The dead letters with these ids, in order; `None` for an id not there.
 pub fn fetch(
-    con: &mut Connection,
+    con: &mut dyn redis::ConnectionLike,
     keys: &Keys,
     ids: &[String],
     now_ms: i64,
@@ -488,7 +491,7 @@ impl RequeueReport {
 
 /// Requeues `letters`, due at `now_ms`, one script call per [`PAGE`].
 pub fn requeue(
-    con: &mut Connection,
+    con: &mut dyn redis::ConnectionLike,
     keys: &Keys,
     letters: &[DeadLetter],
     now_ms: i64,
@@ -523,7 +526,11 @@ pub fn requeue(
 }
 
 /// Deletes `letters`; returns how many were still there.
-pub fn purge(con: &mut Connection, keys: &Keys, letters: &[DeadLetter]) -> Result<u64, StoreError> {
+pub fn purge(
+    con: &mut dyn redis::ConnectionLike,
+    keys: &Keys,
+    letters: &[DeadLetter],
+) -> Result<u64, StoreError> {
     let mut n = 0;
     for batch in letters.chunks(PAGE) {
         let ids: Vec<&str> = batch.iter().map(|d| d.id.as_str()).collect();
@@ -541,20 +548,71 @@ pub(super) fn run(
         return list::run(config, args, out);
     }
     let mut con = super::connect(config)?;
-    let keys = &config.keys;
     let now = crate::now_ms();
+    let shards = config.shard_keys();
+    if shards.len() == 1 {
+        return one_set(&mut con, &config.keys, args, now, out);
+    }
+    // `--shards N`: each shard's dead letters in turn, under its name; a letter to show
+    // is looked for in each; a JSON list is one array of them all.
+    if let DeadCommand::Show(a) = &args.command {
+        for keys in &shards {
+            let mut buf = Vec::new();
+            if show(&mut con, keys, a, now, &mut buf)? == ExitCode::SUCCESS {
+                out.write_all(&buf)?;
+                return Ok(ExitCode::SUCCESS);
+            }
+        }
+        writeln!(
+            out,
+            "no dead letter {} in any of the {} shards",
+            a.id,
+            shards.len()
+        )?;
+        return Ok(ExitCode::FAILURE);
+    }
+    let json = matches!(&args.command, DeadCommand::List(a) if a.json);
+    let mut all: Vec<serde_json::Value> = Vec::new();
+    let mut code = ExitCode::SUCCESS;
+    for (i, keys) in shards.iter().enumerate() {
+        let mut buf = Vec::new();
+        let c = one_set(&mut con, keys, args, now, &mut buf)?;
+        if json {
+            all.extend(serde_json::from_slice::<Vec<serde_json::Value>>(&buf)?);
+        } else {
+            writeln!(out, "shard {i} ({})", keys.dead)?;
+            out.write_all(&buf)?;
+        }
+        if c != ExitCode::SUCCESS {
+            code = c;
+        }
+    }
+    if json {
+        write_json(out, &all)?;
+    }
+    Ok(code)
+}
+
+/// One key set's dead letters (the only one, or one shard's).
+fn one_set(
+    con: &mut dyn redis::ConnectionLike,
+    keys: &Keys,
+    args: &DeadArgs,
+    now: i64,
+    out: &mut dyn Write,
+) -> anyhow::Result<ExitCode> {
     match &args.command {
-        DeadCommand::List(a) => list(&mut con, keys, a, now, out),
-        DeadCommand::Show(a) => show(&mut con, keys, a, now, out),
-        DeadCommand::Requeue(a) => requeue_cmd(&mut con, keys, a, now, out),
+        DeadCommand::List(a) => list(con, keys, a, now, out),
+        DeadCommand::Show(a) => show(con, keys, a, now, out),
+        DeadCommand::Requeue(a) => requeue_cmd(con, keys, a, now, out),
         DeadCommand::Purge(a) => {
             let mut scan = Scan::new(keys, &a.filter, now);
             let mut purged = 0;
             while let Some(page) = scan
-                .next_page(&mut con)
+                .next_page(con)
                 .context("cannot read the dead letters")?
             {
-                purged += purge(&mut con, keys, &page).context("cannot purge")?;
+                purged += purge(con, keys, &page).context("cannot purge")?;
             }
             writeln!(out, "purged {purged}")?;
             Ok(ExitCode::SUCCESS)
@@ -563,7 +621,7 @@ pub(super) fn run(
 }
 
 fn list(
-    con: &mut Connection,
+    con: &mut dyn redis::ConnectionLike,
     keys: &Keys,
     a: &ListArgs,
     now: i64,
@@ -646,7 +704,7 @@ fn clip(s: &str, max: usize) -> String {
 }
 
 fn show(
-    con: &mut Connection,
+    con: &mut dyn redis::ConnectionLike,
     keys: &Keys,
     a: &ShowArgs,
     now: i64,
@@ -702,7 +760,7 @@ fn show(
 }
 
 fn requeue_cmd(
-    con: &mut Connection,
+    con: &mut dyn redis::ConnectionLike,
     keys: &Keys,
     a: &RequeueArgs,
     now: i64,

@@ -61,7 +61,7 @@ fn quiet_on_broken_pipe(r: anyhow::Result<ExitCode>) -> anyhow::Result<ExitCode>
 }
 
 /// One connection, checked with a PING, its errors showing the URL without password.
-fn connect(config: &Config) -> anyhow::Result<redis::Connection> {
+fn connect(config: &Config) -> anyhow::Result<crate::store::Con> {
     Ok(crate::daemon::redis_connection(config)?)
 }
 

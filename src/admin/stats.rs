@@ -55,6 +55,68 @@ pub struct StatsReport {
     /// `pool.mover_lag_ms` too.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub legacy: Vec<LegacyFigures>,
+    /// `--shards N`: each shard's own figures, in shard order; the report's own figures
+    /// are then their total (counts added, ages and lags the largest).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub shards: Vec<StatsReport>,
+}
+
+impl StatsReport {
+    /// The total of several shards' reports: counts added, the oldest ages and largest
+    /// lags kept, consumers merged by name; each report kept in `shards`.
+    fn total(shards: Vec<StatsReport>) -> StatsReport {
+        let mut t = shards[0].clone();
+        let name = |k: &str| {
+            // `{mq:0}:events` stands for `{mq:0..N-1}:events`.
+            k.replacen(":0}", &format!(":0..{}}}", shards.len() - 1), 1)
+        };
+        t.stream.key = name(&t.stream.key);
+        t.pool.key = name(&t.pool.key);
+        t.dead.key = name(&t.dead.key);
+        let add_opt = |a: Option<u64>, b: Option<u64>| Some(a? + b?);
+        for s in &shards[1..] {
+            t.stream.length += s.stream.length;
+            t.stream.entries_added = add_opt(t.stream.entries_added, s.stream.entries_added);
+            t.group.exists &= s.group.exists;
+            t.group.lag = add_opt(t.group.lag, s.group.lag);
+            t.group.entries_read = add_opt(t.group.entries_read, s.group.entries_read);
+            t.group.pending += s.group.pending;
+            if s.group.oldest_pending_age_ms > t.group.oldest_pending_age_ms {
+                t.group.oldest_pending_age_ms = s.group.oldest_pending_age_ms;
+                t.group.oldest_pending_id = s.group.oldest_pending_id.clone();
+            }
+            for c in &s.consumers {
+                match t.consumers.iter_mut().find(|x| x.name == c.name) {
+                    Some(x) => {
+                        x.pending += c.pending;
+                        x.idle_ms = x.idle_ms.min(c.idle_ms);
+                        x.heartbeat &= c.heartbeat;
+                    }
+                    None => t.consumers.push(c.clone()),
+                }
+            }
+            t.pool.size += s.pool.size;
+            t.pool.due += s.pool.due;
+            t.pool.due_seconds += s.pool.due_seconds;
+            t.pool.due_ms += s.pool.due_ms;
+            if s.pool.mover_lag_ms > t.pool.mover_lag_ms {
+                t.pool.mover_lag_ms = s.pool.mover_lag_ms;
+                t.pool.oldest_due_key = s.pool.oldest_due_key.clone();
+                t.pool.oldest_due_at_ms = s.pool.oldest_due_at_ms;
+                t.pool.oldest_due_has_data = s.pool.oldest_due_has_data;
+            }
+            t.dead.length += s.dead.length;
+            t.dead.entries_added = add_opt(t.dead.entries_added, s.dead.entries_added);
+            t.dead.new += s.dead.new;
+            t.dead.newest_age_ms = match (t.dead.newest_age_ms, s.dead.newest_age_ms) {
+                (Some(x), Some(y)) => Some(x.min(y)),
+                (x, y) => x.or(y),
+            };
+            t.legacy.extend(s.legacy.iter().cloned());
+        }
+        t.shards = shards;
+        t
+    }
 }
 
 /// One older producer's pool (`--legacy-pool KEY=EVENT`).
@@ -213,7 +275,7 @@ const COUNT_LIST_SINCE: &str = crate::store::dead::COUNT_LIST_SINCE_LUA;
 /// for the consumers' heartbeats and the oldest due member's data. A missing stream,
 /// group or key reads as zeros; any other Redis error is returned.
 pub fn gather(
-    con: &mut redis::Connection,
+    con: &mut dyn redis::ConnectionLike,
     keys: &Keys,
     now_ms: i64,
     dead_window: Duration,
@@ -398,6 +460,7 @@ pub fn gather(
         dead,
         queues,
         legacy: Vec::new(),
+        shards: Vec::new(),
     })
 }
 
@@ -405,12 +468,21 @@ pub fn gather(
 /// there are any): their mover lag counts in the report's, so a mover that stopped shows
 /// whichever pool it leaves behind.
 pub fn gather_all(
-    con: &mut redis::Connection,
+    con: &mut dyn redis::ConnectionLike,
     config: &Config,
     now_ms: i64,
     dead_window: Duration,
 ) -> RedisResult<StatsReport> {
-    let mut report = gather(con, &config.keys, now_ms, dead_window)?;
+    let shards = config.shard_keys();
+    let mut report = if shards.len() > 1 {
+        let each = shards
+            .iter()
+            .map(|k| gather(con, k, now_ms, dead_window))
+            .collect::<RedisResult<Vec<_>>>()?;
+        StatsReport::total(each)
+    } else {
+        gather(con, &config.keys, now_ms, dead_window)?
+    };
     let pools = &config.mover.legacy;
     if pools.is_empty() {
         return Ok(report);
@@ -475,7 +547,7 @@ pub fn gather_all(
 
 /// List mode's figures: two round trips (the consumers, then every length at once).
 fn gather_queues(
-    con: &mut redis::Connection,
+    con: &mut dyn redis::ConnectionLike,
     keys: &Keys,
     now_ms: i64,
     window_ms: i64,
@@ -718,6 +790,30 @@ pub fn render(r: &StatsReport, rates: Option<&Rates>, out: &mut dyn Write) -> st
             q.dead_new,
         )?;
     }
+    if !r.shards.is_empty() {
+        writeln!(out)?;
+        writeln!(
+            out,
+            "{:>5}  {:>9}  {:>7}  {:>9}  {:>8}  {:>14}  {:>9}  {:>6}",
+            "shard", "pool", "due", "lag", "pending", "oldest pending", "mover lag", "dead"
+        )?;
+        for (i, s) in r.shards.iter().enumerate() {
+            writeln!(
+                out,
+                "{:>5}  {:>9}  {:>7}  {:>9}  {:>8}  {:>14}  {:>8.1}s  {:>6}",
+                i,
+                s.pool.size,
+                s.pool.due,
+                opt(s.group.lag),
+                s.group.pending,
+                s.group
+                    .oldest_pending_age_ms
+                    .map_or("-".to_string(), fmt_age),
+                s.pool.mover_lag_ms as f64 / 1000.0,
+                s.dead.length,
+            )?;
+        }
+    }
     if let Some(x) = rates {
         writeln!(
             out,
@@ -762,7 +858,7 @@ pub fn render(r: &StatsReport, rates: Option<&Rates>, out: &mut dyn Write) -> st
     Ok(())
 }
 
-fn read(config: &Config, args: &StatsArgs) -> anyhow::Result<(redis::Connection, StatsReport)> {
+fn read(config: &Config, args: &StatsArgs) -> anyhow::Result<(crate::store::Con, StatsReport)> {
     let mut con = super::connect(config)?;
     let report = gather_all(&mut con, config, crate::now_ms(), args.dead_window)
         .context("cannot read the queue figures")?;

@@ -12,8 +12,13 @@
 -- ARGV[5] 'stream' (XADD msg, key, due) or 'list' (LPUSH msg with a "job_key" field added)
 -- ARGV[6] '' for our pool; for a legacy pool, the event its members stand for: each member
 --         is then a STRING key holding an order id, and the message is built here
---         ({"event": ARGV[6], "payload": {"order_id": <id>}}). Those STRING keys are not
---         declared in KEYS: legacy pools work on a single Redis, not on Cluster.
+--         ({"event": ARGV[6], "payload": {"order_id": <id>}}). On one server this script
+--         scans the pool and reaches each member's key itself (undeclared, under
+--         redis.pcall, so a key an ACL user may not touch is that member's problem alone).
+--         On a Redis Cluster (ARGV[9] = 'declared') the caller reads the due members first
+--         and declares their keys in KEYS[6..] (this script checks that each is still a due
+--         member); members whose key is in another hash slot than the pool come in
+--         ARGV[10..] instead: they can only be dead-lettered.
 -- ARGV[7] now in unix seconds (integer), the `ts` of messages built for a legacy pool
 -- ARGV[8] the largest message in bytes (--max-message-bytes)
 --
@@ -36,8 +41,8 @@
 -- arrived within the grace goes to the dead letters with its reason (an oversized
 -- message as a prefix, its length and a digest), and then leaves the pool.
 --
--- A legacy member's key is not declared in KEYS, so an error of a command on it is about
--- that member alone: those commands run under redis.pcall, and their error becomes the
+-- An error of a command on a legacy member's key is about that member alone: those
+-- commands run under redis.pcall, and their error becomes the
 -- member's dead letter (a read) or is reported (the DEL after a move) instead of ending
 -- the script at that member, which would stop the pool there at every call.
 --
@@ -284,8 +289,30 @@ local function drain(min, max, scale)
     offset = offset + skipped - before
   end
 end
-drain('-inf', ARGV[2], 1000)
-drain('1e11', ARGV[1], 1)
+if ARGV[9] ~= 'declared' then
+  drain('-inf', ARGV[2], 1000)
+  drain('1e11', ARGV[1], 1)
+else
+  for i = 10, #ARGV do
+    local key = ARGV[i]
+    if redis.call('ZSCORE', KEYS[1], key) then
+      local reason = 'legacy key ' .. key .. ' is in another hash slot than its pool ' ..
+        KEYS[1] .. ': on a Redis Cluster the producer must give it the hash tag of the pool'
+      if bury(key, reason) then redis.call('ZREM', KEYS[1], key) else skipped = skipped + 1 end
+    end
+  end
+  for i = 6, #KEYS do
+    if moved + #buried / 2 >= limit then break end
+    local key = KEYS[i]
+    local score = redis.call('ZSCORE', KEYS[1], key)
+    if score then
+      score = tonumber(score)
+      local scale = 1
+      if score < 1e11 then scale = 1000 end
+      if score * scale <= now_ms then handle({key, score}, scale) end
+    end
+  end
+end
 
 -- The earliest member not yet due, so the caller can sleep exactly until then.
 local next_due = -1

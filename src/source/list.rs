@@ -21,7 +21,6 @@ use crate::keys::Keys;
 use crate::shutdown::Shutdown;
 use crate::stats::Stats;
 use crate::store::{self, list};
-use redis::Connection;
 use std::time::{Duration, Instant};
 
 pub struct ListReader<'a> {
@@ -72,11 +71,12 @@ impl<'a> ListReader<'a> {
             msg,
             due_ms: None,
             received: Instant::now(),
+            shard: 0,
         }
     }
 
     /// Heartbeat, then the processing lists of consumers whose heartbeat expired.
-    fn maintain(&mut self, con: &mut Connection) -> Result<(), StepError> {
+    fn maintain(&mut self, con: &mut dyn redis::ConnectionLike) -> Result<(), StepError> {
         store::heartbeat(con, self.keys, self.consumer, self.cfg.heartbeat_ttl)?;
         for c in list::consumers(con, self.keys)?
             .iter()
@@ -106,7 +106,11 @@ impl Source for ListReader<'_> {
 
     /// Registers this consumer, then pushes its own leftovers (from a previous run under
     /// the same name) back onto their queues, oldest at the tail, to be fetched again.
-    fn start(&mut self, con: &mut Connection, _shutdown: &Shutdown) -> Result<usize, StepError> {
+    fn start(
+        &mut self,
+        con: &mut dyn redis::ConnectionLike,
+        _shutdown: &Shutdown,
+    ) -> Result<usize, StepError> {
         store::heartbeat(con, self.keys, self.consumer, self.cfg.heartbeat_ttl)?;
         list::register_consumer(con, self.keys, self.consumer)?;
         let n = list::requeue_processing(con, self.keys, self.consumer, false)?.unwrap_or(0);
@@ -119,7 +123,7 @@ impl Source for ListReader<'_> {
         Ok(n)
     }
 
-    fn poll(&mut self, con: &mut Connection) -> Result<usize, StepError> {
+    fn poll(&mut self, con: &mut dyn redis::ConnectionLike) -> Result<usize, StepError> {
         if due(&mut self.last_maintenance, self.cfg.block) {
             self.maintain(con)?;
         }

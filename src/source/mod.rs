@@ -18,9 +18,9 @@ use crate::backoff::Backoff;
 use crate::delivery::Delivery;
 use crate::shutdown::Shutdown;
 use crate::stats::Stats;
+use crate::store::Con;
 use crate::store::{self, StoreError};
 use crossbeam_channel::{Receiver, Sender};
-use redis::Connection;
 use std::time::{Duration, Instant};
 
 /// Longest wait between two reads while nothing is there: how late a message that the
@@ -55,8 +55,10 @@ impl Doorbell {
     }
 }
 
-/// The pool's end of the channel, as a reader sees it. Owns the only `Sender`: dropping the
-/// feed tells the workers there is no more work.
+/// The pool's end of the channel, as a reader sees it. Owns the `Sender`s (the reader
+/// thread's only ones; a clone per shard): dropping them tells the workers there is no
+/// more work.
+#[derive(Clone)]
 pub struct Feed<'a> {
     tx: Sender<Delivery>,
     /// A worker sends one token after taking a job, waking a reader that waits for room.
@@ -145,19 +147,28 @@ pub trait Source {
     /// The maintenance period (`--block`).
     fn block(&self) -> Duration;
     /// Start-up (and after a lost connection): take back this consumer's own pending work.
-    fn start(&mut self, con: &mut Connection, shutdown: &Shutdown) -> Result<usize, StepError>;
+    fn start(
+        &mut self,
+        con: &mut dyn redis::ConnectionLike,
+        shutdown: &Shutdown,
+    ) -> Result<usize, StepError>;
     /// One step: maintenance when due, then one bounded read (or a short wait).
-    fn poll(&mut self, con: &mut Connection) -> Result<usize, StepError>;
+    fn poll(&mut self, con: &mut dyn redis::ConnectionLike) -> Result<usize, StepError>;
 }
 
 /// The reader thread body: start-up recovery, then `poll` until shutdown. Redis errors back
 /// off (capped, with jitter); a lost connection reconnects. A key of the wrong type is
 /// reported as the operator's problem (health checks turn red) until it is fixed.
 /// Returning drops the source and with it the channel's `Sender`.
-pub fn run(mut source: impl Source, client: &redis::Client, stats: &Stats, shutdown: &Shutdown) {
+pub fn run(
+    mut source: impl Source,
+    client: &crate::store::Redis,
+    stats: &Stats,
+    shutdown: &Shutdown,
+) {
     let role = source.role();
     let mut backoff = Backoff::new(role);
-    let mut con: Option<Connection> = None;
+    let mut con: Option<Con> = None;
     let mut started = false;
     while !shutdown.is_set() {
         let c = match con.as_mut() {

@@ -20,7 +20,6 @@ use crate::keys::Keys;
 use crate::shutdown::Shutdown;
 use crate::stats::Stats;
 use crate::store::{self, stream, stream::Read, stream::Reading};
-use redis::Connection;
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
@@ -40,6 +39,10 @@ pub struct Reader<'a> {
     autoclaim_cursor: String,
     last_maintenance: Option<Instant>,
     last_trim: Option<Instant>,
+    /// Which shard's key set this is (stamped on each delivery), and whether an empty
+    /// read waits on the doorbell itself (a [`Shards`] waits once for all of them).
+    shard: usize,
+    idle_wait: bool,
 }
 
 impl<'a> Reader<'a> {
@@ -61,7 +64,16 @@ impl<'a> Reader<'a> {
             autoclaim_cursor: "0-0".to_string(),
             last_maintenance: None,
             last_trim: None,
+            shard: 0,
+            idle_wait: true,
         }
+    }
+
+    /// This reader serves shard `i` among several (see [`Shards`]).
+    pub fn in_shard(mut self, i: usize) -> Self {
+        self.shard = i;
+        self.idle_wait = false;
+        self
     }
 
     /// Waits on this doorbell between empty reads (the daemon shares it with the mover).
@@ -79,7 +91,10 @@ impl<'a> Reader<'a> {
     }
 
     /// Hands a screened read to the pool; logs what it cleared or dead-lettered.
-    fn deliver(&self, read: Read) -> Result<usize, StepError> {
+    fn deliver(&self, mut read: Read) -> Result<usize, StepError> {
+        for d in &mut read.deliveries {
+            d.shard = self.shard;
+        }
         if read.gone > 0 {
             log::warn!(
                 "reader: {} pending entries no longer exist in the stream; cleared",
@@ -95,7 +110,11 @@ impl<'a> Reader<'a> {
 
     /// Start-up: group, heartbeat, then this consumer's own pending entries (left by a
     /// previous run of the same name), re-delivered before anything new.
-    pub fn start(&mut self, con: &mut Connection, shutdown: &Shutdown) -> Result<usize, StepError> {
+    pub fn start(
+        &mut self,
+        con: &mut dyn redis::ConnectionLike,
+        shutdown: &Shutdown,
+    ) -> Result<usize, StepError> {
         stream::ensure_group(con, self.keys)?;
         store::heartbeat(con, self.keys, self.consumer, self.cfg.heartbeat_ttl)?;
         self.bury_overdelivered(con, Some(self.consumer), Duration::ZERO)?;
@@ -132,7 +151,7 @@ impl<'a> Reader<'a> {
     /// entries taken over from dead consumers first, then new ones. After an empty read it
     /// waits for the doorbell, at most [`IDLE_POLL`]. Returns how many entries it handed
     /// to the pool.
-    pub fn poll(&mut self, con: &mut Connection) -> Result<usize, StepError> {
+    pub fn poll(&mut self, con: &mut dyn redis::ConnectionLike) -> Result<usize, StepError> {
         let mut n = 0;
         if due(&mut self.last_maintenance, self.cfg.block) {
             n += self.maintain(con)?;
@@ -151,7 +170,9 @@ impl<'a> Reader<'a> {
         }
         let read = stream::read(con, self.reading(), room, ">")?;
         if read.deliveries.is_empty() && read.buried.is_empty() {
-            self.doorbell.wait(IDLE_POLL.min(self.cfg.block));
+            if self.idle_wait {
+                self.doorbell.wait(IDLE_POLL.min(self.cfg.block));
+            }
             Stats::beat(&self.stats.reader_beat_ms);
         }
         n += self.deliver(read)?;
@@ -160,7 +181,7 @@ impl<'a> Reader<'a> {
 
     /// Heartbeat, dead consumers, over-delivered entries, idle entries; in that order, so
     /// an entry over the delivery limit is dead-lettered rather than reclaimed once more.
-    pub fn maintain(&mut self, con: &mut Connection) -> Result<usize, StepError> {
+    pub fn maintain(&mut self, con: &mut dyn redis::ConnectionLike) -> Result<usize, StepError> {
         store::heartbeat(con, self.keys, self.consumer, self.cfg.heartbeat_ttl)?;
         self.take_over_dead_consumers(con)?;
         self.bury_overdelivered(con, None, self.cfg.claim_idle)?;
@@ -182,7 +203,7 @@ impl<'a> Reader<'a> {
     /// for ever.
     fn bury_overdelivered(
         &self,
-        con: &mut Connection,
+        con: &mut dyn redis::ConnectionLike,
         only: Option<&str>,
         min_idle: Duration,
     ) -> Result<(), StepError> {
@@ -204,7 +225,10 @@ impl<'a> Reader<'a> {
     /// Every pending entry of a consumer whose heartbeat key has expired becomes ours at
     /// once, in batches, whatever the channel's room: a dead host's work waits for no
     /// timeout. The entries are delivered by later steps, before anything new.
-    fn take_over_dead_consumers(&mut self, con: &mut Connection) -> Result<(), StepError> {
+    fn take_over_dead_consumers(
+        &mut self,
+        con: &mut dyn redis::ConnectionLike,
+    ) -> Result<(), StepError> {
         let others: Vec<stream::ConsumerInfo> = stream::consumers(con, self.keys)?
             .into_iter()
             .filter(|c| c.name != self.consumer)
@@ -231,7 +255,7 @@ impl<'a> Reader<'a> {
 
     /// XAUTOCLAIM entries idle longer than `claim_idle` on any consumer, as many as the
     /// channel has room for. Continues from where the last pass stopped.
-    fn autoclaim(&mut self, con: &mut Connection) -> Result<usize, StepError> {
+    fn autoclaim(&mut self, con: &mut dyn redis::ConnectionLike) -> Result<usize, StepError> {
         let room = self.feed.room();
         if room == 0 {
             return Ok(0);
@@ -263,10 +287,73 @@ impl Source for Reader<'_> {
     fn block(&self) -> Duration {
         self.cfg.block
     }
-    fn start(&mut self, con: &mut Connection, shutdown: &Shutdown) -> Result<usize, StepError> {
+    fn start(
+        &mut self,
+        con: &mut dyn redis::ConnectionLike,
+        shutdown: &Shutdown,
+    ) -> Result<usize, StepError> {
         Reader::start(self, con, shutdown)
     }
-    fn poll(&mut self, con: &mut Connection) -> Result<usize, StepError> {
+    fn poll(&mut self, con: &mut dyn redis::ConnectionLike) -> Result<usize, StepError> {
         Reader::poll(self, con)
+    }
+}
+
+/// The reader over every shard (`--shards`): one [`Reader`] per key set, all on the
+/// reader thread's one connection. Each step polls every shard once, starting from the
+/// next one each time so no shard waits behind another, and waits for the doorbell only
+/// when none had anything.
+pub struct Shards<'a> {
+    readers: Vec<Reader<'a>>,
+    doorbell: Doorbell,
+    next: usize,
+}
+
+impl<'a> Shards<'a> {
+    pub fn new(readers: Vec<Reader<'a>>, doorbell: Doorbell) -> Self {
+        let readers = readers
+            .into_iter()
+            .enumerate()
+            .map(|(i, r)| r.in_shard(i))
+            .collect();
+        Shards {
+            readers,
+            doorbell,
+            next: 0,
+        }
+    }
+}
+
+impl Source for Shards<'_> {
+    fn role(&self) -> &'static str {
+        "reader"
+    }
+    fn block(&self) -> Duration {
+        self.readers
+            .first()
+            .map_or(Duration::from_secs(1), |r| r.cfg.block)
+    }
+    fn start(
+        &mut self,
+        con: &mut dyn redis::ConnectionLike,
+        shutdown: &Shutdown,
+    ) -> Result<usize, StepError> {
+        let mut n = 0;
+        for r in &mut self.readers {
+            n += r.start(con, shutdown)?;
+        }
+        Ok(n)
+    }
+    fn poll(&mut self, con: &mut dyn redis::ConnectionLike) -> Result<usize, StepError> {
+        let len = self.readers.len();
+        let mut n = 0;
+        for k in 0..len {
+            n += self.readers[(self.next + k) % len].poll(con)?;
+        }
+        self.next = (self.next + 1) % len.max(1);
+        if n == 0 {
+            self.doorbell.wait(IDLE_POLL.min(self.block()));
+        }
+        Ok(n)
     }
 }

@@ -79,8 +79,8 @@ pub fn serves(path: &str) -> bool {
 pub struct Page<'a> {
     config: &'a Config,
     stats: &'a Stats,
-    redis: redis::Client,
-    idle: Mutex<Vec<redis::Connection>>,
+    redis: crate::store::Redis,
+    idle: Mutex<Vec<crate::store::Con>>,
     /// Requests for the page thread, and where each answer goes.
     jobs: (Sender<Job>, Receiver<Job>),
     /// Set when the page thread has stopped.
@@ -104,7 +104,7 @@ const STARTED: u8 = 1;
 const ABANDONED: u8 = 2;
 
 impl<'a> Page<'a> {
-    pub fn new(config: &'a Config, stats: &'a Stats, redis: redis::Client) -> Page<'a> {
+    pub fn new(config: &'a Config, stats: &'a Stats, redis: crate::store::Redis) -> Page<'a> {
         Page {
             config,
             stats,
@@ -243,7 +243,7 @@ impl<'a> Page<'a> {
     /// A connection that failed is dropped, not kept.
     fn with_redis<T>(
         &self,
-        f: impl FnOnce(&mut redis::Connection) -> anyhow::Result<T>,
+        f: impl FnOnce(&mut crate::store::Con) -> anyhow::Result<T>,
     ) -> anyhow::Result<T> {
         let idle = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
         let mut con = match idle {
@@ -264,7 +264,14 @@ impl<'a> Page<'a> {
     fn overview(&self) -> Response {
         let now = crate::now_ms();
         let report: Result<StatsReport, String> = self
-            .with_redis(|con| Ok(admin::gather(con, &self.config.keys, now, DEAD_WINDOW)?))
+            .with_redis(|con| {
+                Ok(admin::stats::gather_all(
+                    con,
+                    self.config,
+                    now,
+                    DEAD_WINDOW,
+                )?)
+            })
             .map_err(|e| admin::one_line(&e));
         if let Err(e) = &report {
             log::debug!("status page: {e}");

@@ -21,6 +21,7 @@
 //! (EVALSHA) and loaded on the first `NOSCRIPT`, so a call is one round trip.
 
 pub mod dead;
+pub mod link;
 pub mod list;
 pub mod pool;
 pub mod stream;
@@ -30,6 +31,7 @@ use crate::keys::Keys;
 use redis::{ConnectionLike, RedisError, Value};
 use std::time::Duration;
 
+pub use link::{Con, Redis, Topology, CONNECT_TIMEOUT};
 pub use pool::{cancel, move_due, push, MoveReport, Pool, Target};
 
 /// A script of `src/lua/`, with the shared prelude (type checks, the size screen) in
@@ -50,8 +52,9 @@ pub(crate) use script;
 /// the text of a message.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    /// The connection broke, timed out or was refused, or the server is still loading:
-    /// reconnect and back off.
+    /// The connection broke, timed out or was refused, the server is still loading, or a
+    /// failover is under way (`READONLY`, `MASTERDOWN`, `TRYAGAIN`, `CLUSTERDOWN`, a group
+    /// missing on a promoted replica): reconnect, start again and back off.
     #[error("{what}: connection lost: {source}")]
     Connection {
         what: &'static str,
@@ -83,8 +86,18 @@ impl StoreError {
             || source.is_timeout()
             || matches!(
                 source.kind(),
-                redis::ErrorKind::Server(redis::ServerErrorKind::BusyLoading)
-            );
+                redis::ErrorKind::Server(
+                    redis::ServerErrorKind::BusyLoading
+                        // A failover: this node was demoted, or the cluster is moving.
+                        | redis::ServerErrorKind::ReadOnly
+                        | redis::ServerErrorKind::MasterDown
+                        | redis::ServerErrorKind::TryAgain
+                        | redis::ServerErrorKind::ClusterDown
+                )
+            )
+            // A promoted replica that never saw the group: start again, which creates it
+            // (from the start of the stream, so nothing is skipped).
+            || source.code() == Some("NOGROUP");
         if lost {
             StoreError::Connection { what, source }
         } else {
@@ -273,24 +286,30 @@ impl SettleReport {
 /// messages). See [`SettleReport`] for what each settlement became.
 pub fn settle(
     con: &mut dyn ConnectionLike,
-    keys: &Keys,
+    shards: &[Keys],
     consumer: &str,
     now_s: i64,
     batch: &[Settlement],
 ) -> StoreResult<SettleReport> {
     type Part<'b> = Vec<(usize, &'b Settlement)>;
-    let (stream, list): (Part<'_>, Part<'_>) = batch
-        .iter()
-        .enumerate()
-        .partition(|(_, s)| matches!(s.origin, Origin::Stream { .. }));
     let mut report = SettleReport {
         each: vec![Settled::AlreadySettled; batch.len()],
         blocked: None,
     };
-    for (part, is_stream) in [(stream, true), (list, false)] {
-        if part.is_empty() {
-            continue;
+    // One script per shard and kind: a shard's keys share a hash slot, two shards' do not.
+    let mut parts: Vec<(usize, bool, Part<'_>)> = Vec::new();
+    for (i, s) in batch.iter().enumerate() {
+        let is_stream = matches!(s.origin, Origin::Stream { .. });
+        match parts
+            .iter_mut()
+            .find(|(shard, st, _)| *shard == s.shard && *st == is_stream)
+        {
+            Some((_, _, part)) => part.push((i, s)),
+            None => parts.push((s.shard, is_stream, vec![(i, s)])),
         }
+    }
+    for (shard, is_stream, part) in parts {
+        let keys = shards.get(shard).unwrap_or(&shards[0]);
         let items: Vec<&Settlement> = part.iter().map(|(_, s)| *s).collect();
         let reply = if is_stream {
             stream::settle(con, keys, consumer, now_s, &items)?
@@ -351,22 +370,84 @@ pub fn value_to_string(v: &Value) -> String {
     }
 }
 
-/// How long a connect may take before it counts as "unreachable".
-pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
-
 /// Opens a connection whose reads and writes time out after `io_timeout`, so a Redis that
 /// stops answering cannot hang a thread past shutdown.
-pub fn connect_with(
-    client: &redis::Client,
-    io_timeout: Duration,
-) -> redis::RedisResult<redis::Connection> {
-    let con = client.get_connection_with_timeout(CONNECT_TIMEOUT)?;
-    con.set_read_timeout(Some(io_timeout))?;
-    con.set_write_timeout(Some(io_timeout))?;
-    Ok(con)
+pub fn connect_with(client: &Redis, io_timeout: Duration) -> redis::RedisResult<Con> {
+    client.connect_with(io_timeout)
 }
 
 /// A connection for short commands (scripts, acks): 10 s I/O timeout.
-pub fn connect(client: &redis::Client) -> redis::RedisResult<redis::Connection> {
-    connect_with(client, Duration::from_secs(10))
+pub fn connect(client: &Redis) -> redis::RedisResult<Con> {
+    client.connect()
+}
+
+/// How the shards recorded in Redis (`<prefix>:shards`) compare with `--shards`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ShardLayout {
+    /// They agree (or nothing is recorded and one shard is asked for).
+    Agrees,
+    /// Another count is recorded: every process of one queue must use the same one.
+    Differs { recorded: usize },
+    /// More than one shard is asked for while the unsharded pool still holds jobs.
+    UnshardedJobs { pool: String, jobs: u64 },
+}
+
+/// Checks `n` shards against the count recorded under `base.shard_count`. With `claim`,
+/// records `n` when nothing is recorded yet (a worker's start, a push), so that a later
+/// process with another count is refused. One shard with nothing recorded writes nothing:
+/// the unsharded layout is the default.
+pub fn check_shards(
+    con: &mut dyn ConnectionLike,
+    base: &Keys,
+    n: usize,
+    claim: bool,
+) -> StoreResult<ShardLayout> {
+    let get = |con: &mut dyn ConnectionLike| -> StoreResult<Option<usize>> {
+        let v: Option<String> = redis::cmd("GET")
+            .arg(&base.shard_count)
+            .query(con)
+            .map_err(|e| StoreError::from_redis("read the shard count", e))?;
+        Ok(v.and_then(|v| v.trim().parse().ok()))
+    };
+    let recorded = get(con)?;
+    match recorded {
+        Some(r) if r == n => return Ok(ShardLayout::Agrees),
+        Some(r) => return Ok(ShardLayout::Differs { recorded: r }),
+        None if n == 1 => return Ok(ShardLayout::Agrees),
+        None => {}
+    }
+    let jobs: u64 = redis::cmd("ZCARD")
+        .arg(&base.pool)
+        .query(con)
+        .or_else(|e| {
+            if e.code() == Some("WRONGTYPE") {
+                Ok(0)
+            } else {
+                Err(e)
+            }
+        })
+        .map_err(|e| StoreError::from_redis("count the unsharded pool", e))?;
+    if jobs > 0 {
+        return Ok(ShardLayout::UnshardedJobs {
+            pool: base.pool.clone(),
+            jobs,
+        });
+    }
+    if !claim {
+        return Ok(ShardLayout::Agrees);
+    }
+    let set: Option<String> = redis::cmd("SET")
+        .arg(&base.shard_count)
+        .arg(n)
+        .arg("NX")
+        .query(con)
+        .map_err(|e| StoreError::from_redis("record the shard count", e))?;
+    if set.is_some() {
+        return Ok(ShardLayout::Agrees);
+    }
+    // Another process recorded a count first.
+    match get(con)? {
+        Some(r) if r != n => Ok(ShardLayout::Differs { recorded: r }),
+        _ => Ok(ShardLayout::Agrees),
+    }
 }

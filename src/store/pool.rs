@@ -31,7 +31,7 @@ pub fn push(
 /// [`push`] for many jobs `(key, message, score)`, `per_trip` script calls per round trip
 /// (pipelined EVALSHA): for loading a backlog. Returns how many were pushed.
 pub fn push_many(
-    con: &mut redis::Connection,
+    con: &mut crate::store::Con,
     keys: &Keys,
     jobs: impl Iterator<Item = (String, String, i64)>,
     per_trip: usize,
@@ -41,7 +41,7 @@ pub fn push_many(
         .map_err(|e| super::StoreError::from_redis("load push", e))?;
     let mut pipe = redis::pipe();
     let mut n = 0u64;
-    let send = |pipe: &mut redis::Pipeline, con: &mut redis::Connection| {
+    let send = |pipe: &mut redis::Pipeline, con: &mut crate::store::Con| {
         let replies: Vec<Value> = pipe
             .query(con)
             .map_err(|e| super::StoreError::from_redis("push", e))?;
@@ -116,8 +116,45 @@ pub enum Pool<'a> {
     /// Ours: ZSET of job keys plus the HASH of messages.
     Enveloped { pool: &'a str, data: &'a str },
     /// An older producer's: ZSET of keys, each a STRING key holding an order id, all
-    /// standing for one event.
-    Legacy { pool: &'a str, event: &'a str },
+    /// standing for one event. `cluster`: on a Redis Cluster, where a member whose key is
+    /// in another hash slot than the pool cannot be moved by one script.
+    Legacy {
+        pool: &'a str,
+        event: &'a str,
+        cluster: bool,
+    },
+}
+
+/// The due members of a legacy pool, up to `limit` of each score kind (seconds, then
+/// milliseconds), as the scan of the script would take them. A pool key of another type
+/// reads as none: the script then reports it.
+fn legacy_candidates(
+    con: &mut dyn ConnectionLike,
+    pool: &str,
+    now_s: &str,
+    now_ms: i64,
+    limit: usize,
+) -> StoreResult<Vec<String>> {
+    let mut out = Vec::new();
+    for (min, max) in [
+        ("-inf".to_string(), now_s.to_string()),
+        ("1e11".to_string(), now_ms.to_string()),
+    ] {
+        let got: redis::RedisResult<Vec<String>> = redis::cmd("ZRANGEBYSCORE")
+            .arg(pool)
+            .arg(min)
+            .arg(max)
+            .arg("LIMIT")
+            .arg(0)
+            .arg(limit)
+            .query(con);
+        match got {
+            Ok(m) => out.extend(m),
+            Err(e) if e.code() == Some("WRONGTYPE") => return Ok(Vec::new()),
+            Err(e) => return Err(super::StoreError::from_redis("read a legacy pool", e)),
+        }
+    }
+    Ok(out)
 }
 
 /// Moves up to `limit` members of `pool` due at `now_ms` to `target`, in one atomic script.
@@ -137,8 +174,33 @@ pub fn move_due(
     let (zset, data, legacy) = match pool {
         Pool::Enveloped { pool, data } => (pool, data, ""),
         // The data slot is unused for a legacy pool; the pool key keeps KEYS well formed.
-        Pool::Legacy { pool, event } => (pool, pool, event),
+        Pool::Legacy { pool, event, .. } => (pool, pool, event),
     };
+    // A legacy pool's members are keys of their own. On a Cluster, a script may touch only
+    // the keys it declares: the due members are read first and declared (the script
+    // checks that each is still a due member), and members in another hash slot than the
+    // pool go as arguments (the script can only bury them). On one server the script
+    // scans the pool itself and reaches each member's key under `redis.pcall`, so a key
+    // an ACL user may not read or delete is that member's problem alone: declared, it
+    // would refuse the whole call.
+    let (mut declared, mut foreign) = (Vec::new(), Vec::new());
+    let mut declares = false;
+    if let Pool::Legacy {
+        pool,
+        cluster: true,
+        ..
+    } = pool
+    {
+        declares = true;
+        let slot = crate::keys::slot(pool);
+        for m in legacy_candidates(con, pool, &now_s, now_ms, limit)? {
+            if crate::keys::slot(&m) != slot {
+                foreign.push(m);
+            } else {
+                declared.push(m);
+            }
+        }
+    }
     let (target_key, dead, mode) = match target {
         Target::Stream { stream, dead } => (stream, dead, "stream"),
         Target::List { queue, dead } => (queue, dead, "list"),
@@ -157,6 +219,15 @@ pub fn move_due(
         .arg(legacy)
         .arg(now_ms.div_euclid(1000))
         .arg(max_bytes);
+    if declares {
+        inv.arg("declared");
+        for m in &declared {
+            inv.key(m);
+        }
+        for m in &foreign {
+            inv.arg(m);
+        }
+    }
     let Value::Array(reply) = run("move_due", &inv, con)? else {
         return Ok(MoveReport::default());
     };

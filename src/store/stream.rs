@@ -287,6 +287,7 @@ fn parse_entries(v: Value, out: &mut Vec<Delivery>) {
             msg,
             due_ms,
             received: Instant::now(),
+            shard: 0,
         });
     }
 }

@@ -238,6 +238,44 @@ fn every_row_of_the_exit_code_table() {
         ),
         // `M` is months to humantime: a typo for minutes is refused, not a year away.
         (delayed("15M"), "units are ms, s, m (minutes), h and d"),
+        (worker(&["--shards", "0", "stats"], &url, &dburl), "--shards"),
+        (
+            worker(&["stats", "--shards", "2", "--pool-key", "p"], &url, &dburl),
+            "--shards: names every key itself",
+        ),
+        (
+            worker(&["stats", "--shards", "2", "--key-prefix", "{mq}"], &url, &dburl),
+            "--shards: puts a hash tag in every name itself",
+        ),
+        (
+            worker(
+                &["--shards", "2", "--source", "list", "--queues", "q"],
+                &url,
+                &dburl,
+            ),
+            "--shards: works in stream mode only",
+        ),
+        // A Cluster needs one slot per script, checked before anything is connected.
+        (
+            worker(
+                &["stats"],
+                &format!("redis+cluster://127.0.0.1:{dead_port},127.0.0.1:{dead_port}"),
+                &dburl,
+            ),
+            "--key-prefix: on a Redis Cluster the keys a script uses together must share one hash slot",
+        ),
+        (
+            worker(
+                &["--key-prefix", "{mq}", "--legacy-pool", "delay:order_close=order.timeout"],
+                &format!("redis+cluster://127.0.0.1:{dead_port}"),
+                &dburl,
+            ),
+            "\"delay:order_close\" in slot",
+        ),
+        (
+            worker(&["stats"], &format!("redis+sentinel://127.0.0.1:{dead_port}"), &dburl),
+            "names no master",
+        ),
     ];
     for (out, needle) in &rows {
         assert_one_line(out, 2, needle);
@@ -258,6 +296,43 @@ fn every_row_of_the_exit_code_table() {
         &dburl,
     );
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    // The shard count is recorded by the first push; another count is refused (exit 1),
+    // naming the recorded one.
+    let sharded = |args: &[&str]| {
+        let mut a = vec!["--key-prefix", "sh"];
+        a.extend_from_slice(args);
+        worker(&a, &url, &dburl)
+    };
+    let out = sharded(&[
+        "push",
+        "--shards",
+        "3",
+        "--event",
+        "x",
+        "--payload",
+        "{}",
+        "--delay",
+        "1m",
+        "--unchecked",
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_one_line(
+        &sharded(&["stats", "--shards", "2"]),
+        1,
+        "Redis records 3 shards (sh:shards)",
+    );
+    assert_one_line(
+        &sharded(&["stats"]),
+        1,
+        "--shards 1: Redis records 3 shards",
+    );
+    let out = sharded(&["stats", "--shards", "3"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).contains("{sh:0..2}:delay:pool   size 1"),
+        "{}",
+        text(&out.stdout)
+    );
 }
 
 #[test]

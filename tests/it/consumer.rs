@@ -270,12 +270,13 @@ fn a_panicking_handler_is_dead_lettered_and_the_worker_goes_on() {
     let drained = std::sync::atomic::AtomicU64::new(0);
     let ctx = PoolContext {
         keys: &env.config.keys,
+        shards: std::slice::from_ref(&env.config.keys),
         jobs: &env.config.jobs,
         consumer: "c1",
         registry: &registry,
         stats: &stats,
         db: &pool,
-        redis: &client,
+        redis: &client.clone().into(),
         shutdown: &shutdown,
         drained: &drained,
     };
@@ -286,6 +287,7 @@ fn a_panicking_handler_is_dead_lettered_and_the_worker_goes_on() {
         msg: msg.into_bytes(),
         due_ms: None,
         received: std::time::Instant::now(),
+        shard: 0,
     };
     let s = w
         .handle(d(

@@ -395,6 +395,7 @@ fn a_legacy_pool_broken_mid_run_does_not_delay_our_own() {
             .unwrap()
             .is_none()
     };
+    let client = delay_worker::store::Redis::from(client.clone());
     std::thread::scope(|s| {
         let (keys, c, stats, shutdown, client) = (&keys, &c, &stats, &shutdown, &client);
         s.spawn(move || Mover::new(keys, c, stats).run(client, shutdown));

@@ -303,6 +303,7 @@ fn a_mover_stopped_between_batches_loses_nothing() {
     };
     let shutdown = Shutdown::new();
     let started = Instant::now();
+    let client = delay_worker::store::Redis::from(client.clone());
     std::thread::scope(|s| {
         let (keys, c, stats, shutdown, client) = (&keys, &c, &stats, &shutdown, &client);
         s.spawn(move || Mover::new(keys, c, stats).run(client, shutdown));

@@ -60,7 +60,7 @@ fn rows_older_than_the_retention_go_and_a_pending_entry_holds_the_cutoff_back() 
     let config = prune_config(&env, 2 * HOUR as u64, 7);
     let (stats, redis) = (
         Stats::default(),
-        redis::Client::open(env.redis.url()).unwrap(),
+        delay_worker::store::Redis::from(redis::Client::open(env.redis.url()).unwrap()),
     );
     let pruner = Pruner::new(&config, &stats, &redis);
     let never = Shutdown::new();
@@ -139,7 +139,7 @@ fn rows_older_than_the_retention_go_and_a_pending_entry_holds_the_cutoff_back() 
 fn one_pruner_at_a_time() {
     let env = Env::new();
     let config = prune_config(&env, HOUR as u64, 50);
-    let redis = redis::Client::open(env.redis.url()).unwrap();
+    let redis = delay_worker::store::Redis::from(redis::Client::open(env.redis.url()).unwrap());
     let never = Shutdown::new();
     fill(&env.db, "old:", 20_000, 2 * HOUR);
 
@@ -354,7 +354,7 @@ fn a_failing_pruner_holds_no_job_back_and_tries_again() {
     let config = prune_config(&env, HOUR as u64, 10);
     let (stats, redis) = (
         Stats::default(),
-        redis::Client::open(env.redis.url()).unwrap(),
+        delay_worker::store::Redis::from(redis::Client::open(env.redis.url()).unwrap()),
     );
     let e = Pruner::new(&config, &stats, &redis)
         .pass(&Shutdown::new())

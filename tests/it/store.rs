@@ -99,6 +99,7 @@ fn move_at_most_at(
 const LEGACY: Pool<'static> = Pool::Legacy {
     pool: "delay:order_close",
     event: "order.timeout",
+    cluster: false,
 };
 
 fn reading(k: &Keys) -> stream::Reading<'_> {
@@ -252,6 +253,92 @@ fn a_legacy_member_of_the_wrong_type_is_one_dead_letter_and_the_rest_moves() {
     assert_eq!(kind, "hash", "the producer's key is left alone");
 }
 
+/// On a Cluster a legacy pool's members are read first and declared to the script; a
+/// member whose key is in another hash slot than the pool is one dead letter saying so,
+/// a member not due yet or gone meanwhile is left alone, and the batch limit holds.
+#[test]
+fn a_declared_legacy_pool_moves_its_tagged_members_and_buries_the_others() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let k = Keys::with_prefix("{close}");
+    let pool_key = "{close}:delay:order_close";
+    let pool = Pool::Legacy {
+        pool: pool_key,
+        event: "order.timeout",
+        cluster: true,
+    };
+    let mut add = |member: &str, id: &str, score: i64| {
+        redis::cmd("SET")
+            .arg(member)
+            .arg(id)
+            .query::<()>(&mut con)
+            .unwrap();
+        redis::cmd("ZADD")
+            .arg(pool_key)
+            .arg(score)
+            .arg(member)
+            .query::<()>(&mut con)
+            .unwrap();
+    };
+    for i in 1..=5 {
+        add(
+            &format!("{{close}}close_order_{i}"),
+            &i.to_string(),
+            NOW - 100 + i,
+        );
+    }
+    add("close_order_9", "9", NOW - 50);
+    // Seconds scores are read as their own kind.
+    add("{close}close_order_7", "7", NOW / 1000 - 5);
+    add("{close}close_order_8", "8", NOW + 60_000);
+
+    let first = move_from(&mut con, &k, pool, NOW, 3).unwrap();
+    assert_eq!(first.moved + first.buried.len(), 3, "{first:?}");
+    let mut moved = first.moved;
+    let mut buried = first.buried.clone();
+    for _ in 0..5 {
+        let r = move_from(&mut con, &k, pool, NOW, 3).unwrap();
+        moved += r.moved;
+        buried.extend(r.buried);
+    }
+    assert_eq!(moved, 6, "five tagged members and the seconds-score one");
+    assert_eq!(buried.len(), 1, "{buried:?}");
+    assert_eq!(buried[0].0, "close_order_9");
+    assert!(buried[0].1.contains("another hash slot"), "{}", buried[0].1);
+    let exists: bool = redis::cmd("EXISTS")
+        .arg("close_order_9")
+        .query(&mut con)
+        .unwrap();
+    assert!(exists, "the producer's key in another slot is left alone");
+    // Only the member not due yet is left; the moved ones took their keys with them.
+    let left: Vec<String> = redis::cmd("ZRANGE")
+        .arg(pool_key)
+        .arg(0)
+        .arg(-1)
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(left, vec!["{close}close_order_8".to_string()]);
+    let entries = xrange(&mut con, &k.stream);
+    let mut ids: Vec<i64> = entries
+        .iter()
+        .map(|e| {
+            let v: serde_json::Value = serde_json::from_str(&e["msg"]).unwrap();
+            v["payload"]["order_id"].as_i64().unwrap()
+        })
+        .collect();
+    ids.sort();
+    assert_eq!(ids, vec![1, 2, 3, 4, 5, 7]);
+    let tagged_left: usize = (1..=7)
+        .filter(|i| {
+            redis::cmd("EXISTS")
+                .arg(format!("{{close}}close_order_{i}"))
+                .query::<bool>(&mut con)
+                .unwrap()
+        })
+        .count();
+    assert_eq!(tagged_left, 0);
+}
+
 #[test]
 fn reads_hold_an_oversized_entry_back_while_the_dead_letters_are_the_wrong_type() {
     let r = RedisServer::start();
@@ -344,13 +431,26 @@ fn settle_writes_the_dead_letter_and_the_retry_before_the_ack() {
     // The defect this guards against: the ack went first, the dead letter failed, and
     // the message was nowhere.
     set_string(&mut con, &k.dead);
-    let report =
-        store::settle(&mut con, &k, "c1", NOW / 1000, std::slice::from_ref(&dead)).unwrap();
+    let report = store::settle(
+        &mut con,
+        std::slice::from_ref(&k),
+        "c1",
+        NOW / 1000,
+        std::slice::from_ref(&dead),
+    )
+    .unwrap();
     assert_eq!(report.each, vec![Settled::Blocked]);
     assert_eq!(report.blocked.unwrap().key, k.dead);
     assert_eq!(pending(&mut con, &k), 1, "still pending");
     del(&mut con, &k.dead);
-    let report = store::settle(&mut con, &k, "c1", NOW / 1000, &[dead]).unwrap();
+    let report = store::settle(
+        &mut con,
+        std::slice::from_ref(&k),
+        "c1",
+        NOW / 1000,
+        &[dead],
+    )
+    .unwrap();
     assert_eq!(report.each, vec![Settled::Applied]);
     assert_eq!(pending(&mut con, &k), 0);
     assert_eq!(xlen(&mut con, &k.dead), 1);
@@ -360,16 +460,35 @@ fn settle_writes_the_dead_letter_and_the_retry_before_the_ack() {
     let d = one_pending(&mut con, &k, r#"{"event":"e","payload":{}}"#);
     let retry = retry_of(&d, br#"{"event":"e","payload":{},"retry":1}"#.to_vec(), NOW);
     set_string(&mut con, &k.pool);
-    let report =
-        store::settle(&mut con, &k, "c1", NOW / 1000, std::slice::from_ref(&retry)).unwrap();
+    let report = store::settle(
+        &mut con,
+        std::slice::from_ref(&k),
+        "c1",
+        NOW / 1000,
+        std::slice::from_ref(&retry),
+    )
+    .unwrap();
     assert_eq!(report.each, vec![Settled::Blocked]);
     assert_eq!(pending(&mut con, &k), 1);
     del(&mut con, &k.pool);
-    let report =
-        store::settle(&mut con, &k, "c1", NOW / 1000, std::slice::from_ref(&retry)).unwrap();
+    let report = store::settle(
+        &mut con,
+        std::slice::from_ref(&k),
+        "c1",
+        NOW / 1000,
+        std::slice::from_ref(&retry),
+    )
+    .unwrap();
     assert_eq!(report.each, vec![Settled::Applied]);
     assert_eq!(zcard(&mut con, &k.pool), 1, "back in the pool");
-    let again = store::settle(&mut con, &k, "c1", NOW / 1000, &[retry]).unwrap();
+    let again = store::settle(
+        &mut con,
+        std::slice::from_ref(&k),
+        "c1",
+        NOW / 1000,
+        &[retry],
+    )
+    .unwrap();
     assert_eq!(again.each, vec![Settled::AlreadySettled], "never twice");
     assert_eq!(zcard(&mut con, &k.pool), 1);
 }
@@ -566,11 +685,18 @@ fn list_settle_and_push_back_keep_messages_when_a_key_is_the_wrong_type() {
         msg: b"m1".to_vec(),
         due_ms: None,
         received: Instant::now(),
+        shard: 0,
     };
     let dead = dead_of(&d, "r");
     set_string(&mut con, &q.dead);
-    let report =
-        store::settle(&mut con, &k, "c1", NOW / 1000, std::slice::from_ref(&dead)).unwrap();
+    let report = store::settle(
+        &mut con,
+        std::slice::from_ref(&k),
+        "c1",
+        NOW / 1000,
+        std::slice::from_ref(&dead),
+    )
+    .unwrap();
     assert_eq!(report.each, vec![Settled::Blocked]);
     assert_eq!(llen(&mut con, &q.processing("c1")), 1, "still held");
     del(&mut con, &q.dead);
@@ -584,7 +710,14 @@ fn list_settle_and_push_back_keep_messages_when_a_key_is_the_wrong_type() {
     assert_eq!(llen(&mut con, &q.processing("c1")), 1);
     del(&mut con, &q.name);
 
-    let report = store::settle(&mut con, &k, "c1", NOW / 1000, &[dead]).unwrap();
+    let report = store::settle(
+        &mut con,
+        std::slice::from_ref(&k),
+        "c1",
+        NOW / 1000,
+        &[dead],
+    )
+    .unwrap();
     assert_eq!(report.each, vec![Settled::Applied]);
     assert_eq!(llen(&mut con, &q.processing("c1")), 0);
     assert_eq!(llen(&mut con, &q.dead), 1);
@@ -708,7 +841,14 @@ fn a_retry_keeps_its_job_id_and_a_copy_pushed_again_gets_a_new_one() {
     // The worker's retry: the same message with retry raised, the stamp in front.
     let env = delay_worker::message::Envelope::decode(&d.msg, MAX).unwrap();
     let retry = retry_of(&d, env.next_retry().into_bytes(), NOW - 10);
-    store::settle(&mut con, &k, "c1", NOW / 1000, &[retry]).unwrap();
+    store::settle(
+        &mut con,
+        std::slice::from_ref(&k),
+        "c1",
+        NOW / 1000,
+        &[retry],
+    )
+    .unwrap();
     assert_eq!(move_now(&mut con, &k).unwrap().moved, 1);
     let msgs = stream_messages(&mut con, &k);
     assert_eq!(
@@ -775,7 +915,14 @@ fn a_retry_of_an_unstamped_message_stays_unstamped() {
     let again = delay_worker::message::Envelope::decode(&d.msg, MAX).unwrap();
     assert_eq!(again.job_id, None);
     let retry = retry_of(&d, again.next_retry().into_bytes(), NOW - 10);
-    store::settle(&mut con, &k, "c1", NOW / 1000, &[retry]).unwrap();
+    store::settle(
+        &mut con,
+        std::slice::from_ref(&k),
+        "c1",
+        NOW / 1000,
+        &[retry],
+    )
+    .unwrap();
     assert_eq!(move_now(&mut con, &k).unwrap().moved, 1);
     let moved = stream_messages(&mut con, &k).pop().unwrap();
     assert!(!moved.contains("job_id"), "{moved}");
@@ -792,7 +939,14 @@ fn a_retry_never_overwrites_a_newer_push_of_its_key() {
     let newer = r#"{"event":"e","payload":{"v":2}}"#;
     store::push(&mut con, &k, "job-1", newer, NOW + 60_000).unwrap();
     let retry = retry_of(&d, env.next_retry().into_bytes(), NOW);
-    let report = store::settle(&mut con, &k, "c1", NOW / 1000, &[retry]).unwrap();
+    let report = store::settle(
+        &mut con,
+        std::slice::from_ref(&k),
+        "c1",
+        NOW / 1000,
+        &[retry],
+    )
+    .unwrap();
     assert_eq!(report.each, vec![Settled::Superseded]);
     let data: String = redis::cmd("HGET")
         .arg(&k.data)
@@ -813,7 +967,14 @@ fn a_push_over_a_waiting_retry_is_a_new_job_and_the_retry_is_reported() {
     let d = one_pending(&mut con, &k, r#"{"event":"e","payload":{"v":1},"retry":0}"#);
     let env = delay_worker::message::Envelope::decode(&d.msg, MAX).unwrap();
     let retry = retry_of(&d, env.next_retry().into_bytes(), NOW + 60_000);
-    store::settle(&mut con, &k, "c1", NOW / 1000, &[retry]).unwrap();
+    store::settle(
+        &mut con,
+        std::slice::from_ref(&k),
+        "c1",
+        NOW / 1000,
+        &[retry],
+    )
+    .unwrap();
     // The producer pushes the key again while the retry waits: a push reschedules.
     store::push(
         &mut con,

@@ -29,7 +29,7 @@ use crate::keys::{Keys, Queue};
 use crate::store::dead::Requeued;
 use crate::store::{self, StoreError};
 use anyhow::Context;
-use redis::{Connection, RedisResult};
+use redis::RedisResult;
 use serde::Serialize;
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -195,7 +195,7 @@ impl<'a> Walk<'a> {
     /// The next letters, oldest first; `None` once the list is exhausted.
     pub fn next_page(
         &mut self,
-        con: &mut Connection,
+        con: &mut dyn redis::ConnectionLike,
         now_ms: i64,
     ) -> RedisResult<Option<Vec<ListLetter>>> {
         if self.done {
@@ -231,7 +231,7 @@ impl<'a> Walk<'a> {
 /// The matching letters of every queue's dead list, queue by queue in the order given,
 /// each oldest first; at most `limit`.
 pub fn scan(
-    con: &mut Connection,
+    con: &mut dyn redis::ConnectionLike,
     keys: &Keys,
     filter: &Filter,
     now_ms: i64,
@@ -254,7 +254,7 @@ pub fn scan(
 /// For each id, the letter it names: `Ok(None)` when no letter has it, an error when it
 /// names different letters (a prefix too short). The same bytes twice are one letter.
 pub fn find(
-    con: &mut Connection,
+    con: &mut dyn redis::ConnectionLike,
     keys: &Keys,
     ids: &[String],
     now_ms: i64,
@@ -298,7 +298,7 @@ pub type NewestPage = (Vec<(usize, ListLetter)>, Option<usize>);
 /// no more than `budget`; each with its position, and the position to continue from when
 /// more may follow. Positions shift as letters come and go: a page is a view, not a cursor.
 pub fn newest(
-    con: &mut Connection,
+    con: &mut dyn redis::ConnectionLike,
     queue: &Queue,
     filter: &Filter,
     now_ms: i64,
@@ -340,7 +340,7 @@ pub fn newest(
 /// it), looked for around position `near` first (where the page showed it), then from the
 /// head, at no more than `budget` letters in all; `Ok(None)` when not found within them.
 pub fn find_near(
-    con: &mut Connection,
+    con: &mut dyn redis::ConnectionLike,
     queue: &Queue,
     id: &str,
     now_ms: i64,
@@ -417,7 +417,7 @@ pub fn requeueable(l: &ListLetter, q: &Queue) -> Result<(Vec<u8>, bool), String>
 
 /// Requeues `letters`, all of `queue`'s dead list, one script call per [`PAGE`].
 pub fn requeue(
-    con: &mut Connection,
+    con: &mut dyn redis::ConnectionLike,
     keys: &Keys,
     queue: &Queue,
     letters: &[ListLetter],
@@ -455,7 +455,7 @@ pub fn requeue(
 
 /// Deletes `letters` of `queue`'s dead list; returns how many were still there.
 pub fn purge(
-    con: &mut Connection,
+    con: &mut dyn redis::ConnectionLike,
     queue: &Queue,
     letters: &[ListLetter],
 ) -> Result<u64, StoreError> {
@@ -503,7 +503,7 @@ pub(super) fn run(
 }
 
 fn list(
-    con: &mut Connection,
+    con: &mut dyn redis::ConnectionLike,
     keys: &Keys,
     a: &ListArgs,
     now: i64,
@@ -566,7 +566,7 @@ fn list(
 }
 
 fn show(
-    con: &mut Connection,
+    con: &mut dyn redis::ConnectionLike,
     keys: &Keys,
     a: &ShowArgs,
     now: i64,
@@ -638,7 +638,7 @@ fn show(
 }
 
 fn requeue_cmd(
-    con: &mut Connection,
+    con: &mut dyn redis::ConnectionLike,
     keys: &Keys,
     a: &RequeueArgs,
     now: i64,

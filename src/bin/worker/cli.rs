@@ -102,7 +102,10 @@ pub struct PushArgs {
 /// Where the servers are and what the keys are called.
 #[derive(Args, Debug, Clone)]
 pub struct ConnArgs {
-    /// Redis URL.
+    /// Redis URL: redis:// or rediss:// (TLS) for one server,
+    /// redis+cluster://host:port,host:port for a Redis Cluster,
+    /// redis+sentinel://host:port,host:port/<master-name> for a master found through
+    /// Sentinel.
     #[arg(
         long,
         env = "REDIS_URL",
@@ -149,6 +152,11 @@ pub struct ConnArgs {
     /// Dead-letter STREAM [default: <prefix>:dead-letter].
     #[arg(long, global = true)]
     pub dead_key: Option<String>,
+    /// Split the pool, its data, the stream and the dead letters into this many key sets
+    /// ({<prefix>:0}:delay:pool, ...), one hash slot each; a job key goes to shard
+    /// crc32(key) mod N. Every worker and producer of one queue must give the same N.
+    #[arg(long, env = "WORKER_SHARDS", default_value_t = 1, global = true)]
+    pub shards: usize,
 }
 
 /// Where messages are read from.
@@ -418,7 +426,25 @@ impl ConnArgs {
             group: self.group.clone(),
             dead: self.dead_key.clone(),
         };
-        Ok(Keys::new(&self.key_prefix, &o))
+        let keys = Keys::new(&self.key_prefix, &o);
+        check(
+            (1..=1024).contains(&self.shards),
+            "--shards",
+            "must be between 1 and 1024",
+        )?;
+        if self.shards > 1 {
+            check(
+                [&o.pool, &o.data, &o.stream, &o.dead].iter().all(|o| o.is_none()),
+                "--shards",
+                "names every key itself: leave out --pool-key, --data-key, --stream-key and --dead-key",
+            )?;
+            check(
+                !self.key_prefix.contains(['{', '}']),
+                "--shards",
+                "puts a hash tag in every name itself: give --key-prefix without braces",
+            )?;
+        }
+        Ok(keys)
     }
 }
 
@@ -507,6 +533,22 @@ impl Cli {
                 flag,
                 problem: e.problem,
             });
+        }
+        if delay_worker::store::Topology::of(&config.redis_url)
+            == delay_worker::store::Topology::Cluster
+        {
+            for (i, keys) in config.shard_keys().iter().enumerate() {
+                let mut names = keys.script_names();
+                if i == 0 {
+                    names.extend(config.mover.legacy.iter().map(|l| l.key.clone()));
+                }
+                if let Some(problem) = delay_worker::keys::slot_conflict(&names) {
+                    return Err(CliError {
+                        flag: "--key-prefix",
+                        problem,
+                    });
+                }
+            }
         }
         let db_flag = given("database_url", "--database-url", "DATABASE_URL");
         match delay_worker::db::Target::parse(&config.database_url) {
@@ -671,6 +713,8 @@ impl Cli {
             key_file: self.conn.redis_key_file.clone(),
         };
         config.keys = self.conn.keys()?;
+        config.shards = self.conn.shards;
+        config.shard_prefix = self.conn.key_prefix.clone();
         let legacy = q
             .legacy_pools
             .iter()
@@ -691,6 +735,11 @@ impl Cli {
             }
             SourceArg::List => {
                 config.source = Source::List;
+                check(
+                    config.shards == 1,
+                    "--shards",
+                    "works in stream mode only: list queues are named by their producers",
+                )?;
                 let mut queues: Vec<Queue> = q
                     .queues
                     .iter()
@@ -746,6 +795,8 @@ impl Cli {
             window: r.move_window,
             orphan_grace: r.orphan_grace,
             queue: mover_queue,
+            cluster: delay_worker::store::Topology::of(&self.conn.redis_url)
+                == delay_worker::store::Topology::Cluster,
             legacy,
             max_message_bytes: r.max_message_bytes,
         };

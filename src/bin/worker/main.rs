@@ -149,7 +149,7 @@ fn migrate(config: &Config) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn redis(config: &Config) -> anyhow::Result<redis::Connection> {
+fn redis(config: &Config) -> anyhow::Result<delay_worker::store::Con> {
     Ok(daemon::redis_connection(config)?)
 }
 
@@ -163,14 +163,21 @@ fn push(config: &Config, args: &PushArgs) -> anyhow::Result<ExitCode> {
         check_job(config, &args.event, &payload)?;
     }
     let now = delay_worker::now_ms();
+    // The key first: it names the shard.
+    let key = args
+        .key
+        .clone()
+        .unwrap_or_else(|| producer::new_job_key(now));
+    let keys = config.keys_for(key.as_bytes());
     let job = producer::NewJob {
         event: args.event.clone(),
         payload,
         due_ms: now + args.delay.as_millis() as i64,
-        key: args.key.clone(),
+        key: Some(key),
     };
     let mut con = redis(config)?;
-    let pushed = producer::push(&mut con, &config.keys, &job, now).map_err(|e| match e {
+    daemon::check_shards(config, &mut con, true)?;
+    let pushed = producer::push(&mut con, &keys, &job, now).map_err(|e| match e {
         producer::PushError::Store(e) => anyhow::Error::new(e),
         // The job itself is wrong (an empty key or event): bad input.
         input => BadInput(format!("--key or --event: {input}")).into(),
@@ -208,7 +215,7 @@ fn check_job(config: &Config, event: &str, payload: &serde_json::Value) -> anyho
 
 fn cancel(config: &Config, key: &str) -> anyhow::Result<ExitCode> {
     let mut con = redis(config)?;
-    if producer::cancel(&mut con, &config.keys, key)? {
+    if producer::cancel(&mut con, &config.keys_for(key.as_bytes()), key)? {
         println!("cancelled {key}");
         Ok(ExitCode::SUCCESS)
     } else {

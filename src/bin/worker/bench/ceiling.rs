@@ -38,7 +38,7 @@ pub fn measure(
     config: &Config,
     args: &BenchArgs,
     db: &mut postgres::Client,
-    redis: &redis::Client,
+    redis: &delay_worker::store::Redis,
     out_dir: &Path,
     stop: &Shutdown,
 ) -> Result<Ceilings> {
@@ -101,10 +101,13 @@ fn find_tool(name: &str) -> Option<PathBuf> {
     dirs.pop()
 }
 
-fn redis_xadd(redis: &redis::Client) -> Result<f64> {
+fn redis_xadd(redis: &delay_worker::store::Redis) -> Result<f64> {
     let tool = find_tool("redis-benchmark")
         .context("redis-benchmark not found (Debian package redis-tools)")?;
-    let info = redis.get_connection_info();
+    let delay_worker::store::Redis::Single(client) = redis else {
+        bail!("redis-benchmark: the ceiling is measured on one Redis server only");
+    };
+    let info = client.get_connection_info();
     let mut cmd = Command::new(tool);
     match info.addr() {
         ConnectionAddr::Tcp(host, port) => {
@@ -127,7 +130,7 @@ fn redis_xadd(redis: &redis::Client) -> Result<f64> {
     cmd.args(["-n", &XADD_REQUESTS.to_string(), "-P", "16", "-q"])
         .args(["XADD", XADD_KEY, "*", "msg", "x"]);
     let out = cmd.output().context("cannot run redis-benchmark")?;
-    let mut con = redis.get_connection()?;
+    let mut con = redis.connect()?;
     delay_worker::store::delete_keys(&mut con, &[XADD_KEY])?;
     let stdout = String::from_utf8_lossy(&out.stdout);
     if !out.status.success() {

@@ -104,7 +104,7 @@ impl WorkerChild {
 
     /// Waits until the worker's reader has written its heartbeat: it has connected,
     /// checked the schema, prepared its handlers and joined the group.
-    pub fn wait_ready(&mut self, con: &mut redis::Connection, keys: &Keys) -> Result<()> {
+    pub fn wait_ready(&mut self, con: &mut delay_worker::store::Con, keys: &Keys) -> Result<()> {
         let started = Instant::now();
         let key = keys.heartbeat(CONSUMER);
         loop {
@@ -351,7 +351,7 @@ pub fn postgres_ticks(postmaster: u32) -> Option<u64> {
 }
 
 /// CPU seconds of the Redis server (INFO cpu: user + sys, main process and children).
-pub fn redis_cpu_s(con: &mut redis::Connection) -> Option<f64> {
+pub fn redis_cpu_s(con: &mut delay_worker::store::Con) -> Option<f64> {
     let info: String = redis::cmd("INFO").arg("cpu").query(con).ok()?;
     let mut sum = 0.0;
     for l in info.lines() {
@@ -427,7 +427,7 @@ fn text(v: Option<&redis::Value>) -> Option<String> {
     }
 }
 
-pub fn queue_state(con: &mut redis::Connection, keys: &Keys) -> Result<QueueState> {
+pub fn queue_state(con: &mut delay_worker::store::Con, keys: &Keys) -> Result<QueueState> {
     let (pool, data, dead, exists): (u64, u64, u64, bool) = redis::pipe()
         .cmd("ZCARD")
         .arg(&keys.pool)
@@ -484,7 +484,7 @@ pub fn queue_state(con: &mut redis::Connection, keys: &Keys) -> Result<QueueStat
 /// clock), the first time if it was retried. Splits lateness into the mover's part and
 /// the rest.
 pub fn moved_times(
-    con: &mut redis::Connection,
+    con: &mut delay_worker::store::Con,
     keys: &Keys,
 ) -> Result<std::collections::HashMap<String, i64>> {
     const PAGE: usize = 5000;
@@ -524,7 +524,7 @@ pub fn moved_times(
 }
 
 /// Deletes the queue keys and the bench consumer's heartbeat: a scenario starts empty.
-pub fn reset_queue(con: &mut redis::Connection, keys: &Keys) -> Result<()> {
+pub fn reset_queue(con: &mut delay_worker::store::Con, keys: &Keys) -> Result<()> {
     let heartbeat = keys.heartbeat(CONSUMER);
     delay_worker::store::delete_keys(
         con,

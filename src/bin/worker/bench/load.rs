@@ -89,7 +89,7 @@ pub struct Produced {
 
 /// Runs the steady producer for the plan, with the payer on its own thread.
 pub fn steady(
-    redis: &redis::Client,
+    redis: &delay_worker::store::Redis,
     database_url: &str,
     keys: &Keys,
     plan: &SteadyPlan,
@@ -118,7 +118,7 @@ pub fn steady(
 }
 
 fn produce(
-    con: &mut redis::Connection,
+    con: &mut delay_worker::store::Con,
     keys: &Keys,
     plan: &SteadyPlan,
     pay: crossbeam_channel::Sender<(i64, Instant)>,
@@ -265,7 +265,7 @@ pub fn engine_jobs(n: u64) -> impl Iterator<Item = Bulk> {
 /// Pushes every job with the store's `push`, [`PIPELINE`] calls per round trip. Returns
 /// how many were pushed.
 pub fn bulk_push(
-    con: &mut redis::Connection,
+    con: &mut delay_worker::store::Con,
     keys: &Keys,
     jobs: impl Iterator<Item = Bulk>,
 ) -> Result<u64> {

@@ -44,7 +44,7 @@ pub struct Environment {
 impl Environment {
     pub fn read(
         config: &Config,
-        redis: &redis::Client,
+        redis: &delay_worker::store::Redis,
         db: &mut postgres::Client,
         args: &BenchArgs,
     ) -> Environment {
@@ -66,7 +66,7 @@ impl Environment {
             .map(|kb| kb / 1024)
             .unwrap_or(0);
         let redis_version = redis
-            .get_connection()
+            .connect()
             .ok()
             .and_then(|mut c| {
                 redis::cmd("INFO")

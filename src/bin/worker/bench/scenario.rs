@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 pub struct Ctx<'a> {
     pub config: &'a Config,
     pub args: &'a BenchArgs,
-    pub redis: &'a redis::Client,
+    pub redis: &'a delay_worker::store::Redis,
     pub ceilings: &'a Ceilings,
     pub out_dir: &'a Path,
     pub stop: &'a Shutdown,
@@ -46,7 +46,7 @@ struct Marks {
 }
 
 impl Marks {
-    fn take(con: &mut redis::Connection, postmaster: Option<u32>) -> Marks {
+    fn take(con: &mut delay_worker::store::Con, postmaster: Option<u32>) -> Marks {
         Marks {
             bench: child::own_cpu_ticks(),
             redis: child::redis_cpu_s(con),
@@ -69,7 +69,7 @@ fn finish(
     worker: WorkerChild,
     rss: RssSampler,
     before: &Marks,
-    con: &mut redis::Connection,
+    con: &mut delay_worker::store::Con,
     postmaster: Option<u32>,
 ) -> Measured {
     let after = Marks::take(con, postmaster);
@@ -115,7 +115,7 @@ struct Drain {
 /// deadline passes, the worker exits or the bench is interrupted.
 fn wait_drained(
     worker: &mut WorkerChild,
-    con: &mut redis::Connection,
+    con: &mut delay_worker::store::Con,
     ctx: &Ctx,
     deadline: Instant,
     every: Duration,
