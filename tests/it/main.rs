@@ -5,6 +5,7 @@ mod support;
 mod admin;
 mod chaos;
 mod cli;
+mod cluster;
 mod consumer;
 mod faults;
 mod hostile;

@@ -1,0 +1,311 @@
+//! The worker on a real Redis Cluster (three masters, a replica each; see topology.rs):
+//! the order story under `--key-prefix '{mq}'`, the operator commands against the cluster
+//! URL, and the master serving the `{mq}` slot killed mid-run, its replica promoted. Each
+//! test ends with the books: every order that should be cancelled is cancelled once,
+//! stock and coupons add up, nothing is left scheduled or pending.
+
+use crate::support::*;
+use crate::topology::*;
+use delay_worker::keys::Keys;
+use std::collections::HashSet;
+use std::time::Duration;
+
+const WAIT: Duration = Duration::from_secs(90);
+const PREFIX: &str = "{mq}";
+
+fn keys() -> Keys {
+    Keys::with_prefix(PREFIX)
+}
+
+/// The worker binary on `url` with this test's flags.
+fn worker_on(url: &str, db: &TestDb, consumer: &str) -> Proc {
+    Proc::start(
+        &config_for(url, db, consumer),
+        &["--key-prefix".into(), PREFIX.into()],
+    )
+}
+
+/// `worker <args> --key-prefix {mq}` against the cluster, to completion.
+fn admin(cluster: &Cluster, db: &TestDb, args: &[&str]) -> std::process::Output {
+    let mut all = args.to_vec();
+    all.extend_from_slice(&["--key-prefix", PREFIX]);
+    run_worker(&all, &cluster.url(), &db.url)
+}
+
+#[test]
+fn the_order_story_on_a_cluster_with_the_operator_commands() {
+    let cluster = Cluster::start();
+    let db = TestDb::new();
+    let k = keys();
+    let orders = seed_orders(&db, 300);
+    let paid: Vec<SeedOrder> = orders.iter().step_by(5).cloned().collect();
+    pay(&db, &paid);
+    let (by_binary, by_client) = orders.split_at(10);
+    // A few through `worker push` on the cluster URL, one of them cancelled again with
+    // `worker cancel`; the rest straight to the master of the `{mq}` slot.
+    for o in by_binary {
+        let payload = format!(r#"{{"order_no":"{}"}}"#, o.order_no);
+        let out = admin(
+            &cluster,
+            &db,
+            &[
+                "push",
+                "--event",
+                "order.timeout",
+                "--payload",
+                &payload,
+                "--delay",
+                "300ms",
+                "--key",
+                &timeout_key(o),
+            ],
+        );
+        assert!(out.status.success(), "push: {}", text(&out.stderr));
+    }
+    let kept = &by_binary[1];
+    assert!(!paid.iter().any(|p| p.id == kept.id));
+    let out = admin(&cluster, &db, &["cancel", "--key", &timeout_key(kept)]);
+    assert!(out.status.success(), "cancel: {}", text(&out.stderr));
+    let out = admin(&cluster, &db, &["cancel", "--key", &timeout_key(kept)]);
+    assert_eq!(out.status.code(), Some(1), "a second cancel finds nothing");
+    let mut con = cluster.con_for(&k.pool);
+    push_timeouts_on(&mut con, &k, by_client, 300);
+    // A message that can only be a dead letter.
+    delay_worker::store::push(&mut con, &k, "bad-1", "not json", delay_worker::now_ms()).unwrap();
+
+    let mut p = worker_on(&cluster.url(), &db, "c1");
+    wait_until(WAIT, "every job done and the dead letter", || {
+        inbox_count(&db) == 299 && {
+            let b = books_on(&mut con, &k);
+            (b.pool, b.stream_pending, b.dead) == (0, 0, 1)
+        }
+    });
+
+    // The operator commands against the cluster URL.
+    let out = admin(&cluster, &db, &["stats", "--json"]);
+    assert!(out.status.success(), "stats: {}", text(&out.stderr));
+    let s: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(s["pool"]["size"], 0, "{s}");
+    assert_eq!(s["group"]["pending"], 0, "{s}");
+    assert_eq!(s["dead"]["length"], 1, "{s}");
+    assert_eq!(s["consumers"][0]["name"], "c1", "{s}");
+    assert_eq!(s["consumers"][0]["heartbeat"], true, "{s}");
+    let out = admin(&cluster, &db, &["stats", "--check"]);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "one new dead letter is a warning: {}",
+        text(&out.stdout)
+    );
+    let out = admin(&cluster, &db, &["dead", "list", "--json"]);
+    assert!(out.status.success(), "dead list: {}", text(&out.stderr));
+    let letters: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(letters.as_array().map(Vec::len), Some(1), "{letters}");
+    assert_eq!(letters[0]["key"], "bad-1");
+    assert!(
+        letters[0]["reason"].as_str().unwrap().contains("not JSON"),
+        "{letters}"
+    );
+
+    p.signal(libc::SIGTERM);
+    assert!(p.wait(WAIT).success(), "{}", p.log());
+    let cancelled: Vec<&SeedOrder> = orders
+        .iter()
+        .filter(|o| o.id != kept.id && !paid.iter().any(|p| p.id == o.id))
+        .collect();
+    assert_accounting(&db, &orders, &cancelled);
+    let b = books_on(&mut con, &k);
+    assert_eq!((b.pool, b.stream_pending, b.dead), (0, 0, 1));
+}
+
+#[test]
+fn the_master_of_the_mq_slot_killed_mid_run_loses_nothing() {
+    let mut cluster = Cluster::start();
+    let db = TestDb::new();
+    let k = keys();
+    let orders = seed_orders(&db, 500);
+    let paid: Vec<SeedOrder> = orders.iter().step_by(4).cloned().collect();
+    pay(&db, &paid);
+    // Due over the next two seconds, so the kill falls among moves, reads and acks.
+    let mut con = cluster.con_for(&k.pool);
+    for (i, chunk) in orders.chunks(50).enumerate() {
+        push_timeouts_on(&mut con, &k, chunk, 200 * i as i64);
+    }
+    // Every push is on the replica before anything runs: what the failover may lose is
+    // the worker's own writes, never a job.
+    assert!(
+        replicated(&mut con, 10_000),
+        "the pushes reached the replica"
+    );
+
+    let mut p = worker_on(&cluster.url(), &db, "c1");
+    wait_until(WAIT, "load", || inbox_count(&db) > 100);
+    // The replica falls behind, then its master dies: the moves, reads and acks the
+    // worker made in between are gone from the new master.
+    let master = cluster.master_of(&k.pool);
+    cut_replica_link(master, cluster.replica_of(master));
+    let at_cut = inbox_count(&db);
+    wait_until(WAIT, "jobs after the cut", || {
+        inbox_count(&db) > at_cut + 20
+    });
+    let (killed, promoted) = cluster.kill_master_of(&k.pool);
+    let at_kill = inbox_count(&db);
+    cluster.wait_failover();
+    assert_eq!(
+        cluster.master_of(&k.pool),
+        promoted,
+        "the replica took over"
+    );
+    let mut con = con_to(promoted);
+    let mut last = std::time::Instant::now();
+    wait_until(WAIT, "every job after the failover", || {
+        let (done, b) = (inbox_count(&db), books_on(&mut con, &k));
+        if last.elapsed() > Duration::from_secs(10) {
+            last = std::time::Instant::now();
+            eprintln!(
+                "done {done}, scheduled {}, pending {}, dead {}",
+                b.pool, b.stream_pending, b.dead
+            );
+        }
+        b.pool == 0
+            && b.stream_pending == 0
+            && group_lag(&mut con, &k) == Some(0)
+            && inbox_keys(&db).len() == 500
+    });
+    p.signal(libc::SIGTERM);
+    assert!(p.wait(WAIT).success(), "{}", p.log());
+
+    let cancelled: Vec<&SeedOrder> = orders
+        .iter()
+        .filter(|o| !paid.iter().any(|p| p.id == o.id))
+        .collect();
+    assert_accounting(&db, &orders, &cancelled);
+    let runs = inbox_keys(&db);
+    for o in &orders {
+        assert!(runs.contains_key(&timeout_key(o)), "{} done", o.order_no);
+    }
+    let again = runs.values().filter(|&&n| n > 1).count();
+    eprintln!(
+        "cluster failover: replica cut off at {at_cut} of 500 done, master {killed} killed at \
+         {at_kill}, replica {promoted} promoted; {again} job(s) moved again after the \
+         failover (their second run a no-op)"
+    );
+    let b = books_on(&mut con, &k);
+    assert_eq!((b.pool, b.stream_pending, b.dead), (0, 0, 0));
+}
+
+#[test]
+fn three_shards_spread_over_the_masters() {
+    let cluster = Cluster::start();
+    let db = TestDb::new();
+    let shards = Keys::default().sharded("mq", 3);
+    let masters: Vec<u16> = shards.iter().map(|k| cluster.master_of(&k.pool)).collect();
+    let distinct: HashSet<u16> = masters.iter().copied().collect();
+    assert!(distinct.len() >= 2, "shards on masters {masters:?}");
+    let orders = seed_orders(&db, 300);
+    let paid: Vec<SeedOrder> = orders.iter().step_by(5).cloned().collect();
+    pay(&db, &paid);
+    let shard = |o: &SeedOrder| delay_worker::keys::shard_of(timeout_key(o).as_bytes(), 3);
+    let url = cluster.url();
+
+    // The first jobs through `worker push --shards 3`, which records the count; the rest
+    // straight to the master of each job's shard.
+    for o in &orders[..6] {
+        let payload = format!(r#"{{"order_no":"{}"}}"#, o.order_no);
+        let key = timeout_key(o);
+        let out = run_worker(
+            &[
+                "push",
+                "--shards",
+                "3",
+                "--event",
+                "order.timeout",
+                "--payload",
+                &payload,
+                "--delay",
+                "300ms",
+                "--key",
+                &key,
+            ],
+            &url,
+            &db.url,
+        );
+        assert!(out.status.success(), "push: {}", text(&out.stderr));
+        let scheduled: Option<f64> = redis::cmd("ZSCORE")
+            .arg(&shards[shard(o)].pool)
+            .arg(&key)
+            .query(&mut con_to(masters[shard(o)]))
+            .unwrap();
+        assert!(scheduled.is_some(), "{key} in shard {}", shard(o));
+    }
+    let mut cons: Vec<redis::Connection> = masters.iter().map(|&m| con_to(m)).collect();
+    let mut per_shard = [0usize; 3];
+    for o in &orders {
+        per_shard[shard(o)] += 1;
+    }
+    for o in &orders[6..] {
+        push_timeout(&mut cons[shard(o)], &shards[shard(o)], o, 300).unwrap();
+    }
+    assert!(per_shard.iter().all(|&n| n > 50), "{per_shard:?}");
+    // A dead letter in shards 0 and 2.
+    for i in [0, 2] {
+        let now = delay_worker::now_ms();
+        delay_worker::store::push(
+            &mut cons[i],
+            &shards[i],
+            &format!("bad-{i}"),
+            "not json",
+            now,
+        )
+        .unwrap();
+    }
+
+    let mut p = Proc::start(
+        &config_for(&url, &db, "c1"),
+        &["--shards".into(), "3".into()],
+    );
+    wait_until(WAIT, "every job done and the dead letters", || {
+        inbox_count(&db) == 300
+            && (0..3).all(|i| {
+                let b = books_on(&mut cons[i], &shards[i]);
+                (b.pool, b.stream_pending, b.dead) == (0, 0, usize::from(i != 1))
+            })
+    });
+
+    let out = run_worker(&["stats", "--shards", "3", "--json"], &url, &db.url);
+    assert!(out.status.success(), "stats: {}", text(&out.stderr));
+    let s: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    for i in 0..3 {
+        let one = &s["shards"][i];
+        let moved = per_shard[i] + usize::from(i != 1);
+        assert_eq!(one["pool"]["key"], shards[i].pool.as_str(), "{one}");
+        assert_eq!(one["stream"]["entries_added"], moved, "shard {i}: {one}");
+        assert_eq!(one["group"]["pending"], 0, "{one}");
+        assert_eq!(one["dead"]["length"], usize::from(i != 1), "{one}");
+    }
+    assert_eq!(s["stream"]["entries_added"], 302, "the total: {s}");
+    assert_eq!(s["dead"]["length"], 2, "{s}");
+    let out = run_worker(&["stats", "--shards", "3"], &url, &db.url);
+    let table = text(&out.stdout);
+    assert!(table.contains("shard"), "{table}");
+    let out = run_worker(&["dead", "list", "--shards", "3", "--json"], &url, &db.url);
+    assert!(out.status.success(), "dead list: {}", text(&out.stderr));
+    let letters: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let mut keys: Vec<&str> = letters
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["key"].as_str().unwrap())
+        .collect();
+    keys.sort();
+    assert_eq!(keys, ["bad-0", "bad-2"]);
+
+    p.signal(libc::SIGTERM);
+    assert!(p.wait(WAIT).success(), "{}", p.log());
+    let cancelled: Vec<&SeedOrder> = orders
+        .iter()
+        .filter(|o| !paid.iter().any(|p| p.id == o.id))
+        .collect();
+    assert_accounting(&db, &orders, &cancelled);
+    eprintln!("three shards: jobs {per_shard:?} on masters {masters:?}");
+}
