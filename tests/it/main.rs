@@ -25,6 +25,7 @@ mod prune;
 mod release;
 mod retention;
 mod secrets;
+mod sentinel;
 mod sets;
 mod status_page;
 mod store;

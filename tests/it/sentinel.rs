@@ -1,0 +1,346 @@
+//! The worker behind Redis Sentinel (a master, one replica, three Sentinels; see
+//! topology.rs): the order story through `redis+sentinel://`, the master SIGKILLed mid-run
+//! and its replica promoted (the worker follows it and re-creates the consumer group the
+//! new master lacks), and what asynchronous replication loses in a failover, measured
+//! push by push: an acknowledged job is done once or lost, never twice, and a job whose
+//! push reached the replica (`WAIT`) is never lost.
+
+use crate::support::*;
+use crate::topology::*;
+use delay_worker::keys::Keys;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const WAIT: Duration = Duration::from_secs(90);
+
+/// Waits until nothing is scheduled, pending or unread on the current master, and `done`.
+fn wait_settled(s: &Sentinel, k: &Keys, what: &str, mut done: impl FnMut() -> bool) {
+    let mut last = std::time::Instant::now();
+    wait_until(WAIT, what, || {
+        let Some(mut con) = try_con(s.current_master()) else {
+            return false;
+        };
+        let b = books_on(&mut con, k);
+        if last.elapsed() > Duration::from_secs(10) {
+            last = std::time::Instant::now();
+            eprintln!(
+                "scheduled {}, pending {}, dead {}, lag {:?}",
+                b.pool,
+                b.stream_pending,
+                b.dead,
+                group_lag(&mut con, k)
+            );
+        }
+        b.pool == 0 && b.stream_pending == 0 && group_lag(&mut con, k) == Some(0) && done()
+    });
+}
+
+#[test]
+fn the_order_story_through_sentinel_then_a_failover_to_a_replica_without_the_group() {
+    let mut s = Sentinel::start();
+    let db = TestDb::new();
+    let k = Keys::default();
+    let orders = seed_orders(&db, 600);
+    let paid: Vec<SeedOrder> = orders.iter().step_by(5).cloned().collect();
+    pay(&db, &paid);
+    let (first, second) = orders.split_at(300);
+
+    // The story: a few pushed with `worker push` through the Sentinels, the rest straight
+    // to the master.
+    for o in &first[..5] {
+        let payload = format!(r#"{{"order_no":"{}"}}"#, o.order_no);
+        let out = run_worker(
+            &[
+                "push",
+                "--event",
+                "order.timeout",
+                "--payload",
+                &payload,
+                "--delay",
+                "300ms",
+                "--key",
+                &timeout_key(o),
+            ],
+            &s.url(),
+            &db.url,
+        );
+        assert!(out.status.success(), "push: {}", text(&out.stderr));
+    }
+    push_timeouts_on(&mut s.master_con(), &k, &first[5..], 300);
+    let mut p = Proc::start(&config_for(&s.url(), &db, "c1"), &[]);
+    wait_settled(&s, &k, "the first 300 jobs", || inbox_count(&db) == 300);
+    let out = run_worker(&["stats", "--json"], &s.url(), &db.url);
+    assert!(out.status.success(), "stats: {}", text(&out.stderr));
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(j["group"]["pending"], 0, "{j}");
+    assert_eq!(j["consumers"][0]["name"], "c1", "{j}");
+
+    // The replica loses the consumer group: as if the master had created it and died
+    // before sending it on. (A writable replica keeps its own writes to itself.)
+    let mut replica = con_to(s.replica);
+    redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("replica-read-only")
+        .arg("no")
+        .query::<()>(&mut replica)
+        .unwrap();
+    let destroyed: i64 = redis::cmd("XGROUP")
+        .arg("DESTROY")
+        .arg(&k.stream)
+        .arg(&k.group)
+        .query(&mut replica)
+        .unwrap();
+    assert_eq!(destroyed, 1);
+
+    // More jobs, due over the next two seconds, each on the replica before the kill.
+    let mut con = s.master_con();
+    for (i, chunk) in second.chunks(50).enumerate() {
+        // Due over the next two seconds.
+        push_timeouts_on(&mut con, &k, chunk, 300 + 150 * i as i64);
+    }
+    assert!(
+        replicated(&mut con, 10_000),
+        "the pushes reached the replica"
+    );
+    wait_until(WAIT, "load", || inbox_count(&db) > 350);
+    s.kill_master();
+    let at_kill = inbox_count(&db);
+    s.wait_failover();
+    wait_settled(&s, &k, "every job after the failover", || {
+        inbox_keys(&db).len() == 600
+    });
+    let groups: i64 = redis::cmd("XINFO")
+        .arg("GROUPS")
+        .arg(&k.stream)
+        .query::<Vec<redis::Value>>(&mut s.master_con())
+        .unwrap()
+        .len() as i64;
+    assert_eq!(
+        groups, 1,
+        "the worker re-created the group on the new master"
+    );
+    p.signal(libc::SIGTERM);
+    assert!(p.wait(WAIT).success(), "{}", p.log());
+
+    let cancelled: Vec<&SeedOrder> = orders
+        .iter()
+        .filter(|o| !paid.iter().any(|p| p.id == o.id))
+        .collect();
+    assert_accounting(&db, &orders, &cancelled);
+    let runs = inbox_keys(&db);
+    for o in &orders {
+        assert!(runs.contains_key(&timeout_key(o)), "{} done", o.order_no);
+    }
+    eprintln!(
+        "sentinel failover: killed at {at_kill} of 600 done; {} job(s) moved again (a no-op)",
+        runs.values().filter(|&&n| n > 1).count()
+    );
+    let b = books_on(&mut s.master_con(), &k);
+    assert_eq!((b.pool, b.stream_pending, b.dead), (0, 0, 0));
+}
+
+/// One push attempt: the order, when it was sent, whether Redis acknowledged it, and
+/// whether `WAIT 1` then confirmed it on the replica.
+struct Attempt {
+    order_no: String,
+    sent: Instant,
+    acked: bool,
+    confirmed: bool,
+}
+
+/// What one pushing thread did, and whether it ran out of orders.
+#[derive(Default)]
+struct Pushes {
+    attempts: Vec<Attempt>,
+    finished: bool,
+}
+
+impl Pushes {
+    fn acked(&self) -> usize {
+        self.attempts.iter().filter(|a| a.acked).count()
+    }
+
+    /// Acknowledged pushes sent after `t`.
+    fn acked_since(&self, t: Instant) -> usize {
+        self.attempts
+            .iter()
+            .filter(|a| a.acked && a.sent > t)
+            .count()
+    }
+}
+
+/// Pushes each order's timeout (due `delay_ms` to 50 ms later) to whatever master the
+/// Sentinels name, one every few milliseconds, until `stop`; with `confirm`, each push is
+/// followed by `WAIT 1 100`. A push that fails (the master gone, the replica not yet promoted) is
+/// recorded unacknowledged, and the next order goes to a fresh connection.
+fn pusher(
+    sentinels: Vec<u16>,
+    orders: Vec<SeedOrder>,
+    delay_ms: i64,
+    confirm: bool,
+    stop: Arc<AtomicBool>,
+    out: Arc<Mutex<Pushes>>,
+) {
+    let k = Keys::default();
+    let mut con: Option<redis::Connection> = None;
+    for (i, o) in orders.iter().enumerate() {
+        while con.is_none() {
+            if stop.load(Ordering::SeqCst) {
+                return;
+            }
+            con = sentinels
+                .iter()
+                .find_map(|&p| Sentinel::master_seen_by(p))
+                .and_then(try_con);
+            if con.is_none() {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        if stop.load(Ordering::SeqCst) {
+            return;
+        }
+        let c = con.as_mut().unwrap();
+        let sent = Instant::now();
+        let acked = push_timeout(c, &k, o, delay_ms + (i % 50) as i64).is_ok();
+        let confirmed = acked && confirm && replicated(c, 100);
+        out.lock().unwrap().attempts.push(Attempt {
+            order_no: o.order_no.clone(),
+            sent,
+            acked,
+            confirmed,
+        });
+        if !acked {
+            con = None;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    out.lock().unwrap().finished = true;
+}
+
+#[test]
+fn pushes_across_a_failover_are_done_once_or_lost_and_replicated_ones_are_never_lost() {
+    let mut s = Sentinel::start();
+    let db = TestDb::new();
+    let k = Keys::default();
+    let orders = seed_orders(&db, 700);
+    let mut p = Proc::start(&config_for(&s.url(), &db, "c1"), &[]);
+
+    // Two producers: one fires pushes due in a second (those the old master takes after
+    // its replica is cut off are still waiting when it dies), one confirms each push with
+    // `WAIT 1`.
+    let stop = Arc::new(AtomicBool::new(false));
+    let fired = Arc::new(Mutex::new(Pushes::default()));
+    let confirmed = Arc::new(Mutex::new(Pushes::default()));
+    let threads: Vec<_> = [
+        (orders[..450].to_vec(), 1000, false, fired.clone()),
+        (orders[450..].to_vec(), 0, true, confirmed.clone()),
+    ]
+    .into_iter()
+    .map(|(mine, delay_ms, confirm, out)| {
+        let (sentinels, stop) = (s.sentinels.clone(), stop.clone());
+        std::thread::spawn(move || pusher(sentinels, mine, delay_ms, confirm, stop, out))
+    })
+    .collect();
+    let acked = |p: &Arc<Mutex<Pushes>>| p.lock().unwrap().acked();
+    let acked_since = |p: &Arc<Mutex<Pushes>>, t| p.lock().unwrap().acked_since(t);
+    let finished = |p: &Arc<Mutex<Pushes>>| p.lock().unwrap().finished;
+
+    wait_until(WAIT, "pushes and jobs under way", || {
+        acked(&fired) >= 150 && acked(&confirmed) >= 50 && inbox_count(&db) >= 100
+    });
+    cut_replica_link(s.master, s.replica);
+    let cut = Instant::now();
+    let done_at_cut = inbox_count(&db);
+    // Pushes, moves and acks the replica never gets.
+    wait_until(WAIT, "pushes and jobs after the cut", || {
+        acked_since(&fired, cut) >= 50 && inbox_count(&db) > done_at_cut + 20
+    });
+    s.kill_master();
+    let killed = Instant::now();
+    s.wait_failover();
+    // Pushing goes on against the new master for a while.
+    wait_until(WAIT, "pushes to the new master", || {
+        (acked_since(&fired, killed) >= 50 || finished(&fired))
+            && (acked_since(&confirmed, killed) >= 10 || finished(&confirmed))
+    });
+    stop.store(true, Ordering::SeqCst);
+    for t in threads {
+        t.join().unwrap();
+    }
+    wait_settled(&s, &k, "every job that exists", || true);
+    p.signal(libc::SIGTERM);
+    assert!(p.wait(WAIT).success(), "{}", p.log());
+
+    // Each order's fate, from the producers' records and the books.
+    let runs = inbox_keys(&db);
+    let cancelled = cancelled_orders(&db);
+    let (fired, confirmed) = (fired.lock().unwrap(), confirmed.lock().unwrap());
+    let attempts: HashMap<&str, &Attempt> = fired
+        .attempts
+        .iter()
+        .chain(&confirmed.attempts)
+        .map(|a| (a.order_no.as_str(), a))
+        .collect();
+    let (mut acked, mut lost, mut in_window, mut window_lost, mut early_lost) = (0, 0, 0, 0, 0);
+    let (mut unacked, mut unacked_done, mut again) = (0, 0, 0);
+    for o in &orders {
+        let done = runs.get(&timeout_key(o)).copied().unwrap_or(0);
+        assert_eq!(
+            done > 0,
+            cancelled.contains(&o.order_no),
+            "order {}: cancelled if and only if its job was done",
+            o.order_no
+        );
+        again += (done > 1) as usize;
+        let Some(a) = attempts.get(o.order_no.as_str()) else {
+            assert_eq!(done, 0, "order {} was never pushed", o.order_no);
+            continue;
+        };
+        if !a.acked {
+            unacked += 1;
+            unacked_done += (done > 0) as usize;
+            continue;
+        }
+        acked += 1;
+        lost += (done == 0) as usize;
+        if a.confirmed {
+            assert!(
+                done > 0,
+                "order {}: confirmed on the replica, lost",
+                o.order_no
+            );
+        }
+        if a.sent > cut && a.sent < killed {
+            // Acknowledged by the old master after its replica was cut off: lost, unless
+            // it ran before the master died.
+            in_window += 1;
+            window_lost += (done == 0) as usize;
+        } else if a.sent > killed {
+            assert!(
+                done > 0,
+                "order {}: pushed to the new master, lost",
+                o.order_no
+            );
+        } else {
+            early_lost += (done == 0) as usize;
+        }
+    }
+    let confirmed_n = confirmed.attempts.iter().filter(|a| a.confirmed).count();
+    eprintln!(
+        "sentinel failover: {acked} pushes acknowledged, {confirmed_n} of them confirmed by \
+         WAIT 1; {lost} lost: {window_lost} of the {in_window} acknowledged after the \
+         replica's link was cut, {early_lost} before; {unacked} pushes failed ({unacked_done} of them done all \
+         the same); {again} job(s) moved again after the failover, their second run a no-op"
+    );
+    assert!(in_window >= 50, "the window held pushes");
+    assert_eq!(lost, window_lost + early_lost);
+    // Stock and coupons: each cancelled order gave back once.
+    let all_cancelled: Vec<&SeedOrder> = orders
+        .iter()
+        .filter(|o| cancelled.contains(&o.order_no))
+        .collect();
+    assert_accounting(&db, &orders, &all_cancelled);
+    assert_eq!(books_on(&mut s.master_con(), &k).dead, 0);
+}
