@@ -4,8 +4,9 @@
 //! and removed on drop. Their logs stay in that directory and are printed (the last lines
 //! of each) only when the test fails.
 //!
-//! Both fail over fast (a node or master gone for about a second is failed over), so a
-//! test can kill a master and wait for its replica to take its place within seconds.
+//! Both fail over fast (a master that has not answered for 2 s is failed over; its
+//! replica takes its place 3 to 4 s after the kill), yet not so fast that a loaded machine
+//! makes them fail over by themselves.
 
 #![allow(dead_code)]
 
@@ -81,7 +82,7 @@ struct Node {
 }
 
 impl Node {
-    /// Starts `redis-server` with `args` (its log to `<dir>/<port>.log`) and waits for PING.
+    /// Starts `redis-server` with `args` (its log to `<dir>/<port>.log`) and waits until it answers.
     fn start(dir: &Path, port: u16, args: &[String]) -> Node {
         let log = dir.join(format!("{port}.log"));
         let child = Command::new("redis-server")
@@ -108,9 +109,9 @@ impl Node {
                         node.log_tail(20)
                     );
                 }
-                try_con(port)
-                    .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c).ok())
-                    .is_some()
+                // Answering, and as this child (not another test's server on a reused port).
+                let pid = node.child.as_ref().unwrap().id().to_string();
+                info(port, "server").get("process_id") == Some(&pid)
             },
         );
         node
@@ -203,7 +204,7 @@ impl Cluster {
                 "--cluster-config-file",
                 &dir.join(format!("nodes-{port}.conf")).display().to_string(),
                 "--cluster-node-timeout",
-                "1000",
+                "2000",
                 // A replica's first sync starts at once (the default waits 5 s for more).
                 "--repl-diskless-sync-delay",
                 "0",
@@ -474,7 +475,7 @@ impl Sentinel {
                      dir {dir}\n\
                      sentinel resolve-hostnames no\n\
                      sentinel monitor {MASTER_NAME} 127.0.0.1 {master} 2\n\
-                     sentinel down-after-milliseconds {MASTER_NAME} 1000\n\
+                     sentinel down-after-milliseconds {MASTER_NAME} 2000\n\
                      sentinel failover-timeout {MASTER_NAME} 5000\n\
                      sentinel parallel-syncs {MASTER_NAME} 1\n",
                     dir = dir.display()
