@@ -11,7 +11,11 @@
 //!   (`rediss+sentinel://` with TLS): the Sentinels are asked for the master at each
 //!   connect, and the master is checked with `ROLE`. After a failover the old connection
 //!   breaks or answers `READONLY`; both count as a lost connection, so the next connect
-//!   finds the promoted replica.
+//!   finds the promoted replica. An old master that is still up keeps answering as a
+//!   master for a while after the Sentinels promoted its replica (they demote it seconds
+//!   later, or never while it is cut off from them): so the Sentinels are asked again
+//!   once a second which master they name (one look-up shared by every connection), and
+//!   every connection to another counts as lost at its next command, all of them together.
 //!
 //! A user name and password in the URL are for the Redis servers (not the Sentinels).
 
@@ -19,7 +23,7 @@ use redis::cluster::{ClusterClient, ClusterClientBuilder, ClusterConnection};
 use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
 use redis::{ConnectionAddr, ConnectionLike, IntoConnectionInfo, RedisResult, TlsCertificates};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// How long a connect may take before it counts as "unreachable".
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
@@ -51,7 +55,52 @@ impl Topology {
 pub enum Redis {
     Single(redis::Client),
     Cluster(ClusterClient),
-    Sentinel(Arc<Mutex<SentinelClient>>),
+    Sentinel(Arc<SentinelLink>),
+}
+
+/// How long one look-up of the master the Sentinels name serves every connection.
+const MASTER_CHECK: Duration = Duration::from_secs(1);
+
+/// A master's host and port.
+type HostPort = (String, u16);
+
+/// The Sentinel client, and the master the Sentinels named at the last look-up (when).
+pub struct SentinelLink {
+    client: Mutex<SentinelClient>,
+    named: Mutex<(Option<Instant>, Option<HostPort>)>,
+}
+
+impl SentinelLink {
+    /// A client for the master the Sentinels name (which says `ROLE` master).
+    fn master(&self) -> RedisResult<redis::Client> {
+        self.client
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_client()
+    }
+
+    /// The master the Sentinels name now, looked up at most once a [`MASTER_CHECK`] for
+    /// all connections; `None` when no Sentinel names one that says it is the master.
+    fn named_master(&self) -> Option<HostPort> {
+        let mut named = self.named.lock().unwrap_or_else(|p| p.into_inner());
+        if named.0.is_none_or(|at| at.elapsed() >= MASTER_CHECK) {
+            let master = self
+                .master()
+                .ok()
+                .and_then(|c| host_port(c.get_connection_info().addr()));
+            *named = (Some(Instant::now()), master);
+        }
+        named.1.clone()
+    }
+}
+
+fn host_port(addr: &ConnectionAddr) -> Option<HostPort> {
+    match addr {
+        ConnectionAddr::Tcp(host, port) | ConnectionAddr::TcpTls { host, port, .. } => {
+            Some((host.clone(), *port))
+        }
+        _ => None,
+    }
 }
 
 impl std::fmt::Debug for Redis {
@@ -220,7 +269,12 @@ impl Redis {
             }
         }
         b.build()
-            .map(|c| Redis::Sentinel(Arc::new(Mutex::new(c))))
+            .map(|c| {
+                Redis::Sentinel(Arc::new(SentinelLink {
+                    client: Mutex::new(c),
+                    named: Mutex::new((None, None)),
+                }))
+            })
             .map_err(|e| UrlError(e.to_string()))
     }
 
@@ -262,14 +316,16 @@ impl Redis {
             Redis::Sentinel(sentinel) => {
                 // The lookup asks the Sentinels and checks the master's ROLE; one thread
                 // at a time, and never while holding it across the data connection.
-                let client = sentinel
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .get_client()?;
+                let client = sentinel.master()?;
                 let con = client.get_connection_with_timeout(CONNECT_TIMEOUT)?;
                 con.set_read_timeout(Some(io_timeout))?;
                 con.set_write_timeout(Some(io_timeout))?;
-                Ok(Con::Single(con))
+                Ok(Con::Sentinel(SentinelCon {
+                    con,
+                    master: host_port(client.get_connection_info().addr()),
+                    link: sentinel.clone(),
+                    replaced: None,
+                }))
             }
         }
     }
@@ -280,10 +336,43 @@ impl Redis {
     }
 }
 
-/// One connection: to a server (direct or found through Sentinel) or to a cluster.
+/// One connection: to a server, to a cluster, or to the master found through Sentinel.
 pub enum Con {
     Single(redis::Connection),
     Cluster(Box<ClusterConnection>),
+    Sentinel(SentinelCon),
+}
+
+/// A connection to the master the Sentinels named when it was made.
+pub struct SentinelCon {
+    con: redis::Connection,
+    master: Option<HostPort>,
+    link: Arc<SentinelLink>,
+    /// The master the Sentinels named instead, once they did: the connection is lost.
+    replaced: Option<HostPort>,
+}
+
+impl SentinelCon {
+    /// `Err` (a lost connection) once the Sentinels name another master. Checked before
+    /// every command, against the shared look-up, so that all connections leave the old
+    /// master together: a worker acknowledging there after the reader moved on would leave
+    /// the entries it read from the new master pending there.
+    fn still_master(&mut self) -> RedisResult<&mut redis::Connection> {
+        if self.replaced.is_none() {
+            self.replaced = self
+                .link
+                .named_master()
+                .filter(|named| Some(named) != self.master.as_ref());
+        }
+        match &self.replaced {
+            None => Ok(&mut self.con),
+            Some((host, port)) => Err(std::io::Error::new(
+                std::io::ErrorKind::ConnectionAborted,
+                format!("the Sentinels now name {host}:{port} as the master"),
+            )
+            .into()),
+        }
+    }
 }
 
 impl Con {
@@ -299,6 +388,7 @@ impl ConnectionLike for Con {
         match self {
             Con::Single(c) => c.req_packed_command(cmd),
             Con::Cluster(c) => c.req_packed_command(cmd),
+            Con::Sentinel(c) => c.still_master()?.req_packed_command(cmd),
         }
     }
 
@@ -311,6 +401,7 @@ impl ConnectionLike for Con {
         match self {
             Con::Single(c) => c.req_packed_commands(cmd, offset, count),
             Con::Cluster(c) => cluster_pipeline(c, cmd, offset, count),
+            Con::Sentinel(c) => c.still_master()?.req_packed_commands(cmd, offset, count),
         }
     }
 
@@ -318,6 +409,7 @@ impl ConnectionLike for Con {
         match self {
             Con::Single(c) => c.req_command(cmd),
             Con::Cluster(c) => c.req_command(cmd),
+            Con::Sentinel(c) => c.still_master()?.req_command(cmd),
         }
     }
 
@@ -325,6 +417,7 @@ impl ConnectionLike for Con {
         match self {
             Con::Single(c) => c.get_db(),
             Con::Cluster(c) => c.get_db(),
+            Con::Sentinel(c) => c.con.get_db(),
         }
     }
 
@@ -333,6 +426,7 @@ impl ConnectionLike for Con {
         match self {
             Con::Single(c) => c.supports_pipelining(),
             Con::Cluster(_) => true,
+            Con::Sentinel(c) => c.con.supports_pipelining(),
         }
     }
 
@@ -340,6 +434,7 @@ impl ConnectionLike for Con {
         match self {
             Con::Single(c) => c.check_connection(),
             Con::Cluster(c) => c.check_connection(),
+            Con::Sentinel(c) => c.still_master().is_ok_and(|c| c.check_connection()),
         }
     }
 
@@ -347,6 +442,7 @@ impl ConnectionLike for Con {
         match self {
             Con::Single(c) => c.is_open(),
             Con::Cluster(c) => c.is_open(),
+            Con::Sentinel(c) => c.replaced.is_none() && c.con.is_open(),
         }
     }
 }

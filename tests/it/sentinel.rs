@@ -141,6 +141,82 @@ fn the_order_story_through_sentinel_then_a_failover_to_a_replica_without_the_gro
     assert_eq!((b.pool, b.stream_pending, b.dead), (0, 0, 0));
 }
 
+#[test]
+fn after_a_switchover_the_worker_leaves_the_old_master_though_it_stays_a_master() {
+    // The old master is never turned into a replica: a worker that went on writing there
+    // would see nothing wrong, while the Sentinels (and every producer that asks them)
+    // name the new master, and what it wrote there would be lost.
+    let mut s = Sentinel::start_with_a_stubborn_master();
+    let db = TestDb::new();
+    let k = Keys::default();
+    let orders = seed_orders(&db, 400);
+    let paid: Vec<SeedOrder> = orders.iter().step_by(4).cloned().collect();
+    pay(&db, &paid);
+    // Due over the next two seconds, every push on the replica before anything runs.
+    let mut con = s.master_con();
+    for (i, chunk) in orders.chunks(40).enumerate() {
+        push_timeouts_on(&mut con, &k, chunk, 200 * i as i64);
+    }
+    assert!(
+        replicated(&mut con, 10_000),
+        "the pushes reached the replica"
+    );
+    drop(con);
+    let mut p = Proc::start(&config_for(&s.url(), &db, "c1"), &[]);
+    wait_until(WAIT, "load", || inbox_count(&db) > 100);
+    let (old, new) = (s.master, s.replica);
+    s.switchover();
+    let at_switch = inbox_count(&db);
+    // The worker's heartbeat (refreshed every --block, 2 s TTL) moves to the new master
+    // and lapses on the old one, which still says it is a master.
+    let heartbeat = k.heartbeat("c1");
+    let alive = |port: u16| -> bool {
+        try_con(port).is_some_and(|mut c| {
+            redis::cmd("EXISTS")
+                .arg(&heartbeat)
+                .query::<bool>(&mut c)
+                .unwrap_or(false)
+        })
+    };
+    wait_until(WAIT, "the worker's heartbeat on the new master", || {
+        alive(new)
+    });
+    wait_until(
+        WAIT,
+        "the worker's heartbeat to lapse on the old master",
+        || !alive(old),
+    );
+    assert_eq!(
+        info(old, "replication").get("role").map(String::as_str),
+        Some("master"),
+        "the old master is still a master"
+    );
+    wait_settled(&s, &k, "every job after the switchover", || {
+        inbox_keys(&db).len() == 400
+    });
+    let out = run_worker(&["stats", "--json"], &s.url(), &db.url);
+    assert!(out.status.success(), "stats: {}", text(&out.stderr));
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(j["pool"]["size"], 0, "{j}");
+    assert_eq!(j["group"]["pending"], 0, "{j}");
+    p.signal(libc::SIGTERM);
+    assert!(p.wait(WAIT).success(), "{}", p.log());
+
+    let cancelled: Vec<&SeedOrder> = orders
+        .iter()
+        .filter(|o| !paid.iter().any(|p| p.id == o.id))
+        .collect();
+    assert_accounting(&db, &orders, &cancelled);
+    let runs = inbox_keys(&db);
+    eprintln!(
+        "sentinel switchover {old} -> {new} at {at_switch} of 400 done; {} job(s) moved again \
+         (a no-op)",
+        runs.values().filter(|&&n| n > 1).count()
+    );
+    let b = books_on(&mut s.master_con(), &k);
+    assert_eq!((b.pool, b.stream_pending, b.dead), (0, 0, 0));
+}
+
 /// One push attempt: the order, when it was sent, whether Redis acknowledged it, and
 /// whether `WAIT 1` then confirmed it on the replica.
 struct Attempt {

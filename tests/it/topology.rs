@@ -426,6 +426,24 @@ pub struct Sentinel {
 
 impl Sentinel {
     pub fn start() -> Sentinel {
+        Sentinel::start_with(&[])
+    }
+
+    /// The same, with a master that cannot be made a replica (`REPLICAOF` renamed away):
+    /// after a failover it stays a writable master of its own, as one cut off from the
+    /// Sentinels would, and only the Sentinels say it is no longer the master.
+    pub fn start_with_a_stubborn_master() -> Sentinel {
+        Sentinel::start_with(&[
+            "--rename-command".into(),
+            "REPLICAOF".into(),
+            "".into(),
+            "--rename-command".into(),
+            "SLAVEOF".into(),
+            "".into(),
+        ])
+    }
+
+    fn start_with(master_extra: &[String]) -> Sentinel {
         let dir = temp_dir("dw-sentinel");
         let ports = free_ports(5);
         let (master, replica) = (ports[0], ports[1]);
@@ -450,7 +468,7 @@ impl Sentinel {
             a.extend_from_slice(extra);
             a
         };
-        let mut nodes = vec![Node::start(&dir, master, &server(master, &[]))];
+        let mut nodes = vec![Node::start(&dir, master, &server(master, master_extra))];
         nodes.push(Node::start(
             &dir,
             replica,
@@ -596,6 +614,22 @@ impl Sentinel {
             })
         });
         self.master = replica;
+    }
+
+    /// A planned failover (`SENTINEL FAILOVER`) while the master runs: waits until the
+    /// replica is promoted and every Sentinel names it; `master` and `replica` are then
+    /// swapped. The Sentinels turn the old master into a replica of the new one only some
+    /// seconds later (and not at all if it is stubborn); until then it is a master too.
+    pub fn switchover(&mut self) {
+        let old = self.master;
+        let ok: String = redis::cmd("SENTINEL")
+            .arg("FAILOVER")
+            .arg(MASTER_NAME)
+            .query(&mut con_to(self.sentinels[0]))
+            .unwrap();
+        assert_eq!(ok, "OK");
+        self.wait_failover();
+        self.replica = old;
     }
 }
 
