@@ -326,8 +326,7 @@ fn pushes_across_a_failover_are_done_once_or_lost_and_replicated_ones_are_never_
     wait_until(WAIT, "pushes and jobs under way", || {
         acked(&fired) >= 150 && acked(&confirmed) >= 50 && inbox_count(&db) >= 100
     });
-    cut_replica_link(s.master, s.replica);
-    let cut = Instant::now();
+    let cut = cut_replica_link(s.master, s.replica);
     let done_at_cut = inbox_count(&db);
     // Pushes, moves and acks the replica never gets.
     wait_until(WAIT, "pushes and jobs after the cut", || {

@@ -15,7 +15,7 @@ use delay_worker::keys::Keys;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// How long any topology step may take on a loaded machine before the test fails.
 const UP: Duration = Duration::from_secs(60);
@@ -642,7 +642,9 @@ impl Drop for Sentinel {
 /// Cuts the replica on `replica` off its master on `master`: it may not log in again (a
 /// user that does not exist), and its link is closed. The master goes on acknowledging
 /// writes it no longer sends on: the window in which an asynchronous failover loses them.
-pub fn cut_replica_link(master: u16, replica: u16) {
+/// Returns the moment just before the link was closed: a write sent after it may be
+/// missing on the replica, one acknowledged before it was on its way there.
+pub fn cut_replica_link(master: u16, replica: u16) -> Instant {
     let mut con = con_to(replica);
     for (name, value) in [("masteruser", "no-such-user"), ("masterauth", "x")] {
         redis::cmd("CONFIG")
@@ -652,13 +654,16 @@ pub fn cut_replica_link(master: u16, replica: u16) {
             .query::<()>(&mut con)
             .unwrap();
     }
+    let mut con = con_to(master);
+    let cut = Instant::now();
     let killed: i64 = redis::cmd("CLIENT")
         .arg("KILL")
         .arg("TYPE")
         .arg("replica")
-        .query(&mut con_to(master))
+        .query(&mut con)
         .unwrap();
     assert_eq!(killed, 1, "the replica's link closed");
+    cut
 }
 
 // ---- the shop's books on a topology -------------------------------------------------------
