@@ -195,8 +195,8 @@ fn the_master_of_the_mq_slot_killed_mid_run_loses_nothing() {
 }
 
 #[test]
-fn three_shards_spread_over_the_masters() {
-    let cluster = Cluster::start();
+fn three_shards_spread_over_the_masters_through_a_manual_failover() {
+    let mut cluster = Cluster::start();
     let db = TestDb::new();
     let shards = Keys::default().sharded("mq", 3);
     let masters: Vec<u16> = shards.iter().map(|k| cluster.master_of(&k.pool)).collect();
@@ -243,8 +243,10 @@ fn three_shards_spread_over_the_masters() {
     for o in &orders {
         per_shard[shard(o)] += 1;
     }
-    for o in &orders[6..] {
-        push_timeout(&mut cons[shard(o)], &shards[shard(o)], o, 300).unwrap();
+    // Due over the next two seconds.
+    for (i, o) in orders.iter().enumerate().skip(6) {
+        let delay = 300 + 200 * (i % 10) as i64;
+        push_timeout(&mut cons[shard(o)], &shards[shard(o)], o, delay).unwrap();
     }
     assert!(per_shard.iter().all(|&n| n > 50), "{per_shard:?}");
     // A dead letter in shards 0 and 2.
@@ -264,6 +266,14 @@ fn three_shards_spread_over_the_masters() {
         &config_for(&url, &db, "c1"),
         &["--shards".into(), "3".into()],
     );
+    // Mid-run, the master of shard 0 hands its slots to its replica (MOVED for the
+    // worker's next command there).
+    wait_until(WAIT, "load", || inbox_count(&db) > 60);
+    let (old, new) = cluster.switchover_of(&shards[0].pool);
+    let at_switch = inbox_count(&db);
+    let masters: Vec<u16> = shards.iter().map(|k| cluster.master_of(&k.pool)).collect();
+    assert_eq!(masters[0], new);
+    let mut cons: Vec<redis::Connection> = masters.iter().map(|&m| con_to(m)).collect();
     wait_until(WAIT, "every job done and the dead letters", || {
         inbox_count(&db) == 300
             && (0..3).all(|i| {
@@ -307,5 +317,8 @@ fn three_shards_spread_over_the_masters() {
         .filter(|o| !paid.iter().any(|p| p.id == o.id))
         .collect();
     assert_accounting(&db, &orders, &cancelled);
-    eprintln!("three shards: jobs {per_shard:?} on masters {masters:?}");
+    eprintln!(
+        "three shards: jobs {per_shard:?} on masters {masters:?}; shard 0's master {old} \
+         handed over to {new} at {at_switch} of 300 done"
+    );
 }

@@ -326,6 +326,28 @@ impl Cluster {
         (master, replica)
     }
 
+    /// A manual failover (`CLUSTER FAILOVER` on the replica of the master serving `key`):
+    /// the master pauses its clients until the replica has caught up, then the replica
+    /// takes its slots and the master becomes its replica. Nothing is lost. Waits until
+    /// every node routes to the new master; returns (old master, new master).
+    pub fn switchover_of(&mut self, key: &str) -> (u16, u16) {
+        let master = self.master_of(key);
+        let replica = self.replica_of(master);
+        let ok: String = redis::cmd("CLUSTER")
+            .arg("FAILOVER")
+            .query(&mut con_to(replica))
+            .unwrap();
+        assert_eq!(ok, "OK");
+        self.promoting = Some(replica);
+        self.wait_failover();
+        wait_until(UP, "the old master to follow the new one", || {
+            let i = info(master, "replication");
+            i.get("role").map(String::as_str) == Some("slave")
+                && i.get("master_link_status").map(String::as_str) == Some("up")
+        });
+        (master, replica)
+    }
+
     /// Waits until the replica of the killed master serves its slots and every live node
     /// says `cluster_state:ok`.
     pub fn wait_failover(&self) {
