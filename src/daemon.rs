@@ -228,7 +228,9 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<Report, DaemonError> 
         Ok(ready) => ready,
         // A signal during start-up interrupts a connect or a query: nothing was read yet,
         // so there is nothing to drain and the stop is as graceful as any other.
-        Err(e) if shutdown.is_set() => {
+        // The signal handler runs on its own thread: a read the signal interrupted can fail
+        // a moment before the flag is set.
+        Err(e) if shutdown.is_set() || shutdown.wait(std::time::Duration::from_millis(200)) => {
             log::info!("stopped during start-up ({e}); nothing was read");
             return Ok(Report::default());
         }

@@ -20,7 +20,6 @@
 //! A user name and password in the URL are for the Redis servers (not the Sentinels).
 
 use redis::cluster::{ClusterClient, ClusterClientBuilder, ClusterConnection};
-use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
 use redis::{ConnectionAddr, ConnectionLike, IntoConnectionInfo, RedisResult, TlsCertificates};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -64,19 +63,91 @@ const MASTER_CHECK: Duration = Duration::from_secs(1);
 /// A master's host and port.
 type HostPort = (String, u16);
 
-/// The Sentinel client, and the master the Sentinels named at the last look-up (when).
+/// How long one Sentinel, or the master it names, may take to answer a look-up.
+const LOOKUP_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// The Sentinels, how to reach the master they name, and the master they named at the last
+/// look-up (when). The look-up is ours, not redis-rs's Sentinel client, so that every step
+/// has a deadline: a Sentinel that accepts a connection and never answers costs
+/// [`LOOKUP_TIMEOUT`], then the next one is asked.
 pub struct SentinelLink {
-    client: Mutex<SentinelClient>,
+    sentinels: Vec<redis::Client>,
+    name: String,
+    scheme: &'static str,
+    /// `user:password@` of the servers (or empty), as written in the URL.
+    auth: String,
+    db: i64,
+    certs: Option<TlsCertificates>,
+    /// The index of the Sentinel that answered last.
+    answered: std::sync::atomic::AtomicUsize,
     named: Mutex<(Option<Instant>, Option<HostPort>)>,
 }
 
 impl SentinelLink {
-    /// A client for the master the Sentinels name (which says `ROLE` master).
+    /// A client for the master the Sentinels name, which says `ROLE` master: each Sentinel
+    /// in turn until one names a master that says so.
+    /// The Sentinel that answered last is asked first.
     fn master(&self) -> RedisResult<redis::Client> {
-        self.client
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get_client()
+        use std::sync::atomic::Ordering;
+        let mut last = None;
+        let first = self.answered.load(Ordering::Relaxed);
+        let n = self.sentinels.len();
+        for i in (0..n).map(|k| (first + k) % n) {
+            match self.master_from(&self.sentinels[i]) {
+                Ok(c) => {
+                    self.answered.store(i, Ordering::Relaxed);
+                    return Ok(c);
+                }
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.unwrap_or_else(|| {
+            redis::RedisError::from((redis::ErrorKind::Client, "no Sentinel given"))
+        }))
+    }
+
+    fn master_from(&self, sentinel: &redis::Client) -> RedisResult<redis::Client> {
+        let mut s = sentinel.get_connection_with_timeout(CONNECT_TIMEOUT)?;
+        s.set_read_timeout(Some(LOOKUP_TIMEOUT))?;
+        s.set_write_timeout(Some(LOOKUP_TIMEOUT))?;
+        let addr: Option<(String, u16)> = redis::cmd("SENTINEL")
+            .arg("get-master-addr-by-name")
+            .arg(&self.name)
+            .query(&mut s)?;
+        let Some((host, port)) = addr else {
+            return Err(redis::RedisError::from((
+                redis::ErrorKind::Client,
+                "the Sentinel knows no master of that name",
+                self.name.clone(),
+            )));
+        };
+        let host_in_url = if host.contains(':') {
+            format!("[{host}]")
+        } else {
+            host.clone()
+        };
+        let url = format!(
+            "{}://{}{host_in_url}:{port}/{}",
+            self.scheme, self.auth, self.db
+        );
+        let client = match &self.certs {
+            Some(c) => redis::Client::build_with_tls(url, c.clone())?,
+            None => redis::Client::open(url)?,
+        };
+        let mut m = client.get_connection_with_timeout(CONNECT_TIMEOUT)?;
+        m.set_read_timeout(Some(LOOKUP_TIMEOUT))?;
+        m.set_write_timeout(Some(LOOKUP_TIMEOUT))?;
+        let role: Vec<redis::Value> = redis::cmd("ROLE").query(&mut m)?;
+        let is_master = matches!(role.first(), Some(redis::Value::BulkString(b)) if b == b"master")
+            || matches!(role.first(), Some(redis::Value::SimpleString(r)) if r == "master");
+        if !is_master {
+            return Err(redis::RedisError::from((
+                redis::ErrorKind::Client,
+                "the Sentinel names a server that is not a master (a failover under way)",
+                format!("{host}:{port}"),
+            )));
+        }
+        Ok(client)
     }
 
     /// The master the Sentinels name now, looked up at most once a [`MASTER_CHECK`] for
@@ -200,7 +271,11 @@ impl Redis {
         let mut b = ClusterClientBuilder::new(nodes)
             .connection_timeout(CONNECT_TIMEOUT)
             .response_timeout(Duration::from_secs(10))
-            .retries(8);
+            // Enough for a redirect or two while a slot moves; a node that stopped
+            // answering costs a few timeouts, not a minute and a half, before the role's
+            // own reconnect takes over (and finds the promoted replica).
+            .retries(3)
+            .max_retry_wait(500);
         if let Some(c) = certs {
             b = b.certs(c);
         }
@@ -222,60 +297,39 @@ impl Redis {
                 .map_err(|_| UrlError(format!("database {d:?} is not a number")))?,
             None => 0,
         };
+        if path.next().is_some() {
+            return Err(UrlError(
+                "has more after the database: redis+sentinel://host:port,.../<master-name>[/<db>]"
+                    .into(),
+            ));
+        }
+        let scheme = if p.tls { "rediss" } else { "redis" };
+        let open = |url: &str| match &certs {
+            Some(c) => redis::Client::build_with_tls(url, c.clone()),
+            None => redis::Client::open(url),
+        };
         let mut sentinels = Vec::new();
         for h in &p.hosts {
-            let info = format!("redis://{h}/")
-                .as_str()
-                .into_connection_info()
-                .map_err(|e| {
-                    UrlError(format!(
-                        "sentinel {h:?}: {}",
-                        e.detail().unwrap_or("cannot parse it")
-                    ))
-                })?;
-            let addr = match info.addr().clone() {
-                ConnectionAddr::Tcp(host, port) if p.tls => ConnectionAddr::TcpTls {
-                    host,
-                    port,
-                    insecure: false,
-                    tls_params: None,
-                },
-                a => a,
-            };
-            sentinels.push(addr);
+            let client = open(&format!("{scheme}://{h}/")).map_err(|e| {
+                UrlError(format!(
+                    "sentinel {h:?}: {}",
+                    e.detail().unwrap_or("cannot parse it")
+                ))
+            })?;
+            sentinels.push(client);
         }
-        let mut b = SentinelClientBuilder::new(sentinels, name, SentinelServerType::Master)
-            .map_err(|e| UrlError(e.to_string()))?
-            .set_client_to_redis_db(db);
-        // The credentials in the URL are the servers' ones.
-        let creds = format!("redis://{}x/", p.auth)
-            .as_str()
-            .into_connection_info()
-            .map_err(|e| UrlError(e.to_string()))?;
-        if let Some(u) = creds.redis_settings().username() {
-            b = b.set_client_to_redis_username(u);
-        }
-        if let Some(pw) = creds.redis_settings().password() {
-            b = b.set_client_to_redis_password(pw);
-        }
-        if p.tls {
-            b = b
-                .set_client_to_redis_tls_mode(redis::TlsMode::Secure)
-                .set_client_to_sentinel_tls_mode(redis::TlsMode::Secure);
-            if let Some(c) = certs {
-                b = b
-                    .set_client_to_redis_certificates(c.clone())
-                    .set_client_to_sentinel_certificates(c);
-            }
-        }
-        b.build()
-            .map(|c| {
-                Redis::Sentinel(Arc::new(SentinelLink {
-                    client: Mutex::new(c),
-                    named: Mutex::new((None, None)),
-                }))
-            })
-            .map_err(|e| UrlError(e.to_string()))
+        // The credentials in the URL are the servers' ones; checked now, used per master.
+        open(&format!("{scheme}://{}x/{db}", p.auth)).map_err(|e| UrlError(e.to_string()))?;
+        Ok(Redis::Sentinel(Arc::new(SentinelLink {
+            sentinels,
+            name: name.to_string(),
+            scheme,
+            auth: p.auth.to_string(),
+            db,
+            certs,
+            answered: Default::default(),
+            named: Mutex::new((None, None)),
+        })))
     }
 
     pub fn topology(&self) -> Topology {

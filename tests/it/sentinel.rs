@@ -419,3 +419,74 @@ fn pushes_across_a_failover_are_done_once_or_lost_and_replicated_ones_are_never_
     assert_accounting(&db, &orders, &all_cancelled);
     assert_eq!(books_on(&mut s.master_con(), &k).dead, 0);
 }
+
+/// A Sentinel that accepts connections and never answers, listed first: each look-up
+/// gives up on it after its deadline and asks the next, so `push`, `stats` and a graceful
+/// stop of the daemon all finish (redis-rs's own Sentinel client waited for ever).
+#[test]
+fn a_sentinel_that_never_answers_costs_a_deadline_not_the_worker() {
+    let s = Sentinel::start();
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let held = Arc::new(Mutex::new(Vec::new()));
+    {
+        let (silent, held) = (silent.try_clone().unwrap(), held.clone());
+        std::thread::spawn(move || {
+            for c in silent.incoming().flatten() {
+                held.lock().unwrap().push(c);
+            }
+        });
+    }
+    let url = s.url().replacen(
+        "redis+sentinel://",
+        &format!(
+            "redis+sentinel://127.0.0.1:{},",
+            silent.local_addr().unwrap().port()
+        ),
+        1,
+    );
+    let db = TestDb::new();
+    let run = |args: &[&str]| {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_worker"));
+        cmd.args(args)
+            .env("REDIS_URL", &url)
+            .env("DATABASE_URL", &db.url)
+            .env("RUST_LOG", "warn");
+        let mut p = Proc::spawn(cmd);
+        let status = p.wait(Duration::from_secs(60));
+        (status, p.log())
+    };
+    let (status, log) = run(&[
+        "push",
+        "--event",
+        "coupon.expire",
+        "--payload",
+        r#"{"coupon_id":1}"#,
+        "--delay",
+        "1h",
+        "--key",
+        "k1",
+    ]);
+    assert!(status.success(), "{log}");
+    let scheduled: u64 = redis::cmd("ZCARD")
+        .arg("mq:delay:pool")
+        .query(&mut s.master_con())
+        .unwrap();
+    assert_eq!(
+        scheduled, 1,
+        "pushed to the master the other Sentinels name"
+    );
+    let (status, log) = run(&["stats", "--check"]);
+    assert!(status.success(), "{log}");
+
+    let mut d = Proc::start(&config_for(&url, &db, "c1"), &[]);
+    wait_until(WAIT, "the worker's reader to start", || {
+        let mut con = s.master_con();
+        redis::cmd("EXISTS")
+            .arg(Keys::default().heartbeat("c1"))
+            .query::<bool>(&mut con)
+            .unwrap_or(false)
+    });
+    d.signal(libc::SIGTERM);
+    let status = d.wait(Duration::from_secs(60));
+    assert_eq!(status.code(), Some(0), "{}", d.log());
+}
