@@ -97,8 +97,9 @@ pub fn check_shards(
              waiting or pending), stop them, DEL {key}, and start everything with the new count"
         ))),
         Ok(store::ShardLayout::UnshardedJobs { pool, jobs }) => Err(DaemonError::Layout(format!(
-            "--shards {n}: the unsharded pool {pool} still holds {jobs} jobs; let workers \
-             without --shards drain it (and the stream) first, then start with --shards {n}"
+            "--shards {n}: the unsharded {pool} still holds {jobs} jobs (waiting, or read and \
+             not acknowledged); let workers without --shards drain it first, then start with \
+             --shards {n}"
         ))),
         Err(e) => Err(DaemonError::RedisUnreachable {
             url: redact_url(&config.redis_url),

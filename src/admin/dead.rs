@@ -553,23 +553,40 @@ pub(super) fn run(
     if shards.len() == 1 {
         return one_set(&mut con, &config.keys, args, now, out);
     }
-    // `--shards N`: each shard's dead letters in turn, under its name; a letter to show
-    // is looked for in each; a JSON list is one array of them all.
-    if let DeadCommand::Show(a) = &args.command {
-        for keys in &shards {
-            let mut buf = Vec::new();
-            if show(&mut con, keys, a, now, &mut buf)? == ExitCode::SUCCESS {
-                out.write_all(&buf)?;
-                return Ok(ExitCode::SUCCESS);
-            }
+    // `--shards N`: each shard's dead letters in turn, under its name, ids written
+    // `<shard>/<id>` (a stream id is unique only within its shard's stream); a JSON list
+    // is one array of them all, each with its `shard`.
+    match &args.command {
+        DeadCommand::Show(a) => {
+            let (shard, id) = locate(&mut con, &shards, &a.id, now)?;
+            let one = ShowArgs { id, json: a.json };
+            return show(&mut con, &shards[shard], &one, now, out);
         }
-        writeln!(
-            out,
-            "no dead letter {} in any of the {} shards",
-            a.id,
-            shards.len()
-        )?;
-        return Ok(ExitCode::FAILURE);
+        DeadCommand::Requeue(a) if !a.ids.is_empty() => {
+            let mut by_shard: Vec<Vec<String>> = vec![Vec::new(); shards.len()];
+            for id in &a.ids {
+                let (shard, id) = locate(&mut con, &shards, id, now)?;
+                by_shard[shard].push(id);
+            }
+            let mut code = ExitCode::SUCCESS;
+            for (i, ids) in by_shard.into_iter().enumerate() {
+                if ids.is_empty() {
+                    continue;
+                }
+                writeln!(out, "shard {i} ({})", shards[i].dead)?;
+                let one = RequeueArgs {
+                    filter: a.filter.clone(),
+                    ids,
+                    limit: a.limit,
+                };
+                let c = requeue_cmd(&mut con, &shards[i], &one, now, out)?;
+                if c != ExitCode::SUCCESS {
+                    code = c;
+                }
+            }
+            return Ok(code);
+        }
+        _ => {}
     }
     let json = matches!(&args.command, DeadCommand::List(a) if a.json);
     let mut all: Vec<serde_json::Value> = Vec::new();
@@ -578,9 +595,17 @@ pub(super) fn run(
         let mut buf = Vec::new();
         let c = one_set(&mut con, keys, args, now, &mut buf)?;
         if json {
-            all.extend(serde_json::from_slice::<Vec<serde_json::Value>>(&buf)?);
+            for mut v in serde_json::from_slice::<Vec<serde_json::Value>>(&buf)? {
+                if let Some(o) = v.as_object_mut() {
+                    o.insert("shard".into(), i.into());
+                    if let Some(id) = o.get("id").and_then(|id| id.as_str()).map(String::from) {
+                        o.insert("id".into(), format!("{i}/{id}").into());
+                    }
+                }
+                all.push(v);
+            }
         } else {
-            writeln!(out, "shard {i} ({})", keys.dead)?;
+            writeln!(out, "shard {i} ({}): give ids as {i}/<id>", keys.dead)?;
             out.write_all(&buf)?;
         }
         if c != ExitCode::SUCCESS {
@@ -591,6 +616,49 @@ pub(super) fn run(
         write_json(out, &all)?;
     }
     Ok(code)
+}
+
+/// The shard and stream id of a dead-letter id given with `--shards`: `<shard>/<id>`, or a
+/// bare id held by exactly one shard (one held by several must name its shard).
+fn locate(
+    con: &mut dyn redis::ConnectionLike,
+    shards: &[Keys],
+    given: &str,
+    now: i64,
+) -> anyhow::Result<(usize, String)> {
+    if let Some((shard, id)) = given.split_once('/') {
+        let shard: usize = shard
+            .parse()
+            .ok()
+            .filter(|s| *s < shards.len())
+            .ok_or_else(|| {
+                anyhow::anyhow!(
+                    "{given:?}: the shard before '/' must be 0 to {}",
+                    shards.len() - 1
+                )
+            })?;
+        return Ok((shard, id.to_string()));
+    }
+    anyhow::ensure!(
+        is_stream_id(given),
+        "{given:?} is not a dead-letter id (like 2/1768764300123-0)"
+    );
+    let mut holders = Vec::new();
+    for (i, keys) in shards.iter().enumerate() {
+        let found =
+            fetch(con, keys, &[given.to_string()], now).context("cannot read the dead letters")?;
+        if matches!(found.first(), Some(Some(_))) {
+            holders.push(i);
+        }
+    }
+    match holders.as_slice() {
+        [one] => Ok((*one, given.to_string())),
+        [] => Ok((0, given.to_string())),
+        many => anyhow::bail!(
+            "{given:?} is a dead letter in shards {many:?}: name one, e.g. {}/{given}",
+            many[0]
+        ),
+    }
 }
 
 /// One key set's dead letters (the only one, or one shard's).

@@ -433,6 +433,33 @@ pub fn check_shards(
             jobs,
         });
     }
+    // Entries of the unsharded stream not delivered yet, or delivered and not acknowledged.
+    let groups: redis::RedisResult<Vec<std::collections::HashMap<String, Value>>> =
+        redis::cmd("XINFO")
+            .arg("GROUPS")
+            .arg(&base.stream)
+            .query(con);
+    let waiting: u64 = match groups {
+        Ok(groups) => groups
+            .iter()
+            .map(|g| {
+                let n = |f: &str| {
+                    g.get(f)
+                        .and_then(|v| redis::from_redis_value::<u64>(v.clone()).ok())
+                        .unwrap_or(0)
+                };
+                n("pending") + n("lag")
+            })
+            .sum(),
+        Err(e) if e.code() == Some("WRONGTYPE") || e.to_string().contains("no such key") => 0,
+        Err(e) => return Err(StoreError::from_redis("read the unsharded stream", e)),
+    };
+    if waiting > 0 {
+        return Ok(ShardLayout::UnshardedJobs {
+            pool: base.stream.clone(),
+            jobs: waiting,
+        });
+    }
     if !claim {
         return Ok(ShardLayout::Agrees);
     }

@@ -804,3 +804,139 @@ fn stats_in_list_mode_show_queues_processing_and_dead_lists() {
         "{text}"
     );
 }
+
+/// With `--shards`, a stream id is unique only within its shard: ids are written
+/// `<shard>/<id>`, a bare id held by two shards is refused naming them, and a requeue of
+/// one shard's letter touches no other shard's letter of the same id.
+#[test]
+fn dead_letter_ids_name_their_shard() {
+    let r = RedisServer::start();
+    let db = TestDb::new();
+    let mut con = r.con();
+    let shards = Keys::default().sharded("mq", 3);
+    for k in &shards[1..] {
+        redis::cmd("XADD")
+            .arg(&k.dead)
+            .arg("1796072452038-0")
+            .arg("msg")
+            .arg(r#"{"event":"order.timeout","payload":{"order_no":"X"}}"#)
+            .arg("reason")
+            .arg("r")
+            .arg("event")
+            .arg("order.timeout")
+            .arg("key")
+            .arg(format!("k-{}", k.dead))
+            .arg("ts")
+            .arg(1796072452)
+            .query::<()>(&mut con)
+            .unwrap();
+    }
+    let w = |args: &[&str]| {
+        let mut a = vec!["--shards", "3"];
+        a.extend_from_slice(args);
+        run_worker(&a, &r.url(), &db.url)
+    };
+    let out = w(&["dead", "list", "--json"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let letters: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+    let ids: Vec<&str> = letters.iter().map(|l| l["id"].as_str().unwrap()).collect();
+    assert_eq!(ids, ["1/1796072452038-0", "2/1796072452038-0"]);
+
+    let out = w(&["dead", "show", "1796072452038-0"]);
+    assert_ne!(out.status.code(), Some(0));
+    assert!(
+        text(&out.stderr).contains("shards [1, 2]"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = w(&["dead", "show", "2/1796072452038-0"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).contains("k-{mq:2}:dead-letter"),
+        "{}",
+        text(&out.stdout)
+    );
+
+    let out = w(&["dead", "requeue", "--id", "1/1796072452038-0"]);
+    assert!(
+        out.status.success(),
+        "{} {}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    let len =
+        |c: &mut redis::Connection, k: &str| -> u64 { redis::cmd("XLEN").arg(k).query(c).unwrap() };
+    assert_eq!(len(&mut con, &shards[1].dead), 0, "requeued");
+    assert_eq!(
+        len(&mut con, &shards[2].dead),
+        1,
+        "the other shard's letter stays"
+    );
+    let pooled: u64 = redis::cmd("ZCARD")
+        .arg(&shards[1].pool)
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(pooled, 1, "back in its own shard's pool");
+}
+
+/// Going from one key set to `--shards N` is refused while the unsharded stream still
+/// holds entries, read and unacknowledged or not read yet: they would never run.
+#[test]
+fn shards_are_refused_while_the_unsharded_stream_holds_work() {
+    let r = RedisServer::start();
+    let db = TestDb::new();
+    let mut con = r.con();
+    for i in 0..3 {
+        redis::cmd("XADD")
+            .arg("mq:events")
+            .arg("*")
+            .arg("msg")
+            .arg("{}")
+            .arg("key")
+            .arg(format!("k{i}"))
+            .query::<()>(&mut con)
+            .unwrap();
+    }
+    redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg("mq:events")
+        .arg("main")
+        .arg("0")
+        .query::<()>(&mut con)
+        .unwrap();
+    redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg("main")
+        .arg("ghost")
+        .arg("COUNT")
+        .arg(2)
+        .arg("STREAMS")
+        .arg("mq:events")
+        .arg(">")
+        .query::<redis::Value>(&mut con)
+        .unwrap();
+    let out = run_worker(
+        &[
+            "push",
+            "--shards",
+            "3",
+            "--event",
+            "x",
+            "--payload",
+            "{}",
+            "--delay",
+            "1m",
+            "--unchecked",
+        ],
+        &r.url(),
+        &db.url,
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("the unsharded mq:events still holds 3 jobs"),
+        "{}",
+        text(&out.stderr)
+    );
+    let recorded: Option<String> = redis::cmd("GET").arg("mq:shards").query(&mut con).unwrap();
+    assert_eq!(recorded, None);
+}
