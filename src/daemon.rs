@@ -123,7 +123,8 @@ pub fn redis_connection(config: &Config) -> Result<crate::store::Con, DaemonErro
 /// never answers reads as the socket's "Resource temporarily unavailable" otherwise, and
 /// a TLS failure is said in plain words.
 fn unreachable_reason(e: &redis::RedisError, url: &str) -> String {
-    let tls_url = url.starts_with("rediss://") || url.starts_with("valkeys://");
+    let scheme = url.split("://").next().unwrap_or("");
+    let tls_url = scheme.starts_with("rediss") || scheme.starts_with("valkeys");
     if let Some(tls) = crate::tls::describe(e, "--redis-ca-file") {
         tls
     } else if e.is_timeout() {
