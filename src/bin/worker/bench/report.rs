@@ -687,9 +687,10 @@ impl Model {
         let k = self.host_cores;
         let mut out = vec![
             format!(
-                "Redis: {} ms CPU per job over every master (engine: move, read, ack; busiest master {} per job of its shards; backlog {}) → one master carries ~{} jobs/s",
+                "Redis: {} ms CPU per job over every master (engine: move, read, ack{}; backlog {}) → one master carries ~{} jobs/s",
                 ms(self.redis_ms_per_job),
-                ms(self.redis_ms_per_job_busiest_master),
+                self.redis_ms_per_job_busiest_master
+                    .map_or(String::new(), |v| format!("; the busiest master {v:.4} per job of its shards")),
                 ms(self.redis_ms_per_job_backlog),
                 rate(self.per_master_jobs_per_s)
             ),
