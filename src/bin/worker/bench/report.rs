@@ -586,14 +586,22 @@ pub struct Model {
     /// primary's CPU (the same cores) would carry.
     pub per_master_jobs_per_s: Option<f64>,
     pub per_host_jobs_per_s: Option<f64>,
+    /// What the one worker process of this run moved (engine): its reader and its mover
+    /// each make one round trip at a time, so a host reaches its CPU figure only with
+    /// several processes.
+    pub one_process_jobs_per_s: Option<f64>,
     pub primary_cpu_jobs_per_s: Option<f64>,
     /// The primary's measured ceilings on this machine (pgbench, one order per
     /// transaction and sets of 8).
     pub primary_pgbench_tps: Option<f64>,
     pub primary_pgbench_set_orders_per_s: Option<f64>,
-    /// The primary's figure the deployments are capped at: the set-based ceiling, else
-    /// the one-order one, else the CPU figure.
+    /// What the primary carried in this run's backlog scenario (the worker's sets of up
+    /// to --set-size and group commit), sharing this machine's cores with the rest.
+    pub primary_backlog_jobs_per_s: Option<f64>,
+    /// The figure the deployments are capped at: the highest of the three measured above
+    /// (else the CPU figure), and which one it is.
     pub primary_jobs_per_s: Option<f64>,
+    pub primary_basis: String,
     /// Mean over busiest master load (1.0 even), measured when the run had several masters.
     pub master_balance: Option<f64>,
     pub host_cores: usize,
@@ -631,6 +639,7 @@ impl Model {
                 busiest.redis_cpu_ms_per_job
             }),
             worker_ms_per_job: per_job(backlog, |c| Some(c.worker_s)),
+            one_process_jobs_per_s: engine.and_then(|e| e.jobs_per_s),
             worker_ms_per_job_engine: per_job(engine, |c| Some(c.worker_s)),
             postgres_ms_per_job: per_job(backlog, |c| c.postgres_s),
             primary_pgbench_tps: ceilings.pgbench_tps(),
@@ -653,13 +662,24 @@ impl Model {
         m.per_master_jobs_per_s = rate(redis_ms, 1);
         m.per_host_jobs_per_s = rate(m.worker_ms_per_job.or(m.worker_ms_per_job_engine), k);
         m.primary_cpu_jobs_per_s = rate(m.postgres_ms_per_job, k);
-        // The primary's figure is its measured ceiling: the set-based one (the worker's
-        // set form does that work), else one order per transaction, else its CPU.
-        let primary = m
-            .primary_pgbench_set_orders_per_s
-            .or(m.primary_pgbench_tps)
-            .or(m.primary_cpu_jobs_per_s);
+        m.primary_backlog_jobs_per_s = backlog.and_then(|b| b.jobs_per_s);
+        // The primary's figure: the most it was measured to carry on this machine.
+        let measured = [
+            (m.primary_backlog_jobs_per_s, "the worker's backlog"),
+            (m.primary_pgbench_set_orders_per_s, "pgbench in sets"),
+            (m.primary_pgbench_tps, "pgbench one order per transaction"),
+        ];
+        let best = measured
+            .iter()
+            .filter_map(|(v, what)| v.map(|v| (v, *what)))
+            .max_by(|a, b| a.0.total_cmp(&b.0));
+        let (primary, basis) = match (best, m.primary_cpu_jobs_per_s) {
+            (Some((v, what)), _) => (Some(v), what),
+            (None, Some(c)) => (Some(c), "its CPU per job"),
+            (None, None) => (None, "not measured"),
+        };
         m.primary_jobs_per_s = primary;
+        m.primary_basis = basis.to_string();
         let balance = m.master_balance.unwrap_or(1.0);
         let engine_host = rate(m.worker_ms_per_job_engine, k);
         let backlog_host = rate(m.worker_ms_per_job, k);
@@ -695,18 +715,20 @@ impl Model {
                 rate(self.per_master_jobs_per_s)
             ),
             format!(
-                "worker: {} ms CPU per job (backlog, order.timeout; engine {}) → one {k}-core host carries ~{} jobs/s",
+                "worker: {} ms CPU per job (backlog, order.timeout; engine {}) → one {k}-core host carries ~{} jobs/s, with several worker processes: the one process of this run moved {} jobs/s (engine), its reader and mover making one round trip at a time",
                 ms(self.worker_ms_per_job),
                 ms(self.worker_ms_per_job_engine),
-                rate(self.per_host_jobs_per_s)
+                rate(self.per_host_jobs_per_s),
+                rate(self.one_process_jobs_per_s)
             ),
             format!(
-                "PostgreSQL: {} ms CPU per job (backlog) → {k} cores of the primary carry ~{} jobs/s; its measured ceiling on this machine: pgbench {} tps one order per transaction, {} orders/s in sets of {}",
+                "PostgreSQL: {} ms CPU per job (backlog) → a primary of its own with {k} cores ~{} jobs/s by CPU; measured on this machine, sharing its cores: pgbench {} tps one order per transaction, {} orders/s in sets of {}, the worker's backlog {} jobs/s",
                 ms(self.postgres_ms_per_job),
                 rate(self.primary_cpu_jobs_per_s),
                 rate(self.primary_pgbench_tps),
                 rate(self.primary_pgbench_set_orders_per_s),
-                super::ceiling::SET_ORDERS
+                super::ceiling::SET_ORDERS,
+                rate(self.primary_backlog_jobs_per_s)
             ),
         ];
         if !self.deployments.is_empty() {
@@ -734,15 +756,9 @@ impl Model {
             ));
         }
         out.push(format!(
-            "the one real limit: one PostgreSQL primary (every job's transaction commits there; shards and masters do not divide it): {} jobs/s on this machine's {k} cores (pgbench {})",
+            "the one real limit: one PostgreSQL primary (every job's transaction commits there; shards, masters and worker hosts do not divide it): {} jobs/s on this machine's {k} cores ({})",
             rate(self.primary_jobs_per_s),
-            if self.primary_pgbench_set_orders_per_s.is_some() {
-                format!("in sets of {}", super::ceiling::SET_ORDERS)
-            } else if self.primary_pgbench_tps.is_some() {
-                "one order per transaction".to_string()
-            } else {
-                "not run: its CPU figure".to_string()
-            }
+            self.primary_basis
         ));
         out
     }
