@@ -506,8 +506,9 @@ impl ConnectionLike for Con {
 /// pipeline, and our figures read "no such key" from a stream not created yet as an
 /// answer. So a plain pipeline runs command by command, each routed by its own key, its
 /// server errors kept in place as a single server answers them; a transaction (`MULTI`)
-/// goes whole to its node. Only the admin commands and the benchmark's bulk load
-/// pipeline: the worker's own path is one script per step.
+/// goes whole to its node. Only the admin commands and the benchmark's queue probes
+/// pipeline: the worker's own path is one script per step, and the benchmark's bulk load
+/// one script call per batch of a shard's jobs (`pool::push_many`).
 fn cluster_pipeline(
     con: &mut ClusterConnection,
     cmd: &[u8],

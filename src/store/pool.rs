@@ -6,6 +6,7 @@ use redis::{ConnectionLike, Script, Value};
 use std::sync::LazyLock;
 
 static PUSH: LazyLock<Script> = script!("push.lua");
+static PUSH_BATCH: LazyLock<Script> = script!("push_batch.lua");
 static CANCEL: LazyLock<Script> = script!("cancel.lua");
 static MOVE_DUE: LazyLock<Script> = script!("move_due.lua");
 
@@ -28,48 +29,41 @@ pub fn push(
     Ok(int(Some(&run("push", &inv, con)?)) == 1)
 }
 
-/// [`push`] for many jobs `(key, message, score)`, `per_trip` script calls per round trip
-/// (pipelined EVALSHA): for loading a backlog. Returns how many were pushed.
+/// [`push`] for many jobs `(key, message, score)` of one key set, `per_call` jobs per
+/// script call (`push_batch.lua`): each call is one atomic step and one round trip, on a
+/// Redis Cluster too (the set's keys share one hash slot). For loading a backlog; a
+/// sharded queue loads each shard's jobs with that shard's keys. Returns how many were
+/// pushed and how many of them were already scheduled (rescheduled, not duplicated).
 pub fn push_many(
-    con: &mut crate::store::Con,
+    con: &mut dyn ConnectionLike,
     keys: &Keys,
     jobs: impl Iterator<Item = (String, String, i64)>,
-    per_trip: usize,
-) -> StoreResult<u64> {
-    let sha = PUSH
-        .load(con)
-        .map_err(|e| super::StoreError::from_redis("load push", e))?;
-    let mut pipe = redis::pipe();
-    let mut n = 0u64;
-    let send = |pipe: &mut redis::Pipeline, con: &mut crate::store::Con| {
-        let replies: Vec<Value> = pipe
-            .query(con)
-            .map_err(|e| super::StoreError::from_redis("push", e))?;
-        pipe.clear();
-        let n = replies.len() as u64;
-        for r in replies {
-            super::checked("push", r)?;
+    per_call: usize,
+) -> StoreResult<(u64, u64)> {
+    let per_call = per_call.max(1);
+    let (mut pushed, mut again) = (0u64, 0u64);
+    let mut batch: Vec<(String, String, i64)> = Vec::with_capacity(per_call);
+    let mut send = |batch: &mut Vec<(String, String, i64)>| -> StoreResult<()> {
+        let mut inv = PUSH_BATCH.prepare_invoke();
+        inv.key(&keys.pool).key(&keys.data).key(&keys.jobs);
+        for (key, msg, score) in batch.iter() {
+            inv.arg(key).arg(msg).arg(*score);
         }
-        Ok::<u64, super::StoreError>(n)
+        again += int(Some(&run("push", &inv, con)?)) as u64;
+        pushed += batch.len() as u64;
+        batch.clear();
+        Ok(())
     };
-    for (key, msg, score) in jobs {
-        pipe.cmd("EVALSHA")
-            .arg(&sha)
-            .arg(3)
-            .arg(&keys.pool)
-            .arg(&keys.data)
-            .arg(&keys.jobs)
-            .arg(key)
-            .arg(msg)
-            .arg(score);
-        if pipe.len() == per_trip.max(1) {
-            n += send(&mut pipe, con)?;
+    for job in jobs {
+        batch.push(job);
+        if batch.len() == per_call {
+            send(&mut batch)?;
         }
     }
-    if !pipe.is_empty() {
-        n += send(&mut pipe, con)?;
+    if !batch.is_empty() {
+        send(&mut batch)?;
     }
-    Ok(n)
+    Ok((pushed, again))
 }
 
 /// Removes a scheduled job. Returns `true` if it existed.

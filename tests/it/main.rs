@@ -3,6 +3,7 @@
 mod support;
 
 mod admin;
+mod bench_cluster;
 mod chaos;
 mod cli;
 mod cluster;

@@ -16,7 +16,7 @@
 //! A missing tool is not fatal: that ceiling is reported as unavailable with the reason.
 
 use super::report::{Ceilings, PgbenchFigures};
-use super::{shop, BenchArgs};
+use super::{shop, BenchArgs, CeilingKind};
 use anyhow::{bail, Context, Result};
 use delay_worker::config::Config;
 use delay_worker::handlers::sql::SqlHandler;
@@ -33,6 +33,9 @@ pub const SET_ORDERS: u64 = 8;
 /// XADDs redis-benchmark sends.
 const XADD_REQUESTS: u32 = 200_000;
 const XADD_KEY: &str = "bench:stream";
+/// On a Redis Cluster: redis-benchmark puts a tag of each node in place of `{tag}`.
+const XADD_KEY_CLUSTER: &str = "bench:{tag}:stream";
+const XADD_KEY_PATTERN: &str = "bench:{*}:stream";
 
 pub fn measure(
     config: &Config,
@@ -43,13 +46,21 @@ pub fn measure(
     stop: &Shutdown,
 ) -> Result<Ceilings> {
     let mut c = Ceilings::default();
-    println!("ceiling: redis-benchmark XADD ...");
-    match redis_xadd(redis) {
-        Ok(v) => c.redis_xadd_per_s = Some(v),
-        Err(e) => c.redis_error = Some(format!("{e:#}")),
+    if args.measures(CeilingKind::Redis) {
+        println!("ceiling: redis-benchmark XADD ...");
+        match redis_xadd(config, redis) {
+            Ok((v, command)) => {
+                c.redis_xadd_per_s = Some(v);
+                c.redis_xadd_command = Some(command);
+            }
+            Err(e) => c.redis_error = Some(format!("{e:#}")),
+        }
     }
     if stop.is_set() {
         bail!("interrupted");
+    }
+    if !args.measures(CeilingKind::Pgbench) {
+        return Ok(c);
     }
     println!(
         "ceiling: pgbench order.timeout, {} clients, {}s after a {}s warm-up ({} orders seeded each) ...",
@@ -101,14 +112,32 @@ fn find_tool(name: &str) -> Option<PathBuf> {
     dirs.pop()
 }
 
-fn redis_xadd(redis: &delay_worker::store::Redis) -> Result<f64> {
+/// The XADD ceiling and the command that measured it. On a Redis Cluster
+/// `redis-benchmark --cluster` spreads its clients over every master (the `{tag}` in the
+/// key name is replaced by a tag of each client's node): the cluster's aggregate.
+fn redis_xadd(config: &Config, redis: &delay_worker::store::Redis) -> Result<(f64, String)> {
     let tool = find_tool("redis-benchmark")
         .context("redis-benchmark not found (Debian package redis-tools)")?;
-    let delay_worker::store::Redis::Single(client) = redis else {
-        bail!("redis-benchmark: the ceiling is measured on one Redis server only");
-    };
-    let info = client.get_connection_info();
     let mut cmd = Command::new(tool);
+    let (info, key) = match redis {
+        delay_worker::store::Redis::Single(client) => {
+            (client.get_connection_info().clone(), XADD_KEY)
+        }
+        delay_worker::store::Redis::Cluster(_) => {
+            let masters = super::child::masters(&mut redis.connect()?)?;
+            if masters.len() > 1 {
+                cmd.arg("--cluster");
+                (seed_node(&config.redis_url)?, XADD_KEY_CLUSTER)
+            } else {
+                // redis-benchmark --cluster refuses a cluster of one node: it holds
+                // every slot, so plain commands to it are the same thing.
+                (seed_node(&config.redis_url)?, XADD_KEY)
+            }
+        }
+        delay_worker::store::Redis::Sentinel(_) => {
+            bail!("redis-benchmark: the bench measures the ceiling on a server or a cluster, not through Sentinel")
+        }
+    };
     match info.addr() {
         ConnectionAddr::Tcp(host, port) => {
             cmd.args(["-h", host, "-p", &port.to_string()]);
@@ -126,12 +155,29 @@ fn redis_xadd(redis: &delay_worker::store::Redis) -> Result<f64> {
         // By environment (redis-cli and redis-benchmark read it), not in `ps`.
         cmd.env("REDISCLI_AUTH", pw);
     }
-    cmd.args(["--dbnum", &r.db().to_string()]);
+    if matches!(redis, delay_worker::store::Redis::Single(_)) {
+        cmd.args(["--dbnum", &r.db().to_string()]);
+    }
     cmd.args(["-n", &XADD_REQUESTS.to_string(), "-P", "16", "-q"])
-        .args(["XADD", XADD_KEY, "*", "msg", "x"]);
+        .args(["XADD", key, "*", "msg", "x"]);
+    let shown = format!(
+        "redis-benchmark {}",
+        cmd.get_args()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
     let out = cmd.output().context("cannot run redis-benchmark")?;
     let mut con = redis.connect()?;
-    delay_worker::store::delete_keys(&mut con, &[XADD_KEY])?;
+    if cmd.get_args().any(|a| a == "--cluster") {
+        // One stream per master, each under the tag redis-benchmark chose for it.
+        let made: Vec<String> = redis::cmd("KEYS").arg(XADD_KEY_PATTERN).query(&mut con)?;
+        for k in &made {
+            delay_worker::store::delete_keys(&mut con, &[k.as_str()])?;
+        }
+    } else {
+        delay_worker::store::delete_keys(&mut con, &[XADD_KEY])?;
+    }
     let stdout = String::from_utf8_lossy(&out.stdout);
     if !out.status.success() {
         bail!(
@@ -141,14 +187,31 @@ fn redis_xadd(redis: &delay_worker::store::Redis) -> Result<f64> {
         );
     }
     // "XADD bench:stream * msg x: 465116.25 requests per second, p50=1.015 msec"
-    stdout
+    let rate = stdout
         .split(['\r', '\n'])
         .filter_map(|l| {
             let (before, _) = l.split_once(" requests per second")?;
             before.rsplit(' ').next()?.parse::<f64>().ok()
         })
         .next_back()
-        .with_context(|| format!("no rate in the redis-benchmark output: {}", stdout.trim()))
+        .with_context(|| format!("no rate in the redis-benchmark output: {}", stdout.trim()))?;
+    Ok((rate, shown))
+}
+
+/// The first node of a `redis+cluster://` URL, with the URL's user and password.
+fn seed_node(url: &str) -> Result<redis::ConnectionInfo> {
+    use redis::IntoConnectionInfo;
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let rest = rest.split(['/', '?']).next().unwrap_or(rest);
+    let (auth, hosts) = match rest.rfind('@') {
+        Some(i) => (&rest[..=i], &rest[i + 1..]),
+        None => ("", rest),
+    };
+    let first = hosts.split(',').next().unwrap_or("");
+    format!("redis://{auth}{first}/")
+        .as_str()
+        .into_connection_info()
+        .context("the cluster URL's first node")
 }
 
 /// Which transaction a pgbench ceiling runs: one order, or a set of [`SET_ORDERS`].

@@ -10,6 +10,7 @@ use super::CHILD_PID;
 use anyhow::{bail, Context, Result};
 use delay_worker::config::Config;
 use delay_worker::keys::Keys;
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -64,10 +65,14 @@ impl WorkerChild {
             .args(["--statement-timeout", &ms(config.jobs.statement_timeout)])
             .args(["--tx-batch", &config.jobs.tx_batch.to_string()])
             .args(["--set-size", &config.jobs.set_size.to_string()])
-            .args(["--pool-key", &k.pool, "--data-key", &k.data])
-            .args(["--stream-key", &k.stream, "--group", &k.group])
-            .args(["--dead-key", &k.dead])
-            .args(["--stats-interval", "5s"])
+            .args(["--key-prefix", &config.shard_prefix, "--group", &k.group])
+            .args(["--shards", &config.shards.to_string()]);
+        if config.shards <= 1 {
+            // Each name as the bench has it; a sharded worker names every key itself.
+            cmd.args(["--pool-key", &k.pool, "--data-key", &k.data])
+                .args(["--stream-key", &k.stream, "--dead-key", &k.dead]);
+        }
+        cmd.args(["--stats-interval", "5s"])
             .args(extra)
             .stdin(Stdio::null())
             .stdout(out)
@@ -103,10 +108,15 @@ impl WorkerChild {
     }
 
     /// Waits until the worker's reader has written its heartbeat: it has connected,
-    /// checked the schema, prepared its handlers and joined the group.
-    pub fn wait_ready(&mut self, con: &mut delay_worker::store::Con, keys: &Keys) -> Result<()> {
+    /// checked the schema, prepared its handlers and joined the group. With shards, the
+    /// last shard's heartbeat (the reader starts them in order).
+    pub fn wait_ready(
+        &mut self,
+        con: &mut delay_worker::store::Con,
+        shards: &[Keys],
+    ) -> Result<()> {
         let started = Instant::now();
-        let key = keys.heartbeat(CONSUMER);
+        let key = shards.last().context("no key set")?.heartbeat(CONSUMER);
         loop {
             self.check_alive()?;
             let up: bool = redis::cmd("EXISTS").arg(&key).query(con)?;
@@ -350,18 +360,113 @@ pub fn postgres_ticks(postmaster: u32) -> Option<u64> {
     Some(ticks)
 }
 
-/// CPU seconds of the Redis server (INFO cpu: user + sys, main process and children).
-pub fn redis_cpu_s(con: &mut delay_worker::store::Con) -> Option<f64> {
-    let info: String = redis::cmd("INFO").arg("cpu").query(con).ok()?;
-    let mut sum = 0.0;
-    for l in info.lines() {
-        if let Some((k, v)) = l.split_once(':') {
-            if k == "used_cpu_sys" || k == "used_cpu_user" {
-                sum += v.trim().parse::<f64>().ok()?;
+/// The text of `INFO <section>` of every server behind the connection, by node: one
+/// server's under `"redis"`, each master's of a Redis Cluster under its address (redis-rs
+/// sends INFO to every master and answers with a map of node to reply).
+pub fn info_by_node(
+    con: &mut delay_worker::store::Con,
+    section: &str,
+) -> Result<BTreeMap<String, String>> {
+    let v: redis::Value = redis::cmd("INFO").arg(section).query(con)?;
+    let mut out = BTreeMap::new();
+    match v {
+        redis::Value::Map(nodes) => {
+            for (node, reply) in &nodes {
+                if let (Some(n), Some(r)) = (text(Some(node)), info_text(reply)) {
+                    out.insert(n, r);
+                }
             }
         }
+        other => {
+            out.insert(
+                "redis".to_string(),
+                info_text(&other).context("INFO: no text in the reply")?,
+            );
+        }
     }
-    Some(sum)
+    Ok(out)
+}
+
+fn info_text(v: &redis::Value) -> Option<String> {
+    match v {
+        redis::Value::VerbatimString { text, .. } => Some(text.clone()),
+        other => text(Some(other)),
+    }
+}
+
+/// `field:value` of an INFO text.
+pub fn info_field<'a>(info: &'a str, field: &str) -> Option<&'a str> {
+    info.lines().find_map(|l| {
+        let (k, v) = l.split_once(':')?;
+        (k == field).then(|| v.trim())
+    })
+}
+
+/// CPU seconds of each Redis server (INFO cpu: user + sys, main process and children),
+/// by node as [`info_by_node`] names them: on a Redis Cluster, every master.
+pub fn redis_cpu_s(con: &mut delay_worker::store::Con) -> Option<BTreeMap<String, f64>> {
+    let mut out = BTreeMap::new();
+    for (node, info) in info_by_node(con, "cpu").ok()? {
+        let sys: f64 = info_field(&info, "used_cpu_sys")?.parse().ok()?;
+        let user: f64 = info_field(&info, "used_cpu_user")?.parse().ok()?;
+        out.insert(node, sys + user);
+    }
+    Some(out)
+}
+
+/// A master of the Redis the bench runs on and the hash slots it serves.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Master {
+    /// `host:port` as INFO's replies name it (`"redis"` for one server).
+    pub addr: String,
+    pub slots: Vec<(u16, u16)>,
+}
+
+impl Master {
+    pub fn serves(&self, slot: u16) -> bool {
+        self.slots.iter().any(|(a, b)| (*a..=*b).contains(&slot))
+    }
+}
+
+/// The masters: one server is one master holding every slot; a Redis Cluster's come
+/// from `CLUSTER NODES`.
+pub fn masters(con: &mut delay_worker::store::Con) -> Result<Vec<Master>> {
+    if !con.is_cluster() {
+        return Ok(vec![Master {
+            addr: "redis".into(),
+            slots: vec![(0, 16383)],
+        }]);
+    }
+    let nodes: String = redis::cmd("CLUSTER").arg("NODES").query(con)?;
+    Ok(parse_cluster_nodes(&nodes))
+}
+
+/// The masters of a `CLUSTER NODES` reply (`<id> <ip:port@cport[,hostname]> <flags>
+/// <master> <ping> <pong> <epoch> <state> <slot>...`), in address order.
+pub fn parse_cluster_nodes(nodes: &str) -> Vec<Master> {
+    let mut out: Vec<Master> = nodes
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let flags = f.get(2)?;
+            if !flags.split(',').any(|x| x == "master") || flags.contains("fail") {
+                return None;
+            }
+            let addr = f.get(1)?.split(['@', ',']).next()?.to_string();
+            let slots = f
+                .iter()
+                .skip(8)
+                .filter(|s| !s.starts_with('['))
+                .filter_map(|s| match s.split_once('-') {
+                    Some((a, b)) => Some((a.parse().ok()?, b.parse().ok()?)),
+                    None => s.parse().ok().map(|n| (n, n)),
+                })
+                .collect();
+            Some(Master { addr, slots })
+        })
+        .collect();
+    out.sort_by(|a, b| a.addr.cmp(&b.addr));
+    out
 }
 
 // ---- Redis: is everything drained? ------------------------------------------------------
@@ -384,6 +489,29 @@ pub struct QueueState {
 }
 
 impl QueueState {
+    /// The figures of several shards added up (a field unknown in one is unknown).
+    pub fn total(shards: &[QueueState]) -> QueueState {
+        let mut t = QueueState {
+            entries_read: Some(0),
+            ..Default::default()
+        };
+        for s in shards {
+            t.pool += s.pool;
+            t.data += s.data;
+            t.stream += s.stream;
+            t.entries_read = t.entries_read.zip(s.entries_read).map(|(a, b)| a + b);
+            t.pending += s.pending;
+            t.undelivered |= s.undelivered;
+            t.dead += s.dead;
+        }
+        t
+    }
+
+    /// Entries the group has been given: the shard's share of the work.
+    pub fn delivered(&self) -> u64 {
+        self.entries_read.unwrap_or(self.stream)
+    }
+
     /// Nothing left to move, deliver or acknowledge.
     pub fn drained(&self) -> bool {
         self.pool == 0 && self.pending == 0 && !self.undelivered
@@ -485,10 +613,21 @@ pub fn queue_state(con: &mut delay_worker::store::Con, keys: &Keys) -> Result<Qu
 /// the rest.
 pub fn moved_times(
     con: &mut delay_worker::store::Con,
-    keys: &Keys,
+    shards: &[Keys],
 ) -> Result<std::collections::HashMap<String, i64>> {
-    const PAGE: usize = 5000;
     let mut out = std::collections::HashMap::new();
+    for keys in shards {
+        moved_times_of(con, keys, &mut out)?;
+    }
+    Ok(out)
+}
+
+fn moved_times_of(
+    con: &mut delay_worker::store::Con,
+    keys: &Keys,
+    out: &mut std::collections::HashMap<String, i64>,
+) -> Result<()> {
+    const PAGE: usize = 5000;
     let mut start = "-".to_string();
     loop {
         let page: redis::Value = redis::cmd("XRANGE")
@@ -520,15 +659,63 @@ pub fn moved_times(
             _ => break,
         }
     }
-    Ok(out)
+    Ok(())
 }
 
-/// Deletes the queue keys and the bench consumer's heartbeat: a scenario starts empty.
-pub fn reset_queue(con: &mut delay_worker::store::Con, keys: &Keys) -> Result<()> {
-    let heartbeat = keys.heartbeat(CONSUMER);
-    delay_worker::store::delete_keys(
-        con,
-        &[&keys.pool, &keys.data, &keys.stream, &keys.dead, &heartbeat],
-    )
-    .context("cannot reset the queue keys")
+/// Deletes the queue keys of every shard, the bench consumer's heartbeats and the
+/// recorded shard count: a scenario starts empty, with any `--shards`. One call per
+/// shard: on a Redis Cluster each shard's keys share a slot, two shards' do not.
+pub fn reset_queue(con: &mut delay_worker::store::Con, shards: &[Keys]) -> Result<()> {
+    for keys in shards {
+        let heartbeat = keys.heartbeat(CONSUMER);
+        delay_worker::store::delete_keys(
+            con,
+            &[
+                &keys.pool,
+                &keys.data,
+                &keys.jobs,
+                &keys.stream,
+                &keys.dead,
+                &heartbeat,
+            ],
+        )
+        .context("cannot reset the queue keys")?;
+    }
+    if let Some(k) = shards.first() {
+        delay_worker::store::delete_keys(con, &[&k.shard_count])
+            .context("cannot reset the shard count")?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{parse_cluster_nodes, Master};
+
+    #[test]
+    fn masters_come_from_cluster_nodes() {
+        // A lone node that has met no other lists itself as ":port"; replicas, failed
+        // masters and slots being moved ("[...]") are left out.
+        let nodes = "\
+07c3 127.0.0.1:7412@17412 master - 0 1700000000000 2 connected 5461-10922 7000
+e7d1 :7401@17401 myself,master - 0 0 1 connected 0-5460 [5461->-07c3]
+a1b2 127.0.0.1:7413@17413,host3 slave 07c3 0 1700000000000 2 connected
+c3d4 127.0.0.1:7414@17414 master,fail - 0 1700000000000 3 disconnected 10923-16383
+";
+        let m = parse_cluster_nodes(nodes);
+        assert_eq!(
+            m,
+            vec![
+                Master {
+                    addr: "127.0.0.1:7412".into(),
+                    slots: vec![(5461, 10922), (7000, 7000)],
+                },
+                Master {
+                    addr: ":7401".into(),
+                    slots: vec![(0, 5460)],
+                },
+            ]
+        );
+        assert!(m[1].serves(5460) && !m[1].serves(5461) && m[0].serves(7000));
+    }
 }

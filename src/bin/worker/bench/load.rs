@@ -6,11 +6,14 @@
 //! `t0 + i / rate`; when the thread falls behind it sends at once and records by how much,
 //! so the report shows whether the producer kept up. Payments go to a second thread that
 //! batches them into one UPDATE every [`PAY_EVERY`], so the producer never waits on a
-//! commit. The bulk push sends the same `push.lua` by SHA, 1,000 calls per pipeline.
+//! commit. The bulk push groups the jobs by shard and loads each shard's with
+//! `store::pool::push_many`, 1,000 jobs per script call (one round trip, on a Redis
+//! Cluster too). With `--shards`, every message goes to the key set of its shard
+//! (`keys::shard_of`), as a producer's would.
 
 use anyhow::{bail, Context, Result};
 use crossbeam_channel::{Receiver, RecvTimeoutError};
-use delay_worker::keys::Keys;
+use delay_worker::keys::{shard_of, Keys};
 use delay_worker::message::Envelope;
 use delay_worker::producer::{self, NewJob};
 use delay_worker::{store, Shutdown};
@@ -26,8 +29,8 @@ pub const DUPLICATE_PERCENT: u32 = 5;
 /// Longest a payment waits in the payer's batch. Delays start at 1 s, so every payment
 /// commits long before its order falls due.
 const PAY_EVERY: Duration = Duration::from_millis(20);
-/// Push calls per pipeline in the bulk push.
-const PIPELINE: usize = 1000;
+/// Jobs per script call in the bulk push.
+const PER_CALL: usize = 1000;
 
 /// The job key of an order's timeout; the order number is the seed's `BO` + 9 digits.
 pub fn order_key(id: i64) -> String {
@@ -91,7 +94,7 @@ pub struct Produced {
 pub fn steady(
     redis: &delay_worker::store::Redis,
     database_url: &str,
-    keys: &Keys,
+    shards: &[Keys],
     plan: &SteadyPlan,
     stop: &Shutdown,
 ) -> Result<Produced> {
@@ -104,7 +107,7 @@ pub fn steady(
             .spawn_scoped(s, move || pay(&mut payer_db, &pay_rx))
             .context("cannot start the payer thread")?;
         // The payer stops when `pay_tx` is dropped, which `produce` does on every path.
-        let produced = produce(&mut con, keys, plan, pay_tx, stop);
+        let produced = produce(&mut con, shards, plan, pay_tx, stop);
         let paid = payer
             .join()
             .map_err(|_| anyhow::anyhow!("the payer thread panicked"))?;
@@ -119,7 +122,7 @@ pub fn steady(
 
 fn produce(
     con: &mut delay_worker::store::Con,
-    keys: &Keys,
+    shards: &[Keys],
     plan: &SteadyPlan,
     pay: crossbeam_channel::Sender<(i64, Instant)>,
     stop: &Shutdown,
@@ -169,6 +172,7 @@ fn produce(
                 (id, order_key(id), due)
             }
         };
+        let keys = &shards[shard_of(key.as_bytes(), shards.len())];
         match plan.scores {
             Scores::Millis => {
                 let job = NewJob {
@@ -262,12 +266,24 @@ pub fn engine_jobs(n: u64) -> impl Iterator<Item = Bulk> {
     })
 }
 
-/// Pushes every job with the store's `push`, [`PIPELINE`] calls per round trip. Returns
-/// how many were pushed.
+/// Pushes every job into its shard's key set with the store's `push_many`, [`PER_CALL`]
+/// jobs per script call. Returns how many jobs each shard got, in shard order.
 pub fn bulk_push(
     con: &mut delay_worker::store::Con,
-    keys: &Keys,
+    shards: &[Keys],
     jobs: impl Iterator<Item = Bulk>,
-) -> Result<u64> {
-    delay_worker::store::pool::push_many(con, keys, jobs, PIPELINE).context("bulk push")
+) -> Result<Vec<u64>> {
+    let mut by_shard: Vec<Vec<Bulk>> = vec![Vec::new(); shards.len()];
+    for job in jobs {
+        by_shard[shard_of(job.0.as_bytes(), shards.len())].push(job);
+    }
+    by_shard
+        .into_iter()
+        .zip(shards)
+        .map(|(jobs, keys)| {
+            let (pushed, _) = store::pool::push_many(con, keys, jobs.into_iter(), PER_CALL)
+                .context("bulk push")?;
+            Ok(pushed)
+        })
+        .collect()
 }

@@ -7,7 +7,7 @@
 //!
 //! ```text
 //!  reset + seed the shop (set-based SQL, sql/bench/seed.sql)
-//!  push: paced producer (steady-*) | pipelined bulk push before the start (backlog, engine)
+//!  push: paced producer (steady-*) | bulk push per shard before the start (backlog, engine)
 //!  child `worker run --threads N`   ◀── sampled: VmRSS every 100 ms, CPU from /proc
 //!  wait until the pool and the stream are drained (Redis), bounded by --timeout
 //!  stop the child; lateness from worker_inbox.processed_at; accounting → PASS / FAIL
@@ -15,6 +15,13 @@
 //!
 //! Ceilings in the same run: `redis-benchmark` XADD and `pgbench` running the very
 //! transaction `order.timeout` runs, at the same concurrency (`ceiling.rs`).
+//!
+//! On a Redis Cluster (`--redis-url redis+cluster://...`) and with `--shards N` every
+//! step works per shard (load, reset, the drain, the stream's move times), Redis CPU is
+//! read from every master, and each scenario reports how its jobs spread over the shards
+//! and the masters serving their slots. The report ends with the model: from this run's
+//! CPU per job, what N worker hosts and M masters would carry, and the one PostgreSQL
+//! primary that caps them (`report::Model`).
 //!
 //! Nothing here asserts a timing: figures are measurements. Only the accounting (every
 //! unpaid order cancelled once, stock and coupons exact, nothing left behind) passes or
@@ -146,11 +153,30 @@ pub struct BenchArgs {
     #[arg(long)]
     pub poll_status: bool,
     /// Skip the redis-benchmark and pgbench ceilings.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "ceilings")]
     pub no_ceilings: bool,
+    /// Which ceilings to measure: redis (redis-benchmark XADD; on a Redis Cluster
+    /// `--cluster`, over every master), pgbench (both pgbench runs); repeat or separate
+    /// with commas [default: both].
+    #[arg(long, value_name = "NAME", value_enum, value_delimiter = ',')]
+    pub ceilings: Vec<CeilingKind>,
     /// Where the JSON report goes [default: target/bench/<UTC date-time>.json].
     #[arg(long, value_name = "PATH")]
     pub out: Option<PathBuf>,
+}
+
+/// A ceiling `--ceilings` can choose.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CeilingKind {
+    Redis,
+    Pgbench,
+}
+
+impl BenchArgs {
+    /// Whether this ceiling is measured.
+    pub fn measures(&self, c: CeilingKind) -> bool {
+        !self.no_ceilings && (self.ceilings.is_empty() || self.ceilings.contains(&c))
+    }
 }
 
 /// The bench empties and reseeds the shop tables: it runs only on a database whose name
@@ -238,17 +264,15 @@ pub fn run(config: &Config, args: &BenchArgs) -> Result<ExitCode> {
     let env = report::Environment::read(config, &redis, &mut pg, args);
     env.print_header();
 
-    let ceilings = if args.no_ceilings {
-        report::Ceilings::default()
-    } else {
-        ceiling::measure(config, args, &mut pg, &redis, &out_dir, &stop)?
-    };
+    let ceilings = ceiling::measure(config, args, &mut pg, &redis, &out_dir, &stop)?;
     ceilings.print();
 
+    let shards = config.shard_keys();
     let ctx = scenario::Ctx {
         config,
         args,
         redis: &redis,
+        shards: &shards,
         ceilings: &ceilings,
         out_dir: &out_dir,
         stop: &stop,

@@ -20,10 +20,19 @@ pub struct Environment {
     /// `git describe`-like commit of the working tree, when there is one.
     pub git: Option<String>,
     pub nproc: usize,
+    /// /proc/loadavg's 1, 5 and 15 minute figures when the bench started: how quiet the
+    /// machine was.
+    pub load_average: String,
     pub cpu_model: String,
     pub memory_mb: u64,
     pub kernel: String,
     pub redis_version: String,
+    /// `server` or `cluster`, and the masters the bench found (1 for one server).
+    pub redis_topology: String,
+    pub redis_masters: usize,
+    /// `--shards` and `--key-prefix` of the worker under test.
+    pub shards: usize,
+    pub key_prefix: String,
     pub postgres_version: String,
     /// PostgreSQL durability settings: the figures mean what they say only with fsync on.
     pub postgres_settings: BTreeMap<String, String>,
@@ -65,22 +74,24 @@ impl Environment {
             })
             .map(|kb| kb / 1024)
             .unwrap_or(0);
-        let redis_version = redis
-            .connect()
-            .ok()
-            .and_then(|mut c| {
-                redis::cmd("INFO")
-                    .arg("server")
-                    .query::<String>(&mut c)
-                    .ok()
-            })
-            .and_then(|i| {
-                i.lines().find_map(|l| {
-                    l.strip_prefix("redis_version:")
-                        .map(|v| v.trim().to_string())
-                })
+        let mut con = redis.connect().ok();
+        let redis_version = con
+            .as_mut()
+            .and_then(|c| super::child::info_by_node(c, "server").ok())
+            .and_then(|nodes| {
+                let mut v: Vec<String> = nodes
+                    .values()
+                    .filter_map(|i| super::child::info_field(i, "redis_version"))
+                    .map(str::to_string)
+                    .collect();
+                v.dedup();
+                (!v.is_empty()).then(|| v.join(", "))
             })
             .unwrap_or_else(|| "unknown".into());
+        let redis_masters = con
+            .as_mut()
+            .and_then(|c| super::child::masters(c).ok())
+            .map_or(0, |m| m.len());
         let show = |db: &mut postgres::Client, name: &str| -> String {
             db.query_one(&format!("SHOW {name}"), &[])
                 .map(|r| r.get::<_, String>(0))
@@ -108,6 +119,9 @@ impl Environment {
             command: super::command_line(),
             worker_version: env!("CARGO_PKG_VERSION").to_string(),
             git,
+            load_average: std::fs::read_to_string("/proc/loadavg")
+                .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+                .unwrap_or_default(),
             nproc: std::thread::available_parallelism()
                 .map(|n| n.get())
                 .unwrap_or(1),
@@ -117,6 +131,15 @@ impl Environment {
                 .map(|s| s.trim().to_string())
                 .unwrap_or_default(),
             redis_version,
+            redis_topology: match redis.topology() {
+                delay_worker::store::Topology::Cluster => "cluster",
+                delay_worker::store::Topology::Sentinel => "sentinel",
+                delay_worker::store::Topology::Single => "server",
+            }
+            .into(),
+            redis_masters,
+            shards: config.shards,
+            key_prefix: config.shard_prefix.clone(),
             postgres_version,
             postgres_settings,
             threads: config.threads,
@@ -147,21 +170,28 @@ impl Environment {
                 .unwrap_or_default()
         );
         println!(
-            "machine: {} × {}, {} MB RAM, Linux {}",
-            self.nproc, self.cpu_model, self.memory_mb, self.kernel
+            "machine: {} × {}, {} MB RAM, Linux {}; load average {}",
+            self.nproc, self.cpu_model, self.memory_mb, self.kernel, self.load_average
         );
         let s = &self.postgres_settings;
         let get = |k: &str| s.get(k).map(String::as_str).unwrap_or("?");
         println!(
-            "servers: Redis {}, PostgreSQL {} (fsync={}, synchronous_commit={}, shared_buffers={})",
+            "servers: Redis {} ({}), PostgreSQL {} (fsync={}, synchronous_commit={}, shared_buffers={})",
             self.redis_version,
+            if self.redis_topology == "cluster" {
+                format!("a cluster of {} masters", self.redis_masters)
+            } else {
+                format!("one {}", self.redis_topology)
+            },
             self.postgres_version,
             get("fsync"),
             get("synchronous_commit"),
             get("shared_buffers")
         );
         println!(
-            "worker: --threads {} --tx-batch {} --set-size {} --batch-size {} --poll-interval {}ms --move-window {}ms",
+            "worker: --key-prefix {} --shards {} --threads {} --tx-batch {} --set-size {} --batch-size {} --poll-interval {}ms --move-window {}ms",
+            self.key_prefix,
+            self.shards,
             self.threads,
             self.tx_batch,
             self.set_size,
@@ -191,6 +221,8 @@ pub struct PgbenchFigures {
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Ceilings {
     pub redis_xadd_per_s: Option<f64>,
+    /// How the XADD ceiling was measured (one server, or `--cluster` over every master).
+    pub redis_xadd_command: Option<String>,
     pub redis_error: Option<String>,
     pub pgbench: Option<PgbenchFigures>,
     pub pgbench_error: Option<String>,
@@ -213,7 +245,13 @@ impl Ceilings {
 
     pub fn print(&self) {
         match (self.redis_xadd_per_s, &self.redis_error) {
-            (Some(v), _) => println!("ceiling: redis XADD {}/s (redis-benchmark -P 16)", n0(v)),
+            (Some(v), _) => println!(
+                "ceiling: redis XADD {}/s ({})",
+                n0(v),
+                self.redis_xadd_command
+                    .as_deref()
+                    .unwrap_or("redis-benchmark")
+            ),
             (None, Some(e)) => println!("ceiling: redis XADD unavailable: {e}"),
             _ => {}
         }
@@ -264,7 +302,10 @@ pub struct CpuUse {
     pub worker_threads_s: BTreeMap<String, f64>,
     /// This bench process (the producer) over the same span.
     pub bench_s: Option<f64>,
+    /// Every Redis server together (on a Redis Cluster, the sum over its masters).
     pub redis_s: Option<f64>,
+    /// Each server's part, by node (`redis` for one server, `host:port` of each master).
+    pub redis_by_node_s: BTreeMap<String, f64>,
     pub postgres_s: Option<f64>,
     /// The whole machine's busy share over the span, all cores (100 % = every core busy).
     pub machine_busy_pct: Option<f64>,
@@ -305,6 +346,137 @@ pub struct PruneFigures {
     pub interval_s: f64,
 }
 
+/// One shard's share of a scenario's work.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ShardLoad {
+    pub shard: usize,
+    /// Its pool's key and hash slot, and the master serving that slot.
+    pub pool: String,
+    pub slot: u16,
+    pub master: String,
+    /// Stream entries its group was given (each job once, a retry again).
+    pub jobs: u64,
+}
+
+/// One master's share: the jobs of its shards and the CPU its server used meanwhile.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct MasterLoad {
+    pub addr: String,
+    pub shards: Vec<usize>,
+    pub jobs: u64,
+    pub redis_cpu_s: Option<f64>,
+    /// CPU milliseconds per job of its shards.
+    pub redis_cpu_ms_per_job: Option<f64>,
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Spread {
+    pub shards: Vec<ShardLoad>,
+    pub masters: Vec<MasterLoad>,
+    /// The busiest shard's jobs over the idlest's (1.0 is even).
+    pub shard_max_over_min: Option<f64>,
+    /// The same for masters: the busiest master is the one that limits a cluster.
+    pub master_max_over_min: Option<f64>,
+    /// The busiest master's share of all jobs (1 ÷ masters when even).
+    pub busiest_master_share: Option<f64>,
+}
+
+impl Spread {
+    /// Builds the figures from each shard's jobs, the masters and each node's CPU.
+    pub fn new(
+        shards: &[delay_worker::keys::Keys],
+        jobs: &[u64],
+        masters: &[super::child::Master],
+        cpu_by_node: &BTreeMap<String, f64>,
+    ) -> Spread {
+        let mut out = Spread::default();
+        for (i, (k, n)) in shards.iter().zip(jobs).enumerate() {
+            let slot = delay_worker::keys::slot(&k.pool);
+            let master = masters
+                .iter()
+                .find(|m| m.serves(slot))
+                .map_or("?".to_string(), |m| m.addr.clone());
+            out.shards.push(ShardLoad {
+                shard: i,
+                pool: k.pool.clone(),
+                slot,
+                master,
+                jobs: *n,
+            });
+        }
+        for m in masters {
+            let mine: Vec<&ShardLoad> = out.shards.iter().filter(|s| s.master == m.addr).collect();
+            let jobs: u64 = mine.iter().map(|s| s.jobs).sum();
+            // A node that has never met another one lists itself as ":port" in CLUSTER
+            // NODES; INFO's replies name it by the address the client reached it at.
+            let (addr, cpu) = match cpu_by_node.get(&m.addr) {
+                Some(c) => (m.addr.clone(), Some(*c)),
+                None if m.addr.starts_with(':') => cpu_by_node
+                    .iter()
+                    .find(|(node, _)| node.ends_with(&m.addr))
+                    .map_or((m.addr.clone(), None), |(node, c)| (node.clone(), Some(*c))),
+                None => (m.addr.clone(), None),
+            };
+            out.masters.push(MasterLoad {
+                addr,
+                shards: mine.iter().map(|s| s.shard).collect(),
+                jobs,
+                redis_cpu_s: cpu,
+                redis_cpu_ms_per_job: cpu.filter(|_| jobs > 0).map(|c| c * 1000.0 / jobs as f64),
+            });
+        }
+        for (m, resolved) in masters.iter().zip(&out.masters) {
+            for sh in out.shards.iter_mut().filter(|s| s.master == m.addr) {
+                sh.master = resolved.addr.clone();
+            }
+        }
+        let ratio = |v: Vec<u64>| {
+            let (max, min) = (v.iter().max()?, v.iter().min()?);
+            (*min > 0).then(|| *max as f64 / *min as f64)
+        };
+        out.shard_max_over_min = ratio(out.shards.iter().map(|s| s.jobs).collect());
+        out.master_max_over_min = ratio(out.masters.iter().map(|m| m.jobs).collect());
+        let total: u64 = out.masters.iter().map(|m| m.jobs).sum();
+        out.busiest_master_share = out
+            .masters
+            .iter()
+            .map(|m| m.jobs)
+            .max()
+            .filter(|_| total > 0)
+            .map(|m| m as f64 / total as f64);
+        out
+    }
+
+    fn lines(&self) -> Vec<String> {
+        let opt2 = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2}"));
+        let (min, max) = (
+            self.shards.iter().map(|s| s.jobs).min().unwrap_or(0),
+            self.shards.iter().map(|s| s.jobs).max().unwrap_or(0),
+        );
+        let mut out = vec![format!(
+            "spread: {} shards on {} masters; jobs per shard min {} max {} (max/min {}); per master max/min {}",
+            self.shards.len(),
+            self.masters.len(),
+            n0(min as f64),
+            n0(max as f64),
+            opt2(self.shard_max_over_min),
+            opt2(self.master_max_over_min)
+        )];
+        for m in &self.masters {
+            out.push(format!(
+                "master {}: shards {:?}, {} jobs, Redis CPU {} s = {} ms per job",
+                m.addr,
+                m.shards,
+                n0(m.jobs as f64),
+                opt2(m.redis_cpu_s),
+                m.redis_cpu_ms_per_job
+                    .map_or("-".to_string(), |v| format!("{v:.4}"))
+            ));
+        }
+        out
+    }
+}
+
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct ScenarioResult {
     pub name: String,
@@ -339,6 +511,9 @@ pub struct ScenarioResult {
     pub push_s: Option<f64>,
     /// The prune scenario's run with pruning.
     pub prune: Option<PruneFigures>,
+    /// How the work spread over the shards and the masters holding them (shown for a
+    /// Redis Cluster or `--shards` above 1).
+    pub spread: Option<Spread>,
     pub pass: bool,
     /// Why it failed; empty on PASS.
     pub problems: Vec<String>,
@@ -378,11 +553,225 @@ impl ScenarioResult {
     }
 }
 
+/// N worker hosts and M Redis masters.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Deployment {
+    pub hosts: u32,
+    pub masters: u32,
+    /// Jobs a second without database work: min(N × host (engine), M × master × balance).
+    pub queue_jobs_per_s: f64,
+    /// Order cancellations a second: min(N × host (backlog), M × master × balance, the
+    /// primary); absent without a backlog run.
+    pub orders_per_s: Option<f64>,
+}
+
+/// What N worker hosts and M Redis masters would carry, from CPU per job: a master runs
+/// its commands on one core, so it carries 1 ÷ (Redis CPU per job) jobs a second of its
+/// shards' work; a worker host with K cores carries K ÷ (worker CPU per job); every job's
+/// transaction commits on the one PostgreSQL primary, which no shard count divides.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Model {
+    /// Redis CPU ms per job, over every master: the engine scenario (move, read, ack at
+    /// full speed), the backlog scenario (the same for order cancellations).
+    pub redis_ms_per_job: Option<f64>,
+    pub redis_ms_per_job_backlog: Option<f64>,
+    /// The engine's busiest master per job of its own shards.
+    pub redis_ms_per_job_busiest_master: Option<f64>,
+    /// Worker CPU ms per job: backlog (order.timeout, the real work) and engine (no-op).
+    pub worker_ms_per_job: Option<f64>,
+    pub worker_ms_per_job_engine: Option<f64>,
+    /// PostgreSQL CPU ms per job (backlog).
+    pub postgres_ms_per_job: Option<f64>,
+    /// Jobs a second one master, one worker host (of this machine's cores) and the
+    /// primary's CPU (the same cores) would carry.
+    pub per_master_jobs_per_s: Option<f64>,
+    pub per_host_jobs_per_s: Option<f64>,
+    /// What the one worker process of this run moved (engine): its reader and its mover
+    /// each make one round trip at a time, so a host reaches its CPU figure only with
+    /// several processes.
+    pub one_process_jobs_per_s: Option<f64>,
+    pub primary_cpu_jobs_per_s: Option<f64>,
+    /// The primary's measured ceilings on this machine (pgbench, one order per
+    /// transaction and sets of 8).
+    pub primary_pgbench_tps: Option<f64>,
+    pub primary_pgbench_set_orders_per_s: Option<f64>,
+    /// What the primary carried in this run's backlog scenario (the worker's sets of up
+    /// to --set-size and group commit), sharing this machine's cores with the rest.
+    pub primary_backlog_jobs_per_s: Option<f64>,
+    /// The figure the deployments are capped at: the highest of the three measured above
+    /// (else the CPU figure), and which one it is.
+    pub primary_jobs_per_s: Option<f64>,
+    pub primary_basis: String,
+    /// Mean over busiest master load (1.0 even), measured when the run had several masters.
+    pub master_balance: Option<f64>,
+    pub host_cores: usize,
+    /// A few deployments and what they would carry.
+    pub deployments: Vec<Deployment>,
+    pub lines: Vec<String>,
+}
+
+impl Model {
+    pub fn new(
+        env: &Environment,
+        ceilings: &Ceilings,
+        scenarios: &[ScenarioResult],
+    ) -> Option<Model> {
+        let find = |name: &str| {
+            scenarios
+                .iter()
+                .find(|s| s.name == name && s.pass && s.jobs > 0)
+        };
+        let engine = find("engine");
+        let backlog = find("backlog");
+        if engine.is_none() && backlog.is_none() {
+            return None;
+        }
+        let per_job = |s: Option<&ScenarioResult>, f: fn(&CpuUse) -> Option<f64>| {
+            s.and_then(|s| f(&s.cpu).map(|c| c * 1000.0 / s.jobs as f64))
+        };
+        let k = env.nproc.max(1);
+        let mut m = Model {
+            redis_ms_per_job: per_job(engine, |c| c.redis_s),
+            redis_ms_per_job_backlog: per_job(backlog, |c| c.redis_s),
+            redis_ms_per_job_busiest_master: engine.and_then(|e| {
+                let sp = e.spread.as_ref()?;
+                let busiest = sp.masters.iter().max_by_key(|m| m.jobs)?;
+                busiest.redis_cpu_ms_per_job
+            }),
+            worker_ms_per_job: per_job(backlog, |c| Some(c.worker_s)),
+            one_process_jobs_per_s: engine.and_then(|e| e.jobs_per_s),
+            worker_ms_per_job_engine: per_job(engine, |c| Some(c.worker_s)),
+            postgres_ms_per_job: per_job(backlog, |c| c.postgres_s),
+            primary_pgbench_tps: ceilings.pgbench_tps(),
+            primary_pgbench_set_orders_per_s: ceilings.pgbench_set_orders_per_s(),
+            master_balance: engine.and_then(|e| {
+                let sp = e.spread.as_ref()?;
+                (sp.masters.len() > 1)
+                    .then(|| Some(1.0 / sp.masters.len() as f64 / sp.busiest_master_share?))?
+            }),
+            host_cores: k,
+            ..Default::default()
+        };
+        let rate = |ms: Option<f64>, cores: usize| {
+            ms.filter(|v| *v > 0.0).map(|v| cores as f64 * 1000.0 / v)
+        };
+        let redis_ms = m
+            .redis_ms_per_job_busiest_master
+            .or(m.redis_ms_per_job)
+            .or(m.redis_ms_per_job_backlog);
+        m.per_master_jobs_per_s = rate(redis_ms, 1);
+        m.per_host_jobs_per_s = rate(m.worker_ms_per_job.or(m.worker_ms_per_job_engine), k);
+        m.primary_cpu_jobs_per_s = rate(m.postgres_ms_per_job, k);
+        m.primary_backlog_jobs_per_s = backlog.and_then(|b| b.jobs_per_s);
+        // The primary's figure: the most it was measured to carry on this machine.
+        let measured = [
+            (m.primary_backlog_jobs_per_s, "the worker's backlog"),
+            (m.primary_pgbench_set_orders_per_s, "pgbench in sets"),
+            (m.primary_pgbench_tps, "pgbench one order per transaction"),
+        ];
+        let best = measured
+            .iter()
+            .filter_map(|(v, what)| v.map(|v| (v, *what)))
+            .max_by(|a, b| a.0.total_cmp(&b.0));
+        let (primary, basis) = match (best, m.primary_cpu_jobs_per_s) {
+            (Some((v, what)), _) => (Some(v), what),
+            (None, Some(c)) => (Some(c), "its CPU per job"),
+            (None, None) => (None, "not measured"),
+        };
+        m.primary_jobs_per_s = primary;
+        m.primary_basis = basis.to_string();
+        let balance = m.master_balance.unwrap_or(1.0);
+        let engine_host = rate(m.worker_ms_per_job_engine, k);
+        let backlog_host = rate(m.worker_ms_per_job, k);
+        if let (Some(host), Some(master)) = (engine_host, m.per_master_jobs_per_s) {
+            for (n, mm) in [(1u32, 1u32), (2, 3), (4, 3), (8, 6)] {
+                let masters = mm as f64 * master * balance;
+                m.deployments.push(Deployment {
+                    hosts: n,
+                    masters: mm,
+                    queue_jobs_per_s: (n as f64 * host).min(masters),
+                    orders_per_s: backlog_host.map(|h| {
+                        let c = (n as f64 * h).min(masters);
+                        primary.map_or(c, |p| c.min(p))
+                    }),
+                });
+            }
+        }
+        m.lines = m.describe();
+        Some(m)
+    }
+
+    fn describe(&self) -> Vec<String> {
+        let ms = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.4}"));
+        let rate = |v: Option<f64>| v.map_or("-".to_string(), n0);
+        let k = self.host_cores;
+        let mut out = vec![
+            format!(
+                "Redis: {} ms CPU per job over every master (engine: move, read, ack{}; backlog {}) → one master carries ~{} jobs/s",
+                ms(self.redis_ms_per_job),
+                self.redis_ms_per_job_busiest_master
+                    .map_or(String::new(), |v| format!("; the busiest master {v:.4} per job of its shards")),
+                ms(self.redis_ms_per_job_backlog),
+                rate(self.per_master_jobs_per_s)
+            ),
+            format!(
+                "worker: {} ms CPU per job (backlog, order.timeout; engine {}) → one {k}-core host carries ~{} jobs/s, with several worker processes: the one process of this run moved {} jobs/s (engine), its reader and mover making one round trip at a time",
+                ms(self.worker_ms_per_job),
+                ms(self.worker_ms_per_job_engine),
+                rate(self.per_host_jobs_per_s),
+                rate(self.one_process_jobs_per_s)
+            ),
+            format!(
+                "PostgreSQL: {} ms CPU per job (backlog) → a primary of its own with {k} cores ~{} jobs/s by CPU; measured on this machine, sharing its cores: pgbench {} tps one order per transaction, {} orders/s in sets of {}, the worker's backlog {} jobs/s",
+                ms(self.postgres_ms_per_job),
+                rate(self.primary_cpu_jobs_per_s),
+                rate(self.primary_pgbench_tps),
+                rate(self.primary_pgbench_set_orders_per_s),
+                super::ceiling::SET_ORDERS,
+                rate(self.primary_backlog_jobs_per_s)
+            ),
+        ];
+        if !self.deployments.is_empty() {
+            let list = self
+                .deployments
+                .iter()
+                .map(|d| {
+                    format!(
+                        "N={} M={}: {}{}",
+                        d.hosts,
+                        d.masters,
+                        n0(d.queue_jobs_per_s),
+                        d.orders_per_s
+                            .map_or(String::new(), |o| format!(" / {}", n0(o)))
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join("; ");
+            out.push(format!(
+                "N worker hosts ({k} cores each) and M masters (balance {}) carry, jobs/s without database work / order cancellations (capped by the primary): {list}",
+                self.master_balance.map_or(
+                    "1, assumed: one master in this run".to_string(),
+                    |b| format!("{b:.2} measured: mean over busiest master")
+                )
+            ));
+        }
+        out.push(format!(
+            "the one real limit: one PostgreSQL primary (every job's transaction commits there; shards, masters and worker hosts do not divide it): {} jobs/s on this machine's {k} cores ({})",
+            rate(self.primary_jobs_per_s),
+            self.primary_basis
+        ));
+        out
+    }
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
     pub environment: Environment,
     pub ceilings: Ceilings,
     pub scenarios: Vec<ScenarioResult>,
+    /// Capacity beyond this machine, from this run's CPU per job (when engine or
+    /// backlog ran).
+    pub model: Option<Model>,
 }
 
 impl Report {
@@ -391,10 +780,12 @@ impl Report {
         ceilings: Ceilings,
         scenarios: Vec<ScenarioResult>,
     ) -> Report {
+        let model = Model::new(&environment, &ceilings, &scenarios);
         Report {
             environment,
             ceilings,
             scenarios,
+            model,
         }
     }
 
@@ -477,6 +868,12 @@ impl Report {
                 println!("  {line}");
             }
         }
+        if let Some(m) = &self.model {
+            println!("model (CPU per job measured in this run; a Redis master runs commands on one core, a worker host uses all its cores):");
+            for line in &m.lines {
+                println!("  {line}");
+            }
+        }
     }
 }
 
@@ -534,6 +931,9 @@ impl ScenarioResult {
                     .map(|n| n.get())
                     .unwrap_or(1)
             ));
+        }
+        if let Some(sp) = &self.spread {
+            out.extend(sp.lines());
         }
         let mut times = Vec::new();
         if let Some(v) = self.seed_s {

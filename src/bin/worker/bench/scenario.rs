@@ -6,12 +6,14 @@
 
 use super::child::{self, QueueState, RssSampler, WorkerChild};
 use super::load::{self, Scores, SteadyPlan};
-use super::report::{Ceilings, CpuUse, Producer, PruneFigures, ScenarioResult};
+use super::report::{Ceilings, CpuUse, Producer, PruneFigures, ScenarioResult, Spread};
 use super::shop;
 use super::{BenchArgs, Scenario};
 use anyhow::{bail, Result};
 use delay_worker::config::Config;
+use delay_worker::keys::Keys;
 use delay_worker::{store, Shutdown};
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -20,6 +22,8 @@ pub struct Ctx<'a> {
     pub config: &'a Config,
     pub args: &'a BenchArgs,
     pub redis: &'a delay_worker::store::Redis,
+    /// The key set of each shard (`config.keys` alone without `--shards`).
+    pub shards: &'a [Keys],
     pub ceilings: &'a Ceilings,
     pub out_dir: &'a Path,
     pub stop: &'a Shutdown,
@@ -40,7 +44,7 @@ pub fn run(ctx: &Ctx, db: &mut postgres::Client, s: Scenario) -> Vec<ScenarioRes
 /// CPU counters of everything but the worker, at one moment.
 struct Marks {
     bench: Option<u64>,
-    redis: Option<f64>,
+    redis: Option<BTreeMap<String, f64>>,
     postgres: Option<u64>,
     machine: Option<(u64, u64)>,
 }
@@ -79,8 +83,17 @@ fn finish(
         worker_s: child::cpu_ticks(worker.pid).unwrap_or(0) as f64 / tck,
         worker_threads_s: child::thread_cpu(worker.pid),
         bench_s: ticks_s(before.bench, after.bench),
-        redis_s: match (before.redis, after.redis) {
-            (Some(a), Some(b)) => Some(b - a),
+        redis_by_node_s: match (&before.redis, &after.redis) {
+            (Some(a), Some(b)) => b
+                .iter()
+                .filter_map(|(node, v)| Some((node.clone(), v - a.get(node)?)))
+                .collect(),
+            _ => BTreeMap::new(),
+        },
+        redis_s: match (&before.redis, &after.redis) {
+            (Some(a), Some(b)) if b.keys().all(|k| a.contains_key(k)) => {
+                Some(b.iter().map(|(k, v)| v - a[k]).sum())
+            }
             _ => None,
         },
         postgres_s: ticks_s(before.postgres, after.postgres),
@@ -108,11 +121,15 @@ struct Drain {
     first_moved: Option<Instant>,
     /// When Redis had nothing left; `None` on timeout.
     done: Option<Instant>,
+    /// Every shard together, and each.
     state: QueueState,
+    shards: Vec<QueueState>,
 }
 
 /// Polls Redis every `every` until nothing is left to move, deliver or acknowledge, the
-/// deadline passes, the worker exits or the bench is interrupted.
+/// deadline passes, the worker exits or the bench is interrupted. With shards, a shard
+/// seen drained is not asked again until every shard has been; then all are read once
+/// more, so the bench's own polling costs Redis little more than one shard's.
 fn wait_drained(
     worker: &mut WorkerChild,
     con: &mut delay_worker::store::Con,
@@ -121,28 +138,48 @@ fn wait_drained(
     every: Duration,
 ) -> Result<Drain> {
     let mut first_moved = None;
+    let n = ctx.shards.len();
+    let mut last: Vec<QueueState> = vec![QueueState::default(); n];
+    let mut todo: Vec<usize> = (0..n).collect();
     loop {
         if ctx.stop.is_set() {
             bail!("interrupted");
         }
         worker.check_alive()?;
-        let state = child::queue_state(con, &ctx.config.keys)?;
+        let full = todo.len() == n;
+        let mut busy = Vec::new();
+        for &i in &todo {
+            let st = child::queue_state(con, &ctx.shards[i])?;
+            if !st.drained() {
+                busy.push(i);
+            }
+            last[i] = st;
+        }
+        let state = QueueState::total(&last);
         let now = Instant::now();
         if first_moved.is_none() && state.stream > 0 {
             first_moved = Some(now);
         }
-        if state.drained() {
-            return Ok(Drain {
-                first_moved,
-                done: Some(now),
-                state,
-            });
+        if busy.is_empty() {
+            if full {
+                return Ok(Drain {
+                    first_moved,
+                    done: Some(now),
+                    state,
+                    shards: last,
+                });
+            }
+            // Every shard was seen drained: confirm all of them in one round, at once.
+            todo = (0..n).collect();
+            continue;
         }
+        todo = busy;
         if now >= deadline {
             return Ok(Drain {
                 first_moved,
                 done: None,
                 state,
+                shards: last,
             });
         }
         std::thread::sleep(every);
@@ -172,6 +209,32 @@ fn queue_problems(q: &QueueState, timed_out: bool, timeout: Duration) -> Vec<Str
         p.push(format!("{} dead letters", q.dead));
     }
     p
+}
+
+/// How the work spread over shards and masters: for a Redis Cluster or several shards.
+fn spread(
+    ctx: &Ctx,
+    con: &mut delay_worker::store::Con,
+    drain: &Drain,
+    cpu: &CpuUse,
+) -> Option<Spread> {
+    if ctx.shards.len() <= 1 && !con.is_cluster() {
+        return None;
+    }
+    let masters = match child::masters(con) {
+        Ok(m) => m,
+        Err(e) => {
+            log::warn!("cannot list the masters: {e:#}");
+            return None;
+        }
+    };
+    let jobs: Vec<u64> = drain.shards.iter().map(QueueState::delivered).collect();
+    Some(Spread::new(
+        ctx.shards,
+        &jobs,
+        &masters,
+        &cpu.redis_by_node_s,
+    ))
 }
 
 fn cpu_per_1k(cpu: &CpuUse, jobs: u64) -> Option<f64> {
@@ -213,7 +276,7 @@ fn steady_run(
     let (config, args) = (ctx.config, ctx.args);
     let scores = plan.scores;
     let mut con = store::connect(ctx.redis)?;
-    child::reset_queue(&mut con, &config.keys)?;
+    child::reset_queue(&mut con, ctx.shards)?;
     let postmaster = child::postmaster_pid(db);
 
     let page = if args.poll_status {
@@ -227,18 +290,12 @@ fn steady_run(
         extra.extend(["--metrics-addr", a.as_str()]);
     }
     let mut worker = WorkerChild::spawn(config, &extra, &log_path(ctx, name))?;
-    worker.wait_ready(&mut con, &config.keys)?;
+    worker.wait_ready(&mut con, ctx.shards)?;
     let ready = Instant::now();
     let before = Marks::take(&mut con, postmaster);
     let rss = RssSampler::start(worker.pid);
     let poller = page.map(super::poll::Poller::start);
-    let produced = load::steady(
-        ctx.redis,
-        &config.database_url,
-        &config.keys,
-        plan,
-        ctx.stop,
-    )?;
+    let produced = load::steady(ctx.redis, &config.database_url, ctx.shards, plan, ctx.stop)?;
     let last_due_in =
         Duration::from_millis((produced.last_due_ms - delay_worker::now_ms()).max(0) as u64);
     let last_due = Instant::now() + last_due_in;
@@ -251,9 +308,10 @@ fn steady_run(
     )?;
     let polled = poller.map(|p| p.finish());
     let m = finish(worker, rss, &before, &mut con, postmaster);
+    let spread = spread(ctx, &mut con, &drain, &m.cpu);
     let ran = ready.elapsed();
 
-    let moved = child::moved_times(&mut con, &config.keys)?;
+    let moved = child::moved_times(&mut con, ctx.shards)?;
     shop::record(db, &produced.dues, &moved, &produced.orders)?;
     let lateness = shop::lateness(db)?;
     let books = shop::books(db)?;
@@ -302,6 +360,7 @@ fn steady_run(
             .map(|d| d.saturating_duration_since(last_due).as_secs_f64()),
         drain_from: Some("last due time".into()),
         cpu_s_per_1k_jobs: cpu_per_1k(&m.cpu, jobs),
+        spread,
         cpu: m.cpu,
         rss_peak_kb: Some(m.rss_peak_kb),
         rss_per_s_kb: m.rss_per_s_kb,
@@ -353,7 +412,7 @@ fn prune(ctx: &Ctx, db: &mut postgres::Client) -> Result<Vec<ScenarioResult>> {
     let plan = steady_plan(args, Scores::Millis);
     let n = args.prune_rows;
     let mut con = store::connect(ctx.redis)?;
-    child::reset_queue(&mut con, &config.keys)?;
+    child::reset_queue(&mut con, ctx.shards)?;
     shop::reset(db)?;
     println!("  writing {n} old inbox rows ...");
     let day = Duration::from_secs(24 * 3600);
@@ -434,12 +493,12 @@ fn backlog(ctx: &Ctx, db: &mut postgres::Client, s: Scenario) -> Result<Scenario
     let (config, args) = (ctx.config, ctx.args);
     let n = args.backlog_jobs;
     let mut con = store::connect(ctx.redis)?;
-    child::reset_queue(&mut con, &config.keys)?;
+    child::reset_queue(&mut con, ctx.shards)?;
     shop::reset(db)?;
     let seed_s = shop::seed(db, n, args.skus)?;
     let postmaster = child::postmaster_pid(db);
     let pushed_at = Instant::now();
-    load::bulk_push(&mut con, &config.keys, load::backlog_jobs(n))?;
+    load::bulk_push(&mut con, ctx.shards, load::backlog_jobs(n))?;
     let push_s = pushed_at.elapsed().as_secs_f64();
 
     let before = Marks::take(&mut con, postmaster);
@@ -455,13 +514,14 @@ fn backlog(ctx: &Ctx, db: &mut postgres::Client, s: Scenario) -> Result<Scenario
         Duration::from_millis(20),
     )?;
     let m = finish(worker, rss, &before, &mut con, postmaster);
+    let spread = spread(ctx, &mut con, &drain, &m.cpu);
 
     // Every job was due before the worker existed: lateness is counted from its start.
     let dues: Vec<(String, i64)> = (1..=n as i64)
         .map(|id| (load::order_key(id), spawned_ms))
         .collect();
     let orders: Vec<(i64, bool)> = (1..=n as i64).map(|id| (id, false)).collect();
-    let moved = child::moved_times(&mut con, &config.keys)?;
+    let moved = child::moved_times(&mut con, ctx.shards)?;
     shop::record(db, &dues, &moved, &orders)?;
     let lateness = shop::lateness(db)?;
     let books = shop::books(db)?;
@@ -494,6 +554,7 @@ fn backlog(ctx: &Ctx, db: &mut postgres::Client, s: Scenario) -> Result<Scenario
             .map(|d| d.saturating_duration_since(started).as_secs_f64()),
         drain_from: Some("worker start".into()),
         cpu_s_per_1k_jobs: cpu_per_1k(&m.cpu, n),
+        spread,
         cpu: m.cpu,
         rss_peak_kb: Some(m.rss_peak_kb),
         rss_per_s_kb: m.rss_per_s_kb,
@@ -514,11 +575,11 @@ fn engine(ctx: &Ctx, db: &mut postgres::Client, s: Scenario) -> Result<ScenarioR
     let (config, args) = (ctx.config, ctx.args);
     let n = args.engine_jobs;
     let mut con = store::connect(ctx.redis)?;
-    child::reset_queue(&mut con, &config.keys)?;
+    child::reset_queue(&mut con, ctx.shards)?;
     shop::reset(db)?;
     let postmaster = child::postmaster_pid(db);
     let pushed_at = Instant::now();
-    load::bulk_push(&mut con, &config.keys, load::engine_jobs(n))?;
+    load::bulk_push(&mut con, ctx.shards, load::engine_jobs(n))?;
     let push_s = pushed_at.elapsed().as_secs_f64();
 
     let before = Marks::take(&mut con, postmaster);
@@ -538,6 +599,7 @@ fn engine(ctx: &Ctx, db: &mut postgres::Client, s: Scenario) -> Result<ScenarioR
         Duration::from_millis(5),
     )?;
     let m = finish(worker, rss, &before, &mut con, postmaster);
+    let spread = spread(ctx, &mut con, &drain, &m.cpu);
 
     let mut problems = queue_problems(&drain.state, drain.done.is_none(), args.timeout);
     let delivered = drain.state.entries_read.unwrap_or(drain.state.stream);
@@ -566,6 +628,7 @@ fn engine(ctx: &Ctx, db: &mut postgres::Client, s: Scenario) -> Result<ScenarioR
             .map(|d| d.saturating_duration_since(started).as_secs_f64()),
         drain_from: Some("worker start".into()),
         cpu_s_per_1k_jobs: cpu_per_1k(&m.cpu, n),
+        spread,
         cpu: m.cpu,
         rss_peak_kb: Some(m.rss_peak_kb),
         rss_per_s_kb: m.rss_per_s_kb,
