@@ -172,15 +172,7 @@ fn the_master_of_the_mq_slot_killed_mid_run_loses_nothing() {
             && group_lag(&mut con, &k) == Some(0)
             && inbox_keys(&db).len() == 500
     });
-    p.signal(libc::SIGTERM);
-    assert!(p.wait(WAIT).success(), "{}", p.log());
-
-    let cancelled: Vec<&SeedOrder> = orders
-        .iter()
-        .filter(|o| !paid.iter().any(|p| p.id == o.id))
-        .collect();
-    assert_accounting(&db, &orders, &cancelled);
-    let runs = inbox_keys(&db);
+    let runs = stop_and_account(&mut p, &db, &orders, &paid);
     for o in &orders {
         assert!(runs.contains_key(&timeout_key(o)), "{} done", o.order_no);
     }

@@ -121,15 +121,7 @@ fn the_order_story_through_sentinel_then_a_failover_to_a_replica_without_the_gro
         groups, 1,
         "the worker re-created the group on the new master"
     );
-    p.signal(libc::SIGTERM);
-    assert!(p.wait(WAIT).success(), "{}", p.log());
-
-    let cancelled: Vec<&SeedOrder> = orders
-        .iter()
-        .filter(|o| !paid.iter().any(|p| p.id == o.id))
-        .collect();
-    assert_accounting(&db, &orders, &cancelled);
-    let runs = inbox_keys(&db);
+    let runs = stop_and_account(&mut p, &db, &orders, &paid);
     for o in &orders {
         assert!(runs.contains_key(&timeout_key(o)), "{} done", o.order_no);
     }
@@ -199,15 +191,7 @@ fn after_a_switchover_the_worker_leaves_the_old_master_though_it_stays_a_master(
     let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(j["pool"]["size"], 0, "{j}");
     assert_eq!(j["group"]["pending"], 0, "{j}");
-    p.signal(libc::SIGTERM);
-    assert!(p.wait(WAIT).success(), "{}", p.log());
-
-    let cancelled: Vec<&SeedOrder> = orders
-        .iter()
-        .filter(|o| !paid.iter().any(|p| p.id == o.id))
-        .collect();
-    assert_accounting(&db, &orders, &cancelled);
-    let runs = inbox_keys(&db);
+    let runs = stop_and_account(&mut p, &db, &orders, &paid);
     eprintln!(
         "sentinel switchover {old} -> {new} at {at_switch} of 400 done; {} job(s) moved again \
          (a no-op)",

@@ -102,6 +102,15 @@ const LEGACY: Pool<'static> = Pool::Legacy {
     cluster: false,
 };
 
+/// `store::settle` of one key set, at [`NOW`], as consumer `c1`.
+fn settle(
+    con: &mut Connection,
+    k: &Keys,
+    batch: &[Settlement],
+) -> Result<store::SettleReport, StoreError> {
+    store::settle(con, std::slice::from_ref(k), "c1", NOW / 1000, batch)
+}
+
 fn reading(k: &Keys) -> stream::Reading<'_> {
     stream::Reading {
         keys: k,
@@ -431,26 +440,12 @@ fn settle_writes_the_dead_letter_and_the_retry_before_the_ack() {
     // The defect this guards against: the ack went first, the dead letter failed, and
     // the message was nowhere.
     set_string(&mut con, &k.dead);
-    let report = store::settle(
-        &mut con,
-        std::slice::from_ref(&k),
-        "c1",
-        NOW / 1000,
-        std::slice::from_ref(&dead),
-    )
-    .unwrap();
+    let report = settle(&mut con, &k, std::slice::from_ref(&dead)).unwrap();
     assert_eq!(report.each, vec![Settled::Blocked]);
     assert_eq!(report.blocked.unwrap().key, k.dead);
     assert_eq!(pending(&mut con, &k), 1, "still pending");
     del(&mut con, &k.dead);
-    let report = store::settle(
-        &mut con,
-        std::slice::from_ref(&k),
-        "c1",
-        NOW / 1000,
-        &[dead],
-    )
-    .unwrap();
+    let report = settle(&mut con, &k, &[dead]).unwrap();
     assert_eq!(report.each, vec![Settled::Applied]);
     assert_eq!(pending(&mut con, &k), 0);
     assert_eq!(xlen(&mut con, &k.dead), 1);
@@ -460,35 +455,14 @@ fn settle_writes_the_dead_letter_and_the_retry_before_the_ack() {
     let d = one_pending(&mut con, &k, r#"{"event":"e","payload":{}}"#);
     let retry = retry_of(&d, br#"{"event":"e","payload":{},"retry":1}"#.to_vec(), NOW);
     set_string(&mut con, &k.pool);
-    let report = store::settle(
-        &mut con,
-        std::slice::from_ref(&k),
-        "c1",
-        NOW / 1000,
-        std::slice::from_ref(&retry),
-    )
-    .unwrap();
+    let report = settle(&mut con, &k, std::slice::from_ref(&retry)).unwrap();
     assert_eq!(report.each, vec![Settled::Blocked]);
     assert_eq!(pending(&mut con, &k), 1);
     del(&mut con, &k.pool);
-    let report = store::settle(
-        &mut con,
-        std::slice::from_ref(&k),
-        "c1",
-        NOW / 1000,
-        std::slice::from_ref(&retry),
-    )
-    .unwrap();
+    let report = settle(&mut con, &k, std::slice::from_ref(&retry)).unwrap();
     assert_eq!(report.each, vec![Settled::Applied]);
     assert_eq!(zcard(&mut con, &k.pool), 1, "back in the pool");
-    let again = store::settle(
-        &mut con,
-        std::slice::from_ref(&k),
-        "c1",
-        NOW / 1000,
-        &[retry],
-    )
-    .unwrap();
+    let again = settle(&mut con, &k, &[retry]).unwrap();
     assert_eq!(again.each, vec![Settled::AlreadySettled], "never twice");
     assert_eq!(zcard(&mut con, &k.pool), 1);
 }
@@ -689,14 +663,7 @@ fn list_settle_and_push_back_keep_messages_when_a_key_is_the_wrong_type() {
     };
     let dead = dead_of(&d, "r");
     set_string(&mut con, &q.dead);
-    let report = store::settle(
-        &mut con,
-        std::slice::from_ref(&k),
-        "c1",
-        NOW / 1000,
-        std::slice::from_ref(&dead),
-    )
-    .unwrap();
+    let report = settle(&mut con, &k, std::slice::from_ref(&dead)).unwrap();
     assert_eq!(report.each, vec![Settled::Blocked]);
     assert_eq!(llen(&mut con, &q.processing("c1")), 1, "still held");
     del(&mut con, &q.dead);
@@ -710,14 +677,7 @@ fn list_settle_and_push_back_keep_messages_when_a_key_is_the_wrong_type() {
     assert_eq!(llen(&mut con, &q.processing("c1")), 1);
     del(&mut con, &q.name);
 
-    let report = store::settle(
-        &mut con,
-        std::slice::from_ref(&k),
-        "c1",
-        NOW / 1000,
-        &[dead],
-    )
-    .unwrap();
+    let report = settle(&mut con, &k, &[dead]).unwrap();
     assert_eq!(report.each, vec![Settled::Applied]);
     assert_eq!(llen(&mut con, &q.processing("c1")), 0);
     assert_eq!(llen(&mut con, &q.dead), 1);
@@ -841,14 +801,7 @@ fn a_retry_keeps_its_job_id_and_a_copy_pushed_again_gets_a_new_one() {
     // The worker's retry: the same message with retry raised, the stamp in front.
     let env = delay_worker::message::Envelope::decode(&d.msg, MAX).unwrap();
     let retry = retry_of(&d, env.next_retry().into_bytes(), NOW - 10);
-    store::settle(
-        &mut con,
-        std::slice::from_ref(&k),
-        "c1",
-        NOW / 1000,
-        &[retry],
-    )
-    .unwrap();
+    settle(&mut con, &k, &[retry]).unwrap();
     assert_eq!(move_now(&mut con, &k).unwrap().moved, 1);
     let msgs = stream_messages(&mut con, &k);
     assert_eq!(
@@ -915,14 +868,7 @@ fn a_retry_of_an_unstamped_message_stays_unstamped() {
     let again = delay_worker::message::Envelope::decode(&d.msg, MAX).unwrap();
     assert_eq!(again.job_id, None);
     let retry = retry_of(&d, again.next_retry().into_bytes(), NOW - 10);
-    store::settle(
-        &mut con,
-        std::slice::from_ref(&k),
-        "c1",
-        NOW / 1000,
-        &[retry],
-    )
-    .unwrap();
+    settle(&mut con, &k, &[retry]).unwrap();
     assert_eq!(move_now(&mut con, &k).unwrap().moved, 1);
     let moved = stream_messages(&mut con, &k).pop().unwrap();
     assert!(!moved.contains("job_id"), "{moved}");
@@ -939,14 +885,7 @@ fn a_retry_never_overwrites_a_newer_push_of_its_key() {
     let newer = r#"{"event":"e","payload":{"v":2}}"#;
     store::push(&mut con, &k, "job-1", newer, NOW + 60_000).unwrap();
     let retry = retry_of(&d, env.next_retry().into_bytes(), NOW);
-    let report = store::settle(
-        &mut con,
-        std::slice::from_ref(&k),
-        "c1",
-        NOW / 1000,
-        &[retry],
-    )
-    .unwrap();
+    let report = settle(&mut con, &k, &[retry]).unwrap();
     assert_eq!(report.each, vec![Settled::Superseded]);
     let data: String = redis::cmd("HGET")
         .arg(&k.data)
@@ -967,14 +906,7 @@ fn a_push_over_a_waiting_retry_is_a_new_job_and_the_retry_is_reported() {
     let d = one_pending(&mut con, &k, r#"{"event":"e","payload":{"v":1},"retry":0}"#);
     let env = delay_worker::message::Envelope::decode(&d.msg, MAX).unwrap();
     let retry = retry_of(&d, env.next_retry().into_bytes(), NOW + 60_000);
-    store::settle(
-        &mut con,
-        std::slice::from_ref(&k),
-        "c1",
-        NOW / 1000,
-        &[retry],
-    )
-    .unwrap();
+    settle(&mut con, &k, &[retry]).unwrap();
     // The producer pushes the key again while the retry waits: a push reschedules.
     store::push(
         &mut con,

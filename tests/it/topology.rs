@@ -811,3 +811,25 @@ pub fn config_for(redis_url: &str, db: &TestDb, consumer: &str) -> delay_worker:
     config.consumer = consumer.into();
     config
 }
+
+/// Stops the worker gracefully (exit 0), checks the books (every order not in `paid`
+/// cancelled once, stock and coupons exact) and returns how often each job key ran.
+pub fn stop_and_account(
+    p: &mut Proc,
+    db: &TestDb,
+    orders: &[SeedOrder],
+    paid: &[SeedOrder],
+) -> std::collections::HashMap<String, i64> {
+    p.signal(libc::SIGTERM);
+    assert!(
+        p.wait(std::time::Duration::from_secs(90)).success(),
+        "{}",
+        p.log()
+    );
+    let cancelled: Vec<&SeedOrder> = orders
+        .iter()
+        .filter(|o| !paid.iter().any(|p| p.id == o.id))
+        .collect();
+    assert_accounting(db, orders, &cancelled);
+    inbox_keys(db)
+}
