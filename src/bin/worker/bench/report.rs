@@ -685,7 +685,7 @@ impl Model {
         let backlog_host = rate(m.worker_ms_per_job, k);
         if let (Some(host), Some(master)) = (engine_host, m.per_master_jobs_per_s) {
             for (n, mm) in [(1u32, 1u32), (2, 3), (4, 3), (8, 6)] {
-                let masters = mm as f64 * master * balance;
+                let masters = mm as f64 * master * if mm > 1 { balance } else { 1.0 };
                 m.deployments.push(Deployment {
                     hosts: n,
                     masters: mm,
