@@ -534,8 +534,10 @@ impl Cli {
                 problem: e.problem,
             });
         }
+        // `migrate` touches PostgreSQL only.
         if delay_worker::store::Topology::of(&config.redis_url)
             == delay_worker::store::Topology::Cluster
+            && !matches!(self.command, Some(Command::Migrate))
         {
             for (i, keys) in config.shard_keys().iter().enumerate() {
                 let mut names = keys.script_names();
