@@ -560,14 +560,17 @@ pub struct Books {
 }
 
 pub fn books(env: &Env) -> Books {
-    let mut con = env.con();
-    let k = &env.config.keys;
-    let pool: usize = redis::cmd("ZCARD").arg(&k.pool).query(&mut con).unwrap();
-    let dead: usize = redis::cmd("XLEN").arg(&k.dead).query(&mut con).unwrap();
+    books_on(&mut env.con(), &env.config.keys)
+}
+
+/// The Redis side of the books, read on `con` (the server holding `keys`).
+pub fn books_on(con: &mut redis::Connection, keys: &delay_worker::keys::Keys) -> Books {
+    let pool: usize = redis::cmd("ZCARD").arg(&keys.pool).query(con).unwrap();
+    let dead: usize = redis::cmd("XLEN").arg(&keys.dead).query(con).unwrap();
     let pending: redis::Value = redis::cmd("XPENDING")
-        .arg(&k.stream)
-        .arg(&k.group)
-        .query(&mut con)
+        .arg(&keys.stream)
+        .arg(&keys.group)
+        .query(con)
         .unwrap_or(redis::Value::Nil);
     let stream_pending = match pending {
         redis::Value::Array(v) => match v.first() {

@@ -690,29 +690,6 @@ pub fn cut_replica_link(master: u16, replica: u16) -> Instant {
 
 // ---- the shop's books on a topology -------------------------------------------------------
 
-/// The Redis side of the books, read on `con` (the server holding `keys`).
-pub fn books_on(con: &mut redis::Connection, keys: &Keys) -> Books {
-    let pool: usize = redis::cmd("ZCARD").arg(&keys.pool).query(con).unwrap();
-    let dead: usize = redis::cmd("XLEN").arg(&keys.dead).query(con).unwrap();
-    let pending: redis::Value = redis::cmd("XPENDING")
-        .arg(&keys.stream)
-        .arg(&keys.group)
-        .query(con)
-        .unwrap_or(redis::Value::Nil);
-    let stream_pending = match pending {
-        redis::Value::Array(v) => match v.first() {
-            Some(redis::Value::Int(n)) => *n as usize,
-            _ => 0,
-        },
-        _ => 0,
-    };
-    Books {
-        pool,
-        stream_pending,
-        dead,
-    }
-}
-
 /// Entries added to the stream that the group has not read yet (`XINFO GROUPS` lag);
 /// `None` when Redis cannot tell or the group does not exist.
 pub fn group_lag(con: &mut redis::Connection, keys: &Keys) -> Option<i64> {
