@@ -17,8 +17,9 @@
 //! in the metrics server's scope): a connection thread hands its request over and waits
 //! for the answer, at most [`QUEUED`] wait, and more get `503` at once, so page loads never
 //! take the connection threads `/healthz` needs. One thread also keeps a page's
-//! allocations in one place: made on the short-lived connection threads, they would be
-//! spread over every malloc arena of the process and each would keep its high-water mark.
+//! allocations in one malloc arena: made on the short-lived connection threads, they would
+//! be spread over every arena of the process (two, see `main.rs`, or as many as an
+//! operator's `MALLOC_ARENA_MAX` allows) and each would keep its high-water mark.
 //! A page takes a Redis connection of its own (kept for the next one, at most
 //! [`IDLE_CONNECTIONS`]) with a [`REDIS_TIMEOUT`] and reads a bounded amount (the figures
 //! are counted up to caps; a dead-letter page looks at no more than [`DEAD_BUDGET`]

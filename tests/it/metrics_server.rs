@@ -15,14 +15,72 @@ const WAIT: Duration = Duration::from_secs(60);
 
 /// The worker binary with `--metrics-addr addr`, logging at `warn` to its own file.
 fn start(env: &Env, addr: &str) -> Proc {
+    Proc::spawn(command(env, addr))
+}
+
+/// The command [`start`] runs. glibc's malloc settings are left to the worker: nothing of
+/// `MALLOC_ARENA_MAX` or `GLIBC_TUNABLES` comes from the test's own environment.
+fn command(env: &Env, addr: &str) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_worker"));
     cmd.env("REDIS_URL", &env.config.redis_url)
         .env("DATABASE_URL", &env.config.database_url)
         .env("RUST_LOG", "warn")
         .env_remove("NOTIFY_SOCKET")
+        .env_remove("MALLOC_ARENA_MAX")
+        .env_remove("GLIBC_TUNABLES")
         .args(["--consumer", "c1", "--threads", "2", "--metrics-addr", addr])
         .stdin(Stdio::null());
-    Proc::spawn(cmd)
+    cmd
+}
+
+/// The malloc arenas (glibc) a process has besides the main one, from its memory map: each
+/// lives in a reservation of its own, 64 MiB long and aligned to 64 MiB, mapped read-write
+/// as far as it is used (`rw-p`) and inaccessible (`---p`) from there to its end.
+fn arena_heaps(pid: u32) -> usize {
+    const HEAP_MAX: u64 = 64 << 20;
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    // (start, end, permissions, anonymous)
+    let areas: Vec<(u64, u64, String, bool)> = maps
+        .lines()
+        .map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let (lo, hi) = f[0].split_once('-').unwrap();
+            let addr = |a| u64::from_str_radix(a, 16).unwrap();
+            (addr(lo), addr(hi), f[1].to_string(), f.len() == 5)
+        })
+        .collect();
+    areas
+        .windows(2)
+        .filter(|w| {
+            let (used, rest) = (&w[0], &w[1]);
+            // The read-write part may have merged with an area just below the reservation.
+            used.3
+                && rest.3
+                && used.2 == "rw-p"
+                && rest.2 == "---p"
+                && used.1 == rest.0
+                && rest.1 % HEAP_MAX == 0
+                && used.0 <= rest.1 - HEAP_MAX
+        })
+        .count()
+}
+
+/// 48 clients sending 10 requests each to `/metrics`, all at once: far more than the
+/// connection threads. The status code of each, or why there was none.
+fn flood(port: u16) -> Vec<Result<u16, String>> {
+    let flood: Vec<_> = (0..48)
+        .map(|_| {
+            std::thread::spawn(move || {
+                let mut codes = Vec::new();
+                for _ in 0..10 {
+                    let got = exchange(port, b"GET /metrics HTTP/1.1\r\n\r\n");
+                    codes.push(got.map(|r| r.0).map_err(|e| e.to_string()));
+                }
+                codes
+            })
+        })
+        .collect();
+    flood.into_iter().flat_map(|t| t.join().unwrap()).collect()
 }
 
 /// Sends `request` and reads the whole answer; an error if it takes longer than
@@ -169,7 +227,9 @@ fn metrics_endpoint_answers_while_clients_stall_and_stops_promptly() {
 }
 
 /// A flood of whole requests, far more than the connection threads: each gets an answer,
-/// `200` or `503 busy`, never a connection closed unanswered.
+/// `200` or `503 busy`, never a connection closed unanswered. The connection threads, like
+/// every thread of the worker, allocate from the process's two malloc arenas, unless the
+/// operator sets `MALLOC_ARENA_MAX`.
 #[test]
 fn a_flood_of_whole_requests_gets_answers_never_an_empty_reply() {
     let env = Env::new();
@@ -178,19 +238,7 @@ fn a_flood_of_whole_requests_gets_answers_never_an_empty_reply() {
     wait_until(WAIT, "the metrics endpoint", || {
         exchange(port, b"GET /healthz HTTP/1.1\r\n\r\n").is_ok_and(|r| r.0 == 200)
     });
-    let flood: Vec<_> = (0..48)
-        .map(|_| {
-            std::thread::spawn(move || {
-                let mut codes = Vec::new();
-                for _ in 0..10 {
-                    let got = exchange(port, b"GET /metrics HTTP/1.1\r\n\r\n");
-                    codes.push(got.map(|r| r.0).map_err(|e| e.to_string()));
-                }
-                codes
-            })
-        })
-        .collect();
-    let codes: Vec<_> = flood.into_iter().flat_map(|t| t.join().unwrap()).collect();
+    let codes = flood(port);
     let answered = codes
         .iter()
         .filter(|c| matches!(c, Ok(200) | Ok(503)))
@@ -205,6 +253,27 @@ fn a_flood_of_whole_requests_gets_answers_never_an_empty_reply() {
             .collect::<Vec<_>>()
     );
     assert!(codes.iter().any(|c| matches!(c, Ok(200))));
+    // Roles, pool helpers and some 40 connection threads later: two arenas, the main one
+    // and one more (main.rs).
+    assert_eq!(arena_heaps(worker.child.id()), 1);
+    worker.signal(libc::SIGTERM);
+    assert!(worker.wait(WAIT).success());
+
+    // The operator's MALLOC_ARENA_MAX is glibc's to apply: with 8, the threads spread over
+    // arenas of their own (and the count above sees them).
+    let port = free_port();
+    let mut cmd = command(&env, &format!("127.0.0.1:{port}"));
+    cmd.env("MALLOC_ARENA_MAX", "8");
+    let mut worker = Proc::spawn(cmd);
+    wait_until(WAIT, "the metrics endpoint", || {
+        exchange(port, b"GET /healthz HTTP/1.1\r\n\r\n").is_ok_and(|r| r.0 == 200)
+    });
+    assert!(flood(port).iter().any(|c| matches!(c, Ok(200))));
+    let heaps = arena_heaps(worker.child.id());
+    assert!(
+        (1..=7).contains(&heaps),
+        "{heaps} arenas besides the main one"
+    );
     worker.signal(libc::SIGTERM);
     assert!(worker.wait(WAIT).success());
 }
