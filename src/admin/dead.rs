@@ -1011,6 +1011,54 @@ mod tests {
         assert_eq!(requeue_message(b"[1]"), (b"[1]".to_vec(), false));
     }
 
+    fn letter(id: &str) -> DeadLetter {
+        DeadLetter {
+            id: id.into(),
+            age_ms: 0,
+            event: String::new(),
+            key: Vec::new(),
+            attempts: None,
+            reason: String::new(),
+            ts: None,
+            consumer: None,
+            entry_id: None,
+            msg: Vec::new(),
+            other: BTreeMap::new(),
+        }
+    }
+
+    #[test]
+    fn shards_merge_newest_first_down_to_the_highest_frontier() {
+        let ids = |p: &ShardPage| -> Vec<String> {
+            p.0.iter().map(|(s, d)| shard_id(*s, &d.id)).collect()
+        };
+        let all = vec![
+            (0, letter("5-0")),
+            (0, letter("3-0")),
+            (1, letter("5-0")),
+            (1, letter("4-2")),
+            (2, letter("4-10")),
+            (2, letter("1-0")),
+        ];
+        // Shard 1 has more below 4-2: nothing under it is shown yet, and the next page
+        // starts after it.
+        let page = merge_newest(all.clone(), Some((1, "4-2".into())), 50);
+        assert_eq!(ids(&page), ["1/5-0", "0/5-0", "2/4-10", "1/4-2"]);
+        assert_eq!(page.1, Some((1, "4-2".to_string())));
+        // All read: every letter, and no next page.
+        let page = merge_newest(all.clone(), None, 50);
+        assert_eq!(ids(&page).len(), 6);
+        assert_eq!(page.1, None);
+        // A full page ends at its last letter, its shard included.
+        let page = merge_newest(all, None, 2);
+        assert_eq!(ids(&page), ["1/5-0", "0/5-0"]);
+        assert_eq!(page.1, Some((0, "5-0".to_string())));
+        assert!(
+            place(0, "5") > place(1, "5-7"),
+            "a bare ms is its millisecond's last"
+        );
+    }
+
     #[test]
     fn clip_marks_the_cut() {
         assert_eq!(clip("short", 10), "short");
