@@ -337,7 +337,20 @@ pub fn newest(
     limit: usize,
     budget: usize,
 ) -> RedisResult<(Vec<DeadLetter>, Option<String>)> {
-    let mut end = before.map_or("+".to_string(), |b| format!("({b}"));
+    let end = before.map_or("+".to_string(), |b| format!("({b}"));
+    newest_from(con, keys, filter, now_ms, end, limit, budget)
+}
+
+/// [`newest`] from `end`, an XREVRANGE end (`+`, `<id>` or `(<id>`).
+fn newest_from(
+    con: &mut dyn redis::ConnectionLike,
+    keys: &Keys,
+    filter: &Filter,
+    now_ms: i64,
+    mut end: String,
+    limit: usize,
+    budget: usize,
+) -> RedisResult<(Vec<DeadLetter>, Option<String>)> {
     let mut out = Vec::new();
     let mut looked = 0;
     loop {
@@ -374,6 +387,93 @@ pub fn newest(
             return Ok((out, None));
         }
     }
+}
+
+/// A dead-letter id of `--shards N` as the operator sees it: `<shard>/<id>`.
+pub fn shard_id(shard: usize, id: &str) -> String {
+    format!("{shard}/{id}")
+}
+
+/// A letter's shard and stream id.
+pub type Place = (usize, String);
+
+/// Letters, each with its shard, and the place to continue from.
+pub type ShardPage = (Vec<(usize, DeadLetter)>, Option<Place>);
+
+/// Where a letter stands in the newest-first order over several shards: its stream id
+/// (time, then sequence; a bare `<ms>` is the last of its millisecond, as XREVRANGE reads
+/// it), then its shard, since one stream id may be in several shards.
+fn place(shard: usize, id: &str) -> (u64, u64, usize) {
+    let mut parts = id.split('-');
+    let ms = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
+    let seq = parts.next().map_or(u64::MAX, |p| p.parse().unwrap_or(0));
+    (ms, seq, shard)
+}
+
+/// [`newest`] over the dead letters of several shards (`--shards N`), merged newest first:
+/// by stream id, whose time is when the letter died, and for one id in several shards the
+/// highest shard first. Up to `limit` letters matching `filter` that come after `before`
+/// (a `(shard, id)` place, exclusive; from the newest when `None`), each with its shard;
+/// and the place to continue from when more may follow. Looks at no more than `budget`
+/// letters in all: `budget / N` a shard, at least one.
+///
+/// Each shard is read from `before` down, to its limit or its share of the budget; the
+/// last letter a shard looked at is its frontier. Every letter at or above the highest
+/// frontier of the shards with more to read has been looked at in every shard, so the
+/// page is the matching letters down to that frontier (the first `limit` of them), and
+/// the next page starts after its last letter, or after the frontier: no letter is
+/// shown twice or passed over, whatever ids the shards share.
+pub fn newest_sharded(
+    con: &mut dyn redis::ConnectionLike,
+    shards: &[Keys],
+    filter: &Filter,
+    now_ms: i64,
+    before: Option<(usize, &str)>,
+    limit: usize,
+    budget: usize,
+) -> RedisResult<ShardPage> {
+    let share = (budget / shards.len().max(1)).max(1);
+    let mut all: Vec<(usize, DeadLetter)> = Vec::new();
+    let mut frontier: Option<Place> = None;
+    for (s, keys) in shards.iter().enumerate() {
+        // The letters of shard `s` after (`before_shard`, `id`): those with a lower id, and
+        // in a lower shard also the one with that id.
+        let end = match before {
+            None => "+".to_string(),
+            Some((bs, id)) if s < bs => id.to_string(),
+            Some((_, id)) => format!("({id}"),
+        };
+        let (letters, next) = newest_from(con, keys, filter, now_ms, end, limit, share)?;
+        if let Some(n) = next {
+            if frontier
+                .as_ref()
+                .is_none_or(|(fs, f)| place(s, &n) > place(*fs, f))
+            {
+                frontier = Some((s, n));
+            }
+        }
+        all.extend(letters.into_iter().map(|d| (s, d)));
+    }
+    Ok(merge_newest(all, frontier, limit))
+}
+
+/// The page of [`newest_sharded`] from each shard's letters and the highest frontier.
+fn merge_newest(
+    mut all: Vec<(usize, DeadLetter)>,
+    frontier: Option<Place>,
+    limit: usize,
+) -> ShardPage {
+    all.sort_by_key(|(s, d)| std::cmp::Reverse(place(*s, &d.id)));
+    if let Some((fs, f)) = &frontier {
+        let floor = place(*fs, f);
+        all.retain(|(s, d)| place(*s, &d.id) >= floor);
+    }
+    if all.len() > limit {
+        all.truncate(limit);
+        let last = all.last().map(|(s, d)| (*s, d.id.clone()));
+        return (all, last);
+    }
+    (all, frontier)
 }
 
 /// The dead letters with these ids, in order; `None` for an id not there.
@@ -558,14 +658,14 @@ pub(super) fn run(
     // is one array of them all, each with its `shard`.
     match &args.command {
         DeadCommand::Show(a) => {
-            let (shard, id) = locate(&mut con, &shards, &a.id, now)?;
+            let (shard, id) = locate_arg(&mut con, &shards, &a.id, now)?;
             let one = ShowArgs { id, json: a.json };
             return show(&mut con, &shards[shard], &one, now, out);
         }
         DeadCommand::Requeue(a) if !a.ids.is_empty() => {
             let mut by_shard: Vec<Vec<String>> = vec![Vec::new(); shards.len()];
             for id in &a.ids {
-                let (shard, id) = locate(&mut con, &shards, id, now)?;
+                let (shard, id) = locate_arg(&mut con, &shards, id, now)?;
                 by_shard[shard].push(id);
             }
             let mut code = ExitCode::SUCCESS;
@@ -599,7 +699,7 @@ pub(super) fn run(
                 if let Some(o) = v.as_object_mut() {
                     o.insert("shard".into(), i.into());
                     if let Some(id) = o.get("id").and_then(|id| id.as_str()).map(String::from) {
-                        o.insert("id".into(), format!("{i}/{id}").into());
+                        o.insert("id".into(), shard_id(i, &id).into());
                     }
                 }
                 all.push(v);
@@ -619,46 +719,56 @@ pub(super) fn run(
 }
 
 /// The shard and stream id of a dead-letter id given with `--shards`: `<shard>/<id>`, or a
-/// bare id held by exactly one shard (one held by several must name its shard).
-fn locate(
+/// bare id held by exactly one shard (one held by no shard is looked for in shard 0, where
+/// it is not found). `Ok(Err(why))` for an id that names no shard: a shard out of range, not
+/// an id, a bare id held by several shards. The id after `<shard>/` is not checked here.
+pub fn locate(
+    con: &mut dyn redis::ConnectionLike,
+    shards: &[Keys],
+    given: &str,
+    now: i64,
+) -> RedisResult<Result<(usize, String), String>> {
+    if let Some((shard, id)) = given.split_once('/') {
+        return Ok(match shard.parse().ok().filter(|s| *s < shards.len()) {
+            Some(shard) => Ok((shard, id.to_string())),
+            None => Err(format!(
+                "{given:?}: the shard before '/' must be 0 to {}",
+                shards.len() - 1
+            )),
+        });
+    }
+    if !is_stream_id(given) {
+        return Ok(Err(format!(
+            "{given:?} is not a dead-letter id (like 2/1768764300123-0)"
+        )));
+    }
+    let mut holders = Vec::new();
+    for (i, keys) in shards.iter().enumerate() {
+        let found = fetch(con, keys, &[given.to_string()], now)?;
+        if matches!(found.first(), Some(Some(_))) {
+            holders.push(i);
+        }
+    }
+    Ok(match holders.as_slice() {
+        [one] => Ok((*one, given.to_string())),
+        [] => Ok((0, given.to_string())),
+        many => Err(format!(
+            "{given:?} is a dead letter in shards {many:?}: name one, e.g. {}",
+            shard_id(many[0], given)
+        )),
+    })
+}
+
+/// [`locate`] for the CLI: an id that names no shard is an error.
+fn locate_arg(
     con: &mut dyn redis::ConnectionLike,
     shards: &[Keys],
     given: &str,
     now: i64,
 ) -> anyhow::Result<(usize, String)> {
-    if let Some((shard, id)) = given.split_once('/') {
-        let shard: usize = shard
-            .parse()
-            .ok()
-            .filter(|s| *s < shards.len())
-            .ok_or_else(|| {
-                anyhow::anyhow!(
-                    "{given:?}: the shard before '/' must be 0 to {}",
-                    shards.len() - 1
-                )
-            })?;
-        return Ok((shard, id.to_string()));
-    }
-    anyhow::ensure!(
-        is_stream_id(given),
-        "{given:?} is not a dead-letter id (like 2/1768764300123-0)"
-    );
-    let mut holders = Vec::new();
-    for (i, keys) in shards.iter().enumerate() {
-        let found =
-            fetch(con, keys, &[given.to_string()], now).context("cannot read the dead letters")?;
-        if matches!(found.first(), Some(Some(_))) {
-            holders.push(i);
-        }
-    }
-    match holders.as_slice() {
-        [one] => Ok((*one, given.to_string())),
-        [] => Ok((0, given.to_string())),
-        many => anyhow::bail!(
-            "{given:?} is a dead letter in shards {many:?}: name one, e.g. {}/{given}",
-            many[0]
-        ),
-    }
+    locate(con, shards, given, now)
+        .context("cannot read the dead letters")?
+        .map_err(anyhow::Error::msg)
 }
 
 /// One key set's dead letters (the only one, or one shard's).
@@ -899,6 +1009,54 @@ mod tests {
         );
         assert_eq!(requeue_message(b"nope"), (b"nope".to_vec(), false));
         assert_eq!(requeue_message(b"[1]"), (b"[1]".to_vec(), false));
+    }
+
+    fn letter(id: &str) -> DeadLetter {
+        DeadLetter {
+            id: id.into(),
+            age_ms: 0,
+            event: String::new(),
+            key: Vec::new(),
+            attempts: None,
+            reason: String::new(),
+            ts: None,
+            consumer: None,
+            entry_id: None,
+            msg: Vec::new(),
+            other: BTreeMap::new(),
+        }
+    }
+
+    #[test]
+    fn shards_merge_newest_first_down_to_the_highest_frontier() {
+        let ids = |p: &ShardPage| -> Vec<String> {
+            p.0.iter().map(|(s, d)| shard_id(*s, &d.id)).collect()
+        };
+        let all = vec![
+            (0, letter("5-0")),
+            (0, letter("3-0")),
+            (1, letter("5-0")),
+            (1, letter("4-2")),
+            (2, letter("4-10")),
+            (2, letter("1-0")),
+        ];
+        // Shard 1 has more below 4-2: nothing under it is shown yet, and the next page
+        // starts after it.
+        let page = merge_newest(all.clone(), Some((1, "4-2".into())), 50);
+        assert_eq!(ids(&page), ["1/5-0", "0/5-0", "2/4-10", "1/4-2"]);
+        assert_eq!(page.1, Some((1, "4-2".to_string())));
+        // All read: every letter, and no next page.
+        let page = merge_newest(all.clone(), None, 50);
+        assert_eq!(ids(&page).len(), 6);
+        assert_eq!(page.1, None);
+        // A full page ends at its last letter, its shard included.
+        let page = merge_newest(all, None, 2);
+        assert_eq!(ids(&page), ["1/5-0", "0/5-0"]);
+        assert_eq!(page.1, Some((0, "5-0".to_string())));
+        assert!(
+            place(0, "5") > place(1, "5-7"),
+            "a bare ms is its millisecond's last"
+        );
     }
 
     #[test]

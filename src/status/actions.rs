@@ -13,11 +13,14 @@
 //!
 //! The changes are those of `worker dead requeue | purge` (`admin::dead`, `dead::list`),
 //! and each is logged with what it touched: requeues at info, purges and refusals at warn.
+//! With `--shards N` the ids are `<shard>/<id>` (or bare ids held by one shard), and each
+//! shard's letters are changed in that shard and logged under its stream and number.
 
 use super::{view, Page};
 use crate::admin::dead::{self, RequeueReport};
 use crate::admin::{self, is_stream_id};
 use crate::config::{AdminToken, Source};
+use crate::keys::Keys;
 use crate::metrics::{Request, Response};
 
 /// Letters one POST may name: one store script call's worth (`dead::PAGE`).
@@ -176,44 +179,81 @@ impl Actions {
     }
 
     fn on_stream(&self, page: &Page, kind: Kind, form: &Form) -> Response {
+        if page.config.shards > 1 {
+            return self.on_shards(page, kind, form);
+        }
         if let Some(bad) = form.ids.iter().find(|id| !is_stream_id(id)) {
             return Response::text(400, format!("{bad:?} is not a dead-letter id\n"));
         }
         let keys = &page.config.keys;
         let now = crate::now_ms();
-        let done = page.with_redis(|con| {
-            let found = dead::fetch(con, keys, &form.ids, now)?;
-            let mut letters = Vec::new();
-            let mut missing = Vec::new();
-            for (id, d) in form.ids.iter().zip(found) {
-                match d {
-                    Some(d) => letters.push(d),
-                    None => missing.push(id.clone()),
+        match page.with_redis(|con| on_set(con, keys, kind, &form.ids, now)) {
+            Ok(done) => finish(&keys.dead, done, "/dead".into()),
+            Err(e) => failed(kind, &e, &[]),
+        }
+    }
+
+    /// With `--shards N`: the ids are `<shard>/<id>`, or bare ids held by one shard
+    /// (`dead::locate`); each shard's letters are requeued or purged in that shard, one
+    /// shard after the other, each logged with its shard as it is done.
+    fn on_shards(&self, page: &Page, kind: Kind, form: &Form) -> Response {
+        let shards = page.config.shard_keys();
+        let now = crate::now_ms();
+        // Every id placed before anything changes: a form with one id that names no
+        // shard changes nothing.
+        let placed = page.with_redis(|con| {
+            let mut out = Vec::new();
+            for id in &form.ids {
+                out.push(dead::locate(con, &shards, id, now)?);
+            }
+            Ok(out)
+        });
+        let placed = match placed {
+            Ok(p) => p,
+            Err(e) => return failed(kind, &e, &[]),
+        };
+        let mut by_shard: Vec<Vec<String>> = vec![Vec::new(); shards.len()];
+        for (given, p) in form.ids.iter().zip(placed) {
+            match p {
+                Ok((s, id)) if is_stream_id(&id) => {
+                    if !by_shard[s].contains(&id) {
+                        by_shard[s].push(id);
+                    }
+                }
+                Ok(_) => {
+                    return Response::text(400, format!("{given:?} is not a dead-letter id\n"))
+                }
+                Err(why) => return Response::text(400, format!("{why}\n")),
+            }
+        }
+        let mut all = Done::default();
+        let mut each: Vec<(usize, Done)> = Vec::new();
+        for (s, ids) in by_shard.iter().enumerate() {
+            if ids.is_empty() {
+                continue;
+            }
+            let keys = &shards[s];
+            match page.with_redis(|con| on_set(con, keys, kind, ids, now)) {
+                Ok(done) => {
+                    let done = done.in_shard(s);
+                    log_done(&format!("{} (shard {s})", keys.dead), &done);
+                    each.push((s, done.clone()));
+                    all.add(done);
+                }
+                Err(e) => {
+                    let before: Vec<String> = each
+                        .iter()
+                        .map(|(s, d)| format!("shard {s}: {}", d.summary()))
+                        .collect();
+                    return failed(
+                        kind,
+                        &e.context(format!("shard {s} ({})", keys.dead)),
+                        &before,
+                    );
                 }
             }
-            let ids: Vec<String> = letters.iter().map(|d| d.id.clone()).collect();
-            Ok(match kind {
-                Kind::Requeue => (
-                    Some(dead::requeue(con, keys, &letters, now)?),
-                    ids,
-                    0,
-                    missing,
-                ),
-                Kind::Purge => (None, ids, dead::purge(con, keys, &letters)?, missing),
-            })
-        });
-        match done {
-            Ok((report, ids, purged, missing)) => finish(
-                kind,
-                &keys.dead,
-                report,
-                &ids,
-                purged,
-                missing,
-                "/dead".into(),
-            ),
-            Err(e) => failed(kind, &e),
         }
+        render(&all, "/dead".into())
     }
 
     fn on_list(&self, page: &Page, kind: Kind, form: &Form) -> Response {
@@ -243,13 +283,18 @@ impl Actions {
             }
             let found: Vec<String> = letters.iter().map(|l| l.id.clone()).collect();
             Ok(match kind {
-                Kind::Requeue => (
-                    Some(dead::list::requeue(con, &page.config.keys, q, &letters)?),
+                Kind::Requeue => Done {
+                    report: Some(dead::list::requeue(con, &page.config.keys, q, &letters)?),
                     found,
-                    0,
+                    purged: 0,
                     missing,
-                ),
-                Kind::Purge => (None, found, dead::list::purge(con, q, &letters)?, missing),
+                },
+                Kind::Purge => Done {
+                    report: None,
+                    found,
+                    purged: dead::list::purge(con, q, &letters)?,
+                    missing,
+                },
             })
         });
         let back = format!(
@@ -259,28 +304,117 @@ impl Actions {
                 .finish()
         );
         match done {
-            Ok((report, found, purged, missing)) => {
-                finish(kind, &q.dead, report, &found, purged, missing, back)
-            }
-            Err(e) => failed(kind, &e),
+            Ok(done) => finish(&q.dead, done, back),
+            Err(e) => failed(kind, &e, &[]),
         }
     }
 }
 
-/// Logs what an action did and shows it.
-fn finish(
-    kind: Kind,
-    key: &str,
+/// What one requeue or purge did on one key set, by letter id.
+#[derive(Default, Clone)]
+struct Done {
+    /// A requeue's report; `None` for a purge.
     report: Option<RequeueReport>,
-    found: &[String],
+    /// The letters found (a purge deletes those).
+    found: Vec<String>,
+    /// How many a purge deleted.
     purged: u64,
+    /// Ids named that are no letter.
     missing: Vec<String>,
-    back: String,
-) -> Response {
-    let title;
-    let mut purged_ids: Vec<String> = Vec::new();
-    match (&report, kind) {
-        (Some(r), _) => {
+}
+
+impl Done {
+    /// The same with every id written `<shard>/<id>`.
+    fn in_shard(self, shard: usize) -> Done {
+        let q = |ids: Vec<String>| -> Vec<String> {
+            ids.iter().map(|id| dead::shard_id(shard, id)).collect()
+        };
+        Done {
+            report: self.report.map(|r| RequeueReport {
+                requeued: q(r.requeued),
+                as_is: q(r.as_is),
+                key_scheduled: q(r.key_scheduled),
+                gone: q(r.gone),
+                cannot: r
+                    .cannot
+                    .into_iter()
+                    .map(|(id, why)| (dead::shard_id(shard, &id), why))
+                    .collect(),
+            }),
+            found: q(self.found),
+            purged: self.purged,
+            missing: q(self.missing),
+        }
+    }
+
+    fn add(&mut self, d: Done) {
+        if let Some(r) = d.report {
+            let mine = self.report.get_or_insert_with(RequeueReport::default);
+            mine.requeued.extend(r.requeued);
+            mine.as_is.extend(r.as_is);
+            mine.key_scheduled.extend(r.key_scheduled);
+            mine.gone.extend(r.gone);
+            mine.cannot.extend(r.cannot);
+        }
+        self.found.extend(d.found);
+        self.purged += d.purged;
+        self.missing.extend(d.missing);
+    }
+
+    /// What was done, in a few words.
+    fn summary(&self) -> String {
+        match &self.report {
+            Some(r) => format!("requeued {}", r.requeued.join(", ")),
+            None => format!("purged {}", self.found.join(", ")),
+        }
+    }
+}
+
+/// A requeue or purge of the dead letters `ids` of one key set's stream.
+fn on_set(
+    con: &mut crate::store::Con,
+    keys: &Keys,
+    kind: Kind,
+    ids: &[String],
+    now: i64,
+) -> anyhow::Result<Done> {
+    let found = dead::fetch(con, keys, ids, now)?;
+    let mut letters = Vec::new();
+    let mut missing = Vec::new();
+    for (id, d) in ids.iter().zip(found) {
+        match d {
+            Some(d) => letters.push(d),
+            None => missing.push(id.clone()),
+        }
+    }
+    let found: Vec<String> = letters.iter().map(|d| d.id.clone()).collect();
+    Ok(match kind {
+        Kind::Requeue => Done {
+            report: Some(dead::requeue(con, keys, &letters, now)?),
+            found,
+            purged: 0,
+            missing,
+        },
+        Kind::Purge => Done {
+            report: None,
+            purged: dead::purge(con, keys, &letters)?,
+            found,
+            missing,
+        },
+    })
+}
+
+/// Logs what an action did and shows it.
+fn finish(key: &str, done: Done, back: String) -> Response {
+    log_done(key, &done);
+    render(&done, back)
+}
+
+/// Logs what an action did to the letters of `key`: requeues at info, what a requeue
+/// left and purges at warn.
+fn log_done(key: &str, done: &Done) {
+    match &done.report {
+        Some(r) => {
             log::info!(
                 "status page: requeued {} dead letter(s) of {key}: {}",
                 r.requeued.len(),
@@ -292,7 +426,11 @@ fn finish(
                 .map(|id| format!("{id} (job key scheduled again)"))
                 .chain(r.cannot.iter().map(|(id, why)| format!("{id} ({why})")))
                 .chain(r.gone.iter().map(|id| format!("{id} (already gone)")))
-                .chain(missing.iter().map(|id| format!("{id} (no such letter)")))
+                .chain(
+                    done.missing
+                        .iter()
+                        .map(|id| format!("{id} (no such letter)")),
+                )
                 .collect();
             if !left.is_empty() {
                 log::warn!(
@@ -301,37 +439,50 @@ fn finish(
                     left.join(", ")
                 );
             }
-            title = format!("Requeued {} dead letter(s)", r.requeued.len());
         }
-        (None, _) => {
+        None => {
             log::warn!(
-                "status page: purged {purged} dead letter(s) of {key}: {}",
-                found.join(", ")
+                "status page: purged {} dead letter(s) of {key}: {}",
+                done.purged,
+                done.found.join(", ")
             );
-            if !missing.is_empty() {
+            if !done.missing.is_empty() {
                 log::warn!(
                     "status page: purge of {key}: no such letter {}",
-                    missing.join(", ")
+                    done.missing.join(", ")
                 );
             }
-            purged_ids = found.to_vec();
-            title = format!("Purged {purged} dead letter(s)");
         }
     }
+}
+
+/// The page after an action.
+fn render(done: &Done, back: String) -> Response {
+    let (title, purged): (String, &[String]) = match &done.report {
+        Some(r) => (format!("Requeued {} dead letter(s)", r.requeued.len()), &[]),
+        None => (
+            format!("Purged {} dead letter(s)", done.purged),
+            &done.found,
+        ),
+    };
     super::html(
         200,
         view::done(&view::Done {
             title,
-            report: report.as_ref(),
-            purged: &purged_ids,
-            missing: &missing,
+            report: done.report.as_ref(),
+            purged,
+            missing: &done.missing,
             back,
         }),
     )
 }
 
-fn failed(kind: Kind, e: &anyhow::Error) -> Response {
-    let line = admin::one_line(e);
+/// An action that failed; `before` what it had done on other shards first.
+fn failed(kind: Kind, e: &anyhow::Error, before: &[String]) -> Response {
+    let mut line = admin::one_line(e);
+    if !before.is_empty() {
+        line = format!("{line}; done before it failed: {}", before.join("; "));
+    }
     log::warn!("status page: {} failed: {line}", kind.name());
     super::html(
         503,

@@ -10,6 +10,8 @@
 //! - `GET /dead`: the dead letters, newest first, a page at a time, filtered by event;
 //!   list mode: the dead list of one queue at a time. `GET /dead/letter`: one letter, its
 //!   reason and its message pretty-printed. Both through `admin::dead` (and `dead::list`).
+//!   With `--shards N`, every shard's letters merged newest first
+//!   (`dead::newest_sharded`), ids written `<shard>/<id>` as `worker dead` writes them.
 //! - `POST /dead/requeue`, `POST /dead/purge`: only with `--admin-token-file`
 //!   (`actions.rs`); without it the page is read-only, says so, and renders no form.
 //!
@@ -351,6 +353,8 @@ impl<'a> Page<'a> {
                 }),
                 Err(e) => return unavailable(&e),
             }
+        } else if self.config.shards > 1 {
+            return self.dead_shards(&filter, event, before, now, actions);
         } else {
             if before.is_some_and(|b| !admin::is_stream_id(b)) {
                 return bad_request("before: not a dead-letter id");
@@ -370,11 +374,10 @@ impl<'a> Page<'a> {
             });
             match read {
                 Ok((length, letters, next)) => view::dead_stream(&view::DeadStream {
-                    key: &self.config.keys.dead,
-                    length,
+                    streams: &[(self.config.keys.dead.clone(), length)],
                     event,
                     before,
-                    letters: &letters,
+                    letters: &letters.into_iter().map(|d| (None, d)).collect::<Vec<_>>(),
                     next,
                     nonce: actions,
                 }),
@@ -382,6 +385,57 @@ impl<'a> Page<'a> {
             }
         };
         html(200, page)
+    }
+
+    /// `/dead` with `--shards N`: every shard's letters merged newest first, ids written
+    /// `<shard>/<id>`; `before` is such an id too, the place the previous page ended.
+    fn dead_shards(
+        &self,
+        filter: &dead::Filter,
+        event: Option<&str>,
+        before: Option<&str>,
+        now: i64,
+        nonce: Option<&str>,
+    ) -> Response {
+        let shards = self.config.shard_keys();
+        let place = match before.map(|b| b.split_once('/')) {
+            None => None,
+            Some(Some((s, id))) => match s.parse::<usize>() {
+                Ok(s) if s < shards.len() && admin::is_stream_id(id) => Some((s, id)),
+                _ => return bad_request("before: not a dead-letter id (<shard>/<id>)"),
+            },
+            Some(None) => return bad_request("before: not a dead-letter id (<shard>/<id>)"),
+        };
+        let read = self.with_redis(|con| {
+            let mut p = redis::pipe();
+            for k in &shards {
+                p.cmd("XLEN").arg(&k.dead);
+            }
+            let lengths: Vec<u64> = p.query(con)?;
+            let (letters, next) =
+                dead::newest_sharded(con, &shards, filter, now, place, DEAD_PER_PAGE, DEAD_BUDGET)?;
+            Ok((lengths, letters, next))
+        });
+        match read {
+            Ok((lengths, letters, next)) => {
+                let streams: Vec<(String, u64)> =
+                    shards.iter().map(|k| k.dead.clone()).zip(lengths).collect();
+                let letters: Vec<(Option<usize>, dead::DeadLetter)> =
+                    letters.into_iter().map(|(s, d)| (Some(s), d)).collect();
+                html(
+                    200,
+                    view::dead_stream(&view::DeadStream {
+                        streams: &streams,
+                        event,
+                        before,
+                        letters: &letters,
+                        next: next.map(|(s, id)| dead::shard_id(s, &id)),
+                        nonce,
+                    }),
+                )
+            }
+            Err(e) => unavailable(&e),
+        }
     }
 
     fn letter(&self, id: Option<&str>, queue: Option<&str>, at: Option<&str>) -> Response {
@@ -408,6 +462,30 @@ impl<'a> Page<'a> {
                 )),
                 Err(e) => unavailable(&e),
             }
+        } else if self.config.shards > 1 {
+            let shards = self.config.shard_keys();
+            let found = self.with_redis(|con| {
+                Ok(match dead::locate(con, &shards, id, now)? {
+                    Ok((s, bare)) if admin::is_stream_id(&bare) => {
+                        let ids = [bare];
+                        let d = dead::fetch(con, &shards[s], &ids, now)?;
+                        Ok((s, d.into_iter().next().flatten()))
+                    }
+                    Ok(_) => Err(format!(
+                        "id: {id:?} is not a dead-letter id (like 2/1768764300123-0)"
+                    )),
+                    Err(why) => Err(format!("id: {why}")),
+                })
+            });
+            match found {
+                Ok(Ok((s, Some(d)))) => html(
+                    200,
+                    view::stream_letter(&d, Some((s, &shards[s].dead)), nonce),
+                ),
+                Ok(Ok((_, None))) => not_found(&format!("no dead letter {id}")),
+                Ok(Err(why)) => bad_request(&why),
+                Err(e) => unavailable(&e),
+            }
         } else {
             if !admin::is_stream_id(id) {
                 return bad_request("id: not a dead-letter id (like 1768764300123-0)");
@@ -415,7 +493,7 @@ impl<'a> Page<'a> {
             let ids = [id.to_string()];
             match self.with_redis(|con| Ok(dead::fetch(con, &self.config.keys, &ids, now)?)) {
                 Ok(found) => match found.into_iter().next().flatten() {
-                    Some(d) => html(200, view::stream_letter(&d, nonce)),
+                    Some(d) => html(200, view::stream_letter(&d, None, nonce)),
                     None => not_found(&format!("no dead letter {id}")),
                 },
                 Err(e) => unavailable(&e),

@@ -6,7 +6,7 @@
 
 use super::{chart, pretty, DEAD_BUDGET, DEAD_PER_PAGE, DEAD_WINDOW, REFRESH_S};
 use crate::admin::dead::list::ListLetter;
-use crate::admin::dead::{DeadLetter, RequeueReport};
+use crate::admin::dead::{shard_id, DeadLetter, RequeueReport};
 use crate::admin::{fmt_age, fmt_time, id_ms, StatsReport};
 use crate::config::{Config, Source};
 use crate::stats::{Hour, Snapshot};
@@ -390,7 +390,7 @@ fn letter_cell(
     event: &str,
     event_href: Option<&str>,
     key: &str,
-    attempts: Option<u64>,
+    facts: &str,
     reason: &str,
 ) -> Markup {
     html! {
@@ -403,22 +403,43 @@ fn letter_cell(
         }
         div.muted {
             "key " span.key { (dash(key)) }
-            @if let Some(n) = attempts { " · " (n) " attempts" }
+            (facts)
         }
         div.reason { (reason) }
     }
 }
 
+/// The end of a letter's key line: its shard (`--shards N`) and attempts, when known.
+fn facts(shard: Option<usize>, attempts: Option<u64>) -> String {
+    let mut s = String::new();
+    if let Some(i) = shard {
+        s.push_str(&format!(" · shard {i}"));
+    }
+    if let Some(n) = attempts {
+        s.push_str(&format!(" · {n} attempts"));
+    }
+    s
+}
+
 /// What the stream-mode list shows.
 pub struct DeadStream<'a> {
-    pub key: &'a str,
-    pub length: u64,
+    /// The dead-letter stream and its length; with `--shards N`, each shard's, in order.
+    pub streams: &'a [(String, u64)],
     pub event: Option<&'a str>,
     pub before: Option<&'a str>,
-    pub letters: &'a [DeadLetter],
+    /// The letters, each with its shard when sharded.
+    pub letters: &'a [(Option<usize>, DeadLetter)],
     pub next: Option<String>,
     /// The form nonce when actions are on.
     pub nonce: Option<&'a str>,
+}
+
+/// A letter's id as the pages write it: `<shard>/<id>` with `--shards N`.
+fn letter_id(shard: Option<usize>, id: &str) -> String {
+    match shard {
+        Some(s) => shard_id(s, id),
+        None => id.to_string(),
+    }
 }
 
 pub fn dead_stream(v: &DeadStream) -> Markup {
@@ -428,10 +449,25 @@ pub fn dead_stream(v: &DeadStream) -> Markup {
         q.extend(v.event.map(|e| ("event", e)));
         format!("/dead?{}", query(&q))
     });
+    let total: u64 = v.streams.iter().map(|(_, n)| n).sum();
     let body = html! {
         h1 { "Dead letters" }
-        p { span data-k="dead.length" { (v.length) } " kept in " code { (v.key) } ", newest first"
-            @if v.before.is_some() { " (older page)" } "." }
+        @if let [(key, length)] = v.streams {
+            p { span data-k="dead.length" { (length) } " kept in " code { (key) } ", newest first"
+                @if v.before.is_some() { " (older page)" } "." }
+        } @else {
+            p { span data-k="dead.length" { (total) } " kept in " (v.streams.len()) " shards, newest first"
+                @if v.before.is_some() { " (older page)" } "; ids are written " code { "<shard>/<id>" } "." }
+            p.muted {
+                @for (i, (key, length)) in v.streams.iter().enumerate() {
+                    @if i > 0 { " · " }
+                    span data-shard=(i) {
+                        "shard " (i) " " code { (key) } " "
+                        span data-k={ "shards." (i) ".dead.length" } { (length) }
+                    }
+                }
+            }
+        }
         (filter_form(v.event, None))
         @if v.letters.is_empty() {
             p { @if v.event.is_some() { "No dead letter of this event" } @else { "No dead letters" }
@@ -439,19 +475,20 @@ pub fn dead_stream(v: &DeadStream) -> Markup {
         } @else {
             (selection_form(v.nonce, &[], html! {
                 table.letters {
-                    @for d in v.letters {
-                        tr data-letter=(d.id) {
+                    @for (shard, d) in v.letters {
+                        @let id = letter_id(*shard, &d.id);
+                        tr data-letter=(id) {
                             @if v.nonce.is_some() {
-                                td.sel { input type="checkbox" name="id" value=(d.id) aria-label="select"; }
+                                td.sel { input type="checkbox" name="id" value=(id) aria-label="select"; }
                             }
                             td.text {
                                 (letter_cell(
-                                    &format!("/dead/letter?{}", query(&[("id", &d.id)])),
+                                    &format!("/dead/letter?{}", query(&[("id", &id)])),
                                     &format!("{} ago", fmt_age(d.age_ms)),
                                     &d.event,
                                     Some(&event_link(&d.event)),
                                     &String::from_utf8_lossy(&d.key),
-                                    d.attempts,
+                                    &facts(*shard, d.attempts),
                                     &clip(&d.reason, 160),
                                 ))
                             }
@@ -519,7 +556,7 @@ pub fn dead_list_mode(v: &DeadListMode) -> Markup {
                                     &l.event,
                                     None,
                                     &String::from_utf8_lossy(&l.key),
-                                    l.attempts,
+                                    &facts(None, l.attempts),
                                     &if l.readable { clip(&l.reason, 160) } else { "(not a letter the worker wrote)".to_string() },
                                 ))
                             }
@@ -559,11 +596,17 @@ fn rows(rows: &[(String, String)]) -> Markup {
     }
 }
 
-pub fn stream_letter(d: &DeadLetter, nonce: Option<&str>) -> Markup {
+/// One stream-mode letter; `shard` is its shard and that shard's dead-letter stream with
+/// `--shards N`.
+pub fn stream_letter(d: &DeadLetter, shard: Option<(usize, &str)>, nonce: Option<&str>) -> Markup {
     let opt = |o: &Option<String>| o.clone().unwrap_or_else(|| "-".into());
     let died = id_ms(&d.id).unwrap_or(0);
-    let mut fields: Vec<(String, String)> = vec![
-        ("id".into(), d.id.clone()),
+    let id = letter_id(shard.map(|(s, _)| s), &d.id);
+    let mut fields: Vec<(String, String)> = vec![("id".into(), id.clone())];
+    if let Some((s, key)) = shard {
+        fields.push(("shard".into(), format!("{s} ({key})")));
+    }
+    fields.extend([
         (
             "died".into(),
             format!("{} ({} ago)", fmt_time(died), fmt_age(d.age_ms)),
@@ -577,7 +620,7 @@ pub fn stream_letter(d: &DeadLetter, nonce: Option<&str>) -> Markup {
         ("reason".into(), d.reason.clone()),
         ("consumer".into(), opt(&d.consumer)),
         ("entry".into(), opt(&d.entry_id)),
-    ];
+    ]);
     fields.extend(d.other.iter().map(|(k, v)| (k.clone(), v.clone())));
     let body = html! {
         h1 { "Dead letter" }
@@ -587,7 +630,7 @@ pub fn stream_letter(d: &DeadLetter, nonce: Option<&str>) -> Markup {
             Some(n) => {
                 form method="post" action="/dead/requeue" {
                     input type="hidden" name="nonce" value=(n);
-                    input type="hidden" name="id" value=(d.id);
+                    input type="hidden" name="id" value=(id);
                     (action_buttons("this letter"))
                 }
             }

@@ -6,7 +6,9 @@
 //! and a requeue through the page needs the token (the letter then goes back and is
 //! done once, the books exact), a purge too. List mode's dead lists over plain HTTP,
 //! and page loads while Redis stalls: bounded, and never in the way of `/healthz`.
-//! Few browser launches (each costs a second or two): five, all in one test.
+//! With `--shards 3` the dead-letter pages merge the shards' letters, page through them
+//! and act on each letter's own shard.
+//! Few browser launches (each costs a second or two): five in one test, one in another.
 
 use crate::support::*;
 use std::io::{Read, Write};
@@ -845,4 +847,318 @@ fn admin_token_file_must_be_private_and_needs_the_metrics_address() {
     );
     let _ = std::fs::remove_dir_all(dir);
     let _ = std::fs::remove_dir_all(dir2);
+}
+
+/// The `Older →` link of a dead-letter page, as a path.
+fn older_link(page: &str) -> Option<String> {
+    let at = page.find("Older →")?;
+    let href = page[..at].rfind("href=\"")? + "href=\"".len();
+    let end = href + page[href..].find('"')?;
+    Some(page[href..end].replace("&amp;", "&"))
+}
+
+/// Every letter id of `/dead` (with `query`) over all its pages, following `Older →`,
+/// and the number of pages.
+fn walk_dead(port: u16, query: &str) -> (Vec<String>, usize) {
+    let mut path = format!("/dead{query}");
+    let mut ids = Vec::new();
+    for pages in 1.. {
+        let (code, _, page) = http_get(port, &path).unwrap();
+        assert_eq!(code, 200, "{path}: {page}");
+        ids.extend(attr_values(&page, "data-letter"));
+        match older_link(&page) {
+            Some(next) => path = next,
+            None => return (ids, pages),
+        }
+        assert!(pages < 20, "no end of pages");
+    }
+    unreachable!()
+}
+
+/// With `--shards 3` the dead-letter pages show every shard's letters merged newest first,
+/// ids written `<shard>/<id>` as `worker dead list --json` writes them, the total and each
+/// shard's count; paging (with and without an event filter) passes every letter exactly
+/// once however the shards' ids tie or interleave; a letter's page takes `<shard>/<id>` or
+/// a bare id held by one shard; a requeue through the form acts on its shard (the job
+/// runs once, the books exact) and a purge with ids of two shards deletes just those.
+#[test]
+fn status_page_dead_letters_of_shards() {
+    use delay_worker::keys::{shard_of, Keys};
+    let env = Env::new();
+    let shards = Keys::default().sharded("mq", 3);
+    let key_of = |o: &SeedOrder| format!("order.timeout:{}", o.order_no);
+    let orders = seed_orders(&env.db, 12);
+    let stuck = orders
+        .iter()
+        .find(|o| shard_of(key_of(o).as_bytes(), 3) == 2)
+        .expect("an order of shard 2")
+        .clone();
+    let mut con = env.con();
+
+    // Letters written with ids of the past: shards 0 and 1 the same ids, shard 2 ids in
+    // between and some in the same milliseconds with a higher sequence.
+    let t0 = delay_worker::now_ms() - 600_000;
+    let letter = |con: &mut redis::Connection, shard: usize, id: &str, event: &str| {
+        redis::cmd("XADD")
+            .arg(&shards[shard].dead)
+            .arg(id)
+            .arg("msg")
+            .arg(format!(r#"{{"event":"{event}","payload":{{}}}}"#))
+            .arg("reason")
+            .arg("written by the test")
+            .arg("event")
+            .arg(event)
+            .arg("key")
+            .arg(format!("{event}:{shard}:{id}"))
+            .query::<String>(con)
+            .unwrap();
+    };
+    for j in 0..40 {
+        let ms = t0 + 2 * j;
+        letter(&mut con, 0, &format!("{ms}-0"), "paging.a");
+        letter(&mut con, 1, &format!("{ms}-0"), "paging.a");
+        if j % 4 == 0 {
+            letter(&mut con, 2, &format!("{ms}-5"), "paging.b");
+        }
+        letter(&mut con, 2, &format!("{}-0", ms + 1), "paging.b");
+    }
+    // Letters the worker makes: an order whose handler times out until its row lock goes
+    // (shard 2), a message that is not JSON in shards 0 and 1, and one of HTML and script.
+    let (release, locker) = lock_order(&env, stuck.id);
+    let now = delay_worker::now_ms();
+    for o in &orders {
+        let job = delay_worker::producer::NewJob {
+            event: "order.timeout".into(),
+            payload: serde_json::json!({ "order_no": o.order_no }),
+            due_ms: now,
+            key: Some(key_of(o)),
+        };
+        let keys = &shards[shard_of(key_of(o).as_bytes(), 3)];
+        delay_worker::producer::push(&mut con, keys, &job, now).unwrap();
+    }
+    for i in [0, 1] {
+        delay_worker::store::push(&mut con, &shards[i], &format!("bad-{i}"), "not json", now)
+            .unwrap();
+    }
+    let hostile = delay_worker::producer::NewJob {
+        event: HOSTILE_EVENT.into(),
+        payload: serde_json::json!({ "note": HOSTILE_NOTE }),
+        due_ms: now,
+        key: Some(HOSTILE_KEY.into()),
+    };
+    let hostile_shard = shard_of(HOSTILE_KEY.as_bytes(), 3);
+    delay_worker::producer::push(&mut con, &shards[hostile_shard], &hostile, now).unwrap();
+
+    let (token_dir, token) = token_file(0o600, TOKEN);
+    let port = free_port();
+    let mut worker = start(
+        &env,
+        "c1",
+        port,
+        &[
+            "--shards",
+            "3",
+            "--admin-token-file",
+            token.to_str().unwrap(),
+            "--statement-timeout",
+            "150ms",
+            "--max-retries",
+            "1",
+        ],
+    );
+    let quiet = |con: &mut redis::Connection, dead: usize| {
+        let books: Vec<Books> = shards.iter().map(|k| books_on(con, k)).collect();
+        books.iter().all(|b| b.pool == 0 && b.stream_pending == 0)
+            && books.iter().map(|b| b.dead).sum::<usize>() == dead
+    };
+    wait_until(WAIT, "11 orders done and 134 dead letters", || {
+        inbox_count(&env.db) == 11 && quiet(&mut con, 134)
+    });
+
+    // What `worker dead list --json` has, newest first: by stream id, then shard.
+    let cli_letters = || -> Vec<serde_json::Value> {
+        let out = run_worker(
+            &["--shards", "3", "dead", "list", "--json", "--limit", "1000"],
+            &env.config.redis_url,
+            &env.config.database_url,
+        );
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let newest_first = |letters: &[serde_json::Value], event: Option<&str>| -> Vec<String> {
+        let mut v: Vec<((u64, u64, u64), String)> = letters
+            .iter()
+            .filter(|l| event.is_none_or(|e| l["event"] == e))
+            .map(|l| {
+                let id = l["id"].as_str().unwrap();
+                let (shard, bare) = id.split_once('/').unwrap();
+                assert_eq!(shard, l["shard"].to_string(), "{l}");
+                let (ms, seq) = bare.split_once('-').unwrap();
+                let place = (
+                    ms.parse().unwrap(),
+                    seq.parse().unwrap(),
+                    shard.parse().unwrap(),
+                );
+                (place, id.to_string())
+            })
+            .collect();
+        v.sort();
+        v.into_iter().rev().map(|(_, id)| id).collect()
+    };
+    let letters = cli_letters();
+    assert_eq!(letters.len(), 134);
+    let all = newest_first(&letters, None);
+
+    // The list over plain HTTP: the total and each shard's count, then every page.
+    let (_, _, first) = http_get(port, "/dead").unwrap();
+    assert_eq!(figure(&first, "dead.length"), "134");
+    for (i, keys) in shards.iter().enumerate() {
+        let n = letters.iter().filter(|l| l["shard"] == i).count();
+        assert_eq!(
+            figure(&first, &format!("shards.{i}.dead.length")),
+            n.to_string()
+        );
+        assert!(
+            first.contains(&format!("<code>{}</code>", keys.dead)),
+            "{first}"
+        );
+    }
+    let shown = plain(&first);
+    assert!(
+        shown.contains(HOSTILE_EVENT) && shown.contains(HOSTILE_KEY),
+        "{shown}"
+    );
+    assert!(!first.contains("<img") && !first.contains("<script") && !first.contains("<b>"));
+    let (walked, pages) = walk_dead(port, "");
+    assert_eq!(pages, 3, "50 a page");
+    assert_eq!(walked, all, "every letter once, newest first");
+    let (walked, pages) = walk_dead(port, "?event=paging.a");
+    assert_eq!(pages, 2);
+    assert_eq!(walked, newest_first(&letters, Some("paging.a")));
+    assert_eq!(walked.len(), 80);
+    // The browser renders the same first page.
+    let page = dom(&format!("http://127.0.0.1:{port}/dead"));
+    assert_eq!(attr_values(&page, "data-letter"), all[..50].to_vec());
+
+    // One letter's page: `<shard>/<id>`, a bare id held by one shard, not by two.
+    let stuck_letter = letters
+        .iter()
+        .find(|l| l["key"] == key_of(&stuck))
+        .expect("the stuck order's letter");
+    let stuck_id = stuck_letter["id"].as_str().unwrap().to_string();
+    assert!(stuck_id.starts_with("2/"), "{stuck_id}");
+    let path = |id: &str| format!("/dead/letter?id={}", id.replace('/', "%2F"));
+    let (code, _, one) = http_get(port, &path(&stuck_id)).unwrap();
+    assert_eq!(code, 200, "{one}");
+    assert_eq!(figure(&one, "id"), stuck_id);
+    assert_eq!(figure(&one, "key"), key_of(&stuck));
+    assert_eq!(figure(&one, "shard"), format!("2 ({})", shards[2].dead));
+    let (code, _, one) = http_get(port, &path(&format!("{}-0", t0 + 1))).unwrap();
+    assert_eq!(code, 200, "{one}");
+    assert_eq!(figure(&one, "id"), format!("2/{}-0", t0 + 1));
+    let (code, _, one) = http_get(port, &path(&format!("{t0}-0"))).unwrap();
+    assert_eq!(code, 400, "{one}");
+    assert!(plain(&one).contains("shards [0, 1]"), "{one}");
+    assert_eq!(http_get(port, &path("1-0")).unwrap().0, 404);
+    assert_eq!(http_get(port, &path("3/1-0")).unwrap().0, 400);
+    let hostile_id = letters
+        .iter()
+        .find(|l| l["event"] == HOSTILE_EVENT)
+        .map(|l| l["id"].as_str().unwrap().to_string())
+        .unwrap();
+    let (code, _, one) = http_get(port, &path(&hostile_id)).unwrap();
+    assert_eq!(code, 200);
+    assert!(!one.contains("<script") && !one.contains("<img"), "{one}");
+    assert_eq!(figure(&one, "event"), HOSTILE_EVENT);
+    assert!(figure(&one, "msg").contains(HOSTILE_NOTE));
+
+    // The fix, then a requeue through the form of the shard 2 letter and an id of shard 0
+    // that is no letter: the letter leaves shard 2's stream and its job runs once.
+    release.send(()).unwrap();
+    locker.join().unwrap();
+    let nonce = attr_values(&first, "value")
+        .into_iter()
+        .find(|v| v.len() == 32 && v.bytes().all(|b| b.is_ascii_hexdigit()))
+        .expect("the form's nonce");
+    let origin = ("Origin", format!("http://127.0.0.1:{port}"));
+    let body = form(&[
+        ("nonce", &nonce),
+        ("id", &stuck_id),
+        ("id", "0/1-0"),
+        ("token", TOKEN),
+    ]);
+    let (code, said) = post(port, "/dead/requeue", &body, std::slice::from_ref(&origin));
+    assert_eq!(code, 200, "{said}");
+    assert_eq!(figure(&said, "done"), "Requeued 1 dead letter(s)");
+    assert!(figure(&said, "requeued").contains(&stuck_id), "{said}");
+    assert!(figure(&said, "missing").contains("0/1-0"), "{said}");
+    wait_until(WAIT, "the requeued order done", || {
+        inbox_count(&env.db) == 12 && quiet(&mut con, 133)
+    });
+    let bare = stuck_id.split_once('/').unwrap().1;
+    let left: Vec<(String, Vec<(String, String)>)> = redis::cmd("XRANGE")
+        .arg(&shards[2].dead)
+        .arg(bare)
+        .arg(bare)
+        .query(&mut con)
+        .unwrap();
+    assert!(left.is_empty(), "gone from shard 2's dead letters");
+    assert_accounting(&env.db, &orders, &orders.iter().collect::<Vec<_>>());
+    let done = "delay_worker_jobs_total{event=\"order.timeout\",outcome=\"done\"}";
+    let dup = "delay_worker_jobs_total{event=\"order.timeout\",outcome=\"duplicate\"}";
+    assert_eq!((metric(port, done), metric(port, dup)), (12, 0));
+
+    // A purge of one letter of shard 0 and one of shard 1 whose id shard 0 also holds.
+    let bad0 = letters
+        .iter()
+        .find(|l| l["key"] == "bad-0")
+        .map(|l| l["id"].as_str().unwrap().to_string())
+        .unwrap();
+    let twin = format!("1/{t0}-0");
+    let (code, said) = post(
+        port,
+        "/dead/purge",
+        &form(&[("id", &bad0), ("id", &twin)]),
+        &[("Authorization", format!("Bearer {TOKEN}"))],
+    );
+    assert_eq!(code, 200, "{said}");
+    assert_eq!(figure(&said, "done"), "Purged 2 dead letter(s)");
+    let after = cli_letters();
+    let mut expected: Vec<String> = all
+        .iter()
+        .filter(|id| ![&stuck_id, &bad0, &twin].contains(id))
+        .cloned()
+        .collect();
+    assert_eq!(newest_first(&after, None), expected);
+    assert!(
+        expected.contains(&format!("0/{t0}-0")),
+        "shard 0's twin stays"
+    );
+    let (walked, _) = walk_dead(port, "");
+    assert_eq!(walked, std::mem::take(&mut expected));
+
+    let log = worker.log();
+    for line in [
+        format!(
+            "status page: requeued 1 dead letter(s) of {} (shard 2): {stuck_id}",
+            shards[2].dead
+        ),
+        format!(
+            "status page: requeue of {} (shard 0) left 1 letter(s): 0/1-0 (no such letter)",
+            shards[0].dead
+        ),
+        format!(
+            "status page: purged 1 dead letter(s) of {} (shard 0): {bad0}",
+            shards[0].dead
+        ),
+        format!(
+            "status page: purged 1 dead letter(s) of {} (shard 1): {twin}",
+            shards[1].dead
+        ),
+    ] {
+        assert!(log.contains(&line), "{line}\n{log}");
+    }
+    worker.signal(libc::SIGTERM);
+    assert!(worker.wait(WAIT).success());
+    let _ = std::fs::remove_dir_all(token_dir);
 }
