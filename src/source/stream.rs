@@ -43,6 +43,8 @@ pub struct Reader<'a> {
     /// read waits on the doorbell itself (a [`Shards`] waits once for all of them).
     shard: usize,
     idle_wait: bool,
+    /// The last read found fewer new entries than it asked for: it emptied the stream.
+    drained: bool,
 }
 
 impl<'a> Reader<'a> {
@@ -66,6 +68,7 @@ impl<'a> Reader<'a> {
             last_trim: None,
             shard: 0,
             idle_wait: true,
+            drained: false,
         }
     }
 
@@ -148,11 +151,14 @@ impl<'a> Reader<'a> {
     }
 
     /// One step: maintenance when due, then one read of at most the channel's free room:
-    /// entries taken over from dead consumers first, then new ones. After an empty read it
-    /// waits for the doorbell, at most [`IDLE_POLL`]. Returns how many entries it handed
-    /// to the pool.
+    /// entries taken over from dead consumers first, then new ones. After a read that
+    /// emptied the stream it waits for the doorbell, at most [`IDLE_POLL`]: the mover rings
+    /// it after adding entries, so reading the empty stream once more would only cost a
+    /// round trip (under a steady trickle of jobs, one for every read that found some).
+    /// Returns how many entries it handed to the pool.
     pub fn poll(&mut self, con: &mut dyn redis::ConnectionLike) -> Result<usize, StepError> {
         let mut n = 0;
+        self.drained = false;
         if due(&mut self.last_maintenance, self.cfg.block) {
             n += self.maintain(con)?;
         }
@@ -169,13 +175,15 @@ impl<'a> Reader<'a> {
             return Ok(n + self.deliver(read)?);
         }
         let read = stream::read(con, self.reading(), room, ">")?;
-        if read.deliveries.is_empty() && read.buried.is_empty() {
-            if self.idle_wait {
-                self.doorbell.wait(IDLE_POLL.min(self.cfg.block));
-            }
+        let found = read.deliveries.len() + read.buried.len();
+        if found == 0 {
             Stats::beat(&self.stats.reader_beat_ms);
         }
+        self.drained = found < room;
         n += self.deliver(read)?;
+        if self.drained && self.idle_wait {
+            self.doorbell.wait(IDLE_POLL.min(self.cfg.block));
+        }
         Ok(n)
     }
 
@@ -302,7 +310,7 @@ impl Source for Reader<'_> {
 /// The reader over every shard (`--shards`): one [`Reader`] per key set, all on the
 /// reader thread's one connection. Each step polls every shard once, starting from the
 /// next one each time so no shard waits behind another, and waits for the doorbell only
-/// when none had anything.
+/// when every shard's read emptied its stream.
 pub struct Shards<'a> {
     readers: Vec<Reader<'a>>,
     doorbell: Doorbell,
@@ -351,7 +359,7 @@ impl Source for Shards<'_> {
             n += self.readers[(self.next + k) % len].poll(con)?;
         }
         self.next = (self.next + 1) % len.max(1);
-        if n == 0 {
+        if self.readers.iter().all(|r| r.drained) {
             self.doorbell.wait(IDLE_POLL.min(self.block()));
         }
         Ok(n)
