@@ -231,6 +231,13 @@ pub struct JobConfig {
     pub group_commit: bool,
 }
 
+impl JobConfig {
+    /// Most jobs a worker takes from the channel at once: a set, or a transaction's batch.
+    pub fn take_size(&self) -> usize {
+        self.tx_batch.max(self.set_size).max(1)
+    }
+}
+
 /// Default of `--move-window`: at 2,000 jobs/s with millisecond scores, about four jobs per
 /// move call and per set instead of one, for at most 2 ms of lateness.
 pub const DEFAULT_MOVE_WINDOW: Duration = Duration::from_millis(2);

@@ -15,7 +15,6 @@
 use crate::config::Source;
 use crate::config::{redact_url, Config};
 use crate::db::{self, DbError};
-use crate::delivery::Delivery;
 use crate::handlers::sql::{SqlHandler, SqlHandlerError};
 use crate::handlers::Registry;
 use crate::metrics;
@@ -320,7 +319,7 @@ fn spawn_and_supervise(
     Stats::beat(&stats.reader_beat_ms);
     Stats::beat(&stats.mover_beat_ms);
     let drained = AtomicU64::new(0);
-    let (tx, rx) = crossbeam_channel::bounded::<Delivery>(config.channel_capacity());
+    let (hand, rx) = crate::delivery::channel(config.channel_capacity(), config.jobs.take_size());
     let (space_tx, space_rx) = crossbeam_channel::bounded::<()>(1);
     let shard_keys = config.shard_keys();
     let shard_mover = crate::config::MoverConfig {
@@ -379,7 +378,7 @@ fn spawn_and_supervise(
         }
         {
             let (client, stats, bell) = (&client, &stats, doorbell.clone());
-            let feed = Feed::new(tx, space_rx, stats);
+            let feed = Feed::new(hand, space_rx, stats);
             let (keys, cfg, consumer) = (&config.keys, &config.reader, config.consumer.as_str());
             let shard_keys = &shard_keys;
             spawned.push(match config.source {

@@ -5,7 +5,10 @@
 //! with LREM). Workers decide an [`Outcome`] without caring which; `store::settle` applies
 //! a batch of settlements to whichever source each came from.
 
-use std::time::Instant;
+use crossbeam_channel::{Receiver, RecvError, RecvTimeoutError, Sender, TryRecvError};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Origin {
@@ -108,5 +111,173 @@ impl Settlement {
 
     pub fn is_ack(&self) -> bool {
         self.outcome == Outcome::Ack
+    }
+}
+
+/// The reader → pool channel, bounded by `capacity` jobs. A read's deliveries go in as
+/// chunks of at most `chunk` (what a worker runs together: a set, or a `--tx-batch`), so
+/// a read of a few jobs wakes one worker that runs them as one set, rather than a worker
+/// per job each running one (each wake-up, transaction and ack costs the same for one job
+/// as for many). A read of more than a chunk is split evenly, a chunk per worker.
+pub fn channel(capacity: usize, chunk: usize) -> (Hand, Take) {
+    let (tx, rx) = crossbeam_channel::bounded(capacity.max(1));
+    let queued = Arc::new(AtomicUsize::new(0));
+    (
+        Hand {
+            tx,
+            queued: queued.clone(),
+            chunk: chunk.max(1),
+            capacity: capacity.max(1),
+        },
+        Take { rx, queued },
+    )
+}
+
+/// The reader's end of [`channel`].
+#[derive(Clone)]
+pub struct Hand {
+    tx: Sender<Vec<Delivery>>,
+    queued: Arc<AtomicUsize>,
+    chunk: usize,
+    capacity: usize,
+}
+
+/// The channel's receivers are gone: the pool has stopped.
+#[derive(Debug)]
+pub struct PoolGone;
+
+impl Hand {
+    /// Hands deliveries to the pool. The caller sends no more than the room left
+    /// (`capacity - len`), so this never waits.
+    pub fn send(&self, ds: Vec<Delivery>) -> Result<(), PoolGone> {
+        let chunks = ds.len().div_ceil(self.chunk);
+        let mut left = ds.len();
+        let mut ds = ds.into_iter();
+        for k in (1..=chunks).rev() {
+            // Even chunks, in the order read: the next of `k` chunks takes its part of
+            // what is left.
+            let n = left.div_ceil(k);
+            left -= n;
+            let c: Vec<Delivery> = ds.by_ref().take(n).collect();
+            self.queued.fetch_add(n, Ordering::Relaxed);
+            if self.tx.send(c).is_err() {
+                self.queued.fetch_sub(n, Ordering::Relaxed);
+                return Err(PoolGone);
+            }
+        }
+        Ok(())
+    }
+
+    /// Jobs in the channel.
+    pub fn len(&self) -> usize {
+        self.queued.load(Ordering::Relaxed)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Most jobs the channel holds.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+}
+
+/// The pool's end of [`channel`]: each receive takes one chunk.
+#[derive(Clone)]
+pub struct Take {
+    rx: Receiver<Vec<Delivery>>,
+    queued: Arc<AtomicUsize>,
+}
+
+impl Take {
+    fn took(&self, c: Vec<Delivery>) -> Vec<Delivery> {
+        self.queued.fetch_sub(c.len(), Ordering::Relaxed);
+        c
+    }
+
+    pub fn try_recv(&self) -> Result<Vec<Delivery>, TryRecvError> {
+        self.rx.try_recv().map(|c| self.took(c))
+    }
+
+    pub fn recv(&self) -> Result<Vec<Delivery>, RecvError> {
+        self.rx.recv().map(|c| self.took(c))
+    }
+
+    pub fn recv_deadline(&self, at: Instant) -> Result<Vec<Delivery>, RecvTimeoutError> {
+        self.rx.recv_deadline(at).map(|c| self.took(c))
+    }
+
+    pub fn recv_timeout(&self, d: Duration) -> Result<Vec<Delivery>, RecvTimeoutError> {
+        self.rx.recv_timeout(d).map(|c| self.took(c))
+    }
+
+    /// Every delivery waiting now, chunk after chunk.
+    pub fn try_iter(&self) -> impl Iterator<Item = Delivery> + '_ {
+        std::iter::from_fn(|| self.try_recv().ok()).flatten()
+    }
+
+    /// Jobs in the channel.
+    pub fn len(&self) -> usize {
+        self.queued.load(Ordering::Relaxed)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn d(i: usize) -> Delivery {
+        Delivery {
+            origin: Origin::Stream {
+                id: format!("{i}-0"),
+            },
+            key: Vec::new(),
+            msg: Vec::new(),
+            due_ms: None,
+            received: Instant::now(),
+            shard: 0,
+        }
+    }
+
+    fn ids(c: &[Delivery]) -> Vec<&str> {
+        c.iter().map(|d| d.stream_id().unwrap()).collect()
+    }
+
+    #[test]
+    fn a_read_goes_in_even_chunks_in_order_and_is_counted() {
+        let (hand, take) = channel(64, 4);
+        hand.send((0..10).map(d).collect()).unwrap();
+        assert_eq!((hand.len(), take.len()), (10, 10));
+        assert_eq!(ids(&take.try_recv().unwrap()), ["0-0", "1-0", "2-0", "3-0"]);
+        assert_eq!(ids(&take.try_recv().unwrap()), ["4-0", "5-0", "6-0"]);
+        assert_eq!(take.len(), 3);
+        assert_eq!(ids(&take.try_recv().unwrap()), ["7-0", "8-0", "9-0"]);
+        assert!(take.try_recv().is_err());
+        assert!(hand.is_empty());
+        hand.send((0..3).map(d).collect()).unwrap();
+        assert_eq!(
+            take.try_recv().unwrap().len(),
+            3,
+            "a small read is one chunk"
+        );
+        hand.send(Vec::new()).unwrap();
+        assert!(take.try_recv().is_err(), "nothing read, nothing sent");
+        drop(take);
+        assert!(hand.send(vec![d(1)]).is_err());
+        assert_eq!(hand.len(), 0);
+    }
+
+    #[test]
+    fn chunks_of_one_are_single_jobs() {
+        let (hand, take) = channel(8, 1);
+        hand.send((0..3).map(d).collect()).unwrap();
+        for i in 0..3 {
+            assert_eq!(ids(&take.try_recv().unwrap()), [format!("{i}-0")]);
+        }
     }
 }

@@ -7,10 +7,11 @@
 //!                       events STREAM (fields msg, key) or list queues
 //!                                │ reader thread: screened reads, takeover source/
 //!                                ▼
-//!                  bounded crossbeam channel (back-pressure)
+//!       bounded crossbeam channel (back-pressure) of chunks: a read's    delivery.rs
+//!       entries, up to a set each
 //!                                │
-//!             N worker threads: one PostgreSQL transaction per job         workers.rs
-//!               (inbox row + handler)                                      handlers/
+//!             N worker threads: one PostgreSQL transaction per job or set  workers.rs
+//!               (inbox rows + handler)                                     handlers/
 //!                                │
 //!          settle ──▶ retry into the pool | dead letter, then ack (one Lua call per batch)
 //! ```

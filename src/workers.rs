@@ -11,8 +11,8 @@
 //! A crash before the ack leaves the entry pending; it is delivered again and the inbox row
 //! makes the second run a no-op. So delivery is at least once and the effect exactly once.
 //!
-//! Acks are batched: outcomes collect while more work arrives (within [`ACK_LINGER`] of
-//! the last) and are sent in one `settle` script call, up to [`ACK_BATCH`] at a time. With
+//! Acks are batched: outcomes collect for at most [`ACK_HOLD`] after the first of them,
+//! and are sent in one `settle` script call, up to [`ACK_BATCH`] at a time. With
 //! group commit the jobs commit without waiting for the WAL flush, and one
 //! `db::flush_wal` before the settle makes all of them durable (`make_durable`).
 //! Database failures (connection lost, server restarting, out of connections) hold the job
@@ -25,26 +25,29 @@
 use crate::backoff::Backoff;
 use crate::config::JobConfig;
 use crate::db;
-use crate::delivery::{Delivery, Origin, Outcome, Settlement};
+use crate::delivery::{Delivery, Origin, Outcome, Settlement, Take};
 use crate::handlers::{Effect, Registry};
 use crate::keys::Keys;
 use crate::message::{event_of, Envelope, Rejection};
 use crate::shutdown::Shutdown;
 use crate::stats::{JobOutcome, Stats};
 use crate::store::{self, Settled, StoreError};
-use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
+use crossbeam_channel::{RecvTimeoutError, Sender, TryRecvError};
 use postgres::types::Type;
 use postgres::Statement;
 use std::collections::{BTreeMap, HashSet};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Most outcomes settled in one script call.
 pub const ACK_BATCH: usize = 64;
 
-/// How long a worker with unsettled outcomes waits for more work before settling them.
-pub const ACK_LINGER: Duration = Duration::from_millis(2);
+/// How long a worker holds an outcome before settling it, so that one WAL flush and one
+/// script call cover the jobs it finishes meanwhile. At a steady trickle of jobs spread
+/// over the pool a worker finishes one every few milliseconds: settling each alone cost a
+/// PostgreSQL round trip and a Redis call per job. Only the ack waits, never a job.
+pub const ACK_HOLD: Duration = Duration::from_millis(25);
 
 /// How often outcomes held back by a key of the wrong type are tried again.
 pub const HELD_RETRY: Duration = Duration::from_secs(1);
@@ -293,26 +296,26 @@ impl<'a> Worker<'a> {
     }
 
     /// The thread body. `space` wakes the reader when a slot frees up.
-    pub fn run(mut self, rx: &Receiver<Delivery>, space: &Sender<()>) {
+    pub fn run(mut self, rx: &Take, space: &Sender<()>) {
         let mut outcomes: Vec<Settlement> = Vec::with_capacity(ACK_BATCH);
-        let gather = self.ctx.jobs.tx_batch.max(self.ctx.jobs.set_size).max(1);
+        let gather = self.ctx.jobs.take_size();
+        // When the oldest unsettled outcome must be settled.
+        let mut settle_by: Option<Instant> = None;
         loop {
             let first = match rx.try_recv() {
                 Ok(d) => d,
                 Err(TryRecvError::Empty) => {
-                    // Under a backlog the reader refills the channel within a round trip:
-                    // waiting that long before settling lets one WAL flush and one script
-                    // call cover more jobs. Only the ack waits, not the job.
-                    let lingered = if outcomes.is_empty() {
-                        Err(RecvTimeoutError::Timeout)
-                    } else {
-                        rx.recv_timeout(ACK_LINGER)
+                    // Wait for work, but settle the outcomes in hand when their time comes.
+                    let waited = match settle_by {
+                        Some(at) => rx.recv_deadline(at),
+                        None => Err(RecvTimeoutError::Timeout),
                     };
-                    match lingered {
+                    match waited {
                         Ok(d) => d,
                         Err(RecvTimeoutError::Disconnected) => break,
                         Err(RecvTimeoutError::Timeout) => {
                             self.flush(&mut outcomes);
+                            settle_by = None;
                             match self.wait_for_work(rx, &mut outcomes) {
                                 Some(d) => d,
                                 None => break,
@@ -323,10 +326,10 @@ impl<'a> Worker<'a> {
                 Err(TryRecvError::Disconnected) => break,
             };
             // Only what is already waiting joins the batch: batching never delays a job.
-            let mut batch = vec![first];
+            let mut batch = first;
             while batch.len() < gather {
                 match rx.try_recv() {
-                    Ok(d) => batch.push(d),
+                    Ok(more) => batch.extend(more),
                     Err(_) => break,
                 }
             }
@@ -343,9 +346,17 @@ impl<'a> Worker<'a> {
                 self.ctx.drained.fetch_add(taken, Ordering::Relaxed);
             }
             // A lost session's doubtful acks are settled at once, before jobs committed
-            // on the next session join them.
-            if outcomes.len() >= ACK_BATCH || self.durability_lost {
+            // on the next session join them; so is everything while draining.
+            let now = Instant::now();
+            if outcomes.len() >= ACK_BATCH
+                || self.durability_lost
+                || draining
+                || settle_by.is_some_and(|at| now >= at)
+            {
                 self.flush(&mut outcomes);
+                settle_by = None;
+            } else if !outcomes.is_empty() && settle_by.is_none() {
+                settle_by = Some(now + ACK_HOLD);
             }
         }
         self.flush(&mut outcomes);
@@ -363,9 +374,9 @@ impl<'a> Worker<'a> {
     /// [`HELD_RETRY`] meanwhile. `None` when the channel is disconnected.
     fn wait_for_work(
         &mut self,
-        rx: &Receiver<Delivery>,
+        rx: &Take,
         outcomes: &mut Vec<Settlement>,
-    ) -> Option<Delivery> {
+    ) -> Option<Vec<Delivery>> {
         loop {
             if self.held.is_empty() {
                 return rx.recv().ok();

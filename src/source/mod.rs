@@ -15,7 +15,7 @@ pub mod list;
 pub mod stream;
 
 use crate::backoff::Backoff;
-use crate::delivery::Delivery;
+use crate::delivery::{Delivery, Hand};
 use crate::shutdown::Shutdown;
 use crate::stats::Stats;
 use crate::store::Con;
@@ -60,7 +60,7 @@ impl Doorbell {
 /// more work.
 #[derive(Clone)]
 pub struct Feed<'a> {
-    tx: Sender<Delivery>,
+    hand: Hand,
     /// A worker sends one token after taking a job, waking a reader that waits for room.
     space: Receiver<()>,
     capacity: usize,
@@ -68,10 +68,10 @@ pub struct Feed<'a> {
 }
 
 impl<'a> Feed<'a> {
-    pub fn new(tx: Sender<Delivery>, space: Receiver<()>, stats: &'a Stats) -> Feed<'a> {
-        let capacity = tx.capacity().unwrap_or(1).max(1);
+    pub fn new(hand: Hand, space: Receiver<()>, stats: &'a Stats) -> Feed<'a> {
+        let capacity = hand.capacity();
         Feed {
-            tx,
+            hand,
             space,
             capacity,
             stats,
@@ -80,7 +80,7 @@ impl<'a> Feed<'a> {
 
     /// How many deliveries the channel can take now.
     pub fn room(&self) -> usize {
-        self.capacity.saturating_sub(self.tx.len())
+        self.capacity.saturating_sub(self.hand.len())
     }
 
     /// Waits until a worker takes a job, at most `d`.
@@ -93,9 +93,7 @@ impl<'a> Feed<'a> {
     pub fn send(&self, entries: Vec<Delivery>) -> Result<usize, StepError> {
         Stats::beat(&self.stats.reader_beat_ms);
         let n = entries.len();
-        for d in entries {
-            self.tx.send(d).map_err(|_| StepError::PoolGone)?;
-        }
+        self.hand.send(entries).map_err(|_| StepError::PoolGone)?;
         Stats::add(&self.stats.delivered, n as u64);
         Ok(n)
     }

@@ -27,10 +27,10 @@ fn step_reader<'a>(
     stats: &'a Stats,
 ) -> (
     ListReader<'a>,
-    crossbeam_channel::Receiver<delay_worker::delivery::Delivery>,
+    delay_worker::delivery::Take,
     crossbeam_channel::Sender<()>,
 ) {
-    let (tx, rx) = crossbeam_channel::bounded(4);
+    let (tx, rx) = delay_worker::delivery::channel(4, 1);
     let (space_tx, space_rx) = crossbeam_channel::bounded(1);
     let reader = ListReader::new(
         &c.keys,
