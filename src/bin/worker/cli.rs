@@ -298,7 +298,7 @@ pub struct RunArgs {
     pub poll_interval: Duration,
     /// Members falling due within this window of each other move together (one call, one
     /// set); each waits at most this long past its due time for it. 0 moves each at once.
-    #[arg(long, default_value = "2ms", value_parser = parse_duration)]
+    #[arg(long, default_value = "5ms", value_parser = parse_duration)]
     pub move_window: Duration,
     /// A due member without data is removed as an orphan this long after its due time.
     #[arg(long, default_value = "60s", value_parser = parse_duration)]
