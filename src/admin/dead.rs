@@ -144,6 +144,23 @@ fn lossy<S: Serializer>(b: &[u8], s: S) -> Result<S::Ok, S::Error> {
 }
 
 impl DeadLetter {
+    /// A letter with its id and age and no fields yet.
+    fn blank(id: String, age_ms: i64) -> DeadLetter {
+        DeadLetter {
+            id,
+            age_ms,
+            event: String::new(),
+            key: Vec::new(),
+            attempts: None,
+            reason: String::new(),
+            ts: None,
+            consumer: None,
+            entry_id: None,
+            msg: Vec::new(),
+            other: BTreeMap::new(),
+        }
+    }
+
     /// The key it goes back under: the job key, or its own id when a writer left that
     /// out (some key is needed, and the id is unique).
     pub fn job_key(&self) -> &[u8] {
@@ -167,19 +184,8 @@ impl DeadLetter {
         let Some(Value::Array(fields)) = pair.get(1) else {
             return None;
         };
-        let mut d = DeadLetter {
-            age_ms: super::id_ms(&id).map_or(0, |t| (now_ms - t).max(0)),
-            id,
-            event: String::new(),
-            key: Vec::new(),
-            attempts: None,
-            reason: String::new(),
-            ts: None,
-            consumer: None,
-            entry_id: None,
-            msg: Vec::new(),
-            other: BTreeMap::new(),
-        };
+        let age_ms = super::id_ms(&id).map_or(0, |t| (now_ms - t).max(0));
+        let mut d = DeadLetter::blank(id, age_ms);
         for kv in fields.chunks_exact(2) {
             let bytes = match &kv[1] {
                 Value::BulkString(b) => b.clone(),
@@ -1012,19 +1018,7 @@ mod tests {
     }
 
     fn letter(id: &str) -> DeadLetter {
-        DeadLetter {
-            id: id.into(),
-            age_ms: 0,
-            event: String::new(),
-            key: Vec::new(),
-            attempts: None,
-            reason: String::new(),
-            ts: None,
-            consumer: None,
-            entry_id: None,
-            msg: Vec::new(),
-            other: BTreeMap::new(),
-        }
+        DeadLetter::blank(id.into(), 0)
     }
 
     #[test]
