@@ -27,7 +27,7 @@ use crate::stats::{Snapshot, Stats};
 use crate::store;
 use crate::workers::{PoolContext, Session, SessionError, Worker};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
@@ -447,8 +447,13 @@ fn spawn_and_supervise(
         let mut notifier = Notifier::from_env();
         notifier.ready(&stats, rx.len());
         let mut logged = Instant::now();
+        let mut trimmed = Instant::now();
         while !shutdown.wait(notifier.tick_interval(config.stats_interval)) {
             notifier.tick(&stats, config, rx.len());
+            if trimmed.elapsed() >= TRIM_EVERY {
+                trimmed = Instant::now();
+                release_free_memory();
+            }
             if logged.elapsed() < config.stats_interval {
                 continue;
             }
@@ -469,4 +474,20 @@ fn spawn_and_supervise(
         drained: drained.load(Ordering::Relaxed),
     };
     Ok((report, panicked))
+}
+
+/// How often the heap's free pages are given back to the system.
+const TRIM_EVERY: Duration = Duration::from_secs(60);
+
+/// Gives the free pages inside the malloc heaps back to the system (glibc's `malloc_trim`,
+/// which since glibc 2.8 releases whole free pages anywhere in every arena, not only at
+/// the top). The daemon's allocations churn per job on several threads; memory freed in
+/// the middle of a heap otherwise stays resident: in 10-minute runs resident memory at
+/// times grew by 0.7 MB in one step and stayed.
+fn release_free_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only takes malloc's own locks; any thread may call it.
+    unsafe {
+        libc::malloc_trim(0);
+    }
 }

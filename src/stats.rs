@@ -493,7 +493,7 @@ fn late_bucket(ms: i64) -> usize {
     if ms < 1 {
         return 0;
     }
-    let i = 1 + (4.0 * (ms as f64).log2()).floor() as usize;
+    let i = 1 + (4.0 * libm::log2(ms as f64)).floor() as usize;
     i.min(LATE_BUCKETS - 1)
 }
 
@@ -501,7 +501,7 @@ fn late_bucket(ms: i64) -> usize {
 fn late_upper_ms(i: usize) -> Option<f64> {
     match i {
         0 => Some(1.0),
-        i if i < LATE_BUCKETS - 1 => Some((i as f64 / 4.0).exp2()),
+        i if i < LATE_BUCKETS - 1 => Some(libm::exp2(i as f64 / 4.0)),
         _ => None,
     }
 }
@@ -580,7 +580,7 @@ fn quantile(late: &[u32; LATE_BUCKETS], q: f64) -> Option<f64> {
     for (i, &c) in late.iter().enumerate() {
         seen += c as u64;
         if seen >= rank {
-            return Some(late_upper_ms(i).unwrap_or(((LATE_BUCKETS - 2) as f64 / 4.0).exp2()));
+            return Some(late_upper_ms(i).unwrap_or(libm::exp2((LATE_BUCKETS - 2) as f64 / 4.0)));
         }
     }
     None

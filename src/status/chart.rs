@@ -126,9 +126,9 @@ pub fn lateness(hour: &Hour) -> Markup {
         .filter_map(|f| f.p99_ms)
         .fold(1.0f64, f64::max)
         .max(10.0);
-    let decades = max.log10().ceil().max(1.0) as i32;
+    let decades = libm::log10(max).ceil().max(1.0) as i32;
     let y = |ms: f64| {
-        let l = ms.max(1.0).log10() / decades as f64;
+        let l = libm::log10(ms.max(1.0)) / decades as f64;
         TOP + (H - TOP - BOTTOM) * (1.0 - l)
     };
     let line_d = |f: &dyn Fn(&MinuteFigures) -> Option<f64>| {
