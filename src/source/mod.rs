@@ -63,24 +63,17 @@ pub struct Feed<'a> {
     hand: Hand,
     /// A worker sends one token after taking a job, waking a reader that waits for room.
     space: Receiver<()>,
-    capacity: usize,
     stats: &'a Stats,
 }
 
 impl<'a> Feed<'a> {
     pub fn new(hand: Hand, space: Receiver<()>, stats: &'a Stats) -> Feed<'a> {
-        let capacity = hand.capacity();
-        Feed {
-            hand,
-            space,
-            capacity,
-            stats,
-        }
+        Feed { hand, space, stats }
     }
 
     /// How many deliveries the channel can take now.
     pub fn room(&self) -> usize {
-        self.capacity.saturating_sub(self.hand.len())
+        self.hand.capacity().saturating_sub(self.hand.len())
     }
 
     /// Waits until a worker takes a job, at most `d`.
