@@ -75,7 +75,7 @@ pub struct ListArgs {
     /// Print a JSON array (every field; the message as a string).
     #[arg(long)]
     pub json: bool,
-    /// Show at most this many (the oldest).
+    /// Show at most this many (the oldest; with --shards, of all shards).
     #[arg(long, default_value_t = 100)]
     pub limit: usize,
 }
@@ -96,7 +96,8 @@ pub struct RequeueArgs {
     /// Requeue this dead letter (repeat for several); the filters still apply.
     #[arg(long = "id", value_name = "ID")]
     pub ids: Vec<String>,
-    /// Requeue at most this many, the oldest first (e.g. 1, to try a fix on one).
+    /// Requeue at most this many, the oldest first (e.g. 1, to try a fix on one); with
+    /// --shards, over all shards.
     #[arg(long)]
     pub limit: Option<usize>,
 }
@@ -343,8 +344,20 @@ pub fn newest(
     limit: usize,
     budget: usize,
 ) -> RedisResult<(Vec<DeadLetter>, Option<String>)> {
-    let end = before.map_or("+".to_string(), |b| format!("({b}"));
+    let end = match before {
+        None => "+".to_string(),
+        Some(b) => match older_than(b) {
+            Some(end) => end,
+            None => return Ok((Vec::new(), None)),
+        },
+    };
     newest_from(con, keys, filter, now_ms, end, limit, budget)
+}
+
+/// The XREVRANGE end of the ids older than `id`: `(<id>`; `None` for `0-0`, older than
+/// which there is nothing (and which Redis refuses as an exclusive end).
+fn older_than(id: &str) -> Option<String> {
+    (place(0, id) != (0, 0, 0)).then(|| format!("({id}"))
 }
 
 /// [`newest`] from `end`, an XREVRANGE end (`+`, `<id>` or `(<id>`).
@@ -447,7 +460,10 @@ pub fn newest_sharded(
         let end = match before {
             None => "+".to_string(),
             Some((bs, id)) if s < bs => id.to_string(),
-            Some((_, id)) => format!("({id}"),
+            Some((_, id)) => match older_than(id) {
+                Some(end) => end,
+                None => continue,
+            },
         };
         let (letters, next) = newest_from(con, keys, filter, now_ms, end, limit, share)?;
         if let Some(n) = next {
@@ -555,6 +571,22 @@ impl RequeueReport {
         self.cannot.extend(r.cannot);
     }
 
+    /// The same, its ids written `<shard>/<id>`.
+    fn in_shard(self, shard: usize) -> RequeueReport {
+        let ids = |v: Vec<String>| v.iter().map(|id| shard_id(shard, id)).collect();
+        RequeueReport {
+            requeued: ids(self.requeued),
+            as_is: ids(self.as_is),
+            key_scheduled: ids(self.key_scheduled),
+            gone: ids(self.gone),
+            cannot: self
+                .cannot
+                .into_iter()
+                .map(|(id, why)| (shard_id(shard, &id), why))
+                .collect(),
+        }
+    }
+
     /// What `worker dead requeue` prints; exit 1 when an id named was not found.
     fn print(&self, missing: &[String], out: &mut dyn Write) -> anyhow::Result<ExitCode> {
         writeln!(out, "requeued {}", self.requeued.len())?;
@@ -659,69 +691,89 @@ pub(super) fn run(
     if shards.len() == 1 {
         return one_set(&mut con, &config.keys, args, now, out);
     }
-    // `--shards N`: each shard's dead letters in turn, under its name, ids written
-    // `<shard>/<id>` (a stream id is unique only within its shard's stream); a JSON list
-    // is one array of them all, each with its `shard`.
+    // `--shards N`: ids are written `<shard>/<id>` (a stream id is unique only within its
+    // shard's stream); a list and a requeue's `--limit` span all shards.
     match &args.command {
+        DeadCommand::List(a) => list_sharded(&mut con, &shards, a, now, out),
         DeadCommand::Show(a) => {
             let (shard, id) = locate_arg(&mut con, &shards, &a.id, now)?;
             let one = ShowArgs { id, json: a.json };
-            return show(&mut con, &shards[shard], &one, now, out);
+            show(&mut con, &shards[shard], &one, now, out)
         }
-        DeadCommand::Requeue(a) if !a.ids.is_empty() => {
-            let mut by_shard: Vec<Vec<String>> = vec![Vec::new(); shards.len()];
-            for id in &a.ids {
-                let (shard, id) = locate_arg(&mut con, &shards, id, now)?;
-                by_shard[shard].push(id);
+        DeadCommand::Requeue(a) => requeue_sharded(&mut con, &shards, a, now, out),
+        DeadCommand::Purge(_) => {
+            for (i, keys) in shards.iter().enumerate() {
+                write!(out, "shard {i} ({}): ", keys.dead)?;
+                one_set(&mut con, keys, args, now, out)?;
             }
-            let mut code = ExitCode::SUCCESS;
-            for (i, ids) in by_shard.into_iter().enumerate() {
-                if ids.is_empty() {
-                    continue;
-                }
-                writeln!(out, "shard {i} ({})", shards[i].dead)?;
-                let one = RequeueArgs {
-                    filter: a.filter.clone(),
-                    ids,
-                    limit: a.limit,
-                };
-                let c = requeue_cmd(&mut con, &shards[i], &one, now, out)?;
-                if c != ExitCode::SUCCESS {
-                    code = c;
-                }
-            }
-            return Ok(code);
-        }
-        _ => {}
-    }
-    let json = matches!(&args.command, DeadCommand::List(a) if a.json);
-    let mut all: Vec<serde_json::Value> = Vec::new();
-    let mut code = ExitCode::SUCCESS;
-    for (i, keys) in shards.iter().enumerate() {
-        let mut buf = Vec::new();
-        let c = one_set(&mut con, keys, args, now, &mut buf)?;
-        if json {
-            for mut v in serde_json::from_slice::<Vec<serde_json::Value>>(&buf)? {
-                if let Some(o) = v.as_object_mut() {
-                    o.insert("shard".into(), i.into());
-                    if let Some(id) = o.get("id").and_then(|id| id.as_str()).map(String::from) {
-                        o.insert("id".into(), shard_id(i, &id).into());
-                    }
-                }
-                all.push(v);
-            }
-        } else {
-            writeln!(out, "shard {i} ({}): give ids as {i}/<id>", keys.dead)?;
-            out.write_all(&buf)?;
-        }
-        if c != ExitCode::SUCCESS {
-            code = c;
+            Ok(ExitCode::SUCCESS)
         }
     }
-    if json {
-        write_json(out, &all)?;
+}
+
+/// `worker dead requeue` with `--shards N`: each letter in its own shard, one report with
+/// `<shard>/<id>` ids; `--limit` counts over all shards (the oldest, or the first ids named).
+fn requeue_sharded(
+    con: &mut dyn redis::ConnectionLike,
+    shards: &[Keys],
+    a: &RequeueArgs,
+    now: i64,
+    out: &mut dyn Write,
+) -> anyhow::Result<ExitCode> {
+    let read = "cannot read the dead letters";
+    let mut report = RequeueReport::default();
+    let mut missing = Vec::new();
+    let chosen: Vec<(usize, DeadLetter)> = if !a.ids.is_empty() {
+        let mut places = Vec::new();
+        for given in &a.ids {
+            let (s, id) = locate_arg(con, shards, given, now)?;
+            anyhow::ensure!(
+                is_stream_id(&id),
+                "--id: {given:?} is not a dead-letter id (like 1/1768764300123-0)"
+            );
+            if !places.contains(&(s, id.clone())) {
+                places.push((s, id));
+            }
+        }
+        let mut chosen = Vec::new();
+        for (s, id) in places {
+            match fetch(con, &shards[s], std::slice::from_ref(&id), now)
+                .context(read)?
+                .pop()
+                .flatten()
+            {
+                Some(d) if a.filter.matches(&d, now) => chosen.push((s, d)),
+                Some(_) => {}
+                None => missing.push(shard_id(s, &id)),
+            }
+        }
+        chosen.truncate(a.limit.unwrap_or(usize::MAX));
+        chosen
+    } else if let Some(limit) = a.limit {
+        oldest_sharded(con, shards, &a.filter, now, limit).context(read)?
+    } else {
+        // All of them: a page at a time, so a flood is never held in memory.
+        for (s, keys) in shards.iter().enumerate() {
+            let mut scan = Scan::new(keys, &a.filter, now);
+            while let Some(page) = scan.next_page(con).context(read)? {
+                let r = requeue(con, keys, &page, now).context("cannot requeue")?;
+                report.add(r.in_shard(s));
+            }
+        }
+        Vec::new()
+    };
+    for (s, keys) in shards.iter().enumerate() {
+        let letters: Vec<DeadLetter> = chosen
+            .iter()
+            .filter(|(c, _)| *c == s)
+            .map(|(_, d)| d.clone())
+            .collect();
+        if !letters.is_empty() {
+            let r = requeue(con, keys, &letters, now).context("cannot requeue")?;
+            report.add(r.in_shard(s));
+        }
     }
-    Ok(code)
+    report.print(&missing, out)
 }
 
 /// The shard and stream id of a dead-letter id given with `--shards`: `<shard>/<id>`, or a
@@ -812,14 +864,78 @@ fn list(
     out: &mut dyn Write,
 ) -> anyhow::Result<ExitCode> {
     // One more than shown tells whether there are more.
-    let mut letters = scan(con, keys, &a.filter, now, Some(a.limit.saturating_add(1)))
+    let letters = scan(con, keys, &a.filter, now, Some(a.limit.saturating_add(1)))
         .context("cannot read the dead letters")?;
+    print_list(letters.into_iter().map(|d| (None, d)).collect(), a, out)
+}
+
+/// `worker dead list` with `--shards N`: the oldest `--limit` letters of all shards, in
+/// the order of their ids (when they died), ids written `<shard>/<id>`.
+fn list_sharded(
+    con: &mut dyn redis::ConnectionLike,
+    shards: &[Keys],
+    a: &ListArgs,
+    now: i64,
+    out: &mut dyn Write,
+) -> anyhow::Result<ExitCode> {
+    let letters = oldest_sharded(con, shards, &a.filter, now, a.limit.saturating_add(1))
+        .context("cannot read the dead letters")?;
+    print_list(
+        letters.into_iter().map(|(s, d)| (Some(s), d)).collect(),
+        a,
+        out,
+    )
+}
+
+/// The oldest `limit` letters matching `filter` over all `shards`, oldest first, each with
+/// its shard (for one id in several shards, the lowest shard first).
+fn oldest_sharded(
+    con: &mut dyn redis::ConnectionLike,
+    shards: &[Keys],
+    filter: &Filter,
+    now: i64,
+    limit: usize,
+) -> RedisResult<Vec<(usize, DeadLetter)>> {
+    let mut all = Vec::new();
+    for (s, keys) in shards.iter().enumerate() {
+        all.extend(
+            scan(con, keys, filter, now, Some(limit))?
+                .into_iter()
+                .map(|d| (s, d)),
+        );
+    }
+    all.sort_by_key(|(s, d)| place(*s, &d.id));
+    all.truncate(limit);
+    Ok(all)
+}
+
+/// What `worker dead list` prints of `letters` (one more than `--limit` when there are
+/// more), each with its shard when there are shards.
+fn print_list(
+    mut letters: Vec<(Option<usize>, DeadLetter)>,
+    a: &ListArgs,
+    out: &mut dyn Write,
+) -> anyhow::Result<ExitCode> {
     let more = letters.len() > a.limit;
     letters.truncate(a.limit);
     if a.json {
-        write_json(out, &letters)?;
+        let mut all = Vec::with_capacity(letters.len());
+        for (s, d) in &letters {
+            let mut v = serde_json::to_value(d)?;
+            if let (Some(s), Some(o)) = (s, v.as_object_mut()) {
+                o.insert("id".into(), shard_id(*s, &d.id).into());
+                o.insert("shard".into(), (*s).into());
+            }
+            all.push(v);
+        }
+        write_json(out, &all)?;
         return Ok(ExitCode::SUCCESS);
     }
+    let ids: Vec<String> = letters
+        .iter()
+        .map(|(s, d)| s.map_or_else(|| d.id.clone(), |s| shard_id(s, &d.id)))
+        .collect();
+    let letters: Vec<&DeadLetter> = letters.iter().map(|(_, d)| d).collect();
     if letters.is_empty() {
         writeln!(out, "no dead letters")?;
         return Ok(ExitCode::SUCCESS);
@@ -827,7 +943,7 @@ fn list(
     let width = |f: &dyn Fn(&DeadLetter) -> usize, title: &str, cap: usize| {
         letters
             .iter()
-            .map(f)
+            .map(|d| f(d))
             .max()
             .unwrap_or(0)
             .max(title.len())
@@ -837,7 +953,12 @@ fn list(
         .iter()
         .map(|d| String::from_utf8_lossy(&d.key).into_owned())
         .collect();
-    let wi = width(&|d| d.id.len(), "ID", 40);
+    let wi = ids
+        .iter()
+        .map(String::len)
+        .max()
+        .unwrap_or(0)
+        .clamp("ID".len(), 40);
     let we = width(&|d| d.event.chars().count(), "EVENT", 32);
     let wk = keys_shown
         .iter()
@@ -850,11 +971,11 @@ fn list(
         "{:wi$}  {:>6}  {:we$}  {:wk$}  {:>8}  REASON",
         "ID", "AGE", "EVENT", "KEY", "ATTEMPTS"
     )?;
-    for (d, key) in letters.iter().zip(&keys_shown) {
+    for ((d, key), id) in letters.iter().zip(&keys_shown).zip(&ids) {
         writeln!(
             out,
             "{:wi$}  {:>6}  {:we$}  {:wk$}  {:>8}  {}",
-            d.id,
+            id,
             fmt_age(d.age_ms),
             clip(or_dash(&d.event), we),
             clip(or_dash(key), wk),

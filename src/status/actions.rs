@@ -54,6 +54,13 @@ struct Form {
 }
 
 /// A fresh random value, hex.
+/// The token of an `Authorization: Bearer <token>` header; the scheme's name is
+/// case-insensitive (RFC 7235), other schemes carry none.
+fn bearer_token(header: &str) -> Option<&str> {
+    let (scheme, token) = header.trim().split_once([' ', '\t'])?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+}
+
 fn random_hex() -> String {
     let mut b = [0u8; 16];
     if let Err(e) = getrandom::getrandom(&mut b) {
@@ -134,10 +141,7 @@ impl Actions {
                 .find(|(k, _)| k == name)
                 .map(|(_, v)| v.as_str())
         };
-        let bearer = req
-            .header("authorization")
-            .and_then(|a| a.strip_prefix("Bearer "))
-            .map(str::trim);
+        let bearer = req.header("authorization").and_then(bearer_token);
         match (bearer, field("token")) {
             (Some(t), _) => {
                 if !self.token.matches(t.as_bytes()) {
@@ -488,4 +492,19 @@ fn failed(kind: Kind, e: &anyhow::Error, before: &[String]) -> Response {
         503,
         view::message(&format!("The {} failed", kind.name()), &line),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::bearer_token;
+
+    #[test]
+    fn the_bearer_scheme_is_case_insensitive() {
+        for h in ["Bearer t0k", "bearer t0k", "BEARER  t0k ", "\tBearer\tt0k"] {
+            assert_eq!(bearer_token(h), Some("t0k"), "{h:?}");
+        }
+        for h in ["Basic dXNlcg==", "Bearer", "Bearert0k", ""] {
+            assert_eq!(bearer_token(h), None, "{h:?}");
+        }
+    }
 }

@@ -879,6 +879,113 @@ fn dead_letter_ids_name_their_shard() {
     assert_eq!(pooled, 1, "back in its own shard's pool");
 }
 
+/// With `--shards N`, `dead list --limit` and `dead requeue --limit` count over all
+/// shards, the oldest letters first whichever shard holds them.
+#[test]
+fn dead_letter_limits_span_the_shards() {
+    let r = RedisServer::start();
+    let db = TestDb::new();
+    let mut con = r.con();
+    let shards = Keys::default().sharded("mq", 3);
+    let t = 1_796_072_452_000_u64;
+    // 15 letters, each shard's interleaved in time with the others': shard s holds
+    // t + 3k + s for k in 0..5.
+    for k in 0..5 {
+        for (s, keys) in shards.iter().enumerate() {
+            let ms = t + 3 * k + s as u64;
+            redis::cmd("XADD")
+                .arg(&keys.dead)
+                .arg(format!("{ms}-0"))
+                .arg("msg")
+                .arg(r#"{"event":"order.timeout","payload":{"order_no":"X"}}"#)
+                .arg("reason")
+                .arg("r")
+                .arg("event")
+                .arg("order.timeout")
+                .arg("key")
+                .arg(format!("k-{ms}"))
+                .query::<()>(&mut con)
+                .unwrap();
+        }
+    }
+    let id = |n: u64| format!("{}/{}-0", n % 3, t + n);
+    let w = |args: &[&str]| {
+        let mut a = vec!["--shards", "3"];
+        a.extend_from_slice(args);
+        let out = run_worker(&a, &r.url(), &db.url);
+        assert!(
+            out.status.success(),
+            "{args:?}: {} {}",
+            text(&out.stdout),
+            text(&out.stderr)
+        );
+        text(&out.stdout)
+    };
+    let listed = |args: &[&str]| -> Vec<String> {
+        let mut a = vec!["dead", "list", "--json"];
+        a.extend_from_slice(args);
+        let letters: Vec<serde_json::Value> = serde_json::from_str(&w(&a)).unwrap();
+        letters
+            .iter()
+            .map(|l| l["id"].as_str().unwrap().to_string())
+            .collect()
+    };
+    assert_eq!(
+        listed(&["--limit", "4"]),
+        (0..4).map(id).collect::<Vec<_>>()
+    );
+    assert_eq!(listed(&[]), (0..15).map(id).collect::<Vec<_>>());
+    let table = w(&["dead", "list", "--limit", "4"]);
+    let rows: Vec<&str> = table.lines().skip(1).collect();
+    assert_eq!(rows.len(), 5, "{table}");
+    for (n, row) in rows[..4].iter().enumerate() {
+        assert!(row.starts_with(&id(n as u64)), "{table}");
+    }
+    assert_eq!(rows[4], "... more not shown (--limit 4)");
+
+    // The oldest two of all shards go back, one of shard 0 and one of shard 1.
+    let said = w(&["dead", "requeue", "--limit", "2"]);
+    assert!(said.starts_with("requeued 2\n"), "{said}");
+    assert_eq!(listed(&[]), (2..15).map(id).collect::<Vec<_>>());
+    let pooled = |c: &mut redis::Connection, s: usize| -> u64 {
+        redis::cmd("ZCARD").arg(&shards[s].pool).query(c).unwrap()
+    };
+    assert_eq!(
+        (0..3).map(|s| pooled(&mut con, s)).collect::<Vec<_>>(),
+        [1, 1, 0]
+    );
+    // Named ids with a limit: the first ones named, whichever shards.
+    let said = w(&[
+        "dead",
+        "requeue",
+        "--limit",
+        "2",
+        "--id",
+        &id(14),
+        "--id",
+        &id(3),
+        "--id",
+        &id(2),
+    ]);
+    assert!(said.starts_with("requeued 2\n"), "{said}");
+    let mut left: Vec<String> = (2..14).filter(|n| *n != 3).map(id).collect();
+    assert_eq!(listed(&[]), left);
+    assert_eq!(
+        (0..3).map(|s| pooled(&mut con, s)).collect::<Vec<_>>(),
+        [2, 1, 1]
+    );
+    // A purge says what each shard lost.
+    let said = w(&["dead", "purge", "--all", "--event", "order.timeout"]);
+    assert_eq!(
+        said,
+        "shard 0 ({mq:0}:dead-letter): purged 3\n\
+         shard 1 ({mq:1}:dead-letter): purged 4\n\
+         shard 2 ({mq:2}:dead-letter): purged 4\n"
+    );
+    left.clear();
+    assert_eq!(listed(&[]), left);
+}
+
 /// Going from one key set to `--shards N` is refused while the unsharded stream still
 /// holds entries, read and unacknowledged or not read yet: they would never run.
 #[test]

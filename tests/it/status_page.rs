@@ -446,6 +446,20 @@ fn status_page_in_a_browser_stream_mode() {
     // The filter by event.
     let filtered = http_get(port, "/dead?event=order.timeout").unwrap().2;
     assert_eq!(attr_values(&filtered, "data-letter").len(), 1, "{filtered}");
+    // Ids Redis would refuse are the request's fault; nothing is older than 0-0.
+    let big = "99999999999999999999999-0";
+    for (path, code) in [
+        (format!("/dead?before={big}"), 400),
+        ("/dead?before=1-99999999999999999999".to_string(), 400),
+        (format!("/dead/letter?id={big}"), 400),
+        ("/dead?before=%2B".to_string(), 400),
+        ("/dead?before=0-0".to_string(), 200),
+        ("/dead/letter?id=0-0".to_string(), 404),
+    ] {
+        let (got, _, page) = http_get(port, &path).unwrap();
+        assert_eq!(got, code, "{path}: {page}");
+        assert!(attr_values(&page, "data-letter").is_empty(), "{path}");
+    }
 
     // The hostile letter in full: its message pretty-printed, every byte of it text.
     let dead = dead_letters(&env);
@@ -594,12 +608,13 @@ fn status_page_in_a_browser_stream_mode() {
         12
     );
 
-    // A purge with the token in a header (no form, no nonce): the hostile letter goes.
+    // A purge with the token in a header (no form, no nonce; the scheme in lower case, as
+    // RFC 7235 allows): the hostile letter goes.
     let (code, said) = post(
         port,
         "/dead/purge",
         &form(&[("id", &hostile)]),
-        &[("Authorization", format!("Bearer {TOKEN}"))],
+        &[("Authorization", format!("bearer {TOKEN}"))],
     );
     assert_eq!(code, 200, "{said}");
     assert!(plain(&said).contains("Purged 1 dead letter(s)"), "{said}");
@@ -1061,6 +1076,17 @@ fn status_page_dead_letters_of_shards() {
     assert!(plain(&one).contains("shards [0, 1]"), "{one}");
     assert_eq!(http_get(port, &path("1-0")).unwrap().0, 404);
     assert_eq!(http_get(port, &path("3/1-0")).unwrap().0, 400);
+    let big = "99999999999999999999999-0";
+    assert_eq!(http_get(port, &path(&format!("0/{big}"))).unwrap().0, 400);
+    for (before, code) in [
+        (format!("0%2F{big}"), 400),
+        ("0%2F0-0".to_string(), 200),
+        ("2%2F0-0".to_string(), 200),
+    ] {
+        let (got, _, page) = http_get(port, &format!("/dead?before={before}")).unwrap();
+        assert_eq!(got, code, "{before}: {page}");
+        assert!(attr_values(&page, "data-letter").is_empty(), "{before}");
+    }
     let hostile_id = letters
         .iter()
         .find(|l| l["event"] == HOSTILE_EVENT)
