@@ -797,7 +797,10 @@ pub fn order_timeout_set_with(cte: &str, condition: &str) -> String {
 
 /// A handler directory whose order.timeout (`handler`: [`order_timeout_with`] or
 /// [`order_timeout_set_with`]) fails transiently with SQLSTATE `code` for a `rate` share of
-/// its runs, and a config that retries it often and fast: a retry storm.
+/// its runs, and a config that retries it often and fast: a retry storm. The failures are
+/// spread evenly over the statements in the order they run (a sequence counts them, and
+/// a failed transaction does not undo it), so a run with few statements, a few sets, fails
+/// its share too.
 pub fn failing_order_timeout(
     env: &mut Env,
     rate: f64,
@@ -807,9 +810,11 @@ pub fn failing_order_timeout(
     env.db
         .client()
         .batch_execute(&format!(
-            "CREATE FUNCTION chaos() RETURNS boolean LANGUAGE plpgsql VOLATILE AS $$
+            "CREATE SEQUENCE chaos_runs;
+             CREATE FUNCTION chaos() RETURNS boolean LANGUAGE plpgsql VOLATILE AS $$
+             DECLARE n bigint := nextval('chaos_runs');
              BEGIN
-               IF random() < {rate} THEN
+               IF floor(n * {rate}) > floor((n - 1) * {rate}) THEN
                  RAISE EXCEPTION 'injected failure {code}' USING ERRCODE = '{code}';
                END IF;
                RETURN true;
