@@ -815,21 +815,12 @@ fn dead_letter_ids_name_their_shard() {
     let mut con = r.con();
     let shards = Keys::default().sharded("mq", 3);
     for k in &shards[1..] {
-        redis::cmd("XADD")
-            .arg(&k.dead)
-            .arg("1796072452038-0")
-            .arg("msg")
-            .arg(r#"{"event":"order.timeout","payload":{"order_no":"X"}}"#)
-            .arg("reason")
-            .arg("r")
-            .arg("event")
-            .arg("order.timeout")
-            .arg("key")
-            .arg(format!("k-{}", k.dead))
-            .arg("ts")
-            .arg(1796072452)
-            .query::<()>(&mut con)
-            .unwrap();
+        add_letter(
+            &mut con,
+            &k.dead,
+            "1796072452038-0",
+            &format!("k-{}", k.dead),
+        );
     }
     let w = |args: &[&str]| {
         let mut a = vec!["--shards", "3"];
@@ -879,6 +870,25 @@ fn dead_letter_ids_name_their_shard() {
     assert_eq!(pooled, 1, "back in its own shard's pool");
 }
 
+/// A dead letter of an `order.timeout` as the worker writes it, at `id`, for `job_key`.
+fn add_letter(con: &mut redis::Connection, dead: &str, id: &str, job_key: &str) {
+    redis::cmd("XADD")
+        .arg(dead)
+        .arg(id)
+        .arg("msg")
+        .arg(r#"{"event":"order.timeout","payload":{"order_no":"X"}}"#)
+        .arg("reason")
+        .arg("r")
+        .arg("event")
+        .arg("order.timeout")
+        .arg("key")
+        .arg(job_key)
+        .arg("ts")
+        .arg(1796072452)
+        .query::<()>(con)
+        .unwrap();
+}
+
 /// With `--shards N`, `dead list --limit` and `dead requeue --limit` count over all
 /// shards, the oldest letters first whichever shard holds them.
 #[test]
@@ -893,19 +903,7 @@ fn dead_letter_limits_span_the_shards() {
     for k in 0..5 {
         for (s, keys) in shards.iter().enumerate() {
             let ms = t + 3 * k + s as u64;
-            redis::cmd("XADD")
-                .arg(&keys.dead)
-                .arg(format!("{ms}-0"))
-                .arg("msg")
-                .arg(r#"{"event":"order.timeout","payload":{"order_no":"X"}}"#)
-                .arg("reason")
-                .arg("r")
-                .arg("event")
-                .arg("order.timeout")
-                .arg("key")
-                .arg(format!("k-{ms}"))
-                .query::<()>(&mut con)
-                .unwrap();
+            add_letter(&mut con, &keys.dead, &format!("{ms}-0"), &format!("k-{ms}"));
         }
     }
     let id = |n: u64| format!("{}/{}-0", n % 3, t + n);
