@@ -18,9 +18,13 @@
 //! (with `408` if it sent part of a request). When every slot is taken, the connection that
 //! has been sending its request longest (at least [`STALLED`]) is closed to make room, so a
 //! new request never waits behind clients that connect and stall, however many there are.
-//! Only when every slot is busy answering (answers take milliseconds, a health check at
-//! most [`HEALTH_TIMEOUT`]) or was taken just now does a new connection get `503` at once,
-//! and a request that was sent whole is never closed unanswered. Nothing is queued.
+//! Clients that stall and reconnect at once keep every slot younger than that: then a new
+//! connection that has sent its whole request head (within [`WHOLE_HEAD_WAIT`]) takes the
+//! slot of the oldest one whose thread waits for more of its request, whatever its age, so
+//! a probe is answered through such a flood. Only when every slot is busy answering
+//! (answers take milliseconds, a health check at most [`HEALTH_TIMEOUT`]) or holds a
+//! request not read yet does a new connection get `503` at once, and a request that was
+//! sent whole is never closed unanswered. Nothing is queued.
 //!
 //! **How it stops.** On shutdown a helper thread of the server closes the connections
 //! still open and wakes the blocked `accept` by connecting to the listener itself; the
@@ -59,6 +63,12 @@ const EVICT_WAIT: Duration = Duration::from_millis(200);
 /// A connection still sending its request after this long may be closed to make room for
 /// a new one; a client that sends its request at once is read well within it.
 const STALLED: Duration = Duration::from_millis(250);
+/// How long a new connection that finds every slot young may take to send its whole
+/// request head, to take the slot of a client still sending its own.
+const WHOLE_HEAD_WAIT: Duration = Duration::from_millis(20);
+/// A connection that has sent nothing for this long since it connected may be closed to
+/// make room for a whole request; a client sends its request at once.
+const SILENT: Duration = Duration::from_millis(100);
 
 /// `/healthz` answers 503 when the servers have not answered within this.
 pub const HEALTH_TIMEOUT: Duration = Duration::from_secs(3);
@@ -339,7 +349,8 @@ impl<'a> Server<'a> {
         let _ = stream.set_nodelay(true);
         let _ = stream.set_write_timeout(Some(WRITE_TIMEOUT));
         let deadline = Instant::now() + REQUEST_DEADLINE;
-        let (response, head_only) = match read_request(&mut stream, deadline) {
+        let waiting = |w: bool, started: bool| self.slots.waiting(id, w, started);
+        let (response, head_only) = match read_request(&mut stream, deadline, &waiting) {
             Ok(req) => {
                 if !self.slots.answering(id) {
                     return; // closed to make room for a newer connection
@@ -559,12 +570,18 @@ struct Slots {
     next_id: AtomicU64,
 }
 
+type OpenGuard<'a> = MutexGuard<'a, Vec<Open>>;
+
 struct Open {
     id: u64,
     /// A second handle on the connection's socket, to close it from another thread.
     handle: TcpStream,
     since: Instant,
     state: ConnState,
+    /// Its thread waits in a read for more of its request (the request is not whole).
+    waiting: bool,
+    /// Part of its request has come.
+    started: bool,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -586,34 +603,51 @@ impl Drop for Leave<'_> {
 }
 
 impl Slots {
-    fn lock(&self) -> MutexGuard<'_, Vec<Open>> {
+    fn lock(&self) -> OpenGuard<'_> {
         self.open.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// A slot for `stream`, closing the connection that has been reading its request the
-    /// longest (at least [`STALLED`]) when none is free; `None` when every slot is
-    /// answering or has just connected.
+    /// longest (at least [`STALLED`]) when none is free, or, for a connection that has
+    /// sent its whole request head, the oldest one whose thread waits for more of its
+    /// request; `None` when every slot is answering or has just connected.
     fn admit(&self, stream: &TcpStream) -> Option<u64> {
         let handle = stream.try_clone().ok()?;
         let mut open = self.lock();
         if open.len() >= MAX_CONNECTIONS {
             // Only a client that is slow to send: one whose request is merely not parsed
             // yet (its thread not scheduled) is left to be answered.
-            let victim = open
-                .iter_mut()
-                .filter(|o| o.state == ConnState::Reading && o.since.elapsed() >= STALLED)
-                .min_by_key(|o| o.since)?;
-            victim.state = ConnState::Closed;
-            // Its blocked read returns at once, and its thread leaves.
-            let _ = victim.handle.shutdown(Close::Both);
-            log::debug!("metrics: closed a connection that sent no request yet, to make room");
-            open = match self
-                .freed
-                .wait_timeout_while(open, EVICT_WAIT, |o| o.len() >= MAX_CONNECTIONS)
-            {
-                Ok((g, _)) => g,
-                Err(p) => p.into_inner().0,
+            let stalled = open
+                .iter()
+                .enumerate()
+                .filter(|(_, o)| o.state == ConnState::Reading && o.since.elapsed() >= STALLED)
+                .min_by_key(|(_, o)| o.since)
+                .map(|(i, _)| i);
+            let victim = match stalled {
+                Some(i) => Some(i),
+                None => {
+                    drop(open);
+                    let (guard, i) = self.waiting_for_more(stream)?;
+                    open = guard;
+                    i
+                }
             };
+            if let Some(i) = victim {
+                let victim = &mut open[i];
+                victim.state = ConnState::Closed;
+                // Its blocked read returns at once, and its thread leaves.
+                let _ = victim.handle.shutdown(Close::Both);
+                log::debug!(
+                    "metrics: closed a connection that sent no whole request, to make room"
+                );
+                open = match self
+                    .freed
+                    .wait_timeout_while(open, EVICT_WAIT, |o| o.len() >= MAX_CONNECTIONS)
+                {
+                    Ok((g, _)) => g,
+                    Err(p) => p.into_inner().0,
+                };
+            }
             if open.len() >= MAX_CONNECTIONS {
                 return None;
             }
@@ -624,8 +658,60 @@ impl Slots {
             handle,
             since: Instant::now(),
             state: ConnState::Reading,
+            waiting: false,
+            started: false,
         });
         Some(id)
+    }
+
+    /// When every slot is young and `stream` has sent its whole request head within
+    /// [`WHOLE_HEAD_WAIT`]: the connection to close for it, the oldest whose thread waits
+    /// in a read with nothing unread on its socket (its request is not whole and no more of
+    /// it has come) and that has sent part of a request or nothing for [`SILENT`] (one
+    /// that has just connected may be a whole request on its way), returned with the lock
+    /// held; no connection when a slot came free
+    /// meanwhile. Looks again for [`EVICT_WAIT`], since a flood's threads may not have
+    /// reached their read yet. `None` when `stream` has not sent a whole head, or no
+    /// connection waits so.
+    fn waiting_for_more(&self, stream: &TcpStream) -> Option<(OpenGuard<'_>, Option<usize>)> {
+        if !whole_head(stream, WHOLE_HEAD_WAIT) {
+            return None;
+        }
+        let until = Instant::now() + EVICT_WAIT;
+        loop {
+            let open = self.lock();
+            if open.len() < MAX_CONNECTIONS {
+                return Some((open, None));
+            }
+            let victim = open
+                .iter()
+                .enumerate()
+                .filter(|(_, o)| {
+                    o.state == ConnState::Reading
+                        && o.waiting
+                        && (o.started || o.since.elapsed() >= SILENT)
+                        && !unread(&o.handle)
+                })
+                .min_by_key(|(_, o)| o.since)
+                .map(|(i, _)| i);
+            if victim.is_some() {
+                return Some((open, victim));
+            }
+            if Instant::now() >= until {
+                return None;
+            }
+            drop(open);
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Its thread is about to wait in a read for (more of) its request, or is back;
+    /// `started`: part of the request has come.
+    fn waiting(&self, id: u64, waiting: bool, started: bool) {
+        if let Some(o) = self.lock().iter_mut().find(|o| o.id == id) {
+            o.waiting = waiting;
+            o.started = started;
+        }
     }
 
     /// The connection has its request: from now on it is not closed to make room.
@@ -655,6 +741,45 @@ impl Slots {
     }
 }
 
+/// What is in `stream`'s receive buffer, up to `buf`'s length, without taking it and
+/// without waiting; 0 when nothing is (or the peer closed).
+fn peek_now(stream: &TcpStream, buf: &mut [u8]) -> usize {
+    use std::os::fd::AsRawFd;
+    // SAFETY: `buf` is valid for writes of its length; MSG_PEEK leaves the data queued and
+    // MSG_DONTWAIT makes this one call non-blocking without changing the socket's mode,
+    // which its connection thread shares.
+    let n = unsafe {
+        libc::recv(
+            stream.as_raw_fd(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
+    usize::try_from(n).unwrap_or(0)
+}
+
+/// Data has come on `stream` that nobody has read yet.
+fn unread(stream: &TcpStream) -> bool {
+    peek_now(stream, &mut [0u8; 1]) > 0
+}
+
+/// `stream` has sent a whole request head (up to its blank line) within `wait`.
+fn whole_head(stream: &TcpStream, wait: Duration) -> bool {
+    let until = Instant::now() + wait;
+    let mut buf = vec![0u8; MAX_HEAD];
+    loop {
+        let n = peek_now(stream, &mut buf);
+        if buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
+            return true;
+        }
+        if n == buf.len() || Instant::now() >= until {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 /// `503` at once for a connection no slot can take. Never blocks: whatever the client
 /// sent already is read first (closing a socket with unread data resets it, and the
 /// answer with it), the answer goes into the socket's buffer, and the connection closes.
@@ -669,7 +794,13 @@ fn refuse(mut stream: TcpStream) {
 /// Reads one request by `deadline`. `Err(Some(answer))` for a request that is malformed,
 /// too large or incomplete at the deadline; `Err(None)` when there is nobody to answer (the
 /// client sent nothing, or closed, or the connection was closed from outside).
-fn read_request(stream: &mut TcpStream, deadline: Instant) -> Result<Request, Option<Response>> {
+/// `waiting` is told when a read waits for (more of) the request, and when it is back,
+/// and whether part of the request has come.
+fn read_request(
+    stream: &mut TcpStream,
+    deadline: Instant,
+    waiting: &dyn Fn(bool, bool),
+) -> Result<Request, Option<Response>> {
     let mut buf = Vec::with_capacity(1024);
     let mut chunk = [0u8; 4096];
     loop {
@@ -681,7 +812,7 @@ fn read_request(stream: &mut TcpStream, deadline: Instant) -> Result<Request, Op
                 let body_len = content_length(&head)?;
                 let mut body = buf.split_off(len);
                 while body.len() < body_len {
-                    let n = read_some(stream, &mut chunk, deadline, true)?;
+                    let n = read_some(stream, &mut chunk, deadline, true, waiting)?;
                     body.extend_from_slice(&chunk[..n]);
                 }
                 body.truncate(body_len);
@@ -701,7 +832,7 @@ fn read_request(stream: &mut TcpStream, deadline: Instant) -> Result<Request, Op
                 )))
             }
         }
-        let n = read_some(stream, &mut chunk, deadline, !buf.is_empty())?;
+        let n = read_some(stream, &mut chunk, deadline, !buf.is_empty(), waiting)?;
         buf.extend_from_slice(&chunk[..n]);
     }
 }
@@ -768,6 +899,7 @@ fn read_some(
     chunk: &mut [u8],
     deadline: Instant,
     started: bool,
+    waiting: &dyn Fn(bool, bool),
 ) -> Result<usize, Option<Response>> {
     let late = || {
         started.then(|| {
@@ -786,7 +918,10 @@ fn read_some(
             return Err(late());
         }
         let _ = stream.set_read_timeout(Some(left));
-        match stream.read(chunk) {
+        waiting(true, started);
+        let read = stream.read(chunk);
+        waiting(false, true);
+        match read {
             Ok(0) => return Err(None),
             Ok(n) => return Ok(n),
             Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {

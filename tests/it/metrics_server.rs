@@ -226,6 +226,65 @@ fn metrics_endpoint_answers_while_clients_stall_and_stops_promptly() {
     assert!(status.success(), "worker exited with {status}");
 }
 
+/// Clients that send part of a request or nothing, stall, and reconnect the moment they
+/// are closed (or refused) keep every connection slot younger than the 250 ms after which
+/// a staller makes room. A probe that sends its whole request still takes a staller's slot: every
+/// probe is answered `200`.
+#[test]
+fn reconnecting_stallers_never_starve_a_probe() {
+    let env = Env::new();
+    let port = free_port();
+    let mut worker = start(&env, &format!("127.0.0.1:{port}"));
+    wait_until(WAIT, "the metrics endpoint", || {
+        exchange(port, b"GET /healthz HTTP/1.1\r\n\r\n").is_ok_and(|r| r.0 == 200)
+    });
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stallers: Vec<_> = (0..30)
+        .map(|i| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut connections = 0;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
+                        continue;
+                    };
+                    connections += 1;
+                    if i % 3 != 0 {
+                        let _ = s.write_all(b"GET /metrics HTTP/1.1\r\nX-Slow: ");
+                    }
+                    // Held until the server closes it (made room, refused, or 408).
+                    let _ = s.set_read_timeout(Some(Duration::from_millis(100)));
+                    let mut sink = [0u8; 512];
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        match s.read(&mut sink) {
+                            Ok(0) => break,
+                            Ok(_) => {}
+                            Err(e) if e.kind() == ErrorKind::WouldBlock => {}
+                            Err(e) if e.kind() == ErrorKind::TimedOut => {}
+                            Err(_) => break,
+                        }
+                    }
+                }
+                connections
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let codes: Vec<u16> = (0..20)
+        .map(|i| {
+            std::thread::sleep(Duration::from_millis(50));
+            let path = if i % 2 == 0 { "/healthz" } else { "/metrics" };
+            get(port, path).0
+        })
+        .collect();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let connections: usize = stallers.into_iter().map(|t| t.join().unwrap()).sum();
+    assert_eq!(codes, [200; 20], "after {connections} staller connections");
+    assert!(connections > 30, "the stallers reconnected: {connections}");
+    worker.signal(libc::SIGTERM);
+    assert!(worker.wait(WAIT).success());
+}
+
 /// A flood of whole requests, far more than the connection threads: each gets an answer,
 /// `200` or `503 busy`, never a connection closed unanswered. The connection threads, like
 /// every thread of the worker, allocate from the process's two malloc arenas, unless the
