@@ -376,7 +376,7 @@ impl Done {
 
 /// A requeue or purge of the dead letters `ids` of one key set's stream.
 fn on_set(
-    con: &mut crate::store::Con,
+    con: &mut dyn redis::ConnectionLike,
     keys: &Keys,
     kind: Kind,
     ids: &[String],

@@ -51,8 +51,13 @@ pub const QUEUED: usize = 3;
 /// A request waits this long for the page thread to start on it, then gets `503` and is
 /// dropped (Redis stalled, and the pages ahead of it take their timeouts).
 pub const PAGE_WAIT: Duration = Duration::from_secs(6);
-/// I/O timeout of the page's Redis connection (it connects within `store::CONNECT_TIMEOUT`).
+/// Time a page load's Redis commands have in all ([`Deadline`]).
 pub const REDIS_TIMEOUT: Duration = Duration::from_secs(2);
+/// A new Redis connection of the page's is made within this (and each of the three
+/// replies of its setup comes within it).
+pub const REDIS_CONNECT: Duration = Duration::from_millis(500);
+/// The shortest wait for one reply under a [`Deadline`].
+const REPLY_FLOOR: Duration = Duration::from_millis(50);
 /// Redis connections kept between page loads.
 const IDLE_CONNECTIONS: usize = 2;
 /// Dead letters shown per page.
@@ -242,19 +247,25 @@ impl<'a> Page<'a> {
         }
     }
 
-    /// Runs `f` on a Redis connection of the page's own: an idle one, or a new one.
-    /// A connection that failed is dropped, not kept.
+    /// Runs `f` on a Redis connection of the page's own: an idle one, or a new one made
+    /// within [`REDIS_CONNECT`]. All of `f`'s commands get [`REDIS_TIMEOUT`] together
+    /// ([`Deadline`]). A connection that failed is dropped, not kept.
     fn with_redis<T>(
         &self,
-        f: impl FnOnce(&mut crate::store::Con) -> anyhow::Result<T>,
+        f: impl FnOnce(&mut Deadline) -> anyhow::Result<T>,
     ) -> anyhow::Result<T> {
         let idle = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
         let mut con = match idle {
             Some(c) => c,
-            None => crate::store::connect_with(&self.redis, REDIS_TIMEOUT)
+            None => self
+                .redis
+                .connect_within(REDIS_CONNECT, REDIS_TIMEOUT)
                 .map_err(|e| anyhow::anyhow!("cannot reach Redis: {e}"))?,
         };
-        let r = f(&mut con);
+        let r = f(&mut Deadline {
+            con: &mut con,
+            until: Instant::now() + REDIS_TIMEOUT,
+        });
         if r.is_ok() {
             let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
             if idle.len() < IDLE_CONNECTIONS {
@@ -537,4 +548,80 @@ fn unavailable(e: &anyhow::Error) -> Response {
     let line = admin::one_line(e);
     log::debug!("status page: {line}");
     html(503, view::message("Redis did not answer", &line))
+}
+
+/// A page's Redis connection under one deadline for all the commands of a page load.
+/// Each call's socket timeout is the time left, shared among the replies it waits for:
+/// redis-rs waits for every reply of a pipeline even after one timed out, so a pipeline
+/// of 20 commands to a stalled Redis would otherwise take 20 timeouts. Once the time is
+/// up, calls fail at once.
+pub struct Deadline<'a> {
+    con: &'a mut crate::store::Con,
+    until: Instant,
+}
+
+impl Deadline<'_> {
+    fn arm(&mut self, replies: usize) -> redis::RedisResult<()> {
+        let left = self.until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(late());
+        }
+        let each = left / u32::try_from(replies.max(1)).unwrap_or(u32::MAX);
+        self.con.set_io_timeout(each.max(REPLY_FLOOR))
+    }
+}
+
+/// The error of a page load whose Redis commands ran out of time.
+fn late() -> redis::RedisError {
+    std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        format!(
+            "Redis did not answer within {} s",
+            REDIS_TIMEOUT.as_secs_f64()
+        ),
+    )
+    .into()
+}
+
+/// A timed-out read says so in words ("os error 11" says nothing to an operator).
+fn worded<T>(r: redis::RedisResult<T>) -> redis::RedisResult<T> {
+    r.map_err(|e| if e.is_timeout() { late() } else { e })
+}
+
+impl redis::ConnectionLike for Deadline<'_> {
+    fn req_packed_command(&mut self, cmd: &[u8]) -> redis::RedisResult<redis::Value> {
+        self.arm(1)?;
+        worded(self.con.req_packed_command(cmd))
+    }
+
+    fn req_packed_commands(
+        &mut self,
+        cmd: &[u8],
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisResult<Vec<redis::Value>> {
+        self.arm(offset + count)?;
+        worded(self.con.req_packed_commands(cmd, offset, count))
+    }
+
+    fn req_command(&mut self, cmd: &redis::Cmd) -> redis::RedisResult<redis::Value> {
+        self.arm(1)?;
+        worded(self.con.req_command(cmd))
+    }
+
+    fn get_db(&self) -> i64 {
+        self.con.get_db()
+    }
+
+    fn supports_pipelining(&self) -> bool {
+        self.con.supports_pipelining()
+    }
+
+    fn check_connection(&mut self) -> bool {
+        self.con.check_connection()
+    }
+
+    fn is_open(&self) -> bool {
+        self.con.is_open()
+    }
 }

@@ -354,9 +354,20 @@ impl Redis {
     /// A connection whose reads and writes time out after `io_timeout`, so a Redis that
     /// stops answering cannot hang a thread past shutdown.
     pub fn connect_with(&self, io_timeout: Duration) -> RedisResult<Con> {
+        self.connect_within(CONNECT_TIMEOUT, io_timeout)
+    }
+
+    /// [`Redis::connect_with`], connected within `connect_timeout` (a server or a Sentinel's
+    /// master; a Cluster's nodes within [`CONNECT_TIMEOUT`]). Each reply of the setup
+    /// (`HELLO`, `SELECT`, `CLIENT SETINFO`) may take that long again.
+    pub fn connect_within(
+        &self,
+        connect_timeout: Duration,
+        io_timeout: Duration,
+    ) -> RedisResult<Con> {
         match self {
             Redis::Single(client) => {
-                let con = client.get_connection_with_timeout(CONNECT_TIMEOUT)?;
+                let con = client.get_connection_with_timeout(connect_timeout)?;
                 con.set_read_timeout(Some(io_timeout))?;
                 con.set_write_timeout(Some(io_timeout))?;
                 Ok(Con::Single(con))
@@ -371,7 +382,7 @@ impl Redis {
                 // The lookup asks the Sentinels and checks the master's ROLE; one thread
                 // at a time, and never while holding it across the data connection.
                 let client = sentinel.master()?;
-                let con = client.get_connection_with_timeout(CONNECT_TIMEOUT)?;
+                let con = client.get_connection_with_timeout(connect_timeout)?;
                 con.set_read_timeout(Some(io_timeout))?;
                 con.set_write_timeout(Some(io_timeout))?;
                 Ok(Con::Sentinel(SentinelCon {
@@ -430,6 +441,24 @@ impl SentinelCon {
 }
 
 impl Con {
+    /// Sets the read and write timeout of every socket of the connection.
+    pub fn set_io_timeout(&mut self, timeout: Duration) -> RedisResult<()> {
+        match self {
+            Con::Single(c) => {
+                c.set_read_timeout(Some(timeout))?;
+                c.set_write_timeout(Some(timeout))
+            }
+            Con::Cluster(c) => {
+                c.set_read_timeout(Some(timeout))?;
+                c.set_write_timeout(Some(timeout))
+            }
+            Con::Sentinel(c) => {
+                c.con.set_read_timeout(Some(timeout))?;
+                c.con.set_write_timeout(Some(timeout))
+            }
+        }
+    }
+
     /// Whether this connection spans a cluster's nodes (multi-key reads must then stay
     /// within one hash slot per command).
     pub fn is_cluster(&self) -> bool {

@@ -1188,3 +1188,40 @@ fn status_page_dead_letters_of_shards() {
     assert!(worker.wait(WAIT).success());
     let _ = std::fs::remove_dir_all(token_dir);
 }
+
+/// Redis stalled (`CLIENT PAUSE`): the page answers while the stall lasts, saying that
+/// Redis did not answer, instead of waiting it out (redis-rs waits for every reply of a
+/// pipeline, each up to the socket timeout); then it shows the figures again.
+#[test]
+fn the_page_answers_while_redis_stalls() {
+    let env = Env::new();
+    let port = free_port();
+    let mut worker = start(&env, "pause-1", port, &[]);
+    assert_eq!(http_get(port, "/").unwrap().0, 200);
+    // A paused Redis does not take CLIENT UNPAUSE either: the pause runs out by itself.
+    let pause = Duration::from_secs(15);
+    let paused = Instant::now();
+    redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(pause.as_millis() as u64)
+        .arg("ALL")
+        .query::<()>(&mut env.con())
+        .unwrap();
+    // The first load on the idle connection, then loads that need a new one.
+    for path in ["/", "/dead", "/"] {
+        let (code, _, page) = http_get(port, path).unwrap();
+        let expected = if path == "/" { 200 } else { 503 };
+        assert_eq!(code, expected, "{path}: {page}");
+        assert!(plain(&page).contains("Redis"), "{path}: {page}");
+    }
+    assert!(
+        paused.elapsed() < pause,
+        "answered during the stall, not after it: {:?}",
+        paused.elapsed()
+    );
+    wait_until(WAIT, "the figures again", || {
+        http_get(port, "/").is_ok_and(|(c, _, p)| c == 200 && !p.contains("Cannot read"))
+    });
+    worker.signal(libc::SIGTERM);
+    assert!(worker.wait(WAIT).success());
+}
