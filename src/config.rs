@@ -93,7 +93,7 @@ pub const MIN_TOKEN_LEN: usize = 16;
 
 impl AdminToken {
     /// Reads the token file: a regular file open to its owner only (mode 0600 or 0400,
-    /// like `/etc/delay-worker/worker.env`), holding one line of at least
+    /// like `/etc/delay-worker/worker.env`), owned by the worker's user or root, holding one line of at least
     /// [`MIN_TOKEN_LEN`] printable ASCII characters without spaces. The error is one line
     /// naming the file and what to do.
     pub fn read(path: &std::path::Path) -> Result<AdminToken, String> {
@@ -107,6 +107,15 @@ impl AdminToken {
         if mode & 0o077 != 0 {
             return Err(format!(
                 "{p} is open to group or others (mode {mode:04o}): `chmod 600 {p}` (or 400), owned by the user the worker runs as"
+            ));
+        }
+        // Whoever owns the file can change the token: the worker's own user, or root.
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        let euid = unsafe { libc::geteuid() };
+        let owner = std::os::unix::fs::MetadataExt::uid(&meta);
+        if owner != euid && owner != 0 {
+            return Err(format!(
+                "{p} is owned by uid {owner}, not by the user the worker runs as (uid {euid}) or root: `chown {euid} {p}`"
             ));
         }
         if meta.len() > 1024 {

@@ -557,8 +557,8 @@ pub struct RequeueReport {
     /// Already gone when the script ran: requeued or purged by someone else.
     pub gone: Vec<String>,
     /// Left in the dead letters because there is no whole message to requeue: (id, why).
-    /// List mode only: a letter that keeps only a prefix of an oversized message, none at
-    /// all, or an entry that is not a letter as the worker writes them.
+    /// A letter without a message; in list mode also one that keeps only a prefix of an
+    /// oversized message, or an entry that is not a letter as the worker writes them.
     pub cannot: Vec<(String, String)>,
 }
 
@@ -635,6 +635,15 @@ pub fn requeue(
     now_ms: i64,
 ) -> Result<RequeueReport, StoreError> {
     let mut report = RequeueReport::default();
+    // A letter without a message has nothing to put back: it would only die again.
+    let (empty, letters): (Vec<&DeadLetter>, Vec<&DeadLetter>) =
+        letters.iter().partition(|d| d.msg.is_empty());
+    report.cannot.extend(empty.into_iter().map(|d| {
+        (
+            d.id.clone(),
+            "it holds no message (an empty one, or an entry the worker did not write)".into(),
+        )
+    }));
     for batch in letters.chunks(PAGE) {
         let rewritten: Vec<(Vec<u8>, bool)> =
             batch.iter().map(|d| requeue_message(&d.msg)).collect();

@@ -143,8 +143,11 @@ impl Actions {
         };
         let bearer = req.header("authorization").and_then(bearer_token);
         match (bearer, field("token")) {
-            (Some(t), _) => {
-                if !self.token.matches(t.as_bytes()) {
+            (Some(t), form) => {
+                // A wrong token is refused wherever it is, also next to a right one.
+                if !self.token.matches(t.as_bytes())
+                    || form.is_some_and(|f| !self.token.matches(f.as_bytes()))
+                {
                     return forbidden("wrong admin token");
                 }
             }
@@ -419,11 +422,13 @@ fn finish(key: &str, done: Done, back: String) -> Response {
 fn log_done(key: &str, done: &Done) {
     match &done.report {
         Some(r) => {
-            log::info!(
-                "status page: requeued {} dead letter(s) of {key}: {}",
-                r.requeued.len(),
-                r.requeued.join(", ")
-            );
+            if !r.requeued.is_empty() {
+                log::info!(
+                    "status page: requeued {} dead letter(s) of {key}: {}",
+                    r.requeued.len(),
+                    r.requeued.join(", ")
+                );
+            }
             let left: Vec<String> = r
                 .key_scheduled
                 .iter()
@@ -445,11 +450,13 @@ fn log_done(key: &str, done: &Done) {
             }
         }
         None => {
-            log::warn!(
-                "status page: purged {} dead letter(s) of {key}: {}",
-                done.purged,
-                done.found.join(", ")
-            );
+            if !done.found.is_empty() {
+                log::warn!(
+                    "status page: purged {} dead letter(s) of {key}: {}",
+                    done.purged,
+                    done.found.join(", ")
+                );
+            }
             if !done.missing.is_empty() {
                 log::warn!(
                     "status page: purge of {key}: no such letter {}",

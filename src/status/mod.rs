@@ -158,6 +158,9 @@ impl<'a> Page<'a> {
             state: state.clone(),
         };
         if self.jobs.0.try_send(job).is_err() {
+            if action {
+                log::warn!("status page: refused POST {path}: the page is busy; nothing was done");
+            }
             return Response::text(
                 503,
                 "the status page is busy (other pages are being made); try again\n",
@@ -180,6 +183,12 @@ impl<'a> Page<'a> {
                             .compare_exchange(WAITING, ABANDONED, SeqCst, SeqCst)
                             .is_ok()
                     {
+                        if action {
+                            log::warn!(
+                                "status page: dropped POST {path}: not started within {}s; nothing was done",
+                                PAGE_WAIT.as_secs()
+                            );
+                        }
                         return Response::text(
                             503,
                             format!(

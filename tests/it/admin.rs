@@ -889,6 +889,34 @@ fn add_letter(con: &mut redis::Connection, dead: &str, id: &str, job_key: &str) 
         .unwrap();
 }
 
+/// An entry of the dead-letter stream without a message (not one the worker wrote) is
+/// left where it is by a requeue, with the reason, not put back to die again.
+#[test]
+fn a_letter_without_a_message_is_not_requeued() {
+    let r = RedisServer::start();
+    let db = TestDb::new();
+    let mut con = r.con();
+    let keys = Keys::default();
+    let id: String = redis::cmd("XADD")
+        .arg(&keys.dead)
+        .arg("*")
+        .arg("reason")
+        .arg("written by hand")
+        .query(&mut con)
+        .unwrap();
+    let out = run_worker(&["dead", "requeue"], &r.url(), &db.url);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(
+        text(&out.stdout),
+        format!(
+            "requeued 0\nleft {id} in the dead letters: it holds no message (an empty one, or an entry the worker did not write)\n"
+        )
+    );
+    let len: u64 = redis::cmd("XLEN").arg(&keys.dead).query(&mut con).unwrap();
+    let pooled: u64 = redis::cmd("ZCARD").arg(&keys.pool).query(&mut con).unwrap();
+    assert_eq!((len, pooled), (1, 0));
+}
+
 /// With `--shards N`, `dead list --limit` and `dead requeue --limit` count over all
 /// shards, the oldest letters first whichever shard holds them.
 #[test]

@@ -531,6 +531,11 @@ fn status_page_in_a_browser_stream_mode() {
             vec![("Authorization", "Bearer not-the-token-at-all".to_string())],
         ),
         (
+            "the right bearer with a wrong form token",
+            form(&[("id", &order_letter), ("token", "not-the-token-at-all")]),
+            vec![("Authorization", format!("Bearer {TOKEN}"))],
+        ),
+        (
             "stale nonce",
             form(&[
                 ("id", &order_letter),
@@ -592,6 +597,11 @@ fn status_page_in_a_browser_stream_mode() {
     assert!(
         plain(&said).contains(&format!("No such dead letter: {order_letter}")),
         "{said}"
+    );
+    assert!(
+        !worker.log().contains("requeued 0 dead letter"),
+        "nothing requeued, no line saying so: {}",
+        worker.log()
     );
     assert_eq!(
         metric(
@@ -832,6 +842,24 @@ fn admin_token_file_must_be_private_and_needs_the_metrics_address() {
             "worker: --admin-token-file: {path} is open to group or others (mode 0644): `chmod 600 {path}` (or 400), owned by the user the worker runs as\n"
         )
     );
+    // Private, but another user's: that user could change the token.
+    let (dir3, foreign) = token_file(0o600, &format!("{TOKEN}\n"));
+    std::os::unix::fs::chown(&foreign, Some(65534), Some(65534)).unwrap();
+    let fpath = foreign.to_str().unwrap();
+    let out = run_worker(
+        &["--metrics-addr", "127.0.0.1:9", "--admin-token-file", fpath],
+        redis,
+        db,
+    );
+    assert_eq!(out.status.code(), Some(2));
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(
+        text(&out.stderr),
+        format!(
+            "worker: --admin-token-file: {fpath} is owned by uid 65534, not by the user the worker runs as (uid {euid}) or root: `chown {euid} {fpath}`\n"
+        )
+    );
+    let _ = std::fs::remove_dir_all(dir3);
     let (dir2, private) = token_file(0o600, "short\n");
     let out = run_worker(
         &[
