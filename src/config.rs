@@ -75,6 +75,9 @@ pub struct Config {
     /// The status page's actions (requeue, purge) need this token (`--admin-token-file`);
     /// without one the page is read-only.
     pub admin_token: Option<AdminToken>,
+    /// Host names the status page answers to besides IP addresses and `localhost`
+    /// (`--status-host`), lower case.
+    pub status_hosts: Vec<String>,
 }
 
 /// The secret that unlocks the status page's actions, read from `--admin-token-file`.
@@ -428,6 +431,7 @@ impl Config {
             stats_interval: Duration::from_secs(60),
             run_mover: true,
             metrics_addr: None,
+            status_hosts: Vec::new(),
             prune: PruneConfig::default(),
             admin_token: None,
         }

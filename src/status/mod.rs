@@ -147,6 +147,9 @@ impl<'a> Page<'a> {
                 ..Response::text(405, format!("{path} takes {allow}\n"))
             };
         }
+        if let Err(why) = host_allowed(req.header("host"), &self.config.status_hosts) {
+            return Response::text(421, why);
+        }
         if self.stopped.load(SeqCst) {
             return Response::text(503, "stopping\n");
         }
@@ -522,6 +525,30 @@ impl<'a> Page<'a> {
     }
 }
 
+/// The status page answers only to a `Host` that is an IP address, `localhost`, or a name
+/// given with `--status-host`: a web page of another site whose name an attacker points at
+/// this address (DNS rebinding) is refused, so it cannot read the dead letters.
+fn host_allowed(host: Option<&str>, names: &[String]) -> Result<(), String> {
+    let Some(host) = host else {
+        return Err("a request to the status page must name its Host\n".into());
+    };
+    let name = match host.strip_prefix('[') {
+        // [v6]:port
+        Some(rest) => rest.split_once(']').map_or(rest, |(ip, _)| ip),
+        None => host.rsplit_once(':').map_or(host, |(n, _)| n),
+    };
+    let name = name.to_ascii_lowercase();
+    if name.parse::<std::net::IpAddr>().is_ok()
+        || name == "localhost"
+        || names.contains(&name)
+    {
+        return Ok(());
+    }
+    Err(format!(
+        "the status page answers to IP addresses, localhost and the names given with --status-host; start the worker with --status-host {name} to open it as {host}\n"
+    ))
+}
+
 /// Headers of every HTML answer: no script may run, no other site may frame the page or
 /// see where a link from it came from, and nothing is cached.
 const HTML_HEADERS: [(&str, &str); 5] = [
@@ -632,5 +659,35 @@ impl redis::ConnectionLike for Deadline<'_> {
 
     fn is_open(&self) -> bool {
         self.con.is_open()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::host_allowed;
+
+    #[test]
+    fn the_page_answers_to_addresses_localhost_and_named_hosts() {
+        let named = ["shop-1.example.com".to_string()];
+        for ok in [
+            "127.0.0.1:9187",
+            "127.0.0.1",
+            "[::1]:9187",
+            "10.0.0.7:80",
+            "localhost:9187",
+            "LOCALHOST",
+            "Shop-1.Example.com:9187",
+        ] {
+            assert_eq!(host_allowed(Some(ok), &named), Ok(()), "{ok}");
+        }
+        for bad in [
+            "evil.example:9187",
+            "evil.example",
+            "127.0.0.1.evil.example",
+            "shop-1",
+        ] {
+            assert!(host_allowed(Some(bad), &named).is_err(), "{bad}");
+        }
+        assert!(host_allowed(None, &named).is_err());
     }
 }

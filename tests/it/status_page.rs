@@ -1253,3 +1253,61 @@ fn the_page_answers_while_redis_stalls() {
     worker.signal(libc::SIGTERM);
     assert!(worker.wait(WAIT).success());
 }
+
+/// GET `path` with `Host: host`: the status code.
+fn get_as(port: u16, path: &str, host: &str) -> u16 {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).unwrap();
+    raw.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+/// The page answers to IP addresses, localhost and the names of `--status-host`, never
+/// to another name pointed at its address (DNS rebinding): that page cannot read the
+/// dead letters. `/healthz` and `/metrics` answer to any name.
+#[test]
+fn the_page_answers_only_to_its_own_host_names() {
+    let env = Env::new();
+    let port = free_port();
+    let mut worker = start(
+        &env,
+        "host-1",
+        port,
+        &["--status-host", "Shop-1.example.com"],
+    );
+    for (path, host, code) in [
+        ("/", "127.0.0.1", 200),
+        ("/", "localhost", 200),
+        ("/dead", "[::1]", 200),
+        ("/", "shop-1.example.com", 200),
+        ("/", "evil.example", 421),
+        ("/dead", "evil.example", 421),
+        ("/dead/letter?id=1-0", "127.0.0.1.evil.example", 421),
+        ("/healthz", "evil.example", 200),
+        ("/metrics", "evil.example", 200),
+    ] {
+        assert_eq!(
+            get_as(port, path, &format!("{host}:{port}")),
+            code,
+            "{path} as {host}"
+        );
+    }
+    worker.signal(libc::SIGTERM);
+    assert!(worker.wait(WAIT).success());
+    assert!(
+        run_worker(
+            &["--status-host", "http://x"],
+            &env.config.redis_url,
+            &env.config.database_url
+        )
+        .status
+        .code()
+            == Some(2)
+    );
+}

@@ -379,6 +379,11 @@ pub struct RunArgs {
     /// page's requeue and purge [default: the page is read-only].
     #[arg(long, value_name = "PATH")]
     pub admin_token_file: Option<PathBuf>,
+    /// A host name the status page answers to, besides IP addresses and localhost
+    /// (repeat, or separate with commas), e.g. the name of this host in the browser's
+    /// address bar.
+    #[arg(long, value_name = "NAME", value_delimiter = ',')]
+    pub status_host: Vec<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -832,6 +837,21 @@ impl Cli {
             )?;
         }
         config.metrics_addr = r.metrics_addr;
+        for name in &r.status_host {
+            check(
+                !name.is_empty()
+                    && name
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'-'),
+                "--status-host",
+                "a host name, like shop-1.example.com (no port, no scheme)",
+            )?;
+        }
+        config.status_hosts = r
+            .status_host
+            .iter()
+            .map(|n| n.to_ascii_lowercase())
+            .collect();
         config.prune = PruneConfig {
             retention: r.inbox_retention,
             interval: r.inbox_prune_interval,
