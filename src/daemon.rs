@@ -370,7 +370,12 @@ fn spawn_and_supervise(
                     .enumerate()
                     .map(|(i, keys)| {
                         let cfg = if i == 0 { &config.mover } else { shard_mover };
-                        Mover::new(keys, cfg, stats).with_doorbell(bell.clone())
+                        let m = Mover::new(keys, cfg, stats).with_doorbell(bell.clone());
+                        if shard_keys.len() > 1 {
+                            m.in_shard(i)
+                        } else {
+                            m
+                        }
                     })
                     .collect();
                 crate::mover::run_shards(&movers, client, shutdown)

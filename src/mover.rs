@@ -83,6 +83,15 @@ impl<'a> Mover<'a> {
         }
     }
 
+    /// This mover serves shard `i` among several: its own pool's problems are reported
+    /// and logged as `mover (shard i)`, so one shard's clean call never clears another's.
+    pub fn in_shard(mut self, i: usize) -> Self {
+        if let Some(ours) = self.pools.get_mut().ok().and_then(|p| p.first_mut()) {
+            *ours = PoolState::new(format!("mover (shard {i})"));
+        }
+        self
+    }
+
     /// Rings this doorbell after moving messages (the daemon shares it with the reader).
     pub fn with_doorbell(mut self, doorbell: Doorbell) -> Self {
         self.doorbell = doorbell;

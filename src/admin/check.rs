@@ -302,35 +302,44 @@ fn verdict(figures: &[Figure], extra: &str) -> Verdict {
 
 /// The worker's keys that exist with another type than the one it keeps there (a stray
 /// `SET` by hand, a name clash): the worker stops moving, reading or settling what needs
-/// them, so the check is CRITICAL, naming each. Read only (TYPE).
+/// them, so the check is CRITICAL, naming each. With `--shards N` every shard's keys are
+/// looked at, and each one found says its shard. Read only (TYPE).
 pub fn wrong_types(
     con: &mut dyn redis::ConnectionLike,
     config: &Config,
 ) -> redis::RedisResult<Vec<String>> {
     let k = &config.keys;
-    let mut want: Vec<(&str, &str)> = vec![
-        (&k.pool, "zset"),
-        (&k.data, "hash"),
-        (&k.stream, "stream"),
-        (&k.dead, "stream"),
-    ];
+    let shards = config.shard_keys();
+    let sharded = shards.len() > 1;
+    // (key, type wanted, its shard when sharded)
+    let mut want: Vec<(&str, &str, Option<usize>)> = Vec::new();
+    for (i, s) in shards.iter().enumerate() {
+        let shard = sharded.then_some(i);
+        want.push((&s.pool, "zset", shard));
+        want.push((&s.data, "hash", shard));
+        want.push((&s.stream, "stream", shard));
+        want.push((&s.dead, "stream", shard));
+    }
     for q in &k.queues {
-        want.push((&q.name, "list"));
-        want.push((&q.dead, "list"));
+        want.push((&q.name, "list", None));
+        want.push((&q.dead, "list", None));
     }
     for l in &config.mover.legacy {
-        want.push((&l.key, "zset"));
+        want.push((&l.key, "zset", None));
     }
     let mut p = redis::pipe();
-    for (key, _) in &want {
+    for (key, _, _) in &want {
         p.cmd("TYPE").arg(*key);
     }
     let found: Vec<String> = p.query(con)?;
     Ok(want
         .iter()
         .zip(found)
-        .filter(|((_, w), f)| f != "none" && f != w)
-        .map(|((key, w), f)| format!("key {key:?} holds a {f}, not a {w}"))
+        .filter(|((_, w, _), f)| f != "none" && f != w)
+        .map(|((key, w, shard), f)| match shard {
+            Some(i) => format!("key {key:?} (shard {i}) holds a {f}, not a {w}"),
+            None => format!("key {key:?} holds a {f}, not a {w}"),
+        })
         .collect())
 }
 

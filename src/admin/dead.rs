@@ -434,7 +434,8 @@ fn place(shard: usize, id: &str) -> (u64, u64, usize) {
 /// highest shard first. Up to `limit` letters matching `filter` that come after `before`
 /// (a `(shard, id)` place, exclusive; from the newest when `None`), each with its shard;
 /// and the place to continue from when more may follow. Looks at no more than `budget`
-/// letters in all: `budget / N` a shard, at least one.
+/// letters in all: `budget / N` a shard, at least one. `shards` are the shards to read,
+/// each with its number (the status page leaves out one whose key holds another type).
 ///
 /// Each shard is read from `before` down, to its limit or its share of the budget; the
 /// last letter a shard looked at is its frontier. Every letter at or above the highest
@@ -444,7 +445,7 @@ fn place(shard: usize, id: &str) -> (u64, u64, usize) {
 /// shown twice or passed over, whatever ids the shards share.
 pub fn newest_sharded(
     con: &mut dyn redis::ConnectionLike,
-    shards: &[Keys],
+    shards: &[(usize, &Keys)],
     filter: &Filter,
     now_ms: i64,
     before: Option<(usize, &str)>,
@@ -454,7 +455,7 @@ pub fn newest_sharded(
     let share = (budget / shards.len().max(1)).max(1);
     let mut all: Vec<(usize, DeadLetter)> = Vec::new();
     let mut frontier: Option<Place> = None;
-    for (s, keys) in shards.iter().enumerate() {
+    for &(s, keys) in shards {
         // The letters of shard `s` after (`before_shard`, `id`): those with a lower id, and
         // in a lower shard also the one with that id.
         let end = match before {

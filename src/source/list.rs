@@ -141,8 +141,17 @@ impl Source for ListReader<'_> {
             self.cfg.max_message_bytes,
         )?;
         self.feed.buried("list reader", &fetched.buried);
-        if let Some(w) = fetched.blocked {
-            self.feed.blocked("list reader", &w);
+        match fetched.blocked {
+            Some(w) => self.feed.blocked("list reader", &w),
+            // A fetch that did not fill the room looked at every queued message once
+            // (one waiting for its dead list is rotated to its queue's head) and met no
+            // such key: whatever held messages back is fixed.
+            None if fetched.messages.len() < room
+                && self.stats.clear_problem("list reader", i64::MAX) =>
+            {
+                log::info!("list reader: the key that held messages back is fixed");
+            }
+            None => {}
         }
         if fetched.messages.is_empty() && fetched.buried.is_empty() {
             self.doorbell.wait(IDLE_POLL.min(self.cfg.block));

@@ -92,11 +92,12 @@ impl<'a> Feed<'a> {
     }
 
     /// Reports a key of the wrong type that holds messages back (they stay where they
-    /// are): logged and shown by the health checks until it is fixed.
-    pub fn blocked(&self, role: &str, w: &crate::store::WrongType) {
+    /// are), under `name` (the reader, or one shard's): logged when new and every 30 s
+    /// while it lasts, and shown by the health checks until that name's source clears it.
+    pub fn blocked(&self, name: &str, w: &crate::store::WrongType) {
         let problem = format!("messages are held back: {w}; rename or remove the key");
-        if self.stats.report_problem("reader", problem.clone()) {
-            log::error!("{role}: {problem}");
+        if self.stats.report_problem(name, problem.clone()) {
+            log::error!("{name}: {problem}");
         }
     }
 
@@ -148,8 +149,10 @@ pub trait Source {
 }
 
 /// The reader thread body: start-up recovery, then `poll` until shutdown. Redis errors back
-/// off (capped, with jitter); a lost connection reconnects. A key of the wrong type is
-/// reported as the operator's problem (health checks turn red) until it is fixed.
+/// off (capped, with jitter); a lost connection reconnects. A key of the wrong type that
+/// fails a step is reported as the operator's problem (health checks turn red) until a
+/// step goes cleanly; one that only holds some messages back is the source's to report
+/// and clear (see [`Feed::blocked`]).
 /// Returning drops the source and with it the channel's `Sender`.
 pub fn run(
     mut source: impl Source,
@@ -161,6 +164,8 @@ pub fn run(
     let mut backoff = Backoff::new(role);
     let mut con: Option<Con> = None;
     let mut started = false;
+    // A failed step reported a problem under `role`: the next clean step clears it.
+    let mut failed_on_problem = false;
     while !shutdown.is_set() {
         let c = match con.as_mut() {
             Some(c) => c,
@@ -182,14 +187,16 @@ pub fn run(
         match step {
             Ok(_) => {
                 backoff.reset();
-                if stats.clear_problem("reader", step_started) {
-                    log::info!("{role}: the key that held messages back is fixed");
+                if std::mem::take(&mut failed_on_problem) && stats.clear_problem(role, step_started)
+                {
+                    log::info!("{role}: the key that failed its reads is fixed");
                 }
             }
             Err(StepError::PoolGone) => break,
             Err(StepError::Store(e)) => {
                 if let Some(p) = e.operator_problem() {
-                    stats.report_problem("reader", p);
+                    stats.report_problem(role, p);
+                    failed_on_problem = true;
                 }
                 if e.is_connection() {
                     con = None;

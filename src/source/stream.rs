@@ -45,6 +45,12 @@ pub struct Reader<'a> {
     idle_wait: bool,
     /// The last read found fewer new entries than it asked for: it emptied the stream.
     drained: bool,
+    /// The name a key of the wrong type that holds this reader's messages back is
+    /// reported and logged under: `reader`, or `reader (shard i)` among several, so that
+    /// one shard's clean pass never clears another's problem.
+    name: String,
+    /// A key of the wrong type held messages back since the current maintenance began.
+    held: bool,
 }
 
 impl<'a> Reader<'a> {
@@ -69,6 +75,8 @@ impl<'a> Reader<'a> {
             shard: 0,
             idle_wait: true,
             drained: false,
+            name: "reader".to_string(),
+            held: false,
         }
     }
 
@@ -76,6 +84,7 @@ impl<'a> Reader<'a> {
     pub fn in_shard(mut self, i: usize) -> Self {
         self.shard = i;
         self.idle_wait = false;
+        self.name = format!("reader (shard {i})");
         self
     }
 
@@ -94,7 +103,7 @@ impl<'a> Reader<'a> {
     }
 
     /// Hands a screened read to the pool; logs what it cleared or dead-lettered.
-    fn deliver(&self, mut read: Read) -> Result<usize, StepError> {
+    fn deliver(&mut self, mut read: Read) -> Result<usize, StepError> {
         for d in &mut read.deliveries {
             d.shard = self.shard;
         }
@@ -106,7 +115,8 @@ impl<'a> Reader<'a> {
         }
         self.feed.buried("reader", &read.buried);
         if let Some(w) = read.blocked {
-            self.feed.blocked("reader", &w);
+            self.held = true;
+            self.feed.blocked(&self.name, &w);
         }
         self.feed.send(read.deliveries)
     }
@@ -156,11 +166,20 @@ impl<'a> Reader<'a> {
     /// it after adding entries, so reading the empty stream once more would only cost a
     /// round trip (under a steady trickle of jobs, one for every read that found some).
     /// Returns how many entries it handed to the pool.
+    ///
+    /// A key of the wrong type this reader reported is cleared only by a maintenance pass
+    /// that met none: that pass always looks at the dead-letter key (the over-delivered
+    /// entries), while a plain read meets it only when an entry needs it, so a read that
+    /// met nothing proves nothing.
     pub fn poll(&mut self, con: &mut dyn redis::ConnectionLike) -> Result<usize, StepError> {
         let mut n = 0;
         self.drained = false;
         if due(&mut self.last_maintenance, self.cfg.block) {
+            self.held = false;
             n += self.maintain(con)?;
+            if !self.held && self.stats.clear_problem(&self.name, i64::MAX) {
+                log::info!("{}: the key that held messages back is fixed", self.name);
+            }
         }
         let room = self.feed.room();
         if room == 0 {
@@ -210,7 +229,7 @@ impl<'a> Reader<'a> {
     /// go to the dead letters: a message that keeps killing its consumer must not circle
     /// for ever.
     fn bury_overdelivered(
-        &self,
+        &mut self,
         con: &mut dyn redis::ConnectionLike,
         only: Option<&str>,
         min_idle: Duration,
@@ -225,7 +244,8 @@ impl<'a> Reader<'a> {
         )?;
         self.feed.buried("reader", &buried);
         if let Some(w) = blocked {
-            self.feed.blocked("reader", &w);
+            self.held = true;
+            self.feed.blocked(&self.name, &w);
         }
         Ok(())
     }

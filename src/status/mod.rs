@@ -298,7 +298,7 @@ impl<'a> Page<'a> {
                     DEAD_WINDOW,
                 )?)
             })
-            .map_err(|e| admin::one_line(&e));
+            .map_err(|e| self.explain(&e));
         if let Err(e) = &report {
             log::debug!("status page: {e}");
         }
@@ -374,7 +374,7 @@ impl<'a> Page<'a> {
                     next,
                     nonce: actions,
                 }),
-                Err(e) => return unavailable(&e),
+                Err(e) => return self.unavailable(&e),
             }
         } else if self.config.shards > 1 {
             return self.dead_shards(&filter, event, before, now, actions);
@@ -403,8 +403,9 @@ impl<'a> Page<'a> {
                     letters: &letters.into_iter().map(|d| (None, d)).collect::<Vec<_>>(),
                     next,
                     nonce: actions,
+                    broken: &[],
                 }),
-                Err(e) => return unavailable(&e),
+                Err(e) => return self.unavailable(&e),
             }
         };
         html(200, page)
@@ -430,17 +431,48 @@ impl<'a> Page<'a> {
             Some(None) => return bad_request("before: not a dead-letter id (<shard>/<id>)"),
         };
         let read = self.with_redis(|con| {
+            // A shard whose dead-letter key holds another type is left out, and named:
+            // the other shards' letters are still shown.
             let mut p = redis::pipe();
             for k in &shards {
+                p.cmd("TYPE").arg(&k.dead);
+            }
+            let types: Vec<String> = p.query(con)?;
+            let mut readable = Vec::new();
+            let mut broken = Vec::new();
+            for (i, (k, t)) in shards.iter().zip(types).enumerate() {
+                if t == "stream" || t == "none" {
+                    readable.push((i, k));
+                } else {
+                    broken.push(format!(
+                        "key {:?} (shard {i}) holds a {t}, not a stream: its letters are \
+                         neither counted nor shown; rename or remove the key",
+                        k.dead
+                    ));
+                }
+            }
+            let mut p = redis::pipe();
+            for (_, k) in &readable {
                 p.cmd("XLEN").arg(&k.dead);
             }
-            let lengths: Vec<u64> = p.query(con)?;
-            let (letters, next) =
-                dead::newest_sharded(con, &shards, filter, now, place, DEAD_PER_PAGE, DEAD_BUDGET)?;
-            Ok((lengths, letters, next))
+            let found: Vec<u64> = p.query(con)?;
+            let mut lengths = vec![0; shards.len()];
+            for ((i, _), n) in readable.iter().zip(found) {
+                lengths[*i] = n;
+            }
+            let (letters, next) = dead::newest_sharded(
+                con,
+                &readable,
+                filter,
+                now,
+                place,
+                DEAD_PER_PAGE,
+                DEAD_BUDGET,
+            )?;
+            Ok((lengths, broken, letters, next))
         });
         match read {
-            Ok((lengths, letters, next)) => {
+            Ok((lengths, broken, letters, next)) => {
                 let streams: Vec<(String, u64)> =
                     shards.iter().map(|k| k.dead.clone()).zip(lengths).collect();
                 let letters: Vec<(Option<usize>, dead::DeadLetter)> =
@@ -454,10 +486,11 @@ impl<'a> Page<'a> {
                         letters: &letters,
                         next: next.map(|(s, id)| dead::shard_id(s, &id)),
                         nonce,
+                        broken: &broken,
                     }),
                 )
             }
-            Err(e) => unavailable(&e),
+            Err(e) => self.unavailable(&e),
         }
     }
 
@@ -483,7 +516,7 @@ impl<'a> Page<'a> {
                     "no dead letter {id} in the first {FIND_BUDGET} letters of {}",
                     q.dead
                 )),
-                Err(e) => unavailable(&e),
+                Err(e) => self.unavailable(&e),
             }
         } else if self.config.shards > 1 {
             let shards = self.config.shard_keys();
@@ -507,7 +540,7 @@ impl<'a> Page<'a> {
                 ),
                 Ok(Ok((_, None))) => not_found(&format!("no dead letter {id}")),
                 Ok(Err(why)) => bad_request(&why),
-                Err(e) => unavailable(&e),
+                Err(e) => self.unavailable(&e),
             }
         } else {
             if !admin::is_stream_id(id) {
@@ -519,7 +552,7 @@ impl<'a> Page<'a> {
                     Some(d) => html(200, view::stream_letter(&d, None, nonce)),
                     None => not_found(&format!("no dead letter {id}")),
                 },
-                Err(e) => unavailable(&e),
+                Err(e) => self.unavailable(&e),
             }
         }
     }
@@ -580,10 +613,47 @@ fn not_found(why: &str) -> Response {
     html(404, view::message("Not found", why))
 }
 
-fn unavailable(e: &anyhow::Error) -> Response {
-    let line = admin::one_line(e);
-    log::debug!("status page: {line}");
-    html(503, view::message("Redis did not answer", &line))
+/// Whether Redis answered `e` with an error of its own (WRONGTYPE, NOPERM, ...) rather
+/// than not answering at all.
+fn refused(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<redis::RedisError>()
+            .is_some_and(|r| r.code().is_some())
+    })
+}
+
+impl Page<'_> {
+    /// A read that failed, in one line: what Redis said, and when it refused because a
+    /// key holds another type, which key (and shard).
+    fn explain(&self, e: &anyhow::Error) -> String {
+        let line = admin::one_line(e);
+        if !refused(e) {
+            return line;
+        }
+        let bad = self
+            .with_redis(|con| Ok(admin::check::wrong_types(con, self.config)?))
+            .unwrap_or_default();
+        if bad.is_empty() {
+            format!("Redis refused: {line}")
+        } else {
+            format!(
+                "Redis refused: {line}: {}; rename or remove the key",
+                bad.join(", ")
+            )
+        }
+    }
+
+    /// The page of a read that failed: Redis did not answer, or refused (naming the key).
+    fn unavailable(&self, e: &anyhow::Error) -> Response {
+        let line = self.explain(e);
+        log::debug!("status page: {line}");
+        let title = if refused(e) {
+            "Redis refused"
+        } else {
+            "Redis did not answer"
+        };
+        html(503, view::message(title, &line))
+    }
 }
 
 /// A page's Redis connection under one deadline for all the commands of a page load.

@@ -432,6 +432,9 @@ pub struct DeadStream<'a> {
     pub next: Option<String>,
     /// The form nonce when actions are on.
     pub nonce: Option<&'a str>,
+    /// With `--shards N`: a line for each shard whose letters cannot be read (its key
+    /// holds another type).
+    pub broken: &'a [String],
 }
 
 /// A letter's id as the pages write it: `<shard>/<id>` with `--shards N`.
@@ -468,6 +471,7 @@ pub fn dead_stream(v: &DeadStream) -> Markup {
                 }
             }
         }
+        @for b in v.broken { p.box.bad data-k="dead.broken" { (b) } }
         (filter_form(v.event, None))
         @if v.letters.is_empty() {
             p { @if v.event.is_some() { "No dead letter of this event" } @else { "No dead letters" }

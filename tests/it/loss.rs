@@ -390,3 +390,163 @@ fn healthz_names_the_wrong_key_and_recovers_once_it_is_fixed() {
     assert!(letters[0]["reason"].contains("no data"), "{:?}", letters[0]);
     assert_eq!(books(&env).pool, 0);
 }
+
+/// With `--shards 3`, shard 1's dead-letter key holding a list (`RPUSH {mq:1}:dead-letter
+/// junk`): `stats --check` is CRITICAL naming the key and its shard, `/healthz` is 503
+/// naming it, the log says so once (no "fixed" line every `--block` while it lasts), the
+/// status page names it and still shows the other shards' letters, the other shards' jobs
+/// run, and once the key is removed shard 1's held letter is written: every job once.
+#[test]
+fn a_shards_dead_letter_key_of_the_wrong_type_is_named_and_held_until_fixed() {
+    let env = Env::new();
+    let mut config = env.config.clone();
+    config.shards = 3;
+    let shards = config.shard_keys();
+    let mut con = env.con();
+    redis::cmd("RPUSH")
+        .arg(&shards[1].dead)
+        .arg("junk")
+        .query::<()>(&mut con)
+        .unwrap();
+    let orders = seed_orders(&env.db, 9);
+    let now = delay_worker::now_ms();
+    let mut in_shard = [0; 3];
+    for o in &orders {
+        let key = format!("order.timeout:{}", o.order_no);
+        in_shard[delay_worker::keys::shard_of(key.as_bytes(), 3)] += 1;
+        let job = delay_worker::producer::NewJob {
+            event: "order.timeout".into(),
+            payload: serde_json::json!({ "order_no": o.order_no }),
+            due_ms: now,
+            key: Some(key.clone()),
+        };
+        delay_worker::producer::push(&mut con, &config.keys_for(key.as_bytes()), &job, now)
+            .unwrap();
+    }
+    assert!(
+        in_shard[1] > 0,
+        "a good job in the broken shard: {in_shard:?}"
+    );
+    // One message that must become a dead letter in each shard.
+    let bad: Vec<String> = (0..3)
+        .map(|s| {
+            (0..)
+                .map(|n| format!("bad-{n}"))
+                .find(|k| delay_worker::keys::shard_of(k.as_bytes(), 3) == s)
+                .unwrap()
+        })
+        .collect();
+    for (s, key) in bad.iter().enumerate() {
+        store::push(&mut con, &shards[s], key, "not json", now).unwrap();
+    }
+
+    let port = free_port();
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_worker"));
+    cmd.env("REDIS_URL", &config.redis_url)
+        .env("DATABASE_URL", &config.database_url)
+        .env("RUST_LOG", "info")
+        .env_remove("NOTIFY_SOCKET")
+        .args(["--consumer", "c1", "--threads", "2", "--shards", "3"])
+        .args(["--poll-interval", "20ms", "--block", "200ms"])
+        .args(["--metrics-addr", &format!("127.0.0.1:{port}")])
+        .stdin(std::process::Stdio::null());
+    let mut worker = Proc::spawn(cmd);
+    // Not `books_on`: the broken shard's XLEN would fail.
+    let pending = |s: usize| {
+        store::stream::pending(&mut env.con(), &shards[s], 0, 1000, None)
+            .map(|p| p.len())
+            .unwrap_or(0)
+    };
+    wait_until(
+        WAIT,
+        "the other shards' jobs done, shard 1's letter held",
+        || {
+            inbox_count(&env.db) == orders.len() as i64
+                && [0, 2]
+                    .iter()
+                    .all(|&s| books_on(&mut env.con(), &shards[s]).dead == 1 && pending(s) == 0)
+                && pending(1) == 1
+        },
+    );
+    let healthz = || http_get(port, "/healthz").unwrap_or((0, String::new(), String::new()));
+    wait_until(WAIT, "/healthz 503 naming the key", || {
+        let (code, _, body) = healthz();
+        code == 503 && body.contains(&shards[1].dead)
+    });
+
+    let check = run_worker(
+        &["stats", "--check", "--shards", "3"],
+        &env.redis.url(),
+        &env.db.url,
+    );
+    let line = text(&check.stdout);
+    assert_eq!(check.status.code(), Some(2), "{line}");
+    assert!(line.starts_with("CRITICAL"), "{line}");
+    assert!(
+        line.contains(&format!("{:?} (shard 1)", shards[1].dead)),
+        "{line}"
+    );
+
+    let (code, _, page) = http_get(port, "/dead").unwrap();
+    assert_eq!(code, 200, "{page}");
+    assert!(page.contains("data-k=\"dead.broken\""), "{page}");
+    assert!(page.contains("(shard 1) holds a list"), "{page}");
+    for s in [0, 2] {
+        assert!(
+            page.contains(&format!(">{}<", bad[s])),
+            "shard {s}'s letter: {page}"
+        );
+    }
+    let (_, _, overview) = http_get(port, "/").unwrap();
+    assert!(overview.contains("Redis refused"), "{overview}");
+    assert!(overview.contains("(shard 1) holds a list"), "{overview}");
+    assert!(overview.contains("Not live"), "{overview}");
+
+    // While the key stays wrong: no "fixed" line, and no repeat before 30 s (the reader
+    // looks at the key every --block, 200 ms).
+    let seen = worker.log().len();
+    std::thread::sleep(Duration::from_secs(2));
+    let log = worker.log();
+    let window = &log[seen..];
+    assert!(!window.contains("fixed"), "{window}");
+    assert!(window.matches("held back").count() <= 1, "{window}");
+    assert_eq!(pending(1), 1, "still held, not lost");
+    assert_eq!(healthz().0, 503);
+
+    redis::cmd("DEL")
+        .arg(&shards[1].dead)
+        .query::<()>(&mut con)
+        .unwrap();
+    wait_until(WAIT, "shard 1's letter written, /healthz green", || {
+        books_on(&mut env.con(), &shards[1]).dead == 1 && pending(1) == 0 && healthz().0 == 200
+    });
+    wait_until(WAIT, "the reader's fixed line", || {
+        worker
+            .log()
+            .contains("reader (shard 1): the key that held messages back is fixed")
+    });
+    worker.signal(libc::SIGTERM);
+    assert!(worker.wait(WAIT).success(), "{}", worker.log());
+    let log = worker.log();
+    assert_eq!(
+        log.matches("reader (shard 1): messages are held back")
+            .count(),
+        1,
+        "{log}"
+    );
+    assert_eq!(log.matches("is fixed").count(), 1, "{log}");
+    for (s, keys) in shards.iter().enumerate() {
+        let b = books_on(&mut con, keys);
+        assert_eq!((b.pool, b.stream_pending, b.dead), (0, 0, 1), "shard {s}");
+        let letters: Vec<(String, Vec<(String, String)>)> = redis::cmd("XRANGE")
+            .arg(&keys.dead)
+            .arg("-")
+            .arg("+")
+            .query(&mut con)
+            .unwrap();
+        let key = &letters[0].1.iter().find(|(f, _)| f == "key").unwrap().1;
+        assert_eq!(key, &bad[s], "shard {s}");
+    }
+    assert_eq!(inbox_count(&env.db), orders.len() as i64);
+    assert_accounting(&env.db, &orders, &orders.iter().collect::<Vec<_>>());
+}
