@@ -279,28 +279,39 @@ impl Actions {
             }
         }
         let now = crate::now_ms();
+        // Looked for near `at` (the form's page) through a page's letters, then from the
+        // head, as a letter's page looks.
+        let budget = super::FIND_BUDGET;
+        let near = (form.at, super::DEAD_BUDGET);
         let done = page.with_redis(|con| {
             let mut letters = Vec::new();
             let mut missing = Vec::new();
-            for id in &ids {
-                match dead::list::find_near(con, q, id, now, form.at, super::FIND_BUDGET)? {
+            let found = dead::list::find_near(con, q, &ids, now, near, budget)?;
+            for (id, l) in ids.iter().zip(found) {
+                match l {
                     Some(l) => letters.push(l),
                     None => missing.push(id.clone()),
                 }
             }
             let found: Vec<String> = letters.iter().map(|l| l.id.clone()).collect();
+            let not_found = Some(format!(
+                "not in the first {budget} letters of {} (or near position {})",
+                q.dead, form.at
+            ));
             Ok(match kind {
                 Kind::Requeue => Done {
                     report: Some(dead::list::requeue(con, &page.config.keys, q, &letters)?),
                     found,
                     purged: 0,
                     missing,
+                    not_found,
                 },
                 Kind::Purge => Done {
                     report: None,
                     found,
                     purged: dead::list::purge(con, q, &letters)?,
                     missing,
+                    not_found,
                 },
             })
         });
@@ -328,6 +339,8 @@ struct Done {
     purged: u64,
     /// Ids named that are no letter.
     missing: Vec<String>,
+    /// Where those were looked for, when not everywhere: list mode.
+    not_found: Option<String>,
 }
 
 impl Done {
@@ -351,6 +364,7 @@ impl Done {
             found: q(self.found),
             purged: self.purged,
             missing: q(self.missing),
+            not_found: self.not_found,
         }
     }
 
@@ -401,12 +415,14 @@ fn on_set(
             found,
             purged: 0,
             missing,
+            not_found: None,
         },
         Kind::Purge => Done {
             report: None,
             purged: dead::purge(con, keys, &letters)?,
             found,
             missing,
+            not_found: None,
         },
     })
 }
@@ -420,6 +436,7 @@ fn finish(key: &str, done: Done, back: String) -> Response {
 /// Logs what an action did to the letters of `key`: requeues at info, what a requeue
 /// left and purges at warn.
 fn log_done(key: &str, done: &Done) {
+    let not_found = done.not_found.as_deref().unwrap_or("no such letter");
     match &done.report {
         Some(r) => {
             if !r.requeued.is_empty() {
@@ -435,11 +452,7 @@ fn log_done(key: &str, done: &Done) {
                 .map(|id| format!("{id} (job key scheduled again)"))
                 .chain(r.cannot.iter().map(|(id, why)| format!("{id} ({why})")))
                 .chain(r.gone.iter().map(|id| format!("{id} (already gone)")))
-                .chain(
-                    done.missing
-                        .iter()
-                        .map(|id| format!("{id} (no such letter)")),
-                )
+                .chain(done.missing.iter().map(|id| format!("{id} ({not_found})")))
                 .collect();
             if !left.is_empty() {
                 log::warn!(
@@ -459,7 +472,7 @@ fn log_done(key: &str, done: &Done) {
             }
             if !done.missing.is_empty() {
                 log::warn!(
-                    "status page: purge of {key}: no such letter {}",
+                    "status page: purge of {key}: {not_found}: {}",
                     done.missing.join(", ")
                 );
             }
@@ -483,6 +496,7 @@ fn render(done: &Done, back: String) -> Response {
             report: done.report.as_ref(),
             purged,
             missing: &done.missing,
+            not_found: done.not_found.as_deref(),
             back,
         }),
     )

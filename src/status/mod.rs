@@ -241,7 +241,12 @@ impl<'a> Page<'a> {
         let path = req.path.as_str();
         match path {
             "/" => self.overview(),
-            "/dead" => self.dead_list(arg("event"), arg("queue"), arg("before"), arg("at")),
+            "/dead" => self.dead_list(
+                arg("event"),
+                arg("queue"),
+                arg("before"),
+                (arg("at"), arg("after"), arg("older")),
+            ),
             "/dead/letter" => self.letter(arg("id"), arg("queue"), arg("at")),
             _ => match &self.actions {
                 Some(a) => a.handle(self, req),
@@ -330,7 +335,7 @@ impl<'a> Page<'a> {
         event: Option<&str>,
         queue: Option<&str>,
         before: Option<&str>,
-        at: Option<&str>,
+        (at, after, older): (Option<&str>, Option<&str>, Option<&str>),
     ) -> Response {
         let now = crate::now_ms();
         let filter = dead::Filter {
@@ -342,10 +347,25 @@ impl<'a> Page<'a> {
             let Some(q) = self.queue(queue) else {
                 return not_found("no such queue");
             };
-            let from = match at.map(str::parse::<usize>) {
-                None => 0,
-                Some(Ok(n)) => n,
-                Some(Err(_)) => return bad_request("at: not a position"),
+            // `after` and `older`: where the previous page ended (`Older →`); `at`: a
+            // position from the head.
+            let from = match (after, older, at) {
+                // A list holds at most 2^32 - 1 letters.
+                (Some(id), Some(n), _) => match (dead::list::parse_id(id), n.parse::<u32>()) {
+                    (Ok(id), Ok(n)) => dead::list::Start::After(dead::list::After {
+                        id,
+                        older: n as usize,
+                    }),
+                    _ => return bad_request("after, older: not a list dead-letter id and a count"),
+                },
+                (Some(_), None, _) | (None, Some(_), _) => {
+                    return bad_request("after and older go together")
+                }
+                (None, None, None) => dead::list::Start::Head(0),
+                (None, None, Some(n)) => match n.parse::<u32>() {
+                    Ok(n) => dead::list::Start::Head(n as usize),
+                    Err(_) => return bad_request("at: not a position"),
+                },
             };
             let read = self.with_redis(|con| {
                 let mut p = redis::pipe();
@@ -353,12 +373,12 @@ impl<'a> Page<'a> {
                     p.cmd("LLEN").arg(&q.dead);
                 }
                 let lengths: Vec<u64> = p.query(con)?;
-                let (letters, next) =
-                    dead::list::newest(con, q, &filter, now, from, DEAD_PER_PAGE, DEAD_BUDGET)?;
-                Ok((lengths, letters, next))
+                let page =
+                    dead::list::newest(con, q, &filter, now, &from, DEAD_PER_PAGE, DEAD_BUDGET)?;
+                Ok((lengths, page))
             });
             match read {
-                Ok((lengths, letters, next)) => view::dead_list_mode(&view::DeadListMode {
+                Ok((lengths, page)) => view::dead_list_mode(&view::DeadListMode {
                     queues: self
                         .config
                         .keys
@@ -369,9 +389,8 @@ impl<'a> Page<'a> {
                         .collect(),
                     queue: &q.name,
                     event,
-                    from,
-                    letters: &letters,
-                    next,
+                    older_page: from != dead::list::Start::Head(0),
+                    page: &page,
                     nonce: actions,
                 }),
                 Err(e) => return self.unavailable(&e),
@@ -508,9 +527,18 @@ impl<'a> Page<'a> {
                 return bad_request("id: not a list dead-letter id");
             };
             let near = at.and_then(|a| a.parse().ok()).unwrap_or(0);
-            match self
-                .with_redis(|con| Ok(dead::list::find_near(con, q, &id, now, near, FIND_BUDGET)?))
-            {
+            let ids = [id.clone()];
+            let found = self.with_redis(|con| {
+                Ok(dead::list::find_near(
+                    con,
+                    q,
+                    &ids,
+                    now,
+                    (near, 1),
+                    FIND_BUDGET,
+                )?)
+            });
+            match found.map(|f| f.into_iter().next().flatten()) {
                 Ok(Some(l)) => html(200, view::list_letter(&l, near, nonce)),
                 Ok(None) => not_found(&format!(
                     "no dead letter {id} in the first {FIND_BUDGET} letters of {}",
@@ -571,10 +599,7 @@ fn host_allowed(host: Option<&str>, names: &[String]) -> Result<(), String> {
         None => host.rsplit_once(':').map_or(host, |(n, _)| n),
     };
     let name = name.to_ascii_lowercase();
-    if name.parse::<std::net::IpAddr>().is_ok()
-        || name == "localhost"
-        || names.contains(&name)
-    {
+    if name.parse::<std::net::IpAddr>().is_ok() || name == "localhost" || names.contains(&name) {
         return Ok(());
     }
     Err(format!(

@@ -5,7 +5,7 @@
 //! attributes), so the tests read the same numbers a person reads.
 
 use super::{chart, pretty, DEAD_BUDGET, DEAD_PER_PAGE, DEAD_WINDOW, REFRESH_S};
-use crate::admin::dead::list::ListLetter;
+use crate::admin::dead::list::{ListLetter, NewestPage};
 use crate::admin::dead::{shard_id, DeadLetter, RequeueReport};
 use crate::admin::{fmt_age, fmt_time, id_ms, StatsReport};
 use crate::config::{Config, Source};
@@ -516,19 +516,24 @@ pub struct DeadListMode<'a> {
     pub queues: Vec<(&'a str, u64)>,
     pub queue: &'a str,
     pub event: Option<&'a str>,
-    pub from: usize,
-    pub letters: &'a [(usize, ListLetter)],
-    pub next: Option<usize>,
+    /// Not the first page.
+    pub older_page: bool,
+    pub page: &'a NewestPage,
     pub nonce: Option<&'a str>,
 }
 
 pub fn dead_list_mode(v: &DeadListMode) -> Markup {
-    let older = v.next.map(|next| {
-        let at = next.to_string();
-        let mut q = vec![("queue", v.queue), ("at", at.as_str())];
+    let letters = &v.page.letters;
+    // The next page goes on right after the last letter this one looked at.
+    let older = v.page.next.as_ref().map(|next| {
+        let n = next.older.to_string();
+        let mut q = vec![("queue", v.queue), ("after", &next.id), ("older", &n)];
         q.extend(v.event.map(|e| ("event", e)));
         format!("/dead?{}", query(&q))
     });
+    let event_link = |e: &str| format!("/dead?{}", query(&[("queue", v.queue), ("event", e)]));
+    // A form's `at`: where its letters are looked for first.
+    let from = letters.first().map_or(0, |(pos, _)| *pos);
     let body = html! {
         h1 { "Dead letters" }
         p {
@@ -543,12 +548,15 @@ pub fn dead_list_mode(v: &DeadListMode) -> Markup {
             }
         }
         (filter_form(v.event, Some(v.queue)))
-        @if v.letters.is_empty() {
-            p { "No dead letters here" @if v.next.is_some() { " among the " (DEAD_BUDGET) " looked at" } "." }
+        @if v.page.changed {
+            p.box data-k="changed" { "The list changed since the previous page: the letter it ended with is no longer in its place (it was requeued or purged, or older letters were). This page goes on from that place; letters of the previous page may show again, none is left out." }
+        }
+        @if letters.is_empty() {
+            p { "No dead letters here" @if v.older_page { " (older page)" } @if v.page.next.is_some() { " among the " (DEAD_BUDGET) " looked at" } "." }
         } @else {
-            (selection_form(v.nonce, &[("queue", v.queue.to_string()), ("at", v.from.to_string())], html! {
+            (selection_form(v.nonce, &[("queue", v.queue.to_string()), ("at", from.to_string())], html! {
                 table.letters {
-                    @for (pos, l) in v.letters {
+                    @for (pos, l) in letters {
                         tr data-letter=(l.id) {
                             @if v.nonce.is_some() {
                                 td.sel { input type="checkbox" name="id" value=(l.id) aria-label="select"; }
@@ -558,7 +566,7 @@ pub fn dead_list_mode(v: &DeadListMode) -> Markup {
                                     &format!("/dead/letter?{}", query(&[("queue", v.queue), ("id", &l.id), ("at", &pos.to_string())])),
                                     &l.age_ms.map_or("? (no ts)".to_string(), |a| format!("{} ago", fmt_age(a))),
                                     &l.event,
-                                    None,
+                                    Some(&event_link(&l.event)),
                                     &String::from_utf8_lossy(&l.key),
                                     &facts(None, l.attempts),
                                     &if l.readable { clip(&l.reason, 160) } else { "(not a letter the worker wrote)".to_string() },
@@ -573,6 +581,7 @@ pub fn dead_list_mode(v: &DeadListMode) -> Markup {
             p { a href=(href) { "Older →" } }
         }
         @if v.nonce.is_none() { (read_only_note()) }
+        p.muted { (DEAD_PER_PAGE) " a page; a page looks at " (DEAD_BUDGET) " letters at most. Identical letters share one id: selecting them acts on one." }
     };
     layout("Dead letters", false, body)
 }
@@ -710,6 +719,8 @@ pub struct Done<'a> {
     pub report: Option<&'a RequeueReport>,
     pub purged: &'a [String],
     pub missing: &'a [String],
+    /// Where the missing ids were looked for, when not everywhere.
+    pub not_found: Option<&'a str>,
     pub back: String,
 }
 
@@ -739,7 +750,13 @@ pub fn done(v: &Done) -> Markup {
                 li data-k="purged" { "Deleted: " (list(v.purged)) }
             }
             @if !v.missing.is_empty() {
-                li data-k="missing" { "No such dead letter: " (list(v.missing)) }
+                li data-k="missing" {
+                    @match v.not_found {
+                        Some(why) => { (why.get(..1).unwrap_or("").to_uppercase()) (why.get(1..).unwrap_or("")) ": " }
+                        None => { "No such dead letter: " }
+                    }
+                    (list(v.missing))
+                }
             }
         }
         p { a href=(v.back) { "← Dead letters" } }

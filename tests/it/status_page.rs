@@ -1311,3 +1311,149 @@ fn the_page_answers_only_to_its_own_host_names() {
             == Some(2)
     );
 }
+
+/// List mode's dead-letter pages (`--source list`): `Older →` goes on right after the last
+/// letter looked at, so every letter that stays is shown exactly once, whether letters of
+/// the first page are purged between two loads, the last one of it is (the page says the
+/// list changed), or new ones arrive; each letter's event links to its filter; and a POST
+/// finds a letter near its form's page beyond the first 2,000 letters, or says precisely
+/// where it looked (and logs it).
+#[test]
+fn status_page_list_mode_pages_stay_stable() {
+    let env = Env::new();
+    let (token_dir, token) = token_file(0o600, TOKEN);
+    let port = free_port();
+    let args = [
+        "--source",
+        "list",
+        "--queues",
+        "rq",
+        "--admin-token-file",
+        token.to_str().unwrap(),
+    ];
+    let mut worker = start(&env, "c1", port, &args);
+    let mut con = env.con();
+    let now = delay_worker::now_ms() / 1000;
+    // Letters k<from>..k<to>, pushed oldest first; their ids as the pages show them.
+    let mut push = |from: usize, to: usize| -> Vec<String> {
+        let letters: Vec<String> = (from..to)
+            .map(|i| {
+                format!(r#"{{"msg":"{{}}","reason":"r","ts":{now},"event":"e","key":"k{i}","attempts":1,"queue":"rq"}}"#)
+            })
+            .collect();
+        redis::cmd("LPUSH")
+            .arg("rq:dead")
+            .arg(&letters)
+            .query::<()>(&mut con)
+            .unwrap();
+        letters
+            .iter()
+            .map(|l| sha1_hex(l.as_bytes())[..16].to_string())
+            .collect()
+    };
+    let bearer = ("Authorization", format!("Bearer {TOKEN}"));
+    let purge = |ids: &[String], at: Option<&str>| -> (u16, String) {
+        let mut fields = vec![("queue", "rq")];
+        fields.extend(at.map(|a| ("at", a)));
+        fields.extend(ids.iter().map(|id| ("id", id.as_str())));
+        post(
+            port,
+            "/dead/purge",
+            &form(&fields),
+            std::slice::from_ref(&bearer),
+        )
+    };
+    let ids_of = |path: &str| -> (Vec<String>, String) {
+        let (code, _, page) = http_get(port, path).unwrap();
+        assert_eq!(code, 200, "{path}: {page}");
+        (attr_values(&page, "data-letter"), page)
+    };
+    // Each letter once: `shown` (after the first page) holds each of `expected` exactly once.
+    let once = |shown: &[String], expected: &[String]| {
+        let mut a = shown.to_vec();
+        a.sort();
+        let mut b = expected.to_vec();
+        b.sort();
+        assert_eq!(
+            a,
+            b,
+            "shown {} letters, expected {}",
+            shown.len(),
+            expected.len()
+        );
+    };
+    let mut all = push(0, 120); // oldest first
+    all.reverse(); // newest first, as the pages show them
+
+    // The first 10 of the first page purged before `Older →`.
+    let (first, page) = ids_of("/dead?queue=rq");
+    assert_eq!(first, all[..50]);
+    assert!(
+        page.contains("href=\"/dead?queue=rq&amp;event=e\""),
+        "the event links to its filter: {page}"
+    );
+    assert!(older_link(&page).unwrap().contains("after="), "{page}");
+    let (code, said) = purge(&first[..10], Some("0"));
+    assert!(code == 200 && plain(&said).contains("Purged 10"), "{said}");
+    all.drain(..10);
+    let (rest, _) = walk_dead(port, &older_link(&page).unwrap()["/dead".len()..]);
+    let mut shown = first[10..].to_vec();
+    shown.extend(rest);
+    once(&shown, &all);
+
+    // New letters arrive between two loads: none of the first page's shows again.
+    let (first, page) = ids_of("/dead?queue=rq");
+    push(1000, 1030);
+    let (rest, _) = walk_dead(port, &older_link(&page).unwrap()["/dead".len()..]);
+    let mut shown = first.clone();
+    shown.extend(rest);
+    once(&shown, &all);
+    all.splice(0..0, ids_of("/dead?queue=rq").0[..30].to_vec());
+
+    // The letter the page ended with is purged: the next page says the list changed and
+    // goes on from its place, leaving none out.
+    let (first, page) = ids_of("/dead?queue=rq");
+    let (code, said) = purge(&first[49..], None);
+    assert!(code == 200 && plain(&said).contains("Purged 1"), "{said}");
+    all.retain(|id| *id != first[49]);
+    let next = older_link(&page).unwrap();
+    let (_, older) = ids_of(&next);
+    assert!(older.contains("data-k=\"changed\""), "{older}");
+    let (rest, _) = walk_dead(port, &next["/dead".len()..]);
+    let mut shown = first[..49].to_vec();
+    shown.extend(rest);
+    once(&shown, &all);
+
+    // Beyond the first 2,000 letters: a form of the page at position 2050 acts on its last
+    // letter; without `at` the letter is not found, and the answer and the log say where
+    // it was looked for.
+    push(2000, 4000);
+    let (far, page) = ids_of("/dead?queue=rq&at=2050");
+    assert_eq!(far.len(), 50, "{page}");
+    assert!(page.contains("name=\"at\" value=\"2050\""), "{page}");
+    let (code, said) = purge(&far[49..], None);
+    assert_eq!(code, 200, "{said}");
+    let where_ = "not in the first 2000 letters of rq:dead (or near position 0)";
+    assert!(
+        plain(&said).contains(&format!(
+            "Not in the first 2000 letters of rq:dead (or near position 0): {}",
+            far[49]
+        )),
+        "{said}"
+    );
+    assert!(
+        worker
+            .log()
+            .contains(&format!("purge of rq:dead: {where_}: {}", far[49])),
+        "{}",
+        worker.log()
+    );
+    let (code, said) = purge(&far[49..], Some("2050"));
+    assert!(code == 200 && plain(&said).contains("Purged 1"), "{said}");
+    let len: usize = redis::cmd("LLEN").arg("rq:dead").query(&mut con).unwrap();
+    assert_eq!(len, all.len() + 2000 - 1);
+
+    worker.signal(libc::SIGTERM);
+    assert!(worker.wait(WAIT).success());
+    let _ = std::fs::remove_dir_all(token_dir);
+}

@@ -290,89 +290,187 @@ pub fn find(
 /// Letters per LRANGE of [`newest`] and [`find_near`] (see `dead::NEWEST_PAGE`).
 const NEWEST_PAGE: usize = 50;
 
-/// Letters with their positions, and where the next page starts when more may follow.
-pub type NewestPage = (Vec<(usize, ListLetter)>, Option<usize>);
+/// Where a status page of a dead list ended: the last letter it looked at, by its id, and
+/// how many letters were older than it then (its place counted from the tail). New
+/// letters go onto the head and removing a letter never raises that count for any letter,
+/// so every letter older than this one that is still there has a place below it: going
+/// on from there skips none, whatever was pushed or removed in between.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct After {
+    /// The letter's id (as [`parse_id`] gives it).
+    pub id: String,
+    /// Letters older than it when the page was read.
+    pub older: usize,
+}
 
-/// The status page's view of `queue`'s dead list: newest first from position `from`
-/// (0 is the head, the newest letter), up to `limit` letters matching `filter`, looking at
-/// no more than `budget`; each with its position, and the position to continue from when
-/// more may follow. Positions shift as letters come and go: a page is a view, not a cursor.
+/// Where a status page starts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Start {
+    /// At a position from the head (0: the newest letter).
+    Head(usize),
+    /// Right after a letter a previous page ended with.
+    After(After),
+}
+
+/// A status page of one dead list, newest first.
+#[derive(Debug, Default)]
+pub struct NewestPage {
+    /// The matching letters, each with its position from the head as read.
+    pub letters: Vec<(usize, ListLetter)>,
+    /// Where the next page starts, when more may follow.
+    pub next: Option<After>,
+    /// The page started after a letter that was no longer in its place (it was removed,
+    /// or letters older than it were): it went on from that place, and letters of the
+    /// previous page may show again; none is skipped.
+    pub changed: bool,
+}
+
+/// `LLEN` and `LRANGE start stop` of `key` in one `MULTI`: one state of the list.
+fn snapshot(
+    con: &mut dyn redis::ConnectionLike,
+    key: &str,
+    start: i64,
+    stop: i64,
+) -> RedisResult<(usize, Vec<Vec<u8>>)> {
+    redis::pipe()
+        .atomic()
+        .cmd("LLEN")
+        .arg(key)
+        .cmd("LRANGE")
+        .arg(key)
+        .arg(start)
+        .arg(stop)
+        .query(con)
+}
+
+/// The status page's view of `queue`'s dead list: newest first from `from`, up to
+/// `limit` letters matching `filter`, looking at no more than `budget`. After a letter,
+/// the page reads by places counted from the tail (see [`After`]), checking in each read
+/// that the letter it goes on from is still in its place.
 pub fn newest(
     con: &mut dyn redis::ConnectionLike,
     queue: &Queue,
     filter: &Filter,
     now_ms: i64,
-    from: usize,
+    from: &Start,
     limit: usize,
     budget: usize,
 ) -> RedisResult<NewestPage> {
-    let mut out = Vec::new();
-    let mut at = from;
+    let mut page = NewestPage::default();
+    let mut looked = 0;
+    let mut after = match from {
+        Start::After(a) => Some(a.clone()),
+        Start::Head(_) => None,
+    };
     loop {
-        let count = NEWEST_PAGE.min(budget.saturating_sub(at - from));
+        let count = NEWEST_PAGE.min(budget.saturating_sub(looked));
         if count == 0 {
-            return Ok((out, Some(at)));
+            return Ok(page);
         }
-        let raw: Vec<Vec<u8>> = redis::cmd("LRANGE")
-            .arg(&queue.dead)
-            .arg(at)
-            .arg(at + count - 1)
-            .query(con)?;
-        let exhausted = raw.len() < count;
-        for r in raw {
-            let l = ListLetter::parse(r, &queue.name, now_ms);
-            let pos = at;
-            at += 1;
-            if matches(filter, &l, now_ms) {
-                out.push((pos, l));
-                if out.len() >= limit {
-                    return Ok((out, Some(at)));
+        // One state of the list: its length, the letters to look at, newest first, and
+        // how many letters are older than the first of them.
+        let (len, raw, first_older) = match &after {
+            None => {
+                let at = match from {
+                    Start::Head(at) => *at,
+                    Start::After(_) => 0,
+                };
+                let (len, raw) = snapshot(con, &queue.dead, at as i64, (at + count) as i64 - 1)?;
+                (len, raw, len.saturating_sub(at + 1))
+            }
+            Some(a) => {
+                // The letter's own place, then `count` older ones.
+                let slot = -(a.older as i64) - 1;
+                let stop = (slot + count as i64).min(-1);
+                let (len, mut raw) = snapshot(con, &queue.dead, slot, stop)?;
+                if a.older < len {
+                    // What is in its place now: the letter itself, or the list changed.
+                    let there = ListLetter::parse(raw.remove(0), &queue.name, now_ms);
+                    if !there.has_id(&a.id) {
+                        page.changed = true;
+                    }
+                    (len, raw, a.older.saturating_sub(1))
+                } else {
+                    // Fewer letters left than were older than it: each one left is older
+                    // than it was; go on from the head.
+                    page.changed = true;
+                    let (len, raw) = snapshot(con, &queue.dead, 0, count as i64 - 1)?;
+                    (len, raw, len.saturating_sub(1))
                 }
             }
+        };
+        page.next = None;
+        for (i, r) in raw.into_iter().enumerate() {
+            let l = ListLetter::parse(r, &queue.name, now_ms);
+            let older = first_older.saturating_sub(i);
+            looked += 1;
+            page.next = (older > 0).then(|| After {
+                id: l.id.clone(),
+                older,
+            });
+            if matches(filter, &l, now_ms) {
+                page.letters.push((len.saturating_sub(older + 1), l));
+                if page.letters.len() >= limit {
+                    return Ok(page);
+                }
+            }
+            if older == 0 {
+                break;
+            }
         }
-        if exhausted {
-            return Ok((out, None));
+        after = page.next.clone();
+        if after.is_none() {
+            return Ok(page);
         }
     }
 }
 
-/// The letter of `queue`'s dead list whose id starts with `id` (as [`parse_id`] gives
-/// it), looked for around position `near` first (where the page showed it), then from the
-/// head, at no more than `budget` letters in all; `Ok(None)` when not found within them.
+/// For each id (as [`parse_id`] gives it), the letter of `queue`'s dead list it names,
+/// looked for near where a page showed it first: from a page's length before position
+/// `near` through `span` letters more (a letter's page: 1; a form: the letters its page
+/// looked at), then from the head; at no more than `budget` letters from the head, and
+/// `None` for an id not found within them. The same bytes several times are one letter.
 pub fn find_near(
     con: &mut dyn redis::ConnectionLike,
     queue: &Queue,
-    id: &str,
+    ids: &[String],
     now_ms: i64,
-    near: usize,
+    (near, span): (usize, usize),
     budget: usize,
-) -> RedisResult<Option<ListLetter>> {
-    let start = near.saturating_sub(NEWEST_PAGE / 2);
-    let mut ranges = vec![(start, start + NEWEST_PAGE - 1)];
-    let mut at = 0;
-    while at < budget.saturating_sub(NEWEST_PAGE) {
-        ranges.push((at, at + NEWEST_PAGE - 1));
-        at += NEWEST_PAGE;
-    }
-    for (i, (a, b)) in ranges.into_iter().enumerate() {
-        let raw: Vec<Vec<u8>> = redis::cmd("LRANGE")
-            .arg(&queue.dead)
-            .arg(a)
-            .arg(b)
-            .query(con)?;
-        let short = raw.len() < b - a + 1;
-        if let Some(l) = raw
-            .into_iter()
-            .map(|r| ListLetter::parse(r, &queue.name, now_ms))
-            .find(|l| l.has_id(id))
-        {
-            return Ok(Some(l));
+) -> RedisResult<Vec<Option<ListLetter>>> {
+    let mut found: Vec<Option<ListLetter>> = vec![None; ids.len()];
+    let start = near.saturating_sub(NEWEST_PAGE);
+    let end = near.saturating_add(span).saturating_add(NEWEST_PAGE);
+    // Near first; then from the head, but not again what was read near.
+    let head = if start == 0 { end..budget } else { 0..budget };
+    for range in [start..end, head] {
+        let mut a = range.start;
+        while a < range.end {
+            let b = (a + NEWEST_PAGE).min(range.end);
+            let raw: Vec<Vec<u8>> = redis::cmd("LRANGE")
+                .arg(&queue.dead)
+                .arg(a)
+                .arg(b - 1)
+                .query(con)?;
+            let short = raw.len() < b - a;
+            for r in raw {
+                let l = ListLetter::parse(r, &queue.name, now_ms);
+                for (id, slot) in ids.iter().zip(found.iter_mut()) {
+                    if slot.is_none() && l.has_id(id) {
+                        *slot = Some(l.clone());
+                    }
+                }
+            }
+            if found.iter().all(Option::is_some) {
+                return Ok(found);
+            }
+            if short {
+                break; // the end of the list
+            }
+            a = b;
         }
-        if short && (i > 0 || a == 0) {
-            break; // the end of the list
-        }
     }
-    Ok(None)
+    Ok(found)
 }
 
 /// An id as `worker dead list` prints it (or a prefix of it): hex digits, lower-cased.
