@@ -243,6 +243,30 @@ fn queue_figures(r: &StatsReport, c: &Config) -> Markup {
                 }
             }
         }
+        @if !r.shards.is_empty() {
+            h2 { "Shards " span.muted { "(the figures above are their total)" } }
+            div.wrap {
+                table {
+                    tr {
+                        th.n { "shard" } th.n { "scheduled" } th.n { "due" } th.n { "lag" }
+                        th.n { "pending" } th.n { "oldest pending" } th.n { "mover lag" }
+                        th.n { "dead" }
+                    }
+                    @for (i, s) in r.shards.iter().enumerate() {
+                        tr data-shard=(i) {
+                            td.n { (i) }
+                            td.n data-k="pool.size" { (s.pool.size) }
+                            td.n data-k="pool.due" { (s.pool.due) }
+                            td.n data-k="group.lag" { (count(s.group.lag)) }
+                            td.n data-k="group.pending" { (s.group.pending) }
+                            td.n { (s.group.oldest_pending_age_ms.map_or("-".to_string(), fmt_age)) }
+                            td.n data-k="pool.mover_lag_ms" { (secs(s.pool.mover_lag_ms)) }
+                            td.n data-k="dead.length" { (s.dead.length) }
+                        }
+                    }
+                }
+            }
+        }
         @if !list && !r.consumers.is_empty() {
             h2 { "Consumers" }
             div.wrap {

@@ -1052,6 +1052,37 @@ fn status_page_dead_letters_of_shards() {
     assert_eq!(letters.len(), 134);
     let all = newest_first(&letters, None);
 
+    // The overview's row per shard, against `worker stats --json`'s `shards` (quiescent).
+    let (_, _, overview) = http_get(port, "/").unwrap();
+    let out = run_worker(
+        &["--shards", "3", "stats", "--json"],
+        &env.config.redis_url,
+        &env.config.database_url,
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stats: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    for i in 0..3 {
+        let row = overview
+            .find(&format!("data-shard=\"{i}\""))
+            .unwrap_or_else(|| panic!("no row of shard {i}:\n{overview}"));
+        for key in [
+            "pool.size",
+            "pool.due",
+            "group.lag",
+            "group.pending",
+            "dead.length",
+        ] {
+            let shown = text_at(&overview, row, &format!("data-k=\"{key}\""))
+                .unwrap()
+                .0;
+            assert_eq!(
+                shown,
+                json_figure(&stats["shards"][i], key),
+                "shard {i} {key}"
+            );
+        }
+    }
+
     // The list over plain HTTP: the total and each shard's count, then every page.
     let (_, _, first) = http_get(port, "/dead").unwrap();
     assert_eq!(figure(&first, "dead.length"), "134");
