@@ -368,11 +368,15 @@ impl<'a> Page<'a> {
                 },
             };
             let read = self.with_redis(|con| {
+                // Another queue's dead list of the wrong type counts 0 here and does not
+                // keep this queue's letters from being shown.
                 let mut p = redis::pipe();
+                p.ignore_errors();
                 for q in &self.config.keys.queues {
                     p.cmd("LLEN").arg(&q.dead);
                 }
-                let lengths: Vec<u64> = p.query(con)?;
+                let lengths: Vec<redis::RedisResult<u64>> = p.query(con)?;
+                let lengths: Vec<u64> = lengths.into_iter().map(|n| n.unwrap_or(0)).collect();
                 let page =
                     dead::list::newest(con, q, &filter, now, &from, DEAD_PER_PAGE, DEAD_BUDGET)?;
                 Ok((lengths, page))
@@ -642,8 +646,9 @@ fn not_found(why: &str) -> Response {
 /// than not answering at all.
 fn refused(e: &anyhow::Error) -> bool {
     e.chain().any(|c| {
+        // A pipeline's failures carry no code of their own, only their commands' texts.
         c.downcast_ref::<redis::RedisError>()
-            .is_some_and(|r| r.code().is_some())
+            .is_some_and(|r| r.code().is_some() || r.to_string().contains("WRONGTYPE"))
     })
 }
 

@@ -720,6 +720,28 @@ fn status_page_list_mode_dead_lists() {
     assert!(figure(&letter, "msg").contains(HOSTILE_NOTE));
     let (_, _, other) = http_get(port, "/dead?queue=high").unwrap();
     assert!(attr_values(&other, "data-letter").is_empty());
+    // Another queue's dead list of the wrong type: this queue's page still shows its
+    // letter, and that queue's page names the key Redis refused.
+    redis::cmd("SET")
+        .arg("high:dead")
+        .arg("x")
+        .query::<()>(&mut con)
+        .unwrap();
+    let (code, _, list) = http_get(port, "/dead?queue=normal").unwrap();
+    assert_eq!(
+        (code, attr_values(&list, "data-letter")),
+        (200, ids.clone())
+    );
+    let (code, _, other) = http_get(port, "/dead?queue=high").unwrap();
+    assert_eq!(code, 503, "{other}");
+    assert!(
+        plain(&other).contains("Redis refused") && plain(&other).contains("high:dead"),
+        "{other}"
+    );
+    redis::cmd("DEL")
+        .arg("high:dead")
+        .query::<()>(&mut con)
+        .unwrap();
 
     // Requeue through the form: back onto its queue, where the worker dead-letters it
     // again (its event still has no handler): the letter count stays, the worker's
