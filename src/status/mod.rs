@@ -597,11 +597,22 @@ fn host_allowed(host: Option<&str>, names: &[String]) -> Result<(), String> {
     let Some(host) = host else {
         return Err("a request to the status page must name its Host\n".into());
     };
-    let name = match host.strip_prefix('[') {
-        // [v6]:port
-        Some(rest) => rest.split_once(']').map_or(rest, |(ip, _)| ip),
-        None => host.rsplit_once(':').map_or(host, |(n, _)| n),
+    // `name`, `name:port`, `[v6]` or `[v6]:port`, and nothing else.
+    let (name, port) = match host.strip_prefix('[') {
+        Some(rest) => match rest.split_once(']') {
+            Some((ip, "")) => (ip, None),
+            Some((ip, tail)) => (ip, Some(tail.strip_prefix(':').unwrap_or("x"))),
+            None => (rest, Some("x")),
+        },
+        None => match host.split_once(':') {
+            Some((n, p)) => (n, Some(p)),
+            None => (host, None),
+        },
     };
+    let port_ok = port.is_none_or(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()));
+    if !port_ok {
+        return Err(format!("not a host name with a port: {host:?}\n"));
+    }
     let name = name.to_ascii_lowercase();
     if name.parse::<std::net::IpAddr>().is_ok() || name == "localhost" || names.contains(&name) {
         return Ok(());
@@ -666,8 +677,9 @@ impl Page<'_> {
         if bad.is_empty() {
             format!("Redis refused: {line}")
         } else {
+            // The key says it all; a pipeline's raw failures would only bury it.
             format!(
-                "Redis refused: {line}: {}; rename or remove the key",
+                "Redis refused (WRONGTYPE): {}; rename or remove the key",
                 bad.join(", ")
             )
         }
@@ -785,6 +797,11 @@ mod tests {
             "evil.example",
             "127.0.0.1.evil.example",
             "shop-1",
+            "127.0.0.1:9187@evil.example",
+            "localhost:x.evil.example",
+            "[::1]evil",
+            "127.0.0.1:9187,evil.example",
+            "[::1]:",
         ] {
             assert!(host_allowed(Some(bad), &named).is_err(), "{bad}");
         }

@@ -610,13 +610,13 @@ fn status_page_in_a_browser_stream_mode() {
         ),
         0
     );
-    assert_eq!(
+    // Counted once the worker has its settle call's answer, a moment after Redis has it.
+    wait_until(WAIT, "12 done in /metrics", || {
         metric(
             port,
-            "delay_worker_jobs_total{event=\"order.timeout\",outcome=\"done\"}"
-        ),
-        12
-    );
+            "delay_worker_jobs_total{event=\"order.timeout\",outcome=\"done\"}",
+        ) == 12
+    });
 
     // A purge with the token in a header (no form, no nonce; the scheme in lower case, as
     // RFC 7235 allows): the hostile letter goes.
