@@ -23,8 +23,9 @@
 //! slot of the oldest one whose thread waits for more of its request, whatever its age, so
 //! a probe is answered through such a flood. Only when every slot is busy answering
 //! (answers take milliseconds, a health check at most [`HEALTH_TIMEOUT`]) or holds a
-//! request not read yet does a new connection get `503` at once, and a request that was
-//! sent whole is never closed unanswered. Nothing is queued.
+//! request not read yet does a new connection get `503` (at once, or after looking for
+//! room for [`EVICT_WAIT`] when it sent a whole request), and a request that was sent
+//! whole is never closed unanswered. Nothing is queued.
 //!
 //! **How it stops.** On shutdown a helper thread of the server closes the connections
 //! still open and wakes the blocked `accept` by connecting to the listener itself; the
@@ -669,9 +670,9 @@ impl Slots {
     /// in a read with nothing unread on its socket (its request is not whole and no more of
     /// it has come) and that has sent part of a request or nothing for [`SILENT`] (one
     /// that has just connected may be a whole request on its way), returned with the lock
-    /// held; no connection when a slot came free
-    /// meanwhile. Looks again for [`EVICT_WAIT`], since a flood's threads may not have
-    /// reached their read yet. `None` when `stream` has not sent a whole head, or no
+    /// held; no connection when a slot came free meanwhile. Looks again for
+    /// [`EVICT_WAIT`], since a flood's threads may not have reached their read yet (so in
+    /// a flood of whole requests a new one waits that long before its `503`). `None` when `stream` has not sent a whole head, or no
     /// connection waits so.
     fn waiting_for_more(&self, stream: &TcpStream) -> Option<(OpenGuard<'_>, Option<usize>)> {
         if !whole_head(stream, WHOLE_HEAD_WAIT) {
