@@ -455,16 +455,25 @@ impl<'a> Page<'a> {
         };
         let read = self.with_redis(|con| {
             // A shard whose dead-letter key holds another type is left out, and named:
-            // the other shards' letters are still shown.
+            // the other shards' letters are still shown. Its type and length in one
+            // round trip (XLEN fails on the other types, so errors are taken per command).
             let mut p = redis::pipe();
+            p.ignore_errors();
             for k in &shards {
-                p.cmd("TYPE").arg(&k.dead);
+                p.cmd("TYPE").arg(&k.dead).cmd("XLEN").arg(&k.dead);
             }
-            let types: Vec<String> = p.query(con)?;
+            let answers: Vec<redis::RedisResult<redis::Value>> = p.query(con)?;
+            let mut answers = answers.into_iter();
             let mut readable = Vec::new();
             let mut broken = Vec::new();
-            for (i, (k, t)) in shards.iter().zip(types).enumerate() {
+            let mut lengths = vec![0; shards.len()];
+            for (i, k) in shards.iter().enumerate() {
+                let (Some(t), Some(n)) = (answers.next(), answers.next()) else {
+                    break;
+                };
+                let t: String = redis::from_redis_value(t?)?;
                 if t == "stream" || t == "none" {
+                    lengths[i] = redis::from_redis_value(n?)?;
                     readable.push((i, k));
                 } else {
                     broken.push(format!(
@@ -473,15 +482,6 @@ impl<'a> Page<'a> {
                         k.dead
                     ));
                 }
-            }
-            let mut p = redis::pipe();
-            for (_, k) in &readable {
-                p.cmd("XLEN").arg(&k.dead);
-            }
-            let found: Vec<u64> = p.query(con)?;
-            let mut lengths = vec![0; shards.len()];
-            for ((i, _), n) in readable.iter().zip(found) {
-                lengths[*i] = n;
             }
             let (letters, next) = dead::newest_sharded(
                 con,
