@@ -78,6 +78,9 @@ pub struct Config {
     /// Host names the status page answers to besides IP addresses and `localhost`
     /// (`--status-host`), lower case.
     pub status_hosts: Vec<String>,
+    /// `/healthz` is 503 while this process wrote more dead letters than this in the last
+    /// minute (`--dead-rate-crit`); 0 turns it off.
+    pub dead_rate_crit: u64,
 }
 
 /// The secret that unlocks the status page's actions, read from `--admin-token-file`.
@@ -231,6 +234,15 @@ pub struct JobConfig {
     pub retry_cap: Duration,
     /// PostgreSQL `statement_timeout` for every handler statement.
     pub statement_timeout: Duration,
+    /// PostgreSQL `lock_timeout` of a job's statements (a set waits a fifth of it): the
+    /// longest the worker waits for a row lock another transaction holds before it lets
+    /// go of its own and tries later.
+    pub lock_timeout: Duration,
+    /// A job that meets contention retries for at least this long after it first fell
+    /// due (and `max_retries` times) before it is dead-lettered.
+    pub retry_for: Duration,
+    /// `--max-rate`: caps on the jobs run per second, overall or by event.
+    pub max_rates: Vec<crate::manners::MaxRate>,
     /// Messages larger than this are dead-lettered unread.
     pub max_message_bytes: usize,
     /// Most jobs a worker runs in one transaction (only jobs already waiting are batched).
@@ -259,6 +271,21 @@ pub const DEFAULT_MOVE_WINDOW: Duration = Duration::from_millis(5);
 /// Default of `--set-size`: enough jobs per set that a backlog's commits and round trips
 /// are shared (see README, Performance), few enough that a set's locks are brief.
 pub const DEFAULT_SET_SIZE: usize = 32;
+
+/// Default of `--lock-timeout`: a shop transaction holds its row locks for milliseconds,
+/// so a job that waits longer meets a long lock (a shop's `SELECT ... FOR UPDATE`), and
+/// waiting on would hold the job's own locks against the shop: it lets go and tries later.
+/// Below PostgreSQL's `deadlock_timeout` (1 s), so in a lock cycle the worker gives way
+/// first.
+pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_millis(100);
+
+/// Default of `--dead-rate-crit`: a healthy queue writes no dead letter at all; ten in a
+/// minute is a producer or a handler gone wrong, to look at now rather than tomorrow.
+pub const DEFAULT_DEAD_RATE_CRIT: u64 = 10;
+
+/// Default of `--retry-for`: an hour of a shop's lock, a long migration or a stuck
+/// transaction, before a job that meets contention is given up on.
+pub const DEFAULT_RETRY_FOR: Duration = Duration::from_secs(3600);
 
 /// How old inbox rows are removed (`prune.rs`): one process at a time, in short batches.
 #[derive(Clone, Debug)]
@@ -385,6 +412,9 @@ impl Default for JobConfig {
             retry_base: Duration::from_secs(1),
             retry_cap: Duration::from_secs(300),
             statement_timeout: Duration::from_secs(5),
+            lock_timeout: DEFAULT_LOCK_TIMEOUT,
+            retry_for: DEFAULT_RETRY_FOR,
+            max_rates: Vec::new(),
             max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
             tx_batch: 1,
             set_size: DEFAULT_SET_SIZE,
@@ -432,6 +462,7 @@ impl Config {
             run_mover: true,
             metrics_addr: None,
             status_hosts: Vec::new(),
+            dead_rate_crit: DEFAULT_DEAD_RATE_CRIT,
             prune: PruneConfig::default(),
             admin_token: None,
         }

@@ -17,6 +17,7 @@ use crate::config::{redact_url, Config};
 use crate::db::{self, DbError};
 use crate::handlers::sql::{SqlHandler, SqlHandlerError};
 use crate::handlers::Registry;
+use crate::manners::Manners;
 use crate::metrics;
 use crate::mover::Mover;
 use crate::notify::Notifier;
@@ -25,7 +26,8 @@ use crate::shutdown::Shutdown;
 use crate::source::{self, list::ListReader, stream::Reader, Doorbell, Feed};
 use crate::stats::{Snapshot, Stats};
 use crate::store;
-use crate::workers::{PoolContext, Session, SessionError, Worker};
+use crate::workers::session::{Session, SessionError};
+use crate::workers::{PoolContext, Worker};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -286,13 +288,24 @@ fn preflight(config: &Config) -> Result<Ready, DaemonError> {
     let pool = db::pool(
         &config.database_url,
         config.db_pool_size(),
-        config.jobs.statement_timeout,
+        db::Timeouts {
+            statement: config.jobs.statement_timeout,
+            lock: config.jobs.lock_timeout,
+        },
         std::time::Duration::from_secs(5),
         config.jobs.group_commit,
     )?;
-    // Prepares every handler once now, so bad SQL stops the start with a clear error
-    // instead of dead-lettering every job of that event.
-    drop(Session::open(&pool, &registry)?);
+    // Prepares every handler once now, so that a handler that does not prepare (a table
+    // not there yet, SQL that does not parse) is named at once. It does not stop the start:
+    // its jobs are held, not dead-lettered, and the other events run.
+    let session = Session::open(&pool, &registry, config.jobs.lock_timeout)?;
+    for (event, failure) in session.unprepared(&registry) {
+        log::error!(
+            "the handler of {event:?} does not prepare, its jobs are held until it does: {}",
+            failure.reason
+        );
+    }
+    drop(session);
     Ok(Ready {
         client,
         registry,
@@ -326,12 +339,20 @@ fn spawn_and_supervise(
         legacy: Vec::new(),
         ..config.mover.clone()
     };
+    // The watch's own connections ask for read-write as the pool's do (`db::Target`).
+    let pool_target = db::Target::parse(&config.database_url)?;
+    let manners = Manners::new(
+        &config.jobs.max_rates,
+        registry.iter().count(),
+        config.jobs.set_size,
+    );
     let ctx = PoolContext {
         keys: &config.keys,
         shards: &shard_keys,
         jobs: &config.jobs,
         consumer: &config.consumer,
         registry,
+        manners: &manners,
         stats: &stats,
         db: pool,
         redis: client,
@@ -428,6 +449,12 @@ fn spawn_and_supervise(
         if let Some(server) = &server {
             spawned.push(spawn_role(s, shutdown, "metrics".into(), move || {
                 server.run(shutdown)
+            }));
+        }
+        {
+            let watch = crate::dbwatch::DbWatch::new(pool_target.clone(), &stats);
+            spawned.push(spawn_role(s, shutdown, "pg-watch".into(), move || {
+                watch.run(shutdown)
             }));
         }
         if config.prune.enabled() {

@@ -9,7 +9,6 @@
 
 use crate::conninfo;
 use crate::tls::{self, PgTls, RootCert, SslMode};
-use postgres::error::SqlState;
 use postgres::tls::MakeTlsConnect;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
@@ -35,6 +34,11 @@ const MAX_WAITING_ATTEMPTS: usize = 4;
 /// The connection-string settings that are libpq's TLS settings, taken out before the
 /// rest goes to the `postgres` crate (which knows only `sslmode=disable|prefer|require`).
 const TLS_KEYS: &[&str] = &["sslmode", "sslrootcert", "sslcert", "sslkey"];
+
+/// libpq's `target_session_attrs`, read by the worker itself: the `postgres` crate knows
+/// only `any`, `read-write` and `read-only`, and the worker needs a server it can write to
+/// whatever the string says (see [`Target::parse`]).
+const SESSION_ATTRS: &str = "target_session_attrs";
 
 #[derive(Debug, thiserror::Error)]
 pub enum DbError {
@@ -95,10 +99,24 @@ impl Target {
                 .map(|p| p.value.clone())
                 .filter(|v| !v.is_empty())
         };
-        let rest = conninfo::without(url, |k| TLS_KEYS.contains(&k));
+        let rest = conninfo::without(url, |k| TLS_KEYS.contains(&k) || k == SESSION_ATTRS);
         let mut config: postgres::Config = rest
             .parse()
             .map_err(|e: postgres::Error| DbError::BadUrl(error_text(&e)))?;
+        // Every connection must take writes: a standby, or a primary turned read-only
+        // (default_transaction_read_only), is skipped for the next host of a multi-host
+        // string, and refused when it is the only one, as libpq's read-write does. So
+        // `any` (libpq's default) and `primary` mean read-write here; asking for a
+        // read-only server cannot work for a worker that writes.
+        match get(SESSION_ATTRS).as_deref() {
+            None | Some("any" | "read-write" | "primary") => {}
+            Some(other) => {
+                return Err(DbError::BadUrl(format!(
+                    "target_session_attrs={other}: the worker writes, so it needs read-write (or any, or primary)"
+                )))
+            }
+        }
+        config.target_session_attrs(postgres::config::TargetSessionAttrs::ReadWrite);
         let root = get("sslrootcert").map(|v| {
             if v == "system" {
                 RootCert::System
@@ -268,26 +286,91 @@ where
     }
 }
 
-/// The pool's connection manager: every connection made under [`HANDSHAKE_DEADLINE`].
+/// A pooled connection: the client, and whether it must not be used again.
+///
+/// A connection that failed is thrown away, never handed back to the pool: it may sit in
+/// an aborted transaction (every statement then fails with 25P02 until a ROLLBACK), on a
+/// server that turned read-only, or half-way through a protocol exchange. Workers call
+/// [`PgConn::discard`] before they drop it; the pool then closes it instead of keeping it.
+pub struct PgConn {
+    client: postgres::Client,
+    discarded: bool,
+}
+
+impl PgConn {
+    /// Marks the connection for closing when it goes back to the pool.
+    pub fn discard(&mut self) {
+        self.discarded = true;
+    }
+}
+
+impl std::ops::Deref for PgConn {
+    type Target = postgres::Client;
+    fn deref(&self) -> &postgres::Client {
+        &self.client
+    }
+}
+
+impl std::ops::DerefMut for PgConn {
+    fn deref_mut(&mut self) -> &mut postgres::Client {
+        &mut self.client
+    }
+}
+
+/// The pool's connection manager: every connection made under [`HANDSHAKE_DEADLINE`], and
+/// checked to take writes when it is handed out.
 pub struct Manager {
     target: Target,
 }
 
 impl r2d2::ManageConnection for Manager {
-    type Connection = postgres::Client;
+    type Connection = PgConn;
     type Error = DbError;
 
-    fn connect(&self) -> Result<postgres::Client, DbError> {
-        self.target.connect_within(HANDSHAKE_DEADLINE)
+    fn connect(&self) -> Result<PgConn, DbError> {
+        Ok(PgConn {
+            client: self.target.connect_within(HANDSHAKE_DEADLINE)?,
+            discarded: false,
+        })
     }
 
-    fn is_valid(&self, client: &mut postgres::Client) -> Result<(), DbError> {
-        client.simple_query("").map(|_| ()).map_err(DbError::from)
+    /// At every checkout (a worker's new session): the server still takes writes. One that
+    /// turned read-only since the connection was made (a primary demoted, or
+    /// `default_transaction_read_only` switched on) is left for a new connection, which
+    /// goes to a writable host of the string or fails.
+    fn is_valid(&self, conn: &mut PgConn) -> Result<(), DbError> {
+        let rows = conn.client.simple_query("SHOW transaction_read_only")?;
+        let read_only = rows.iter().any(|m| match m {
+            postgres::SimpleQueryMessage::Row(r) => r.get(0) == Some("on"),
+            _ => false,
+        });
+        if read_only {
+            return Err(DbError::Unreachable {
+                url: self.target.shown.clone(),
+                reason: READ_ONLY.to_string(),
+            });
+        }
+        Ok(())
     }
 
-    fn has_broken(&self, client: &mut postgres::Client) -> bool {
-        client.is_closed()
+    fn has_broken(&self, conn: &mut PgConn) -> bool {
+        conn.discarded || conn.client.is_closed()
     }
+}
+
+/// What a connection to a server that takes no writes is told.
+pub const READ_ONLY: &str =
+    "the server is read-only (a standby, or default_transaction_read_only is on)";
+
+/// The statement and lock timeouts of the workers' connections.
+#[derive(Debug, Clone, Copy)]
+pub struct Timeouts {
+    /// `statement_timeout`: no handler statement runs longer.
+    pub statement: Duration,
+    /// `lock_timeout`: no statement waits longer for a row lock another transaction holds
+    /// (a shop transaction). Short, so the worker yields to the shop instead of holding its
+    /// own locks while it waits: the job goes back with backoff (see [`Fault::Contention`]).
+    pub lock: Duration,
 }
 
 /// Builds the pool. `size` connections at most; the pool waits at most `checkout` for one.
@@ -298,16 +381,17 @@ impl r2d2::ManageConnection for Manager {
 pub fn pool(
     url: &str,
     size: u32,
-    statement_timeout: Duration,
+    timeouts: Timeouts,
     checkout: Duration,
     group_commit: bool,
 ) -> Result<Pool, DbError> {
     let mut target = Target::parse(url)?;
-    let ms = statement_timeout.as_millis();
-    // Every handler statement runs under the statement timeout, and a transaction left
-    // idle by a stuck thread is ended by the server.
+    let ms = timeouts.statement.as_millis();
+    // Every handler statement runs under the statement and lock timeouts, and a
+    // transaction left idle by a stuck thread is ended by the server.
     let mut options = format!(
-        "-c statement_timeout={ms} -c lock_timeout={ms} -c idle_in_transaction_session_timeout={} -c client_min_messages=warning",
+        "-c statement_timeout={ms} -c lock_timeout={} -c idle_in_transaction_session_timeout={} -c client_min_messages=warning",
+        timeouts.lock.as_millis().clamp(1, ms.max(1)),
         ms * 4
     );
     if group_commit {
@@ -437,35 +521,86 @@ fn migrate_locked(client: &mut postgres::Client) -> Result<Vec<&'static str>, Db
     Ok(applied)
 }
 
-/// Whether the failure is the database's, not the job's: the connection was lost, the
-/// server is shutting down or restarting, or it is out of connections or resources. The
-/// job is not at fault and is run again on a new connection without spending a retry.
-pub fn is_connection_error(e: &postgres::Error) -> bool {
-    if e.is_closed() {
-        return true;
-    }
-    let Some(code) = e.code() else {
-        // No SQLSTATE: an I/O or protocol error on the connection.
-        return true;
-    };
-    let c = code.code();
-    c.starts_with("08") // connection exception
-        || c.starts_with("53") // insufficient resources (too many connections, ...)
-        || c.starts_with("57P") // admin / crash shutdown, cannot connect now
+/// Whose fault a failed statement is: what becomes of the job follows from it, never from
+/// where the failure showed. The table is the README's ("Failures: whose fault").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// The connection or the server: lost, shutting down or starting, read-only (a standby,
+    /// a demoted primary, `default_transaction_read_only`), out of connections or
+    /// resources, a transaction left aborted, an outcome it could not report. The
+    /// connection is thrown away; the job waits in its worker and runs again on a new
+    /// one, no retry spent (a job that did commit finds its inbox row).
+    Server,
+    /// Other transactions: a lock or statement timeout, a deadlock, a serialization
+    /// failure. The job goes back to the pool with backoff, for up to `--retry-for`.
+    Contention,
+    /// The schema or the privileges under the handler: a table, column or function that
+    /// is missing (a deploy renaming it), a refused privilege, a handler's SQL that does
+    /// not prepare. The job is held (back to the pool for a few seconds, no retry spent)
+    /// and health is CRITICAL naming the error, until it works.
+    Schema,
+    /// The job itself: its data (a bad cast, a constraint it violates) or the handler's own
+    /// refusal (`RAISE`). A dead letter at once.
+    Job,
 }
 
-/// Whether a failed job may succeed if tried again later: the connection errors above,
-/// and deadlocks, serialization failures, lock and statement timeouts. Everything else
-/// (bad SQL, constraint violations, bad input) is permanent.
-pub fn is_transient(e: &postgres::Error) -> bool {
-    let Some(code) = e.code() else {
-        return true;
-    };
-    is_connection_error(e)
-        || *code == SqlState::T_R_SERIALIZATION_FAILURE
-        || *code == SqlState::T_R_DEADLOCK_DETECTED
-        || *code == SqlState::LOCK_NOT_AVAILABLE
-        || *code == SqlState::QUERY_CANCELED
+impl Fault {
+    /// The README's word for it.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Fault::Server => "the server",
+            Fault::Contention => "contention",
+            Fault::Schema => "the schema",
+            Fault::Job => "the job",
+        }
+    }
+}
+
+/// Classifies a failed statement, commit or connection (see [`Fault`]).
+pub fn classify(e: &postgres::Error) -> Fault {
+    if e.is_closed() {
+        return Fault::Server;
+    }
+    match e.as_db_error() {
+        Some(db) => classify_code(db.code().code(), db.message()),
+        // No SQLSTATE: an I/O or protocol error on the connection.
+        None => Fault::Server,
+    }
+}
+
+/// [`classify`] by SQLSTATE, class by class (the first two characters), with the few codes
+/// whose class does not say it. `message` only tells a hot standby's recovery conflict
+/// from an ordinary serialization failure or deadlock: PostgreSQL gives both one code.
+pub fn classify_code(code: &str, message: &str) -> Fault {
+    match code {
+        // Outcome unknown: rerun on a new connection, where the inbox tells.
+        "40003" => return Fault::Server,
+        "40001" | "40P01" if message.contains("conflict with recovery") => return Fault::Server,
+        "40001" | "40P01" | "55P03" | "55006" | "57014" => return Fault::Contention,
+        // A deferred constraint checked at commit: the job's data.
+        "40002" => return Fault::Job,
+        _ => {}
+    }
+    match code.get(..2).unwrap_or("") {
+        // Connection exception; invalid transaction state (25006 read-only, 25P02 aborted,
+        // 25P03 idle timeout); insufficient resources; operator intervention (shutdown,
+        // crash, cannot connect now); system (I/O) error; the object not in a state to
+        // serve (the database not accepting connections); internal error; a database or
+        // prepared statement gone (a pooler reset the session); login refused (a password
+        // changed); an FDW's remote server; a snapshot too old; config file error.
+        "08" | "25" | "53" | "57" | "58" | "55" | "XX" | "3D" | "26" | "28" | "HV" | "72"
+        | "F0" | "0B" | "2D" | "24" | "34" => Fault::Server,
+        // Data exception, integrity constraint, cardinality, triggered data change, check
+        // option, SQL routine, external routine, program limit (a payload too large for a
+        // statement), PL/pgSQL (RAISE and its relatives).
+        "22" | "23" | "21" | "27" | "44" | "2F" | "38" | "39" | "54" | "P0" => Fault::Job,
+        // Syntax or access rule (undefined table, column, function; insufficient
+        // privilege; a handler that does not parse), invalid schema name, feature not
+        // supported (a cached plan that must change its result type), grantor and role
+        // specifications, and any class not listed: the job waits and an operator is told,
+        // rather than a dead letter for what may not be the job's fault.
+        _ => Fault::Schema,
+    }
 }
 
 /// The server's message with its SQLSTATE, or the client error.
@@ -487,6 +622,10 @@ pub fn error_text(e: &postgres::Error) -> String {
                     text.push_str(&c_text);
                 }
                 cause = c.source();
+            }
+            // The `postgres` crate's words for a server the read-write check refused.
+            if text.contains("database does not allow writes") {
+                text.push_str(&format!(" ({READ_ONLY})"));
             }
             text
         }

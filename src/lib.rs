@@ -28,7 +28,11 @@
 //! - `producer.rs` — push and cancel; `message.rs` — the envelope and its validation.
 //! - `mover.rs`, `source/` (`stream.rs`, `list.rs`: the reader thread's two sources and
 //!   what they share), `workers.rs` — the three roles; `daemon.rs` runs them.
-//! - `handlers/` — what a job does in PostgreSQL; `db.rs` — pool, migrations, errors.
+//! - `handlers/` — what a job does in PostgreSQL; `db.rs` — pool, migrations, and whose
+//!   fault a failure is (`Fault`); `workers/session.rs` — a worker's prepared session, jobs
+//!   alone, in sets (split under contention) or in batches; `manners.rs` — `--max-rate`
+//!   and the set sizes that shrink under the shop's locks; `dbwatch.rs` — whether
+//!   PostgreSQL takes writes, asked every 5 s.
 //! - `tls.rs` — TLS to both servers (rustls); `conninfo.rs` — connection strings read as
 //!   their clients read them (for the TLS settings and for redaction).
 //! - `stats.rs` — the one set of counters (log line, exit report, `/metrics`).
@@ -45,9 +49,11 @@ pub mod config;
 pub mod conninfo;
 pub mod daemon;
 pub mod db;
+pub mod dbwatch;
 pub mod delivery;
 pub mod handlers;
 pub mod keys;
+pub mod manners;
 pub mod message;
 pub mod metrics;
 pub mod mover;
@@ -65,10 +71,56 @@ pub mod workers;
 pub use config::Config;
 pub use shutdown::Shutdown;
 
+/// A duration in milliseconds in the unit a person reads it in: `850 ms`, `1.9 s`, `24 s`,
+/// `3 min 5 s`, `2 h 10 min`, `7 d`.
+pub fn human_ms(ms: i64) -> String {
+    let sign = if ms < 0 { "-" } else { "" };
+    let ms = ms.unsigned_abs();
+    let s = ms / 1000;
+    let text = match ms {
+        0..=999 => format!("{ms} ms"),
+        1_000..=9_999 => format!("{:.1} s", ms as f64 / 1000.0),
+        10_000..=59_999 => format!("{s} s"),
+        60_000..=3_599_999 => match s % 60 {
+            0 => format!("{} min", s / 60),
+            r => format!("{} min {r} s", s / 60),
+        },
+        3_600_000..=86_399_999 => match (s / 60) % 60 {
+            0 => format!("{} h", s / 3600),
+            m => format!("{} h {m} min", s / 3600),
+        },
+        _ => match (s / 3600) % 24 {
+            0 => format!("{} d", s / 86_400),
+            h => format!("{} d {h} h", s / 86_400),
+        },
+    };
+    format!("{sign}{text}")
+}
+
 /// Wall-clock time in unix milliseconds: due times are wall-clock by contract.
 pub fn now_ms() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as i64)
         .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn durations_read_in_human_units() {
+        let cases = [
+            (850, "850 ms"),
+            (1_855, "1.9 s"),
+            (24_000, "24 s"),
+            (185_000, "3 min 5 s"),
+            (600_000, "10 min"),
+            (7_800_000, "2 h 10 min"),
+            (604_800_000, "7 d"),
+            (-1_500, "-1.5 s"),
+        ];
+        for (ms, text) in cases {
+            assert_eq!(super::human_ms(ms), text);
+        }
+    }
 }

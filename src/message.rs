@@ -33,6 +33,10 @@ pub struct Envelope {
     /// The mover's stamp (see the module header); `None` for messages never moved by a
     /// mover that stamps (a producer's raw list message, a hand-written stream entry).
     pub job_id: Option<String>,
+    /// When the job first fell due (unix ms), written by the worker into a message it
+    /// sends back to the pool (a retry, a job held): lateness and the contention horizon
+    /// count from it. `None` for a message never sent back.
+    pub first_due: Option<i64>,
     /// The whole object as received, unknown fields included.
     raw: Map<String, Value>,
 }
@@ -125,12 +129,14 @@ impl Envelope {
         // A malformed `ts` is treated as absent rather than rejecting a good message.
         let ts = raw.get("ts").map_or(0, unix_seconds);
         let job_id = stamp_of(bytes);
+        let first_due = raw.get(FIRST_DUE).and_then(Value::as_i64);
         Ok(Envelope {
             event,
             payload,
             retry,
             ts,
             job_id,
+            first_due,
             raw,
         })
     }
@@ -155,6 +161,7 @@ impl Envelope {
             retry: 0,
             ts,
             job_id: None,
+            first_due: None,
             raw,
         }
     }
@@ -165,6 +172,18 @@ impl Envelope {
     pub fn next_retry(&self) -> String {
         let mut raw = self.raw.clone();
         raw.insert("retry".into(), Value::from(self.retry.saturating_add(1)));
+        to_wire(raw, self.job_id.as_deref())
+    }
+
+    /// The message to send back to the pool: the same object, unknown fields kept, with
+    /// `retry` and `first_due` as given (`first_due` already there is kept).
+    pub fn requeued(&self, retry: u32, first_due: i64) -> String {
+        let mut raw = self.raw.clone();
+        raw.insert("retry".into(), Value::from(retry));
+        raw.insert(
+            FIRST_DUE.into(),
+            Value::from(self.first_due.unwrap_or(first_due)),
+        );
         to_wire(raw, self.job_id.as_deref())
     }
 
@@ -190,6 +209,9 @@ impl Envelope {
         Ok(())
     }
 }
+
+/// The field of a message sent back to the pool that says when its job first fell due.
+pub const FIRST_DUE: &str = "first_due";
 
 /// The mover's stamp: the id of `{"job_id":"<digits and dashes>"` at the very start of a
 /// message, followed by `,` or `}`; `None` for anything else.

@@ -378,7 +378,7 @@ impl<'a> Server<'a> {
                 ..Response::text(200, self.render())
             },
             "/healthz" => {
-                match crate::notify::live(self.src.stats, self.src.config, crate::now_ms())
+                match crate::notify::healthy(self.src.stats, self.src.config, crate::now_ms())
                     .and_then(|()| self.probe.check())
                 {
                     Ok(()) => Response::text(200, "ok\n"),
@@ -412,7 +412,11 @@ impl<'a> Server<'a> {
             sample(&mut out, name, "counter", help, v);
         }
         let state = src.pool.state();
-        let live = crate::notify::live(src.stats, src.config, crate::now_ms()).is_ok();
+        let now = crate::now_ms();
+        let live = crate::notify::live(src.stats, src.config, now).is_ok();
+        let healthy = crate::notify::healthy(src.stats, src.config, now).is_ok();
+        let (waiting, longest) = src.stats.contention.summary(now);
+        let longest_s = longest.map_or(0, |w| ((now - w.since_ms).max(0) / 1000) as u64);
         for (name, help, v) in [
             ("delay_worker_channel_depth", "Messages read and waiting for a worker.", (src.depth)() as u64),
             ("delay_worker_channel_capacity", "Capacity of the reader -> pool channel.", src.capacity as u64),
@@ -421,6 +425,10 @@ impl<'a> Server<'a> {
             ("delay_worker_db_pool_max_connections", "Size of the workers' PostgreSQL pool (one per worker thread).", src.pool.max_size() as u64),
             ("delay_worker_workers_waiting_for_db", "Workers holding a job while they cannot get a PostgreSQL connection.", src.stats.db_waiting.load(Relaxed)),
             ("delay_worker_live", "1 while the reader, mover and workers make progress (the systemd watchdog's verdict), else 0.", live as u64),
+            ("delay_worker_healthy", "1 while /healthz would say ok before its probe of both servers (live, no job held by a schema fault, PostgreSQL writable, dead letters under --dead-rate-crit), else 0.", healthy as u64),
+            ("delay_worker_jobs_waiting_on_contention", "Jobs this process sent back to the pool after contention (another transaction's lock, a deadlock) that have not run since.", waiting as u64),
+            ("delay_worker_contention_longest_wait_seconds", "How long the job waiting longest on contention has waited since its due time.", longest_s),
+            ("delay_worker_dead_letters_last_minute", "Dead letters this process wrote in about the last minute (/healthz is 503 above --dead-rate-crit).", src.stats.jobs.dead_last_minute(now)),
         ] {
             sample(&mut out, name, "gauge", help, v);
         }

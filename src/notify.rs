@@ -189,6 +189,31 @@ pub fn status_line(s: &Snapshot, in_channel: usize, problem: Option<&String>) ->
     line
 }
 
+/// The health verdict of `/healthz` (before its probe of both servers): [`live`], and no
+/// alert ([`Stats::report_alert`]: jobs held by a schema fault, PostgreSQL not writable),
+/// and no more than `--dead-rate-crit` dead letters written in the last minute. Unlike
+/// [`live`], none of these stops the watchdog: a restart would not fix them.
+pub fn healthy(stats: &Stats, config: &Config, now_ms: i64) -> Result<(), String> {
+    live(stats, config, now_ms)?;
+    if let Some(p) = stats
+        .problems_at(now_ms, crate::stats::Level::Alert)
+        .into_iter()
+        .next()
+    {
+        return Err(p);
+    }
+    let limit = config.dead_rate_crit;
+    if limit > 0 {
+        let n = stats.jobs.dead_last_minute(now_ms);
+        if n > limit {
+            return Err(format!(
+                "{n} dead letters in the last minute (over --dead-rate-crit {limit}): `worker dead list --newer-than 5m`"
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// The liveness verdict described in the module header; `Err` says what is wrong.
 pub fn live(stats: &Stats, config: &Config, now_ms: i64) -> Result<(), String> {
     // What an operator must fix comes first: it is also why a role stopped moving.

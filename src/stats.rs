@@ -47,11 +47,31 @@ pub struct Stats {
     pub db_waiting: AtomicU64,
     /// Written by the inbox pruner after each batch: `worker_inbox` rows it deleted.
     pub inbox_pruned: AtomicU64,
-    /// What only an operator can fix (a key of the wrong type), by the role that met it:
-    /// written by that role when it meets it and cleared after its next clean step; read
-    /// by `/healthz` and the watchdog, red while any role has one (at most
-    /// [`PROBLEM_WINDOW`] after it was last met, should its role never step again).
+    /// What only an operator can fix (a key of the wrong type, a column a handler needs),
+    /// by the role that met it: written by that role when it meets it and cleared after
+    /// its next clean step; read by `/healthz` and (for the [`Level::Stall`] ones) the
+    /// watchdog, red while any role has one (at most [`PROBLEM_WINDOW`] after it was last
+    /// met, should its role never step again).
     problems: Mutex<Vec<Problem>>,
+    /// How many `problems` there are, so that the workers' clean commits look at the list
+    /// only when there is something to clear.
+    problem_count: AtomicU64,
+    /// Jobs this process sent back to the pool because they met contention, by job key:
+    /// written by workers, read by `/metrics` and the status page.
+    pub contention: Contention,
+}
+
+/// How far a problem reaches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Level {
+    /// Logged, nothing turns red: it holds no job back (the inbox pruner's failures).
+    Trouble,
+    /// `/healthz` red and `stats --check` CRITICAL: jobs are held (a schema fault), but a
+    /// restart would not help, so the watchdog keeps the process running.
+    Alert,
+    /// Both, and the watchdog too: a role cannot do its work (a key of the wrong type, no
+    /// writable PostgreSQL), and a restart may be what it takes.
+    Stall,
 }
 
 struct Problem {
@@ -62,9 +82,7 @@ struct Problem {
     /// Last logged (unix ms): a role meets it at every step, the log hears it twice a
     /// minute.
     logged: i64,
-    /// Whether it holds jobs back, and so turns `/healthz` and the watchdog red (see
-    /// [`Stats::report_trouble`] for the kind that does not).
-    blocking: bool,
+    level: Level,
 }
 
 /// How often a problem that persists is logged again.
@@ -84,6 +102,8 @@ pub struct Snapshot {
     pub noop: u64,
     pub duplicate: u64,
     pub retried: u64,
+    /// Jobs held by a schema fault: back in the pool for a while, no retry spent.
+    pub held: u64,
     pub dead: u64,
     pub acked: u64,
     pub in_sets: u64,
@@ -127,7 +147,13 @@ impl Stats {
     /// Records a problem only an operator can fix, met by `role`. Returns whether to log
     /// it: when it is new or changed, and every 30 s while it persists.
     pub fn report_problem(&self, role: &str, what: String) -> bool {
-        self.report(role, what, true)
+        self.report(role, what, Level::Stall)
+    }
+
+    /// Like [`Stats::report_problem`], for jobs held back that a restart would not free
+    /// (a handler's table or column missing): `/healthz` red, the watchdog not.
+    pub fn report_alert(&self, role: &str, what: String) -> bool {
+        self.report(role, what, Level::Alert)
     }
 
     /// Like [`Stats::report_problem`] (logged as rarely, cleared the same way), for a
@@ -135,10 +161,10 @@ impl Stats {
     /// `/healthz` or the watchdog red, since a restart would not fix it and would only
     /// interrupt the jobs.
     pub fn report_trouble(&self, role: &str, what: String) -> bool {
-        self.report(role, what, false)
+        self.report(role, what, Level::Trouble)
     }
 
-    fn report(&self, role: &str, what: String, blocking: bool) -> bool {
+    fn report(&self, role: &str, what: String, level: Level) -> bool {
         let now = crate::now_ms();
         let Ok(mut ps) = self.problems.lock() else {
             return true;
@@ -146,7 +172,7 @@ impl Stats {
         match ps.iter_mut().find(|p| p.role == role) {
             Some(p) => {
                 p.at = now;
-                p.blocking = blocking;
+                p.level = level;
                 let log = p.what != what || now - p.logged >= PROBLEM_LOG_EVERY_MS;
                 if log {
                     p.logged = now;
@@ -160,8 +186,9 @@ impl Stats {
                     at: now,
                     what,
                     logged: now,
-                    blocking,
+                    level,
                 });
+                self.problem_count.store(ps.len() as u64, Relaxed);
                 true
             }
         }
@@ -170,22 +197,39 @@ impl Stats {
     /// Forgets `role`'s problem unless it was met at or after `since_ms` (the start of the
     /// step that just went cleanly). Returns whether one was cleared.
     pub fn clear_problem(&self, role: &str, since_ms: i64) -> bool {
+        if self.problem_count.load(Relaxed) == 0 {
+            return false;
+        }
         let Ok(mut ps) = self.problems.lock() else {
             return false;
         };
         let before = ps.len();
         ps.retain(|p| p.role != role || p.at >= since_ms);
+        self.problem_count.store(ps.len() as u64, Relaxed);
         ps.len() < before
     }
 
-    /// A problem some role met within [`PROBLEM_WINDOW`] of `now_ms`, if any (not the
-    /// troubles of [`Stats::report_trouble`]).
+    /// A problem some role met within [`PROBLEM_WINDOW`] of `now_ms` that stalls it, if
+    /// any: the watchdog's question.
     pub fn problem(&self, now_ms: i64) -> Option<String> {
-        let ps = self.problems.lock().ok()?;
-        ps.iter()
-            .filter(|p| p.blocking && now_ms - p.at <= PROBLEM_WINDOW.as_millis() as i64)
+        self.problems_at(now_ms, Level::Stall).into_iter().next()
+    }
+
+    /// Every problem met within [`PROBLEM_WINDOW`] of `now_ms` of at least `level`, as
+    /// `role: what`, the worst first.
+    pub fn problems_at(&self, now_ms: i64, level: Level) -> Vec<String> {
+        let Ok(ps) = self.problems.lock() else {
+            return Vec::new();
+        };
+        let mut found: Vec<&Problem> = ps
+            .iter()
+            .filter(|p| p.level >= level && now_ms - p.at <= PROBLEM_WINDOW.as_millis() as i64)
+            .collect();
+        found.sort_by_key(|p| std::cmp::Reverse(p.level));
+        found
+            .into_iter()
             .map(|p| format!("{}: {}", p.role, p.what))
-            .next()
+            .collect()
     }
 
     pub fn snapshot(&self) -> Snapshot {
@@ -198,6 +242,7 @@ impl Stats {
             noop: total(JobOutcome::NoOp),
             duplicate: total(JobOutcome::Duplicate),
             retried: total(JobOutcome::Retry),
+            held: total(JobOutcome::Held),
             dead: total(JobOutcome::Dead),
             acked: self.acked.load(Relaxed),
             in_sets: self.in_sets.load(Relaxed),
@@ -209,7 +254,7 @@ impl std::fmt::Display for Snapshot {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "moved={} delivered={} reclaimed={} done={} noop={} duplicate={} retried={} dead={} acked={} in_sets={}",
+            "moved={} delivered={} reclaimed={} done={} noop={} duplicate={} retried={} held={} dead={} acked={} in_sets={}",
             self.moved,
             self.delivered,
             self.reclaimed,
@@ -217,10 +262,93 @@ impl std::fmt::Display for Snapshot {
             self.noop,
             self.duplicate,
             self.retried,
+            self.held,
             self.dead,
             self.acked,
             self.in_sets,
         )
+    }
+}
+
+// ---- jobs waiting on contention ----------------------------------------------------------
+
+/// Most jobs [`Contention`] keeps track of; past it, new ones are counted but not named.
+const CONTENTION_KEEP: usize = 10_000;
+
+/// An entry not seen again for this long is forgotten: another process finished its job.
+pub const CONTENTION_FORGET: Duration = Duration::from_secs(120);
+
+/// Jobs this process sent back to the pool because they met contention (another
+/// transaction's lock, a deadlock), by job key: how many wait, and which has waited
+/// longest. Written by workers when they send one back and when one finishes; read by
+/// `/metrics` and the status page. Bounded by [`CONTENTION_KEEP`].
+#[derive(Default)]
+pub struct Contention {
+    waiting: Mutex<HashMap<String, Waiter>>,
+    /// `waiting.len()`, so a commit skips the lock when nothing waits.
+    len: AtomicU64,
+}
+
+/// One job waiting on contention.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Waiter {
+    pub key: String,
+    pub event: String,
+    /// When the job first fell due (unix ms): it has waited since.
+    pub since_ms: i64,
+    /// The last failure, as PostgreSQL said it.
+    pub reason: String,
+    /// When it was last sent back (unix ms).
+    pub seen_ms: i64,
+}
+
+impl Contention {
+    fn lock(&self) -> MutexGuard<'_, HashMap<String, Waiter>> {
+        self.waiting.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A job went back to the pool after contention.
+    pub fn waiting(&self, key: &str, event: &str, since_ms: i64, reason: &str, now_ms: i64) {
+        let mut w = self.lock();
+        if w.len() >= CONTENTION_KEEP && !w.contains_key(key) {
+            w.retain(|_, v| now_ms - v.seen_ms < CONTENTION_FORGET.as_millis() as i64);
+            if w.len() >= CONTENTION_KEEP {
+                return;
+            }
+        }
+        w.insert(
+            key.to_string(),
+            Waiter {
+                key: key.to_string(),
+                event: event.to_string(),
+                since_ms,
+                reason: reason.to_string(),
+                seen_ms: now_ms,
+            },
+        );
+        self.len.store(w.len() as u64, Relaxed);
+    }
+
+    /// A job finished (committed, a duplicate, or a dead letter): it waits no more.
+    pub fn finished(&self, key: &str) {
+        if self.len.load(Relaxed) == 0 {
+            return;
+        }
+        let mut w = self.lock();
+        w.remove(key);
+        self.len.store(w.len() as u64, Relaxed);
+    }
+
+    /// How many jobs wait on contention as of `now_ms`, and the one waiting longest.
+    pub fn summary(&self, now_ms: i64) -> (usize, Option<Waiter>) {
+        if self.len.load(Relaxed) == 0 {
+            return (0, None);
+        }
+        let mut w = self.lock();
+        w.retain(|_, v| now_ms - v.seen_ms < CONTENTION_FORGET.as_millis() as i64);
+        self.len.store(w.len() as u64, Relaxed);
+        let longest = w.values().min_by_key(|v| v.since_ms).cloned();
+        (w.len(), longest)
     }
 }
 
@@ -240,15 +368,19 @@ pub enum JobOutcome {
     Duplicate,
     /// Back to the delay pool after a transient failure.
     Retry,
+    /// Back to the delay pool for a while, no retry spent: the schema or a privilege the
+    /// handler needs is missing (see `workers.rs`).
+    Held,
     /// To the dead letters.
     Dead,
 }
 
-const OUTCOMES: [(JobOutcome, &str); 5] = [
+const OUTCOMES: [(JobOutcome, &str); 6] = [
     (JobOutcome::Done, "done"),
     (JobOutcome::NoOp, "noop"),
     (JobOutcome::Duplicate, "duplicate"),
     (JobOutcome::Retry, "retry"),
+    (JobOutcome::Held, "held"),
     (JobOutcome::Dead, "dead"),
 ];
 
@@ -323,7 +455,7 @@ impl Histogram {
 struct EventMetrics {
     name: String,
     /// Indexed like [`OUTCOMES`].
-    outcomes: [AtomicU64; 5],
+    outcomes: [AtomicU64; 6],
     handler: Histogram,
 }
 
@@ -414,6 +546,12 @@ impl Metrics {
         self.history.last_hour(now_ms)
     }
 
+    /// Dead letters this process wrote in about the last minute: those of the current
+    /// minute, and of the one before in the share of it that falls within 60 s of `now_ms`.
+    pub fn dead_last_minute(&self, now_ms: i64) -> u64 {
+        self.history.dead_last_minute(now_ms)
+    }
+
     /// Jobs of `event` (or `_other`) that ended with `outcome`.
     pub fn jobs(&self, event: &str, outcome: JobOutcome) -> u64 {
         let i = OUTCOMES
@@ -445,7 +583,7 @@ impl Metrics {
             out,
             "delay_worker_jobs_total",
             "counter",
-            "Jobs finished by the worker pool, by event and outcome (done, noop, duplicate, retry, dead).",
+            "Jobs finished by the worker pool, by event and outcome (done, noop, duplicate, retry, held, dead).",
         );
         for e in &self.events {
             for (i, (_, name)) in OUTCOMES.iter().enumerate() {
@@ -510,14 +648,14 @@ fn late_upper_ms(i: usize) -> Option<f64> {
 struct MinuteSlot {
     /// The unix minute it holds (`ms / 60_000`); another value means the slot is stale.
     minute: i64,
-    outcomes: [u32; 5],
+    outcomes: [u32; 6],
     late: [u32; LATE_BUCKETS],
 }
 
 impl MinuteSlot {
     const EMPTY: MinuteSlot = MinuteSlot {
         minute: i64::MIN,
-        outcomes: [0; 5],
+        outcomes: [0; 6],
         late: [0; LATE_BUCKETS],
     };
 }
@@ -610,6 +748,25 @@ impl History {
         let mut ring = self.lock();
         let s = Self::slot(&mut ring, now_ms);
         s.outcomes[i] = s.outcomes[i].saturating_add(1);
+    }
+
+    fn dead_last_minute(&self, now_ms: i64) -> u64 {
+        let i = OUTCOMES
+            .iter()
+            .position(|(o, _)| *o == JobOutcome::Dead)
+            .unwrap_or(0);
+        let minute = now_ms.div_euclid(60_000);
+        let into = now_ms.rem_euclid(60_000) as f64 / 60_000.0;
+        let ring = self.lock();
+        let count = |m: i64| {
+            let s = &ring[m.rem_euclid(HISTORY_MINUTES as i64) as usize];
+            if s.minute == m {
+                s.outcomes[i] as f64
+            } else {
+                0.0
+            }
+        };
+        (count(minute) + count(minute - 1) * (1.0 - into)).round() as u64
     }
 
     pub fn lateness(&self, now_ms: i64, late_ms: i64) {

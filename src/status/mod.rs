@@ -313,6 +313,13 @@ impl<'a> Page<'a> {
             hour: &self.stats.jobs.last_hour(now),
             totals: &self.stats.snapshot(),
             live: crate::notify::live(self.stats, self.config, now),
+            alerts: match crate::notify::healthy(self.stats, self.config, now) {
+                Err(why) if crate::notify::live(self.stats, self.config, now).is_ok() => {
+                    vec![why]
+                }
+                _ => Vec::new(),
+            },
+            contention: self.stats.contention.summary(now),
             uptime: self.started.elapsed(),
             rss: crate::metrics::resident_memory_bytes(),
             now_ms: now,

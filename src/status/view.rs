@@ -135,6 +135,11 @@ pub struct Overview<'a> {
     pub hour: &'a Hour,
     pub totals: &'a Snapshot,
     pub live: Result<(), String>,
+    /// What holds jobs back besides liveness: jobs held by a schema fault, PostgreSQL
+    /// not writable, dead letters faster than `--dead-rate-crit` (`notify::healthy`).
+    pub alerts: Vec<String>,
+    /// Jobs this process sent back after contention, and the one waiting longest.
+    pub contention: (usize, Option<crate::stats::Waiter>),
     pub uptime: Duration,
     pub rss: Option<u64>,
     pub now_ms: i64,
@@ -151,6 +156,16 @@ pub fn overview(v: &Overview) -> Markup {
                 Err(why) => { strong.bad data-k="live" { "Not live" } ": " (why) }
             }
             " · " (fmt_time(v.now_ms)) " · refreshes every " (REFRESH_S) " s"
+        }
+        @for a in &v.alerts {
+            p.box.bad data-k="alert" { (a) }
+        }
+        @if let (n, Some(w)) = &v.contention {
+            p.box data-k="contention" {
+                (n) " job(s) wait on other transactions' locks (the shop's); the longest, "
+                (w.event) " " code { (clip(&w.key, 200)) } ", for "
+                (crate::human_ms(v.now_ms - w.since_ms)) ": " (clip(&w.reason, 300))
+            }
         }
         @match v.report {
             Err(e) => { p.box.bad { "Cannot read the queue figures: " (e) } }

@@ -195,11 +195,14 @@ fn a_transient_failure_retries_with_backoff_then_succeeds() {
 }
 
 #[test]
-fn retries_used_up_go_to_the_dead_letters() {
+fn contention_dead_letters_only_once_retries_and_the_retry_horizon_are_spent() {
     let mut env = Env::new();
     env.config.jobs.statement_timeout = Duration::from_millis(100);
+    env.config.jobs.lock_timeout = Duration::from_millis(50);
     env.config.jobs.max_retries = 2;
     env.config.jobs.retry_base = Duration::from_millis(50);
+    env.config.jobs.retry_cap = Duration::from_millis(200);
+    env.config.jobs.retry_for = Duration::from_millis(1500);
     let orders = seed_orders(&env.db, 1);
     let (release, h) = lock_order(&env, orders[0].id);
     push_timeouts(&env, &orders, 0);
@@ -210,18 +213,27 @@ fn retries_used_up_go_to_the_dead_letters() {
     h.join().unwrap();
     let d = &dead_letters(&env)[0];
     assert!(
-        d["reason"].starts_with("transient failure after 2 retries"),
+        d["reason"].starts_with("transient failure after ")
+            && d["reason"].contains("(contention: --retry-for 1s 500ms)"),
         "{}",
         d["reason"]
     );
+    assert!(d["reason"].contains("55P03"), "{}", d["reason"]);
+    // Its retries were spent long before: it went on until --retry-for had passed since
+    // its due time, which the message carries from its first retry on.
+    let msg: serde_json::Value = serde_json::from_str(&d["msg"]).unwrap();
+    let first_due = msg["first_due"].as_i64().expect("first_due in the message");
+    // `ts` is the second it died in.
+    let died_by_ms = d["ts"].parse::<i64>().unwrap() * 1000 + 999;
     assert!(
-        d["reason"].contains("55P03") || d["reason"].contains("57014"),
-        "{}",
-        d["reason"]
+        died_by_ms - first_due >= 1500,
+        "died by {} ms after due",
+        died_by_ms - first_due
     );
-    assert_eq!(d["attempts"], "3");
-    assert!(d["msg"].contains(r#""retry":2"#));
-    assert_eq!(report.stats.retried, 2);
+    let retries = msg["retry"].as_u64().unwrap();
+    assert!(retries > 2, "{retries} retries");
+    assert_eq!(d["attempts"], (retries + 1).to_string());
+    assert_eq!(report.stats.retried, retries);
     assert_accounting(&env.db, &orders, &[]);
     let b = books(&env);
     assert_eq!((b.pool, b.stream_pending), (0, 0));
@@ -259,11 +271,15 @@ fn a_panicking_handler_is_dead_lettered_and_the_worker_goes_on() {
     let pool = delay_worker::db::pool(
         &env.db.url,
         1,
-        Duration::from_secs(5),
+        delay_worker::db::Timeouts {
+            statement: Duration::from_secs(5),
+            lock: Duration::from_millis(100),
+        },
         Duration::from_secs(5),
         false,
     )
     .unwrap();
+    let manners = delay_worker::manners::Manners::unlimited(registry.iter().count(), 32);
     let client = redis::Client::open(env.redis.url()).unwrap();
     let stats = Stats::default();
     let shutdown = delay_worker::Shutdown::new();
@@ -274,6 +290,7 @@ fn a_panicking_handler_is_dead_lettered_and_the_worker_goes_on() {
         jobs: &env.config.jobs,
         consumer: "c1",
         registry: &registry,
+        manners: &manners,
         stats: &stats,
         db: &pool,
         redis: &client.clone().into(),

@@ -28,6 +28,7 @@ mod retention;
 mod secrets;
 mod sentinel;
 mod sets;
+mod shopdb;
 mod status_page;
 mod store;
 mod tls;

@@ -334,6 +334,9 @@ fn status_page_in_a_browser_stream_mode() {
             "150ms",
             "--max-retries",
             "1",
+            // Contention dead-letters only once --retry-for has passed too.
+            "--retry-for",
+            "0",
         ],
     );
     wait_until(WAIT, "11 orders done and two dead letters", || {
@@ -1029,6 +1032,9 @@ fn status_page_dead_letters_of_shards() {
             "150ms",
             "--max-retries",
             "1",
+            // Contention dead-letters only once --retry-for has passed too.
+            "--retry-for",
+            "0",
         ],
     );
     let quiet = |con: &mut redis::Connection, dead: usize| {

@@ -712,6 +712,98 @@ impl PgServer {
         self.ctl(&["start", "-w", "-t", "60"]);
     }
 
+    /// A streaming standby of this server (`pg_basebackup -R`), on a port of its own,
+    /// started and caught up.
+    pub fn standby(&self) -> PgServer {
+        let dir = std::env::temp_dir().join(unique("dw-pg-standby"));
+        std::fs::create_dir_all(&dir).unwrap();
+        if unsafe { libc::geteuid() } == 0 {
+            assert!(Command::new("chown")
+                .arg("postgres:postgres")
+                .arg(&dir)
+                .status()
+                .unwrap()
+                .success());
+        }
+        let out = pg_cmd("pg_basebackup")
+            .arg("-D")
+            .arg(dir.join("data"))
+            .args([
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-U",
+                "postgres",
+            ])
+            .args(["-R", "-X", "stream", "--no-sync"])
+            .output()
+            .expect("pg_basebackup");
+        assert!(
+            out.status.success(),
+            "pg_basebackup: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let port = free_port();
+        let opts = std::fs::read_to_string(self.dir.join("opts"))
+            .unwrap()
+            .replace(&format!("-p {}", self.port), &format!("-p {port}"))
+            .replace(
+                &format!("-k {}", self.dir.display()),
+                &format!("-k {}", dir.display()),
+            );
+        std::fs::write(dir.join("opts"), &opts).unwrap();
+        let pg = PgServer {
+            port,
+            url: format!("postgres://postgres@127.0.0.1:{port}/postgres"),
+            dir,
+        };
+        pg.ctl(&["start", "-w", "-t", "60"]);
+        pg
+    }
+
+    /// A superuser statement on this server.
+    pub fn sql(&self, statement: &str) {
+        let mut c = postgres::Client::connect(&self.url, NoTls).unwrap();
+        c.batch_execute(statement)
+            .unwrap_or_else(|e| panic!("{statement}: {e}"));
+    }
+
+    /// Turns `default_transaction_read_only` on or off for the whole server (ALTER
+    /// SYSTEM and a reload): every session's next transaction takes it.
+    pub fn set_read_only(&self, on: bool) {
+        self.sql(if on {
+            "ALTER SYSTEM SET default_transaction_read_only = on"
+        } else {
+            "ALTER SYSTEM RESET default_transaction_read_only"
+        });
+        self.sql("SELECT pg_reload_conf()");
+    }
+
+    /// Promotes a standby and waits until it takes writes.
+    pub fn promote(&self) {
+        self.ctl(&["promote", "-w", "-t", "60"]);
+    }
+
+    /// Stops the server (immediate: as a crash).
+    pub fn crash(&self) {
+        self.ctl(&["stop", "-m", "immediate", "-w"]);
+    }
+
+    /// Stops the server cleanly and starts it again as a standby without a primary to
+    /// follow: it answers, read-only, as an old primary restarted in recovery does.
+    pub fn restart_as_standby(&self) {
+        self.ctl(&["stop", "-m", "fast", "-w"]);
+        std::fs::write(self.dir.join("data").join("standby.signal"), "").unwrap();
+        if unsafe { libc::geteuid() } == 0 {
+            let _ = Command::new("chown")
+                .arg("postgres:postgres")
+                .arg(self.dir.join("data").join("standby.signal"))
+                .status();
+        }
+        self.ctl(&["start", "-w", "-t", "60"]);
+    }
+
     /// The same shape as `TestDb`, for the shop fixtures.
     pub fn db(&self) -> TestDb {
         TestDb {

@@ -347,6 +347,19 @@ pub struct RunArgs {
     /// PostgreSQL statement timeout of every handler statement.
     #[arg(long, default_value = "5s", value_parser = parse_duration)]
     pub statement_timeout: Duration,
+    /// Longest a job waits for a row lock another transaction (the shop's) holds; then
+    /// it lets go of its own locks and tries again later. A set waits a fifth of it.
+    #[arg(long, default_value = "100ms", value_parser = parse_duration)]
+    pub lock_timeout: Duration,
+    /// A job that meets contention (locks, deadlocks) is retried with backoff for at
+    /// least this long after its due time, and --max-retries times, before the dead
+    /// letters. 0: --max-retries alone.
+    #[arg(long, default_value = "1h", value_parser = parse_duration)]
+    pub retry_for: Duration,
+    /// Cap on the jobs run per second: N/s (or /m, /h) for all, EVENT=N/s for one event
+    /// (repeat, or separate with commas) [default: no cap].
+    #[arg(long, value_name = "[EVENT=]N/s", value_delimiter = ',')]
+    pub max_rate: Vec<String>,
     /// Messages larger than this many bytes are dead-lettered unread.
     #[arg(long, default_value_t = 65536)]
     pub max_message_bytes: usize,
@@ -371,6 +384,10 @@ pub struct RunArgs {
     /// How often to log the counters.
     #[arg(long, default_value = "60s", value_parser = parse_duration)]
     pub stats_interval: Duration,
+    /// /healthz answers 503 while this process wrote more dead letters than this in the
+    /// last minute (0: never).
+    #[arg(long, default_value_t = delay_worker::config::DEFAULT_DEAD_RATE_CRIT)]
+    pub dead_rate_crit: u64,
     /// Serve Prometheus metrics on /metrics and a health check on /healthz at this
     /// address, e.g. 127.0.0.1:9187 [default: off].
     #[arg(long)]
@@ -671,6 +688,21 @@ impl Cli {
             "must be at least 1ms",
         )?;
         check(
+            r.lock_timeout >= Duration::from_millis(5),
+            "--lock-timeout",
+            "must be at least 5ms",
+        )?;
+        let max_rates = r
+            .max_rate
+            .iter()
+            .map(|spec| {
+                delay_worker::manners::MaxRate::parse(spec).map_err(|problem| CliError {
+                    flag: "--max-rate",
+                    problem,
+                })
+            })
+            .collect::<Result<Vec<_>, CliError>>()?;
+        check(
             (1..=256).contains(&r.tx_batch),
             "--tx-batch",
             "must be between 1 and 256",
@@ -821,6 +853,9 @@ impl Cli {
             retry_base: r.retry_base,
             retry_cap: r.retry_cap.max(r.retry_base),
             statement_timeout: r.statement_timeout,
+            lock_timeout: r.lock_timeout.min(r.statement_timeout),
+            retry_for: r.retry_for,
+            max_rates,
             max_message_bytes: r.max_message_bytes,
             tx_batch: r.tx_batch,
             set_size: r.set_size,
@@ -829,6 +864,7 @@ impl Cli {
         config.handlers_dir = r.handlers_dir.clone();
         config.noop_events = r.noop_event.clone();
         config.stats_interval = r.stats_interval.max(Duration::from_secs(1));
+        config.dead_rate_crit = r.dead_rate_crit;
         if let Some(a) = r.metrics_addr {
             check(
                 a.port() != 0,

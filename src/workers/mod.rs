@@ -2,8 +2,8 @@
 //! transactions and settle them in Redis.
 //!
 //! Each worker owns one pooled PostgreSQL connection for its whole life, with every
-//! handler statement prepared on it once ([`Session`]), and one Redis connection for
-//! settling. It loops on the channel: decode and validate, run the handler in one
+//! handler statement prepared on it once ([`session::Session`]), and one Redis connection
+//! for settling. It loops on the channel: decode and validate, run the handler in one
 //! transaction that first records the job in the inbox, then decide the outcome.
 //!
 //! **Delivery guarantee.** An entry is acknowledged only after its transaction committed
@@ -11,32 +11,46 @@
 //! A crash before the ack leaves the entry pending; it is delivered again and the inbox row
 //! makes the second run a no-op. So delivery is at least once and the effect exactly once.
 //!
+//! **Whose fault.** A failure's [`Fault`] decides the outcome, never where it showed:
+//! - the server's (connection lost, restarting, read-only, out of connections): the worker
+//!   throws the connection away, holds its jobs and runs them again on a new one, with
+//!   backoff and no retry spent; a job that did commit finds its inbox row then, so a
+//!   commit whose outcome was not reported is never also retried or dead-lettered;
+//! - contention (the shop's locks, deadlocks): back to the pool with backoff, a dead
+//!   letter only once `--max-retries` are spent *and* `--retry-for` has passed since the
+//!   job first fell due;
+//! - the schema's (a missing column, a refused privilege, a handler that does not
+//!   prepare): held, back in the pool for [`SCHEMA_HOLD`] without spending a retry, and
+//!   health is red naming the error until a job of that event commits;
+//! - the job's own (its data, the handler's `RAISE`), and messages that cannot be decoded:
+//!   a dead letter at once, with the reason.
+//!
+//! A retried or held message carries `first_due`, when the job first fell due: lateness
+//! and the contention horizon count from there.
+//!
 //! Acks are batched: outcomes collect for at most [`ACK_HOLD`] after the first of them,
 //! and are sent in one `settle` script call, up to [`ACK_BATCH`] at a time. With
 //! group commit the jobs commit without waiting for the WAL flush, and one
 //! `db::flush_wal` before the settle makes all of them durable (`make_durable`).
-//! Database failures (connection lost, server restarting, out of connections) hold the job
-//! and run it again on a new session; only the job's own transient failures (deadlock,
-//! serialization, timeouts) spend its retries.
 //!
 //! Stops when the channel is disconnected (the reader has stopped) and empty: everything
 //! the pool held is finished and acknowledged first.
 
+pub mod session;
+
 use crate::backoff::Backoff;
 use crate::config::JobConfig;
-use crate::db;
+use crate::db::{self, Fault};
 use crate::delivery::{Delivery, Origin, Outcome, Settlement, Take};
 use crate::handlers::{Effect, Registry};
 use crate::keys::Keys;
+use crate::manners::Manners;
 use crate::message::{event_of, Envelope, Rejection};
 use crate::shutdown::Shutdown;
 use crate::stats::{JobOutcome, Stats};
 use crate::store::{self, Settled, StoreError};
 use crossbeam_channel::{RecvTimeoutError, Sender, TryRecvError};
-use postgres::types::Type;
-use postgres::Statement;
-use std::collections::{BTreeMap, HashSet};
-use std::panic::{catch_unwind, AssertUnwindSafe};
+use session::{Failure, Job, JobResult, Session};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -54,6 +68,13 @@ pub const ACK_HOLD: Duration = Duration::from_millis(100);
 /// How often outcomes held back by a key of the wrong type are tried again.
 pub const HELD_RETRY: Duration = Duration::from_secs(1);
 
+/// How long a job held by a schema fault waits in the pool before it is tried again.
+pub const SCHEMA_HOLD: Duration = Duration::from_secs(5);
+
+/// The longest delay between two tries of a job that meets contention (or `--retry-cap`,
+/// if shorter): once the shop's lock is gone the job runs within this.
+pub const CONTENTION_CAP: Duration = Duration::from_secs(30);
+
 /// What every worker shares. Read-only except the counters.
 pub struct PoolContext<'a> {
     pub keys: &'a Keys,
@@ -62,6 +83,8 @@ pub struct PoolContext<'a> {
     pub jobs: &'a JobConfig,
     pub consumer: &'a str,
     pub registry: &'a Registry,
+    /// Rate caps and per-event set sizes (`manners.rs`).
+    pub manners: &'a Manners,
     pub stats: &'a Stats,
     pub db: &'a db::Pool,
     pub redis: &'a crate::store::Redis,
@@ -70,98 +93,9 @@ pub struct PoolContext<'a> {
     pub drained: &'a AtomicU64,
 }
 
-/// A worker's PostgreSQL connection with its statements prepared once.
-pub struct Session {
-    conn: db::Conn,
-    inbox: Statement,
-    /// The inbox insert of a whole set.
-    inbox_set: Statement,
-    /// `handlers[i]` holds the statements of the registry's handler `i`.
-    handlers: Vec<Vec<Statement>>,
-    /// `sets[i]`: the set form of the registry's handler `i`, if it has one.
-    sets: Vec<Option<Statement>>,
-}
-
-/// The inbox insert. Its row count says whether this job is new (1) or a redelivery (0).
-/// A job is its key, the mover's `job_id` stamp and `ts` (see `message.rs`).
-const INBOX_SQL: &str = "INSERT INTO worker_inbox (job_key, enqueued_at, event, job_id) \
-                         VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING";
-
-/// The inbox insert of a set: one statement for all its rows. It returns the rows it
-/// inserted; a job whose row is not among them is a redelivery.
-const INBOX_SET_SQL: &str = "INSERT INTO worker_inbox (job_key, enqueued_at, event, job_id) \
-                             SELECT * FROM unnest($1::text[], $2::bigint[], $3::text[], $4::text[]) \
-                             ON CONFLICT DO NOTHING RETURNING job_key, enqueued_at, job_id";
-
-/// Why a session could not be opened.
-#[derive(Debug, thiserror::Error)]
-pub enum SessionError {
-    #[error("no database connection: {0}")]
-    Checkout(#[from] r2d2::Error),
-    #[error("cannot prepare the handler of {event:?}: {reason}")]
-    Prepare { event: String, reason: String },
-    #[error("cannot prepare the inbox statement: {0}")]
-    Inbox(String),
-}
-
-impl Session {
-    pub fn open(pool: &db::Pool, registry: &Registry) -> Result<Session, SessionError> {
-        let mut conn = pool.get()?;
-        let inbox_err = |e: postgres::Error| SessionError::Inbox(db::error_text(&e));
-        let inbox = conn.prepare(INBOX_SQL).map_err(inbox_err)?;
-        let inbox_set = conn.prepare(INBOX_SET_SQL).map_err(inbox_err)?;
-        let mut handlers = Vec::new();
-        let mut sets = Vec::new();
-        for h in registry.iter() {
-            let prepare_err = |e: postgres::Error| SessionError::Prepare {
-                event: h.event().to_string(),
-                reason: db::error_text(&e),
-            };
-            let mut stmts = Vec::new();
-            for (sql, types) in h.statements() {
-                stmts.push(conn.prepare_typed(&sql, &types).map_err(prepare_err)?);
-            }
-            handlers.push(stmts);
-            sets.push(match h.set_statement() {
-                Some(sql) => {
-                    let st = conn
-                        .prepare_typed(&sql, &[Type::JSONB])
-                        .map_err(prepare_err)?;
-                    // The contract, checked once: `$1` only, the job's index first.
-                    let shape = if st.params().len() != 1 {
-                        Some(format!("its set form takes {} parameters; it gets one, $1 (the jobs)", st.params().len()))
-                    } else if st.columns().first().map(|c| c.type_()) != Some(&Type::INT4) {
-                        Some("its set form must return the job's index first, as an integer (RETURNING or SELECT ... i)".to_string())
-                    } else {
-                        None
-                    };
-                    if let Some(reason) = shape {
-                        return Err(SessionError::Prepare {
-                            event: h.event().to_string(),
-                            reason,
-                        });
-                    }
-                    Some(st)
-                }
-                None => None,
-            });
-        }
-        Ok(Session {
-            conn,
-            inbox,
-            inbox_set,
-            handlers,
-            sets,
-        })
-    }
-}
-
-/// How one job ended in PostgreSQL.
-enum JobResult {
-    Committed(Effect),
-    Duplicate,
-    Failed(postgres::Error),
-    Panicked(String),
+/// The role a schema fault of `event` is reported under.
+fn held_role(event: &str) -> String {
+    format!("handler {event}")
 }
 
 /// The inbox's text form of a job key: as is when it is text PostgreSQL can hold,
@@ -193,6 +127,14 @@ pub fn retry_delay(jobs: &JobConfig, retry: u32) -> Duration {
     jobs.retry_base
         .saturating_mul(1u32 << retry.min(20))
         .min(jobs.retry_cap)
+}
+
+/// Delay before the next try of a job that met contention: [`retry_delay`] capped at
+/// [`CONTENTION_CAP`], spread by a quarter either way so that jobs held up by one lock do
+/// not all come back at once.
+pub fn contention_delay(jobs: &JobConfig, retry: u32) -> Duration {
+    let d = retry_delay(jobs, retry).min(CONTENTION_CAP);
+    d.mul_f64(0.75 + fastrand::f64() * 0.5)
 }
 
 pub struct Worker<'a> {
@@ -234,13 +176,16 @@ impl<'a> Worker<'a> {
         }
     }
 
-    /// Drops the database session (broken, or mid-transaction after a panic).
+    /// Closes the database session (broken, or mid-transaction after a panic): its
+    /// connection is thrown away, never handed back to the pool.
     fn drop_session(&mut self) {
         if self.unflushed {
             self.durability_lost = true;
             self.unflushed = false;
         }
-        self.session = None;
+        if let Some(s) = self.session.take() {
+            s.discard();
+        }
     }
 
     /// Group commit: before acks go out, the commits behind them must be durable. One WAL
@@ -250,7 +195,7 @@ impl<'a> Worker<'a> {
     fn make_durable(&mut self, outcomes: &mut [Settlement]) {
         if self.unflushed {
             let flushed = match self.session.as_mut() {
-                Some(session) => db::flush_wal(&mut session.conn, &self.flush_slot)
+                Some(session) => db::flush_wal(session.client(), &self.flush_slot)
                     .map_err(|e| db::error_text(&e)),
                 None => Err("no session".to_string()),
             };
@@ -260,7 +205,9 @@ impl<'a> Worker<'a> {
                     "{}: cannot confirm that commits are durable: {e}",
                     self.name
                 );
-                self.session = None;
+                if let Some(s) = self.session.take() {
+                    s.discard();
+                }
                 self.durability_lost = true;
             }
         }
@@ -275,6 +222,7 @@ impl<'a> Worker<'a> {
                 msg: self.requeue_message(s),
                 due_ms: now,
             };
+            s.counts_as = Some(JobOutcome::Retry);
             n += 1;
         }
         if n > 0 {
@@ -400,9 +348,9 @@ impl<'a> Worker<'a> {
     }
 
     /// Decides what becomes of each delivery of a batch, appending the settlements to
-    /// `out`. Jobs that need the database run in one transaction when there are several
-    /// (see [`run_batch`]); a delivery is missing from `out` only when the database stayed
-    /// unreachable until shutdown.
+    /// `out`. Jobs that need the database run together when there are several (sets,
+    /// `--tx-batch`: see [`Session::run`]); a delivery is missing from `out` only when the
+    /// database stayed unreachable until shutdown.
     pub fn handle_batch(&mut self, ds: Vec<Delivery>, out: &mut Vec<Settlement>) {
         let mut jobs = Vec::with_capacity(ds.len());
         for d in ds {
@@ -458,10 +406,12 @@ impl<'a> Worker<'a> {
         })
     }
 
-    /// Turns a job's result into its settlement: ack, retry with backoff, or dead letter.
+    /// Turns a job's result into its settlement: ack, retry with backoff, hold, or dead
+    /// letter, by whose fault a failure is (see the module header).
     fn finish(&mut self, job: Job<'a>, result: JobResult) -> Settlement {
         let stats = self.ctx.stats;
         let Job { d, env, key, .. } = job;
+        let first_due = env.first_due.or(d.due_ms);
         match result {
             JobResult::Committed(effect) => {
                 let outcome = match effect {
@@ -469,48 +419,35 @@ impl<'a> Worker<'a> {
                     Effect::NoOp => JobOutcome::NoOp,
                 };
                 let now = crate::now_ms();
-                stats.jobs.lateness(d.due_ms, now);
+                stats.jobs.lateness(first_due, now);
+                self.went_through(&key, &env.event);
                 if log::log_enabled!(log::Level::Debug) {
                     let what = match effect {
                         Effect::Applied => "done",
                         Effect::NoOp => "no-op (nothing to change)",
                     };
-                    let late = d
-                        .due_ms
-                        .map(|due| format!(", {} ms after its due time", now - due))
+                    let late = first_due
+                        .map(|due| format!(", {} after its due time", crate::human_ms(now - due)))
                         .unwrap_or_default();
                     log::debug!("job {key} {}: {what}{late}", env.event);
                 }
                 Settlement::ack(d, &env.event, outcome)
             }
             JobResult::Duplicate => {
+                self.went_through(&key, &env.event);
                 log::debug!("job {key} {}: duplicate (already in the inbox)", env.event);
                 Settlement::ack(d, &env.event, JobOutcome::Duplicate)
             }
-            // Connection-level failures never get here: `run_in_database` reruns those.
-            JobResult::Failed(e) if db::is_transient(&e) => {
-                let reason = db::error_text(&e);
-                if env.retry >= self.ctx.jobs.max_retries {
-                    let reason = format!("transient failure after {} retries: {reason}", env.retry);
-                    return self.dead(d, reason, env.event.clone(), env.retry as u64 + 1);
+            JobResult::Failed(f) => match f.fault {
+                Fault::Job => {
+                    let reason = format!("handler failed: {}", f.reason);
+                    self.dead(d, reason, env.event.clone(), env.retry as u64 + 1)
                 }
-                let delay = retry_delay(self.ctx.jobs, env.retry);
-                log::warn!(
-                    "job {key} {} will retry ({}) in {:.1}s: {reason}",
-                    env.event,
-                    env.retry + 1,
-                    delay.as_secs_f64()
-                );
-                let retry = Outcome::Retry {
-                    msg: env.next_retry().into_bytes(),
-                    due_ms: crate::now_ms() + delay.as_millis() as i64,
-                };
-                Settlement::new(d, retry).with_event(&env.event)
-            }
-            JobResult::Failed(e) => {
-                let reason = format!("handler failed: {}", db::error_text(&e));
-                self.dead(d, reason, env.event.clone(), env.retry as u64 + 1)
-            }
+                Fault::Contention => self.contended(d, &env, &key, first_due, &f),
+                // Server faults come here only if shutdown cut the wait for a new
+                // connection short; they are held like the schema's.
+                Fault::Schema | Fault::Server => self.hold(d, &env, &key, first_due, &f),
+            },
             JobResult::Panicked(msg) => {
                 // The connection may be mid-transaction: start afresh.
                 self.drop_session();
@@ -520,43 +457,166 @@ impl<'a> Worker<'a> {
         }
     }
 
+    /// A job of `event` committed (or was already in the inbox): it waits on contention
+    /// no more, and its event is no longer held by a schema fault.
+    fn went_through(&self, key: &str, event: &str) {
+        let stats = self.ctx.stats;
+        stats.contention.finished(key);
+        if stats.clear_problem(&held_role(event), i64::MAX) {
+            log::info!("jobs of {event} run again: the schema fault is gone");
+        }
+    }
+
+    /// A schema fault (a missing table or column, a refused privilege, a handler that
+    /// does not prepare): the job goes back to the pool for [`SCHEMA_HOLD`] without
+    /// spending a retry, and health is red naming the error until a job of its event
+    /// commits.
+    fn hold(
+        &self,
+        d: Delivery,
+        env: &Envelope,
+        key: &str,
+        first_due: Option<i64>,
+        f: &Failure,
+    ) -> Settlement {
+        let now = crate::now_ms();
+        let what = format!(
+            "jobs of {} are held, none dead-lettered: {} (tried again every {}s, no retry spent)",
+            env.event,
+            f.reason,
+            SCHEMA_HOLD.as_secs()
+        );
+        if self
+            .ctx
+            .stats
+            .report_alert(&held_role(&env.event), what.clone())
+        {
+            log::error!("{what}");
+        }
+        log::debug!("job {key} {} held: {}", env.event, f.reason);
+        let msg = env.requeued(env.retry, first_due.unwrap_or(now));
+        let mut s = Settlement::new(
+            d,
+            Outcome::Retry {
+                msg: msg.into_bytes(),
+                due_ms: now + SCHEMA_HOLD.as_millis() as i64,
+            },
+        )
+        .with_event(&env.event);
+        s.counts_as = Some(JobOutcome::Held);
+        s
+    }
+
+    /// Contention (another transaction's lock past the lock timeout, a deadlock): back
+    /// to the pool with backoff ([`contention_delay`]); a dead letter only once
+    /// `--max-retries` are spent and `--retry-for` has passed since the job first fell
+    /// due.
+    fn contended(
+        &self,
+        d: Delivery,
+        env: &Envelope,
+        key: &str,
+        first_due: Option<i64>,
+        f: &Failure,
+    ) -> Settlement {
+        let jobs = self.ctx.jobs;
+        let stats = self.ctx.stats;
+        let now = crate::now_ms();
+        let since = first_due.unwrap_or(now);
+        let waited = Duration::from_millis((now - since).max(0) as u64);
+        if env.retry >= jobs.max_retries && waited >= jobs.retry_for {
+            stats.contention.finished(key);
+            let reason = format!(
+                "transient failure after {} retries, {} after its due time (contention: --retry-for {}): {}",
+                env.retry,
+                crate::human_ms(waited.as_millis() as i64),
+                humantime::format_duration(jobs.retry_for),
+                f.reason
+            );
+            return self.dead(d, reason, env.event.clone(), env.retry as u64 + 1);
+        }
+        let delay = contention_delay(jobs, env.retry);
+        log::debug!(
+            "job {key} {} will retry ({}) in {:.1}s: {}",
+            env.event,
+            env.retry + 1,
+            delay.as_secs_f64(),
+            f.reason
+        );
+        stats
+            .contention
+            .waiting(key, &env.event, since, &f.reason, now);
+        let (waiting, longest) = stats.contention.summary(now);
+        if let Some(w) = longest {
+            let what = format!(
+                "{waiting} job(s) wait on other transactions' locks; the longest, {} {}, for {}: {}",
+                w.event,
+                w.key,
+                crate::human_ms(now - w.since_ms),
+                w.reason
+            );
+            if stats.report_trouble("contention", what.clone()) {
+                log::warn!("{what}");
+            }
+        }
+        Settlement::new(
+            d,
+            Outcome::Retry {
+                msg: env
+                    .requeued(env.retry.saturating_add(1), since)
+                    .into_bytes(),
+                due_ms: now + delay.as_millis() as i64,
+            },
+        )
+        .with_event(&env.event)
+    }
+
     /// Runs the jobs, waiting (with backoff) for a database session. `None` when shutdown
     /// came while the database was unreachable.
     fn run_in_database(&mut self, jobs: &[Job<'a>]) -> Option<Vec<JobResult>> {
+        self.ctx
+            .manners
+            .pace(jobs.iter().map(|j| j.env.event.as_str()), self.ctx.shutdown);
         loop {
             let session = match self.session.as_mut() {
                 Some(s) => s,
-                None => match Session::open(self.ctx.db, self.ctx.registry) {
-                    Ok(s) => {
-                        if self.db_backoff.in_outage() {
-                            self.ctx.stats.db_waiting.fetch_sub(1, Ordering::Relaxed);
+                None => {
+                    match Session::open(self.ctx.db, self.ctx.registry, self.ctx.jobs.lock_timeout)
+                    {
+                        Ok(s) => {
+                            if self.db_backoff.in_outage() {
+                                self.ctx.stats.db_waiting.fetch_sub(1, Ordering::Relaxed);
+                                if self.ctx.stats.clear_problem(&self.db_role(), i64::MAX) {
+                                    log::info!("{}: a writable PostgreSQL is back", self.name);
+                                }
+                            }
+                            self.db_backoff.reset();
+                            self.session.insert(s)
                         }
-                        self.db_backoff.reset();
-                        self.session.insert(s)
-                    }
-                    Err(e) => {
-                        // The database is unreachable or out of connections (handler SQL
-                        // was checked at start).
-                        if self.wait_for_database("no database session", &e) {
-                            return None;
+                        Err(e) => {
+                            if self.wait_for_database("no database session", &e) {
+                                return None;
+                            }
+                            continue;
                         }
-                        continue;
                     }
-                },
+                }
             };
             let started = std::time::Instant::now();
-            let results = match jobs {
-                [job] => vec![run_job(session, job)],
-                _ => run_jobs(session, jobs, self.ctx.jobs, &self.ctx.stats.in_sets),
-            };
-            if let Some(e) = results.iter().find_map(|r| match r {
-                JobResult::Failed(e) if db::is_connection_error(e) => Some(db::error_text(e)),
+            let results = session.run(
+                jobs,
+                self.ctx.jobs,
+                self.ctx.manners,
+                &self.ctx.stats.in_sets,
+            );
+            if let Some(reason) = results.iter().find_map(|r| match r {
+                JobResult::Failed(f) if f.fault == Fault::Server => Some(f.reason.clone()),
                 _ => None,
             }) {
-                // The database's failure, not the jobs': run them again on a new session.
-                // A job that did commit before the connection went finds its inbox row.
+                // The server's failure, not the jobs': run them again on a new
+                // connection. A job that did commit before it went finds its inbox row.
                 self.drop_session();
-                if self.wait_for_database("database connection lost", &e) {
+                if self.wait_for_database("database connection lost", &reason) {
                     return None;
                 }
                 continue;
@@ -578,6 +638,11 @@ impl<'a> Worker<'a> {
         }
     }
 
+    /// The role this worker reports PostgreSQL outages under.
+    fn db_role(&self) -> String {
+        format!("{} (postgresql)", self.name)
+    }
+
     /// The database failed, not the job: hold the job (back-pressure on the reader)
     /// instead of spending its retries, and back off. Counts this worker as waiting once
     /// per outage. `true` when shutdown came meanwhile.
@@ -585,6 +650,10 @@ impl<'a> Worker<'a> {
         if !self.db_backoff.in_outage() {
             Stats::add(&self.ctx.stats.db_waiting, 1);
         }
+        self.ctx.stats.report_problem(
+            &self.db_role(),
+            format!("holds its jobs, no writable PostgreSQL: {err}"),
+        );
         self.db_backoff.fail(what, err, self.ctx.shutdown)
     }
 
@@ -677,7 +746,9 @@ impl<'a> Worker<'a> {
                     }
                 }
                 (Settled::Applied, Outcome::Retry { .. }) => {
-                    stats.jobs.job(&s.event, JobOutcome::Retry);
+                    stats
+                        .jobs
+                        .job(&s.event, s.counts_as.unwrap_or(JobOutcome::Retry));
                 }
                 (Settled::Applied, Outcome::Dead { reason, .. }) => {
                     log::warn!(
@@ -736,240 +807,4 @@ impl<'a> Worker<'a> {
         outcomes.clear();
         true
     }
-}
-
-/// A delivery that decoded and has a handler: ready for the database.
-struct Job<'h> {
-    d: Delivery,
-    env: Envelope,
-    /// The handler's position in the registry (and of its statements in a session).
-    index: usize,
-    handler: &'h dyn crate::handlers::Handler,
-    /// The inbox's text form of the job key.
-    key: String,
-}
-
-/// Inserts the job's inbox row and runs its handler inside `tx`. `Ok(None)`: the inbox
-/// already held the job (a redelivery), nothing else was done.
-fn apply(
-    tx: &mut postgres::Transaction<'_>,
-    inbox: &Statement,
-    statements: &[Vec<Statement>],
-    job: &Job<'_>,
-) -> Result<Option<Effect>, JobResult> {
-    let job_id = job.env.job_id.as_deref().unwrap_or("");
-    match tx.execute(inbox, &[&job.key, &job.env.ts, &job.env.event, &job_id]) {
-        Ok(0) => return Ok(None),
-        Ok(_) => {}
-        Err(e) => return Err(JobResult::Failed(e)),
-    }
-    let outcome = catch_unwind(AssertUnwindSafe(|| {
-        job.handler
-            .handle(tx, &statements[job.index], &job.env.payload)
-    }));
-    match outcome {
-        Ok(Ok(effect)) => Ok(Some(effect)),
-        Ok(Err(e)) => Err(JobResult::Failed(e)),
-        Err(panic) => {
-            let msg = panic
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "unknown panic".to_string());
-            Err(JobResult::Panicked(msg))
-        }
-    }
-}
-
-/// One job in one transaction: the inbox row first, then the handler, then commit.
-/// Dropping the transaction on an error rolls it back.
-fn run_job(session: &mut Session, job: &Job<'_>) -> JobResult {
-    let Session {
-        conn,
-        inbox,
-        handlers,
-        ..
-    } = session;
-    let mut tx = match conn.transaction() {
-        Ok(tx) => tx,
-        Err(e) => return JobResult::Failed(e),
-    };
-    let result = match apply(&mut tx, inbox, handlers, job) {
-        Ok(Some(effect)) => JobResult::Committed(effect),
-        Ok(None) => JobResult::Duplicate,
-        Err(failed) => return failed,
-    };
-    match tx.commit() {
-        Ok(()) => result,
-        Err(e) => JobResult::Failed(e),
-    }
-}
-
-/// Why a set did not commit.
-#[derive(Debug, thiserror::Error)]
-enum SetError {
-    #[error("{}", db::error_text(.0))]
-    Db(#[from] postgres::Error),
-    #[error("the set form returned index {0}, not one of a new job of the set, or twice")]
-    Index(i32),
-}
-
-/// The jobs a worker took together: those of an event with a set form, two or more, as
-/// one set ([`run_set`]); the rest alone, or `tx_batch` at a time in one transaction
-/// ([`run_batch`]). A set or batch that fails committed nothing, and its jobs run again
-/// one by one, so each gets its own outcome and one bad job never fails its neighbours.
-fn run_jobs(
-    session: &mut Session,
-    jobs: &[Job<'_>],
-    cfg: &JobConfig,
-    in_sets: &AtomicU64,
-) -> Vec<JobResult> {
-    let tx_batch = cfg.tx_batch;
-    let mut results: Vec<Option<JobResult>> = jobs.iter().map(|_| None).collect();
-    let mut sets: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
-    let mut alone = Vec::new();
-    for (k, job) in jobs.iter().enumerate() {
-        match session.sets[job.index] {
-            Some(_) if cfg.set_size > 1 => sets.entry(job.index).or_default().push(k),
-            _ => alone.push(k),
-        }
-    }
-    for ks in sets.into_values().flat_map(|ks| {
-        ks.chunks(cfg.set_size)
-            .map(<[usize]>::to_vec)
-            .collect::<Vec<_>>()
-    }) {
-        let set: Vec<&Job<'_>> = ks.iter().map(|&k| &jobs[k]).collect();
-        if set.len() < 2 {
-            alone.extend(ks);
-            continue;
-        }
-        match run_set(session, &set) {
-            Ok(rs) => {
-                Stats::add(in_sets, rs.len() as u64);
-                for (k, r) in ks.into_iter().zip(rs) {
-                    results[k] = Some(r);
-                }
-            }
-            Err(e) => {
-                // A bad payload or a deadlock with the shop's own transactions is the
-                // jobs' business: each runs alone and gets its own outcome. A refused
-                // privilege, or a set form that breaks its contract, is the operator's:
-                // the set form would never work.
-                let text = e.to_string();
-                let privilege = matches!(&e, SetError::Db(e)
-                    if e.code() == Some(&postgres::error::SqlState::INSUFFICIENT_PRIVILEGE));
-                if privilege || matches!(e, SetError::Index(_)) {
-                    log::warn!(
-                        "a set of {} {} jobs failed, so they run one by one: {text}",
-                        set.len(),
-                        set[0].env.event
-                    );
-                } else {
-                    log::debug!(
-                        "a set of {} jobs failed, so they run one by one: {text}",
-                        set.len()
-                    );
-                }
-                alone.extend(ks);
-            }
-        }
-    }
-    alone.sort_unstable();
-    for chunk in alone.chunks(tx_batch.max(1)) {
-        let batch: Vec<&Job<'_>> = chunk.iter().map(|&k| &jobs[k]).collect();
-        let rs = match batch.as_slice() {
-            [job] => vec![run_job(session, job)],
-            _ => run_batch(session, &batch)
-                .unwrap_or_else(|| batch.iter().map(|job| run_job(session, job)).collect()),
-        };
-        for (&k, r) in chunk.iter().zip(rs) {
-            results[k] = Some(r);
-        }
-    }
-    results
-        .into_iter()
-        .map(|r| r.expect("every job ran"))
-        .collect()
-}
-
-/// Jobs of one event in one transaction through the handler's set form: the inbox rows of
-/// all of them in one statement, then one statement for the jobs whose rows were new (the
-/// others are redeliveries), then one commit. An error if anything failed (nothing
-/// committed): the caller runs each job alone.
-fn run_set(session: &mut Session, jobs: &[&Job<'_>]) -> Result<Vec<JobResult>, SetError> {
-    let Session {
-        conn,
-        inbox_set,
-        sets,
-        ..
-    } = session;
-    let statement = sets[jobs[0].index]
-        .as_ref()
-        .expect("only jobs of a handler with a set form form a set");
-    let keys: Vec<&str> = jobs.iter().map(|j| j.key.as_str()).collect();
-    let ts: Vec<i64> = jobs.iter().map(|j| j.env.ts).collect();
-    let events: Vec<&str> = jobs.iter().map(|j| j.env.event.as_str()).collect();
-    let ids: Vec<&str> = jobs
-        .iter()
-        .map(|j| j.env.job_id.as_deref().unwrap_or(""))
-        .collect();
-    let mut tx = conn.transaction()?;
-    let inserted: HashSet<(String, i64, String)> = tx
-        .query(inbox_set, &[&keys, &ts, &events, &ids])?
-        .iter()
-        .map(|row| Ok((row.try_get(0)?, row.try_get(1)?, row.try_get(2)?)))
-        .collect::<Result<_, postgres::Error>>()?;
-    // A job is new if its row was inserted now; of two copies of one job in the set, the
-    // first is new and the second a redelivery.
-    let mut results: Vec<JobResult> = Vec::with_capacity(jobs.len());
-    let mut work = Vec::new();
-    let mut seen = HashSet::new();
-    for (i, job) in jobs.iter().enumerate() {
-        let id = (keys[i].to_string(), ts[i], ids[i].to_string());
-        if inserted.contains(&id) && seen.insert(id) {
-            results.push(JobResult::Committed(Effect::NoOp));
-            work.push(serde_json::json!({"i": i, "payload": job.env.payload}));
-        } else {
-            results.push(JobResult::Duplicate);
-        }
-    }
-    if !work.is_empty() {
-        let work = serde_json::Value::Array(work);
-        for row in tx.query(statement, &[&work])? {
-            let i: i32 = row.try_get(0)?;
-            // An index the set was not given, or one given twice, is a set form that does
-            // not keep its contract: nothing commits and every job runs alone.
-            match usize::try_from(i).ok().and_then(|i| results.get_mut(i)) {
-                Some(r @ JobResult::Committed(Effect::NoOp)) => {
-                    *r = JobResult::Committed(Effect::Applied)
-                }
-                _ => return Err(SetError::Index(i)),
-            }
-        }
-    }
-    tx.commit()?;
-    Ok(results)
-}
-
-/// Several jobs in one transaction (`--tx-batch`): one commit for all of them, which is
-/// what a job costs most. Each job keeps its own inbox row, so each stays idempotent; if
-/// any statement fails nothing commits and `None` tells the caller to run each job alone.
-fn run_batch(session: &mut Session, jobs: &[&Job<'_>]) -> Option<Vec<JobResult>> {
-    let Session {
-        conn,
-        inbox,
-        handlers,
-        ..
-    } = session;
-    let mut tx = conn.transaction().ok()?;
-    let mut results = Vec::with_capacity(jobs.len());
-    for job in jobs {
-        results.push(match apply(&mut tx, inbox, handlers, job).ok()? {
-            Some(effect) => JobResult::Committed(effect),
-            None => JobResult::Duplicate,
-        });
-    }
-    tx.commit().ok()?;
-    Some(results)
 }

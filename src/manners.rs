@@ -1,0 +1,221 @@
+//! How the worker shares the shop's database with the shop: caps on its rate
+//! (`--max-rate`), and sets that shrink where they meet the shop's locks.
+//!
+//! - **Rates.** `--max-rate N/s` caps every job, `--max-rate EVENT=N/s` one event's. Each
+//!   cap is a schedule of free slots (GCRA): a job takes the next slot, and a worker whose
+//!   slot is in the future sleeps until then, holding its jobs (the channel fills, the
+//!   reader waits: back-pressure, nothing lost). A set of k jobs takes k slots. The sleep
+//!   is woken by shutdown, and the drain at shutdown is not capped.
+//! - **Set sizes.** Each event's sets start at `--set-size`. A set that meets contention
+//!   (a row lock held past the lock timeout, a deadlock) halves its event's size, down to
+//!   single jobs; each set that commits cleanly grows it by one again. So under the shop's
+//!   load the worker holds few rows at a time and waits briefly, while a quiet database
+//!   gets whole sets. Shared by every worker of the process (atomics only).
+
+use crate::shutdown::Shutdown;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// One `--max-rate`: jobs per second, for one event or (`event: None`) for all.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MaxRate {
+    pub event: Option<String>,
+    pub per_second: f64,
+}
+
+impl MaxRate {
+    /// `N/s`, `N/m` or `N/h` (a bare number is per second), optionally after `EVENT=`.
+    pub fn parse(spec: &str) -> Result<MaxRate, String> {
+        let (event, rate) = match spec.rsplit_once('=') {
+            Some((e, r)) if !e.trim().is_empty() => (Some(e.trim().to_string()), r.trim()),
+            Some(_) => return Err("the event before = is empty".into()),
+            None => (None, spec.trim()),
+        };
+        let (n, per) = match rate.split_once('/') {
+            Some((n, unit)) => (n, unit.trim()),
+            None => (rate, "s"),
+        };
+        let seconds = match per {
+            "s" => 1.0,
+            "m" | "min" => 60.0,
+            "h" => 3600.0,
+            other => return Err(format!("unknown unit /{other}: use /s, /m or /h")),
+        };
+        let n: f64 = n
+            .trim()
+            .parse()
+            .map_err(|_| format!("{rate:?} is not a rate such as 200/s"))?;
+        if !(n.is_finite() && n > 0.0) {
+            return Err(format!("{rate:?}: the rate must be above 0"));
+        }
+        Ok(MaxRate {
+            event,
+            per_second: n / seconds,
+        })
+    }
+}
+
+/// A schedule of slots `interval` apart: the time the next one is free.
+struct Slots {
+    interval: Duration,
+    next: Mutex<Option<Instant>>,
+}
+
+impl Slots {
+    /// Takes `n` slots; returns when the last of them is due (now or later). A burst of
+    /// at most a tenth of a second's slots is let through at once after a quiet spell.
+    fn take(&self, n: usize, now: Instant) -> Instant {
+        let mut next = self.next.lock().unwrap_or_else(|p| p.into_inner());
+        let burst = Duration::from_millis(100);
+        let start = match *next {
+            Some(t) if t + burst > now => t,
+            _ => now.checked_sub(burst).unwrap_or(now),
+        };
+        let end = start + self.interval.saturating_mul(n as u32);
+        *next = Some(end);
+        end.max(now)
+    }
+}
+
+/// The rate caps and the per-event set sizes of one process.
+pub struct Manners {
+    all: Option<Slots>,
+    by_event: HashMap<String, Slots>,
+    /// Events by the registry's index: the set size each now runs with.
+    set_sizes: Vec<AtomicUsize>,
+    set_size: usize,
+}
+
+impl Manners {
+    /// `events` in the registry's order; `set_size` is `--set-size`.
+    pub fn new(rates: &[MaxRate], events: usize, set_size: usize) -> Manners {
+        let slots = |r: &MaxRate| Slots {
+            interval: Duration::from_secs_f64(1.0 / r.per_second),
+            next: Mutex::new(None),
+        };
+        Manners {
+            all: rates.iter().rev().find(|r| r.event.is_none()).map(slots),
+            by_event: rates
+                .iter()
+                .filter_map(|r| r.event.clone().map(|e| (e, slots(r))))
+                .collect(),
+            set_sizes: (0..events).map(|_| AtomicUsize::new(set_size)).collect(),
+            set_size: set_size.max(1),
+        }
+    }
+
+    /// No caps, whole sets: for tests and tools.
+    pub fn unlimited(events: usize, set_size: usize) -> Manners {
+        Manners::new(&[], events, set_size)
+    }
+
+    /// Waits until the caps let jobs of these events run (one slot each). Returns at
+    /// once without caps, and when shutdown is set (the drain is not capped).
+    pub fn pace<'e>(&self, events: impl Iterator<Item = &'e str>, shutdown: &Shutdown) {
+        if self.all.is_none() && self.by_event.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        let mut until = now;
+        let mut counts: HashMap<&str, usize> = HashMap::new();
+        let mut total = 0;
+        for e in events {
+            *counts.entry(e).or_default() += 1;
+            total += 1;
+        }
+        if let Some(all) = &self.all {
+            until = until.max(all.take(total, now));
+        }
+        for (e, n) in counts {
+            if let Some(s) = self.by_event.get(e) {
+                until = until.max(s.take(n, now));
+            }
+        }
+        if until > now && !shutdown.is_set() {
+            shutdown.wait(until - now);
+        }
+    }
+
+    /// The set size jobs of handler `index` run with now.
+    pub fn set_size(&self, index: usize) -> usize {
+        self.set_sizes
+            .get(index)
+            .map_or(self.set_size, |s| s.load(Ordering::Relaxed).max(1))
+    }
+
+    /// A set of handler `index` met contention: halve its size.
+    pub fn contended(&self, index: usize) {
+        if let Some(s) = self.set_sizes.get(index) {
+            let _ = s.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                Some((n / 2).max(1))
+            });
+        }
+    }
+
+    /// A set of handler `index` committed: grow its size by one, up to `--set-size`.
+    pub fn committed(&self, index: usize) {
+        if let Some(s) = self.set_sizes.get(index) {
+            let cap = self.set_size;
+            let _ = s.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                (n < cap).then_some(n + 1)
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rates_parse_with_units_and_events() {
+        let r = MaxRate::parse("order.timeout=120/m").unwrap();
+        assert_eq!(r.event.as_deref(), Some("order.timeout"));
+        assert!((r.per_second - 2.0).abs() < 1e-9);
+        assert_eq!(MaxRate::parse("50").unwrap().per_second, 50.0);
+        assert_eq!(MaxRate::parse("3600/h").unwrap().per_second, 1.0);
+        assert!(MaxRate::parse("0/s").is_err());
+        assert!(MaxRate::parse("=5/s").is_err());
+        assert!(MaxRate::parse("5/w").is_err());
+        assert!(MaxRate::parse("x/s").is_err());
+    }
+
+    #[test]
+    fn slots_keep_the_rate_after_a_small_burst() {
+        let s = Slots {
+            interval: Duration::from_millis(10),
+            next: Mutex::new(None),
+        };
+        let t0 = Instant::now();
+        // The burst: 100 ms worth of slots (10) are free at once.
+        for _ in 0..10 {
+            assert!(s.take(1, t0) <= t0);
+        }
+        // Then each slot is 10 ms after the last.
+        let a = s.take(1, t0);
+        let b = s.take(5, t0);
+        assert_eq!(a, t0 + Duration::from_millis(10));
+        assert_eq!(b, t0 + Duration::from_millis(60));
+    }
+
+    #[test]
+    fn set_sizes_halve_under_contention_and_grow_back_one_by_one() {
+        let m = Manners::unlimited(2, 32);
+        m.contended(0);
+        m.contended(0);
+        assert_eq!((m.set_size(0), m.set_size(1)), (8, 32));
+        for _ in 0..5 {
+            m.contended(0);
+        }
+        assert_eq!(m.set_size(0), 1);
+        m.committed(0);
+        m.committed(0);
+        assert_eq!(m.set_size(0), 3);
+        for _ in 0..100 {
+            m.committed(1);
+        }
+        assert_eq!(m.set_size(1), 32);
+    }
+}

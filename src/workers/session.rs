@@ -1,0 +1,547 @@
+//! A worker's PostgreSQL session: one pooled connection with every statement prepared on
+//! it once, and the three ways jobs run on it: alone, as a set through the handler's set
+//! form, or several in one transaction (`--tx-batch`).
+//!
+//! Every failure becomes a [`Failure`] carrying its [`Fault`] (`db::classify`): whose fault
+//! it is decides what becomes of the job (`workers.rs`). A handler whose statements do not
+//! prepare (a table not there yet, SQL that does not parse) fails only its own jobs, with
+//! a schema fault, and is prepared again every [`REPREPARE_EVERY`]; the others run.
+//!
+//! A set waits for row locks at most a fifth of `--lock-timeout` (`SET LOCAL` in the same
+//! round trip as its `BEGIN`). A set that meets contention is split in halves and run
+//! again, down to single jobs, and its event's set size halves (`manners.rs`): the worker
+//! never waits on the shop's locks while holding many rows of its own. A set that fails for
+//! another reason runs job by job, so one bad job never fails its neighbours.
+
+use crate::db::{self, Fault};
+use crate::delivery::Delivery;
+use crate::handlers::{Effect, Handler, Registry};
+use crate::manners::Manners;
+use crate::message::Envelope;
+use crate::stats::Stats;
+use postgres::types::Type;
+use postgres::Statement;
+use std::collections::{BTreeMap, HashSet};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::AtomicU64;
+use std::time::{Duration, Instant};
+
+/// How often a handler that did not prepare is tried again (when a job of it comes).
+pub const REPREPARE_EVERY: Duration = Duration::from_secs(2);
+
+/// Why a statement, a transaction or a preparation failed, and whose fault it is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    pub fault: Fault,
+    /// The server's message and SQLSTATE, or the client's error.
+    pub reason: String,
+}
+
+impl From<postgres::Error> for Failure {
+    fn from(e: postgres::Error) -> Failure {
+        Failure {
+            fault: db::classify(&e),
+            reason: db::error_text(&e),
+        }
+    }
+}
+
+/// How one job ended in PostgreSQL.
+#[derive(Debug)]
+pub enum JobResult {
+    Committed(Effect),
+    Duplicate,
+    Failed(Failure),
+    Panicked(String),
+}
+
+/// A delivery that decoded and has a handler: ready for the database.
+pub struct Job<'h> {
+    pub d: Delivery,
+    pub env: Envelope,
+    /// The handler's position in the registry (and of its statements in a session).
+    pub index: usize,
+    pub handler: &'h dyn Handler,
+    /// The inbox's text form of the job key.
+    pub key: String,
+}
+
+/// A handler's statements on this connection, or why they could not be prepared.
+enum Prepared {
+    Ready {
+        one: Vec<Statement>,
+        /// The set form, if it has one that keeps its contract.
+        set: Option<Statement>,
+    },
+    Failed {
+        failure: Failure,
+        at: Instant,
+    },
+}
+
+/// Why a session could not be opened: its jobs wait for a new one.
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    #[error("no database connection: {0}")]
+    Checkout(#[from] r2d2::Error),
+    #[error("cannot prepare the inbox statement: {}", .0.reason)]
+    Inbox(Failure),
+    #[error("the connection failed while preparing the handlers: {}", .0.reason)]
+    Lost(Failure),
+}
+
+/// A worker's PostgreSQL connection with its statements prepared once.
+pub struct Session {
+    conn: db::Conn,
+    inbox: Statement,
+    /// The inbox insert of a whole set.
+    inbox_set: Statement,
+    /// `handlers[i]`: the registry's handler `i`.
+    handlers: Vec<Prepared>,
+    /// `BEGIN` of a set, with its short lock timeout.
+    begin_set: String,
+}
+
+/// The inbox insert. Its row count says whether this job is new (1) or a redelivery (0).
+/// A job is its key, the mover's `job_id` stamp and `ts` (see `message.rs`).
+const INBOX_SQL: &str = "INSERT INTO worker_inbox (job_key, enqueued_at, event, job_id) \
+                         VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING";
+
+/// The inbox insert of a set: one statement for all its rows. It returns the rows it
+/// inserted; a job whose row is not among them is a redelivery.
+const INBOX_SET_SQL: &str = "INSERT INTO worker_inbox (job_key, enqueued_at, event, job_id) \
+                             SELECT * FROM unnest($1::text[], $2::bigint[], $3::text[], $4::text[]) \
+                             ON CONFLICT DO NOTHING RETURNING job_key, enqueued_at, job_id";
+
+impl Session {
+    /// Checks a connection out and prepares the inbox and every handler on it. A handler
+    /// that does not prepare is kept as such (its jobs fail with the reason); only the
+    /// inbox, or a connection lost meanwhile, fails the session.
+    pub fn open(
+        pool: &db::Pool,
+        registry: &Registry,
+        lock_timeout: Duration,
+    ) -> Result<Session, SessionError> {
+        let mut conn = pool.get()?;
+        let inbox_err = |e: postgres::Error| SessionError::Inbox(e.into());
+        let inbox = conn.prepare(INBOX_SQL).map_err(inbox_err)?;
+        let inbox_set = conn.prepare(INBOX_SET_SQL).map_err(inbox_err)?;
+        let mut handlers = Vec::new();
+        for h in registry.iter() {
+            let prepared = prepare(&mut conn, h);
+            if let Prepared::Failed { failure, .. } = &prepared {
+                if failure.fault == Fault::Server {
+                    conn.discard();
+                    return Err(SessionError::Lost(failure.clone()));
+                }
+            }
+            handlers.push(prepared);
+        }
+        let set_lock_ms = (lock_timeout.as_millis() / 5).max(1);
+        Ok(Session {
+            conn,
+            inbox,
+            inbox_set,
+            handlers,
+            begin_set: format!("BEGIN; SET LOCAL lock_timeout = {set_lock_ms}"),
+        })
+    }
+
+    /// The handlers whose statements did not prepare, by event, with the reason.
+    pub fn unprepared<'r>(&self, registry: &'r Registry) -> Vec<(&'r str, &Failure)> {
+        registry
+            .iter()
+            .zip(&self.handlers)
+            .filter_map(|(h, p)| match p {
+                Prepared::Failed { failure, .. } => Some((h.event(), failure)),
+                Prepared::Ready { .. } => None,
+            })
+            .collect()
+    }
+
+    /// The connection, for the WAL flush.
+    pub fn client(&mut self) -> &mut postgres::Client {
+        &mut self.conn
+    }
+
+    /// Closes the connection instead of handing it back to the pool (it failed, or may
+    /// be mid-transaction).
+    pub fn discard(mut self) {
+        self.conn.discard();
+    }
+
+    /// Handler `index` ready to run: prepared now if it failed before and
+    /// [`REPREPARE_EVERY`] has passed; otherwise its failure.
+    fn ready(&mut self, index: usize, handler: &dyn Handler) -> Result<(), Failure> {
+        match &self.handlers[index] {
+            Prepared::Ready { .. } => Ok(()),
+            Prepared::Failed { at, failure } if at.elapsed() < REPREPARE_EVERY => {
+                Err(failure.clone())
+            }
+            Prepared::Failed { .. } => {
+                self.handlers[index] = prepare(&mut self.conn, handler);
+                match &self.handlers[index] {
+                    Prepared::Failed { failure, .. } => Err(failure.clone()),
+                    Prepared::Ready { .. } => {
+                        log::info!("the handler of {:?} prepared", handler.event());
+                        Ok(())
+                    }
+                }
+            }
+        }
+    }
+
+    /// A job of handler `index` met a schema fault: prepare it again before its next
+    /// job (a plan that must change its result type needs a new statement).
+    fn stale(&mut self, index: usize, failure: &Failure) {
+        self.handlers[index] = Prepared::Failed {
+            failure: failure.clone(),
+            at: Instant::now() - REPREPARE_EVERY,
+        };
+    }
+
+    /// Runs the jobs a worker took together: those of an event with a set form, two or
+    /// more, as sets of the event's current size ([`Manners::set_size`]); the rest alone,
+    /// or `tx_batch` at a time in one transaction. One result per job, in order.
+    pub fn run(
+        &mut self,
+        jobs: &[Job<'_>],
+        cfg: &crate::config::JobConfig,
+        manners: &Manners,
+        in_sets: &AtomicU64,
+    ) -> Vec<JobResult> {
+        let mut results: Vec<Option<JobResult>> = jobs.iter().map(|_| None).collect();
+        let mut sets: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+        let mut alone = Vec::new();
+        for (k, job) in jobs.iter().enumerate() {
+            if let Err(f) = self.ready(job.index, job.handler) {
+                results[k] = Some(JobResult::Failed(f));
+                continue;
+            }
+            match &self.handlers[job.index] {
+                Prepared::Ready { set: Some(_), .. } if cfg.set_size > 1 && jobs.len() > 1 => {
+                    sets.entry(job.index).or_default().push(k)
+                }
+                _ => alone.push(k),
+            }
+        }
+        for (index, ks) in sets {
+            let size = manners.set_size(index).min(cfg.set_size).max(1);
+            for chunk in ks.chunks(size) {
+                if chunk.len() < 2 {
+                    alone.extend_from_slice(chunk);
+                    continue;
+                }
+                let set: Vec<(usize, &Job<'_>)> = chunk.iter().map(|&k| (k, &jobs[k])).collect();
+                for (k, r) in self.run_set_or_split(&set, manners, in_sets) {
+                    results[k] = Some(r);
+                }
+            }
+        }
+        alone.sort_unstable();
+        for chunk in alone.chunks(cfg.tx_batch.max(1)) {
+            let batch: Vec<&Job<'_>> = chunk.iter().map(|&k| &jobs[k]).collect();
+            let rs = match batch.as_slice() {
+                [job] => vec![self.run_job(job)],
+                _ => self
+                    .run_batch(&batch)
+                    .unwrap_or_else(|| batch.iter().map(|job| self.run_job(job)).collect()),
+            };
+            for (&k, r) in chunk.iter().zip(rs) {
+                results[k] = Some(r);
+            }
+        }
+        for (job, r) in jobs.iter().zip(&results) {
+            if let Some(JobResult::Failed(f)) = r {
+                if f.fault == Fault::Schema {
+                    self.stale(job.index, f);
+                }
+            }
+        }
+        results
+            .into_iter()
+            .map(|r| r.expect("every job ran"))
+            .collect()
+    }
+
+    /// One set, or, when it meets contention, its two halves (each a set again, or a
+    /// single job); a set that fails otherwise runs job by job.
+    fn run_set_or_split(
+        &mut self,
+        set: &[(usize, &Job<'_>)],
+        manners: &Manners,
+        in_sets: &AtomicU64,
+    ) -> Vec<(usize, JobResult)> {
+        let index = set[0].1.index;
+        let jobs: Vec<&Job<'_>> = set.iter().map(|(_, j)| *j).collect();
+        let failure = match self.run_set(&jobs) {
+            Ok(rs) => {
+                manners.committed(index);
+                Stats::add(in_sets, rs.len() as u64);
+                return set.iter().map(|(k, _)| *k).zip(rs).collect();
+            }
+            Err(SetError::Index(i)) => {
+                log::warn!(
+                    "a set of {} {} jobs failed, so they run one by one: the set form returned index {i}, not one of a new job of the set, or twice",
+                    set.len(),
+                    jobs[0].env.event
+                );
+                None
+            }
+            Err(SetError::Db(f)) => Some(f),
+        };
+        match failure {
+            // The connection is gone: every job waits for the next one.
+            Some(f) if f.fault == Fault::Server => set
+                .iter()
+                .map(|(k, _)| (*k, JobResult::Failed(f.clone())))
+                .collect(),
+            Some(f) if f.fault == Fault::Contention => {
+                manners.contended(index);
+                log::debug!(
+                    "a set of {} {} jobs met contention, so it runs in halves: {}",
+                    set.len(),
+                    jobs[0].env.event,
+                    f.reason
+                );
+                let (a, b) = set.split_at(set.len() / 2);
+                let mut out = Vec::with_capacity(set.len());
+                for half in [a, b] {
+                    match half {
+                        [] => {}
+                        [(k, job)] => out.push((*k, self.run_job(job))),
+                        _ => out.extend(self.run_set_or_split(half, manners, in_sets)),
+                    }
+                }
+                out
+            }
+            other => {
+                if let Some(f) = other.filter(|f| f.fault == Fault::Schema) {
+                    log::warn!(
+                        "a set of {} {} jobs failed, so they run one by one: {}",
+                        set.len(),
+                        jobs[0].env.event,
+                        f.reason
+                    );
+                }
+                set.iter().map(|(k, job)| (*k, self.run_job(job))).collect()
+            }
+        }
+    }
+
+    /// One job in one transaction: the inbox row first, then the handler, then commit.
+    /// Dropping the transaction on an error rolls it back. A commit whose outcome the
+    /// connection could not report fails with a server fault: the job runs again on a
+    /// new connection, where its inbox row says whether it had committed.
+    fn run_job(&mut self, job: &Job<'_>) -> JobResult {
+        let one = match &self.handlers[job.index] {
+            Prepared::Ready { one, .. } => one,
+            Prepared::Failed { failure, .. } => return JobResult::Failed(failure.clone()),
+        };
+        let mut tx = match self.conn.transaction() {
+            Ok(tx) => tx,
+            Err(e) => return JobResult::Failed(e.into()),
+        };
+        let result = match apply(&mut tx, &self.inbox, one, job) {
+            Ok(Some(effect)) => JobResult::Committed(effect),
+            Ok(None) => JobResult::Duplicate,
+            Err(failed) => return failed,
+        };
+        match tx.commit() {
+            Ok(()) => result,
+            Err(e) => JobResult::Failed(e.into()),
+        }
+    }
+
+    /// Jobs of one event in one transaction through the handler's set form: the inbox
+    /// rows of all of them in one statement, then one statement for the jobs whose rows
+    /// were new (the others are redeliveries), then one commit. An error if anything
+    /// failed (nothing committed).
+    fn run_set(&mut self, jobs: &[&Job<'_>]) -> Result<Vec<JobResult>, SetError> {
+        let statement = match &self.handlers[jobs[0].index] {
+            Prepared::Ready { set: Some(st), .. } => st.clone(),
+            Prepared::Ready { set: None, .. } => return Err(SetError::Index(-1)),
+            Prepared::Failed { failure, .. } => return Err(SetError::Db(failure.clone())),
+        };
+        self.conn.batch_execute(&self.begin_set).map_err(db_err)?;
+        let result = set_body(&mut self.conn, &self.inbox_set, &statement, jobs).and_then(|rs| {
+            self.conn.batch_execute("COMMIT").map_err(db_err)?;
+            Ok(rs)
+        });
+        if result.is_err() {
+            // Nothing committed. A connection that cannot even roll back is thrown away
+            // (its jobs then wait for the next one).
+            if let Err(e) = self.conn.batch_execute("ROLLBACK") {
+                return Err(SetError::Db(Failure {
+                    fault: Fault::Server,
+                    reason: db::error_text(&e),
+                }));
+            }
+        }
+        result
+    }
+
+    /// Several jobs in one transaction (`--tx-batch`): one commit for all of them, which
+    /// is what a job costs most. Each job keeps its own inbox row, so each stays
+    /// idempotent; if any statement fails nothing commits and `None` tells the caller to
+    /// run each job alone.
+    fn run_batch(&mut self, jobs: &[&Job<'_>]) -> Option<Vec<JobResult>> {
+        let mut tx = self.conn.transaction().ok()?;
+        let mut results = Vec::with_capacity(jobs.len());
+        for job in jobs {
+            let Prepared::Ready { one, .. } = &self.handlers[job.index] else {
+                return None;
+            };
+            results.push(match apply(&mut tx, &self.inbox, one, job).ok()? {
+                Some(effect) => JobResult::Committed(effect),
+                None => JobResult::Duplicate,
+            });
+        }
+        tx.commit().ok()?;
+        Some(results)
+    }
+}
+
+/// Prepares one handler's statements: its one-job form, and its set form when it keeps
+/// the contract (`$1` only, the job's index first); a set form that does not is left
+/// out, with a warning, and its jobs run one by one.
+fn prepare(conn: &mut postgres::Client, h: &dyn Handler) -> Prepared {
+    let failed = |e: postgres::Error| Prepared::Failed {
+        failure: e.into(),
+        at: Instant::now(),
+    };
+    let mut one = Vec::new();
+    for (sql, types) in h.statements() {
+        match conn.prepare_typed(&sql, &types) {
+            Ok(st) => one.push(st),
+            Err(e) => return failed(e),
+        }
+    }
+    let set = match h.set_statement() {
+        Some(sql) => match conn.prepare_typed(&sql, &[Type::JSONB]) {
+            Ok(st) => match set_shape(&st) {
+                None => Some(st),
+                Some(problem) => {
+                    log::warn!(
+                        "the set form of {:?} is not used, its jobs run one by one: {problem}",
+                        h.event()
+                    );
+                    None
+                }
+            },
+            Err(e) => return failed(e),
+        },
+        None => None,
+    };
+    Prepared::Ready { one, set }
+}
+
+/// What is wrong with a set form's shape, if anything: it takes `$1` only and returns
+/// the job's index first, as an integer.
+pub fn set_shape(st: &Statement) -> Option<String> {
+    if st.params().len() != 1 {
+        Some(format!(
+            "its set form takes {} parameters; it gets one, $1 (the jobs)",
+            st.params().len()
+        ))
+    } else if st.columns().first().map(|c| c.type_()) != Some(&Type::INT4) {
+        Some("its set form must return the job's index first, as an integer (RETURNING or SELECT ... i)".to_string())
+    } else {
+        None
+    }
+}
+
+/// Inserts the job's inbox row and runs its handler inside `tx`. `Ok(None)`: the inbox
+/// already held the job (a redelivery), nothing else was done.
+fn apply(
+    tx: &mut postgres::Transaction<'_>,
+    inbox: &Statement,
+    statements: &[Statement],
+    job: &Job<'_>,
+) -> Result<Option<Effect>, JobResult> {
+    let job_id = job.env.job_id.as_deref().unwrap_or("");
+    match tx.execute(inbox, &[&job.key, &job.env.ts, &job.env.event, &job_id]) {
+        Ok(0) => return Ok(None),
+        Ok(_) => {}
+        Err(e) => return Err(JobResult::Failed(e.into())),
+    }
+    let outcome = catch_unwind(AssertUnwindSafe(|| {
+        job.handler.handle(tx, statements, &job.env.payload)
+    }));
+    match outcome {
+        Ok(Ok(effect)) => Ok(Some(effect)),
+        Ok(Err(e)) => Err(JobResult::Failed(e.into())),
+        Err(panic) => {
+            let msg = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".to_string());
+            Err(JobResult::Panicked(msg))
+        }
+    }
+}
+
+/// Why a set did not commit.
+#[derive(Debug)]
+enum SetError {
+    Db(Failure),
+    /// The set form returned an index it was not given, or one twice: it does not keep
+    /// its contract, so nothing commits and every job runs alone.
+    Index(i32),
+}
+
+fn db_err(e: postgres::Error) -> SetError {
+    SetError::Db(e.into())
+}
+
+/// The statements of a set inside its open transaction: the inbox rows, then the set
+/// form for the jobs whose rows were new.
+fn set_body(
+    conn: &mut postgres::Client,
+    inbox_set: &Statement,
+    statement: &Statement,
+    jobs: &[&Job<'_>],
+) -> Result<Vec<JobResult>, SetError> {
+    let keys: Vec<&str> = jobs.iter().map(|j| j.key.as_str()).collect();
+    let ts: Vec<i64> = jobs.iter().map(|j| j.env.ts).collect();
+    let events: Vec<&str> = jobs.iter().map(|j| j.env.event.as_str()).collect();
+    let ids: Vec<&str> = jobs
+        .iter()
+        .map(|j| j.env.job_id.as_deref().unwrap_or(""))
+        .collect();
+    let inserted: HashSet<(String, i64, String)> = conn
+        .query(inbox_set, &[&keys, &ts, &events, &ids])
+        .map_err(db_err)?
+        .iter()
+        .map(|row| Ok((row.try_get(0)?, row.try_get(1)?, row.try_get(2)?)))
+        .collect::<Result<_, postgres::Error>>()
+        .map_err(db_err)?;
+    // A job is new if its row was inserted now; of two copies of one job in the set, the
+    // first is new and the second a redelivery.
+    let mut results: Vec<JobResult> = Vec::with_capacity(jobs.len());
+    let mut work = Vec::new();
+    let mut seen = HashSet::new();
+    for (i, job) in jobs.iter().enumerate() {
+        let id = (keys[i].to_string(), ts[i], ids[i].to_string());
+        if inserted.contains(&id) && seen.insert(id) {
+            results.push(JobResult::Committed(Effect::NoOp));
+            work.push(serde_json::json!({"i": i, "payload": job.env.payload}));
+        } else {
+            results.push(JobResult::Duplicate);
+        }
+    }
+    if !work.is_empty() {
+        let work = serde_json::Value::Array(work);
+        for row in conn.query(statement, &[&work]).map_err(db_err)? {
+            let i: i32 = row.try_get(0).map_err(db_err)?;
+            match usize::try_from(i).ok().and_then(|i| results.get_mut(i)) {
+                Some(r @ JobResult::Committed(Effect::NoOp)) => {
+                    *r = JobResult::Committed(Effect::Applied)
+                }
+                _ => return Err(SetError::Index(i)),
+            }
+        }
+    }
+    Ok(results)
+}

@@ -1,0 +1,591 @@
+//! The shop's own database misbehaving: a server that turns read-only, a failover to a
+//! standby, the shop's locks, the shop's traffic locking in another order, a column
+//! renamed by a deploy, a handler whose table is not there yet. Each ends with the books
+//! (every unpaid order cancelled once, stock and coupons exact) and no dead letter for a
+//! fault of the surroundings, and checks what health said while it lasted.
+
+use crate::support::*;
+use std::time::{Duration, Instant};
+
+const WAIT: Duration = Duration::from_secs(90);
+
+fn all(orders: &[SeedOrder]) -> Vec<&SeedOrder> {
+    orders.iter().collect()
+}
+
+fn args(a: &[&str]) -> Vec<String> {
+    a.iter().map(|s| s.to_string()).collect()
+}
+
+/// The worker binary with `/healthz` on a free port, and that port.
+fn start_with_health(env: &Env, extra: &[&str]) -> (Proc, u16) {
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut a = args(&["--metrics-addr", &addr]);
+    a.extend(args(extra));
+    (Proc::start(&env.config, &a), port)
+}
+
+/// `/healthz`: the status code and the body.
+fn healthz(port: u16) -> (u16, String) {
+    match http_get(port, "/healthz") {
+        Ok((code, _, body)) => (code, body),
+        Err(e) => (0, e.to_string()),
+    }
+}
+
+/// One sample of `/metrics` by its full name with labels, e.g.
+/// `delay_worker_jobs_total{event="order.timeout",outcome="held"}`.
+fn metric(port: u16, name: &str) -> f64 {
+    let (_, _, body) = http_get(port, "/metrics").unwrap();
+    body.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// Stops the worker with SIGTERM; it must exit 0.
+fn stop(mut w: Proc) {
+    w.signal(libc::SIGTERM);
+    let status = w.wait(Duration::from_secs(30));
+    assert!(status.success(), "exit {status:?}: {}", w.log());
+}
+
+fn wait_done(env: &Env, db: &TestDb, n: i64) {
+    wait_until(WAIT, "every job done", || {
+        let b = books(env);
+        inbox_count(db) == n && b.pool == 0 && b.stream_pending == 0
+    });
+}
+
+/// Backends of the worker left in an aborted transaction: never one.
+fn aborted_backends(db: &TestDb) -> i64 {
+    db.client()
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'delay-worker' \
+             AND state = 'idle in transaction (aborted)'",
+            &[],
+        )
+        .unwrap()
+        .get(0)
+}
+
+#[test]
+fn a_server_turned_read_only_holds_every_job_and_health_is_red_until_it_takes_writes() {
+    let mut env = Env::new();
+    let pg = PgServer::start(&[]);
+    env.db = pg.db();
+    env.config.database_url = pg.url.clone();
+    let orders = seed_orders(&env.db, 300);
+    let (w, port) = start_with_health(&env, &[]);
+    push_timeouts(&env, &orders[..100], 0);
+    wait_done(&env, &env.db, 100);
+    assert_eq!(healthz(port).0, 200);
+
+    // Read-only (as a primary demoted, or default_transaction_read_only switched on)
+    // while jobs fall due: they wait, none is dead-lettered, health says why.
+    pg.set_read_only(true);
+    push_timeouts(&env, &orders[100..], 0);
+    wait_until(WAIT, "/healthz red naming the read-only server", || {
+        let (code, body) = healthz(port);
+        code == 503 && body.contains("read-only")
+    });
+    let red_since = Instant::now();
+    while red_since.elapsed() < Duration::from_secs(3) {
+        assert_eq!(healthz(port).0, 503, "red for as long as it lasts");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(books(&env).dead, 0, "no dead letter for a read-only server");
+    assert_eq!(inbox_count(&env.db), 100);
+    assert_eq!(
+        metric(
+            port,
+            "delay_worker_jobs_total{event=\"order.timeout\",outcome=\"dead\"}"
+        ),
+        0.0
+    );
+
+    pg.set_read_only(false);
+    wait_done(&env, &env.db, 300);
+    wait_until(WAIT, "/healthz green again", || healthz(port).0 == 200);
+    assert_eq!(aborted_backends(&env.db), 0, "no connection left aborted");
+    stop(w);
+    assert_accounting(&env.db, &orders, &all(&orders));
+    assert_eq!(books(&env).dead, 0);
+}
+
+#[test]
+fn a_single_host_url_to_a_server_restarted_as_a_standby_holds_until_it_is_promoted() {
+    let mut env = Env::new();
+    let pg = PgServer::start(&[]);
+    env.db = pg.db();
+    env.config.database_url = pg.url.clone();
+    let orders = seed_orders(&env.db, 200);
+    let (w, port) = start_with_health(&env, &[]);
+    push_timeouts(&env, &orders[..100], 0);
+    wait_done(&env, &env.db, 100);
+    // The old primary comes back in recovery: it answers, and takes no writes.
+    pg.restart_as_standby();
+    push_timeouts(&env, &orders[100..], 0);
+    wait_until(WAIT, "/healthz red naming the read-only server", || {
+        let (code, body) = healthz(port);
+        code == 503 && body.contains("read-only")
+    });
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(books(&env).dead, 0);
+    assert_eq!(inbox_count(&env.db), 100);
+    pg.promote();
+    wait_done(&env, &env.db, 200);
+    wait_until(WAIT, "/healthz green again", || healthz(port).0 == 200);
+    stop(w);
+    assert_accounting(&env.db, &orders, &all(&orders));
+    assert_eq!(books(&env).dead, 0);
+}
+
+/// A primary with a synchronous streaming standby, and a worker given both hosts.
+struct Pair {
+    primary: PgServer,
+    standby: PgServer,
+    url: String,
+}
+
+fn pair() -> Pair {
+    let primary = PgServer::start(&[]);
+    let standby = primary.standby();
+    // Commits wait for the standby: a crash of the primary loses no acknowledged commit.
+    primary.sql("ALTER SYSTEM SET synchronous_standby_names = '*'");
+    primary.sql("SELECT pg_reload_conf()");
+    let url = format!(
+        "postgres://postgres@127.0.0.1:{},127.0.0.1:{}/postgres",
+        primary.port, standby.port
+    );
+    Pair {
+        primary,
+        standby,
+        url,
+    }
+}
+
+/// Pushes `orders` due over `spread`, a slice at a time, from now.
+fn push_spread(env: &Env, orders: &[SeedOrder], spread: Duration) {
+    let slices = 10;
+    let per = orders.len().div_ceil(slices);
+    for (i, chunk) in orders.chunks(per).enumerate() {
+        let delay = spread.as_millis() as i64 * i as i64 / slices as i64;
+        push_timeouts(env, chunk, delay);
+    }
+}
+
+#[test]
+fn a_crash_failover_to_a_promoted_standby_loses_nothing_and_dead_letters_nothing() {
+    let mut env = Env::new();
+    let p = pair();
+    env.db = p.primary.db();
+    env.config.database_url = p.url.clone();
+    let orders = seed_orders(&env.db, 600);
+    let (w, port) = start_with_health(&env, &[]);
+    push_spread(&env, &orders, Duration::from_secs(4));
+    wait_until(WAIT, "progress", || inbox_count(&env.db) > 100);
+    p.primary.crash();
+    let crashed = Instant::now();
+    p.standby.promote();
+    let promoted = Instant::now();
+    let db = p.standby.db();
+    let at_promotion = inbox_count(&db);
+    wait_until(WAIT, "jobs flowing on the promoted standby", || {
+        inbox_count(&db) > at_promotion
+    });
+    let flowing = promoted.elapsed();
+    wait_done(&env, &db, 600);
+    wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
+    stop(w);
+    assert_accounting(&db, &orders, &all(&orders));
+    assert_eq!(books(&env).dead, 0, "no dead letter for a failover");
+    if std::env::var_os("DW_SHOW_TIMINGS").is_some() {
+        eprintln!(
+            "crash failover: promoted {:.1}s after the crash, jobs flowing {:.1}s after the promotion",
+            (promoted - crashed).as_secs_f64(),
+            flowing.as_secs_f64()
+        );
+    }
+}
+
+#[test]
+fn a_primary_that_turns_read_only_first_then_a_promoted_standby_loses_nothing() {
+    let mut env = Env::new();
+    let p = pair();
+    env.db = p.primary.db();
+    env.config.database_url = p.url.clone();
+    let orders = seed_orders(&env.db, 600);
+    let (w, port) = start_with_health(&env, &[]);
+    push_spread(&env, &orders, Duration::from_secs(4));
+    wait_until(WAIT, "progress", || inbox_count(&env.db) > 100);
+    // A switchover: the old primary stops taking writes, the standby catches up and is
+    // promoted, and the old primary comes back as a (read-only) standby.
+    p.primary.set_read_only(true);
+    wait_until(WAIT, "/healthz red", || healthz(port).0 == 503);
+    let held = inbox_count(&env.db);
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(
+        inbox_count(&env.db),
+        held,
+        "nothing done on a read-only primary"
+    );
+    assert_eq!(books(&env).dead, 0, "and nothing dead-lettered");
+    p.standby.promote();
+    let promoted = Instant::now();
+    let db = p.standby.db();
+    wait_until(WAIT, "jobs flowing on the promoted standby", || {
+        inbox_count(&db) > held
+    });
+    let flowing = promoted.elapsed();
+    p.primary.restart_as_standby();
+    wait_done(&env, &db, 600);
+    wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
+    stop(w);
+    assert_accounting(&db, &orders, &all(&orders));
+    assert_eq!(books(&env).dead, 0, "no dead letter for a switchover");
+    if std::env::var_os("DW_SHOW_TIMINGS").is_some() {
+        eprintln!(
+            "read-only first: jobs flowing {:.1}s after the promotion",
+            flowing.as_secs_f64()
+        );
+    }
+}
+
+/// Holds a row lock of `table` (`id`) in a transaction of its own until released.
+fn hold_lock(
+    db: &TestDb,
+    table: &'static str,
+    id: i64,
+) -> (std::sync::mpsc::Sender<()>, std::thread::JoinHandle<()>) {
+    let url = db.url.clone();
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
+    let h = std::thread::spawn(move || {
+        let mut c = postgres::Client::connect(&url, postgres::NoTls).unwrap();
+        let mut t = c.transaction().unwrap();
+        t.execute(
+            &format!("SELECT 1 FROM {table} WHERE id = $1 FOR UPDATE"),
+            &[&id],
+        )
+        .unwrap();
+        ready_tx.send(()).unwrap();
+        let _ = rx.recv();
+        t.rollback().unwrap();
+    });
+    ready_rx.recv().unwrap();
+    (tx, h)
+}
+
+#[test]
+fn a_shop_lock_holds_its_order_and_the_orders_sharing_a_sku_then_they_are_cancelled_once() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 60);
+    // The shop holds one order (a long SELECT ... FOR UPDATE) and one sku that several
+    // orders share, much longer than --retry-base: the jobs come back again and again.
+    let sku = orders[7].items[0].0;
+    let sharing = orders
+        .iter()
+        .filter(|o| o.items.iter().any(|i| i.0 == sku))
+        .count();
+    assert!(sharing > 3, "{sharing} orders share the sku");
+    let (release_order, h1) = hold_lock(&env.db, "orders", orders[0].id);
+    let (release_sku, h2) = hold_lock(&env.db, "sku", sku);
+    let (w, port) = start_with_health(
+        &env,
+        &[
+            "--lock-timeout",
+            "50ms",
+            "--max-retries",
+            "1",
+            "--retry-cap",
+            "300ms",
+        ],
+    );
+    push_timeouts(&env, &orders, 0);
+    // Everything that does not need the locked rows is done.
+    wait_until(WAIT, "the unlocked orders", || {
+        inbox_count(&env.db) as usize == orders.len() - sharing - 1
+    });
+    wait_until(WAIT, "the waiting jobs counted", || {
+        metric(port, "delay_worker_jobs_waiting_on_contention") >= (sharing + 1) as f64
+    });
+    // Many retries later (more than --max-retries), still no dead letter: it waits.
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(books(&env).dead, 0, "a shop lock is no fault of the job");
+    let (_, _, page) = http_get(port, "/").unwrap();
+    assert!(page.contains("wait on other transactions"), "{page}");
+    release_order.send(()).unwrap();
+    release_sku.send(()).unwrap();
+    h1.join().unwrap();
+    h2.join().unwrap();
+    wait_done(&env, &env.db, orders.len() as i64);
+    wait_until(WAIT, "no job waiting", || {
+        metric(port, "delay_worker_jobs_waiting_on_contention") == 0.0
+    });
+    stop(w);
+    assert_accounting(&env.db, &orders, &all(&orders));
+    assert_eq!(books(&env).dead, 0);
+}
+
+/// Shop transactions that lock in another order than the worker's: a coupon, then the
+/// skus of an order in descending id, then the order itself (paying it). Returns the
+/// transactions done and those that failed.
+fn shop_traffic(
+    url: String,
+    targets: Vec<(i64, Option<i64>, Vec<i64>)>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    paid: std::sync::Arc<std::sync::Mutex<Vec<i64>>>,
+) -> (u64, Vec<String>) {
+    let mut c = postgres::Client::connect(&url, postgres::NoTls).unwrap();
+    let (mut done, mut failed) = (0, Vec::new());
+    let mut i = 0;
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        let (order, coupon, skus) = &targets[i % targets.len()];
+        i += 1;
+        let r = (|| -> Result<bool, postgres::Error> {
+            let mut t = c.transaction()?;
+            if let Some(coupon) = coupon {
+                t.execute(
+                    "SELECT 1 FROM coupon_user WHERE id = $1 FOR UPDATE",
+                    &[coupon],
+                )?;
+            }
+            for sku in skus.iter().rev() {
+                t.execute("UPDATE sku SET updated_at = now() WHERE id = $1", &[sku])?;
+            }
+            // Every third one pays its order, if it is still pending.
+            let paid_now = i % 3 == 0
+                && t.execute(
+                    "UPDATE orders SET status = 'paid', paid_at = now() WHERE id = $1 AND status = 'pending'",
+                    &[order],
+                )? == 1;
+            if !paid_now {
+                t.execute("SELECT 1 FROM orders WHERE id = $1 FOR UPDATE", &[order])?;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+            t.commit()?;
+            Ok(paid_now)
+        })();
+        match r {
+            Ok(p) => {
+                done += 1;
+                if p {
+                    paid.lock().unwrap().push(*order);
+                }
+            }
+            Err(e) => failed.push(e.to_string()),
+        }
+    }
+    (done, failed)
+}
+
+#[test]
+fn shop_traffic_locking_in_the_opposite_order_never_fails_while_a_backlog_drains_in_sets() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 1200);
+    let targets: Vec<(i64, Option<i64>, Vec<i64>)> = orders
+        .iter()
+        .step_by(7)
+        .map(|o| {
+            let mut skus: Vec<i64> = o.items.iter().map(|i| i.0).collect();
+            skus.sort_unstable();
+            skus.dedup();
+            (o.id, o.coupon_id, skus)
+        })
+        .collect();
+    let stop_shop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let paid = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let shop: Vec<_> = (0..4)
+        .map(|k| {
+            let (url, stop, paid) = (env.db.url.clone(), stop_shop.clone(), paid.clone());
+            let mut t = targets.clone();
+            let n = t.len();
+            t.rotate_left(k * n / 4);
+            std::thread::spawn(move || shop_traffic(url, t, stop, paid))
+        })
+        .collect();
+    push_timeouts(&env, &orders, 0);
+    let (w, _port) = start_with_health(&env, &[]);
+    wait_done_or_paid(&env, &orders);
+    stop_shop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut shop_done = 0;
+    for h in shop {
+        let (done, failed) = h.join().unwrap();
+        assert!(
+            failed.is_empty(),
+            "the shop's transactions failed: {failed:?}"
+        );
+        shop_done += done;
+    }
+    assert!(shop_done > 0);
+    wait_done(&env, &env.db, orders.len() as i64);
+    stop(w);
+    let paid: std::collections::HashSet<i64> = paid.lock().unwrap().iter().copied().collect();
+    let cancelled: Vec<&SeedOrder> = orders.iter().filter(|o| !paid.contains(&o.id)).collect();
+    assert_accounting(&env.db, &orders, &cancelled);
+    assert_eq!(books(&env).dead, 0, "contention dead-letters nothing");
+}
+
+/// Waits until every job has run (done, or a no-op for an order the shop paid).
+fn wait_done_or_paid(env: &Env, orders: &[SeedOrder]) {
+    wait_done(env, &env.db, orders.len() as i64);
+}
+
+#[test]
+fn a_column_renamed_by_a_deploy_holds_the_jobs_names_the_error_and_they_run_once_it_is_back() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 300);
+    let (w, port) = start_with_health(&env, &[]);
+    push_timeouts(&env, &orders[..100], 0);
+    wait_done(&env, &env.db, 100);
+    let mut c = env.db.client();
+    c.batch_execute("ALTER TABLE orders RENAME COLUMN cancel_reason TO cancel_reason_old")
+        .unwrap();
+    push_timeouts(&env, &orders[100..], 0);
+    wait_until(WAIT, "/healthz red naming the missing column", || {
+        let (code, body) = healthz(port);
+        code == 503 && body.contains("cancel_reason") && body.contains("42703")
+    });
+    wait_until(WAIT, "jobs held", || {
+        metric(
+            port,
+            "delay_worker_jobs_total{event=\"order.timeout\",outcome=\"held\"}",
+        ) >= 1.0
+    });
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(books(&env).dead, 0, "a schema in flux dead-letters nothing");
+    assert_eq!(inbox_count(&env.db), 100);
+    c.batch_execute("ALTER TABLE orders RENAME COLUMN cancel_reason_old TO cancel_reason")
+        .unwrap();
+    wait_done(&env, &env.db, 300);
+    wait_until(WAIT, "/healthz green again", || healthz(port).0 == 200);
+    stop(w);
+    assert_accounting(&env.db, &orders, &all(&orders));
+    assert_eq!(books(&env).dead, 0);
+}
+
+#[test]
+fn a_handler_whose_table_is_missing_holds_only_its_own_jobs_until_the_table_comes() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 50);
+    let dir = HandlerDir::new(&[(
+        "loyalty.sql",
+        "-- event: loyalty.points\n-- requires: user_id\n\
+         INSERT INTO loyalty (user_id, points) VALUES (($1 ->> 'user_id')::bigint, 10)"
+            .to_string(),
+    )]);
+    let (w, port) = start_with_health(&env, &["--handlers-dir", dir.0.to_str().unwrap()]);
+    let now = delay_worker::now_ms();
+    let mut con = env.con();
+    for u in 0..20 {
+        let job = delay_worker::producer::NewJob {
+            event: "loyalty.points".into(),
+            payload: serde_json::json!({ "user_id": u }),
+            due_ms: now,
+            key: Some(format!("loyalty:{u}")),
+        };
+        delay_worker::producer::push(&mut con, &env.config.keys, &job, now).unwrap();
+    }
+    push_timeouts(&env, &orders, 0);
+    // The order timeouts run; the loyalty jobs are held, health names the handler.
+    wait_until(WAIT, "the order timeouts", || inbox_count(&env.db) == 50);
+    wait_until(WAIT, "/healthz red naming the handler", || {
+        let (code, body) = healthz(port);
+        code == 503 && body.contains("loyalty.points") && body.contains("42P01")
+    });
+    assert_eq!(books(&env).dead, 0);
+    env.db
+        .client()
+        .batch_execute("CREATE TABLE loyalty (user_id bigint, points int)")
+        .unwrap();
+    wait_done(&env, &env.db, 70);
+    let points: i64 = env
+        .db
+        .client()
+        .query_one("SELECT count(*) FROM loyalty", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(points, 20, "each loyalty job once");
+    wait_until(WAIT, "/healthz green again", || healthz(port).0 == 200);
+    stop(w);
+    assert_accounting(&env.db, &orders, &all(&orders));
+    assert_eq!(books(&env).dead, 0);
+}
+
+#[test]
+fn dead_letters_faster_than_the_threshold_turn_healthz_red() {
+    let env = Env::new();
+    let (w, port) = start_with_health(&env, &["--dead-rate-crit", "5"]);
+    wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
+    for i in 0..8 {
+        // Messages that are not JSON: the job's own fault, a dead letter each.
+        xadd(
+            &env,
+            &env.config.keys.stream,
+            format!("not json {i}").as_bytes(),
+        );
+    }
+    wait_until(WAIT, "the dead letters", || books(&env).dead == 8);
+    wait_until(WAIT, "/healthz red naming the rate", || {
+        let (code, body) = healthz(port);
+        code == 503 && body.contains("dead letters in the last minute")
+    });
+    stop(w);
+}
+
+#[test]
+fn every_sqlstate_class_has_an_owner() {
+    use delay_worker::db::{classify_code, Fault};
+    let cases = [
+        (
+            "25006",
+            "cannot execute INSERT in a read-only transaction",
+            Fault::Server,
+        ),
+        ("25P02", "current transaction is aborted", Fault::Server),
+        (
+            "57P01",
+            "terminating connection due to administrator command",
+            Fault::Server,
+        ),
+        ("08006", "connection failure", Fault::Server),
+        ("53300", "too many clients", Fault::Server),
+        (
+            "40001",
+            "canceling statement due to conflict with recovery",
+            Fault::Server,
+        ),
+        ("40003", "statement completion unknown", Fault::Server),
+        ("40001", "could not serialize access", Fault::Contention),
+        ("40P01", "deadlock detected", Fault::Contention),
+        (
+            "55P03",
+            "canceling statement due to lock timeout",
+            Fault::Contention,
+        ),
+        (
+            "57014",
+            "canceling statement due to statement timeout",
+            Fault::Contention,
+        ),
+        ("42703", "column \"x\" does not exist", Fault::Schema),
+        ("42P01", "relation \"x\" does not exist", Fault::Schema),
+        ("42883", "function x() does not exist", Fault::Schema),
+        ("42501", "permission denied for table orders", Fault::Schema),
+        (
+            "0A000",
+            "cached plan must not change result type",
+            Fault::Schema,
+        ),
+        ("22P02", "invalid input syntax for type bigint", Fault::Job),
+        ("23505", "duplicate key value", Fault::Job),
+        ("23514", "violates check constraint", Fault::Job),
+        ("P0001", "the handler's own RAISE", Fault::Job),
+        ("40002", "deferred constraint at commit", Fault::Job),
+        ("ZZ999", "a class nobody knows", Fault::Schema),
+    ];
+    for (code, message, fault) in cases {
+        assert_eq!(classify_code(code, message), fault, "{code} {message}");
+    }
+}
