@@ -41,12 +41,14 @@
 
 pub mod admin;
 pub mod backoff;
+pub mod clock;
 pub mod config;
 pub mod conninfo;
 pub mod daemon;
 pub mod db;
 pub mod delivery;
 pub mod handlers;
+pub mod health;
 pub mod keys;
 pub mod message;
 pub mod metrics;
@@ -55,11 +57,13 @@ pub mod notify;
 pub mod producer;
 pub mod prune;
 pub mod shutdown;
+pub mod signals;
 pub mod source;
 pub mod stats;
 pub mod status;
 pub mod store;
 pub mod tls;
+pub mod watch;
 pub mod workers;
 
 pub use config::Config;

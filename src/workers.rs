@@ -268,7 +268,7 @@ impl<'a> Worker<'a> {
             return;
         }
         self.durability_lost = false;
-        let now = crate::now_ms();
+        let now = self.ctx.stats.clock.now_ms();
         let mut n = 0;
         for s in outcomes.iter_mut().filter(|s| s.is_ack()) {
             s.outcome = Outcome::Retry {
@@ -440,6 +440,8 @@ impl<'a> Worker<'a> {
                 return Err(Box::new(self.dead(d, r.to_string(), event, 1)));
             }
         };
+        let clock = &self.ctx.stats.clock;
+        clock.producer_ts(env.ts, d.arrived_ms().unwrap_or_else(|| clock.now_ms()));
         let Some((index, handler)) = self.ctx.registry.get(&env.event) else {
             let reason = Rejection::UnknownEvent(env.event.clone()).to_string();
             let attempts = env.retry as u64 + 1;
@@ -468,7 +470,7 @@ impl<'a> Worker<'a> {
                     Effect::Applied => JobOutcome::Done,
                     Effect::NoOp => JobOutcome::NoOp,
                 };
-                let now = crate::now_ms();
+                let now = stats.clock.now_ms();
                 stats.jobs.lateness(d.due_ms, now);
                 if log::log_enabled!(log::Level::Debug) {
                     let what = match effect {
@@ -503,7 +505,7 @@ impl<'a> Worker<'a> {
                 );
                 let retry = Outcome::Retry {
                     msg: env.next_retry().into_bytes(),
-                    due_ms: crate::now_ms() + delay.as_millis() as i64,
+                    due_ms: stats.clock.now_ms() + delay.as_millis() as i64,
                 };
                 Settlement::new(d, retry).with_event(&env.event)
             }
@@ -630,8 +632,7 @@ impl<'a> Worker<'a> {
                     }
                 },
             };
-            let now_s = crate::now_ms() / 1000;
-            match store::settle(con, self.ctx.shards, self.ctx.consumer, now_s, outcomes) {
+            match store::settle(con, self.ctx.shards, self.ctx.consumer, outcomes) {
                 Ok(report) => {
                     self.redis_backoff.reset();
                     self.settled(outcomes, &report);
@@ -718,9 +719,8 @@ impl<'a> Worker<'a> {
     fn give_up(&mut self, outcomes: &mut Vec<Settlement>) -> bool {
         for _ in 0..3 {
             if let Ok(mut c) = store::connect(self.ctx.redis) {
-                let now_s = crate::now_ms() / 1000;
                 if let Ok(report) =
-                    store::settle(&mut c, self.ctx.shards, self.ctx.consumer, now_s, outcomes)
+                    store::settle(&mut c, self.ctx.shards, self.ctx.consumer, outcomes)
                 {
                     self.settled(outcomes, &report);
                     return true;

@@ -94,6 +94,19 @@ impl<'a> Reader<'a> {
         self
     }
 
+    /// Refreshes this consumer's heartbeat, with this process's health record in it.
+    fn heartbeat(&self, con: &mut dyn redis::ConnectionLike) -> Result<(), StepError> {
+        let record = crate::health::Record::of(self.stats).to_json();
+        store::heartbeat(
+            con,
+            self.keys,
+            self.consumer,
+            self.cfg.heartbeat_ttl,
+            &record,
+        )?;
+        Ok(())
+    }
+
     fn reading(&self) -> Reading<'a> {
         Reading {
             keys: self.keys,
@@ -129,7 +142,7 @@ impl<'a> Reader<'a> {
         shutdown: &Shutdown,
     ) -> Result<usize, StepError> {
         stream::ensure_group(con, self.keys)?;
-        store::heartbeat(con, self.keys, self.consumer, self.cfg.heartbeat_ttl)?;
+        self.heartbeat(con)?;
         self.bury_overdelivered(con, Some(self.consumer), Duration::ZERO)?;
         // Whatever was taken over before a reconnect is in our own pending now.
         self.taken.clear();
@@ -139,7 +152,7 @@ impl<'a> Reader<'a> {
             let room = self.feed.room();
             if room == 0 {
                 self.feed.wait_for_room(self.cfg.block);
-                store::heartbeat(con, self.keys, self.consumer, self.cfg.heartbeat_ttl)?;
+                self.heartbeat(con)?;
                 continue;
             }
             let read = stream::read(con, self.reading(), room, &cursor)?;
@@ -209,7 +222,7 @@ impl<'a> Reader<'a> {
     /// Heartbeat, dead consumers, over-delivered entries, idle entries; in that order, so
     /// an entry over the delivery limit is dead-lettered rather than reclaimed once more.
     pub fn maintain(&mut self, con: &mut dyn redis::ConnectionLike) -> Result<usize, StepError> {
-        store::heartbeat(con, self.keys, self.consumer, self.cfg.heartbeat_ttl)?;
+        self.heartbeat(con)?;
         self.take_over_dead_consumers(con)?;
         self.bury_overdelivered(con, None, self.cfg.claim_idle)?;
         let n = self.autoclaim(con)?;

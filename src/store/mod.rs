@@ -32,7 +32,7 @@ use redis::{ConnectionLike, RedisError, Value};
 use std::time::Duration;
 
 pub use link::{Con, Redis, Topology, CONNECT_TIMEOUT};
-pub use pool::{cancel, move_due, push, MoveReport, Pool, Target};
+pub use pool::{cancel, move_due, push, At, MoveReport, Pool, Target, LOST_DATA};
 
 /// A script of `src/lua/`, with the shared prelude (type checks, the size screen) in
 /// front of it.
@@ -288,7 +288,6 @@ pub fn settle(
     con: &mut dyn ConnectionLike,
     shards: &[Keys],
     consumer: &str,
-    now_s: i64,
     batch: &[Settlement],
 ) -> StoreResult<SettleReport> {
     type Part<'b> = Vec<(usize, &'b Settlement)>;
@@ -312,9 +311,9 @@ pub fn settle(
         let keys = shards.get(shard).unwrap_or(&shards[0]);
         let items: Vec<&Settlement> = part.iter().map(|(_, s)| *s).collect();
         let reply = if is_stream {
-            stream::settle(con, keys, consumer, now_s, &items)?
+            stream::settle(con, keys, consumer, &items)?
         } else {
-            list::settle(con, keys, consumer, now_s, &items)?
+            list::settle(con, keys, consumer, &items)?
         };
         let codes = report.extend_from(&reply, items.len());
         for ((i, _), code) in part.iter().zip(codes) {
@@ -324,20 +323,115 @@ pub fn settle(
     Ok(report)
 }
 
-/// Refreshes a consumer's heartbeat key: peers take over its work once the key expires.
+/// Refreshes a consumer's heartbeat key: peers take over its work once the key expires
+/// (they ask only whether it exists). Its value is the process's health record
+/// (`health.rs`), which the operator's tools read.
 pub fn heartbeat(
     con: &mut dyn ConnectionLike,
     keys: &Keys,
     consumer: &str,
     ttl: Duration,
+    record: &str,
 ) -> StoreResult<()> {
     let mut cmd = redis::cmd("SET");
     cmd.arg(keys.heartbeat(consumer))
-        .arg(crate::now_ms())
+        .arg(record)
         .arg("PX")
         .arg(ttl.as_millis().max(1) as u64);
     query("heartbeat", &cmd, con)
 }
+
+/// Redis's clock (`TIME`), unix microseconds, read on the server that holds `key` (on a
+/// Redis Cluster, each master has its own clock and decides for its own slots).
+pub fn server_time_us(con: &mut dyn ConnectionLike, key: &str) -> StoreResult<i64> {
+    let mut inv = TIME.prepare_invoke();
+    inv.key(key);
+    let v = run("read the server's clock", &inv, con)?;
+    let parts: Vec<i64> = match v {
+        Value::Array(items) => items
+            .iter()
+            .map(|p| value_to_string(p).parse().unwrap_or(0))
+            .collect(),
+        _ => Vec::new(),
+    };
+    match parts.as_slice() {
+        [s, us, ..] => Ok(s.saturating_mul(1_000_000).saturating_add(*us)),
+        _ => Err(StoreError::Refused {
+            what: "read the server's clock",
+            source: RedisError::from((redis::ErrorKind::Parse, "TIME answered no time")),
+        }),
+    }
+}
+
+/// One round trip of [`server_time_us`] with this host's clock read on either side: what
+/// `clock::Sample` measures the offset from.
+pub fn clock_sample(con: &mut dyn ConnectionLike, key: &str) -> StoreResult<crate::clock::Sample> {
+    let host_us = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_micros() as i64)
+            .unwrap_or(0)
+    };
+    let before_us = host_us();
+    let server_us = server_time_us(con, key)?;
+    Ok(crate::clock::Sample {
+        before_us,
+        server_us,
+        after_us: host_us(),
+    })
+}
+
+/// What Redis says of its memory (`INFO memory`, read on the server that holds `key`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Memory {
+    /// `maxmemory-policy`: what Redis does when `maxmemory` is reached.
+    pub policy: String,
+    /// `maxmemory` in bytes (0: no limit).
+    pub max: u64,
+    /// `used_memory` in bytes.
+    pub used: u64,
+}
+
+impl Memory {
+    /// Whether the policy may evict keys the worker keeps (its pool, data and streams have
+    /// no TTL, so only the `allkeys-*` policies reach them; `volatile-*` evict only keys
+    /// with a TTL, such as the heartbeats).
+    pub fn evicts_data(&self) -> bool {
+        self.policy.starts_with("allkeys-")
+    }
+
+    /// Used memory as a share of `maxmemory` (`None` without a limit).
+    pub fn fill(&self) -> Option<f64> {
+        (self.max > 0).then(|| self.used as f64 / self.max as f64)
+    }
+}
+
+/// `INFO memory` of the server that holds `key`, from a script (so that a Cluster routes it
+/// by the key, and an ACL user needs only `+info|memory`, not `CONFIG GET`).
+pub fn memory(con: &mut dyn ConnectionLike, key: &str) -> StoreResult<Memory> {
+    let mut inv = INFO_MEMORY.prepare_invoke();
+    inv.key(key);
+    let text = value_to_string(&run("read INFO memory", &inv, con)?);
+    let field = |name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+            .map(|v| v.trim().to_string())
+    };
+    Ok(Memory {
+        policy: field("maxmemory_policy").unwrap_or_default(),
+        max: field("maxmemory").and_then(|v| v.parse().ok()).unwrap_or(0),
+        used: field("used_memory")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0),
+    })
+}
+
+/// The two read-only scripts of [`server_time_us`] and [`memory`]: keyed, so a Cluster
+/// sends them to the master of that key's slot.
+static TIME: std::sync::LazyLock<redis::Script> =
+    std::sync::LazyLock::new(|| redis::Script::new("return redis.call('TIME')"));
+static INFO_MEMORY: std::sync::LazyLock<redis::Script> =
+    std::sync::LazyLock::new(|| redis::Script::new("return redis.call('INFO', 'memory')"));
 
 /// Removes a consumer's heartbeat at shutdown, so peers take over whatever it still has
 /// pending at once instead of after the heartbeat's expiry.

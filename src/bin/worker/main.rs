@@ -149,15 +149,7 @@ fn syslog_level(l: log::Level) -> u8 {
 
 fn run(config: &Config) -> anyhow::Result<ExitCode> {
     let shutdown = Shutdown::new();
-    let s = shutdown.clone();
-    ctrlc::set_handler(move || {
-        if s.trigger() {
-            eprintln!("worker: second signal, exiting now; unacknowledged jobs stay pending");
-            std::process::exit(130);
-        }
-        log::info!("signal received: finishing the jobs in hand (signal again to exit now)");
-    })
-    .context("cannot install the signal handler")?;
+    delay_worker::signals::install(&shutdown).context("cannot install the signal handler")?;
     daemon::run(config, &shutdown).map_err(handlers_dir)?;
     Ok(ExitCode::SUCCESS)
 }
