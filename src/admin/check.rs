@@ -170,7 +170,7 @@ pub fn evaluate_all(r: &StatsReport, t: &Thresholds, memory: &[(String, Memory)]
             figs.push(Figure {
                 status: Status::Critical,
                 text: format!(
-                    "redis maxmemory-policy {} on the server of {key}: it may evict scheduled                      jobs (set noeviction)",
+                    "redis maxmemory-policy {} on the server of {key}: it may evict scheduled jobs (set noeviction)",
                     m.policy
                 ),
                 perf: String::new(),
