@@ -31,7 +31,13 @@
 //! - `handlers/` — what a job does in PostgreSQL; `db.rs` — pool, migrations, errors.
 //! - `tls.rs` — TLS to both servers (rustls); `conninfo.rs` — connection strings read as
 //!   their clients read them (for the TLS settings and for redaction).
-//! - `stats.rs` — the one set of counters (log line, exit report, `/metrics`).
+//! - `stats.rs` — the one set of counters (log line, exit report, `/metrics`) and the
+//!   problems the roles report; `health.rs` — the record of them each worker publishes in
+//!   its heartbeat key, for `worker stats`.
+//! - `clock.rs` — the one clock: due times are Redis's (`TIME` in the move script); the
+//!   host's measured offset corrects its own clock everywhere else. `watch.rs` — the role
+//!   that measures it and looks at Redis's memory settings (an evicting Redis is refused).
+//! - `signals.rs` — the signals: stop, reload (SIGHUP), state report (SIGUSR1).
 //! - `prune.rs` — the inbox pruner: old `worker_inbox` rows deleted, one process at a time.
 //! - `shutdown.rs`, `backoff.rs` — the small shared pieces.
 //! - `admin/` — the operator's tools: `worker stats` (`--watch`, `--check`), `worker dead`.
@@ -69,7 +75,10 @@ pub mod workers;
 pub use config::Config;
 pub use shutdown::Shutdown;
 
-/// Wall-clock time in unix milliseconds: due times are wall-clock by contract.
+/// This host's wall-clock time in unix milliseconds. Due times are wall-clock by contract,
+/// on Redis's clock: compare with them through `Stats::clock` (`clock.rs`), which corrects
+/// this by the host's measured offset; this raw clock is for the host's own intervals
+/// (heartbeats of the roles, problem windows).
 pub fn now_ms() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

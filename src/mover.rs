@@ -33,6 +33,9 @@ use redis::ConnectionLike;
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
+/// The longest a pool waits before trying again while its hash slot is moving.
+pub const MOVING_BACKOFF: Duration = Duration::from_secs(1);
+
 pub struct Mover<'a> {
     keys: &'a Keys,
     cfg: &'a MoverConfig,
@@ -237,10 +240,20 @@ impl<'a> Mover<'a> {
     /// A pool's failed call: reported under its name, and it alone waits before its next
     /// try. Returns that wait.
     fn failed(&self, state: &mut PoolState, e: &StoreError, now_ms: i64) -> Duration {
-        let wait = state.backoff.next_delay();
+        let mut wait = state.backoff.next_delay();
+        if e.is_moving() {
+            // A reshard or a failover ends by itself: try again soon, and do not withhold
+            // the watchdog (a restart would not help; the other pools go on).
+            wait = wait.min(MOVING_BACKOFF);
+        }
         state.retry_at_ms = Some(now_ms.saturating_add(wait.as_millis() as i64));
         let role = &state.role;
-        if self.stats.report_problem(role, e.to_string()) {
+        let log = if e.is_moving() {
+            self.stats.report_critical(role, e.to_string())
+        } else {
+            self.stats.report_problem(role, e.to_string())
+        };
+        if log {
             log::error!("{role}: {e}; this pool retries with backoff, the others go on");
         } else {
             log::debug!("{role}: still failing: {e}");

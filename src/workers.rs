@@ -703,7 +703,12 @@ impl<'a> Worker<'a> {
                 _ => {}
             }
         }
-        if let Some(w) = &report.blocked {
+        if let Some(m) = &report.moving {
+            let problem = format!("outcomes are held back: {m}; they are settled once it answers");
+            if stats.report_critical(&self.name, problem.clone()) {
+                log::warn!("{}: {blocked} {problem}", self.name);
+            }
+        } else if let Some(w) = &report.blocked {
             let problem = format!(
                 "outcomes are held back: {w}; they are settled once it is renamed or removed"
             );

@@ -531,6 +531,7 @@ pub fn redis_now_ms(con: &mut dyn redis::ConnectionLike, config: &Config) -> Red
         .map(|us| us.div_euclid(1000))
         .map_err(|e| match e {
             crate::store::StoreError::Connection { source, .. }
+            | crate::store::StoreError::Moving { source, .. }
             | crate::store::StoreError::Refused { source, .. } => source,
             other => RedisError::from((redis::ErrorKind::Client, "TIME", other.to_string())),
         })

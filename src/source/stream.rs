@@ -344,23 +344,98 @@ impl Source for Reader<'_> {
 /// reader thread's one connection. Each step polls every shard once, starting from the
 /// next one each time so no shard waits behind another, and waits for the doorbell only
 /// when every shard's read emptied its stream.
+///
+/// A shard whose hash slot is moving or unserved (`StoreError::Moving`: `TRYAGAIN` while
+/// it is resharded, `CLUSTERDOWN`) holds back only itself: it is reported under its own
+/// name (`reader (shard i)`, naming the code), skipped for a short backoff (at most
+/// [`crate::mover::MOVING_BACKOFF`]) and tried again; its start is retried the same way.
+/// The other shards keep being read.
 pub struct Shards<'a> {
     readers: Vec<Reader<'a>>,
     doorbell: Doorbell,
     next: usize,
+    /// Per shard: whether its start went through, and, while its slot is moving, the
+    /// backoff and when to try again.
+    started: Vec<bool>,
+    held: Vec<(crate::backoff::Backoff, Option<Instant>)>,
+    /// The daemon's, for a start retried from a later step.
+    shutdown: Shutdown,
+}
+
+impl Shards<'_> {
+    /// Shard `i`'s step failed because its slot is moving: reported, and skipped a while.
+    fn hold(&mut self, i: usize, e: &store::StoreError) {
+        let r = &self.readers[i];
+        let problem = format!("its messages wait: {e}");
+        if r.stats.report_critical(&r.name, problem.clone()) {
+            log::warn!("{}: {problem}; the other shards go on", r.name);
+        }
+        let (backoff, until) = &mut self.held[i];
+        *until = Some(Instant::now() + backoff.next_delay().min(crate::mover::MOVING_BACKOFF));
+    }
+
+    /// Shard `i` answered again after its slot moved.
+    fn release(&mut self, i: usize) {
+        let (backoff, until) = &mut self.held[i];
+        if until.take().is_some() {
+            backoff.reset();
+            let r = &self.readers[i];
+            if r.stats.clear_problem(&r.name, i64::MAX) {
+                log::info!("{}: its slot answers again", r.name);
+            }
+        }
+    }
+
+    /// One shard's step: its start first if it has not gone through yet.
+    fn step(&mut self, i: usize, con: &mut dyn redis::ConnectionLike) -> Result<usize, StepError> {
+        if self.held[i].1.is_some_and(|t| Instant::now() < t) {
+            self.readers[i].drained = true;
+            return Ok(0);
+        }
+        let result = if self.started[i] {
+            self.readers[i].poll(con)
+        } else {
+            let shutdown = self.shutdown.clone();
+            self.readers[i].start(con, &shutdown)
+        };
+        match result {
+            Ok(n) => {
+                self.started[i] = true;
+                self.release(i);
+                Ok(n)
+            }
+            Err(StepError::Store(e)) if e.is_moving() => {
+                self.hold(i, &e);
+                self.readers[i].drained = true;
+                Ok(0)
+            }
+            Err(e) => Err(e),
+        }
+    }
 }
 
 impl<'a> Shards<'a> {
     pub fn new(readers: Vec<Reader<'a>>, doorbell: Doorbell) -> Self {
-        let readers = readers
+        let readers: Vec<Reader<'a>> = readers
             .into_iter()
             .enumerate()
             .map(|(i, r)| r.in_shard(i))
             .collect();
+        let n = readers.len();
         Shards {
+            started: vec![false; n],
+            held: (0..n)
+                .map(|i| {
+                    (
+                        crate::backoff::Backoff::new(&format!("reader (shard {i})")),
+                        None,
+                    )
+                })
+                .collect(),
             readers,
             doorbell,
             next: 0,
+            shutdown: Shutdown::new(),
         }
     }
 }
@@ -379,9 +454,12 @@ impl Source for Shards<'_> {
         con: &mut dyn redis::ConnectionLike,
         shutdown: &Shutdown,
     ) -> Result<usize, StepError> {
+        // After a lost connection every shard starts again (its own pending first).
+        self.started.iter_mut().for_each(|s| *s = false);
+        self.shutdown = shutdown.clone();
         let mut n = 0;
-        for r in &mut self.readers {
-            n += r.start(con, shutdown)?;
+        for i in 0..self.readers.len() {
+            n += self.step(i, con)?;
         }
         Ok(n)
     }
@@ -389,7 +467,7 @@ impl Source for Shards<'_> {
         let len = self.readers.len();
         let mut n = 0;
         for k in 0..len {
-            n += self.readers[(self.next + k) % len].poll(con)?;
+            n += self.step((self.next + k) % len, con)?;
         }
         self.next = (self.next + 1) % len.max(1);
         if self.readers.iter().all(|r| r.drained) {

@@ -53,11 +53,22 @@ pub(crate) use script;
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     /// The connection broke, timed out or was refused, the server is still loading, or a
-    /// failover is under way (`READONLY`, `MASTERDOWN`, `TRYAGAIN`, `CLUSTERDOWN`, a group
-    /// missing on a promoted replica): reconnect, start again and back off.
+    /// failover is under way (`READONLY`, `MASTERDOWN`, a group missing on a promoted
+    /// replica): reconnect, start again and back off.
     #[error("{what}: connection lost: {source}")]
     Connection {
         what: &'static str,
+        source: RedisError,
+    },
+    /// On a Redis Cluster, the hash slot of these keys is being resharded (`TRYAGAIN`:
+    /// some of a script's keys have moved, the others not yet; `ASK`, `MOVED` after the
+    /// client's own redirects) or has no master serving it (`CLUSTERDOWN`). It holds back
+    /// only the key set of that slot (one shard): the connection is fine, the other shards
+    /// go on, and this one is tried again after a short backoff. The code is in the text.
+    #[error("{what}: its hash slot is moving or unserved ({code}): {source}")]
+    Moving {
+        what: &'static str,
+        code: &'static str,
         source: RedisError,
     },
     /// A key holds another type than the one the worker keeps there. Nothing was
@@ -80,6 +91,16 @@ pub enum StoreError {
 
 impl StoreError {
     pub fn from_redis(what: &'static str, source: RedisError) -> StoreError {
+        let moving = match source.kind() {
+            redis::ErrorKind::Server(redis::ServerErrorKind::TryAgain) => Some("TRYAGAIN"),
+            redis::ErrorKind::Server(redis::ServerErrorKind::Ask) => Some("ASK"),
+            redis::ErrorKind::Server(redis::ServerErrorKind::Moved) => Some("MOVED"),
+            redis::ErrorKind::Server(redis::ServerErrorKind::ClusterDown) => Some("CLUSTERDOWN"),
+            _ => None,
+        };
+        if let Some(code) = moving {
+            return StoreError::Moving { what, code, source };
+        }
         let lost = source.is_io_error()
             || source.is_connection_dropped()
             || source.is_connection_refusal()
@@ -91,8 +112,6 @@ impl StoreError {
                         // A failover: this node was demoted, or the cluster is moving.
                         | redis::ServerErrorKind::ReadOnly
                         | redis::ServerErrorKind::MasterDown
-                        | redis::ServerErrorKind::TryAgain
-                        | redis::ServerErrorKind::ClusterDown
                 )
             )
             // A promoted replica that never saw the group: start again, which creates it
@@ -108,6 +127,11 @@ impl StoreError {
     /// The connection is unusable: drop it and connect again.
     pub fn is_connection(&self) -> bool {
         matches!(self, StoreError::Connection { .. })
+    }
+
+    /// The key set's hash slot is moving or unserved: only that shard waits.
+    pub fn is_moving(&self) -> bool {
+        matches!(self, StoreError::Moving { .. })
     }
 
     /// The problem an operator must act on, for health checks; `None` for outages.
@@ -253,6 +277,9 @@ pub struct SettleReport {
     pub each: Vec<Settled>,
     /// The key that blocked a settlement, if one did.
     pub blocked: Option<WrongType>,
+    /// A shard whose hash slot is moving or unserved, if one was: its settlements are
+    /// [`Settled::Blocked`] (left where they were, tried again), the other shards' done.
+    pub moving: Option<String>,
 }
 
 impl SettleReport {
@@ -294,6 +321,7 @@ pub fn settle(
     let mut report = SettleReport {
         each: vec![Settled::AlreadySettled; batch.len()],
         blocked: None,
+        moving: None,
     };
     // One script per shard and kind: a shard's keys share a hash slot, two shards' do not.
     let mut parts: Vec<(usize, bool, Part<'_>)> = Vec::new();
@@ -311,9 +339,21 @@ pub fn settle(
         let keys = shards.get(shard).unwrap_or(&shards[0]);
         let items: Vec<&Settlement> = part.iter().map(|(_, s)| *s).collect();
         let reply = if is_stream {
-            stream::settle(con, keys, consumer, &items)?
+            stream::settle(con, keys, consumer, &items)
         } else {
-            list::settle(con, keys, consumer, &items)?
+            list::settle(con, keys, consumer, &items)
+        };
+        let reply = match reply {
+            Ok(r) => r,
+            // One shard's slot moving holds back that shard's outcomes only.
+            Err(e) if e.is_moving() && shards.len() > 1 => {
+                for (i, _) in &part {
+                    report.each[*i] = Settled::Blocked;
+                }
+                report.moving = Some(format!("shard {shard} ({}): {e}", keys.pool));
+                continue;
+            }
+            Err(e) => return Err(e),
         };
         let codes = report.extend_from(&reply, items.len());
         for ((i, _), code) in part.iter().zip(codes) {

@@ -180,7 +180,10 @@ fn push(config: &Config, args: &PushArgs) -> anyhow::Result<ExitCode> {
     if !args.unchecked {
         check_job(config, &args.event, &payload)?;
     }
-    let now = delay_worker::now_ms();
+    let mut con = redis(config)?;
+    daemon::check_shards(config, &mut con, true)?;
+    // Due `--delay` after now on Redis's clock, which decides when it is due.
+    let now = admin::stats::redis_now_ms(&mut con, config)?;
     // The key first: it names the shard.
     let key = args
         .key
@@ -193,8 +196,6 @@ fn push(config: &Config, args: &PushArgs) -> anyhow::Result<ExitCode> {
         due_ms: now + args.delay.as_millis() as i64,
         key: Some(key),
     };
-    let mut con = redis(config)?;
-    daemon::check_shards(config, &mut con, true)?;
     let pushed = producer::push(&mut con, &keys, &job, now).map_err(|e| match e {
         producer::PushError::Store(e) => anyhow::Error::new(e),
         // The job itself is wrong (an empty key or event): bad input.
