@@ -486,7 +486,8 @@ impl Metrics {
         if let Some(due) = due_ms {
             let late_ms = committed_ms.saturating_sub(due);
             self.lateness.observe(late_ms as f64 / 1000.0);
-            self.history.lateness(committed_ms, late_ms);
+            // The minute slot on this host's clock, as the job's outcome's (`job`).
+            self.history.lateness(crate::now_ms(), late_ms);
         }
     }
 

@@ -227,8 +227,13 @@ impl<'a> Reader<'a> {
         self.bury_overdelivered(con, None, self.cfg.claim_idle)?;
         let n = self.autoclaim(con)?;
         if due(&mut self.last_trim, TRIM_EVERY) {
-            let removed =
-                stream::trim_acknowledged(con, self.keys, self.cfg.retention, crate::now_ms())?;
+            let removed = stream::trim_acknowledged(
+                con,
+                self.keys,
+                self.cfg.retention,
+                // Entry ids are Redis's time.
+                self.stats.clock.now_ms(),
+            )?;
             if removed > 0 {
                 log::info!(
                     "reader: trimmed {removed} acknowledged stream entries older than the retention"
