@@ -958,13 +958,17 @@ pub fn render(r: &StatsReport, rates: Option<&Rates>, out: &mut dyn Write) -> st
             .unwrap_or(0)
             .max("worker".len());
         writeln!(out)?;
-        writeln!(out, "{:ww$}  {:>18}  problems", "worker", "clock offset")?;
+        writeln!(
+            out,
+            "{:ww$}  {:>18}  {:>15}  problems",
+            "worker", "clock offset", "producers ahead"
+        )?;
         for w in &r.workers {
             let Some(rec) = &w.record else {
                 writeln!(
                     out,
-                    "{:ww$}  {:>18}  (an older worker: no health record)",
-                    w.name, "?"
+                    "{:ww$}  {:>18}  {:>15}  (an older worker: no health record)",
+                    w.name, "?", "?"
                 )?;
                 continue;
             };
@@ -980,9 +984,13 @@ pub fn render(r: &StatsReport, rates: Option<&Rates>, out: &mut dyn Write) -> st
                 .iter()
                 .map(|p| format!("[{}] {}: {}", p.severity, p.role, p.what))
                 .collect();
+            let ahead = match rec.producer_ahead {
+                0 => "0".to_string(),
+                n => format!("{n} (≤{:.0}s)", rec.producer_lead_max_ms as f64 / 1000.0),
+            };
             writeln!(
                 out,
-                "{:ww$}  {offset:>18}  {}",
+                "{:ww$}  {offset:>18}  {ahead:>15}  {}",
                 w.name,
                 if problems.is_empty() {
                     "none".to_string()

@@ -363,12 +363,18 @@ fn data_that_vanished_is_lost_data_with_its_key_and_due_time() {
         );
         assert!(l["key"].starts_with("order.timeout:"), "{l:?}");
     }
-    assert!(p.log().contains("lost their data"), "{}", p.log());
+    wait_until(WAIT, "the lost data logged", || {
+        p.log().contains("lost their data")
+    });
     let out = run_worker(&["stats", "--check"], &env.config.redis_url, &env.db.url);
     let line = text(&out.stdout);
     assert_eq!(out.status.code(), Some(2), "{line}");
     assert!(line.contains("lost data 5"), "{line}");
-    assert!(line.contains("worker c1: mover (lost data)"), "{line}");
+    // The worker's record names it too, from its next heartbeat on.
+    wait_until(WAIT, "stats --check naming the worker's problem", || {
+        let out = run_worker(&["stats", "--check"], &env.config.redis_url, &env.db.url);
+        text(&out.stdout).contains("worker c1: mover (lost data)")
+    });
     p.signal(libc::SIGTERM);
     assert!(p.wait(WAIT).success(), "{}", p.log());
     // The kept orders cancelled once, the lost ones untouched (their jobs are dead letters).
@@ -379,11 +385,25 @@ fn data_that_vanished_is_lost_data_with_its_key_and_due_time() {
 #[test]
 fn signals_of_a_legacy_host_never_kill_the_daemon_silently() {
     let env = Env::new();
-    let orders = seed_orders(&env.db, 30);
+    let orders = seed_orders(&env.db, 31);
     let mut p = worker(&env, &[], &[]);
     wait_until(WAIT, "the daemon started", || p.log().contains("starting:"));
     push_on_redis_clock(&env, &orders[..10], 0);
     wait_until(WAIT, "the first jobs", || inbox_count(&env.db) == 10);
+    // A producer whose clock runs 120 s ahead: its message's ts is later than its arrival.
+    let mut con = env.con();
+    let now = redis_ms(&mut con);
+    let job = delay_worker::producer::NewJob {
+        event: "order.timeout".into(),
+        payload: serde_json::json!({ "order_no": orders[30].order_no }),
+        due_ms: now,
+        key: Some(format!("order.timeout:{}", orders[30].order_no)),
+    };
+    delay_worker::producer::push(&mut con, &env.config.keys, &job, now + 120_000).unwrap();
+    wait_until(WAIT, "the producer's job", || inbox_count(&env.db) == 11);
+    wait_until(WAIT, "the producer's clock in the log", || {
+        p.log().contains("a producer's clock runs ahead")
+    });
 
     p.signal(libc::SIGHUP);
     wait_until(WAIT, "the reload logged", || {
@@ -394,7 +414,8 @@ fn signals_of_a_legacy_host_never_kill_the_daemon_silently() {
         let log = p.log();
         log.contains("state: reader last step")
             && log.contains("state: clock offset to Redis")
-            && log.contains("state: counters moved=10")
+            && log.contains("producers seen ahead: 1 message(s), largest lead 1")
+            && log.contains("state: counters moved=11")
     });
     p.signal(libc::SIGUSR2);
     wait_until(WAIT, "SIGUSR2 logged", || {
@@ -402,8 +423,8 @@ fn signals_of_a_legacy_host_never_kill_the_daemon_silently() {
     });
     // Still running: the next jobs are done.
     assert!(p.child.try_wait().unwrap().is_none(), "{}", p.log());
-    push_on_redis_clock(&env, &orders[10..], 0);
-    wait_until(WAIT, "every job done", || inbox_count(&env.db) == 30);
+    push_on_redis_clock(&env, &orders[10..30], 0);
+    wait_until(WAIT, "every job done", || inbox_count(&env.db) == 31);
     // SIGQUIT: a graceful stop, as SIGTERM.
     p.signal(libc::SIGQUIT);
     let status = p.wait(WAIT);
@@ -412,5 +433,5 @@ fn signals_of_a_legacy_host_never_kill_the_daemon_silently() {
         .log()
         .contains("SIGQUIT received: finishing the jobs in hand"));
     assert_accounting(&env.db, &orders, &orders.iter().collect::<Vec<_>>());
-    assert_all_accounted(&env, &env.db, 30);
+    assert_all_accounted(&env, &env.db, 31);
 }

@@ -354,10 +354,11 @@ fn a_reshard_of_one_shard_s_slot_holds_back_only_that_shard() {
         http_get(port, "/healthz").is_ok_and(|(c, _, _)| c == 200)
     });
     let mut cons: Vec<redis::Connection> = masters.iter().map(|&m| con_to(m)).collect();
-    // Shard 2's jobs due in 2 s; then its slot starts to move, with its pool already on
-    // the new master and the rest not yet: every script of shard 2 answers TRYAGAIN.
+    // Shard 2's jobs due in 5 s; then at once its slot starts to move, with its pool
+    // already on the new master and the rest not yet: every script of shard 2 answers
+    // TRYAGAIN.
     for o in &held {
-        push_timeout(&mut cons[2], &shards[2], o, 2_000).unwrap();
+        push_timeout(&mut cons[2], &shards[2], o, 5_000).unwrap();
     }
     let slot = cluster.slot_of(&shards[2].pool);
     cluster.begin_reshard(slot, from, to);
@@ -382,13 +383,11 @@ fn a_reshard_of_one_shard_s_slot_holds_back_only_that_shard() {
         http_get(port, "/healthz")
             .is_ok_and(|(c, _, b)| c == 503 && b.contains("(shard 2)") && b.contains("TRYAGAIN"))
     });
-    let out = run_worker(&["stats", "--shards", "3", "--check"], &url, &db.url);
-    let line = text(&out.stdout);
-    assert_eq!(out.status.code(), Some(2), "{line}");
-    assert!(
-        line.contains("(shard 2)") && line.contains("TRYAGAIN"),
-        "{line}"
-    );
+    wait_until(WAIT, "stats --check naming shard 2 and TRYAGAIN", || {
+        let out = run_worker(&["stats", "--shards", "3", "--check"], &url, &db.url);
+        let line = text(&out.stdout);
+        out.status.code() == Some(2) && line.contains("(shard 2)") && line.contains("TRYAGAIN")
+    });
     // The reshard ends: shard 2 catches up on its new master.
     cluster.end_reshard(slot, from, to);
     assert_eq!(cluster.master_of(&shards[2].pool), to);
