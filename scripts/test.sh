@@ -12,7 +12,9 @@
 # tests/it/monitoring.rs.
 #
 # The status page tests look at the page in headless Chromium: Debian's `chromium` is
-# installed (as root, with apt-get) in the background while cargo builds, when missing.
+# installed (as root, with apt-get) in the background while cargo builds, when missing;
+# so is `faketime` (libfaketime), which tests/it/clock.rs runs the worker under with its
+# clock 120 s ahead of and behind Redis's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
@@ -49,6 +51,23 @@ if ! command -v chromium >/dev/null; then
     echo "chromium is missing and this is not root: the status page tests will fail (apt-get install chromium)"
   fi
 fi
+faketime_pid=
+faketime_log=target/faketime-install.log
+if [ ! -e /usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1 ]; then
+  if [ "$(id -u)" = 0 ]; then
+    phase "installing faketime in the background (apt-get; log: $faketime_log)"
+    mkdir -p target
+    (
+      # After chromium's install, if one runs: dpkg takes one install at a time.
+      [ -z "$chromium_pid" ] || while kill -0 "$chromium_pid" 2>/dev/null; do sleep 1; done
+      export DEBIAN_FRONTEND=noninteractive
+      apt-get install -y -qq faketime || { apt-get update -qq && apt-get install -y -qq faketime; }
+    ) >"$faketime_log" 2>&1 &
+    faketime_pid=$!
+  else
+    echo "faketime is missing and this is not root: the clock tests will fail (apt-get install faketime)"
+  fi
+fi
 phase "building the tests (a first build takes about 2-3 minutes on 2 cores)"
 cargo build --all-targets --quiet
 if [ -n "$chromium_pid" ]; then
@@ -57,6 +76,14 @@ if [ -n "$chromium_pid" ]; then
   else
     echo "installing chromium failed (the status page tests will fail); the last lines of $chromium_log:"
     tail -n 5 "$chromium_log"
+  fi
+fi
+if [ -n "$faketime_pid" ]; then
+  if wait "$faketime_pid"; then
+    phase "faketime installed"
+  else
+    echo "installing faketime failed (the clock tests will fail); the last lines of $faketime_log:"
+    tail -n 5 "$faketime_log"
   fi
 fi
 phase "testing"

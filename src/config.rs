@@ -68,6 +68,9 @@ pub struct Config {
     pub stats_interval: Duration,
     /// Whether this process runs a mover thread (any number of processes may).
     pub run_mover: bool,
+    /// `--allow-eviction`: start, and stay only WARNING, on a Redis whose
+    /// `maxmemory-policy` may evict the worker's keys (refused otherwise, see `watch.rs`).
+    pub allow_eviction: bool,
     /// Where `/metrics` and `/healthz` are served (`--metrics-addr`); off when `None`.
     pub metrics_addr: Option<std::net::SocketAddr>,
     /// Pruning of old `worker_inbox` rows (`prune.rs`).
@@ -460,6 +463,7 @@ impl Config {
             noop_events: Vec::new(),
             stats_interval: Duration::from_secs(60),
             run_mover: true,
+            allow_eviction: false,
             metrics_addr: None,
             status_hosts: Vec::new(),
             dead_rate_crit: DEFAULT_DEAD_RATE_CRIT,

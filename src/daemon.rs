@@ -10,7 +10,12 @@
 //! Under systemd the main thread also tells readiness, pings the watchdog while the roles
 //! make progress and reports a status line (`notify.rs`); with `--metrics-addr` one more
 //! thread serves `/metrics` and `/healthz` (`metrics.rs`), and unless `--inbox-retention 0`
-//! one prunes old inbox rows (`prune.rs`).
+//! one prunes old inbox rows (`prune.rs`). The watch role (`watch.rs`) measures this
+//! host's clock against Redis's and looks at Redis's memory settings; a Redis whose
+//! `maxmemory-policy` may evict the worker's keys is refused at start.
+//!
+//! The main loop also answers the operator's requests (`signals.rs`): SIGUSR1 logs the
+//! state report ([`report`]), SIGHUP calls [`reload`].
 
 use crate::config::Source;
 use crate::config::{redact_url, Config};
@@ -53,6 +58,9 @@ pub enum DaemonError {
     Panicked(String),
     #[error(transparent)]
     Metrics(#[from] metrics::MetricsError),
+    /// Redis may evict the worker's keys (and `--allow-eviction` was not given).
+    #[error("Redis at {url}: {what} (or start with --allow-eviction to run anyway)")]
+    Evicting { url: String, what: String },
 }
 
 /// What a run did, for the exit log and the tests.
@@ -272,6 +280,18 @@ fn preflight(config: &Config) -> Result<Ready, DaemonError> {
             reason: unreachable_reason(&e, &config.redis_url),
         })?;
         check_shards(config, &mut con, true)?;
+        let evicting = crate::watch::refuse_eviction(&mut con, config).map_err(|e| {
+            DaemonError::RedisUnreachable {
+                url: redact_url(&config.redis_url),
+                reason: e.to_string(),
+            }
+        })?;
+        if let Some(what) = evicting {
+            return Err(DaemonError::Evicting {
+                url: redact_url(&config.redis_url),
+                what,
+            });
+        }
         if config.source == Source::Stream {
             for keys in config.shard_keys() {
                 store::stream::ensure_group(&mut con, &keys).map_err(|e| {
@@ -326,6 +346,7 @@ fn spawn_and_supervise(
         registry,
         pool,
     } = ready;
+    let started = Instant::now();
     let stats = Stats::new(registry.events());
     let doorbell = Doorbell::default();
     // The roles' heartbeats start now: one that never completes a step counts as stalled.
@@ -463,6 +484,12 @@ fn spawn_and_supervise(
                 pruner.run(shutdown)
             }));
         }
+        {
+            let (watch, client) = (crate::watch::Watch::new(config, &stats), &client);
+            spawned.push(spawn_role(s, shutdown, "watch".into(), move || {
+                watch.run(client, shutdown)
+            }));
+        }
         // `rx` stays here for the channel depth of the status line. A receiver that never
         // receives holds nobody up: the reader sends only what fits, and the workers stop
         // when the sender is gone, however many receivers remain.
@@ -480,7 +507,22 @@ fn spawn_and_supervise(
         notifier.ready(&stats, rx.len());
         let mut logged = Instant::now();
         let mut trimmed = Instant::now();
-        while !shutdown.wait(notifier.tick_interval(config.stats_interval)) {
+        let mut ticked = Instant::now();
+        let (mut reloads, mut reports) = (shutdown.reloads(), shutdown.reports());
+        let tick = notifier.tick_interval(config.stats_interval);
+        while !shutdown.wait_or_request(tick.saturating_sub(ticked.elapsed())) {
+            if shutdown.reloads() != reloads {
+                reloads = shutdown.reloads();
+                reload(config, &stats);
+            }
+            if shutdown.reports() != reports {
+                reports = shutdown.reports();
+                report(config, &stats, rx.len(), started);
+            }
+            if ticked.elapsed() < tick {
+                continue;
+            }
+            ticked = Instant::now();
             notifier.tick(&stats, config, rx.len());
             if trimmed.elapsed() >= TRIM_EVERY {
                 trimmed = Instant::now();
@@ -506,6 +548,76 @@ fn spawn_and_supervise(
         drained: drained.load(Ordering::Relaxed),
     };
     Ok((report, panicked))
+}
+
+/// SIGHUP: reloads what can be reloaded without a restart. The daemon never stops for it.
+/// Nothing can be reloaded yet (the handlers are prepared by each worker when it opens its
+/// database session); this is where that goes.
+pub fn reload(_config: &Config, _stats: &Stats) {
+    log::info!("SIGHUP: nothing to reload yet");
+}
+
+/// SIGUSR1: the state report, one screen of log lines: the roles and their last step,
+/// what is pending in this process, the problems, the clock, the counters.
+pub fn report(config: &Config, stats: &Stats, in_channel: usize, started: Instant) {
+    use std::sync::atomic::Ordering::Relaxed;
+    let now = crate::now_ms();
+    let ago = |beat: u64| {
+        let ms = now.saturating_sub(beat as i64).max(0);
+        format!("{:.1}s ago", ms as f64 / 1000.0)
+    };
+    let mut lines = vec![format!(
+        "state: up {:.0}s, consumer {:?}, {} worker threads, source {:?}, {} shard(s)",
+        started.elapsed().as_secs_f64(),
+        config.consumer,
+        config.threads,
+        config.source,
+        config.shards
+    )];
+    lines.push(format!(
+        "state: reader last step {}; mover {}",
+        ago(stats.reader_beat_ms.load(Relaxed)),
+        if config.run_mover {
+            format!("last tick {}", ago(stats.mover_beat_ms.load(Relaxed)))
+        } else {
+            "off (--no-mover)".to_string()
+        }
+    ));
+    lines.push(format!(
+        "state: pending here: {in_channel} read and waiting for a worker, {} worker(s) waiting for PostgreSQL",
+        stats.db_waiting.load(Relaxed)
+    ));
+    lines.push(match crate::notify::live(stats, config, now) {
+        Ok(()) => "state: live (the watchdog's verdict)".to_string(),
+        Err(why) => format!("state: not live: {why}"),
+    });
+    let problems = stats.problems(now);
+    if problems.is_empty() {
+        lines.push("state: problems: none".to_string());
+    }
+    for p in problems {
+        lines.push(format!(
+            "state: problem ({}): {}: {}",
+            p.severity, p.role, p.what
+        ));
+    }
+    lines.push(match stats.clock.offset() {
+        Some(o) => format!(
+            "state: clock offset to Redis {}; producers seen ahead: {} message(s), largest lead {:.1}s",
+            crate::clock::describe(&o),
+            stats.clock.producer_ahead(),
+            stats.clock.producer_lead_max_ms() as f64 / 1000.0
+        ),
+        None => "state: clock offset to Redis not measured yet".to_string(),
+    });
+    lines.push(format!(
+        "state: counters {} lost_data={}",
+        stats.snapshot(),
+        stats.lost_data.load(Relaxed)
+    ));
+    for l in lines {
+        log::info!("{l}");
+    }
 }
 
 /// How often the heap's free pages are given back to the system.

@@ -6,7 +6,7 @@
 //! due order. This thread keeps one connection of its own (one more per process) and asks
 //! `SHOW transaction_read_only` on it; a server that does not answer, refuses the
 //! connection or takes no writes (a standby, a primary demoted or with
-//! `default_transaction_read_only`) is reported as an alert ([`Stats::report_alert`]:
+//! `default_transaction_read_only`) is reported as an alert ([`Stats::report_critical`]:
 //! `/healthz` 503 and the published health red, the watchdog left alone: a restart
 //! would not make the server writable), and the report is cleared once it takes writes
 //! again. It stops at shutdown, within one [`EVERY`].
@@ -116,7 +116,7 @@ impl<'a> DbWatch<'a> {
                 }
                 Err(why) => {
                     let what = format!("no writable PostgreSQL: {why}");
-                    if self.stats.report_alert(ROLE, what.clone()) {
+                    if self.stats.report_critical(ROLE, what.clone()) {
                         log::error!("{what}");
                     }
                 }

@@ -45,6 +45,19 @@ impl Delivery {
             Origin::List { .. } => None,
         }
     }
+
+    /// When the message arrived where it was read from, on Redis's clock (unix ms): the
+    /// time in its stream entry id (when it was added to the stream), or the mover's
+    /// stamp in a list message (when the mover pushed it); `None` when it has neither (a
+    /// producer's own push onto a list).
+    pub fn arrived_ms(&self) -> Option<i64> {
+        match self.stream_id() {
+            Some(id) => id.split('-').next()?.parse().ok(),
+            None => crate::message::stamp_of(&self.msg)
+                .and_then(|s| s.split('-').next()?.parse::<i64>().ok())
+                .map(|us| us / 1000),
+        }
+    }
 }
 
 /// How a message ends.

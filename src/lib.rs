@@ -27,7 +27,7 @@
 //!   `StoreError`, the typed Redis failure (connection, wrong key type, refused).
 //! - `producer.rs` — push and cancel; `message.rs` — the envelope and its validation.
 //! - `mover.rs`, `source/` (`stream.rs`, `list.rs`: the reader thread's two sources and
-//!   what they share), `workers.rs` — the three roles; `daemon.rs` runs them.
+//!   what they share), `workers/` — the three roles; `daemon.rs` runs them.
 //! - `handlers/` — what a job does in PostgreSQL; `db.rs` — pool, migrations, and whose
 //!   fault a failure is (`Fault`); `workers/session.rs` — a worker's prepared session, jobs
 //!   alone, in sets (split under contention) or in batches; `manners.rs` — `--max-rate`
@@ -35,7 +35,13 @@
 //!   PostgreSQL takes writes, asked every 5 s.
 //! - `tls.rs` — TLS to both servers (rustls); `conninfo.rs` — connection strings read as
 //!   their clients read them (for the TLS settings and for redaction).
-//! - `stats.rs` — the one set of counters (log line, exit report, `/metrics`).
+//! - `stats.rs` — the one set of counters (log line, exit report, `/metrics`) and the
+//!   problems the roles report; `health.rs` — the record of them each worker publishes in
+//!   its heartbeat key, for `worker stats`.
+//! - `clock.rs` — the one clock: due times are Redis's (`TIME` in the move script); the
+//!   host's measured offset corrects its own clock everywhere else. `watch.rs` — the role
+//!   that measures it and looks at Redis's memory settings (an evicting Redis is refused).
+//! - `signals.rs` — the signals: stop, reload (SIGHUP), state report (SIGUSR1).
 //! - `prune.rs` — the inbox pruner: old `worker_inbox` rows deleted, one process at a time.
 //! - `shutdown.rs`, `backoff.rs` — the small shared pieces.
 //! - `admin/` — the operator's tools: `worker stats` (`--watch`, `--check`), `worker dead`.
@@ -45,6 +51,7 @@
 
 pub mod admin;
 pub mod backoff;
+pub mod clock;
 pub mod config;
 pub mod conninfo;
 pub mod daemon;
@@ -52,6 +59,7 @@ pub mod db;
 pub mod dbwatch;
 pub mod delivery;
 pub mod handlers;
+pub mod health;
 pub mod keys;
 pub mod manners;
 pub mod message;
@@ -61,11 +69,13 @@ pub mod notify;
 pub mod producer;
 pub mod prune;
 pub mod shutdown;
+pub mod signals;
 pub mod source;
 pub mod stats;
 pub mod status;
 pub mod store;
 pub mod tls;
+pub mod watch;
 pub mod workers;
 
 pub use config::Config;
@@ -97,7 +107,10 @@ pub fn human_ms(ms: i64) -> String {
     format!("{sign}{text}")
 }
 
-/// Wall-clock time in unix milliseconds: due times are wall-clock by contract.
+/// This host's wall-clock time in unix milliseconds. Due times are wall-clock by contract,
+/// on Redis's clock: compare with them through `Stats::clock` (`clock.rs`), which corrects
+/// this by the host's measured offset; this raw clock is for the host's own intervals
+/// (heartbeats of the roles, problem windows).
 pub fn now_ms() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

@@ -408,15 +408,27 @@ impl<'a> Server<'a> {
             ("delay_worker_dead_letters_total", "Messages sent to the dead letters by this process (workers, reader and mover), counted once the letter exists.", s.dead),
             ("delay_worker_redis_reconnects_total", "Redis outages (a connection lost or refused, then reconnecting with backoff), one per thread and outage.", src.stats.redis_reconnects.load(Relaxed)),
             ("delay_worker_inbox_pruned_total", "worker_inbox rows older than --inbox-retention deleted by this process.", src.stats.inbox_pruned.load(Relaxed)),
+            ("delay_worker_lost_data_total", "Pool members whose data vanished (the data hash gone: an evicting Redis or a deletion), each dead-lettered as lost data by this process's mover.", src.stats.lost_data.load(Relaxed)),
+            ("delay_worker_producer_clock_ahead_total", "Messages whose ts was more than 1s later than their arrival on Redis's clock: a producer's clock runs ahead.", src.stats.clock.producer_ahead()),
         ] {
             sample(&mut out, name, "counter", help, v);
+        }
+        let clock = src.stats.clock.offset();
+        for (name, help, v) in [
+            ("delay_worker_clock_offset_seconds", "This host's clock to Redis's (redis = host + offset; negative: this host is ahead), as last measured with TIME round trips; 0 before the first.", clock.map_or(0.0, |o| o.offset_ms as f64 / 1000.0)),
+            ("delay_worker_clock_offset_error_seconds", "Error bound of that offset (half the quickest round trip); -1 before the first measurement.", clock.map_or(-1.0, |o| o.error_ms as f64 / 1000.0)),
+            ("delay_worker_producer_clock_lead_max_seconds", "The largest lead of a message's ts over its arrival on Redis's clock seen since start.", src.stats.clock.producer_lead_max_ms() as f64 / 1000.0),
+        ] {
+            sample(&mut out, name, "gauge", help, v);
         }
         let state = src.pool.state();
         let now = crate::now_ms();
         let live = crate::notify::live(src.stats, src.config, now).is_ok();
         let healthy = crate::notify::healthy(src.stats, src.config, now).is_ok();
-        let (waiting, longest) = src.stats.contention.summary(now);
-        let longest_s = longest.map_or(0, |w| ((now - w.since_ms).max(0) / 1000) as u64);
+        // Due times are on the shared clock (Redis's).
+        let shared_now = src.stats.clock.now_ms();
+        let (waiting, longest) = src.stats.contention.summary(shared_now);
+        let longest_s = longest.map_or(0, |w| ((shared_now - w.since_ms).max(0) / 1000) as u64);
         for (name, help, v) in [
             ("delay_worker_channel_depth", "Messages read and waiting for a worker.", (src.depth)() as u64),
             ("delay_worker_channel_capacity", "Capacity of the reader -> pool channel.", src.capacity as u64),
@@ -456,13 +468,16 @@ impl Server<'_> {
         let report = store::connect_with(src.redis, PROBE_IO_TIMEOUT)
             .map_err(|e| e.to_string())
             .and_then(|mut con| {
-                crate::admin::stats::gather_all(
-                    &mut con,
-                    src.config,
-                    crate::now_ms(),
-                    QUEUE_DEAD_WINDOW,
-                )
-                .map_err(|e| e.to_string())
+                crate::admin::stats::redis_now_ms(&mut con, src.config)
+                    .and_then(|now| {
+                        crate::admin::stats::gather_all(
+                            &mut con,
+                            src.config,
+                            now,
+                            QUEUE_DEAD_WINDOW,
+                        )
+                    })
+                    .map_err(|e| e.to_string())
             });
         let r = match report {
             Ok(r) => r,

@@ -15,6 +15,12 @@
 //! that pool alone backs off (capped at 30 s) while the others keep their schedule; its
 //! problem is cleared by its next clean call. Only a lost connection fails the whole tick:
 //! the thread reconnects and backs off.
+//!
+//! **One clock.** The thread ticks [`At::Server`]: each script decides what is due by
+//! Redis's own `TIME` and returns that time, which the sleep until the next due member
+//! is counted from, so a worker host whose clock runs ahead never moves a job early (nor
+//! one behind late). A member whose data vanished (its pool's data hash gone) is buried
+//! as lost data and reported (see [`LOST_DATA`]).
 
 use crate::backoff::{Backoff, MAX_BACKOFF};
 use crate::config::MoverConfig;
@@ -22,10 +28,13 @@ use crate::keys::Keys;
 use crate::shutdown::Shutdown;
 use crate::source::Doorbell;
 use crate::stats::Stats;
-use crate::store::{self, MoveReport, Pool, StoreError, StoreResult, Target};
+use crate::store::{self, At, MoveReport, Pool, StoreError, StoreResult, Target, LOST_DATA};
 use redis::ConnectionLike;
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
+
+/// The longest a pool waits before trying again while its hash slot is moving.
+pub const MOVING_BACKOFF: Duration = Duration::from_secs(1);
 
 pub struct Mover<'a> {
     keys: &'a Keys,
@@ -98,15 +107,22 @@ impl<'a> Mover<'a> {
         self
     }
 
-    /// One batch from each pool that is not backing off, at time `now_ms`. Returns what
-    /// moved and how long to sleep before the next tick (zero: loop at once). A pool whose
-    /// call fails is reported and backs off on its own (see the module header); only a
-    /// lost connection is returned as an error, after what moved before it was counted.
+    /// One batch from each pool that is not backing off, due by `at` (the thread passes
+    /// [`At::Server`], Redis's clock; the tests a time). Returns what moved and how long
+    /// to sleep before the next tick (zero: loop at once). A pool whose call fails is
+    /// reported and backs off on its own (see the module header); only a lost connection
+    /// is returned as an error, after what moved before it was counted.
     pub fn tick(
         &self,
         con: &mut dyn ConnectionLike,
-        now_ms: i64,
+        at: impl Into<At>,
     ) -> StoreResult<(MoveReport, Duration)> {
+        let at = at.into();
+        // The pools' own backoff schedule, on this host's clock corrected to Redis's.
+        let now_ms = match at {
+            At::Ms(ms) => ms,
+            At::Server => self.stats.clock.now_ms(),
+        };
         let target = match self.keys.queues.get(self.cfg.queue) {
             Some(q) => Target::List {
                 queue: &q.name,
@@ -141,13 +157,13 @@ impl<'a> Mover<'a> {
                 pool,
                 &self.keys.jobs,
                 target,
-                now_ms,
+                at,
                 self.cfg.batch,
                 grace,
                 self.cfg.max_message_bytes,
             ) {
                 Ok(report) => {
-                    sleep = sleep.min(self.next_sleep(&report, now_ms));
+                    sleep = sleep.min(self.next_sleep(&report, report.now_ms));
                     self.moved(state, &report);
                     absorb(&mut total, report);
                 }
@@ -161,6 +177,7 @@ impl<'a> Mover<'a> {
         drop(states);
         Stats::add(&self.stats.moved, (total.moved + total.buried.len()) as u64);
         self.stats.dead_lettered("mover", &total.buried);
+        self.lost(&total.buried);
         if total.moved > 0 {
             self.doorbell.ring();
         }
@@ -196,13 +213,47 @@ impl<'a> Mover<'a> {
         }
     }
 
+    /// Members whose data vanished: counted, and reported as a problem of their own role
+    /// (`mover (lost data)`), which no clean call clears: it stays on the health checks for
+    /// [`crate::stats::PROBLEM_WINDOW`] after the last one, and in the dead letters.
+    fn lost(&self, buried: &[(String, String)]) {
+        let lost: Vec<&(String, String)> = buried
+            .iter()
+            .filter(|(_, why)| why.starts_with(LOST_DATA))
+            .collect();
+        let Some((key, why)) = lost.first() else {
+            return;
+        };
+        Stats::add(&self.stats.lost_data, lost.len() as u64);
+        let problem = format!(
+            "{} pool member(s) lost their data, each now a dead letter (first: {key:?}: {why});              set maxmemory-policy noeviction",
+            lost.len()
+        );
+        if self
+            .stats
+            .report_critical("mover (lost data)", problem.clone())
+        {
+            log::error!("mover: {problem}");
+        }
+    }
+
     /// A pool's failed call: reported under its name, and it alone waits before its next
     /// try. Returns that wait.
     fn failed(&self, state: &mut PoolState, e: &StoreError, now_ms: i64) -> Duration {
-        let wait = state.backoff.next_delay();
+        let mut wait = state.backoff.next_delay();
+        if e.is_moving() {
+            // A reshard or a failover ends by itself: try again soon, and do not withhold
+            // the watchdog (a restart would not help; the other pools go on).
+            wait = wait.min(MOVING_BACKOFF);
+        }
         state.retry_at_ms = Some(now_ms.saturating_add(wait.as_millis() as i64));
         let role = &state.role;
-        if self.stats.report_problem(role, e.to_string()) {
+        let log = if e.is_moving() {
+            self.stats.report_critical(role, e.to_string())
+        } else {
+            self.stats.report_problem(role, e.to_string())
+        };
+        if log {
             log::error!("{role}: {e}; this pool retries with backoff, the others go on");
         } else {
             log::debug!("{role}: still failing: {e}");
@@ -255,7 +306,7 @@ pub fn run_shards(movers: &[Mover<'_>], client: &crate::store::Redis, shutdown: 
         let mut sleep = Duration::MAX;
         let mut failed = None;
         for m in movers {
-            match m.tick(c, crate::now_ms()) {
+            match m.tick(c, At::Server) {
                 Ok((_, s)) => sleep = sleep.min(s),
                 Err(e) => {
                     failed = Some(e);
@@ -285,6 +336,7 @@ pub fn run_shards(movers: &[Mover<'_>], client: &crate::store::Redis, shutdown: 
 
 /// Adds one pool's report to the tick's.
 fn absorb(total: &mut MoveReport, r: MoveReport) {
+    total.now_ms = total.now_ms.max(r.now_ms);
     total.moved += r.moved;
     total.skipped += r.skipped;
     total.next_due_ms = match (total.next_due_ms, r.next_due_ms) {

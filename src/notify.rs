@@ -190,16 +190,13 @@ pub fn status_line(s: &Snapshot, in_channel: usize, problem: Option<&String>) ->
 }
 
 /// The health verdict of `/healthz` (before its probe of both servers): [`live`], and no
-/// alert ([`Stats::report_alert`]: jobs held by a schema fault, PostgreSQL not writable),
+/// critical problem ([`Stats::report_critical`]: jobs held by a schema fault, PostgreSQL
+/// not writable, an evicting Redis, lost data),
 /// and no more than `--dead-rate-crit` dead letters written in the last minute. Unlike
 /// [`live`], none of these stops the watchdog: a restart would not fix them.
 pub fn healthy(stats: &Stats, config: &Config, now_ms: i64) -> Result<(), String> {
     live(stats, config, now_ms)?;
-    if let Some(p) = stats
-        .problems_at(now_ms, crate::stats::Level::Alert)
-        .into_iter()
-        .next()
-    {
+    if let Some(p) = stats.alarm(now_ms) {
         return Err(p);
     }
     let limit = config.dead_rate_crit;

@@ -5,9 +5,15 @@
 //! [`Shutdown::wait`], which returns at once when shutdown is triggered: the wake-up is a
 //! crossbeam channel whose only sender is dropped on trigger, so every sleeper sees
 //! `Disconnected` at the same moment.
+//!
+//! It also carries the two requests an operator sends without stopping the daemon
+//! (`signals.rs`): SIGHUP asks for a reload ([`Shutdown::request_reload`]), SIGUSR1 for a
+//! state report ([`Shutdown::request_report`]). Each raises a generation counter and wakes
+//! the daemon's main loop ([`Shutdown::wait_or_request`]), which acts on a generation it
+//! has not seen yet (`daemon::reload`, `daemon::report`).
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -23,6 +29,12 @@ struct Inner {
     /// Dropped by `trigger` to wake every `wait` at once.
     wake_tx: Mutex<Option<Sender<()>>>,
     wake_rx: Receiver<()>,
+    /// Raised by the signal thread (SIGHUP, SIGUSR1); read by the daemon's main loop.
+    reloads: AtomicU64,
+    reports: AtomicU64,
+    /// One token wakes the main loop after a request (a full channel: it is awake).
+    request_tx: Sender<()>,
+    request_rx: Receiver<()>,
 }
 
 impl Default for Shutdown {
@@ -34,13 +46,54 @@ impl Default for Shutdown {
 impl Shutdown {
     pub fn new() -> Self {
         let (tx, rx) = crossbeam_channel::bounded(0);
+        let (request_tx, request_rx) = crossbeam_channel::bounded(1);
         Shutdown {
             inner: Arc::new(Inner {
                 flag: AtomicBool::new(false),
                 wake_tx: Mutex::new(Some(tx)),
                 wake_rx: rx,
+                reloads: AtomicU64::new(0),
+                reports: AtomicU64::new(0),
+                request_tx,
+                request_rx,
             }),
         }
+    }
+
+    /// Asks the daemon to reload what it can without a restart (SIGHUP).
+    pub fn request_reload(&self) {
+        self.inner.reloads.fetch_add(1, Ordering::SeqCst);
+        let _ = self.inner.request_tx.try_send(());
+    }
+
+    /// Asks the daemon to log its state report (SIGUSR1).
+    pub fn request_report(&self) {
+        self.inner.reports.fetch_add(1, Ordering::SeqCst);
+        let _ = self.inner.request_tx.try_send(());
+    }
+
+    /// How many reloads were requested so far.
+    pub fn reloads(&self) -> u64 {
+        self.inner.reloads.load(Ordering::SeqCst)
+    }
+
+    /// How many state reports were requested so far.
+    pub fn reports(&self) -> u64 {
+        self.inner.reports.load(Ordering::SeqCst)
+    }
+
+    /// Sleeps for `d`, until a reload or report is requested, or until shutdown. Returns
+    /// `true` if shutdown is set.
+    pub fn wait_or_request(&self, d: Duration) -> bool {
+        if self.is_set() {
+            return true;
+        }
+        crossbeam_channel::select! {
+            recv(self.inner.wake_rx) -> _ => {}
+            recv(self.inner.request_rx) -> _ => {}
+            default(d) => {}
+        }
+        self.is_set()
     }
 
     /// Asks every thread to stop. Returns `true` if shutdown was already triggered

@@ -47,11 +47,17 @@ pub struct Stats {
     pub db_waiting: AtomicU64,
     /// Written by the inbox pruner after each batch: `worker_inbox` rows it deleted.
     pub inbox_pruned: AtomicU64,
-    /// What only an operator can fix (a key of the wrong type, a column a handler needs),
-    /// by the role that met it: written by that role when it meets it and cleared after
-    /// its next clean step; read by `/healthz` and (for the [`Level::Stall`] ones) the
-    /// watchdog, red while any role has one (at most [`PROBLEM_WINDOW`] after it was last
-    /// met, should its role never step again).
+    /// This host's clock corrected to Redis's, and what the workers saw of producers'
+    /// clocks (see `clock.rs`): the offset written by the watch role, read by every role
+    /// that compares a time with a due time.
+    pub clock: crate::clock::Clock,
+    /// Written by the mover: pool members whose data vanished (the data hash gone: an
+    /// evicting Redis, or a deletion), each sent to the dead letters as lost data.
+    pub lost_data: AtomicU64,
+    /// What only an operator can fix (a key of the wrong type), by the role that met it:
+    /// written by that role when it meets it and cleared after its next clean step; read
+    /// by `/healthz` and the watchdog, red while any role has one (at most
+    /// [`PROBLEM_WINDOW`] after it was last met, should its role never step again).
     problems: Mutex<Vec<Problem>>,
     /// How many `problems` there are, so that the workers' clean commits look at the list
     /// only when there is something to clear.
@@ -82,7 +88,32 @@ struct Problem {
     /// Last logged (unix ms): a role meets it at every step, the log hears it twice a
     /// minute.
     logged: i64,
-    level: Level,
+    severity: Severity,
+}
+
+/// How bad a reported problem is, and so where it shows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Severity {
+    /// Holds nothing back, but an operator should look ([`Stats::report_trouble`]): a
+    /// WARNING in `worker stats --check`; `/healthz` and the watchdog stay green.
+    Warning,
+    /// The surroundings break a guarantee and a restart would not fix it (an evicting
+    /// Redis, lost data: [`Stats::report_critical`]): `/healthz` 503 and CRITICAL in
+    /// `worker stats --check`, but the watchdog keeps pinging.
+    Critical,
+    /// Holds jobs back ([`Stats::report_problem`], a key of the wrong type): `/healthz`
+    /// and the watchdog red, CRITICAL in `worker stats --check`.
+    Blocking,
+}
+
+/// One problem as the heartbeat record and the state report list it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Reported {
+    pub role: String,
+    pub what: String,
+    /// `warning`, `critical` or `blocking`.
+    pub severity: String,
 }
 
 /// How often a problem that persists is logged again.
@@ -147,13 +178,16 @@ impl Stats {
     /// Records a problem only an operator can fix, met by `role`. Returns whether to log
     /// it: when it is new or changed, and every 30 s while it persists.
     pub fn report_problem(&self, role: &str, what: String) -> bool {
-        self.report(role, what, Level::Stall)
+        self.report(role, what, Severity::Blocking)
     }
 
-    /// Like [`Stats::report_problem`], for jobs held back that a restart would not free
-    /// (a handler's table or column missing): `/healthz` red, the watchdog not.
-    pub fn report_alert(&self, role: &str, what: String) -> bool {
-        self.report(role, what, Level::Alert)
+    /// Like [`Stats::report_problem`] (logged as rarely, cleared the same way, or by
+    /// time), for what breaks a guarantee without holding a job back and what a restart
+    /// would not fix: an evicting Redis, data that vanished. `/healthz` is red and
+    /// `worker stats --check` CRITICAL, but the watchdog keeps pinging, so systemd does
+    /// not restart a daemon that is doing all it can.
+    pub fn report_critical(&self, role: &str, what: String) -> bool {
+        self.report(role, what, Severity::Critical)
     }
 
     /// Like [`Stats::report_problem`] (logged as rarely, cleared the same way), for a
@@ -161,10 +195,10 @@ impl Stats {
     /// `/healthz` or the watchdog red, since a restart would not fix it and would only
     /// interrupt the jobs.
     pub fn report_trouble(&self, role: &str, what: String) -> bool {
-        self.report(role, what, Level::Trouble)
+        self.report(role, what, Severity::Warning)
     }
 
-    fn report(&self, role: &str, what: String, level: Level) -> bool {
+    fn report(&self, role: &str, what: String, severity: Severity) -> bool {
         let now = crate::now_ms();
         let Ok(mut ps) = self.problems.lock() else {
             return true;
@@ -172,7 +206,7 @@ impl Stats {
         match ps.iter_mut().find(|p| p.role == role) {
             Some(p) => {
                 p.at = now;
-                p.level = level;
+                p.severity = severity;
                 let log = p.what != what || now - p.logged >= PROBLEM_LOG_EVERY_MS;
                 if log {
                     p.logged = now;
@@ -186,7 +220,7 @@ impl Stats {
                     at: now,
                     what,
                     logged: now,
-                    level,
+                    severity,
                 });
                 self.problem_count.store(ps.len() as u64, Relaxed);
                 true
@@ -209,27 +243,56 @@ impl Stats {
         ps.len() < before
     }
 
-    /// A problem some role met within [`PROBLEM_WINDOW`] of `now_ms` that stalls it, if
-    /// any: the watchdog's question.
+    /// A problem that holds jobs back, met by some role within [`PROBLEM_WINDOW`] of
+    /// `now_ms`, if any (the watchdog's; not the troubles of [`Stats::report_trouble`]
+    /// nor the critical problems of [`Stats::report_critical`]).
     pub fn problem(&self, now_ms: i64) -> Option<String> {
-        self.problems_at(now_ms, Level::Stall).into_iter().next()
+        self.worst(now_ms, Severity::Blocking)
     }
 
-    /// Every problem met within [`PROBLEM_WINDOW`] of `now_ms` of at least `level`, as
-    /// `role: what`, the worst first.
-    pub fn problems_at(&self, now_ms: i64, level: Level) -> Vec<String> {
+    /// A problem at least critical (for `/healthz`), if any: blocking ones first.
+    pub fn alarm(&self, now_ms: i64) -> Option<String> {
+        self.problem(now_ms)
+            .or_else(|| self.worst(now_ms, Severity::Critical))
+    }
+
+    fn worst(&self, now_ms: i64, at_least: Severity) -> Option<String> {
+        let ps = self.problems.lock().ok()?;
+        ps.iter()
+            .filter(|p| {
+                p.severity >= at_least && now_ms - p.at <= PROBLEM_WINDOW.as_millis() as i64
+            })
+            .max_by_key(|p| p.severity)
+            .map(|p| format!("{}: {}", p.role, p.what))
+    }
+
+    /// Every problem met within [`PROBLEM_WINDOW`] of `now_ms`, the worst first: for the
+    /// heartbeat record and the state report.
+    pub fn problems(&self, now_ms: i64) -> Vec<Reported> {
         let Ok(ps) = self.problems.lock() else {
             return Vec::new();
         };
-        let mut found: Vec<&Problem> = ps
+        let mut out: Vec<(&Problem, Reported)> = ps
             .iter()
-            .filter(|p| p.level >= level && now_ms - p.at <= PROBLEM_WINDOW.as_millis() as i64)
+            .filter(|p| now_ms - p.at <= PROBLEM_WINDOW.as_millis() as i64)
+            .map(|p| {
+                let severity = match p.severity {
+                    Severity::Warning => "warning",
+                    Severity::Critical => "critical",
+                    Severity::Blocking => "blocking",
+                };
+                (
+                    p,
+                    Reported {
+                        role: p.role.clone(),
+                        what: p.what.clone(),
+                        severity: severity.to_string(),
+                    },
+                )
+            })
             .collect();
-        found.sort_by_key(|p| std::cmp::Reverse(p.level));
-        found
-            .into_iter()
-            .map(|p| format!("{}: {}", p.role, p.what))
-            .collect()
+        out.sort_by_key(|(p, _)| std::cmp::Reverse(p.severity));
+        out.into_iter().map(|(_, r)| r).collect()
     }
 
     pub fn snapshot(&self) -> Snapshot {
@@ -537,7 +600,8 @@ impl Metrics {
         if let Some(due) = due_ms {
             let late_ms = committed_ms.saturating_sub(due);
             self.lateness.observe(late_ms as f64 / 1000.0);
-            self.history.lateness(committed_ms, late_ms);
+            // The minute slot on this host's clock, as the job's outcome's (`job`).
+            self.history.lateness(crate::now_ms(), late_ms);
         }
     }
 

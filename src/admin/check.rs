@@ -9,6 +9,7 @@
 
 use super::stats::{StatsArgs, StatsReport};
 use crate::config::{redact_url, Config};
+use crate::store::Memory;
 use clap::Args;
 use std::io::Write;
 use std::process::ExitCode;
@@ -54,6 +55,12 @@ pub struct Thresholds {
     /// List mode: a queue's oldest waiting message older than this: critical.
     #[arg(long, default_value = "10m", value_parser = super::parse_duration)]
     pub queue_oldest_crit: Duration,
+    /// A live worker's clock offset to Redis (either way) beyond this: warning.
+    #[arg(long, default_value = "1s", value_parser = super::parse_duration)]
+    pub clock_offset_warn: Duration,
+    /// A live worker's clock offset to Redis beyond this: critical.
+    #[arg(long, default_value = "10s", value_parser = super::parse_duration)]
+    pub clock_offset_crit: Duration,
 }
 
 impl Default for Thresholds {
@@ -153,10 +160,102 @@ fn label(name: &str, figure: &str) -> String {
     }
 }
 
-/// Holds the report against the thresholds. In list mode (the report has queues) the
-/// queues take the place of the stream: each queue's length and oldest waiting message,
-/// and the new letters of their dead lists; the mover lag counts in both modes.
+/// Holds the report against the thresholds (see [`figures`]), with what `memory` says of
+/// the Redis servers of the worker's keys (`INFO memory`, by key): a policy that may evict
+/// them is CRITICAL, memory near `maxmemory` a WARNING.
+pub fn evaluate_all(r: &StatsReport, t: &Thresholds, memory: &[(String, Memory)]) -> Verdict {
+    let (mut figs, extra) = figures(r, t);
+    for (key, m) in memory {
+        if m.evicts_data() {
+            figs.push(Figure {
+                status: Status::Critical,
+                text: format!(
+                    "redis maxmemory-policy {} on the server of {key}: it may evict scheduled jobs (set noeviction)",
+                    m.policy
+                ),
+                perf: String::new(),
+            });
+        }
+        if let Some(f) = m.fill().filter(|f| *f > crate::watch::NEAR_FULL) {
+            figs.push(Figure {
+                status: Status::Warning,
+                text: format!(
+                    "redis memory {:.0}% of maxmemory on the server of {key} (warn > {:.0}%)",
+                    f * 100.0,
+                    crate::watch::NEAR_FULL * 100.0
+                ),
+                perf: String::new(),
+            });
+        }
+    }
+    verdict(&figs, &extra)
+}
+
+/// [`evaluate_all`] without looking at Redis's memory.
 pub fn evaluate(r: &StatsReport, t: &Thresholds) -> Verdict {
+    let (figs, extra) = figures(r, t);
+    verdict(&figs, &extra)
+}
+
+/// The live workers' own view, from the health records in their heartbeat keys: the
+/// largest clock offset to Redis (with the worker's name) against its levels, and each
+/// worker's problems (CRITICAL for one that holds jobs back or breaks a guarantee,
+/// WARNING for the others), named with the worker. Nothing without records.
+fn worker_figures(r: &StatsReport, t: &Thresholds) -> Vec<Figure> {
+    let mut out = Vec::new();
+    let secs = |d: Duration| d.as_secs_f64();
+    let worst = r
+        .workers
+        .iter()
+        .filter_map(|w| Some((w, w.record.as_ref()?.clock_offset_ms?)))
+        .max_by_key(|(_, o)| o.abs());
+    if let Some((w, o)) = worst {
+        let s = o as f64 / 1000.0;
+        out.push(figure(
+            "clock offset",
+            format!("{s:+.1}s ({})", w.name),
+            s.abs(),
+            secs(t.clock_offset_warn),
+            Some(secs(t.clock_offset_crit)),
+            format!(
+                "clock_offset={:.3}s;{};{}",
+                s.abs(),
+                num(secs(t.clock_offset_warn)),
+                num(secs(t.clock_offset_crit))
+            ),
+        ));
+    }
+    for w in &r.workers {
+        let Some(rec) = &w.record else { continue };
+        let (critical, warnings) = rec.split();
+        for (status, ps) in [(Status::Critical, critical), (Status::Warning, warnings)] {
+            for p in ps {
+                out.push(Figure {
+                    status,
+                    text: format!("worker {}: {}: {}", w.name, p.role, p.what),
+                    perf: String::new(),
+                });
+            }
+        }
+    }
+    let lost = r.dead.lost + r.queues.iter().map(|q| q.dead_lost).sum::<u64>();
+    if lost > 0 {
+        out.push(Figure {
+            status: Status::Critical,
+            text: format!(
+                "lost data {lost} (pool members whose data vanished: their dead letters say lost data)"
+            ),
+            perf: format!("lost_data={lost};0;0"),
+        });
+    }
+    out
+}
+
+/// Every figure of the report against the thresholds, and the perfdata of the figures
+/// without a threshold. In list mode (the report has queues) the queues take the place of
+/// the stream: each queue's length and oldest waiting message, and the new letters of
+/// their dead lists; the mover lag counts in both modes; then the workers' own figures.
+fn figures(r: &StatsReport, t: &Thresholds) -> (Vec<Figure>, String) {
     let secs = |d: Duration| d.as_secs_f64();
     let lag = r.pool.mover_lag_ms as f64 / 1000.0;
     let orphan = if r.pool.oldest_due_has_data == Some(false) && r.pool.mover_lag_ms > 0 {
@@ -234,16 +333,17 @@ pub fn evaluate(r: &StatsReport, t: &Thresholds) -> Verdict {
         }
         figures.push(mover_lag);
         figures.push(dead(r.queues.iter().map(|q| q.dead_new).sum()));
+        figures.extend(worker_figures(r, t));
         let extra = format!(
             "pool={} due={} dead={}",
             r.pool.size,
             r.pool.due,
             r.queues.iter().map(|q| q.dead).sum::<u64>()
         );
-        return verdict(&figures, &extra);
+        return (figures, extra);
     }
     let oldest_ms = r.group.oldest_pending_age_ms.unwrap_or(0);
-    let figures = [
+    let mut figures = vec![
         figure(
             "pending",
             r.group.pending.to_string(),
@@ -271,6 +371,7 @@ pub fn evaluate(r: &StatsReport, t: &Thresholds) -> Verdict {
         mover_lag,
         dead(r.dead.new),
     ];
+    figures.extend(worker_figures(r, t));
     // Figures without a threshold, for the graphs.
     let extra = format!(
         "pool={} due={} stream_lag={} dead={}",
@@ -279,7 +380,7 @@ pub fn evaluate(r: &StatsReport, t: &Thresholds) -> Verdict {
         r.group.lag.unwrap_or(0),
         r.dead.length
     );
-    verdict(&figures, &extra)
+    (figures, extra)
 }
 
 /// The worst figure's status, and the line: every figure's text, then the perfdata with
@@ -287,7 +388,11 @@ pub fn evaluate(r: &StatsReport, t: &Thresholds) -> Verdict {
 fn verdict(figures: &[Figure], extra: &str) -> Verdict {
     let status = figures.iter().map(|f| f.status).max().unwrap_or(Status::Ok);
     let text: Vec<&str> = figures.iter().map(|f| f.text.as_str()).collect();
-    let mut perf: Vec<&str> = figures.iter().map(|f| f.perf.as_str()).collect();
+    let mut perf: Vec<&str> = figures
+        .iter()
+        .map(|f| f.perf.as_str())
+        .filter(|p| !p.is_empty())
+        .collect();
     perf.push(extra);
     Verdict {
         status,
@@ -343,6 +448,16 @@ pub fn wrong_types(
         .collect())
 }
 
+/// `INFO memory` of the server of each shard's keys (by the pool key); what cannot be
+/// read (an ACL user without `+info|memory`) is left out.
+fn memory(con: &mut dyn redis::ConnectionLike, config: &Config) -> Vec<(String, Memory)> {
+    config
+        .shard_keys()
+        .into_iter()
+        .filter_map(|k| Some((k.pool.clone(), crate::store::memory(con, &k.pool).ok()?)))
+        .collect()
+}
+
 /// `worker stats --check`. Never an `Err` for Redis: that is the UNKNOWN line and exit 3,
 /// which a monitoring system tells apart from "the queue is in trouble".
 pub(super) fn run(
@@ -370,9 +485,10 @@ pub(super) fn run(
                 redact_url(&config.redis_url)
             )),
             Ok(_) => {
-                match super::stats::gather_all(&mut con, config, crate::now_ms(), args.dead_window)
-                {
-                    Ok(r) => evaluate(&r, &args.thresholds),
+                match super::stats::redis_now_ms(&mut con, config).and_then(|now| {
+                    super::stats::gather_all(&mut con, config, now, args.dead_window)
+                }) {
+                    Ok(r) => evaluate_all(&r, &args.thresholds, &memory(&mut con, config)),
                     Err(e) => unknown(format!(
                         "cannot read the queue figures from {}: {e}",
                         redact_url(&config.redis_url)
@@ -413,6 +529,7 @@ mod tests {
             queues: vec![],
             legacy: Vec::new(),
             shards: Vec::new(),
+            workers: Vec::new(),
             pool: PoolFigures {
                 key: "p".into(),
                 size: 0,
@@ -429,6 +546,7 @@ mod tests {
                 length: dead_new,
                 entries_added: None,
                 new: dead_new,
+                lost: 0,
                 window_ms: 300_000,
                 newest_age_ms: None,
             },
@@ -469,6 +587,71 @@ mod tests {
         assert_eq!(evaluate(&report(0, 0, 0, 6), &t).status, Status::Critical);
     }
 
+    #[test]
+    fn the_workers_offsets_and_problems_count() {
+        use crate::admin::stats::WorkerHealth;
+        use crate::health::Record;
+        use crate::stats::Reported;
+        let t = Thresholds::default();
+        let record = |offset: i64, problems: Vec<Reported>| Record {
+            at_ms: 0,
+            host: "h".into(),
+            pid: 1,
+            version: "0".into(),
+            clock_offset_ms: Some(offset),
+            clock_error_ms: Some(1),
+            producer_ahead: 0,
+            producer_lead_max_ms: 0,
+            problems,
+        };
+        let mut r = report(0, 0, 0, 0);
+        r.workers = vec![
+            WorkerHealth {
+                name: "c1".into(),
+                record: Some(record(-400, vec![])),
+            },
+            WorkerHealth {
+                name: "old".into(),
+                record: None,
+            },
+        ];
+        let v = evaluate(&r, &t);
+        assert_eq!(v.status, Status::Ok, "{}", v.line);
+        assert!(v.line.contains("clock offset -0.4s (c1)"), "{}", v.line);
+        assert!(v.line.contains("clock_offset=0.400s;1;10"), "{}", v.line);
+        r.workers[0].record = Some(record(-120_000, vec![]));
+        let v = evaluate(&r, &t);
+        assert_eq!(v.status, Status::Critical, "{}", v.line);
+        assert!(
+            v.line.contains("clock offset -120.0s (c1) (crit > 10)"),
+            "{}",
+            v.line
+        );
+        r.workers[0].record = Some(record(2_000, vec![]));
+        assert_eq!(evaluate(&r, &t).status, Status::Warning);
+        let p = |severity: &str| Reported {
+            role: "redis".into(),
+            what: "maxmemory-policy is allkeys-lru".into(),
+            severity: severity.into(),
+        };
+        r.workers[0].record = Some(record(0, vec![p("warning")]));
+        let v = evaluate(&r, &t);
+        assert_eq!(v.status, Status::Warning, "{}", v.line);
+        assert!(
+            v.line
+                .contains("worker c1: redis: maxmemory-policy is allkeys-lru"),
+            "{}",
+            v.line
+        );
+        r.workers[0].record = Some(record(0, vec![p("critical")]));
+        assert_eq!(evaluate(&r, &t).status, Status::Critical);
+        r.workers[0].record = Some(record(0, vec![]));
+        r.dead.lost = 3;
+        let v = evaluate(&r, &t);
+        assert_eq!(v.status, Status::Critical);
+        assert!(v.line.contains("lost data 3"), "{}", v.line);
+    }
+
     fn queue(name: &str, length: u64, oldest_ms: Option<i64>, dead_new: u64) -> QueueFigures {
         QueueFigures {
             name: name.into(),
@@ -476,6 +659,7 @@ mod tests {
             processing: vec![],
             dead: dead_new,
             dead_new,
+            dead_lost: 0,
             oldest_age_ms: oldest_ms,
             oldest_unknown: oldest_ms.is_none().then_some("raw message"),
         }

@@ -696,7 +696,8 @@ pub(super) fn run(
         return list::run(config, args, out);
     }
     let mut con = super::connect(config)?;
-    let now = crate::now_ms();
+    // Ages, filters and a requeue's due time on Redis's clock.
+    let now = super::stats::redis_now_ms(&mut con, config)?;
     let shards = config.shard_keys();
     if shards.len() == 1 {
         return one_set(&mut con, &config.keys, args, now, out);

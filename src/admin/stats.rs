@@ -59,6 +59,18 @@ pub struct StatsReport {
     /// are then their total (counts added, ages and lags the largest).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub shards: Vec<StatsReport>,
+    /// Every live worker (its heartbeat key exists) and the health record it published
+    /// there (`health.rs`): its clock offset to Redis and its problems. `None` for a
+    /// worker of an older version, which wrote no record.
+    pub workers: Vec<WorkerHealth>,
+}
+
+/// One live worker as its heartbeat key describes it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct WorkerHealth {
+    /// Its consumer name.
+    pub name: String,
+    pub record: Option<crate::health::Record>,
 }
 
 impl StatsReport {
@@ -113,6 +125,12 @@ impl StatsReport {
                 (x, y) => x.or(y),
             };
             t.legacy.extend(s.legacy.iter().cloned());
+            t.dead.lost += s.dead.lost;
+            for w in &s.workers {
+                if !t.workers.iter().any(|x| x.name == w.name) {
+                    t.workers.push(w.clone());
+                }
+            }
         }
         t.shards = shards;
         t
@@ -145,6 +163,8 @@ pub struct QueueFigures {
     /// Letters of the dead list that died within the dead window (their `ts`), counted
     /// up to 10,000 letters looked at.
     pub dead_new: u64,
+    /// Of those, letters of lost data (a pool member whose data vanished).
+    pub dead_lost: u64,
     /// How long the oldest waiting message has waited (see [`waiting_since_ms`]); `None`
     /// when the queue is empty or its age cannot be known.
     pub oldest_age_ms: Option<i64>,
@@ -257,6 +277,9 @@ pub struct DeadFigures {
     pub entries_added: Option<u64>,
     /// Dead letters whose id is within `window_ms` of `now_ms` (counted up to 100000).
     pub new: u64,
+    /// Of those, letters of lost data: pool members whose data vanished (an evicting
+    /// Redis, a deleted data hash), each named with its key and due time in its reason.
+    pub lost: u64,
     pub window_ms: i64,
     /// Age of the newest dead letter.
     pub newest_age_ms: Option<i64>,
@@ -337,7 +360,7 @@ pub fn gather(
     let first_ms = first_with_score(&ok(next())?, 1.0);
     let dead_len = uint(Some(&ok(next())?));
     let dead_info = absent_ok(next())?;
-    let dead_new = uint(Some(&ok(next())?)).unwrap_or(0);
+    let (dead_new, dead_lost) = counted(&ok(next())?);
 
     let stream = StreamFigures {
         key: keys.stream.clone(),
@@ -401,10 +424,11 @@ pub fn gather(
 
     // Second round trip: what only the first one could name.
     let mut oldest_due_has_data = None;
+    let mut workers = Vec::new();
     if !consumers.is_empty() || oldest_due.is_some() {
         let mut p = redis::pipe();
         for c in &consumers {
-            p.cmd("EXISTS").arg(keys.heartbeat(&c.name));
+            p.cmd("GET").arg(keys.heartbeat(&c.name));
         }
         if let Some((key, _)) = &oldest_due {
             p.cmd("HEXISTS").arg(&keys.data).arg(key);
@@ -412,7 +436,13 @@ pub fn gather(
         let r: Vec<Value> = p.query(con)?;
         let mut r = r.iter();
         for c in &mut consumers {
-            c.heartbeat = uint(r.next()).unwrap_or(0) > 0;
+            if let Some(record) = heartbeat(r.next()) {
+                c.heartbeat = true;
+                workers.push(WorkerHealth {
+                    name: c.name.clone(),
+                    record,
+                });
+            }
         }
         if oldest_due.is_some() {
             oldest_due_has_data = Some(uint(r.next()).unwrap_or(0) > 0);
@@ -443,6 +473,7 @@ pub fn gather(
         length: dead_len.unwrap_or(0),
         entries_added: uint(field(&dead_pairs, "entries-added")),
         new: dead_new,
+        lost: dead_lost,
         window_ms,
         newest_age_ms: newest_dead_id
             .as_deref()
@@ -450,7 +481,7 @@ pub fn gather(
             .map(|t| (now_ms - t).max(0)),
     };
 
-    let queues = gather_queues(con, keys, now_ms, window_ms)?;
+    let queues = gather_queues(con, keys, now_ms, window_ms, &mut workers)?;
     Ok(StatsReport {
         now_ms,
         stream,
@@ -461,7 +492,49 @@ pub fn gather(
         queues,
         legacy: Vec::new(),
         shards: Vec::new(),
+        workers,
     })
+}
+
+/// A heartbeat key's value read with GET: `None` when the key does not exist (no live
+/// worker), else the worker's record if it wrote one.
+fn heartbeat(v: Option<&Value>) -> Option<Option<crate::health::Record>> {
+    match v {
+        Some(Value::BulkString(b)) => Some(crate::health::Record::parse(b)),
+        Some(Value::SimpleString(s)) => Some(crate::health::Record::parse(s.as_bytes())),
+        Some(Value::Int(_)) => Some(None),
+        _ => None,
+    }
+}
+
+/// A count script's `{count, lost}`.
+fn counted(v: &Value) -> (u64, u64) {
+    match v {
+        Value::Array(items) => (
+            uint(items.first()).unwrap_or(0),
+            uint(items.get(1)).unwrap_or(0),
+        ),
+        other => (uint(Some(other)).unwrap_or(0), 0),
+    }
+}
+
+/// Redis's clock (unix ms) on the server of the first shard's pool: the one clock the
+/// figures are read against, so that no host's own clock makes a lag or an age.
+pub fn redis_now_ms(con: &mut dyn redis::ConnectionLike, config: &Config) -> RedisResult<i64> {
+    let key = config
+        .shard_keys()
+        .into_iter()
+        .next()
+        .map(|k| k.pool)
+        .unwrap_or_default();
+    crate::store::server_time_us(con, &key)
+        .map(|us| us.div_euclid(1000))
+        .map_err(|e| match e {
+            crate::store::StoreError::Connection { source, .. }
+            | crate::store::StoreError::Moving { source, .. }
+            | crate::store::StoreError::Refused { source, .. } => source,
+            other => RedisError::from((redis::ErrorKind::Client, "TIME", other.to_string())),
+        })
 }
 
 /// [`gather`], and every `--legacy-pool` of `config` (one more pipelined round trip when
@@ -551,6 +624,7 @@ fn gather_queues(
     keys: &Keys,
     now_ms: i64,
     window_ms: i64,
+    workers: &mut Vec<WorkerHealth>,
 ) -> RedisResult<Vec<QueueFigures>> {
     if keys.queues.is_empty() {
         return Ok(Vec::new());
@@ -576,10 +650,18 @@ fn gather_queues(
             p.cmd("LLEN").arg(q.processing(c));
         }
     }
+    // The list consumers' heartbeats (their health records), unless stream consumers
+    // were read already.
+    let read_heartbeats = workers.is_empty();
+    if read_heartbeats {
+        for c in &consumers {
+            p.cmd("GET").arg(keys.heartbeat(c));
+        }
+    }
     let r: Vec<Value> = p.query(con)?;
     let mut r = r.into_iter();
     let mut next = || r.next().unwrap_or(Value::Nil);
-    Ok(keys
+    let queues = keys
         .queues
         .iter()
         .map(|q| {
@@ -592,7 +674,7 @@ fn gather_queues(
                 },
                 _ => (None, None),
             };
-            let dead_new = uint(Some(&next())).unwrap_or(0);
+            let (dead_new, dead_lost) = counted(&next());
             let processing = consumers
                 .iter()
                 .map(|c| (c.clone(), uint(Some(&next())).unwrap_or(0)))
@@ -603,11 +685,23 @@ fn gather_queues(
                 processing,
                 dead,
                 dead_new,
+                dead_lost,
                 oldest_age_ms,
                 oldest_unknown,
             }
         })
-        .collect())
+        .collect();
+    if read_heartbeats {
+        for c in &consumers {
+            if let Some(record) = heartbeat(Some(&next())) {
+                workers.push(WorkerHealth {
+                    name: c.clone(),
+                    record,
+                });
+            }
+        }
+    }
+    Ok(queues)
 }
 
 /// A pipelined reply, or its error.
@@ -855,12 +949,64 @@ pub fn render(r: &StatsReport, rates: Option<&Rates>, out: &mut dyn Write) -> st
             )?;
         }
     }
+    if !r.workers.is_empty() {
+        let ww = r
+            .workers
+            .iter()
+            .map(|w| w.name.len())
+            .max()
+            .unwrap_or(0)
+            .max("worker".len());
+        writeln!(out)?;
+        writeln!(
+            out,
+            "{:ww$}  {:>18}  {:>15}  problems",
+            "worker", "clock offset", "producers ahead"
+        )?;
+        for w in &r.workers {
+            let Some(rec) = &w.record else {
+                writeln!(
+                    out,
+                    "{:ww$}  {:>18}  {:>15}  (an older worker: no health record)",
+                    w.name, "?", "?"
+                )?;
+                continue;
+            };
+            let offset = match (rec.clock_offset_ms, rec.clock_error_ms) {
+                (Some(o), Some(e)) => crate::clock::describe(&crate::clock::Offset {
+                    offset_ms: o,
+                    error_ms: e,
+                }),
+                _ => "not measured".to_string(),
+            };
+            let problems: Vec<String> = rec
+                .problems
+                .iter()
+                .map(|p| format!("[{}] {}: {}", p.severity, p.role, p.what))
+                .collect();
+            let ahead = match rec.producer_ahead {
+                0 => "0".to_string(),
+                n => format!("{n} (≤{:.0}s)", rec.producer_lead_max_ms as f64 / 1000.0),
+            };
+            writeln!(
+                out,
+                "{:ww$}  {offset:>18}  {ahead:>15}  {}",
+                w.name,
+                if problems.is_empty() {
+                    "none".to_string()
+                } else {
+                    problems.join("; ")
+                }
+            )?;
+        }
+    }
     Ok(())
 }
 
 fn read(config: &Config, args: &StatsArgs) -> anyhow::Result<(crate::store::Con, StatsReport)> {
     let mut con = super::connect(config)?;
-    let report = gather_all(&mut con, config, crate::now_ms(), args.dead_window)
+    let now = redis_now_ms(&mut con, config).context("cannot read Redis's clock")?;
+    let report = gather_all(&mut con, config, now, args.dead_window)
         .context("cannot read the queue figures")?;
     Ok((con, report))
 }
@@ -889,8 +1035,8 @@ pub(super) fn watch(
     out: &mut dyn Write,
 ) -> anyhow::Result<ExitCode> {
     let (stop_tx, stop) = crossbeam_channel::bounded::<()>(1);
-    // The handler only wakes the loop; a full channel means it already knows.
-    ctrlc::set_handler(move || {
+    // Ctrl-C (or SIGTERM) only wakes the loop; a full channel means it already knows.
+    crate::signals::on_stop(move || {
         let _ = stop_tx.try_send(());
     })
     .context("cannot install the Ctrl-C handler")?;
@@ -924,10 +1070,12 @@ pub(super) fn watch(
             _ => break,
         }
         now_report = match con.as_mut() {
-            Some(c) => gather_all(c, config, crate::now_ms(), args.dead_window)
+            Some(c) => redis_now_ms(c, config)
+                .and_then(|now| gather_all(c, config, now, args.dead_window))
                 .map_err(anyhow::Error::from),
             None => super::connect(config).and_then(|mut c| {
-                let r = gather_all(&mut c, config, crate::now_ms(), args.dead_window)?;
+                let now = redis_now_ms(&mut c, config)?;
+                let r = gather_all(&mut c, config, now, args.dead_window)?;
                 con = Some(c);
                 Ok(r)
             }),

@@ -4,8 +4,8 @@
 --
 -- KEYS[1] events STREAM, KEYS[2] dead STREAM
 -- ARGV[1] group, ARGV[2] only this consumer's entries ('' for all), ARGV[3] min idle (ms),
--- ARGV[4] max deliveries, ARGV[5] max bytes, ARGV[6] now (s), ARGV[7] most entries looked
--- at, ARGV[8] this consumer (recorded in the letter)
+-- ARGV[4] max deliveries, ARGV[5] max bytes, ARGV[6] most entries looked at,
+-- ARGV[7] this consumer (recorded in the letter)
 -- While the dead-letter key holds another type nothing is buried (the entries stay
 -- pending) and the key is reported.
 -- Returns {buried, {key, reason, ...}, {key, found, wanted} or {}}.
@@ -15,7 +15,7 @@ local dead_bad = wrong_type(KEYS[2], 'stream')
 if dead_bad then return {0, {}, dead_bad} end
 local args = {KEYS[1], ARGV[1]}
 if tonumber(ARGV[3]) > 0 then args[#args + 1] = 'IDLE'; args[#args + 1] = ARGV[3] end
-args[#args + 1] = '-'; args[#args + 1] = '+'; args[#args + 1] = ARGV[7]
+args[#args + 1] = '-'; args[#args + 1] = '+'; args[#args + 1] = ARGV[6]
 if ARGV[2] ~= '' then args[#args + 1] = ARGV[2] end
 local max = tonumber(ARGV[4])
 local max_bytes = tonumber(ARGV[5])
@@ -36,9 +36,9 @@ for _, p in ipairs(redis.call('XPENDING', unpack(args))) do
         digest = redis.sha1hex(msg)
         msg = string.sub(msg, 1, OVERSIZE_PREFIX)
       end
-      redis.call('XADD', KEYS[2], '*', 'msg', msg, 'reason', reason, 'ts', ARGV[6],
+      redis.call('XADD', KEYS[2], '*', 'msg', msg, 'reason', reason, 'ts', server_s(),
         'event', event, 'key', key, 'attempts', count, 'length', length, 'sha1', digest,
-        'consumer', ARGV[8], 'id', id)
+        'consumer', ARGV[7], 'id', id)
       out[#out + 1] = key
       out[#out + 1] = reason
     end

@@ -3,12 +3,12 @@
 -- delivery, as a read does. An id whose entry is gone is dropped from the pending list.
 --
 -- KEYS[1] events STREAM, KEYS[2] dead STREAM
--- ARGV[1] group, ARGV[2] consumer, ARGV[3] max bytes, ARGV[4] now (s), then the ids
+-- ARGV[1] group, ARGV[2] consumer, ARGV[3] max bytes, then the ids
 -- Returns {gone, {entries}, {key, reason, ...} of the buried, {key, found, wanted} or {}}.
 local w = wrong_type(KEYS[1], 'stream')
 if w then return wrongtype_reply(w) end
 local ids = {}
-for i = 5, #ARGV do ids[#ids + 1] = ARGV[i] end
+for i = 4, #ARGV do ids[#ids + 1] = ARGV[i] end
 local claimed = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, unpack(ids))
-local kept, gone, buried, blocked = screen(claimed, ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4])
+local kept, gone, buried, blocked = screen(claimed, ARGV[1], ARGV[2], tonumber(ARGV[3]), server_s())
 return {gone + #ids - #claimed, kept, buried, blocked}

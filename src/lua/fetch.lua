@@ -13,26 +13,27 @@
 -- and reported; the rest go on.
 --
 -- KEYS: per queue: queue, processing list, deliveries HASH, dead list
--- ARGV[1] the most messages to take, ARGV[2] max deliveries, ARGV[3] now (unix seconds),
--- ARGV[4] consumer name, ARGV[5] max bytes, then the queue names in order
+-- ARGV[1] the most messages to take, ARGV[2] max deliveries, ARGV[3] consumer name,
+-- ARGV[4] max bytes, then the queue names in order
 -- Returns {n, {queue index (0-based), message, ...}, {key, reason, ...} of the buried,
 -- then {key, found, wanted} if a queue was skipped}.
 local max = tonumber(ARGV[1])
 local max_deliveries = tonumber(ARGV[2])
-local max_bytes = tonumber(ARGV[5])
+local max_bytes = tonumber(ARGV[4])
+local now_s = server_s()
 local out, buried = {}, {}
 local blocked = nil
 local n = 0
 local function bury(dead, queue, msg, reason, attempts, length, digest)
   redis.call('LPUSH', dead, cjson.encode({
-    msg = msg, ts = tonumber(ARGV[3]), consumer = ARGV[4], queue = queue, reason = reason,
+    msg = msg, ts = now_s, consumer = ARGV[3], queue = queue, reason = reason,
     event = '', key = '', attempts = attempts, length = length, sha1 = digest
   }))
   buried[#buried + 1] = queue
   buried[#buried + 1] = reason
 end
 for i = 1, #KEYS, 4 do
-  local queue_name = ARGV[5 + (i + 3) / 4]
+  local queue_name = ARGV[4 + (i + 3) / 4]
   local w = wrong_type(KEYS[i], 'list', KEYS[i + 1], 'list', KEYS[i + 2], 'hash')
   -- The dead list is needed only for a message that must be buried; while it holds
   -- another type such a message stays in its queue (moved to its head) until the key is

@@ -5,22 +5,25 @@
 -- KEYS[1] pool ZSET, KEYS[2] data HASH, KEYS[3] target (events STREAM or queue LIST),
 -- KEYS[4] dead letters (STREAM in stream mode, the queue's dead LIST in list mode),
 -- KEYS[5] the pool's jobs HASH (job ids of retries waiting in the pool)
--- ARGV[1] now in unix milliseconds
--- ARGV[2] now in unix seconds (decimal)
--- ARGV[3] limit
--- ARGV[4] orphan grace in milliseconds
--- ARGV[5] 'stream' (XADD msg, key, due) or 'list' (LPUSH msg with a "job_key" field added)
--- ARGV[6] '' for our pool; for a legacy pool, the event its members stand for: each member
+-- ARGV[1] '' to decide by Redis's own clock (TIME), as the worker always does; a time in
+--         unix milliseconds decides by that instead (the tests' injected clock)
+-- ARGV[2] limit
+-- ARGV[3] orphan grace in milliseconds
+-- ARGV[4] 'stream' (XADD msg, key, due) or 'list' (LPUSH msg with a "job_key" field added)
+-- ARGV[5] '' for our pool; for a legacy pool, the event its members stand for: each member
 --         is then a STRING key holding an order id, and the message is built here
---         ({"event": ARGV[6], "payload": {"order_id": <id>}}). On one server this script
+--         ({"event": ARGV[5], "payload": {"order_id": <id>}}). On one server this script
 --         scans the pool and reaches each member's key itself (undeclared, under
 --         redis.pcall, so a key an ACL user may not touch is that member's problem alone).
---         On a Redis Cluster (ARGV[9] = 'declared') the caller reads the due members first
+--         On a Redis Cluster (ARGV[7] = 'declared') the caller reads the due members first
 --         and declares their keys in KEYS[6..] (this script checks that each is still a due
 --         member); members whose key is in another hash slot than the pool come in
---         ARGV[10..] instead: they can only be dead-lettered.
--- ARGV[7] now in unix seconds (integer), the `ts` of messages built for a legacy pool
--- ARGV[8] the largest message in bytes (--max-message-bytes)
+--         ARGV[8..] instead: they can only be dead-lettered.
+-- ARGV[6] the largest message in bytes (--max-message-bytes)
+--
+-- One clock: a member is due when its score is at or before Redis's TIME, whatever the
+-- clock of the worker host that calls this. The `ts` of messages built for a legacy pool
+-- and of dead letters is that time too.
 --
 -- Scores below 1e11 are unix seconds, the rest unix milliseconds. Seconds scores sort
 -- before any millisecond score, so each kind is one score range.
@@ -46,18 +49,31 @@
 -- member's dead letter (a read) or is reported (the DEL after a move) instead of ending
 -- the script at that member, which would stop the pool there at every call.
 --
+-- A member without data past the grace, whose pool's data HASH does not exist at all, on
+-- a server that has evicted keys since it started (INFO stats `evicted_keys`, read under
+-- redis.pcall: a user refused it sees plain orphans), is not an orphan of a producer that
+-- wrote ZADD before HSET: its data vanished (an evicting Redis removes a whole key). Its
+-- dead letter says "lost data", with its due time, so that it is reported as such.
+--
 -- Returns {moved, skipped, next_due_ms or -1, {key, reason, ...} of the buried,
--- {key, found, wanted} or {}, {key, error, ...} of legacy keys Redis refused to delete}.
+-- {key, found, wanted} or {}, {key, error, ...} of legacy keys Redis refused to delete,
+-- the time (unix ms) it decided by}.
 -- `skipped` counts due members left in the pool: data not arrived yet (inside the
 -- grace), or a burial blocked by a dead-letter key of another type (reported in the
 -- fifth element). A legacy key that cannot be deleted stays as it is; its member has
 -- left the pool all the same (moved once, or buried).
-local now_ms = tonumber(ARGV[1])
-local limit = tonumber(ARGV[3])
-local grace = tonumber(ARGV[4])
-local mode = ARGV[5]
-local legacy = ARGV[6]
-local max_bytes = tonumber(ARGV[8])
+local t = redis.call('TIME')
+local now_ms = tonumber(ARGV[1]) or (tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+local now_sec = math.floor(now_ms / 1000)
+-- Score bounds as text: milliseconds, and seconds with three decimals (seconds scores).
+local now_ms_bound = string.format('%d', now_ms)
+local now_s_bound = string.format('%d.%03d', now_sec, now_ms - now_sec * 1000)
+local now_ts = string.format('%d', now_sec)
+local limit = tonumber(ARGV[2])
+local grace = tonumber(ARGV[3])
+local mode = ARGV[4]
+local legacy = ARGV[5]
+local max_bytes = tonumber(ARGV[6])
 
 local target_type, dead_type = 'stream', 'stream'
 if mode == 'list' then target_type, dead_type = 'list', 'list' end
@@ -76,7 +92,6 @@ local blocked = {}
 local moved, skipped = 0, 0
 local buried = {}
 local undeleted = {}
-local t = redis.call('TIME')
 local stamp = t[1] .. string.format('%06d', tonumber(t[2]))
 
 -- The job key travels inside the message on a list (a list entry is one string).
@@ -169,7 +184,7 @@ local function fetch(key)
   local sign, digits = string.match(id, '^(%-?)(%d+)$')
   if digits then value = sign .. (string.match(digits, '^0*(%d.*)$')) end
   return '{"event":' .. json_string(legacy) .. ',"payload":{"order_id":' .. value ..
-    '},"retry":0,"ts":' .. ARGV[7] .. '}'
+    '},"retry":0,"ts":' .. now_ts .. '}'
 end
 
 local function forget(key)
@@ -183,6 +198,13 @@ local function forget(key)
       undeleted[#undeleted + 1] = err
     end
   end
+end
+
+-- How many keys this server has evicted since it started; nil if it may not be asked.
+local function evicted_keys()
+  local info = redis.pcall('INFO', 'stats')
+  if type(info) ~= 'string' then return nil end
+  return tonumber(string.match(info, 'evicted_keys:(%d+)'))
 end
 
 -- The dead letter of a member that cannot be moved; for an oversized one a prefix, its
@@ -203,11 +225,11 @@ local function bury(key, reason, len)
   end
   if mode == 'list' then
     redis.call('LPUSH', KEYS[4], cjson.encode({
-      msg = msg, reason = reason, ts = tonumber(ARGV[7]), event = legacy, key = key,
+      msg = msg, reason = reason, ts = now_sec, event = legacy, key = key,
       attempts = 0, length = len or 0, sha1 = digest, consumer = 'mover'
     }))
   else
-    redis.call('XADD', KEYS[4], '*', 'msg', msg, 'reason', reason, 'ts', ARGV[7],
+    redis.call('XADD', KEYS[4], '*', 'msg', msg, 'reason', reason, 'ts', now_ts,
       'event', legacy, 'key', key, 'attempts', 0, 'length', len or 0, 'sha1', digest,
       'consumer', 'mover')
   end
@@ -222,11 +244,11 @@ replaced = function(key, job_id)
     'before the retry ran (a push reschedules its key; the newer push runs)'
   if mode == 'list' then
     redis.call('LPUSH', KEYS[4], cjson.encode({
-      msg = '', reason = reason, ts = tonumber(ARGV[7]), event = legacy, key = key,
+      msg = '', reason = reason, ts = now_sec, event = legacy, key = key,
       attempts = 0, consumer = 'mover'
     }))
   else
-    redis.call('XADD', KEYS[4], '*', 'msg', '', 'reason', reason, 'ts', ARGV[7],
+    redis.call('XADD', KEYS[4], '*', 'msg', '', 'reason', reason, 'ts', now_ts,
       'event', legacy, 'key', key, 'attempts', 0, 'consumer', 'mover')
   end
   buried[#buried + 1] = key
@@ -261,7 +283,14 @@ local function handle(items, scale)
         skipped = skipped + 1
       end
     elseif now_ms - due > grace then
-      if bury(key, 'no data ' .. math.floor(grace / 1000) .. 's after its due time') then
+      local why = 'no data ' .. math.floor(grace / 1000) .. 's after its due time'
+      local evicted = legacy == '' and redis.call('EXISTS', KEYS[2]) == 0 and evicted_keys()
+      if evicted and evicted > 0 then
+        why = 'lost data: the message due at ' .. string.format('%d', due) .. ' (unix ms) ' ..
+          'vanished: the data hash ' .. KEYS[2] .. ' no longer exists, and this Redis has ' ..
+          'evicted ' .. evicted .. ' keys since it started (maxmemory-policy must be noeviction)'
+      end
+      if bury(key, why) then
         redis.call('ZREM', KEYS[1], key)
       else
         skipped = skipped + 1
@@ -289,11 +318,11 @@ local function drain(min, max, scale)
     offset = offset + skipped - before
   end
 end
-if ARGV[9] ~= 'declared' then
-  drain('-inf', ARGV[2], 1000)
-  drain('1e11', ARGV[1], 1)
+if ARGV[7] ~= 'declared' then
+  drain('-inf', now_s_bound, 1000)
+  drain('1e11', now_ms_bound, 1)
 else
-  for i = 10, #ARGV do
+  for i = 8, #ARGV do
     local key = ARGV[i]
     if redis.call('ZSCORE', KEYS[1], key) then
       local reason = 'legacy key ' .. key .. ' is in another hash slot than its pool ' ..
@@ -316,9 +345,9 @@ end
 
 -- The earliest member not yet due, so the caller can sleep exactly until then.
 local next_due = -1
-local s = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. ARGV[2], '(1e11', 'WITHSCORES', 'LIMIT', 0, 1)
+local s = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now_s_bound, '(1e11', 'WITHSCORES', 'LIMIT', 0, 1)
 if #s > 0 then next_due = tonumber(s[2]) * 1000 end
-local m = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. ARGV[1], '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+local m = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now_ms_bound, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
 if #m > 0 then
   local d = tonumber(m[2])
   if next_due < 0 or d < next_due then next_due = d end
@@ -326,4 +355,4 @@ end
 -- Lua numbers become integers in the reply; keep absurd scores (1e300, inf) in range.
 if next_due > 9e15 then next_due = 9e15 end
 
-return {moved, skipped, next_due, buried, blocked, undeleted}
+return {moved, skipped, next_due, buried, blocked, undeleted, now_ms}

@@ -20,6 +20,12 @@ local function wrong_type(...)
   return nil
 end
 
+-- Redis's own clock in unix seconds: when a dead letter died (its `ts`). Every time a
+-- script records is the server's, never a worker host's (README, Time).
+local function server_s()
+  return tonumber(redis.call('TIME')[1])
+end
+
 local function wrongtype_reply(w)
   return {'WRONGTYPE', w[1], w[2], w[3]}
 end

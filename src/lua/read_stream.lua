@@ -4,7 +4,7 @@
 --
 -- KEYS[1] events STREAM, KEYS[2] dead STREAM
 -- ARGV[1] group, ARGV[2] consumer, ARGV[3] count, ARGV[4] id ('>' for new entries, or a
--- cursor into this consumer's own pending entries), ARGV[5] max bytes, ARGV[6] now (s)
+-- cursor into this consumer's own pending entries), ARGV[5] max bytes
 -- Returns {gone, {entries}, {key, reason, ...} of the buried, {key, found, wanted} or {}}.
 local w = wrong_type(KEYS[1], 'stream')
 if w then return wrongtype_reply(w) end
@@ -12,5 +12,5 @@ local r = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', ARGV[3],
   'STREAMS', KEYS[1], ARGV[4])
 local entries = {}
 if r and r[1] then entries = r[1][2] end
-local kept, gone, buried, blocked = screen(entries, ARGV[1], ARGV[2], tonumber(ARGV[5]), ARGV[6])
+local kept, gone, buried, blocked = screen(entries, ARGV[1], ARGV[2], tonumber(ARGV[5]), server_s())
 return {gone, kept, buried, blocked}

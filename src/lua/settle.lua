@@ -6,7 +6,7 @@
 --
 -- KEYS[1] events STREAM, KEYS[2] pool ZSET, KEYS[3] data HASH, KEYS[4] dead STREAM,
 -- KEYS[5] the pool's jobs HASH (a retry keeps its job id through the pool)
--- ARGV[1] group, ARGV[2] now (unix seconds), ARGV[3] consumer name
+-- ARGV[1] group, ARGV[2] consumer name
 -- then records of 7 fields: kind, entry id, job key, message, score-or-reason, event,
 -- attempts. kind: 'A' ack, 'R' retry (score = due time), 'D' dead letter (reason).
 -- Returns one code per record (1 settled by this call, 2 settled as a dead letter because
@@ -21,7 +21,8 @@ local out = {}
 local function pending(id)
   return #redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1) > 0
 end
-for i = 4, #ARGV, 7 do
+local now_s = server_s()
+for i = 3, #ARGV, 7 do
   local kind, id = ARGV[i], ARGV[i + 1]
   local code
   local superseded = false
@@ -40,9 +41,9 @@ for i = 4, #ARGV, 7 do
       -- The key was pushed again while this job ran, and a push reschedules its key: the
       -- newer push keeps the slot, this retry becomes a dead letter (nothing vanishes).
       redis.call('XADD', KEYS[4], '*',
-        'msg', ARGV[i + 3], 'reason', SUPERSEDED, 'ts', ARGV[2],
+        'msg', ARGV[i + 3], 'reason', SUPERSEDED, 'ts', now_s,
         'event', ARGV[i + 5], 'key', ARGV[i + 2], 'attempts', ARGV[i + 6],
-        'consumer', ARGV[3], 'id', id)
+        'consumer', ARGV[2], 'id', id)
       superseded = true
     elseif kind == 'R' then
       remember_job(KEYS[5], ARGV[i + 2], ARGV[i + 3])
@@ -50,9 +51,9 @@ for i = 4, #ARGV, 7 do
       redis.call('ZADD', KEYS[2], ARGV[i + 4], ARGV[i + 2])
     else
       redis.call('XADD', KEYS[4], '*',
-        'msg', ARGV[i + 3], 'reason', ARGV[i + 4], 'ts', ARGV[2],
+        'msg', ARGV[i + 3], 'reason', ARGV[i + 4], 'ts', now_s,
         'event', ARGV[i + 5], 'key', ARGV[i + 2], 'attempts', ARGV[i + 6],
-        'consumer', ARGV[3], 'id', id)
+        'consumer', ARGV[2], 'id', id)
     end
     code = redis.call('XACK', KEYS[1], ARGV[1], id)
     if superseded and code == 1 then code = 2 end

@@ -7,7 +7,7 @@
 -- KEYS[1] pool ZSET, KEYS[2] data HASH, KEYS[3] the pool's jobs HASH (a retry keeps its
 -- job id through the pool), then per queue: processing LIST, dead LIST, deliveries HASH
 -- (the message's fetch count is cleared once it is settled)
--- ARGV[1] now (unix seconds), ARGV[2] consumer name, then records of 8 fields:
+-- ARGV[1] consumer name, then records of 8 fields:
 --   kind ('A' ack, 'R' retry, 'D' dead), queue index (0-based), queue name, job key,
 --   message as delivered, retry message or reason, due score or event, attempts
 -- Returns one code per record (1 settled, 2 settled as a dead letter because its retry
@@ -16,7 +16,8 @@
 local pool_bad = wrong_type(KEYS[1], 'zset', KEYS[2], 'hash', KEYS[3], 'hash')
 local blocked = nil
 local out = {}
-for i = 3, #ARGV, 8 do
+local now_s = server_s()
+for i = 2, #ARGV, 8 do
   local kind, q = ARGV[i], tonumber(ARGV[i + 1])
   local processing, dead, deliveries = KEYS[4 + q * 3], KEYS[5 + q * 3], KEYS[6 + q * 3]
   local msg = ARGV[i + 4]
@@ -35,8 +36,8 @@ for i = 3, #ARGV, 8 do
       -- The key was pushed again while this job ran, and a push reschedules its key: the
       -- newer push keeps the slot, this retry becomes a dead letter (nothing vanishes).
       redis.call('LPUSH', dead, cjson.encode({
-        msg = ARGV[i + 5], reason = SUPERSEDED, ts = tonumber(ARGV[1]),
-        event = '', key = ARGV[i + 3], attempts = 0, consumer = ARGV[2], queue = ARGV[i + 2]
+        msg = ARGV[i + 5], reason = SUPERSEDED, ts = now_s,
+        event = '', key = ARGV[i + 3], attempts = 0, consumer = ARGV[1], queue = ARGV[i + 2]
       }))
     elseif kind == 'R' then
       remember_job(KEYS[3], ARGV[i + 3], ARGV[i + 5])
@@ -44,9 +45,9 @@ for i = 3, #ARGV, 8 do
       redis.call('ZADD', KEYS[1], ARGV[i + 6], ARGV[i + 3])
     elseif kind == 'D' then
       redis.call('LPUSH', dead, cjson.encode({
-        msg = msg, reason = ARGV[i + 5], ts = tonumber(ARGV[1]),
+        msg = msg, reason = ARGV[i + 5], ts = now_s,
         event = ARGV[i + 6], key = ARGV[i + 3], attempts = tonumber(ARGV[i + 7]),
-        consumer = ARGV[2], queue = ARGV[i + 2]
+        consumer = ARGV[1], queue = ARGV[i + 2]
       }))
     end
     redis.call('HDEL', deliveries, redis.sha1hex(msg))

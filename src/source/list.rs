@@ -77,7 +77,14 @@ impl<'a> ListReader<'a> {
 
     /// Heartbeat, then the processing lists of consumers whose heartbeat expired.
     fn maintain(&mut self, con: &mut dyn redis::ConnectionLike) -> Result<(), StepError> {
-        store::heartbeat(con, self.keys, self.consumer, self.cfg.heartbeat_ttl)?;
+        let record = crate::health::Record::of(self.stats).to_json();
+        store::heartbeat(
+            con,
+            self.keys,
+            self.consumer,
+            self.cfg.heartbeat_ttl,
+            &record,
+        )?;
         for c in list::consumers(con, self.keys)?
             .iter()
             .filter(|c| c.as_str() != self.consumer)
@@ -111,7 +118,14 @@ impl Source for ListReader<'_> {
         con: &mut dyn redis::ConnectionLike,
         _shutdown: &Shutdown,
     ) -> Result<usize, StepError> {
-        store::heartbeat(con, self.keys, self.consumer, self.cfg.heartbeat_ttl)?;
+        let record = crate::health::Record::of(self.stats).to_json();
+        store::heartbeat(
+            con,
+            self.keys,
+            self.consumer,
+            self.cfg.heartbeat_ttl,
+            &record,
+        )?;
         list::register_consumer(con, self.keys, self.consumer)?;
         let n = list::requeue_processing(con, self.keys, self.consumer, false)?.unwrap_or(0);
         if n > 0 {

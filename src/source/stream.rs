@@ -94,6 +94,19 @@ impl<'a> Reader<'a> {
         self
     }
 
+    /// Refreshes this consumer's heartbeat, with this process's health record in it.
+    fn heartbeat(&self, con: &mut dyn redis::ConnectionLike) -> Result<(), StepError> {
+        let record = crate::health::Record::of(self.stats).to_json();
+        store::heartbeat(
+            con,
+            self.keys,
+            self.consumer,
+            self.cfg.heartbeat_ttl,
+            &record,
+        )?;
+        Ok(())
+    }
+
     fn reading(&self) -> Reading<'a> {
         Reading {
             keys: self.keys,
@@ -129,7 +142,7 @@ impl<'a> Reader<'a> {
         shutdown: &Shutdown,
     ) -> Result<usize, StepError> {
         stream::ensure_group(con, self.keys)?;
-        store::heartbeat(con, self.keys, self.consumer, self.cfg.heartbeat_ttl)?;
+        self.heartbeat(con)?;
         self.bury_overdelivered(con, Some(self.consumer), Duration::ZERO)?;
         // Whatever was taken over before a reconnect is in our own pending now.
         self.taken.clear();
@@ -139,7 +152,7 @@ impl<'a> Reader<'a> {
             let room = self.feed.room();
             if room == 0 {
                 self.feed.wait_for_room(self.cfg.block);
-                store::heartbeat(con, self.keys, self.consumer, self.cfg.heartbeat_ttl)?;
+                self.heartbeat(con)?;
                 continue;
             }
             let read = stream::read(con, self.reading(), room, &cursor)?;
@@ -209,13 +222,18 @@ impl<'a> Reader<'a> {
     /// Heartbeat, dead consumers, over-delivered entries, idle entries; in that order, so
     /// an entry over the delivery limit is dead-lettered rather than reclaimed once more.
     pub fn maintain(&mut self, con: &mut dyn redis::ConnectionLike) -> Result<usize, StepError> {
-        store::heartbeat(con, self.keys, self.consumer, self.cfg.heartbeat_ttl)?;
+        self.heartbeat(con)?;
         self.take_over_dead_consumers(con)?;
         self.bury_overdelivered(con, None, self.cfg.claim_idle)?;
         let n = self.autoclaim(con)?;
         if due(&mut self.last_trim, TRIM_EVERY) {
-            let removed =
-                stream::trim_acknowledged(con, self.keys, self.cfg.retention, crate::now_ms())?;
+            let removed = stream::trim_acknowledged(
+                con,
+                self.keys,
+                self.cfg.retention,
+                // Entry ids are Redis's time.
+                self.stats.clock.now_ms(),
+            )?;
             if removed > 0 {
                 log::info!(
                     "reader: trimmed {removed} acknowledged stream entries older than the retention"
@@ -331,23 +349,98 @@ impl Source for Reader<'_> {
 /// reader thread's one connection. Each step polls every shard once, starting from the
 /// next one each time so no shard waits behind another, and waits for the doorbell only
 /// when every shard's read emptied its stream.
+///
+/// A shard whose hash slot is moving or unserved (`StoreError::Moving`: `TRYAGAIN` while
+/// it is resharded, `CLUSTERDOWN`) holds back only itself: it is reported under its own
+/// name (`reader (shard i)`, naming the code), skipped for a short backoff (at most
+/// [`crate::mover::MOVING_BACKOFF`]) and tried again; its start is retried the same way.
+/// The other shards keep being read.
 pub struct Shards<'a> {
     readers: Vec<Reader<'a>>,
     doorbell: Doorbell,
     next: usize,
+    /// Per shard: whether its start went through, and, while its slot is moving, the
+    /// backoff and when to try again.
+    started: Vec<bool>,
+    held: Vec<(crate::backoff::Backoff, Option<Instant>)>,
+    /// The daemon's, for a start retried from a later step.
+    shutdown: Shutdown,
+}
+
+impl Shards<'_> {
+    /// Shard `i`'s step failed because its slot is moving: reported, and skipped a while.
+    fn hold(&mut self, i: usize, e: &store::StoreError) {
+        let r = &self.readers[i];
+        let problem = format!("its messages wait: {e}");
+        if r.stats.report_critical(&r.name, problem.clone()) {
+            log::warn!("{}: {problem}; the other shards go on", r.name);
+        }
+        let (backoff, until) = &mut self.held[i];
+        *until = Some(Instant::now() + backoff.next_delay().min(crate::mover::MOVING_BACKOFF));
+    }
+
+    /// Shard `i` answered again after its slot moved.
+    fn release(&mut self, i: usize) {
+        let (backoff, until) = &mut self.held[i];
+        if until.take().is_some() {
+            backoff.reset();
+            let r = &self.readers[i];
+            if r.stats.clear_problem(&r.name, i64::MAX) {
+                log::info!("{}: its slot answers again", r.name);
+            }
+        }
+    }
+
+    /// One shard's step: its start first if it has not gone through yet.
+    fn step(&mut self, i: usize, con: &mut dyn redis::ConnectionLike) -> Result<usize, StepError> {
+        if self.held[i].1.is_some_and(|t| Instant::now() < t) {
+            self.readers[i].drained = true;
+            return Ok(0);
+        }
+        let result = if self.started[i] {
+            self.readers[i].poll(con)
+        } else {
+            let shutdown = self.shutdown.clone();
+            self.readers[i].start(con, &shutdown)
+        };
+        match result {
+            Ok(n) => {
+                self.started[i] = true;
+                self.release(i);
+                Ok(n)
+            }
+            Err(StepError::Store(e)) if e.is_moving() => {
+                self.hold(i, &e);
+                self.readers[i].drained = true;
+                Ok(0)
+            }
+            Err(e) => Err(e),
+        }
+    }
 }
 
 impl<'a> Shards<'a> {
     pub fn new(readers: Vec<Reader<'a>>, doorbell: Doorbell) -> Self {
-        let readers = readers
+        let readers: Vec<Reader<'a>> = readers
             .into_iter()
             .enumerate()
             .map(|(i, r)| r.in_shard(i))
             .collect();
+        let n = readers.len();
         Shards {
+            started: vec![false; n],
+            held: (0..n)
+                .map(|i| {
+                    (
+                        crate::backoff::Backoff::new(&format!("reader (shard {i})")),
+                        None,
+                    )
+                })
+                .collect(),
             readers,
             doorbell,
             next: 0,
+            shutdown: Shutdown::new(),
         }
     }
 }
@@ -366,9 +459,12 @@ impl Source for Shards<'_> {
         con: &mut dyn redis::ConnectionLike,
         shutdown: &Shutdown,
     ) -> Result<usize, StepError> {
+        // After a lost connection every shard starts again (its own pending first).
+        self.started.iter_mut().for_each(|s| *s = false);
+        self.shutdown = shutdown.clone();
         let mut n = 0;
-        for r in &mut self.readers {
-            n += r.start(con, shutdown)?;
+        for i in 0..self.readers.len() {
+            n += self.step(i, con)?;
         }
         Ok(n)
     }
@@ -376,7 +472,7 @@ impl Source for Shards<'_> {
         let len = self.readers.len();
         let mut n = 0;
         for k in 0..len {
-            n += self.readers[(self.next + k) % len].poll(con)?;
+            n += self.step((self.next + k) % len, con)?;
         }
         self.next = (self.next + 1) % len.max(1);
         if self.readers.iter().all(|r| r.drained) {

@@ -193,7 +193,8 @@ impl Actions {
             return Response::text(400, format!("{bad:?} is not a dead-letter id\n"));
         }
         let keys = &page.config.keys;
-        let now = crate::now_ms();
+        // A requeued letter is due now on the shared clock.
+        let now = page.stats.clock.now_ms();
         match page.with_redis(|con| on_set(con, keys, kind, &form.ids, now)) {
             Ok(done) => finish(&keys.dead, done, "/dead".into()),
             Err(e) => failed(kind, &e, &[]),
@@ -205,7 +206,7 @@ impl Actions {
     /// shard after the other, each logged with its shard as it is done.
     fn on_shards(&self, page: &Page, kind: Kind, form: &Form) -> Response {
         let shards = page.config.shard_keys();
-        let now = crate::now_ms();
+        let now = page.stats.clock.now_ms();
         // Every id placed before anything changes: a form with one id that names no
         // shard changes nothing.
         let placed = page.with_redis(|con| {

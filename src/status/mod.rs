@@ -296,10 +296,12 @@ impl<'a> Page<'a> {
         let now = crate::now_ms();
         let report: Result<StatsReport, String> = self
             .with_redis(|con| {
+                // Ages and lags on Redis's clock, as `worker stats` reads them.
+                let redis_now = admin::stats::redis_now_ms(con, self.config)?;
                 Ok(admin::stats::gather_all(
                     con,
                     self.config,
-                    now,
+                    redis_now,
                     DEAD_WINDOW,
                 )?)
             })
@@ -319,7 +321,7 @@ impl<'a> Page<'a> {
                 }
                 _ => Vec::new(),
             },
-            contention: self.stats.contention.summary(now),
+            contention: self.stats.contention.summary(self.stats.clock.now_ms()),
             uptime: self.started.elapsed(),
             rss: crate::metrics::resident_memory_bytes(),
             now_ms: now,

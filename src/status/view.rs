@@ -304,6 +304,38 @@ fn queue_figures(r: &StatsReport, c: &Config) -> Markup {
                 }
             }
         }
+        @if !r.workers.is_empty() {
+            h2 { "Workers " span.muted { "(as each one's heartbeat record says)" } }
+            div.wrap {
+                table {
+                    tr { th { "worker" } th { "host" } th.n { "clock offset to Redis" } th { "problems" } }
+                    @for w in &r.workers {
+                        tr data-worker=(w.name) {
+                            td { (w.name) }
+                            @match &w.record {
+                                None => { td { "?" } td.n { "?" } td { "(an older worker: no record)" } }
+                                Some(rec) => {
+                                    td { (rec.host) }
+                                    td.n data-k="clock_offset_ms" {
+                                        @match rec.clock_offset_ms {
+                                            Some(o) if o.abs() > 1000 => { span.bad { (format!("{:+.3}s", o as f64 / 1000.0)) } }
+                                            Some(o) => { (format!("{:+.3}s", o as f64 / 1000.0)) }
+                                            None => { "not measured" }
+                                        }
+                                    }
+                                    td data-k="problems" {
+                                        @if rec.problems.is_empty() { span.ok { "none" } }
+                                        @for p in &rec.problems {
+                                            div { span.bad { "[" (p.severity) "] " } (p.role) ": " (p.what) }
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
         @if !r.queues.is_empty() {
             h2 { "Queues " span.muted { "(dead: their dead lists)" } }
             div.wrap {

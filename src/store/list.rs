@@ -42,7 +42,6 @@ pub fn fetch(
     }
     inv.arg(max)
         .arg(max_deliveries)
-        .arg(crate::now_ms() / 1000)
         .arg(consumer)
         .arg(max_bytes);
     for q in &keys.queues {
@@ -78,7 +77,6 @@ pub(super) fn settle(
     con: &mut dyn ConnectionLike,
     keys: &Keys,
     consumer: &str,
-    now_s: i64,
     batch: &[&Settlement],
 ) -> StoreResult<Vec<Value>> {
     let mut inv = SETTLE.prepare_invoke();
@@ -88,7 +86,7 @@ pub(super) fn settle(
             .key(&q.dead)
             .key(q.deliveries());
     }
-    inv.arg(now_s).arg(consumer);
+    inv.arg(consumer);
     for s in batch {
         let queue = match s.origin {
             Origin::List { queue } => queue,

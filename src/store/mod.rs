@@ -32,7 +32,7 @@ use redis::{ConnectionLike, RedisError, Value};
 use std::time::Duration;
 
 pub use link::{Con, Redis, Topology, CONNECT_TIMEOUT};
-pub use pool::{cancel, move_due, push, MoveReport, Pool, Target};
+pub use pool::{cancel, move_due, push, At, MoveReport, Pool, Target, LOST_DATA};
 
 /// A script of `src/lua/`, with the shared prelude (type checks, the size screen) in
 /// front of it.
@@ -53,11 +53,22 @@ pub(crate) use script;
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     /// The connection broke, timed out or was refused, the server is still loading, or a
-    /// failover is under way (`READONLY`, `MASTERDOWN`, `TRYAGAIN`, `CLUSTERDOWN`, a group
-    /// missing on a promoted replica): reconnect, start again and back off.
+    /// failover is under way (`READONLY`, `MASTERDOWN`, a group missing on a promoted
+    /// replica): reconnect, start again and back off.
     #[error("{what}: connection lost: {source}")]
     Connection {
         what: &'static str,
+        source: RedisError,
+    },
+    /// On a Redis Cluster, the hash slot of these keys is being resharded (`TRYAGAIN`:
+    /// some of a script's keys have moved, the others not yet; `ASK`, `MOVED` after the
+    /// client's own redirects) or has no master serving it (`CLUSTERDOWN`). It holds back
+    /// only the key set of that slot (one shard): the connection is fine, the other shards
+    /// go on, and this one is tried again after a short backoff. The code is in the text.
+    #[error("{what}: its hash slot is moving or unserved ({code}): {source}")]
+    Moving {
+        what: &'static str,
+        code: &'static str,
         source: RedisError,
     },
     /// A key holds another type than the one the worker keeps there. Nothing was
@@ -80,6 +91,16 @@ pub enum StoreError {
 
 impl StoreError {
     pub fn from_redis(what: &'static str, source: RedisError) -> StoreError {
+        let moving = match source.kind() {
+            redis::ErrorKind::Server(redis::ServerErrorKind::TryAgain) => Some("TRYAGAIN"),
+            redis::ErrorKind::Server(redis::ServerErrorKind::Ask) => Some("ASK"),
+            redis::ErrorKind::Server(redis::ServerErrorKind::Moved) => Some("MOVED"),
+            redis::ErrorKind::Server(redis::ServerErrorKind::ClusterDown) => Some("CLUSTERDOWN"),
+            _ => None,
+        };
+        if let Some(code) = moving {
+            return StoreError::Moving { what, code, source };
+        }
         let lost = source.is_io_error()
             || source.is_connection_dropped()
             || source.is_connection_refusal()
@@ -91,8 +112,6 @@ impl StoreError {
                         // A failover: this node was demoted, or the cluster is moving.
                         | redis::ServerErrorKind::ReadOnly
                         | redis::ServerErrorKind::MasterDown
-                        | redis::ServerErrorKind::TryAgain
-                        | redis::ServerErrorKind::ClusterDown
                 )
             )
             // A promoted replica that never saw the group: start again, which creates it
@@ -108,6 +127,11 @@ impl StoreError {
     /// The connection is unusable: drop it and connect again.
     pub fn is_connection(&self) -> bool {
         matches!(self, StoreError::Connection { .. })
+    }
+
+    /// The key set's hash slot is moving or unserved: only that shard waits.
+    pub fn is_moving(&self) -> bool {
+        matches!(self, StoreError::Moving { .. })
     }
 
     /// The problem an operator must act on, for health checks; `None` for outages.
@@ -253,6 +277,9 @@ pub struct SettleReport {
     pub each: Vec<Settled>,
     /// The key that blocked a settlement, if one did.
     pub blocked: Option<WrongType>,
+    /// A shard whose hash slot is moving or unserved, if one was: its settlements are
+    /// [`Settled::Blocked`] (left where they were, tried again), the other shards' done.
+    pub moving: Option<String>,
 }
 
 impl SettleReport {
@@ -288,13 +315,13 @@ pub fn settle(
     con: &mut dyn ConnectionLike,
     shards: &[Keys],
     consumer: &str,
-    now_s: i64,
     batch: &[Settlement],
 ) -> StoreResult<SettleReport> {
     type Part<'b> = Vec<(usize, &'b Settlement)>;
     let mut report = SettleReport {
         each: vec![Settled::AlreadySettled; batch.len()],
         blocked: None,
+        moving: None,
     };
     // One script per shard and kind: a shard's keys share a hash slot, two shards' do not.
     let mut parts: Vec<(usize, bool, Part<'_>)> = Vec::new();
@@ -312,9 +339,21 @@ pub fn settle(
         let keys = shards.get(shard).unwrap_or(&shards[0]);
         let items: Vec<&Settlement> = part.iter().map(|(_, s)| *s).collect();
         let reply = if is_stream {
-            stream::settle(con, keys, consumer, now_s, &items)?
+            stream::settle(con, keys, consumer, &items)
         } else {
-            list::settle(con, keys, consumer, now_s, &items)?
+            list::settle(con, keys, consumer, &items)
+        };
+        let reply = match reply {
+            Ok(r) => r,
+            // One shard's slot moving holds back that shard's outcomes only.
+            Err(e) if e.is_moving() && shards.len() > 1 => {
+                for (i, _) in &part {
+                    report.each[*i] = Settled::Blocked;
+                }
+                report.moving = Some(format!("shard {shard} ({}): {e}", keys.pool));
+                continue;
+            }
+            Err(e) => return Err(e),
         };
         let codes = report.extend_from(&reply, items.len());
         for ((i, _), code) in part.iter().zip(codes) {
@@ -324,20 +363,115 @@ pub fn settle(
     Ok(report)
 }
 
-/// Refreshes a consumer's heartbeat key: peers take over its work once the key expires.
+/// Refreshes a consumer's heartbeat key: peers take over its work once the key expires
+/// (they ask only whether it exists). Its value is the process's health record
+/// (`health.rs`), which the operator's tools read.
 pub fn heartbeat(
     con: &mut dyn ConnectionLike,
     keys: &Keys,
     consumer: &str,
     ttl: Duration,
+    record: &str,
 ) -> StoreResult<()> {
     let mut cmd = redis::cmd("SET");
     cmd.arg(keys.heartbeat(consumer))
-        .arg(crate::now_ms())
+        .arg(record)
         .arg("PX")
         .arg(ttl.as_millis().max(1) as u64);
     query("heartbeat", &cmd, con)
 }
+
+/// Redis's clock (`TIME`), unix microseconds, read on the server that holds `key` (on a
+/// Redis Cluster, each master has its own clock and decides for its own slots).
+pub fn server_time_us(con: &mut dyn ConnectionLike, key: &str) -> StoreResult<i64> {
+    let mut inv = TIME.prepare_invoke();
+    inv.key(key);
+    let v = run("read the server's clock", &inv, con)?;
+    let parts: Vec<i64> = match v {
+        Value::Array(items) => items
+            .iter()
+            .map(|p| value_to_string(p).parse().unwrap_or(0))
+            .collect(),
+        _ => Vec::new(),
+    };
+    match parts.as_slice() {
+        [s, us, ..] => Ok(s.saturating_mul(1_000_000).saturating_add(*us)),
+        _ => Err(StoreError::Refused {
+            what: "read the server's clock",
+            source: RedisError::from((redis::ErrorKind::Parse, "TIME answered no time")),
+        }),
+    }
+}
+
+/// One round trip of [`server_time_us`] with this host's clock read on either side: what
+/// `clock::Sample` measures the offset from.
+pub fn clock_sample(con: &mut dyn ConnectionLike, key: &str) -> StoreResult<crate::clock::Sample> {
+    let host_us = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_micros() as i64)
+            .unwrap_or(0)
+    };
+    let before_us = host_us();
+    let server_us = server_time_us(con, key)?;
+    Ok(crate::clock::Sample {
+        before_us,
+        server_us,
+        after_us: host_us(),
+    })
+}
+
+/// What Redis says of its memory (`INFO memory`, read on the server that holds `key`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Memory {
+    /// `maxmemory-policy`: what Redis does when `maxmemory` is reached.
+    pub policy: String,
+    /// `maxmemory` in bytes (0: no limit).
+    pub max: u64,
+    /// `used_memory` in bytes.
+    pub used: u64,
+}
+
+impl Memory {
+    /// Whether the policy may evict keys the worker keeps (its pool, data and streams have
+    /// no TTL, so only the `allkeys-*` policies reach them; `volatile-*` evict only keys
+    /// with a TTL, such as the heartbeats).
+    pub fn evicts_data(&self) -> bool {
+        self.policy.starts_with("allkeys-")
+    }
+
+    /// Used memory as a share of `maxmemory` (`None` without a limit).
+    pub fn fill(&self) -> Option<f64> {
+        (self.max > 0).then(|| self.used as f64 / self.max as f64)
+    }
+}
+
+/// `INFO memory` of the server that holds `key`, from a script (so that a Cluster routes it
+/// by the key, and an ACL user needs only `+info|memory`, not `CONFIG GET`).
+pub fn memory(con: &mut dyn ConnectionLike, key: &str) -> StoreResult<Memory> {
+    let mut inv = INFO_MEMORY.prepare_invoke();
+    inv.key(key);
+    let text = value_to_string(&run("read INFO memory", &inv, con)?);
+    let field = |name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+            .map(|v| v.trim().to_string())
+    };
+    Ok(Memory {
+        policy: field("maxmemory_policy").unwrap_or_default(),
+        max: field("maxmemory").and_then(|v| v.parse().ok()).unwrap_or(0),
+        used: field("used_memory")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0),
+    })
+}
+
+/// The two read-only scripts of [`server_time_us`] and [`memory`]: keyed, so a Cluster
+/// sends them to the master of that key's slot.
+static TIME: std::sync::LazyLock<redis::Script> =
+    std::sync::LazyLock::new(|| redis::Script::new("return redis.call('TIME')"));
+static INFO_MEMORY: std::sync::LazyLock<redis::Script> =
+    std::sync::LazyLock::new(|| redis::Script::new("return redis.call('INFO', 'memory')"));
 
 /// Removes a consumer's heartbeat at shutdown, so peers take over whatever it still has
 /// pending at once instead of after the heartbeat's expiry.

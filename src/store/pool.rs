@@ -73,9 +73,30 @@ pub fn cancel(con: &mut dyn ConnectionLike, keys: &Keys, key: &str) -> StoreResu
     Ok(int(Some(&run("cancel", &inv, con)?)) == 1)
 }
 
+/// The clock a move decides "due" by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum At {
+    /// Redis's own (`TIME`, read inside the script): what the worker always uses, so that
+    /// no worker host's clock decides when a job is due.
+    Server,
+    /// This time (unix ms): the tests' injected clock.
+    Ms(i64),
+}
+
+impl From<i64> for At {
+    fn from(ms: i64) -> At {
+        At::Ms(ms)
+    }
+}
+
+/// The first words of the reason of a member whose data vanished (see `lua/move_due.lua`).
+pub const LOST_DATA: &str = "lost data";
+
 /// What one `move_due` call did.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct MoveReport {
+    /// The time the call decided by (unix ms): Redis's clock, or the injected one.
+    pub now_ms: i64,
     pub moved: usize,
     /// Due members without data, still inside the orphan grace period.
     pub skipped: usize,
@@ -125,10 +146,10 @@ pub enum Pool<'a> {
 fn legacy_candidates(
     con: &mut dyn ConnectionLike,
     pool: &str,
-    now_s: &str,
     now_ms: i64,
     limit: usize,
 ) -> StoreResult<Vec<String>> {
+    let now_s = format!("{}.{:03}", now_ms.div_euclid(1000), now_ms.rem_euclid(1000));
     let mut out = Vec::new();
     for (min, max) in [
         ("-inf".to_string(), now_s.to_string()),
@@ -151,20 +172,20 @@ fn legacy_candidates(
     Ok(out)
 }
 
-/// Moves up to `limit` members of `pool` due at `now_ms` to `target`, in one atomic script.
-/// `jobs` is the jobs HASH of our pool (retries keep their job id through it).
+/// Moves up to `limit` members of `pool` due at `at` (Redis's clock, or an injected time)
+/// to `target`, in one atomic script. `jobs` is the jobs HASH of our pool (retries keep
+/// their job id through it).
 #[allow(clippy::too_many_arguments)]
 pub fn move_due(
     con: &mut dyn ConnectionLike,
     pool: Pool<'_>,
     jobs: &str,
     target: Target<'_>,
-    now_ms: i64,
+    at: At,
     limit: usize,
     orphan_grace_ms: i64,
     max_bytes: usize,
 ) -> StoreResult<MoveReport> {
-    let now_s = format!("{}.{:03}", now_ms.div_euclid(1000), now_ms.rem_euclid(1000));
     let (zset, data, legacy) = match pool {
         Pool::Enveloped { pool, data } => (pool, data, ""),
         // The data slot is unused for a legacy pool; the pool key keeps KEYS well formed.
@@ -187,7 +208,12 @@ pub fn move_due(
     {
         declares = true;
         let slot = crate::keys::slot(pool);
-        for m in legacy_candidates(con, pool, &now_s, now_ms, limit)? {
+        // Read on the clock the script decides by; it checks each candidate again.
+        let now_ms = match at {
+            At::Ms(ms) => ms,
+            At::Server => super::server_time_us(con, pool)?.div_euclid(1000),
+        };
+        for m in legacy_candidates(con, pool, now_ms, limit)? {
             if crate::keys::slot(&m) != slot {
                 foreign.push(m);
             } else {
@@ -205,13 +231,14 @@ pub fn move_due(
         .key(target_key)
         .key(dead)
         .key(jobs)
-        .arg(now_ms)
-        .arg(now_s)
+        .arg(match at {
+            At::Server => String::new(),
+            At::Ms(ms) => ms.to_string(),
+        })
         .arg(limit)
         .arg(orphan_grace_ms)
         .arg(mode)
         .arg(legacy)
-        .arg(now_ms.div_euclid(1000))
         .arg(max_bytes);
     if declares {
         inv.arg("declared");
@@ -227,6 +254,7 @@ pub fn move_due(
     };
     let next = int(reply.get(2));
     Ok(MoveReport {
+        now_ms: int(reply.get(6)),
         moved: int(reply.first()) as usize,
         skipped: int(reply.get(1)) as usize,
         next_due_ms: (next >= 0).then_some(next),

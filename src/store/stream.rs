@@ -94,10 +94,7 @@ pub fn read(
     from: &str,
 ) -> StoreResult<Read> {
     let mut inv = r.invocation(&READ);
-    inv.arg(count)
-        .arg(from)
-        .arg(r.max_bytes)
-        .arg(crate::now_ms() / 1000);
+    inv.arg(count).arg(from).arg(r.max_bytes);
     Ok(screened(run("read the stream", &inv, con)?))
 }
 
@@ -111,7 +108,7 @@ pub fn claim_ids(
         return Ok(Read::default());
     }
     let mut inv = r.invocation(&CLAIM_IDS);
-    inv.arg(r.max_bytes).arg(crate::now_ms() / 1000);
+    inv.arg(r.max_bytes);
     for id in ids {
         inv.arg(id);
     }
@@ -131,8 +128,7 @@ pub fn autoclaim(
     inv.arg(min_idle.as_millis() as u64)
         .arg(cursor)
         .arg(count)
-        .arg(r.max_bytes)
-        .arg(crate::now_ms() / 1000);
+        .arg(r.max_bytes);
     let reply = run("reclaim idle entries", &inv, con)?;
     let next = match &reply {
         Value::Array(parts) => parts.get(4).map(value_to_string),
@@ -186,7 +182,6 @@ pub fn bury_overdelivered(
         .arg(min_idle.as_millis() as u64)
         .arg(max_deliveries)
         .arg(r.max_bytes)
-        .arg(crate::now_ms() / 1000)
         .arg(scan)
         .arg(r.consumer);
     let Value::Array(reply) = run("dead-letter over-delivered entries", &inv, con)? else {
@@ -201,7 +196,6 @@ pub(super) fn settle(
     con: &mut dyn ConnectionLike,
     keys: &Keys,
     consumer: &str,
-    now_s: i64,
     batch: &[&Settlement],
 ) -> StoreResult<Vec<Value>> {
     let mut inv = SETTLE.prepare_invoke();
@@ -211,7 +205,6 @@ pub(super) fn settle(
         .key(&keys.dead)
         .key(&keys.jobs)
         .arg(&keys.group)
-        .arg(now_s)
         .arg(consumer);
     for s in batch {
         let id = match &s.origin {

@@ -215,7 +215,7 @@ impl<'a> Worker<'a> {
             return;
         }
         self.durability_lost = false;
-        let now = crate::now_ms();
+        let now = self.ctx.stats.clock.now_ms();
         let mut n = 0;
         for s in outcomes.iter_mut().filter(|s| s.is_ack()) {
             s.outcome = Outcome::Retry {
@@ -388,6 +388,8 @@ impl<'a> Worker<'a> {
                 return Err(Box::new(self.dead(d, r.to_string(), event, 1)));
             }
         };
+        let clock = &self.ctx.stats.clock;
+        clock.producer_ts(env.ts, d.arrived_ms().unwrap_or_else(|| clock.now_ms()));
         let Some((index, handler)) = self.ctx.registry.get(&env.event) else {
             let reason = Rejection::UnknownEvent(env.event.clone()).to_string();
             let attempts = env.retry as u64 + 1;
@@ -418,7 +420,7 @@ impl<'a> Worker<'a> {
                     Effect::Applied => JobOutcome::Done,
                     Effect::NoOp => JobOutcome::NoOp,
                 };
-                let now = crate::now_ms();
+                let now = stats.clock.now_ms();
                 stats.jobs.lateness(first_due, now);
                 self.went_through(&key, &env.event);
                 if log::log_enabled!(log::Level::Debug) {
@@ -479,7 +481,7 @@ impl<'a> Worker<'a> {
         first_due: Option<i64>,
         f: &Failure,
     ) -> Settlement {
-        let now = crate::now_ms();
+        let now = self.ctx.stats.clock.now_ms();
         let what = format!(
             "jobs of {} are held, none dead-lettered: {} (tried again every {}s, no retry spent)",
             env.event,
@@ -489,7 +491,7 @@ impl<'a> Worker<'a> {
         if self
             .ctx
             .stats
-            .report_alert(&held_role(&env.event), what.clone())
+            .report_critical(&held_role(&env.event), what.clone())
         {
             log::error!("{what}");
         }
@@ -521,7 +523,7 @@ impl<'a> Worker<'a> {
     ) -> Settlement {
         let jobs = self.ctx.jobs;
         let stats = self.ctx.stats;
-        let now = crate::now_ms();
+        let now = stats.clock.now_ms();
         let since = first_due.unwrap_or(now);
         let waited = Duration::from_millis((now - since).max(0) as u64);
         if env.retry >= jobs.max_retries && waited >= jobs.retry_for {
@@ -699,8 +701,7 @@ impl<'a> Worker<'a> {
                     }
                 },
             };
-            let now_s = crate::now_ms() / 1000;
-            match store::settle(con, self.ctx.shards, self.ctx.consumer, now_s, outcomes) {
+            match store::settle(con, self.ctx.shards, self.ctx.consumer, outcomes) {
                 Ok(report) => {
                     self.redis_backoff.reset();
                     self.settled(outcomes, &report);
@@ -773,7 +774,12 @@ impl<'a> Worker<'a> {
                 _ => {}
             }
         }
-        if let Some(w) = &report.blocked {
+        if let Some(m) = &report.moving {
+            let problem = format!("outcomes are held back: {m}; they are settled once it answers");
+            if stats.report_critical(&self.name, problem.clone()) {
+                log::warn!("{}: {blocked} {problem}", self.name);
+            }
+        } else if let Some(w) = &report.blocked {
             let problem = format!(
                 "outcomes are held back: {w}; they are settled once it is renamed or removed"
             );
@@ -789,9 +795,8 @@ impl<'a> Worker<'a> {
     fn give_up(&mut self, outcomes: &mut Vec<Settlement>) -> bool {
         for _ in 0..3 {
             if let Ok(mut c) = store::connect(self.ctx.redis) {
-                let now_s = crate::now_ms() / 1000;
                 if let Ok(report) =
-                    store::settle(&mut c, self.ctx.shards, self.ctx.consumer, now_s, outcomes)
+                    store::settle(&mut c, self.ctx.shards, self.ctx.consumer, outcomes)
                 {
                     self.settled(outcomes, &report);
                     return true;

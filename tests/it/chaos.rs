@@ -62,6 +62,8 @@ const QUIESCE_TIMEOUT: Duration = Duration::from_secs(120);
 const STOP_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long after the schedule an input may still be retried before the run gives up.
 const INPUT_GRACE: f64 = 90.0;
+/// libfaketime (Debian's `faketime`, which scripts/test.sh installs).
+const FAKETIME: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1";
 
 #[test]
 fn chaos_fixed_seeds() {
@@ -145,6 +147,9 @@ struct Setup {
     /// order.timeout fails with a serialization failure for 10 % of runs (retries).
     flaky: bool,
     orders: usize,
+    /// Each worker process's clock against Redis's (seconds; 0: not shifted), through
+    /// libfaketime: due times are Redis's, so the books must not care.
+    clocks: Vec<i64>,
 }
 
 impl Setup {
@@ -158,7 +163,24 @@ impl Setup {
             two_queues: mode == Mode::List && rng.bool(),
             flaky: rng.u32(..100) < 40,
             orders: ((secs * 150.0) as usize).clamp(2000, 20_000),
+            clocks: Vec::new(),
         }
+    }
+
+    /// The workers' clock offsets, from a generator of their own (so that a seed's other
+    /// draws stay what they were before clocks were drawn): each process's clock is
+    /// Redis's, or up to 3 minutes ahead or behind.
+    fn draw_clocks(&mut self, seed: u64) {
+        let mut rng = fastrand::Rng::with_seed(seed ^ 0xC10C_C10C);
+        self.clocks = self
+            .threads
+            .iter()
+            .map(|_| match rng.u32(..3) {
+                0 => 0,
+                1 => rng.i64(1..=180),
+                _ => -rng.i64(1..=180),
+            })
+            .collect();
     }
 
     fn queues(&self) -> Vec<&'static str> {
@@ -243,6 +265,14 @@ impl fmt::Display for Setup {
                 f,
                 ", flaky handler ({:.0}% serialization failures, --max-retries 20)",
                 FLAKY_RATE * 100.0
+            )?;
+        }
+        if self.clocks.iter().any(|&c| c != 0) {
+            let c: Vec<String> = self.clocks.iter().map(|c| format!("{c:+}s")).collect();
+            write!(
+                f,
+                ", worker clocks {} off Redis's (libfaketime)",
+                c.join("/")
             )?;
         }
         write!(f, ", {} orders", self.orders)
@@ -450,8 +480,9 @@ fn r2(x: f64) -> f64 {
 }
 
 /// What `DW_CHAOS_SKIP` may name: the fault kinds, float `ts` (all integer), the flaky
-/// handler, re-pushes of a key after its due time.
-const SKIPPABLE: [&str; 15] = [
+/// handler, re-pushes of a key after its due time, the workers' shifted clocks.
+const SKIPPABLE: [&str; 16] = [
+    "clock",
     "kill9",
     "kill9-forever",
     "term",
@@ -518,6 +549,9 @@ impl Plan {
         let (mut msgs, pays) = draw_inputs(&mut rng, &setup, secs, &drawn);
         let skipped = |k: &str| skip.iter().any(|s| s == k);
         setup.flaky &= !skipped("flaky");
+        if !skipped("clock") {
+            setup.draw_clocks(seed);
+        }
         if skipped("repush") {
             msgs.retain(|m| m.again != Some(Again::Repush));
         }
@@ -1256,6 +1290,7 @@ impl Producer {
                     use delay_worker::store::StoreError;
                     match e {
                         StoreError::Connection { source, .. }
+                        | StoreError::Moving { source, .. }
                         | StoreError::Refused { source, .. } => maybe_ran(&source),
                         StoreError::WrongType { .. } => false,
                     }
@@ -1437,7 +1472,16 @@ impl<'a> Workers<'a> {
             .open(&slot.log)
             .expect("open the worker log");
         slot.offset = log.metadata().map(|m| m.len()).unwrap_or(0);
-        let child = Command::new(env!("CARGO_BIN_EXE_worker"))
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_worker"));
+        match self.ctx.plan.setup.clocks.get(i) {
+            Some(&c) if c != 0 => {
+                cmd.env("LD_PRELOAD", FAKETIME)
+                    .env("FAKETIME", format!("{c:+}s"))
+                    .env("FAKETIME_DONT_FAKE_MONOTONIC", "1");
+            }
+            _ => {}
+        }
+        let child = cmd
             .env("REDIS_URL", &self.ctx.redis_url)
             .env("DATABASE_URL", &self.ctx.db_url)
             // The daemon's "starting:" line (info) says its start checks are over.

@@ -314,3 +314,97 @@ fn three_shards_spread_over_the_masters_through_a_manual_failover() {
          handed over to {new} at {at_switch} of 300 done"
     );
 }
+
+#[test]
+fn a_reshard_of_one_shard_s_slot_holds_back_only_that_shard() {
+    let cluster = Cluster::start();
+    let db = TestDb::new();
+    let shards = Keys::default().sharded("mq", 3);
+    let masters: Vec<u16> = shards.iter().map(|k| cluster.master_of(&k.pool)).collect();
+    // Shard 2's slot moves to a master that serves none of the other shards.
+    let from = masters[2];
+    let all = cluster.masters();
+    let to = *all
+        .iter()
+        .find(|p| !masters.contains(p))
+        .or_else(|| all.iter().find(|p| **p != from))
+        .unwrap();
+    assert!(masters[0] != from && masters[1] != from, "{masters:?}");
+    let orders = seed_orders(&db, 300);
+    let paid: Vec<SeedOrder> = orders.iter().step_by(5).cloned().collect();
+    pay(&db, &paid);
+    let shard = |o: &SeedOrder| delay_worker::keys::shard_of(timeout_key(o).as_bytes(), 3);
+    let (held, others): (Vec<&SeedOrder>, Vec<&SeedOrder>) =
+        orders.iter().partition(|o| shard(o) == 2);
+    assert!(held.len() > 50 && others.len() > 100, "{}", held.len());
+    let url = cluster.url();
+    let out = run_worker(&["stats", "--shards", "3"], &url, &db.url);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let port = free_port();
+    let mut p = Proc::start(
+        &config_for(&url, &db, "c1"),
+        &[
+            "--shards".into(),
+            "3".into(),
+            "--metrics-addr".into(),
+            format!("127.0.0.1:{port}"),
+        ],
+    );
+    wait_until(WAIT, "the worker ready", || {
+        http_get(port, "/healthz").is_ok_and(|(c, _, _)| c == 200)
+    });
+    let mut cons: Vec<redis::Connection> = masters.iter().map(|&m| con_to(m)).collect();
+    // Shard 2's jobs due in 5 s; then at once its slot starts to move, with its pool
+    // already on the new master and the rest not yet: every script of shard 2 answers
+    // TRYAGAIN.
+    for o in &held {
+        push_timeout(&mut cons[2], &shards[2], o, 5_000).unwrap();
+    }
+    let slot = cluster.slot_of(&shards[2].pool);
+    cluster.begin_reshard(slot, from, to);
+    cluster.migrate_keys(from, to, std::slice::from_ref(&shards[2].pool));
+    // The other shards' jobs, due over the next 2 s, while shard 2 is held.
+    for (i, o) in others.iter().enumerate() {
+        let s = shard(o);
+        push_timeout(&mut cons[s], &shards[s], o, 200 * (i % 10) as i64).unwrap();
+    }
+    let done = |of: &[&SeedOrder]| {
+        let keys = inbox_keys(&db);
+        of.iter()
+            .filter(|o| keys.contains_key(&timeout_key(o)))
+            .count()
+    };
+    wait_until(WAIT, "the other shards' jobs all done", || {
+        done(&others) == others.len()
+    });
+    assert_eq!(done(&held), 0, "shard 2 is held while its slot moves");
+    // Health names the shard and the cause.
+    wait_until(WAIT, "healthz naming shard 2 and TRYAGAIN", || {
+        http_get(port, "/healthz")
+            .is_ok_and(|(c, _, b)| c == 503 && b.contains("(shard 2)") && b.contains("TRYAGAIN"))
+    });
+    wait_until(WAIT, "stats --check naming shard 2 and TRYAGAIN", || {
+        let out = run_worker(&["stats", "--shards", "3", "--check"], &url, &db.url);
+        let line = text(&out.stdout);
+        out.status.code() == Some(2) && line.contains("(shard 2)") && line.contains("TRYAGAIN")
+    });
+    // The reshard ends: shard 2 catches up on its new master.
+    cluster.end_reshard(slot, from, to);
+    assert_eq!(cluster.master_of(&shards[2].pool), to);
+    let mut cons: Vec<redis::Connection> = shards
+        .iter()
+        .map(|k| con_to(cluster.master_of(&k.pool)))
+        .collect();
+    wait_until(WAIT, "every job done", || {
+        inbox_count(&db) == 300
+            && (0..3).all(|i| {
+                let b = books_on(&mut cons[i], &shards[i]);
+                (b.pool, b.stream_pending, b.dead) == (0, 0, 0)
+            })
+    });
+    wait_until(WAIT, "healthz green again", || {
+        http_get(port, "/healthz").is_ok_and(|(c, _, _)| c == 200)
+    });
+    let runs = stop_and_account(&mut p, &db, &orders, &paid);
+    assert!(runs.values().all(|&n| n == 1), "every job ran once");
+}

@@ -6,6 +6,7 @@ mod admin;
 mod bench_cluster;
 mod chaos;
 mod cli;
+mod clock;
 mod cluster;
 mod consumer;
 mod faults;

@@ -79,7 +79,7 @@ fn move_from(
         stream: &k.stream,
         dead: &k.dead,
     };
-    store::move_due(con, pool, &k.jobs, target, now, limit, 60_000, MAX)
+    store::move_due(con, pool, &k.jobs, target, now.into(), limit, 60_000, MAX)
 }
 
 /// [`move_at_most`] at another time.
@@ -108,7 +108,7 @@ fn settle(
     k: &Keys,
     batch: &[Settlement],
 ) -> Result<store::SettleReport, StoreError> {
-    store::settle(con, std::slice::from_ref(k), "c1", NOW / 1000, batch)
+    store::settle(con, std::slice::from_ref(k), "c1", batch)
 }
 
 fn reading(k: &Keys) -> stream::Reading<'_> {
@@ -519,7 +519,7 @@ fn a_dead_consumer_s_entries_are_all_taken_over_at_once() {
     // not stolen back): age them instead of sleeping.
     age_pending(&mut con, &k, "dead-host");
     // A live peer keeps its work.
-    store::heartbeat(&mut con, &k, "dead-host", Duration::from_secs(10)).unwrap();
+    store::heartbeat(&mut con, &k, "dead-host", Duration::from_secs(10), "{}").unwrap();
     assert_eq!(
         stream::take_over(&mut con, &k, "c1", "dead-host").unwrap(),
         None

@@ -297,6 +297,99 @@ impl Cluster {
             .port
     }
 
+    /// The ports of the masters serving slots.
+    pub fn masters(&self) -> Vec<u16> {
+        self.nodes_view()
+            .into_iter()
+            .filter(|n| n.is_master() && !n.failed() && !n.slots.is_empty())
+            .map(|n| n.port)
+            .collect()
+    }
+
+    /// Starts resharding `slot` from the master on `from` to the one on `to`, as
+    /// `redis-cli --cluster reshard` does: IMPORTING on the target, MIGRATING on the
+    /// source. The slot's keys stay where they are until [`Cluster::migrate_keys`].
+    pub fn begin_reshard(&self, slot: u16, from: u16, to: u16) {
+        let id = |port: u16| -> String {
+            redis::cmd("CLUSTER")
+                .arg("MYID")
+                .query(&mut con_to(port))
+                .unwrap()
+        };
+        let (from_id, to_id) = (id(from), id(to));
+        let set = |port: u16, how: &str, node: &str| {
+            redis::cmd("CLUSTER")
+                .arg("SETSLOT")
+                .arg(slot)
+                .arg(how)
+                .arg(node)
+                .query::<()>(&mut con_to(port))
+                .unwrap()
+        };
+        set(to, "IMPORTING", &from_id);
+        set(from, "MIGRATING", &to_id);
+    }
+
+    /// Moves `keys` (of a slot being resharded) from `from` to `to` with MIGRATE.
+    pub fn migrate_keys(&self, from: u16, to: u16, keys: &[String]) {
+        if keys.is_empty() {
+            return;
+        }
+        let ok: String = redis::cmd("MIGRATE")
+            .arg("127.0.0.1")
+            .arg(to)
+            .arg("")
+            .arg(0)
+            .arg(10_000)
+            .arg("KEYS")
+            .arg(keys)
+            .query(&mut con_to(from))
+            .unwrap();
+        assert_eq!(ok, "OK");
+    }
+
+    /// Ends the reshard of `slot`: every key still on `from` migrated, then the slot
+    /// given to `to` on every master.
+    pub fn end_reshard(&self, slot: u16, from: u16, to: u16) {
+        loop {
+            let keys: Vec<String> = redis::cmd("CLUSTER")
+                .arg("GETKEYSINSLOT")
+                .arg(slot)
+                .arg(1000)
+                .query(&mut con_to(from))
+                .unwrap();
+            if keys.is_empty() {
+                break;
+            }
+            self.migrate_keys(from, to, &keys);
+        }
+        let to_id: String = redis::cmd("CLUSTER")
+            .arg("MYID")
+            .query(&mut con_to(to))
+            .unwrap();
+        for port in [to, from].into_iter().chain(
+            self.masters()
+                .into_iter()
+                .filter(|p| *p != to && *p != from),
+        ) {
+            redis::cmd("CLUSTER")
+                .arg("SETSLOT")
+                .arg(slot)
+                .arg("NODE")
+                .arg(&to_id)
+                .query::<()>(&mut con_to(port))
+                .unwrap();
+        }
+        wait_until(UP, "every node to route the slot to its new master", || {
+            self.live_ports().into_iter().all(|p| {
+                Cluster::nodes_seen_by(p).is_some_and(|v| {
+                    v.iter()
+                        .any(|n| n.port == to && n.is_master() && n.serves(slot))
+                })
+            })
+        });
+    }
+
     /// The port of the replica of the master on `master`.
     pub fn replica_of(&self, master: u16) -> u16 {
         let view = self.nodes_view();

@@ -572,7 +572,8 @@ pub(super) fn run(
 ) -> anyhow::Result<ExitCode> {
     let mut con = connect(config)?;
     let keys = &config.keys;
-    let now = crate::now_ms();
+    // Ages and filters on Redis's clock, which stamps the letters' `ts`.
+    let now = crate::admin::stats::redis_now_ms(&mut con, config)?;
     match &args.command {
         DeadCommand::List(a) => list(&mut con, keys, a, now, out),
         DeadCommand::Show(a) => show(&mut con, keys, a, now, out),

@@ -306,6 +306,11 @@ pub struct RunArgs {
     /// Do not run a mover in this process (another process moves).
     #[arg(long)]
     pub no_mover: bool,
+    /// Run even though Redis's maxmemory-policy may evict the worker's keys (allkeys-*),
+    /// which loses scheduled jobs; logged as a warning at start. Without it such a Redis
+    /// is refused.
+    #[arg(long)]
+    pub allow_eviction: bool,
     /// XREADGROUP block timeout; also how often the reader does its maintenance.
     #[arg(long, default_value = "2s", value_parser = parse_duration)]
     pub block: Duration,
@@ -840,6 +845,7 @@ impl Cli {
             max_message_bytes: r.max_message_bytes,
         };
         config.run_mover = !r.no_mover;
+        config.allow_eviction = r.allow_eviction;
         config.reader = ReaderConfig {
             block: r.block,
             claim_idle: r.claim_idle,

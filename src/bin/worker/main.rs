@@ -149,15 +149,7 @@ fn syslog_level(l: log::Level) -> u8 {
 
 fn run(config: &Config) -> anyhow::Result<ExitCode> {
     let shutdown = Shutdown::new();
-    let s = shutdown.clone();
-    ctrlc::set_handler(move || {
-        if s.trigger() {
-            eprintln!("worker: second signal, exiting now; unacknowledged jobs stay pending");
-            std::process::exit(130);
-        }
-        log::info!("signal received: finishing the jobs in hand (signal again to exit now)");
-    })
-    .context("cannot install the signal handler")?;
+    delay_worker::signals::install(&shutdown).context("cannot install the signal handler")?;
     daemon::run(config, &shutdown).map_err(handlers_dir)?;
     Ok(ExitCode::SUCCESS)
 }
@@ -188,7 +180,10 @@ fn push(config: &Config, args: &PushArgs) -> anyhow::Result<ExitCode> {
     if !args.unchecked {
         check_job(config, &args.event, &payload)?;
     }
-    let now = delay_worker::now_ms();
+    let mut con = redis(config)?;
+    daemon::check_shards(config, &mut con, true)?;
+    // Due `--delay` after now on Redis's clock, which decides when it is due.
+    let now = admin::stats::redis_now_ms(&mut con, config)?;
     // The key first: it names the shard.
     let key = args
         .key
@@ -201,8 +196,6 @@ fn push(config: &Config, args: &PushArgs) -> anyhow::Result<ExitCode> {
         due_ms: now + args.delay.as_millis() as i64,
         key: Some(key),
     };
-    let mut con = redis(config)?;
-    daemon::check_shards(config, &mut con, true)?;
     let pushed = producer::push(&mut con, &keys, &job, now).map_err(|e| match e {
         producer::PushError::Store(e) => anyhow::Error::new(e),
         // The job itself is wrong (an empty key or event): bad input.

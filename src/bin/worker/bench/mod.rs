@@ -229,7 +229,7 @@ pub fn run(config: &Config, args: &BenchArgs) -> Result<ExitCode> {
     let stop = Shutdown::new();
     {
         let stop = stop.clone();
-        ctrlc::set_handler(move || {
+        delay_worker::signals::on_stop(move || {
             if stop.trigger() {
                 let pid = CHILD_PID.load(Ordering::SeqCst);
                 if pid != 0 {

@@ -1,0 +1,269 @@
+//! The watch role: what the worker's guarantees need of its surroundings, looked at.
+//!
+//! One thread of the daemon. At start and every [`clock::MEASURE_EVERY`] (or
+//! `--stats-interval` when shorter) it
+//! - measures this host's clock against Redis's (a few `TIME` round trips on the server of
+//!   shard 0, the quickest wins) and stores the offset in [`Stats::clock`], which every
+//!   role corrects its clock with; an offset beyond [`clock::SKEW_WARN`] is logged (again
+//!   every [`LOG_EVERY`] while it lasts, or when it changes by a second);
+//! - reads `INFO memory` of the server of each shard: a `maxmemory-policy` that may evict
+//!   the worker's keys (`allkeys-*`) is a critical problem (`/healthz` 503, `stats
+//!   --check` CRITICAL; a warning only with `--allow-eviction`), memory above
+//!   [`NEAR_FULL`] of `maxmemory` a warning: Redis refuses writes (OOM) when it is full;
+//! - logs the largest lead of a producer's clock the workers saw since the last pass.
+//!
+//! [`refuse_eviction`] is the same policy check at start, where an evicting policy stops
+//! the daemon with one line. A Redis that cannot be reached is the other roles' outage to
+//! report; this one logs it at debug and tries again at its next pass. Stops within one
+//! pass of shutdown (its sleep is woken at once).
+
+use crate::clock::{self, Offset, SKEW_WARN};
+use crate::config::{redact_url, Config};
+use crate::shutdown::Shutdown;
+use crate::stats::Stats;
+use crate::store::{self, Memory, StoreError};
+use std::time::{Duration, Instant};
+
+/// `TIME` round trips per measurement; the quickest one counts.
+const SAMPLES: usize = 5;
+/// A persisting clock offset is logged again this often.
+const LOG_EVERY: Duration = Duration::from_secs(300);
+/// Used memory beyond this share of `maxmemory` is a warning.
+pub const NEAR_FULL: f64 = 0.9;
+/// The role its problems are reported under.
+const REDIS: &str = "redis";
+const MEMORY: &str = "redis memory";
+
+pub struct Watch<'a> {
+    config: &'a Config,
+    stats: &'a Stats,
+    /// The pool key of each shard: `INFO` and `TIME` go to the server holding it.
+    keys: Vec<String>,
+    /// When the offset was last logged, and what it was.
+    logged: Option<(Instant, i64)>,
+    /// `INFO memory` was refused (an ACL user without `+info|memory`): said once.
+    info_refused: bool,
+}
+
+impl<'a> Watch<'a> {
+    pub fn new(config: &'a Config, stats: &'a Stats) -> Watch<'a> {
+        Watch {
+            config,
+            stats,
+            keys: config.shard_keys().into_iter().map(|k| k.pool).collect(),
+            logged: None,
+            info_refused: false,
+        }
+    }
+
+    /// How often a pass runs.
+    pub fn every(&self) -> Duration {
+        clock::MEASURE_EVERY.min(self.config.stats_interval)
+    }
+
+    /// One pass: the clock, Redis's memory settings, the producers' clocks.
+    pub fn step(&mut self, con: &mut dyn redis::ConnectionLike) -> Result<(), StoreError> {
+        self.measure(con)?;
+        self.memory(con)?;
+        if let Some(lead) = self.stats.clock.take_producer_lead() {
+            log::warn!(
+                "clock: messages arrived with a ts up to {:.1}s later than their arrival on \
+                 Redis's clock ({} such messages since start): a producer's clock runs ahead; \
+                 synchronise every producer host (NTP, chrony)",
+                lead as f64 / 1000.0,
+                self.stats.clock.producer_ahead()
+            );
+        }
+        Ok(())
+    }
+
+    /// Measures this host's offset to Redis and logs it when beyond [`SKEW_WARN`].
+    pub fn measure(&mut self, con: &mut dyn redis::ConnectionLike) -> Result<Offset, StoreError> {
+        let key = &self.keys[0];
+        let mut samples = Vec::with_capacity(SAMPLES);
+        for _ in 0..SAMPLES {
+            samples.push(store::clock_sample(con, key)?);
+        }
+        let Some(o) = clock::best(&samples) else {
+            return Ok(Offset {
+                offset_ms: 0,
+                error_ms: 0,
+            });
+        };
+        self.stats.clock.set(o);
+        let beyond = o.offset_ms.abs() > SKEW_WARN.as_millis() as i64 + o.error_ms;
+        if beyond {
+            let again = self.logged.is_none_or(|(at, was)| {
+                at.elapsed() >= LOG_EVERY || (was - o.offset_ms).abs() >= 1000
+            });
+            if again {
+                let (side, by) = if o.offset_ms < 0 {
+                    ("ahead of", -o.offset_ms)
+                } else {
+                    ("behind", o.offset_ms)
+                };
+                log::warn!(
+                    "clock: this host's clock is {:.3}s {side} Redis's (offset {}); due times \
+                     are decided on Redis's clock and this worker corrects its own, but \
+                     synchronise every host's clock (NTP, chrony): PostgreSQL's now() in the \
+                     handlers and the producers' due times are not corrected",
+                    by as f64 / 1000.0,
+                    clock::describe(&o)
+                );
+                self.logged = Some((Instant::now(), o.offset_ms));
+            }
+        } else if self.logged.take().is_some() {
+            log::info!(
+                "clock: this host's clock is within {}s of Redis's again (offset {})",
+                SKEW_WARN.as_secs(),
+                clock::describe(&o)
+            );
+        }
+        Ok(o)
+    }
+
+    /// Reads each shard's server's memory settings and reports what endangers the jobs.
+    fn memory(&mut self, con: &mut dyn redis::ConnectionLike) -> Result<(), StoreError> {
+        let mut evicting = None;
+        let mut full = None;
+        for key in &self.keys {
+            let m = match store::memory(con, key) {
+                Ok(m) => m,
+                Err(StoreError::Refused { source, .. }) if source.code() == Some("NOPERM") => {
+                    if !std::mem::replace(&mut self.info_refused, true) {
+                        log::warn!(
+                            "redis: INFO memory refused ({source}): the eviction policy and \
+                             memory are not watched; give the ACL user +info|memory"
+                        );
+                    }
+                    return Ok(());
+                }
+                Err(e) => return Err(e),
+            };
+            if m.evicts_data() && evicting.is_none() {
+                evicting = Some((key.clone(), m.clone()));
+            }
+            if m.fill().is_some_and(|f| f > NEAR_FULL) && full.is_none() {
+                full = Some((key.clone(), m));
+            }
+        }
+        match evicting {
+            Some((key, m)) => {
+                let what = evicting_text(&m, &key, self.keys.len() > 1);
+                let log = if self.config.allow_eviction {
+                    self.stats.report_trouble(REDIS, what.clone())
+                } else {
+                    self.stats.report_critical(REDIS, what.clone())
+                };
+                if log {
+                    log::error!("{REDIS}: {what}");
+                }
+            }
+            None => {
+                if self.stats.clear_problem(REDIS, i64::MAX) {
+                    log::info!("{REDIS}: maxmemory-policy no longer evicts the worker's keys");
+                }
+            }
+        }
+        match full {
+            Some((key, m)) => {
+                let what = format!(
+                    "used memory is {:.0}% of maxmemory ({} of {} bytes) on the server of {key}: \
+                     at 100% Redis refuses every write (OOM) and jobs wait; raise maxmemory or \
+                     free memory",
+                    m.fill().unwrap_or(0.0) * 100.0,
+                    m.used,
+                    m.max
+                );
+                if self.stats.report_trouble(MEMORY, what.clone()) {
+                    log::warn!("{MEMORY}: {what}");
+                }
+            }
+            None => {
+                if self.stats.clear_problem(MEMORY, i64::MAX) {
+                    log::info!(
+                        "{MEMORY}: used memory is below {:.0}% of maxmemory again",
+                        NEAR_FULL * 100.0
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The thread body: a pass at once, then one every [`Watch::every`] until shutdown.
+    pub fn run(mut self, client: &store::Redis, shutdown: &Shutdown) {
+        let mut con = None;
+        while !shutdown.is_set() {
+            let c = match con.as_mut() {
+                Some(c) => c,
+                None => match store::connect_with(client, Duration::from_secs(5)) {
+                    Ok(c) => con.insert(c),
+                    Err(e) => {
+                        log::debug!("watch: cannot connect to redis: {e}");
+                        shutdown.wait(self.every());
+                        continue;
+                    }
+                },
+            };
+            if let Err(e) = self.step(c) {
+                log::debug!("watch: {e}");
+                if e.is_connection() {
+                    con = None;
+                }
+            }
+            shutdown.wait(self.every());
+        }
+        log::debug!("watch: stopped");
+    }
+}
+
+/// What an evicting policy endangers, in one line.
+fn evicting_text(m: &Memory, key: &str, sharded: bool) -> String {
+    let whose = if sharded {
+        format!(" (the server of {key})")
+    } else {
+        String::new()
+    };
+    format!(
+        "maxmemory-policy is {}{whose}: Redis may evict the delay pool, its data and the dead \
+         letters and lose scheduled jobs; set maxmemory-policy noeviction",
+        m.policy
+    )
+}
+
+/// The start's check: `Some(why)` when a server of the worker's keys may evict them and
+/// `--allow-eviction` was not given (with it, one loud warning). A policy that cannot be
+/// read (an ACL user without `+info|memory`) is a warning: the start goes on.
+pub fn refuse_eviction(
+    con: &mut dyn redis::ConnectionLike,
+    config: &Config,
+) -> Result<Option<String>, StoreError> {
+    let keys: Vec<String> = config.shard_keys().into_iter().map(|k| k.pool).collect();
+    for key in &keys {
+        let m = match store::memory(con, key) {
+            Ok(m) => m,
+            Err(StoreError::Refused { source, .. }) if source.code() == Some("NOPERM") => {
+                log::warn!(
+                    "redis: INFO memory refused ({source}): cannot check maxmemory-policy; \
+                     give the ACL user +info|memory"
+                );
+                return Ok(None);
+            }
+            Err(e) => return Err(e),
+        };
+        if !m.evicts_data() {
+            continue;
+        }
+        let what = evicting_text(&m, key, keys.len() > 1);
+        if config.allow_eviction {
+            log::warn!(
+                "--allow-eviction: running although {what} (Redis at {})",
+                redact_url(&config.redis_url)
+            );
+            return Ok(None);
+        }
+        return Ok(Some(what));
+    }
+    Ok(None)
+}
