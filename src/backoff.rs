@@ -21,10 +21,15 @@ pub const MAX_BACKOFF: Duration = Duration::from_secs(30);
 
 impl Backoff {
     pub fn new(role: &str) -> Backoff {
+        Backoff::with_cap(role, MAX_BACKOFF)
+    }
+
+    /// A backoff that never waits longer than `cap`.
+    pub fn with_cap(role: &str, cap: Duration) -> Backoff {
         Backoff {
             role: role.to_string(),
             base: Duration::from_millis(100),
-            cap: MAX_BACKOFF,
+            cap,
             attempt: 0,
             outage_since: None,
         }

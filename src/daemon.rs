@@ -473,7 +473,8 @@ fn spawn_and_supervise(
             }));
         }
         {
-            let watch = crate::dbwatch::DbWatch::new(pool_target.clone(), &stats);
+            let watch =
+                crate::dbwatch::DbWatch::new(pool_target.clone(), &stats, config.dead_rate_crit);
             spawned.push(spawn_role(s, shutdown, "pg-watch".into(), move || {
                 watch.run(shutdown)
             }));

@@ -10,6 +10,10 @@
 //! `/healthz` 503 and the published health red, the watchdog left alone: a restart
 //! would not make the server writable), and the report is cleared once it takes writes
 //! again. It stops at shutdown, within one [`EVERY`].
+//!
+//! Each pass also holds this process's dead letters of the last minute against
+//! `--dead-rate-crit`: more is reported the same way (under [`DEAD_RATE`]), so the
+//! published health record, and with it `worker stats --check`, says so too.
 
 use crate::db::{self, DbError};
 use crate::shutdown::Shutdown;
@@ -23,6 +27,9 @@ pub const EVERY: Duration = Duration::from_secs(5);
 
 /// The role its reports carry.
 pub const ROLE: &str = "postgresql";
+
+/// The role the dead-letter rate is reported under.
+pub const DEAD_RATE: &str = "dead letters";
 
 /// Longest a check may take; a server that accepts and never answers costs this.
 const ANSWER_WITHIN: Duration = Duration::from_secs(5);
@@ -40,11 +47,34 @@ const ABANDONED: u8 = 2;
 pub struct DbWatch<'a> {
     target: db::Target,
     stats: &'a Stats,
+    /// `--dead-rate-crit` (0: off).
+    dead_rate_crit: u64,
 }
 
 impl<'a> DbWatch<'a> {
-    pub fn new(target: db::Target, stats: &'a Stats) -> DbWatch<'a> {
-        DbWatch { target, stats }
+    pub fn new(target: db::Target, stats: &'a Stats, dead_rate_crit: u64) -> DbWatch<'a> {
+        DbWatch {
+            target,
+            stats,
+            dead_rate_crit,
+        }
+    }
+
+    /// Reports the dead-letter rate when it is over `--dead-rate-crit`.
+    fn dead_rate(&self) {
+        if self.dead_rate_crit == 0 {
+            return;
+        }
+        let n = self.stats.jobs.dead_last_minute(crate::now_ms());
+        if n > self.dead_rate_crit {
+            let what = format!(
+                "{n} dead letters in the last minute (over --dead-rate-crit {}): `worker dead list --newer-than 5m`",
+                self.dead_rate_crit
+            );
+            if self.stats.report_critical(DEAD_RATE, what.clone()) {
+                log::error!("{what}");
+            }
+        }
     }
 
     /// The thread body: one check every [`EVERY`] until shutdown. Each check runs on a
@@ -121,6 +151,7 @@ impl<'a> DbWatch<'a> {
                     }
                 }
             }
+            self.dead_rate();
             if shutdown.wait(EVERY) {
                 return;
             }

@@ -68,6 +68,11 @@ pub const ACK_HOLD: Duration = Duration::from_millis(100);
 /// How often outcomes held back by a key of the wrong type are tried again.
 pub const HELD_RETRY: Duration = Duration::from_secs(1);
 
+/// The longest a worker waits between two tries for a PostgreSQL session: a failover
+/// promotes a standby within seconds, and a worker should be there when it does (each try
+/// is one connection attempt, cheap for the server).
+pub const DB_BACKOFF_CAP: Duration = Duration::from_secs(2);
+
 /// How long a job held by a schema fault waits in the pool before it is tried again.
 pub const SCHEMA_HOLD: Duration = Duration::from_secs(5);
 
@@ -162,7 +167,7 @@ impl<'a> Worker<'a> {
     pub fn new(index: usize, ctx: &'a PoolContext<'a>) -> Worker<'a> {
         let name = format!("worker-{index}");
         Worker {
-            db_backoff: Backoff::new(&name),
+            db_backoff: Backoff::with_cap(&name, DB_BACKOFF_CAP),
             redis_backoff: Backoff::new(&name),
             name,
             ctx,

@@ -395,6 +395,19 @@ enum Fault {
     },
     PgExhaust,
     PgRelease,
+    /// `default_transaction_read_only` on (a primary demoted), then off again.
+    PgReadOnly,
+    PgWritable,
+    /// A shop transaction holding a row lock (`at`: which order, or which sku, as a share
+    /// of the table) for `secs`, on a thread of its own.
+    ShopLock {
+        table: &'static str,
+        at: f64,
+        secs: f64,
+    },
+    /// A deploy renaming `orders.cancel_reason`, then renaming it back.
+    RenameColumn,
+    RestoreColumn,
     WrongType(WrongKey),
     Restore(WrongKey),
 }
@@ -439,6 +452,13 @@ impl Fault {
                 "postgresql out of connections: hold every slot (and cut the workers')".into()
             }
             Fault::PgRelease => "postgresql connections released".into(),
+            Fault::PgReadOnly => "postgresql default_transaction_read_only = on".into(),
+            Fault::PgWritable => "postgresql writable again".into(),
+            Fault::ShopLock { table, at, secs } => {
+                format!("a shop transaction locks a row of {table} (at {:.0} %) for {secs:.2}s", at * 100.0)
+            }
+            Fault::RenameColumn => "ALTER TABLE orders RENAME cancel_reason (a deploy)".into(),
+            Fault::RestoreColumn => "ALTER TABLE orders: cancel_reason back".into(),
             Fault::WrongType(k) => format!("SET {} to a string (wrong type)", key(k)),
             Fault::Restore(k) => format!("restore {} (DEL the string, put back what it held)", key(k)),
         }
@@ -457,6 +477,9 @@ enum Kind {
     PgRestart,
     PgTerminate,
     PgExhaust,
+    PgReadOnly,
+    ShopLock,
+    Column,
     WrongDead,
     WrongData,
 }
@@ -481,8 +504,11 @@ fn r2(x: f64) -> f64 {
 
 /// What `DW_CHAOS_SKIP` may name: the fault kinds, float `ts` (all integer), the flaky
 /// handler, re-pushes of a key after its due time, the workers' shifted clocks.
-const SKIPPABLE: [&str; 16] = [
+const SKIPPABLE: [&str; 19] = [
     "clock",
+    "pg-read-only",
+    "shop-lock",
+    "column",
     "kill9",
     "kill9-forever",
     "term",
@@ -516,6 +542,9 @@ impl Fault {
             Fault::PgRestart { .. } => "pg-restart",
             Fault::PgTerminate { .. } => "pg-terminate",
             Fault::PgExhaust | Fault::PgRelease => "pg-exhaust",
+            Fault::PgReadOnly | Fault::PgWritable => "pg-read-only",
+            Fault::ShopLock { .. } => "shop-lock",
+            Fault::RenameColumn | Fault::RestoreColumn => "column",
             Fault::WrongType(WrongKey::Dead) | Fault::Restore(WrongKey::Dead) => "wrong-dead",
             Fault::WrongType(WrongKey::Data) | Fault::Restore(WrongKey::Data) => "wrong-data",
         }
@@ -695,7 +724,7 @@ fn draw_faults(rng: &mut fastrand::Rng, setup: &Setup, secs: f64) -> Vec<(f64, F
     let end = secs * 0.88;
     let mut bag: Vec<Kind> = Vec::new();
     let mut forever: Vec<usize> = Vec::new();
-    let (mut wrong_busy, mut pg_busy) = (0.0, 0.0);
+    let (mut wrong_busy, mut pg_busy, mut column_busy) = (0.0, 0.0, 0.0);
     let mut out = Vec::new();
     for t in times {
         if bag.is_empty() {
@@ -709,6 +738,9 @@ fn draw_faults(rng: &mut fastrand::Rng, setup: &Setup, secs: f64) -> Vec<(f64, F
                 Kind::PgRestart,
                 Kind::PgTerminate,
                 Kind::PgExhaust,
+                Kind::PgReadOnly,
+                Kind::ShopLock,
+                Kind::Column,
                 Kind::WrongDead,
                 Kind::WrongData,
             ];
@@ -780,6 +812,28 @@ fn draw_faults(rng: &mut fastrand::Rng, setup: &Setup, secs: f64) -> Vec<(f64, F
                     out.push((b, Fault::PgRelease));
                 }
                 None => out.push((t, Fault::ClientKill)),
+            },
+            Kind::PgReadOnly => match window(&mut pg_busy, t, 1.0 + 1.5 * rng.f64(), end) {
+                Some((a, b)) => {
+                    out.push((a, Fault::PgReadOnly));
+                    out.push((b, Fault::PgWritable));
+                }
+                None => out.push((t, Fault::ClientKill)),
+            },
+            Kind::ShopLock => out.push((
+                t,
+                Fault::ShopLock {
+                    table: if rng.bool() { "orders" } else { "sku" },
+                    at: r2(rng.f64()),
+                    secs: r2(0.5 + 2.0 * rng.f64()),
+                },
+            )),
+            Kind::Column => match window(&mut column_busy, t, 1.0 + 1.5 * rng.f64(), end) {
+                Some((a, b)) => {
+                    out.push((a, Fault::RenameColumn));
+                    out.push((b, Fault::RestoreColumn));
+                }
+                None => out.push((t, Fault::DebugSleep)),
             },
             Kind::WrongDead | Kind::WrongData => {
                 let k = if kind == Kind::WrongDead {
@@ -1927,6 +1981,52 @@ fn terminate_storm(url: &str, rounds: usize) -> String {
     format!("{total} worker backends terminated")
 }
 
+/// Runs `statements` one by one (ALTER SYSTEM cannot share a transaction), trying again
+/// until they all went through (the server may be restarting or out of connections).
+fn until_done(url: &str, statements: &[&str]) -> String {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        let r = pg_connect(url).and_then(|mut c| {
+            for st in statements {
+                c.batch_execute(st)?;
+            }
+            Ok(())
+        });
+        match r {
+            Ok(()) => return format!("done ({tries} tries)"),
+            Err(e) if Instant::now() > deadline => panic!("{statements:?}: {e}"),
+            Err(_) => std::thread::sleep(Duration::from_millis(100)),
+        }
+    }
+}
+
+/// A shop transaction holding one row lock of `table` (the row at `at` of its ids) for
+/// `secs`, then rolling back.
+fn shop_lock(url: &str, table: &str, at: f64, secs: f64) -> String {
+    let Ok(mut c) = pg_connect(url) else {
+        return "skipped: no connection".into();
+    };
+    let r = (|| -> Result<Option<i64>, postgres::Error> {
+        let mut t = c.transaction()?;
+        let row = t.query_opt(
+            &format!(
+                "SELECT id FROM {table} ORDER BY id OFFSET (SELECT floor(count(*) * $1::float8)::bigint FROM {table}) LIMIT 1 FOR UPDATE"
+            ),
+            &[&at],
+        )?;
+        std::thread::sleep(Duration::from_secs_f64(secs));
+        t.rollback()?;
+        Ok(row.map(|r| r.get(0)))
+    })();
+    match r {
+        Ok(Some(id)) => format!("held id {id}"),
+        Ok(None) => "no row".into(),
+        Err(e) => format!("failed: {e}"),
+    }
+}
+
 fn debug_sleep(ctx: &Ctx) -> String {
     match rcon(&ctx.redis_url)
         .and_then(|mut c| redis::cmd("DEBUG").arg("SLEEP").arg(1).query::<()>(&mut c))
@@ -1998,6 +2098,23 @@ impl Driver<'_> {
                 let n = self.hog.len();
                 self.hog.clear();
                 format!("{n} released")
+            }
+            Fault::PgReadOnly => until_done(
+                &pg.url,
+                &[
+                    "ALTER SYSTEM SET default_transaction_read_only = on",
+                    "SELECT pg_reload_conf()",
+                ],
+            ),
+            Fault::PgWritable => until_done(
+                &pg.url,
+                &[
+                    "ALTER SYSTEM RESET default_transaction_read_only",
+                    "SELECT pg_reload_conf()",
+                ],
+            ),
+            Fault::RenameColumn | Fault::RestoreColumn | Fault::ShopLock { .. } => {
+                unreachable!("run on a thread of run_seed")
             }
             Fault::WrongType(k) => self.break_key(i, *k),
             Fault::Restore(k) => {
@@ -2980,6 +3097,31 @@ fn run_seed(seed: u64, secs: f64) -> Result<String, String> {
             match *f {
                 Fault::DebugSleep => {
                     s.spawn(move || ctx.note_at(began, format!("{what}: {}", debug_sleep(ctx))));
+                }
+                Fault::ShopLock { table, at, secs } => {
+                    s.spawn(move || {
+                        let note = shop_lock(&pg.url, table, at, secs);
+                        ctx.note_at(began, format!("{what}: {note} ({:.2}s)", ctx.now() - began));
+                    });
+                }
+                Fault::RenameColumn | Fault::RestoreColumn => {
+                    // A thread of its own: the ALTER waits for every transaction on
+                    // orders (a shop lock's included) and must end in success.
+                    let sql = if matches!(f, Fault::RenameColumn) {
+                        "ALTER TABLE orders RENAME COLUMN cancel_reason TO cancel_reason_chaos"
+                    } else {
+                        "ALTER TABLE orders RENAME COLUMN cancel_reason_chaos TO cancel_reason"
+                    };
+                    let h = s.spawn(move || {
+                        let note = until_done(&pg.url, &[sql]);
+                        ctx.note_at(began, format!("{what}: {note} ({:.2}s)", ctx.now() - began));
+                    });
+                    if matches!(f, Fault::RestoreColumn) {
+                        // The books need the column back: wait for it here.
+                        if let Err(e) = h.join() {
+                            std::panic::resume_unwind(e);
+                        }
+                    }
                 }
                 Fault::PgTerminate { rounds } => {
                     s.spawn(move || {

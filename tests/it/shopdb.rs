@@ -43,6 +43,28 @@ fn metric(port: u16, name: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
+/// `worker stats --check`: its exit code and its line.
+fn check(env: &Env) -> (i32, String) {
+    let out = run_worker(
+        &["stats", "--check"],
+        &env.config.redis_url,
+        &env.config.database_url,
+    );
+    (out.status.code().unwrap_or(-1), text(&out.stdout))
+}
+
+/// Waits until `stats --check` is CRITICAL with a line that holds `what`.
+fn wait_check_critical(env: &Env, what: &str) {
+    wait_until(
+        WAIT,
+        &format!("stats --check CRITICAL naming {what}"),
+        || {
+            let (code, line) = check(env);
+            code == 2 && line.contains(what)
+        },
+    );
+}
+
 /// Stops the worker with SIGTERM; it must exit 0.
 fn stop(mut w: Proc) {
     w.signal(libc::SIGTERM);
@@ -89,6 +111,7 @@ fn a_server_turned_read_only_holds_every_job_and_health_is_red_until_it_takes_wr
         let (code, body) = healthz(port);
         code == 503 && body.contains("read-only")
     });
+    wait_check_critical(&env, "no writable PostgreSQL");
     let red_since = Instant::now();
     while red_since.elapsed() < Duration::from_secs(3) {
         assert_eq!(healthz(port).0, 503, "red for as long as it lasts");
@@ -107,6 +130,7 @@ fn a_server_turned_read_only_holds_every_job_and_health_is_red_until_it_takes_wr
     pg.set_read_only(false);
     wait_done(&env, &env.db, 300);
     wait_until(WAIT, "/healthz green again", || healthz(port).0 == 200);
+    wait_until(WAIT, "stats --check OK again", || check(&env).0 == 0);
     assert_eq!(aborted_backends(&env.db), 0, "no connection left aborted");
     stop(w);
     assert_accounting(&env.db, &orders, &all(&orders));
@@ -187,6 +211,8 @@ fn a_crash_failover_to_a_promoted_standby_loses_nothing_and_dead_letters_nothing
     wait_until(WAIT, "progress", || inbox_count(&env.db) > 100);
     p.primary.crash();
     let crashed = Instant::now();
+    // A failover manager takes a few seconds to decide; the workers keep trying.
+    std::thread::sleep(Duration::from_secs(3));
     p.standby.promote();
     let promoted = Instant::now();
     let db = p.standby.db();
@@ -453,6 +479,7 @@ fn a_column_renamed_by_a_deploy_holds_the_jobs_names_the_error_and_they_run_once
             "delay_worker_jobs_total{event=\"order.timeout\",outcome=\"held\"}",
         ) >= 1.0
     });
+    wait_check_critical(&env, "42703");
     std::thread::sleep(Duration::from_secs(2));
     assert_eq!(books(&env).dead, 0, "a schema in flux dead-letters nothing");
     assert_eq!(inbox_count(&env.db), 100);
@@ -531,6 +558,7 @@ fn dead_letters_faster_than_the_threshold_turn_healthz_red() {
         let (code, body) = healthz(port);
         code == 503 && body.contains("dead letters in the last minute")
     });
+    wait_check_critical(&env, "dead letters in the last minute");
     stop(w);
 }
 
