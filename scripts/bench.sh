@@ -10,10 +10,11 @@
 #   scripts/bench.sh backlog engine                   some of them
 #   scripts/bench.sh steady-ms --duration 5s --rate 500 --threads 4
 #   scripts/bench.sh prune --no-ceilings              inbox pruning under the steady load
+#   scripts/bench.sh shop --no-ceilings               the shop's own traffic beside a drain
 #   scripts/bench.sh cluster                          the engine on 1 and on 3 Redis Cluster
 #                                                     masters, spread over shards, the model
 #
-# Scenarios: steady-ms steady-s backlog engine (the default set) and prune. Anything else
+# Scenarios: steady-ms steady-s backlog engine (the default set), prune and shop. Anything else
 # is passed on to `worker bench` (see `worker bench --help`: --duration, --rate,
 # --max-delay, --backlog-jobs, --engine-jobs, --prune-rows, --timeout, --ceiling-time,
 # --threads, --inbox-prune-batch, ...).
@@ -49,7 +50,7 @@ flags=()
 cluster=0
 for a in "$@"; do
   case "$a" in
-    steady-ms|steady-s|backlog|engine|prune) scenarios+=(--scenario "$a") ;;
+    steady-ms|steady-s|backlog|engine|prune|shop) scenarios+=(--scenario "$a") ;;
     cluster) cluster=1 ;;
     *) flags+=("$a") ;;
   esac

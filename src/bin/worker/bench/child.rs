@@ -65,12 +65,24 @@ impl WorkerChild {
             .args(["--statement-timeout", &ms(config.jobs.statement_timeout)])
             .args(["--tx-batch", &config.jobs.tx_batch.to_string()])
             .args(["--set-size", &config.jobs.set_size.to_string()])
+            .args(["--lock-timeout", &ms(config.jobs.lock_timeout)])
+            .args([
+                "--retry-for",
+                &format!("{}s", config.jobs.retry_for.as_secs()),
+            ])
             .args(["--key-prefix", &config.shard_prefix, "--group", &k.group])
             .args(["--shards", &config.shards.to_string()]);
         if config.shards <= 1 {
             // Each name as the bench has it; a sharded worker names every key itself.
             cmd.args(["--pool-key", &k.pool, "--data-key", &k.data])
                 .args(["--stream-key", &k.stream, "--dead-key", &k.dead]);
+        }
+        for r in &config.jobs.max_rates {
+            let rate = format!("{}/s", r.per_second);
+            cmd.arg("--max-rate").arg(match &r.event {
+                Some(e) => format!("{e}={rate}"),
+                None => rate,
+            });
         }
         cmd.args(["--stats-interval", "5s"])
             .args(extra)

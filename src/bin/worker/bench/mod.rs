@@ -43,6 +43,7 @@ mod poll;
 mod report;
 mod scenario;
 mod shop;
+mod traffic;
 
 use anyhow::{bail, Context, Result};
 use delay_worker::config::{redact_url, Config};
@@ -67,6 +68,9 @@ pub enum Scenario {
     /// steady-ms twice over an inbox holding --prune-rows old rows: without pruning, then
     /// while the worker prunes them (not run by default: the fill takes minutes).
     Prune,
+    /// The shop's own transactions at --shop-rate alone, then while the worker drains
+    /// --shop-backlog timeouts, then that drain without the shop (not run by default).
+    Shop,
 }
 
 impl Scenario {
@@ -77,12 +81,13 @@ impl Scenario {
         Scenario::Backlog,
         Scenario::Engine,
     ];
-    pub const ALL: [Scenario; 5] = [
+    pub const ALL: [Scenario; 6] = [
         Scenario::SteadyMs,
         Scenario::SteadyS,
         Scenario::Backlog,
         Scenario::Engine,
         Scenario::Prune,
+        Scenario::Shop,
     ];
 
     pub fn name(self) -> &'static str {
@@ -92,6 +97,7 @@ impl Scenario {
             Scenario::Backlog => "backlog",
             Scenario::Engine => "engine",
             Scenario::Prune => "prune",
+            Scenario::Shop => "shop",
         }
     }
 }
@@ -136,6 +142,22 @@ pub struct BenchArgs {
     /// it); its batch and pause are the worker flags --inbox-prune-batch and -pause.
     #[arg(long, default_value = "10s", value_parser = at_least_1s)]
     pub prune_interval: Duration,
+    /// Shop scenario: the shop's transactions a second (payments locking coupon, skus in
+    /// descending id, then the order; checkouts; reads), all clients together.
+    #[arg(long, default_value_t = 300.0)]
+    pub shop_rate: f64,
+    /// Shop scenario: the shop's connections, each with its share of --shop-rate.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=256))]
+    pub shop_clients: u32,
+    /// Shop scenario: order timeouts that fall due at once while the shop runs.
+    #[arg(long, default_value_t = 20_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub shop_backlog: u64,
+    /// Shop scenario: the shop's own pending orders (never pushed), which it pays.
+    #[arg(long, default_value_t = 20_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub shop_orders: u64,
+    /// Shop scenario: how long the shop runs alone before the backlog falls due.
+    #[arg(long, default_value = "10s", value_parser = at_least_1s)]
+    pub shop_alone: Duration,
     /// SKUs the seeded orders' lines are spread over (fewer: more row-lock contention).
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..))]
     pub skus: u32,

@@ -514,6 +514,8 @@ pub struct ScenarioResult {
     /// How the work spread over the shards and the masters holding them (shown for a
     /// Redis Cluster or `--shards` above 1).
     pub spread: Option<Spread>,
+    /// The shop scenario: the shop's own figures alone and while the worker drained.
+    pub shop: Option<ShopFigures>,
     pub pass: bool,
     /// Why it failed; empty on PASS.
     pub problems: Vec<String>,
@@ -877,10 +879,77 @@ impl Report {
     }
 }
 
+/// The shop scenario's figures: the shop alone, the shop during the drain, and the drain
+/// with and without the shop beside it.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ShopFigures {
+    pub alone: super::traffic::Figures,
+    pub during: super::traffic::Figures,
+    /// Jobs a second of the drain beside the shop, and of the same drain without it.
+    pub drain_per_s: Option<f64>,
+    pub drain_alone_per_s: Option<f64>,
+    /// The targets: the shop keeps >= 95 % of its offered rate and a p99 within 2x of its
+    /// p99 alone while the worker drains, and the drain keeps >= 0.5x its rate alone.
+    pub kept_share: f64,
+    pub p99_ratio: f64,
+    pub drain_ratio: Option<f64>,
+    /// The first errors of the shop's failed transactions.
+    pub errors: Vec<String>,
+}
+
+impl ShopFigures {
+    fn lines(&self) -> Vec<String> {
+        let f = |x: &super::traffic::Figures| {
+            format!(
+                "{} tx/s of {} offered, p50 {} / p99 {} / max {} ms, {} failed",
+                n0(x.done_per_s),
+                n0(x.offered_per_s),
+                ms(x.p50_ms),
+                ms(x.p99_ms),
+                ms(x.max_ms),
+                x.failed
+            )
+        };
+        let met = |ok: bool| if ok { "met" } else { "NOT met" };
+        let mut out = vec![
+            format!("shop alone ({:.0} s): {}", self.alone.seconds, f(&self.alone)),
+            format!(
+                "shop while the worker drains ({:.1} s): {}",
+                self.during.seconds,
+                f(&self.during)
+            ),
+            format!(
+                "targets: the shop keeps {:.0} % of its rate (>= 95 %: {}), its p99 is {:.2}x alone (<= 2x: {})",
+                self.kept_share * 100.0,
+                met(self.kept_share >= 0.95),
+                self.p99_ratio,
+                met(self.p99_ratio <= 2.0)
+            ),
+        ];
+        if let (Some(d), Some(a), Some(r)) =
+            (self.drain_per_s, self.drain_alone_per_s, self.drain_ratio)
+        {
+            out.push(format!(
+                "drain: {} jobs/s beside the shop, {} alone: {r:.2}x (>= 0.5x: {})",
+                n0(d),
+                n0(a),
+                met(r >= 0.5)
+            ));
+        }
+        for e in self.errors.iter().take(3) {
+            out.push(format!("a failed shop transaction: {e}"));
+        }
+        out
+    }
+}
+
 impl ScenarioResult {
     /// The lines under the table: where the CPU went, the producer, problems, notes.
     fn details(&self) -> Vec<String> {
         let mut out = Vec::new();
+        if let Some(sh) = &self.shop {
+            out.extend(sh.lines());
+        }
         if let (Some(one), Some(set)) = (self.ceiling_ratio, self.set_ceiling_ratio) {
             out.push(format!(
                 "throughput: {one:.2} × the one-order pgbench ceiling, {set:.2} × the set-based one (sets of {})",

@@ -37,6 +37,7 @@ pub fn run(ctx: &Ctx, db: &mut postgres::Client, s: Scenario) -> Vec<ScenarioRes
         Scenario::Backlog => backlog(ctx, db, s).map(|r| vec![r]),
         Scenario::Engine => engine(ctx, db, s).map(|r| vec![r]),
         Scenario::Prune => prune(ctx, db),
+        Scenario::Shop => shop_scenario(ctx, db),
     };
     r.unwrap_or_else(|e| vec![ScenarioResult::failed(s.name(), format!("{e:#}"))])
 }
@@ -569,6 +570,152 @@ fn backlog(ctx: &Ctx, db: &mut postgres::Client, s: Scenario) -> Result<Scenario
         notes,
         ..Default::default()
     })
+}
+
+/// One drain of the shop scenario: `n` timeouts (orders 1..=n, recorded unpaid) pushed due
+/// at once into a running worker, drained; with `traffic` running beside it or not.
+struct ShopDrain {
+    result: ScenarioResult,
+    /// When the backlog was pushed and when it was drained, from the traffic's start.
+    window: Option<(Duration, Duration)>,
+    samples: Vec<super::traffic::Sample>,
+    errors: Vec<String>,
+}
+
+fn shop_drain(
+    ctx: &Ctx,
+    db: &mut postgres::Client,
+    name: &str,
+    plan: Option<&super::traffic::Plan>,
+) -> Result<ShopDrain> {
+    let (config, args) = (ctx.config, ctx.args);
+    let n = args.shop_backlog;
+    let mut con = store::connect(ctx.redis)?;
+    child::reset_queue(&mut con, ctx.shards)?;
+    shop::reset(db)?;
+    let seed_s = shop::seed(db, n + args.shop_orders, args.skus)?;
+    let orders: Vec<(i64, bool)> = (1..=n as i64).map(|id| (id, false)).collect();
+    shop::record(db, &[], &std::collections::HashMap::new(), &orders)?;
+    let postmaster = child::postmaster_pid(db);
+    let traffic = plan.map(super::traffic::start).transpose()?;
+    if traffic.is_some() && ctx.stop.wait(args.shop_alone) {
+        bail!("interrupted");
+    }
+    let mut worker = WorkerChild::spawn(config, &[], &log_path(ctx, name))?;
+    let rss = RssSampler::start(worker.pid);
+    // The worker is up and idle before the backlog falls due.
+    if ctx.stop.wait(Duration::from_secs(1)) {
+        bail!("interrupted");
+    }
+    worker.check_alive()?;
+    let before = Marks::take(&mut con, postmaster);
+    let pushed_at = Instant::now();
+    let pushed_ms = delay_worker::now_ms();
+    load::bulk_push(&mut con, ctx.shards, load::backlog_jobs(n))?;
+    let drain = wait_drained(
+        &mut worker,
+        &mut con,
+        ctx,
+        pushed_at + args.timeout,
+        Duration::from_millis(20),
+    )?;
+    let window = traffic.as_ref().and_then(|t| {
+        drain
+            .done
+            .map(|d| (pushed_at - t.started(), d - t.started()))
+    });
+    let (samples, errors) = traffic.map(|t| t.stop()).unwrap_or_default();
+    let m = finish(worker, rss, &before, &mut con, postmaster);
+    let dues: Vec<(String, i64)> = (1..=n as i64)
+        .map(|id| (load::order_key(id), pushed_ms))
+        .collect();
+    let moved = child::moved_times(&mut con, ctx.shards)?;
+    shop::record(db, &dues, &moved, &[])?;
+    let lateness = shop::lateness(db)?;
+    let books = shop::books(db)?;
+    let mut problems = queue_problems(&drain.state, drain.done.is_none(), args.timeout);
+    problems.extend(books.problems(n));
+    let jobs_per_s = lateness.as_ref().and_then(|l| {
+        let span = (l.last_processed_ms - l.first_processed_ms) / 1000.0;
+        (span > 0.0).then(|| l.count as f64 / span)
+    });
+    Ok(ShopDrain {
+        result: ScenarioResult {
+            name: name.into(),
+            jobs: n,
+            orders: n,
+            jobs_per_s,
+            drain_s: drain
+                .done
+                .map(|d| d.saturating_duration_since(pushed_at).as_secs_f64()),
+            drain_from: Some("push of the backlog".into()),
+            cpu_s_per_1k_jobs: cpu_per_1k(&m.cpu, n),
+            cpu: m.cpu,
+            rss_peak_kb: Some(m.rss_peak_kb),
+            rss_per_s_kb: m.rss_per_s_kb,
+            rss_hwm_kb: m.rss_hwm_kb,
+            lateness,
+            books: Some(books),
+            queue_after: Some(drain.state),
+            seed_s: Some(seed_s.as_secs_f64()),
+            pass: problems.is_empty(),
+            problems,
+            notes: vec!["lateness counted from the push of the backlog: it is the drain".into()],
+            ..Default::default()
+        },
+        window,
+        samples,
+        errors,
+    })
+}
+
+/// The shop scenario: the shop's traffic alone for --shop-alone, then the backlog falls
+/// due while it runs (both measured over the drain), then the same drain without the
+/// shop. Two rows: `shop` (the drain beside the shop, with the shop's figures) and
+/// `shop-drain-alone`.
+fn shop_scenario(ctx: &Ctx, db: &mut postgres::Client) -> Result<Vec<ScenarioResult>> {
+    let args = ctx.args;
+    let n = args.shop_backlog as i64;
+    let plan = super::traffic::Plan {
+        url: ctx.config.database_url.clone(),
+        rate: args.shop_rate,
+        clients: args.shop_clients as usize,
+        shop_orders: (n + 1, n + args.shop_orders as i64),
+        backlog_orders: (1, n),
+        skus: args.skus,
+    };
+    let mut beside = shop_drain(ctx, db, "shop", Some(&plan))?;
+    let alone = shop_drain(ctx, db, "shop-drain-alone", None)?;
+    let warm = Duration::from_secs(1).min(args.shop_alone / 2);
+    let shop_alone =
+        super::traffic::figures(&beside.samples, warm, args.shop_alone, args.shop_rate);
+    let mut figures = super::report::ShopFigures {
+        alone: shop_alone.clone(),
+        drain_per_s: beside.result.jobs_per_s,
+        drain_alone_per_s: alone.result.jobs_per_s,
+        drain_ratio: beside
+            .result
+            .jobs_per_s
+            .zip(alone.result.jobs_per_s)
+            .map(|(a, b)| a / b),
+        errors: beside.errors.clone(),
+        ..Default::default()
+    };
+    match beside.window {
+        Some((from, to)) => {
+            let during = super::traffic::figures(&beside.samples, from, to, args.shop_rate);
+            figures.kept_share = during.done_per_s / args.shop_rate;
+            figures.p99_ratio = during.p99_ms / shop_alone.p99_ms.max(1e-9);
+            figures.during = during;
+        }
+        None => beside
+            .result
+            .problems
+            .push("the drain did not end: no figures of the shop during it".into()),
+    }
+    beside.result.shop = Some(figures);
+    beside.result.pass = beside.result.problems.is_empty();
+    Ok(vec![beside.result, alone.result])
 }
 
 fn engine(ctx: &Ctx, db: &mut postgres::Client, s: Scenario) -> Result<ScenarioResult> {
