@@ -13,8 +13,9 @@
 #
 # Debian packages some tests need are installed (as root, with apt-get) in the background
 # while cargo builds, when missing: `chromium` (the status page tests look at the page in
-# headless Chromium) and `rpm` (tests/it/release.rs installs the RPM into a throwaway root
-# with it; release.sh packs the RPM with its rpmbuild).
+# headless Chromium), `rpm` (tests/it/release.rs installs the RPM into a throwaway root
+# with it; release.sh packs the RPM with its rpmbuild) and `php-cli` with `php-redis`
+# (tests/it/php.rs runs the PHP library of clients/php/ against the worker).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
@@ -39,6 +40,9 @@ export DW_TEST_DATABASE_URL="postgres://postgres@127.0.0.1:${DW_PG_PORT:-5439}/p
 packages=()
 command -v chromium >/dev/null || packages+=(chromium)
 { command -v rpm && command -v rpmbuild; } >/dev/null || packages+=(rpm)
+command -v php >/dev/null || packages+=(php-cli)
+{ command -v php && php -r 'exit(extension_loaded("redis") ? 0 : 1);'; } >/dev/null 2>&1 ||
+  packages+=(php-redis)
 apt_pid=
 apt_log=target/apt-install.log
 if [ ${#packages[@]} -gt 0 ]; then
