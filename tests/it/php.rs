@@ -7,6 +7,7 @@
 //! file both sides read (`clients/php/tests/vectors.json`).
 
 use crate::support::*;
+use crate::topology::{config_for, stop_and_account, Cluster};
 use delay_worker::config::LegacyPool;
 use delay_worker::keys::{shard_of, KeyOverrides, Keys};
 use serde_json::{json, Value};
@@ -33,22 +34,32 @@ fn php(args: &[&str], env: &[(&str, String)]) -> String {
     text(&out.stdout)
 }
 
-/// Runs clients/php/tests/shop.php with these steps; returns what each step returned.
-fn shop(redis: &RedisServer, prefix: &str, shards: usize, steps: &[Value]) -> Vec<Value> {
-    let plan = std::env::temp_dir().join(format!(
+/// Runs clients/php/tests/shop.php with this plan (see its header); returns what each
+/// step returned.
+fn shop_plan(plan: &Value) -> Vec<Value> {
+    let path = std::env::temp_dir().join(format!(
         "dw-php-plan-{}-{}.json",
         std::process::id(),
-        redis.port
+        free_port()
     ));
-    let body =
-        json!({"redis_port": redis.port, "prefix": prefix, "shards": shards, "steps": steps});
-    std::fs::write(&plan, body.to_string()).unwrap();
-    let out = php(&["tests/shop.php", plan.to_str().unwrap()], &[]);
-    let _ = std::fs::remove_file(&plan);
+    std::fs::write(&path, plan.to_string()).unwrap();
+    let out = php(&["tests/shop.php", path.to_str().unwrap()], &[]);
+    let _ = std::fs::remove_file(&path);
     let results: Vec<Value> =
         serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("shop.php said {out:?}: {e}"));
-    assert_eq!(results.len(), steps.len(), "{out}");
+    assert_eq!(
+        results.len(),
+        plan["steps"].as_array().unwrap().len(),
+        "{out}"
+    );
     results
+}
+
+/// shop.php with these steps on one server.
+fn shop(redis: &RedisServer, prefix: &str, shards: usize, steps: &[Value]) -> Vec<Value> {
+    shop_plan(
+        &json!({"redis_port": redis.port, "prefix": prefix, "shards": shards, "steps": steps}),
+    )
 }
 
 #[test]
@@ -522,4 +533,82 @@ fn php_pushes_land_where_worker_push_puts_them_with_the_same_message() {
             r#"{"event":"order.timeout","payload":{"order_no":"SO1"},"retry":0"#
         );
     }
+}
+
+/// On a Redis Cluster (three masters, each with a replica) with `\\RedisCluster`: the
+/// `{mq}` layout, tagged legacy members (an untagged one is refused, nothing written), a
+/// durable push confirmed by the slot's replica (WAIT goes to the master written to), and
+/// the worker with `--key-prefix {mq}` on the cluster URL doing the jobs, the books exact.
+#[test]
+fn php_on_a_redis_cluster_pushes_durably_and_the_worker_does_the_jobs() {
+    let cluster = Cluster::start();
+    let db = TestDb::new();
+    let orders = seed_orders(&db, 20);
+    let pool = "{mq}delay:order_close";
+    let mut steps = Vec::new();
+    for o in &orders[..10] {
+        steps.push(json!({"op": "push", "event": "order.timeout",
+            "payload": {"order_no": o.order_no}, "delay_ms": 0, "key": key_of(o)}));
+    }
+    for o in &orders[10..15] {
+        steps.push(json!({"op": "push_legacy", "pool": pool,
+            "member": format!("{{mq}}close_order_{}", o.id), "order_id": o.id, "due_in_ms": 0}));
+    }
+    for o in &orders[15..18] {
+        steps.push(json!({"op": "push", "event": "order.timeout",
+            "payload": {"order_no": o.order_no}, "delay_ms": HOUR_MS, "key": key_of(o)}));
+        steps.push(json!({"op": "cancel", "key": key_of(o)}));
+    }
+    steps.push(
+        json!({"op": "push_legacy", "pool": pool, "member": member_of(&orders[18]),
+        "order_id": orders[18].id, "due_in_ms": 0, "expect_error": "InvalidJobException"}),
+    );
+    let seeds: Vec<String> = cluster
+        .url()
+        .trim_start_matches("redis+cluster://")
+        .split(',')
+        .map(String::from)
+        .collect();
+    let results = shop_plan(&json!({"cluster": seeds, "prefix": "{mq}", "shards": 1,
+        "wait": [1, 5000], "steps": steps}));
+    for (step, result) in steps.iter().zip(&results) {
+        match step["op"].as_str().unwrap() {
+            "cancel" => assert_eq!(result, &json!(true)),
+            _ if step.get("expect_error").is_some() => {
+                assert_eq!(result, &json!({"error": "InvalidJobException"}))
+            }
+            _ => assert_eq!(result["replicas"], 1, "{step}: {result}"),
+        }
+    }
+    let keys = Keys::with_prefix("{mq}");
+    let mut con = cluster.con_for(&keys.pool);
+    let scheduled: usize = redis::cmd("ZCARD").arg(&keys.pool).query(&mut con).unwrap();
+    assert_eq!(scheduled, 10);
+    let untagged: bool = redis::cmd("EXISTS")
+        .arg(member_of(&orders[18]))
+        .query(&mut cluster.con_for(&member_of(&orders[18])))
+        .unwrap();
+    assert!(!untagged, "the refused member was written");
+
+    let config = config_for(&cluster.url(), &db, "c1");
+    let mut p = Proc::start(
+        &config,
+        &[
+            "--key-prefix".into(),
+            "{mq}".into(),
+            "--legacy-pool".into(),
+            format!("{pool}=order.timeout"),
+        ],
+    );
+    wait_until(WAIT, "the pushed jobs to be done", || {
+        inbox_count(&db) >= 15
+    });
+    let paid: Vec<SeedOrder> = orders[15..].to_vec();
+    let ran = stop_and_account(&mut p, &db, &orders, &paid);
+    assert_eq!(ran.len(), 15, "{ran:?}");
+    assert!(ran.values().all(|n| *n == 1), "{ran:?}");
+    let b = books_on(&mut con, &keys);
+    assert_eq!((b.pool, b.stream_pending, b.dead), (0, 0, 0));
+    let legacy: usize = redis::cmd("ZCARD").arg(pool).query(&mut con).unwrap();
+    assert_eq!(legacy, 0);
 }
