@@ -2,9 +2,11 @@
 //! `php-cli` and `php-redis` (scripts/test.sh installs them): its own tests
 //! (`clients/php/tests/run.php`, against a redis-server of their own and one with a
 //! replica), a shop's pushes, cancels and reschedules done by the daemon with the books
-//! exact (unsharded with a legacy pool, and with `--shards 3`), and the shard formula, key
-//! names and messages held to `delay_worker::keys` and `worker push` through the vectors
-//! file both sides read (`clients/php/tests/vectors.json`).
+//! exact (unsharded with a legacy pool, with `--shards 3`, and on a Redis Cluster through
+//! `\RedisCluster` with durable pushes), and the shard formula, key names and messages held
+//! to `delay_worker::keys` and `worker push` through the vectors file both sides read
+//! (`clients/php/tests/vectors.json`). Each test starts its own servers; the PHP scripts'
+//! output is shown only when one fails.
 
 use crate::support::*;
 use crate::topology::{config_for, stop_and_account, Cluster};

@@ -584,15 +584,27 @@ const SCRIPTLET_TOOLS: &[&str] = &[
     "/usr/sbin/useradd",
 ];
 
+/// What of systemd a throwaway root has.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Systemd {
+    /// No systemctl at all (a minimal container).
+    Absent,
+    /// systemctl (a stand-in) but no running systemd: an image built with systemd, or a
+    /// chroot.
+    Installed,
+    /// systemctl and /run/systemd/system, as where systemd is PID 1.
+    Running,
+}
+
 /// A throwaway root for `rpm --root`, laid out as a merged-/usr EL host. rpm runs the
 /// scriptlets chrooted in it, so it holds the shell and the tools of [`SCRIPTLET_TOOLS`]
 /// (this host's, with their libraries) and nothing else: a scriptlet that ran anything
-/// more would fail here. With `systemd`, /run/systemd/system exists and /usr/bin/systemctl
-/// is a stand-in that writes its arguments to /var/log/systemctl, one call a line.
+/// more would fail here. Its systemctl, where it has one, is a stand-in that writes its
+/// arguments to /var/log/systemctl, one call a line.
 struct RpmRoot(PathBuf);
 
 impl RpmRoot {
-    fn new(systemd: bool) -> RpmRoot {
+    fn new(systemd: Systemd) -> RpmRoot {
         let root = RpmRoot(temp_dir("dw-rpm-root"));
         for d in [
             "etc",
@@ -652,8 +664,10 @@ impl RpmRoot {
         for tool in SCRIPTLET_TOOLS {
             root.copy_in(tool);
         }
-        if systemd {
+        if systemd == Systemd::Running {
             std::fs::create_dir_all(root.path("run/systemd/system")).unwrap();
+        }
+        if systemd != Systemd::Absent {
             std::fs::write(
                 root.path("usr/bin/systemctl"),
                 "#!/bin/sh\necho \"$*\" >>/var/log/systemctl\n",
@@ -795,7 +809,7 @@ const ENV: &str = "/etc/delay-worker/worker.env";
 #[test]
 fn release_rpm_installs_upgrades_keeps_the_edited_env_file_and_erases() {
     let r = release();
-    let root = RpmRoot::new(false);
+    let root = RpmRoot::new(Systemd::Absent);
     let v = env!("CARGO_PKG_VERSION");
 
     // First install: nothing said (no scriptlet failed, nothing missing), files and modes,
@@ -896,7 +910,7 @@ fn release_rpm_installs_upgrades_keeps_the_edited_env_file_and_erases() {
 #[test]
 fn release_rpm_scriptlets_use_systemctl_where_systemd_runs() {
     let r = release();
-    let root = RpmRoot::new(true);
+    let root = RpmRoot::new(Systemd::Running);
     assert_eq!(root.rpm(&["-U", r.rpm.to_str().unwrap()]), "");
     assert_eq!(root.systemctl_calls(), ["daemon-reload"]);
     assert_eq!(root.users().len(), 1);
@@ -929,13 +943,14 @@ fn release_rpm_scriptlets_use_systemctl_where_systemd_runs() {
 }
 
 /// A host installed by copying (scripts/install.sh BINARY) already has its environment file
-/// and its user: the RPM keeps both (the template goes beside the file as .rpmnew). On a
-/// host where rpm exists and dpkg does not, install.sh takes the .rpm; where dpkg exists it
-/// refuses one.
+/// and its user: the RPM keeps both (the template goes beside the file as .rpmnew). Where
+/// systemctl exists but systemd does not run, only the erase calls it (`--no-reload
+/// disable`, which works offline). On a host where rpm exists and dpkg does not,
+/// install.sh takes the .rpm; where dpkg exists it refuses one.
 #[test]
 fn release_rpm_over_a_copy_install_keeps_its_environment_file_and_user() {
     let r = release();
-    let root = RpmRoot::new(false);
+    let root = RpmRoot::new(Systemd::Installed);
     let before = "DATABASE_URL=postgres://shop@db/shop\n";
     std::fs::create_dir_all(root.path("/etc/delay-worker")).unwrap();
     std::fs::write(root.path(ENV), before).unwrap();
@@ -953,6 +968,13 @@ fn release_rpm_over_a_copy_install_keeps_its_environment_file_and_user() {
     assert_eq!(root.read(&format!("{ENV}.rpmnew")), template());
     assert_eq!(root.users(), [copied]);
     assert!(root.path("/usr/bin/worker").exists());
+    assert_eq!(root.systemctl_calls(), Vec::<String>::new());
+    root.rpm(&["-e", "delay-worker"]);
+    assert_eq!(
+        root.systemctl_calls(),
+        ["--no-reload disable delay-worker.service"]
+    );
+    assert_eq!(root.read(&format!("{ENV}.rpmsave")), before);
 
     // install.sh on a host with rpm and without dpkg: a PATH of this host's programs less
     // dpkg's.
