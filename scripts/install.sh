@@ -3,16 +3,18 @@
 #
 #   scripts/install.sh [--dry-run] [FILE]
 #
-#   FILE       a delay-worker .deb (scripts/release.sh makes one) or a worker binary
-#              [default: where dpkg exists, the .deb in target/dist; elsewhere
-#              target/release/worker]
+#   FILE       a delay-worker .deb or .rpm (scripts/release.sh makes both) or a worker
+#              binary [default: where dpkg exists, the .deb in target/dist; where rpm
+#              exists and dpkg does not, the .rpm there; elsewhere target/release/worker]
 #   --dry-run  print the steps, change nothing (needs neither root nor systemd)
 #
-# A .deb (Debian, Ubuntu: where dpkg exists) is installed with `dpkg -i --force-confold`:
-# the package holds the binary (/usr/bin/worker), the unit, the environment file template
-# and creates the system user (README "Packages"); an existing environment file is kept. A
-# host installed from a binary before moves to the package: its /usr/local/bin/worker and
-# the copied unit in /etc/systemd/system (which would hide the package's) are removed.
+# A .deb (Debian, Ubuntu: where dpkg exists) is installed with `dpkg -i --force-confold`,
+# an .rpm (RHEL/CentOS 7 and later: where rpm exists and dpkg does not) with `rpm -U
+# --replacepkgs`: the package holds the binary (/usr/bin/worker), the unit, the environment
+# file template and creates the system user (README "Packages"); an existing environment
+# file is kept (rpm writes the template beside it as worker.env.rpmnew). A host installed
+# from a binary before moves to the package: its /usr/local/bin/worker and the copied unit
+# in /etc/systemd/system (which would hide the package's) are removed.
 #
 # A binary is copied instead: to /usr/local/bin/worker; a system user and group
 # `delay-worker`; the environment file /etc/delay-worker/worker.env (mode 0600, root;
@@ -55,16 +57,24 @@ for arg in "$@"; do
 done
 have_dpkg=0
 command -v dpkg >/dev/null && have_dpkg=1
+# The RPM is for hosts that have rpm as their package manager, not for a Debian host that
+# has the rpm tool as well.
+have_rpm=0
+[ "$have_dpkg" = 0 ] && command -v rpm >/dev/null && have_rpm=1
 if [ -z "$file" ]; then
   if [ "$have_dpkg" = 1 ]; then
     file=$(ls -1 "$root"/target/dist/${PACKAGE}_*.deb 2>/dev/null | sort -V | tail -n 1 || true)
     file=${file:-$root/target/dist/${PACKAGE}_VERSION_amd64.deb}
+  elif [ "$have_rpm" = 1 ]; then
+    file=$(ls -1 "$root"/target/dist/${PACKAGE}-*.x86_64.rpm 2>/dev/null | sort -V | tail -n 1 || true)
+    file=${file:-$root/target/dist/${PACKAGE}-VERSION-1.x86_64.rpm}
   else
     file=$root/target/release/worker
   fi
 fi
 case "$file" in
   *.deb) kind=deb ;;
+  *.rpm) kind=rpm ;;
   *) kind=binary ;;
 esac
 
@@ -82,22 +92,35 @@ refuse() {
   note "note: $*"
 }
 package_installed() {
-  [ "$have_dpkg" = 1 ] &&
+  if [ "$have_dpkg" = 1 ]; then
     dpkg-query -W -f='${Status}' "$PACKAGE" 2>/dev/null | grep -q ' installed$'
+  else
+    [ "$have_rpm" = 1 ] && rpm -q "$PACKAGE" >/dev/null 2>&1
+  fi
 }
 
 [ -f "$UNIT_SRC" ] || die "unit file $UNIT_SRC is missing"
 [ -f "$ENV_SRC" ] || die "environment file template $ENV_SRC is missing"
 if [ "$kind" = deb ]; then
   [ "$have_dpkg" = 1 ] ||
-    die "a .deb needs dpkg; on this host install the binary instead: scripts/install.sh DIR/worker"
-  [ -f "$file" ] ||
-    refuse "no package at $file (make one: scripts/release.sh; or name a .deb or a binary)"
-else
+    die "a .deb needs dpkg; on this host install the .rpm (where rpm exists) or the binary: scripts/install.sh DIR/worker"
+elif [ "$kind" = rpm ]; then
+  [ "$have_rpm" = 1 ] || {
+    [ "$have_dpkg" = 1 ] &&
+      die "this host has dpkg: install the .deb, not the .rpm (which is for EL7-compatible hosts)"
+    die "an .rpm needs rpm; on this host install the binary instead: scripts/install.sh DIR/worker"
+  }
+fi
+if [ "$kind" = binary ]; then
   [ -x "$file" ] ||
     refuse "no executable worker at $file (build it: cargo build --release, or name one)"
+  remove="dpkg -r $PACKAGE"
+  [ "$have_rpm" = 1 ] && remove="rpm -e $PACKAGE"
   ! package_installed ||
-    refuse "$PACKAGE is installed as a package (/usr/bin/worker): install a newer .deb, or remove it first (dpkg -r $PACKAGE)"
+    refuse "$PACKAGE is installed as a package (/usr/bin/worker): install a newer package, or remove it first ($remove)"
+else
+  [ -f "$file" ] ||
+    refuse "no package at $file (make one: scripts/release.sh; or name a package or a binary)"
 fi
 if [ "$dry_run" = 0 ] && [ "$(id -u)" != 0 ]; then
   die "run as root (or with --dry-run to see the steps)"
@@ -110,7 +133,7 @@ env_created=0
 # the package restarts a running worker itself).
 restart=1
 
-if [ "$kind" = deb ]; then
+if [ "$kind" != binary ]; then
   # 1. Leftovers of a copy install: the unit in /etc would hide the package's, and
   #    /usr/local/bin comes before /usr/bin in PATH.
   if [ -f "$UNIT_DST" ] && grep -q '^ExecStart=/usr/local/bin/worker' "$UNIT_DST"; then
@@ -119,10 +142,17 @@ if [ "$kind" = deb ]; then
   if [ -x "$BIN_DST" ] && "$BIN_DST" --version 2>/dev/null | grep -q '^worker '; then
     run rm -f "$BIN_DST"
   fi
-  # 2. The package. --force-confold: an environment file already there (edited, or
-  #    written by a copy install) is kept without a question.
+  # 2. The package. An environment file already there (edited, or written by a copy
+  #    install) is kept without a question: dpkg's --force-confold; rpm keeps it by itself
+  #    (%config(noreplace)). rpm -U installs or upgrades; --replacepkgs lets this script run
+  #    again with the same package. The package's scripts restart a running worker on an
+  #    upgrade.
   package_installed && restart=0
-  run dpkg -i --force-confold "$file"
+  if [ "$kind" = deb ]; then
+    run dpkg -i --force-confold "$file"
+  else
+    run rpm -U --replacepkgs "$file"
+  fi
 else
   # 1. The binary. `install` writes a new file and renames it over the old one, so a
   #    running worker keeps its inode and is not disturbed until the restart below.

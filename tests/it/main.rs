@@ -21,6 +21,7 @@ mod migrate;
 mod monitoring;
 mod mover;
 mod ops;
+mod php;
 mod privilege;
 mod producer;
 mod prune;

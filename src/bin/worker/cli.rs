@@ -72,7 +72,7 @@ pub enum Command {
         #[command(flatten)]
         run: RunArgs,
         #[command(flatten)]
-        args: crate::bench::BenchArgs,
+        args: Box<crate::bench::BenchArgs>,
     },
 }
 
