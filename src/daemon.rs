@@ -389,6 +389,7 @@ fn spawn_and_supervise(
                 config,
                 pool,
                 redis: client,
+                manners: &manners,
                 depth: Box::new({
                     let rx = rx.clone();
                     move || rx.len()
@@ -473,8 +474,12 @@ fn spawn_and_supervise(
             }));
         }
         {
-            let watch =
-                crate::dbwatch::DbWatch::new(pool_target.clone(), &stats, config.dead_rate_crit);
+            let watch = crate::dbwatch::DbWatch::new(
+                pool_target.clone(),
+                &stats,
+                &manners,
+                config.dead_rate_crit,
+            );
             spawned.push(spawn_role(s, shutdown, "pg-watch".into(), move || {
                 watch.run(shutdown)
             }));

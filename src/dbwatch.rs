@@ -1,35 +1,54 @@
-//! The PostgreSQL watch: whether the database takes writes, asked every [`EVERY`] whether
-//! jobs come or not.
+//! The PostgreSQL watch: whether the database takes writes, and whether the shop is busy
+//! in it, asked every [`EVERY`] whether jobs come or not.
 //!
 //! The workers find out that PostgreSQL is gone or read-only only when a job fails, so a
 //! quiet worker would look healthy through an outage and surprise everyone at the next
-//! due order. This thread keeps one connection of its own (one more per process) and asks
-//! `SHOW transaction_read_only` on it; a server that does not answer, refuses the
-//! connection or takes no writes (a standby, a primary demoted or with
-//! `default_transaction_read_only`) is reported as an alert ([`Stats::report_critical`]:
-//! `/healthz` 503 and the published health red, the watchdog left alone: a restart
-//! would not make the server writable), and the report is cleared once it takes writes
-//! again. It stops at shutdown, within one [`EVERY`].
+//! due order. This thread keeps one connection of its own (one more per process) and asks,
+//! in one statement, whether the server takes writes (`transaction_read_only`) and how
+//! many of the shop's sessions are running a statement now (`pg_stat_activity`: client
+//! backends of this database that are not the worker's, by `application_name`).
 //!
-//! Each pass also holds this process's dead letters of the last minute against
-//! `--dead-rate-crit`: more is reported the same way (under [`DEAD_RATE`]), so the
-//! published health record, and with it `worker stats --check`, says so too.
+//! - A server that does not answer, refuses the connection or takes no writes (a standby,
+//!   a primary demoted or with `default_transaction_read_only`) is reported as critical
+//!   ([`Stats::report_critical`]: `/healthz` 503 and the published health red, the
+//!   watchdog left alone: a restart would not make the server writable); the report is
+//!   cleared once it takes writes again.
+//! - The shop's busy sessions, averaged over about a second, decide whether the workers
+//!   yield ([`Manners::set_yielding`]): from [`BUSY`] on, and until it has been quiet for
+//!   [`QUIET_FOR`]. Seeing other roles' sessions' state needs `pg_read_all_stats` (or the
+//!   worker using the shop's own role); without it the worker sees no shop and never
+//!   yields, which is said once in the log.
+//! - This process's dead letters of the last minute are held against `--dead-rate-crit`:
+//!   more is reported as critical too (under [`DEAD_RATE`]), so the published health
+//!   record, and with it `worker stats --check`, says so.
+//!
+//! Each check runs on a short-lived thread with the kept connection, so that a server that
+//! stops answering costs [`ANSWER_WITHIN`], not a watch stuck in a read (and a shutdown
+//! that cannot join it). It stops at shutdown, within one [`EVERY`].
 
 use crate::db::{self, DbError};
+use crate::manners::Manners;
 use crate::shutdown::Shutdown;
 use crate::stats::Stats;
 use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// How often the watch asks.
-pub const EVERY: Duration = Duration::from_secs(5);
+pub const EVERY: Duration = Duration::from_millis(250);
 
 /// The role its reports carry.
 pub const ROLE: &str = "postgresql";
 
 /// The role the dead-letter rate is reported under.
 pub const DEAD_RATE: &str = "dead letters";
+
+/// The shop's sessions running a statement, on average, from which the workers yield:
+/// a shop doing a few dozen short transactions a second.
+pub const BUSY: f64 = 0.05;
+
+/// How long the shop must have been quiet before the workers stop yielding.
+pub const QUIET_FOR: Duration = Duration::from_secs(3);
 
 /// Longest a check may take; a server that accepts and never answers costs this.
 const ANSWER_WITHIN: Duration = Duration::from_secs(5);
@@ -39,24 +58,148 @@ const ANSWER_WITHIN: Duration = Duration::from_secs(5);
 /// fails).
 const MAX_WAITING: usize = 2;
 
+/// Whether the server takes writes, the shop's sessions running a statement (of other
+/// roles only if this one may see their state: otherwise it is NULL, and not counted),
+/// and whether it may.
+const ASK: &str = "SELECT current_setting('transaction_read_only') = 'on', \
+     (SELECT count(*) FROM pg_stat_activity \
+       WHERE state = 'active' AND backend_type = 'client backend' AND datname = current_database() \
+         AND pid <> pg_backend_pid() AND application_name NOT LIKE 'delay-worker%'), \
+     pg_has_role('pg_read_all_stats', 'USAGE')";
+
 const RUNNING: u8 = 0;
 const DONE: u8 = 1;
 const ABANDONED: u8 = 2;
+
+/// What one check found.
+struct Seen {
+    /// The shop's sessions running a statement now.
+    busy: i64,
+    /// Whether other roles' sessions can be seen at all.
+    sees_all: bool,
+}
 
 /// The watch of one daemon.
 pub struct DbWatch<'a> {
     target: db::Target,
     stats: &'a Stats,
+    manners: &'a Manners,
     /// `--dead-rate-crit` (0: off).
     dead_rate_crit: u64,
 }
 
 impl<'a> DbWatch<'a> {
-    pub fn new(target: db::Target, stats: &'a Stats, dead_rate_crit: u64) -> DbWatch<'a> {
+    pub fn new(
+        target: db::Target,
+        stats: &'a Stats,
+        manners: &'a Manners,
+        dead_rate_crit: u64,
+    ) -> DbWatch<'a> {
         DbWatch {
             target,
             stats,
+            manners,
             dead_rate_crit,
+        }
+    }
+
+    /// The thread body: one check every [`EVERY`] until shutdown.
+    pub fn run(&self, shutdown: &Shutdown) {
+        let waiting = Arc::new(AtomicUsize::new(0));
+        let mut kept: Option<postgres::Client> = None;
+        // The shop's busy sessions, averaged; when it was last busy.
+        let mut busy = 0.0;
+        let mut last_busy: Option<Instant> = None;
+        let mut said_blind = false;
+        loop {
+            match self.ask(&waiting, &mut kept) {
+                Ok(seen) => {
+                    if self.stats.clear_problem(ROLE, i64::MAX) {
+                        log::info!("PostgreSQL takes writes again");
+                    }
+                    if !seen.sees_all && !said_blind {
+                        said_blind = true;
+                        log::info!(
+                            "the worker's PostgreSQL role sees only its own sessions: it yields to the shop's traffic only if the shop uses the same role (GRANT pg_read_all_stats to it to see the shop's)"
+                        );
+                    }
+                    busy = 0.8 * busy + 0.2 * seen.busy as f64;
+                    if busy >= BUSY {
+                        last_busy = Some(Instant::now());
+                    }
+                }
+                Err(why) => {
+                    let what = format!("no writable PostgreSQL: {why}");
+                    if self.stats.report_critical(ROLE, what.clone()) {
+                        log::error!("{what}");
+                    }
+                }
+            }
+            let yielding = last_busy.is_some_and(|t| t.elapsed() < QUIET_FOR);
+            if yielding != self.manners.yielding() {
+                log::debug!(
+                    "the shop's sessions are {}: the workers {}",
+                    if yielding { "busy" } else { "quiet" },
+                    if yielding { "yield" } else { "run freely" }
+                );
+                self.manners.set_yielding(yielding);
+            }
+            self.dead_rate();
+            if shutdown.wait(EVERY) {
+                return;
+            }
+        }
+    }
+
+    /// One check on a thread of its own (see the module header), within
+    /// [`ANSWER_WITHIN`].
+    fn ask(
+        &self,
+        waiting: &Arc<AtomicUsize>,
+        kept: &mut Option<postgres::Client>,
+    ) -> Result<Seen, String> {
+        if waiting.load(Ordering::SeqCst) >= MAX_WAITING {
+            return Err(format!(
+                "no answer: {MAX_WAITING} earlier checks still wait for the server"
+            ));
+        }
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let state = Arc::new(AtomicU8::new(RUNNING));
+        let (target, mut client) = (self.target.clone(), kept.take());
+        let (w, st) = (waiting.clone(), state.clone());
+        std::thread::Builder::new()
+            .name("pg-watch".into())
+            .spawn(move || {
+                let r = check(&target, &mut client);
+                let _ = tx.send((client, r));
+                if st.swap(DONE, Ordering::SeqCst) == ABANDONED {
+                    w.fetch_sub(1, Ordering::SeqCst);
+                }
+            })
+            .map_err(|e| format!("cannot start a check: {e}"))?;
+        let answer = match rx.recv_timeout(ANSWER_WITHIN) {
+            Ok(a) => Some(a),
+            Err(_) => {
+                waiting.fetch_add(1, Ordering::SeqCst);
+                match state.compare_exchange(RUNNING, ABANDONED, Ordering::SeqCst, Ordering::SeqCst)
+                {
+                    Ok(_) => None,
+                    // It finished just now.
+                    Err(_) => {
+                        waiting.fetch_sub(1, Ordering::SeqCst);
+                        rx.recv().ok()
+                    }
+                }
+            }
+        };
+        match answer {
+            Some((client, r)) => {
+                if r.is_ok() {
+                    *kept = client;
+                }
+                r
+            }
+            None => Err(format!("no answer within {}s", ANSWER_WITHIN.as_secs())),
         }
     }
 
@@ -76,93 +219,12 @@ impl<'a> DbWatch<'a> {
             }
         }
     }
-
-    /// The thread body: one check every [`EVERY`] until shutdown. Each check runs on a
-    /// short-lived thread with the kept connection, so that a server that stops
-    /// answering costs [`ANSWER_WITHIN`], not a watch stuck in a read (and a shutdown
-    /// that cannot join it).
-    pub fn run(&self, shutdown: &Shutdown) {
-        let waiting = Arc::new(AtomicUsize::new(0));
-        let mut kept: Option<postgres::Client> = None;
-        loop {
-            let result = if waiting.load(Ordering::SeqCst) >= MAX_WAITING {
-                Err(format!(
-                    "no answer: {MAX_WAITING} earlier checks still wait for the server"
-                ))
-            } else {
-                let (tx, rx) = std::sync::mpsc::sync_channel(1);
-                let state = Arc::new(AtomicU8::new(RUNNING));
-                let (target, mut client) = (self.target.clone(), kept.take());
-                let (w, st) = (waiting.clone(), state.clone());
-                let spawned =
-                    std::thread::Builder::new()
-                        .name("pg-watch".into())
-                        .spawn(move || {
-                            let r = check(&target, &mut client);
-                            let _ = tx.send((client, r));
-                            if st.swap(DONE, Ordering::SeqCst) == ABANDONED {
-                                w.fetch_sub(1, Ordering::SeqCst);
-                            }
-                        });
-                match spawned {
-                    Err(e) => Err(format!("cannot start a check: {e}")),
-                    Ok(_) => {
-                        let answer = match rx.recv_timeout(ANSWER_WITHIN) {
-                            Ok(a) => Some(a),
-                            Err(_) => {
-                                waiting.fetch_add(1, Ordering::SeqCst);
-                                match state.compare_exchange(
-                                    RUNNING,
-                                    ABANDONED,
-                                    Ordering::SeqCst,
-                                    Ordering::SeqCst,
-                                ) {
-                                    Ok(_) => None,
-                                    // It finished just now.
-                                    Err(_) => {
-                                        waiting.fetch_sub(1, Ordering::SeqCst);
-                                        rx.recv().ok()
-                                    }
-                                }
-                            }
-                        };
-                        match answer {
-                            Some((client, r)) => {
-                                if r.is_ok() {
-                                    kept = client;
-                                }
-                                r
-                            }
-                            None => Err(format!("no answer within {}s", ANSWER_WITHIN.as_secs())),
-                        }
-                    }
-                }
-            };
-            match result {
-                Ok(()) => {
-                    if self.stats.clear_problem(ROLE, i64::MAX) {
-                        log::info!("PostgreSQL takes writes again");
-                    }
-                }
-                Err(why) => {
-                    let what = format!("no writable PostgreSQL: {why}");
-                    if self.stats.report_critical(ROLE, what.clone()) {
-                        log::error!("{what}");
-                    }
-                }
-            }
-            self.dead_rate();
-            if shutdown.wait(EVERY) {
-                return;
-            }
-        }
-    }
 }
 
 /// One check on the kept connection (a new one when there is none). A new connection is
 /// already refused by a read-only server (the target asks for read-write); a kept one is
 /// asked again. A failed connection is not kept.
-fn check(target: &db::Target, client: &mut Option<postgres::Client>) -> Result<(), String> {
+fn check(target: &db::Target, client: &mut Option<postgres::Client>) -> Result<Seen, String> {
     let c = match client {
         Some(c) => c,
         None => client.insert(target.connect_within(db::HANDSHAKE_DEADLINE).map_err(
@@ -172,18 +234,18 @@ fn check(target: &db::Target, client: &mut Option<postgres::Client>) -> Result<(
             },
         )?),
     };
-    let read_only = c
-        .simple_query("SHOW transaction_read_only")
+    let answer = c
+        .query_one(ASK, &[])
         .map_err(|e| db::error_text(&e))
-        .map(|rows| {
-            rows.iter().any(|m| match m {
-                postgres::SimpleQueryMessage::Row(r) => r.get(0) == Some("on"),
-                _ => false,
-            })
+        .and_then(|row| {
+            let read_only: bool = row.try_get(0).map_err(|e| db::error_text(&e))?;
+            let busy: i64 = row.try_get(1).map_err(|e| db::error_text(&e))?;
+            let sees_all: bool = row.try_get(2).map_err(|e| db::error_text(&e))?;
+            Ok((read_only, Seen { busy, sees_all }))
         });
-    match read_only {
-        Ok(false) => Ok(()),
-        Ok(true) => {
+    match answer {
+        Ok((false, seen)) => Ok(seen),
+        Ok((true, _)) => {
             *client = None;
             Err(db::READ_ONLY.to_string())
         }

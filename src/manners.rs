@@ -11,11 +11,18 @@
 //!   single jobs; each set that commits cleanly grows it by one again. So under the shop's
 //!   load the worker holds few rows at a time and waits briefly, while a quiet database
 //!   gets whole sets. Shared by every worker of the process (atomics only).
+//! - **Yielding.** While the shop's own sessions are busy in the database (the PostgreSQL
+//!   watch samples `pg_stat_activity` four times a second, `dbwatch.rs`), at most
+//!   [`YIELD_CONCURRENCY`] of this process's workers are inside a transaction at once;
+//!   the others wait at the gate holding their jobs. A drain then leaves the database's
+//!   cores and the WAL to the shop's transactions instead of queueing eight of its own in
+//!   front of them (measured with `scripts/bench.sh shop`: README, Performance). When the
+//!   shop is quiet, every worker may run.
 
 use crate::shutdown::Shutdown;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 /// One `--max-rate`: jobs per second, for one event or (`event: None`) for all.
@@ -79,13 +86,32 @@ impl Slots {
     }
 }
 
-/// The rate caps and the per-event set sizes of one process.
+/// Workers of one process inside a transaction at once while the shop is busy.
+pub const YIELD_CONCURRENCY: usize = 1;
+
+/// The rate caps, the per-event set sizes and the yielding gate of one process.
 pub struct Manners {
     all: Option<Slots>,
     by_event: HashMap<String, Slots>,
     /// Events by the registry's index: the set size each now runs with.
     set_sizes: Vec<AtomicUsize>,
     set_size: usize,
+    /// Written by the PostgreSQL watch: the shop's sessions are busy now.
+    yielding: AtomicBool,
+    /// Workers inside a transaction, and the condition they wait on at the gate.
+    inside: Mutex<usize>,
+    gate: Condvar,
+}
+
+/// A worker's place inside the gate; given back on drop.
+pub struct Permit<'a>(&'a Manners);
+
+impl Drop for Permit<'_> {
+    fn drop(&mut self) {
+        let mut n = self.0.inside.lock().unwrap_or_else(|p| p.into_inner());
+        *n = n.saturating_sub(1);
+        self.0.gate.notify_one();
+    }
 }
 
 impl Manners {
@@ -103,7 +129,39 @@ impl Manners {
                 .collect(),
             set_sizes: (0..events).map(|_| AtomicUsize::new(set_size)).collect(),
             set_size: set_size.max(1),
+            yielding: AtomicBool::new(false),
+            inside: Mutex::new(0),
+            gate: Condvar::new(),
         }
+    }
+
+    /// The shop's sessions are busy (`true`) or quiet: the gate narrows or opens.
+    pub fn set_yielding(&self, on: bool) {
+        if self.yielding.swap(on, Ordering::Relaxed) != on && !on {
+            self.gate.notify_all();
+        }
+    }
+
+    /// Whether the gate is narrowed now.
+    pub fn yielding(&self) -> bool {
+        self.yielding.load(Ordering::Relaxed)
+    }
+
+    /// Waits for a place inside the gate: at once unless the shop is busy and
+    /// [`YIELD_CONCURRENCY`] workers are inside already. Shutdown opens the gate (the
+    /// drain is not held back).
+    pub fn enter(&self, shutdown: &Shutdown) -> Permit<'_> {
+        let mut n = self.inside.lock().unwrap_or_else(|p| p.into_inner());
+        while self.yielding() && *n >= YIELD_CONCURRENCY && !shutdown.is_set() {
+            // Woken by a permit given back; the timeout sees shutdown and a gate opened.
+            n = self
+                .gate
+                .wait_timeout(n, Duration::from_millis(50))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        *n += 1;
+        Permit(self)
     }
 
     /// No caps, whole sets: for tests and tools.
@@ -198,6 +256,33 @@ mod tests {
         let b = s.take(5, t0);
         assert_eq!(a, t0 + Duration::from_millis(10));
         assert_eq!(b, t0 + Duration::from_millis(60));
+    }
+
+    #[test]
+    fn the_gate_lets_one_worker_in_while_yielding_and_all_otherwise() {
+        let m = Manners::unlimited(1, 32);
+        let stop = Shutdown::new();
+        let a = m.enter(&stop);
+        let b = m.enter(&stop);
+        drop((a, b));
+        m.set_yielding(true);
+        let first = m.enter(&stop);
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let _second = m.enter(&stop);
+                tx.send(()).unwrap();
+            });
+            // The second waits at the gate while the first is inside ...
+            assert!(rx.recv_timeout(Duration::from_millis(200)).is_err());
+            // ... and goes in once it leaves.
+            drop(first);
+            rx.recv_timeout(Duration::from_secs(5)).unwrap();
+        });
+        // Shutdown opens the gate.
+        let _inside = m.enter(&stop);
+        stop.trigger();
+        let _also = m.enter(&stop);
     }
 
     #[test]

@@ -609,6 +609,7 @@ impl<'a> Worker<'a> {
                     }
                 }
             };
+            let permit = self.ctx.manners.enter(self.ctx.shutdown);
             let started = std::time::Instant::now();
             let results = session.run(
                 jobs,
@@ -616,6 +617,7 @@ impl<'a> Worker<'a> {
                 self.ctx.manners,
                 &self.ctx.stats.in_sets,
             );
+            drop(permit);
             if let Some(reason) = results.iter().find_map(|r| match r {
                 JobResult::Failed(f) if f.fault == Fault::Server => Some(f.reason.clone()),
                 _ => None,

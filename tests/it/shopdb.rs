@@ -37,7 +37,10 @@ fn healthz(port: u16) -> (u16, String) {
 /// One sample of `/metrics` by its full name with labels, e.g.
 /// `delay_worker_jobs_total{event="order.timeout",outcome="held"}`.
 fn metric(port: u16, name: &str) -> f64 {
-    let (_, _, body) = http_get(port, "/metrics").unwrap();
+    // Not up yet: no sample.
+    let Ok((_, _, body)) = http_get(port, "/metrics") else {
+        return -1.0;
+    };
     body.lines()
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
         .unwrap_or(0.0)
@@ -431,8 +434,12 @@ fn shop_traffic_locking_in_the_opposite_order_never_fails_while_a_backlog_drains
             std::thread::spawn(move || shop_traffic(url, t, stop, paid))
         })
         .collect();
+    let (w, port) = start_with_health(&env, &[]);
+    // The workers see the shop's sessions busy and yield (one transaction at a time).
+    wait_until(WAIT, "the workers yielding", || {
+        metric(port, "delay_worker_yielding") == 1.0
+    });
     push_timeouts(&env, &orders, 0);
-    let (w, _port) = start_with_health(&env, &[]);
     wait_done_or_paid(&env, &orders);
     stop_shop.store(true, std::sync::atomic::Ordering::Relaxed);
     let mut shop_done = 0;
