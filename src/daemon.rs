@@ -21,7 +21,7 @@ use crate::config::Source;
 use crate::config::{redact_url, Config};
 use crate::db::{self, DbError};
 use crate::handlers::sql::{SqlHandler, SqlHandlerError};
-use crate::handlers::Registry;
+use crate::handlers::{Handlers, Registry};
 use crate::manners::Manners;
 use crate::metrics;
 use crate::mover::Mover;
@@ -228,7 +228,7 @@ fn spawn_role<'scope, 'env>(
 /// What the roles need, checked before any thread starts.
 struct Ready {
     client: crate::store::Redis,
-    registry: Registry,
+    handlers: Handlers,
     pool: db::Pool,
 }
 
@@ -248,7 +248,10 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<Report, DaemonError> 
         Err(e) => return Err(e),
     };
     log::info!("starting: {}", config.summary());
-    log::info!("handlers: {}", ready.registry.events().join(", "));
+    log::info!(
+        "handlers: {}",
+        ready.handlers.current().0.events().join(", ")
+    );
     let started = Instant::now();
     let (report, panicked) = spawn_and_supervise(config, shutdown, &ready)?;
     // Peers may take over at once whatever this consumer still has pending. Best effort:
@@ -328,7 +331,7 @@ fn preflight(config: &Config) -> Result<Ready, DaemonError> {
     drop(session);
     Ok(Ready {
         client,
-        registry,
+        handlers: Handlers::new(registry),
         pool,
     })
 }
@@ -343,11 +346,11 @@ fn spawn_and_supervise(
 ) -> Result<(Report, Vec<String>), DaemonError> {
     let Ready {
         client,
-        registry,
+        handlers,
         pool,
     } = ready;
     let started = Instant::now();
-    let stats = Stats::new(registry.events());
+    let stats = Stats::new(handlers.current().0.events());
     let doorbell = Doorbell::default();
     // The roles' heartbeats start now: one that never completes a step counts as stalled.
     Stats::beat(&stats.reader_beat_ms);
@@ -362,17 +365,13 @@ fn spawn_and_supervise(
     };
     // The watch's own connections ask for read-write as the pool's do (`db::Target`).
     let pool_target = db::Target::parse(&config.database_url)?;
-    let manners = Manners::new(
-        &config.jobs.max_rates,
-        registry.iter().count(),
-        config.jobs.set_size,
-    );
+    let manners = Manners::new(&config.jobs.max_rates, config.jobs.set_size);
     let ctx = PoolContext {
         keys: &config.keys,
         shards: &shard_keys,
         jobs: &config.jobs,
         consumer: &config.consumer,
-        registry,
+        handlers,
         manners: &manners,
         stats: &stats,
         db: pool,
@@ -478,6 +477,7 @@ fn spawn_and_supervise(
                 pool_target.clone(),
                 &stats,
                 &manners,
+                handlers,
                 config.dead_rate_crit,
             );
             spawned.push(spawn_role(s, shutdown, "pg-watch".into(), move || {
@@ -519,7 +519,7 @@ fn spawn_and_supervise(
         while !shutdown.wait_or_request(tick.saturating_sub(ticked.elapsed())) {
             if shutdown.reloads() != reloads {
                 reloads = shutdown.reloads();
-                reload(config, &stats);
+                reload(config, handlers, &pool_target);
             }
             if shutdown.reports() != reports {
                 reports = shutdown.reports();
@@ -556,11 +556,66 @@ fn spawn_and_supervise(
     Ok((report, panicked))
 }
 
-/// SIGHUP: reloads what can be reloaded without a restart. The daemon never stops for it.
-/// Nothing can be reloaded yet (the handlers are prepared by each worker when it opens its
-/// database session); this is where that goes.
-pub fn reload(_config: &Config, _stats: &Stats) {
-    log::info!("SIGHUP: nothing to reload yet");
+/// SIGHUP: reads the `--handlers-dir` files again and hands the new handlers to the
+/// workers (each takes them at its next batch). The daemon never stops for it:
+/// - a file that cannot be read or parsed keeps the whole old set, and says why;
+/// - a handler that does not prepare keeps its old version when it had one (an edit with
+///   a typo does not take a working event down), and is added as it is when it is new (its
+///   jobs are held, not dead-lettered, until it prepares: the PostgreSQL watch checks it
+///   every 10 s and health names it meanwhile).
+pub fn reload(config: &Config, handlers: &Handlers, target: &db::Target) {
+    let Some(dir) = &config.handlers_dir else {
+        log::info!("SIGHUP: no --handlers-dir, nothing to reload");
+        return;
+    };
+    let new = match registry(config) {
+        Ok(r) => r,
+        Err(e) => {
+            log::error!("SIGHUP: the handlers stay as they were: {e}");
+            return;
+        }
+    };
+    let (old, _) = handlers.current();
+    let mut client = match target.connect_within(db::HANDSHAKE_DEADLINE) {
+        Ok(c) => c,
+        Err(e) => {
+            log::error!("SIGHUP: the handlers stay as they were: cannot check them: {e}");
+            return;
+        }
+    };
+    let mut next = Registry::default();
+    for h in new.shared() {
+        let event = h.event().to_string();
+        let Err(f) = crate::workers::session::try_prepare(&mut client, h.as_ref()) else {
+            next.register_shared(h);
+            continue;
+        };
+        let file = h.source().unwrap_or("the handler").to_string();
+        match old.shared_of(&event) {
+            Some(previous)
+                if crate::workers::session::try_prepare(&mut client, previous.as_ref()).is_ok() =>
+            {
+                log::error!(
+                    "SIGHUP: {file} does not prepare, the handler of {event:?} stays as it was: {}",
+                    f.reason
+                );
+                next.register_shared(previous);
+            }
+            _ => {
+                log::error!(
+                    "SIGHUP: {file} does not prepare, the jobs of {event:?} are held until it does: {}",
+                    f.reason
+                );
+                next.register_shared(h);
+            }
+        }
+    }
+    log::info!(
+        "SIGHUP: handlers reloaded from {}: {}",
+        dir.display(),
+        next.events().join(", ")
+    );
+    handlers.replace(next);
 }
 
 /// SIGUSR1: the state report, one screen of log lines: the roles and their last step,

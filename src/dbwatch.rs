@@ -18,6 +18,10 @@
 //!   [`QUIET_FOR`]. Seeing other roles' sessions' state needs `pg_read_all_stats` (or the
 //!   worker using the shop's own role); without it the worker sees no shop and never
 //!   yields, which is said once in the log.
+//! - Every [`PREPARE_EVERY`] it prepares every handler's statements on its connection
+//!   (and drops them): a handler that does not prepare (its table not there yet, a column
+//!   renamed, SQL that does not parse) is reported as critical, naming its file and the
+//!   error, until it does; its jobs are held meanwhile (`workers.rs`), the other events run.
 //! - This process's dead letters of the last minute are held against `--dead-rate-crit`:
 //!   more is reported as critical too (under [`DEAD_RATE`]), so the published health
 //!   record, and with it `worker stats --check`, says so.
@@ -27,6 +31,7 @@
 //! that cannot join it). It stops at shutdown, within one [`EVERY`].
 
 use crate::db::{self, DbError};
+use crate::handlers::{Handlers, Registry};
 use crate::manners::Manners;
 use crate::shutdown::Shutdown;
 use crate::stats::Stats;
@@ -46,6 +51,9 @@ pub const DEAD_RATE: &str = "dead letters";
 /// The shop's sessions running a statement, on average, from which the workers yield:
 /// a shop doing a few dozen short transactions a second.
 pub const BUSY: f64 = 0.05;
+
+/// How often every handler is prepared to see that it still can.
+pub const PREPARE_EVERY: Duration = Duration::from_secs(10);
 
 /// How long the shop must have been quiet before the workers stop yielding.
 pub const QUIET_FOR: Duration = Duration::from_secs(3);
@@ -77,6 +85,8 @@ struct Seen {
     busy: i64,
     /// Whether other roles' sessions can be seen at all.
     sees_all: bool,
+    /// When the handlers were prepared: each one's event, file and failure.
+    prepared: Vec<(String, Option<String>, Option<String>)>,
 }
 
 /// The watch of one daemon.
@@ -84,6 +94,7 @@ pub struct DbWatch<'a> {
     target: db::Target,
     stats: &'a Stats,
     manners: &'a Manners,
+    handlers: &'a Handlers,
     /// `--dead-rate-crit` (0: off).
     dead_rate_crit: u64,
 }
@@ -93,12 +104,14 @@ impl<'a> DbWatch<'a> {
         target: db::Target,
         stats: &'a Stats,
         manners: &'a Manners,
+        handlers: &'a Handlers,
         dead_rate_crit: u64,
     ) -> DbWatch<'a> {
         DbWatch {
             target,
             stats,
             manners,
+            handlers,
             dead_rate_crit,
         }
     }
@@ -111,9 +124,17 @@ impl<'a> DbWatch<'a> {
         let mut busy = 0.0;
         let mut last_busy: Option<Instant> = None;
         let mut said_blind = false;
+        let mut prepared_at: Option<Instant> = None;
         loop {
-            match self.ask(&waiting, &mut kept) {
+            let prepare = prepared_at
+                .is_none_or(|t| t.elapsed() >= PREPARE_EVERY)
+                .then(|| self.handlers.current().0);
+            if prepare.is_some() {
+                prepared_at = Some(Instant::now());
+            }
+            match self.ask(&waiting, &mut kept, prepare) {
                 Ok(seen) => {
+                    self.handlers_prepared(&seen.prepared);
                     if self.stats.clear_problem(ROLE, i64::MAX) {
                         log::info!("PostgreSQL takes writes again");
                     }
@@ -157,6 +178,7 @@ impl<'a> DbWatch<'a> {
         &self,
         waiting: &Arc<AtomicUsize>,
         kept: &mut Option<postgres::Client>,
+        prepare: Option<Arc<Registry>>,
     ) -> Result<Seen, String> {
         if waiting.load(Ordering::SeqCst) >= MAX_WAITING {
             return Err(format!(
@@ -170,7 +192,7 @@ impl<'a> DbWatch<'a> {
         std::thread::Builder::new()
             .name("pg-watch".into())
             .spawn(move || {
-                let r = check(&target, &mut client);
+                let r = check(&target, &mut client, prepare.as_deref());
                 let _ = tx.send((client, r));
                 if st.swap(DONE, Ordering::SeqCst) == ABANDONED {
                     w.fetch_sub(1, Ordering::SeqCst);
@@ -203,6 +225,29 @@ impl<'a> DbWatch<'a> {
         }
     }
 
+    /// Reports each handler that did not prepare, and clears each that did.
+    fn handlers_prepared(&self, prepared: &[(String, Option<String>, Option<String>)]) {
+        for (event, file, failure) in prepared {
+            let role = format!("handler {event} (prepare)");
+            match failure {
+                Some(reason) => {
+                    let what = format!(
+                        "{} does not prepare, its jobs are held until it does: {reason}",
+                        file.as_deref().unwrap_or("the built-in handler")
+                    );
+                    if self.stats.report_critical(&role, what.clone()) {
+                        log::error!("{what}");
+                    }
+                }
+                None => {
+                    if self.stats.clear_problem(&role, i64::MAX) {
+                        log::info!("the handler of {event:?} prepares again");
+                    }
+                }
+            }
+        }
+    }
+
     /// Reports the dead-letter rate when it is over `--dead-rate-crit`.
     fn dead_rate(&self) {
         if self.dead_rate_crit == 0 {
@@ -224,7 +269,11 @@ impl<'a> DbWatch<'a> {
 /// One check on the kept connection (a new one when there is none). A new connection is
 /// already refused by a read-only server (the target asks for read-write); a kept one is
 /// asked again. A failed connection is not kept.
-fn check(target: &db::Target, client: &mut Option<postgres::Client>) -> Result<Seen, String> {
+fn check(
+    target: &db::Target,
+    client: &mut Option<postgres::Client>,
+    prepare: Option<&Registry>,
+) -> Result<Seen, String> {
     let c = match client {
         Some(c) => c,
         None => client.insert(target.connect_within(db::HANDSHAKE_DEADLINE).map_err(
@@ -241,10 +290,32 @@ fn check(target: &db::Target, client: &mut Option<postgres::Client>) -> Result<S
             let read_only: bool = row.try_get(0).map_err(|e| db::error_text(&e))?;
             let busy: i64 = row.try_get(1).map_err(|e| db::error_text(&e))?;
             let sees_all: bool = row.try_get(2).map_err(|e| db::error_text(&e))?;
-            Ok((read_only, Seen { busy, sees_all }))
+            Ok((
+                read_only,
+                Seen {
+                    busy,
+                    sees_all,
+                    prepared: Vec::new(),
+                },
+            ))
         });
     match answer {
-        Ok((false, seen)) => Ok(seen),
+        Ok((false, mut seen)) => {
+            for h in prepare.into_iter().flat_map(Registry::iter) {
+                let failure = match crate::workers::session::try_prepare(c, h) {
+                    Ok(()) => None,
+                    // The connection failed meanwhile: the next check says so.
+                    Err(f) if f.fault == db::Fault::Server => return Err(f.reason),
+                    Err(f) => Some(f.reason),
+                };
+                seen.prepared.push((
+                    h.event().to_string(),
+                    h.source().map(str::to_string),
+                    failure,
+                ));
+            }
+            Ok(seen)
+        }
         Ok((true, _)) => {
             *client = None;
             Err(db::READ_ONLY.to_string())

@@ -28,11 +28,13 @@
 //! - `producer.rs` — push and cancel; `message.rs` — the envelope and its validation.
 //! - `mover.rs`, `source/` (`stream.rs`, `list.rs`: the reader thread's two sources and
 //!   what they share), `workers/` — the three roles; `daemon.rs` runs them.
-//! - `handlers/` — what a job does in PostgreSQL; `db.rs` — pool, migrations, and whose
+//! - `handlers/` — what a job does in PostgreSQL (`Handlers`: the registry SIGHUP replaces);
+//!   `db.rs` — pool, migrations, and whose
 //!   fault a failure is (`Fault`); `workers/session.rs` — a worker's prepared session, jobs
 //!   alone, in sets (split under contention) or in batches; `manners.rs` — `--max-rate`
 //!   and the set sizes that shrink under the shop's locks; `dbwatch.rs` — whether
-//!   PostgreSQL takes writes, asked every 5 s.
+//!   PostgreSQL takes writes and the shop is busy (4 times a second), every handler still
+//!   prepares (every 10 s).
 //! - `tls.rs` — TLS to both servers (rustls); `conninfo.rs` — connection strings read as
 //!   their clients read them (for the TLS settings and for redaction).
 //! - `stats.rs` — the one set of counters (log line, exit report, `/metrics`) and the

@@ -22,7 +22,7 @@
 use crate::shutdown::Shutdown;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Condvar, Mutex};
+use std::sync::{Condvar, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 /// One `--max-rate`: jobs per second, for one event or (`event: None`) for all.
@@ -93,8 +93,9 @@ pub const YIELD_CONCURRENCY: usize = 1;
 pub struct Manners {
     all: Option<Slots>,
     by_event: HashMap<String, Slots>,
-    /// Events by the registry's index: the set size each now runs with.
-    set_sizes: Vec<AtomicUsize>,
+    /// The set size each event now runs with (absent: `--set-size`). Events are few and
+    /// a set looks its own up once.
+    set_sizes: RwLock<HashMap<String, AtomicUsize>>,
     set_size: usize,
     /// Written by the PostgreSQL watch: the shop's sessions are busy now.
     yielding: AtomicBool,
@@ -115,8 +116,8 @@ impl Drop for Permit<'_> {
 }
 
 impl Manners {
-    /// `events` in the registry's order; `set_size` is `--set-size`.
-    pub fn new(rates: &[MaxRate], events: usize, set_size: usize) -> Manners {
+    /// `set_size` is `--set-size`.
+    pub fn new(rates: &[MaxRate], set_size: usize) -> Manners {
         let slots = |r: &MaxRate| Slots {
             interval: Duration::from_secs_f64(1.0 / r.per_second),
             next: Mutex::new(None),
@@ -127,7 +128,7 @@ impl Manners {
                 .iter()
                 .filter_map(|r| r.event.clone().map(|e| (e, slots(r))))
                 .collect(),
-            set_sizes: (0..events).map(|_| AtomicUsize::new(set_size)).collect(),
+            set_sizes: RwLock::new(HashMap::new()),
             set_size: set_size.max(1),
             yielding: AtomicBool::new(false),
             inside: Mutex::new(0),
@@ -165,8 +166,8 @@ impl Manners {
     }
 
     /// No caps, whole sets: for tests and tools.
-    pub fn unlimited(events: usize, set_size: usize) -> Manners {
-        Manners::new(&[], events, set_size)
+    pub fn unlimited(set_size: usize) -> Manners {
+        Manners::new(&[], set_size)
     }
 
     /// Waits until the caps let jobs of these events run (one slot each). Returns at
@@ -196,29 +197,40 @@ impl Manners {
         }
     }
 
-    /// The set size jobs of handler `index` run with now.
-    pub fn set_size(&self, index: usize) -> usize {
-        self.set_sizes
-            .get(index)
+    /// The set size jobs of `event` run with now.
+    pub fn set_size(&self, event: &str) -> usize {
+        let sizes = self.set_sizes.read().unwrap_or_else(|p| p.into_inner());
+        sizes
+            .get(event)
             .map_or(self.set_size, |s| s.load(Ordering::Relaxed).max(1))
     }
 
-    /// A set of handler `index` met contention: halve its size.
-    pub fn contended(&self, index: usize) {
-        if let Some(s) = self.set_sizes.get(index) {
-            let _ = s.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
-                Some((n / 2).max(1))
-            });
+    /// Changes `event`'s set size by `f` (its first change adds it).
+    fn resize(&self, event: &str, f: impl Fn(usize) -> Option<usize>) {
+        {
+            let sizes = self.set_sizes.read().unwrap_or_else(|p| p.into_inner());
+            if let Some(s) = sizes.get(event) {
+                let _ = s.fetch_update(Ordering::Relaxed, Ordering::Relaxed, &f);
+                return;
+            }
         }
+        let mut sizes = self.set_sizes.write().unwrap_or_else(|p| p.into_inner());
+        let s = sizes
+            .entry(event.to_string())
+            .or_insert_with(|| AtomicUsize::new(self.set_size));
+        let _ = s.fetch_update(Ordering::Relaxed, Ordering::Relaxed, &f);
     }
 
-    /// A set of handler `index` committed: grow its size by one, up to `--set-size`.
-    pub fn committed(&self, index: usize) {
-        if let Some(s) = self.set_sizes.get(index) {
-            let cap = self.set_size;
-            let _ = s.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
-                (n < cap).then_some(n + 1)
-            });
+    /// A set of `event` met contention: halve its size.
+    pub fn contended(&self, event: &str) {
+        self.resize(event, |n| Some((n / 2).max(1)));
+    }
+
+    /// A set of `event` committed: grow its size by one, up to `--set-size`.
+    pub fn committed(&self, event: &str) {
+        let cap = self.set_size;
+        if self.set_size(event) < cap {
+            self.resize(event, |n| (n < cap).then_some(n + 1));
         }
     }
 }
@@ -260,7 +272,7 @@ mod tests {
 
     #[test]
     fn the_gate_lets_one_worker_in_while_yielding_and_all_otherwise() {
-        let m = Manners::unlimited(1, 32);
+        let m = Manners::unlimited(32);
         let stop = Shutdown::new();
         let a = m.enter(&stop);
         let b = m.enter(&stop);
@@ -287,20 +299,20 @@ mod tests {
 
     #[test]
     fn set_sizes_halve_under_contention_and_grow_back_one_by_one() {
-        let m = Manners::unlimited(2, 32);
-        m.contended(0);
-        m.contended(0);
-        assert_eq!((m.set_size(0), m.set_size(1)), (8, 32));
+        let m = Manners::unlimited(32);
+        m.contended("a");
+        m.contended("a");
+        assert_eq!((m.set_size("a"), m.set_size("b")), (8, 32));
         for _ in 0..5 {
-            m.contended(0);
+            m.contended("a");
         }
-        assert_eq!(m.set_size(0), 1);
-        m.committed(0);
-        m.committed(0);
-        assert_eq!(m.set_size(0), 3);
+        assert_eq!(m.set_size("a"), 1);
+        m.committed("a");
+        m.committed("a");
+        assert_eq!(m.set_size("a"), 3);
         for _ in 0..100 {
-            m.committed(1);
+            m.committed("b");
         }
-        assert_eq!(m.set_size(1), 32);
+        assert_eq!(m.set_size("b"), 32);
     }
 }

@@ -6,7 +6,7 @@
 //! | signal | what the daemon does |
 //! |---|---|
 //! | SIGTERM, SIGINT, SIGQUIT | a graceful stop: drain what was read, acknowledge, exit 0; a second one of them exits at once (130) |
-//! | SIGHUP | never stops it: logged, and a reload is requested ([`Shutdown::request_reload`]) |
+//! | SIGHUP | never stops it: logged, and a reload of the handlers is requested ([`Shutdown::request_reload`], `daemon::reload`) |
 //! | SIGUSR1 | a state report in the log ([`Shutdown::request_report`]) |
 //! | SIGUSR2 | logged and ignored |
 //!

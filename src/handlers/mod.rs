@@ -9,7 +9,9 @@
 //! implements [`Handler`] for what SQL cannot say.
 //!
 //! Handlers are registered explicitly in a [`Registry`]; a message whose event has no
-//! handler is dead-lettered.
+//! handler is dead-lettered. The daemon's registry sits in [`Handlers`], which SIGHUP
+//! replaces with the `--handlers-dir` files read again (`daemon::reload`); each worker
+//! sees the new one at its next batch and prepares it on a new session.
 
 pub mod sql;
 
@@ -17,6 +19,8 @@ use postgres::types::Type;
 use postgres::{Statement, Transaction};
 use serde_json::Value;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
 
 /// What a committed handler did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,6 +34,12 @@ pub enum Effect {
 pub trait Handler: Send + Sync {
     /// The `event` this handler serves.
     fn event(&self) -> &str;
+
+    /// Where it comes from, for messages: its file for a `--handlers-dir` handler,
+    /// `None` for a built-in one.
+    fn source(&self) -> Option<&str> {
+        None
+    }
 
     /// Required payload fields: each group lists alternatives, one of which must be
     /// present (`[["order_id", "order_no"]]`). Checked before any database work; a miss
@@ -96,7 +106,8 @@ impl Handler for Noop {
 /// The handlers of one daemon, by event. Read-only once built; shared by every worker.
 #[derive(Default)]
 pub struct Registry {
-    handlers: Vec<Box<dyn Handler>>,
+    /// Shared, so that a reload can keep a handler of the registry it replaces.
+    handlers: Vec<Arc<dyn Handler>>,
     by_event: HashMap<String, usize>,
 }
 
@@ -113,6 +124,11 @@ impl Registry {
 
     /// Adds (or replaces) the handler of its event.
     pub fn register(&mut self, h: Box<dyn Handler>) {
+        self.register_shared(Arc::from(h));
+    }
+
+    /// [`Registry::register`] of a handler another registry holds too.
+    pub fn register_shared(&mut self, h: Arc<dyn Handler>) {
         let event = h.event().to_string();
         match self.by_event.get(&event) {
             Some(&i) => self.handlers[i] = h,
@@ -135,7 +151,51 @@ impl Registry {
         self.handlers.iter().map(|h| h.as_ref())
     }
 
+    /// Every handler, shared.
+    pub fn shared(&self) -> impl Iterator<Item = Arc<dyn Handler>> + '_ {
+        self.handlers.iter().cloned()
+    }
+
+    /// The handler of `event`, shared.
+    pub fn shared_of(&self, event: &str) -> Option<Arc<dyn Handler>> {
+        self.by_event.get(event).map(|&i| self.handlers[i].clone())
+    }
+
     pub fn events(&self) -> Vec<&str> {
         self.handlers.iter().map(|h| h.event()).collect()
+    }
+}
+
+/// The daemon's registry, replaceable while it runs (SIGHUP): every worker holds the one
+/// of the generation it prepared, and takes the new one at its next batch.
+pub struct Handlers {
+    current: RwLock<Arc<Registry>>,
+    /// Bumped by every [`Handlers::replace`].
+    generation: AtomicU64,
+}
+
+impl Handlers {
+    pub fn new(registry: Registry) -> Handlers {
+        Handlers {
+            current: RwLock::new(Arc::new(registry)),
+            generation: AtomicU64::new(0),
+        }
+    }
+
+    /// The registry now, and its generation.
+    pub fn current(&self) -> (Arc<Registry>, u64) {
+        let r = self.current.read().unwrap_or_else(|p| p.into_inner());
+        (r.clone(), self.generation.load(Ordering::SeqCst))
+    }
+
+    /// The generation now: a worker whose registry is older takes [`Handlers::current`].
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::SeqCst)
+    }
+
+    pub fn replace(&self, registry: Registry) {
+        let mut r = self.current.write().unwrap_or_else(|p| p.into_inner());
+        *r = Arc::new(registry);
+        self.generation.fetch_add(1, Ordering::SeqCst);
     }
 }

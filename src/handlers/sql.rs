@@ -51,6 +51,8 @@ pub const BUILTIN: &[(&str, &str)] = &[
 #[derive(Debug, Clone)]
 pub struct SqlHandler {
     event: String,
+    /// The file it was read from (its name for a built-in one).
+    file: String,
     required: Vec<Vec<String>>,
     sql: String,
     set_sql: Option<String>,
@@ -114,6 +116,7 @@ impl SqlHandler {
         };
         Ok(SqlHandler {
             event,
+            file: file.to_string(),
             required,
             sql: text.trim().trim_end_matches(';').to_string(),
             set_sql,
@@ -150,7 +153,9 @@ impl SqlHandler {
                     source,
                 })?;
                 let name = p.file_name().unwrap_or_default().to_string_lossy();
-                SqlHandler::parse(&name, &text)
+                let mut h = SqlHandler::parse(&name, &text)?;
+                h.file = p.display().to_string();
+                Ok(h)
             })
             .collect()
     }
@@ -177,6 +182,11 @@ fn has_sql(text: &str) -> bool {
 impl Handler for SqlHandler {
     fn event(&self) -> &str {
         &self.event
+    }
+
+    fn source(&self) -> Option<&str> {
+        // Built-in files are named without a directory.
+        self.file.contains('/').then_some(self.file.as_str())
     }
 
     fn required(&self) -> &[Vec<String>] {

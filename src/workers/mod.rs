@@ -42,7 +42,7 @@ use crate::backoff::Backoff;
 use crate::config::JobConfig;
 use crate::db::{self, Fault};
 use crate::delivery::{Delivery, Origin, Outcome, Settlement, Take};
-use crate::handlers::{Effect, Registry};
+use crate::handlers::{Effect, Handlers, Registry};
 use crate::keys::Keys;
 use crate::manners::Manners;
 use crate::message::{event_of, Envelope, Rejection};
@@ -52,6 +52,7 @@ use crate::store::{self, Settled, StoreError};
 use crossbeam_channel::{RecvTimeoutError, Sender, TryRecvError};
 use session::{Failure, Job, JobResult, Session};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Most outcomes settled in one script call.
@@ -87,7 +88,9 @@ pub struct PoolContext<'a> {
     pub shards: &'a [Keys],
     pub jobs: &'a JobConfig,
     pub consumer: &'a str,
-    pub registry: &'a Registry,
+    /// The handlers, replaced by a reload (SIGHUP): each worker takes the new ones at its
+    /// next batch.
+    pub handlers: &'a Handlers,
     /// Rate caps and per-event set sizes (`manners.rs`).
     pub manners: &'a Manners,
     pub stats: &'a Stats,
@@ -145,6 +148,9 @@ pub fn contention_delay(jobs: &JobConfig, retry: u32) -> Duration {
 pub struct Worker<'a> {
     name: String,
     ctx: &'a PoolContext<'a>,
+    /// The handlers this worker runs, of `generation` of [`PoolContext::handlers`].
+    registry: Arc<Registry>,
+    generation: u64,
     session: Option<Session>,
     /// Group commit: jobs committed on `session` since its last WAL flush.
     unflushed: bool,
@@ -166,7 +172,10 @@ pub struct Worker<'a> {
 impl<'a> Worker<'a> {
     pub fn new(index: usize, ctx: &'a PoolContext<'a>) -> Worker<'a> {
         let name = format!("worker-{index}");
+        let (registry, generation) = ctx.handlers.current();
         Worker {
+            registry,
+            generation,
             db_backoff: Backoff::with_cap(&name, DB_BACKOFF_CAP),
             redis_backoff: Backoff::new(&name),
             name,
@@ -357,9 +366,21 @@ impl<'a> Worker<'a> {
     /// `--tx-batch`: see [`Session::run`]); a delivery is missing from `out` only when the
     /// database stayed unreachable until shutdown.
     pub fn handle_batch(&mut self, ds: Vec<Delivery>, out: &mut Vec<Settlement>) {
+        if self.ctx.handlers.generation() != self.generation {
+            // A reload: the new handlers, prepared on the same connection (its commits
+            // not yet flushed stay this session's).
+            (self.registry, self.generation) = self.ctx.handlers.current();
+            if let Some(s) = self.session.as_mut() {
+                if let Err(e) = s.reprepare(&self.registry) {
+                    log::warn!("{}: preparing the reloaded handlers: {e}", self.name);
+                    self.drop_session();
+                }
+            }
+        }
+        let registry = self.registry.clone();
         let mut jobs = Vec::with_capacity(ds.len());
         for d in ds {
-            match self.prepare(d) {
+            match self.prepare(&registry, d) {
                 Ok(job) if job.handler.needs_database() => jobs.push(job),
                 Ok(job) => out.push(self.finish(job, JobResult::Committed(Effect::NoOp))),
                 Err(dead) => out.push(*dead),
@@ -377,7 +398,7 @@ impl<'a> Worker<'a> {
     }
 
     /// Decodes and validates a delivery: a job ready for its handler, or its dead letter.
-    fn prepare(&self, d: Delivery) -> Result<Job<'a>, Box<Settlement>> {
+    fn prepare<'r>(&self, registry: &'r Registry, d: Delivery) -> Result<Job<'r>, Box<Settlement>> {
         let limit = self.ctx.jobs.max_message_bytes;
         let decoded = match raw_event(self.ctx.keys, &d.origin) {
             Some(event) => Envelope::decode_raw(&d.msg, limit, event),
@@ -395,7 +416,7 @@ impl<'a> Worker<'a> {
         };
         let clock = &self.ctx.stats.clock;
         clock.producer_ts(env.ts, d.arrived_ms().unwrap_or_else(|| clock.now_ms()));
-        let Some((index, handler)) = self.ctx.registry.get(&env.event) else {
+        let Some((index, handler)) = registry.get(&env.event) else {
             let reason = Rejection::UnknownEvent(env.event.clone()).to_string();
             let attempts = env.retry as u64 + 1;
             return Err(Box::new(self.dead(d, reason, env.event, attempts)));
@@ -415,7 +436,7 @@ impl<'a> Worker<'a> {
 
     /// Turns a job's result into its settlement: ack, retry with backoff, hold, or dead
     /// letter, by whose fault a failure is (see the module header).
-    fn finish(&mut self, job: Job<'a>, result: JobResult) -> Settlement {
+    fn finish(&mut self, job: Job<'_>, result: JobResult) -> Settlement {
         let stats = self.ctx.stats;
         let Job { d, env, key, .. } = job;
         let first_due = env.first_due.or(d.due_ms);
@@ -580,7 +601,7 @@ impl<'a> Worker<'a> {
 
     /// Runs the jobs, waiting (with backoff) for a database session. `None` when shutdown
     /// came while the database was unreachable.
-    fn run_in_database(&mut self, jobs: &[Job<'a>]) -> Option<Vec<JobResult>> {
+    fn run_in_database(&mut self, jobs: &[Job<'_>]) -> Option<Vec<JobResult>> {
         self.ctx
             .manners
             .pace(jobs.iter().map(|j| j.env.event.as_str()), self.ctx.shutdown);
@@ -588,8 +609,7 @@ impl<'a> Worker<'a> {
             let session = match self.session.as_mut() {
                 Some(s) => s,
                 None => {
-                    match Session::open(self.ctx.db, self.ctx.registry, self.ctx.jobs.lock_timeout)
-                    {
+                    match Session::open(self.ctx.db, &self.registry, self.ctx.jobs.lock_timeout) {
                         Ok(s) => {
                             if self.db_backoff.in_outage() {
                                 self.ctx.stats.db_waiting.fetch_sub(1, Ordering::Relaxed);

@@ -147,6 +147,23 @@ impl Session {
         })
     }
 
+    /// Prepares the handlers of a new registry (a reload) on this connection, in place of
+    /// the old ones. Fails only when the connection does.
+    pub fn reprepare(&mut self, registry: &Registry) -> Result<(), SessionError> {
+        let mut handlers = Vec::new();
+        for h in registry.iter() {
+            let prepared = prepare(&mut self.conn, h);
+            if let Prepared::Failed { failure, .. } = &prepared {
+                if failure.fault == Fault::Server {
+                    return Err(SessionError::Lost(failure.clone()));
+                }
+            }
+            handlers.push(prepared);
+        }
+        self.handlers = handlers;
+        Ok(())
+    }
+
     /// The handlers whose statements did not prepare, by event, with the reason.
     pub fn unprepared<'r>(&self, registry: &'r Registry) -> Vec<(&'r str, &Failure)> {
         registry
@@ -225,8 +242,11 @@ impl Session {
                 _ => alone.push(k),
             }
         }
-        for (index, ks) in sets {
-            let size = manners.set_size(index).min(cfg.set_size).max(1);
+        for ks in sets.into_values() {
+            let size = manners
+                .set_size(&jobs[ks[0]].env.event)
+                .min(cfg.set_size)
+                .max(1);
             for chunk in ks.chunks(size) {
                 if chunk.len() < 2 {
                     alone.extend_from_slice(chunk);
@@ -272,11 +292,11 @@ impl Session {
         manners: &Manners,
         in_sets: &AtomicU64,
     ) -> Vec<(usize, JobResult)> {
-        let index = set[0].1.index;
+        let event = set[0].1.env.event.as_str();
         let jobs: Vec<&Job<'_>> = set.iter().map(|(_, j)| *j).collect();
         let failure = match self.run_set(&jobs) {
             Ok(rs) => {
-                manners.committed(index);
+                manners.committed(event);
                 Stats::add(in_sets, rs.len() as u64);
                 return set.iter().map(|(k, _)| *k).zip(rs).collect();
             }
@@ -297,7 +317,7 @@ impl Session {
                 .map(|(k, _)| (*k, JobResult::Failed(f.clone())))
                 .collect(),
             Some(f) if f.fault == Fault::Contention => {
-                manners.contended(index);
+                manners.contended(event);
                 log::debug!(
                     "a set of {} {} jobs met contention, so it runs in halves: {}",
                     set.len(),
@@ -434,6 +454,15 @@ fn prepare(conn: &mut postgres::Client, h: &dyn Handler) -> Prepared {
         None => None,
     };
     Prepared::Ready { one, set }
+}
+
+/// Whether a handler's statements prepare on `conn` (they are dropped at once): the
+/// check of a reload and of the PostgreSQL watch.
+pub fn try_prepare(conn: &mut postgres::Client, h: &dyn Handler) -> Result<(), Failure> {
+    match prepare(conn, h) {
+        Prepared::Ready { .. } => Ok(()),
+        Prepared::Failed { failure, .. } => Err(failure),
+    }
 }
 
 /// What is wrong with a set form's shape, if anything: it takes `$1` only and returns

@@ -279,7 +279,8 @@ fn a_panicking_handler_is_dead_lettered_and_the_worker_goes_on() {
         false,
     )
     .unwrap();
-    let manners = delay_worker::manners::Manners::unlimited(registry.iter().count(), 32);
+    let manners = delay_worker::manners::Manners::unlimited(32);
+    let handlers = delay_worker::handlers::Handlers::new(registry);
     let client = redis::Client::open(env.redis.url()).unwrap();
     let stats = Stats::default();
     let shutdown = delay_worker::Shutdown::new();
@@ -289,7 +290,7 @@ fn a_panicking_handler_is_dead_lettered_and_the_worker_goes_on() {
         shards: std::slice::from_ref(&env.config.keys),
         jobs: &env.config.jobs,
         consumer: "c1",
-        registry: &registry,
+        handlers: &handlers,
         manners: &manners,
         stats: &stats,
         db: &pool,

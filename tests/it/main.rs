@@ -26,6 +26,7 @@ mod privilege;
 mod producer;
 mod prune;
 mod release;
+mod reload;
 mod retention;
 mod secrets;
 mod sentinel;

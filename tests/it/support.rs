@@ -309,13 +309,19 @@ pub struct Proc {
 
 impl Proc {
     pub fn start(config: &Config, extra: &[String]) -> Proc {
+        Proc::start_logging(
+            config,
+            extra,
+            &std::env::var("DW_CHILD_LOG").unwrap_or("warn".into()),
+        )
+    }
+
+    /// [`Proc::start`] with this `RUST_LOG` (for a test that reads info lines).
+    pub fn start_logging(config: &Config, extra: &[String], rust_log: &str) -> Proc {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_worker"));
         cmd.env("REDIS_URL", &config.redis_url)
             .env("DATABASE_URL", &config.database_url)
-            .env(
-                "RUST_LOG",
-                std::env::var("DW_CHILD_LOG").unwrap_or("warn".into()),
-            )
+            .env("RUST_LOG", rust_log)
             .args(["--consumer", &config.consumer])
             .args(["--threads", &config.threads.to_string()])
             .args([
