@@ -1996,7 +1996,9 @@ fn until_done(url: &str, statements: &[&str]) -> String {
         });
         match r {
             Ok(()) => return format!("done ({tries} tries)"),
-            Err(e) if Instant::now() > deadline => panic!("{statements:?}: {e}"),
+            Err(e) if Instant::now() > deadline => {
+                panic!("{statements:?}: {}", delay_worker::db::error_text(&e))
+            }
             Err(_) => std::thread::sleep(Duration::from_millis(100)),
         }
     }
@@ -3106,22 +3108,20 @@ fn run_seed(seed: u64, secs: f64) -> Result<String, String> {
                 }
                 Fault::RenameColumn | Fault::RestoreColumn => {
                     // A thread of its own: the ALTER waits for every transaction on
-                    // orders (a shop lock's included) and must end in success.
+                    // orders (a shop lock's included) and must end in success; a restore
+                    // started before its rename is done tries again until it is.
                     let sql = if matches!(f, Fault::RenameColumn) {
                         "ALTER TABLE orders RENAME COLUMN cancel_reason TO cancel_reason_chaos"
                     } else {
                         "ALTER TABLE orders RENAME COLUMN cancel_reason_chaos TO cancel_reason"
                     };
-                    let h = s.spawn(move || {
+                    // Not joined here: a restore may have to wait for a server turned
+                    // read-only, which a later fault of this loop turns writable again.
+                    // The scope joins it before the drain and the books.
+                    s.spawn(move || {
                         let note = until_done(&pg.url, &[sql]);
                         ctx.note_at(began, format!("{what}: {note} ({:.2}s)", ctx.now() - began));
                     });
-                    if matches!(f, Fault::RestoreColumn) {
-                        // The books need the column back: wait for it here.
-                        if let Err(e) = h.join() {
-                            std::panic::resume_unwind(e);
-                        }
-                    }
                 }
                 Fault::PgTerminate { rounds } => {
                     s.spawn(move || {

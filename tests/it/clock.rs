@@ -407,7 +407,8 @@ fn signals_of_a_legacy_host_never_kill_the_daemon_silently() {
 
     p.signal(libc::SIGHUP);
     wait_until(WAIT, "the reload logged", || {
-        p.log().contains("SIGHUP: no --handlers-dir, nothing to reload")
+        p.log()
+            .contains("SIGHUP: no --handlers-dir, nothing to reload")
     });
     p.signal(libc::SIGUSR1);
     wait_until(WAIT, "the state report", || {
