@@ -9,7 +9,7 @@
 //! **Job identity.** Each time a message leaves the pool the mover stamps a `job_id` as
 //! its first field (`lua/move_due.lua`): the same id for a retry, a held job or a requeued
 //! dead letter going round again (the script that wrote it back remembered it), otherwise
-//! the identity of what the producer wrote: `<due µs>-<a>-<b>-<c>`, from a digest of the
+//! the identity of what the producer wrote: `<due µs>-<a>-<b>`, from a digest of the
 //! pool, the member, its score and its data. So a move undone by a failover and done
 //! again is the same job, while the same key pushed again with other data or another due
 //! time, even within the same second, is a new one. A job is its key plus that id (plus
@@ -368,8 +368,8 @@ mod tests {
     #[test]
     fn the_identity_stamp_reads_as_every_stamp_did() {
         // `stamp_of` is the parser older workers have too: the mover's identity form
-        // (`<due µs>-<a>-<b>-<c>`) is digits and dashes, so they read it as a stamp.
-        let id = "1800000000000000-123-4294967295-0";
+        // (`<due µs>-<a>-<b>`) is digits and dashes, so they read it as a stamp.
+        let id = "1800000000000000-123-4294967295";
         let m = format!(r#"{{"job_id":"{id}","event":"e","payload":{{}},"retry":0}}"#);
         assert_eq!(stamp_of(m.as_bytes()).as_deref(), Some(id));
         let e = d(&m).unwrap();

@@ -36,8 +36,8 @@
 -- failover or a Redis crash leaves all four as they were, so moving the member again,
 -- by any mover, gives the same id, and the inbox knows the job; a push of the key with
 -- other data or another due time, even within the same second, gives another. The id is
--- `<due time in unix µs>-<a>-<b>-<c>`: the first 96 bits of a SHA-1 of the four as three
--- decimal numbers. Digits and dashes only, the form every worker version reads as a stamp
+-- `<due time in unix µs>-<a>-<b>`: the first 64 bits of a SHA-1 of the four as two decimal
+-- numbers. Digits and dashes only, the form every worker version reads as a stamp
 -- (the older one was `<move time in µs>-<n>`, made from Redis's clock), and a time first,
 -- which their readers take for when the job came out of the pool. A stamp already in the
 -- data (a producer pushing a copy of a moved message) is replaced. A job is its key plus
@@ -131,7 +131,7 @@ local function identity(key, score, data, due)
     key .. '\n' .. score_text(score) .. '\n' .. data)
   local due_us = math.max(0, math.min(math.floor(due), 9e12)) * 1000
   local id = string.format('%d', due_us)
-  for i = 1, 24, 8 do
+  for i = 1, 16, 8 do
     id = id .. '-' .. string.format('%d', tonumber(string.sub(h, i, i + 7), 16))
   end
   return id

@@ -38,7 +38,7 @@ local function json_string(s)
 end
 
 -- The job id the mover stamps as a message's first field: `{"job_id":"<digits and dashes>"`
--- (`<due µs>-<a>-<b>-<c>`, the job's identity, see move_due.lua; `<µs>-<n>` from older
+-- (`<due µs>-<a>-<b>`, the job's identity, see move_due.lua; `<µs>-<n>` from older
 -- movers). Only this exact prefix counts; a `job_id` anywhere else is a field like any other.
 local function stamped_id(msg)
   return string.match(msg, '^{"job_id":"([%d%-]+)"[,}]')
