@@ -406,6 +406,9 @@ impl<'a> Worker<'a> {
         }
         Ok(Job {
             key: key_text(&d.key),
+            first_due: env.first_due.or(d.due_ms),
+            consumer: self.ctx.consumer,
+            clock: &self.ctx.stats.clock,
             d,
             env,
             index,
@@ -417,8 +420,13 @@ impl<'a> Worker<'a> {
     /// letter, by whose fault a failure is (see the module header).
     fn finish(&mut self, job: Job<'a>, result: JobResult) -> Settlement {
         let stats = self.ctx.stats;
-        let Job { d, env, key, .. } = job;
-        let first_due = env.first_due.or(d.due_ms);
+        let Job {
+            d,
+            env,
+            key,
+            first_due,
+            ..
+        } = job;
         match result {
             JobResult::Committed(effect) => {
                 let outcome = match effect {
