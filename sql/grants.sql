@@ -32,10 +32,13 @@ SET LOCAL search_path TO :"schema";
 GRANT SELECT (version) ON worker_migrations TO :"role";
 
 -- The inbox: each job inserts its row (ON CONFLICT DO NOTHING: a redelivery inserts
--- nothing); a set inserts its rows in one statement and reads back which were new
--- (RETURNING); the pruner deletes rows older than --inbox-retention, found by ctid, which
--- needs SELECT on the whole table. The worker never updates a row.
-GRANT INSERT (job_key, enqueued_at, event, job_id), SELECT, DELETE ON worker_inbox TO :"role";
+-- nothing) and reads back its ctid; a set inserts its rows in one statement and reads back
+-- which were new (RETURNING); a job that changed nothing has its row's outcome set to
+-- 'noop' by that ctid before its commit (the only column the worker updates); the pruner
+-- deletes rows older than --inbox-retention, found by ctid, which needs SELECT on the
+-- whole table.
+GRANT INSERT (job_key, enqueued_at, event, job_id, outcome, late_ms, consumer),
+      UPDATE (outcome), SELECT, DELETE ON worker_inbox TO :"role";
 
 -- Group commit: each worker thread upserts its own row (db::flush_wal).
 GRANT SELECT (slot, flushes), INSERT (slot), UPDATE (flushes, flushed_at)

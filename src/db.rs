@@ -472,6 +472,11 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         "0005_inbox_job_id",
         include_str!("../sql/migrations/0005_inbox_job_id.sql"),
     ),
+    (
+        6,
+        "0006_inbox_outcome",
+        include_str!("../sql/migrations/0006_inbox_outcome.sql"),
+    ),
 ];
 
 /// Applies every migration not yet recorded in `worker_migrations`. Returns the names of

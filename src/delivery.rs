@@ -47,9 +47,10 @@ impl Delivery {
     }
 
     /// When the message arrived where it was read from, on Redis's clock (unix ms): the
-    /// time in its stream entry id (when it was added to the stream), or the mover's
-    /// stamp in a list message (when the mover pushed it); `None` when it has neither (a
-    /// producer's own push onto a list).
+    /// time in its stream entry id (when it was added to the stream), or the time the
+    /// mover's stamp in a list message begins with (its job's due time; an older mover's
+    /// stamp: when it moved it); `None` when it has neither (a producer's own push onto a
+    /// list).
     pub fn arrived_ms(&self) -> Option<i64> {
         match self.stream_id() {
             Some(id) => id.split('-').next()?.parse().ok(),

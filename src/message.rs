@@ -7,13 +7,15 @@
 //! `retry` raised.
 //!
 //! **Job identity.** Each time a message leaves the pool the mover stamps a `job_id` as
-//! its first field (`lua/move_due.lua`): the same id for a retry going round again (the
-//! settle script remembered it), a new one otherwise. A job is its key plus that id (plus
-//! `ts`, for messages moved before the stamp existed): a redelivery or a retry of one
-//! message is the same job, while the same key pushed again — even within the same second,
-//! even as a copy of an old message — is a new one. Only the exact prefix
-//! `{"job_id":"<digits and dashes>"` is the stamp ([`stamp_of`]); a `job_id` elsewhere is
-//! a field like any other. `ts` may be an integer, a float or
+//! its first field (`lua/move_due.lua`): the same id for a retry, a held job or a requeued
+//! dead letter going round again (the script that wrote it back remembered it), otherwise
+//! the identity of what the producer wrote: `<due µs>-<a>-<b>`, from a digest of the
+//! pool, the member, its score and its data. So a move undone by a failover and done
+//! again is the same job, while the same key pushed again with other data or another due
+//! time, even within the same second, is a new one. A job is its key plus that id (plus
+//! `ts`); stamps of older movers (`<µs>-<n>`, from the move's time) are read the same way.
+//! Only the exact prefix `{"job_id":"<digits and dashes>"` is the stamp ([`stamp_of`]); a
+//! `job_id` elsewhere is a field like any other. `ts` may be an integer, a float or
 //! a numeric string (PHP's `time()` and `microtime(true)` both occur).
 
 use serde_json::{Map, Value};
@@ -30,8 +32,9 @@ pub struct Envelope {
     /// When the producer wrote it (unix seconds, rounded down; 0 if absent or not a
     /// number). Part of the inbox key.
     pub ts: i64,
-    /// The mover's stamp (see the module header); `None` for messages never moved by a
-    /// mover that stamps (a producer's raw list message, a hand-written stream entry).
+    /// The mover's stamp, the job's identity (see the module header); `None` for messages
+    /// never moved by a mover that stamps (a producer's raw list message, a hand-written
+    /// stream entry).
     pub job_id: Option<String>,
     /// When the job first fell due (unix ms), written by the worker into a message it
     /// sends back to the pool (a retry, a job held): lateness and the contention horizon
@@ -360,6 +363,22 @@ mod tests {
         assert_eq!(stamp_of(br#"{"job_id":"x"}"#), None);
         assert_eq!(stamp_of(br#"{"job_id":"1\"2"}"#), None);
         assert_eq!(stamp_of(br#"{ "job_id":"1"}"#), None);
+    }
+
+    #[test]
+    fn the_identity_stamp_reads_as_every_stamp_did() {
+        // `stamp_of` is the parser older workers have too: the mover's identity form
+        // (`<due µs>-<a>-<b>`) is digits and dashes, so they read it as a stamp.
+        let id = "1800000000000000-123-4294967295";
+        let m = format!(r#"{{"job_id":"{id}","event":"e","payload":{{}},"retry":0}}"#);
+        assert_eq!(stamp_of(m.as_bytes()).as_deref(), Some(id));
+        let e = d(&m).unwrap();
+        assert!(e
+            .next_retry()
+            .starts_with(&format!(r#"{{"job_id":"{id}","#)));
+        assert!(e
+            .requeued(0, 17)
+            .starts_with(&format!(r#"{{"job_id":"{id}","#)));
     }
 
     #[test]

@@ -172,11 +172,11 @@ pub struct QueueFigures {
     pub oldest_unknown: Option<&'static str>,
 }
 
-/// When a waiting list message started to wait, unix ms: the time in the mover's stamp
-/// (`job_id`, when the mover pushed it; a message retried through the pool keeps its
-/// first stamp, so its age includes its retries), else its `ts` (when the producer wrote
-/// it). `Err(why)` when it has neither: a raw queue's messages are the producer's own
-/// JSON, and a `ts` in them is not ours to read.
+/// When a waiting list message started to wait, unix ms: the time its mover's stamp
+/// begins with (`job_id`: its job's due time, or when an older mover pushed it; a message
+/// retried through the pool keeps its first stamp, so its age includes its retries), else
+/// its `ts` (when the producer wrote it). `Err(why)` when it has neither: a raw queue's
+/// messages are the producer's own JSON, and a `ts` in them is not ours to read.
 pub fn waiting_since_ms(msg: &[u8], raw: bool) -> Result<i64, &'static str> {
     if raw {
         return Err("raw message");

@@ -22,17 +22,26 @@
 -- ARGV[6] the largest message in bytes (--max-message-bytes)
 --
 -- One clock: a member is due when its score is at or before Redis's TIME, whatever the
--- clock of the worker host that calls this. The `ts` of messages built for a legacy pool
--- and of dead letters is that time too.
+-- clock of the worker host that calls this. The `ts` of dead letters is that time too; a
+-- message built for a legacy pool has its member's due time as `ts` (see `fetch`).
 --
 -- Scores below 1e11 are unix seconds, the rest unix milliseconds. Seconds scores sort
 -- before any millisecond score, so each kind is one score range.
 --
 -- Every message leaves with a `job_id` as its first field: the one its retry record in
--- the jobs HASH names when the data is exactly the retried message (a retry going round
--- again), otherwise a new one (a first move, or the key pushed again, even as a copy of
--- an old message: a stamp already in the data is replaced). A job is its key plus this
--- id, so a key pushed again is a new job while a retry is the same job.
+-- the jobs HASH names when the data is exactly the retried message (a retry, a held job or
+-- a requeued dead letter going round again), otherwise the job's identity computed here
+-- from what the producer wrote and nothing else: the pool's name, the member, its score
+-- and its data (for a legacy pool, the order id its STRING key holds). A move undone by a
+-- failover or a Redis crash leaves all four as they were, so moving the member again,
+-- by any mover, gives the same id, and the inbox knows the job; a push of the key with
+-- other data or another due time, even within the same second, gives another. The id is
+-- `<due time in unix µs>-<a>-<b>`: the first 64 bits of a SHA-1 of the four as two decimal
+-- numbers. Digits and dashes only, the form every worker version reads as a stamp
+-- (the older one was `<move time in µs>-<n>`, made from Redis's clock), and a time first,
+-- which their readers take for when the job came out of the pool. A stamp already in the
+-- data (a producer pushing a copy of a moved message) is replaced. A job is its key plus
+-- this id (plus `ts`).
 --
 -- Members whose data has not arrived (inside the grace) or that cannot be buried stay in
 -- the pool; the scan goes on past them, so they never hold back the members due after
@@ -92,7 +101,6 @@ local blocked = {}
 local moved, skipped = 0, 0
 local buried = {}
 local undeleted = {}
-local stamp = t[1] .. string.format('%06d', tonumber(t[2]))
 
 -- The job key travels inside the message on a list (a list entry is one string).
 local function with_job_key(msg, key)
@@ -107,15 +115,38 @@ end
 
 local replaced
 
--- The job id for the message of `key`: its retry record's when the data is exactly the
--- retried message (`-`: it stays unstamped), otherwise a new one.
+-- A score as text, the same whichever way it was read (ZRANGEBYSCORE's reply or
+-- tonumber of ZSCORE's) and whichever Redis version formats it: whole numbers in full,
+-- others with 17 significant digits.
+local function score_text(score)
+  local x = tonumber(score)
+  if x == math.floor(x) and math.abs(x) < 2^53 then return string.format('%d', x) end
+  return string.format('%.17g', x)
+end
+
+-- The identity of the job the producer wrote: pool, member, score and data, each but the
+-- last with its length in front so that no two of them run together.
+local function identity(key, score, data, due)
+  local h = redis.sha1hex('dw-job-1\n' .. #KEYS[1] .. ':' .. KEYS[1] .. '\n' .. #key .. ':' ..
+    key .. '\n' .. score_text(score) .. '\n' .. data)
+  local due_us = math.max(0, math.min(math.floor(due), 9e12)) * 1000
+  local id = string.format('%d', due_us)
+  for i = 1, 16, 8 do
+    id = id .. '-' .. string.format('%d', tonumber(string.sub(h, i, i + 7), 16))
+  end
+  return id
+end
+
+-- The job id for the message of `key` (`data`: what its identity is computed from): its
+-- retry record's when the data is exactly the retried message (`-`: it stays unstamped),
+-- otherwise its identity.
 -- A retry record that does not match the data means a producer pushed the key again
 -- before the retry ran (a push reschedules its key): that retry is reported as a dead
 -- letter (its message is gone; the letter names its job).
-local function job_id_for(msg, key, n)
+local function job_id_for(msg, key, score, data, due)
   -- A legacy pool's members are always fresh messages; their retries wait in our pool,
   -- under our records, which a legacy member of the same key must not touch.
-  if legacy ~= '' then return stamp .. '-' .. n end
+  if legacy ~= '' then return identity(key, score, data, due) end
   local rec = redis.call('HGET', KEYS[5], key)
   if rec then
     local at = string.find(rec, ' ', 1, true)
@@ -124,7 +155,7 @@ local function job_id_for(msg, key, n)
       replaced(key, string.sub(rec, 1, (at or 0) - 1))
     end
   end
-  return stamp .. '-' .. n
+  return identity(key, score, data, due)
 end
 
 -- The message without a stamp of ours in front.
@@ -155,14 +186,17 @@ local function unreadable(key, err)
   return 'legacy key ' .. key .. ' cannot be read: ' .. err
 end
 
--- The member's message, or nil and why not: 'missing' (no data yet) or a reason to bury.
-local function fetch(key)
+-- The member's message, or nil and why not: 'missing' (no data yet) or a reason to bury;
+-- then what its identity is computed from (the message itself, or a legacy key's value).
+-- A legacy message is built from the member's due time (its `ts`, in unix seconds), so
+-- that moving it again after the move was undone builds the same message.
+local function fetch(key, due)
   if legacy == '' then
     local len = redis.call('HSTRLEN', KEYS[2], key)
     if len > max_bytes then return nil, oversize_reason(len, max_bytes), len end
     local msg = redis.call('HGET', KEYS[2], key)
     if not msg then return nil, 'missing' end
-    return msg
+    return msg, nil, nil, msg
   end
   local kt, err = on_member('TYPE', key)
   if err then return nil, unreadable(key, err) end
@@ -183,8 +217,9 @@ local function fetch(key)
   local value = json_string(id)
   local sign, digits = string.match(id, '^(%-?)(%d+)$')
   if digits then value = sign .. (string.match(digits, '^0*(%d.*)$')) end
+  local ts = string.format('%d', math.floor(math.max(0, math.min(due, 9e15)) / 1000))
   return '{"event":' .. json_string(legacy) .. ',"payload":{"order_id":' .. value ..
-    '},"retry":0,"ts":' .. now_ts .. '}'
+    '},"retry":0,"ts":' .. ts .. '}', nil, nil, id
 end
 
 local function forget(key)
@@ -259,9 +294,9 @@ local function handle(items, scale)
   for i = 1, #items, 2 do
     local key = items[i]
     local due = tonumber(items[i + 1]) * scale
-    local msg, why, len = fetch(key)
+    local msg, why, len, data = fetch(key, due)
     if msg then
-      local id = job_id_for(msg, key, moved)
+      local id = job_id_for(msg, key, items[i + 1], data, due)
       local body = unstamped(msg)
       if mode == 'list' then
         -- job_key inside, the stamp in front of everything.

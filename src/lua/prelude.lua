@@ -37,8 +37,9 @@ local function json_string(s)
   end) .. '"'
 end
 
--- The job id the mover stamps as a message's first field: `{"job_id":"<digits-digits>"`.
--- Only this exact prefix counts; a `job_id` anywhere else is a field like any other.
+-- The job id the mover stamps as a message's first field: `{"job_id":"<digits and dashes>"`
+-- (`<due µs>-<a>-<b>`, the job's identity, see move_due.lua; `<µs>-<n>` from older
+-- movers). Only this exact prefix counts; a `job_id` anywhere else is a field like any other.
 local function stamped_id(msg)
   return string.match(msg, '^{"job_id":"([%d%-]+)"[,}]')
 end
@@ -48,7 +49,7 @@ end
 -- no stamp (one written straight into the stream or a list queue, whose identity is its
 -- key and ts: it must stay unstamped). The mover keeps the id only if the data it moves
 -- is that very message, so a producer pushing the key again (even a copy of an old
--- message) gets a new id.
+-- message) gets the id of what it pushed.
 local function remember_job(jobs, key, msg)
   local id = stamped_id(msg) or '-'
   redis.call('HSET', jobs, key, id .. ' ' .. redis.sha1hex(msg))

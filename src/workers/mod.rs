@@ -398,7 +398,10 @@ impl<'a> Worker<'a> {
     }
 
     /// Decodes and validates a delivery: a job ready for its handler, or its dead letter.
-    fn prepare<'r>(&self, registry: &'r Registry, d: Delivery) -> Result<Job<'r>, Box<Settlement>> {
+    fn prepare<'r>(&self, registry: &'r Registry, d: Delivery) -> Result<Job<'r>, Box<Settlement>>
+    where
+        'a: 'r,
+    {
         let limit = self.ctx.jobs.max_message_bytes;
         let decoded = match raw_event(self.ctx.keys, &d.origin) {
             Some(event) => Envelope::decode_raw(&d.msg, limit, event),
@@ -427,6 +430,9 @@ impl<'a> Worker<'a> {
         }
         Ok(Job {
             key: key_text(&d.key),
+            first_due: env.first_due.or(d.due_ms),
+            consumer: self.ctx.consumer,
+            clock: &self.ctx.stats.clock,
             d,
             env,
             index,
@@ -438,8 +444,13 @@ impl<'a> Worker<'a> {
     /// letter, by whose fault a failure is (see the module header).
     fn finish(&mut self, job: Job<'_>, result: JobResult) -> Settlement {
         let stats = self.ctx.stats;
-        let Job { d, env, key, .. } = job;
-        let first_due = env.first_due.or(d.due_ms);
+        let Job {
+            d,
+            env,
+            key,
+            first_due,
+            ..
+        } = job;
         match result {
             JobResult::Committed(effect) => {
                 let outcome = match effect {

@@ -21,7 +21,7 @@ use crate::message::Envelope;
 use crate::stats::Stats;
 use postgres::types::Type;
 use postgres::Statement;
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::AtomicU64;
 use std::time::{Duration, Instant};
@@ -64,6 +64,21 @@ pub struct Job<'h> {
     pub handler: &'h dyn Handler,
     /// The inbox's text form of the job key.
     pub key: String,
+    /// When the job first fell due (unix ms, Redis's clock): the message's `first_due`,
+    /// else the due time its stream entry carries; `None` when neither says.
+    pub first_due: Option<i64>,
+    /// The consumer that runs it, and the clock its lateness is read on: both go into its
+    /// inbox row.
+    pub consumer: &'h str,
+    pub clock: &'h crate::clock::Clock,
+}
+
+impl Job<'_> {
+    /// How late the job runs now, for its inbox row: from its first due time on Redis's
+    /// clock (this host's, corrected).
+    fn late_ms(&self) -> Option<i64> {
+        self.first_due.map(|due| self.clock.now_ms() - due)
+    }
 }
 
 /// A handler's statements on this connection, or why they could not be prepared.
@@ -102,16 +117,71 @@ pub struct Session {
     begin_set: String,
 }
 
-/// The inbox insert. Its row count says whether this job is new (1) or a redelivery (0).
-/// A job is its key, the mover's `job_id` stamp and `ts` (see `message.rs`).
-const INBOX_SQL: &str = "INSERT INTO worker_inbox (job_key, enqueued_at, event, job_id) \
-                         VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING";
+/// The inbox insert. Its row says whether this job is new (a row) or a redelivery (none).
+/// A job is its key, the mover's `job_id` stamp and `ts` (see `message.rs`). The row also
+/// records how late the job ran, the consumer, and the outcome `done`; a job that turns out
+/// a no-op has that changed in the round trip of its commit ([`commit_sql`]), by the row's
+/// `ctid`, which the insert returns.
+const INBOX_SQL: &str = "INSERT INTO worker_inbox \
+                         (job_key, enqueued_at, event, job_id, outcome, late_ms, consumer) \
+                         VALUES ($1, $2, $3, $4, 'done', $5, $6) ON CONFLICT DO NOTHING \
+                         RETURNING ctid::text";
 
 /// The inbox insert of a set: one statement for all its rows. It returns the rows it
 /// inserted; a job whose row is not among them is a redelivery.
-const INBOX_SET_SQL: &str = "INSERT INTO worker_inbox (job_key, enqueued_at, event, job_id) \
-                             SELECT * FROM unnest($1::text[], $2::bigint[], $3::text[], $4::text[]) \
-                             ON CONFLICT DO NOTHING RETURNING job_key, enqueued_at, job_id";
+const INBOX_SET_SQL: &str = "INSERT INTO worker_inbox \
+                             (job_key, enqueued_at, event, job_id, outcome, late_ms, consumer) \
+                             SELECT k, t, e, i, 'done', l, $6 \
+                             FROM unnest($1::text[], $2::bigint[], $3::text[], $4::text[], $5::bigint[]) \
+                             AS u(k, t, e, i, l) \
+                             ON CONFLICT DO NOTHING RETURNING job_key, enqueued_at, job_id, ctid::text";
+
+/// The statement that ends a job's (or a set's, or a batch's) transaction: `COMMIT`, after
+/// the outcome `noop` is written into the inbox rows (by their `ctid`, as the inserts
+/// returned them) of the jobs that changed nothing. Both go in one simple query, the one
+/// round trip `COMMIT` takes alone. A ctid not of the form `(block,offset)` is left out
+/// (its row keeps `done`): nothing but digits goes into the statement.
+fn commit_sql(noops: &[String]) -> String {
+    let tids: Vec<String> = noops
+        .iter()
+        .filter(|t| is_tid(t))
+        .map(|t| format!("\"{t}\""))
+        .collect();
+    if tids.is_empty() {
+        return "COMMIT".to_string();
+    }
+    format!(
+        "UPDATE worker_inbox SET outcome = 'noop' WHERE ctid = ANY ('{{{}}}'::tid[]); COMMIT",
+        tids.join(",")
+    )
+}
+
+/// `(block,offset)`, digits only: a ctid as PostgreSQL writes it.
+fn is_tid(t: &str) -> bool {
+    t.strip_prefix('(')
+        .and_then(|t| t.strip_suffix(')'))
+        .and_then(|t| t.split_once(','))
+        .is_some_and(|(b, o)| {
+            [b, o]
+                .iter()
+                .all(|n| !n.is_empty() && n.bytes().all(|c| c.is_ascii_digit()))
+        })
+}
+
+/// Commits `tx` with [`commit_sql`]: one round trip, as [`postgres::Transaction::commit`].
+/// With no-ops to write, the simple query does the `COMMIT` itself, and the transaction's
+/// handle is then forgotten: dropping it would send a `ROLLBACK` (one more round trip, and
+/// a warning) after the commit. If the query fails, the handle is dropped as usual and
+/// rolls back whatever is left of the transaction.
+fn commit(mut tx: postgres::Transaction<'_>, noops: &[String]) -> Result<(), postgres::Error> {
+    let sql = commit_sql(noops);
+    if sql == "COMMIT" {
+        return tx.commit();
+    }
+    tx.batch_execute(&sql)?;
+    std::mem::forget(tx);
+    Ok(())
+}
 
 impl Session {
     /// Checks a connection out and prepares the inbox and every handler on it. A handler
@@ -362,12 +432,18 @@ impl Session {
             Ok(tx) => tx,
             Err(e) => return JobResult::Failed(e.into()),
         };
+        let mut noops = Vec::new();
         let result = match apply(&mut tx, &self.inbox, one, job) {
-            Ok(Some(effect)) => JobResult::Committed(effect),
+            Ok(Some((effect, tid))) => {
+                if effect == Effect::NoOp {
+                    noops.push(tid);
+                }
+                JobResult::Committed(effect)
+            }
             Ok(None) => JobResult::Duplicate,
             Err(failed) => return failed,
         };
-        match tx.commit() {
+        match commit(tx, &noops) {
             Ok(()) => result,
             Err(e) => JobResult::Failed(e.into()),
         }
@@ -384,10 +460,13 @@ impl Session {
             Prepared::Failed { failure, .. } => return Err(SetError::Db(failure.clone())),
         };
         self.conn.batch_execute(&self.begin_set).map_err(db_err)?;
-        let result = set_body(&mut self.conn, &self.inbox_set, &statement, jobs).and_then(|rs| {
-            self.conn.batch_execute("COMMIT").map_err(db_err)?;
-            Ok(rs)
-        });
+        let result =
+            set_body(&mut self.conn, &self.inbox_set, &statement, jobs).and_then(|(rs, noops)| {
+                self.conn
+                    .batch_execute(&commit_sql(&noops))
+                    .map_err(db_err)?;
+                Ok(rs)
+            });
         if result.is_err() {
             // Nothing committed. A connection that cannot even roll back is thrown away
             // (its jobs then wait for the next one).
@@ -408,16 +487,22 @@ impl Session {
     fn run_batch(&mut self, jobs: &[&Job<'_>]) -> Option<Vec<JobResult>> {
         let mut tx = self.conn.transaction().ok()?;
         let mut results = Vec::with_capacity(jobs.len());
+        let mut noops = Vec::new();
         for job in jobs {
             let Prepared::Ready { one, .. } = &self.handlers[job.index] else {
                 return None;
             };
             results.push(match apply(&mut tx, &self.inbox, one, job).ok()? {
-                Some(effect) => JobResult::Committed(effect),
+                Some((effect, tid)) => {
+                    if effect == Effect::NoOp {
+                        noops.push(tid);
+                    }
+                    JobResult::Committed(effect)
+                }
                 None => JobResult::Duplicate,
             });
         }
-        tx.commit().ok()?;
+        commit(tx, &noops).ok()?;
         Some(results)
     }
 }
@@ -480,25 +565,37 @@ pub fn set_shape(st: &Statement) -> Option<String> {
     }
 }
 
-/// Inserts the job's inbox row and runs its handler inside `tx`. `Ok(None)`: the inbox
-/// already held the job (a redelivery), nothing else was done.
+/// Inserts the job's inbox row and runs its handler inside `tx`: its effect and its
+/// row's ctid. `Ok(None)`: the inbox already held the job (a redelivery), nothing else
+/// was done.
 fn apply(
     tx: &mut postgres::Transaction<'_>,
     inbox: &Statement,
     statements: &[Statement],
     job: &Job<'_>,
-) -> Result<Option<Effect>, JobResult> {
+) -> Result<Option<(Effect, String)>, JobResult> {
     let job_id = job.env.job_id.as_deref().unwrap_or("");
-    match tx.execute(inbox, &[&job.key, &job.env.ts, &job.env.event, &job_id]) {
-        Ok(0) => return Ok(None),
-        Ok(_) => {}
+    let late = job.late_ms();
+    let params: [&(dyn postgres::types::ToSql + Sync); 6] = [
+        &job.key,
+        &job.env.ts,
+        &job.env.event,
+        &job_id,
+        &late,
+        &job.consumer,
+    ];
+    let tid: String = match tx.query(inbox, &params) {
+        Ok(rows) => match rows.first() {
+            None => return Ok(None),
+            Some(row) => row.try_get(0).unwrap_or_default(),
+        },
         Err(e) => return Err(JobResult::Failed(e.into())),
-    }
+    };
     let outcome = catch_unwind(AssertUnwindSafe(|| {
         job.handler.handle(tx, statements, &job.env.payload)
     }));
     match outcome {
-        Ok(Ok(effect)) => Ok(Some(effect)),
+        Ok(Ok(effect)) => Ok(Some((effect, tid))),
         Ok(Err(e)) => Err(JobResult::Failed(e.into())),
         Err(panic) => {
             let msg = panic
@@ -525,13 +622,14 @@ fn db_err(e: postgres::Error) -> SetError {
 }
 
 /// The statements of a set inside its open transaction: the inbox rows, then the set
-/// form for the jobs whose rows were new.
+/// form for the jobs whose rows were new. Returns each job's result and the ctids of the
+/// rows of the jobs that changed nothing (for [`commit_sql`]).
 fn set_body(
     conn: &mut postgres::Client,
     inbox_set: &Statement,
     statement: &Statement,
     jobs: &[&Job<'_>],
-) -> Result<Vec<JobResult>, SetError> {
+) -> Result<(Vec<JobResult>, Vec<String>), SetError> {
     let keys: Vec<&str> = jobs.iter().map(|j| j.key.as_str()).collect();
     let ts: Vec<i64> = jobs.iter().map(|j| j.env.ts).collect();
     let events: Vec<&str> = jobs.iter().map(|j| j.env.event.as_str()).collect();
@@ -539,25 +637,39 @@ fn set_body(
         .iter()
         .map(|j| j.env.job_id.as_deref().unwrap_or(""))
         .collect();
-    let inserted: HashSet<(String, i64, String)> = conn
-        .query(inbox_set, &[&keys, &ts, &events, &ids])
+    let late: Vec<Option<i64>> = jobs.iter().map(|j| j.late_ms()).collect();
+    let consumer = jobs[0].consumer;
+    let inserted: HashMap<(String, i64, String), String> = conn
+        .query(inbox_set, &[&keys, &ts, &events, &ids, &late, &consumer])
         .map_err(db_err)?
         .iter()
-        .map(|row| Ok((row.try_get(0)?, row.try_get(1)?, row.try_get(2)?)))
+        .map(|row| {
+            Ok((
+                (row.try_get(0)?, row.try_get(1)?, row.try_get(2)?),
+                row.try_get(3)?,
+            ))
+        })
         .collect::<Result<_, postgres::Error>>()
         .map_err(db_err)?;
     // A job is new if its row was inserted now; of two copies of one job in the set, the
     // first is new and the second a redelivery.
     let mut results: Vec<JobResult> = Vec::with_capacity(jobs.len());
+    // The ctid of each new job's row (by index), while it counts as a no-op.
+    let mut tids: Vec<Option<&String>> = Vec::with_capacity(jobs.len());
     let mut work = Vec::new();
     let mut seen = HashSet::new();
     for (i, job) in jobs.iter().enumerate() {
         let id = (keys[i].to_string(), ts[i], ids[i].to_string());
-        if inserted.contains(&id) && seen.insert(id) {
-            results.push(JobResult::Committed(Effect::NoOp));
-            work.push(serde_json::json!({"i": i, "payload": job.env.payload}));
-        } else {
-            results.push(JobResult::Duplicate);
+        match inserted.get(&id) {
+            Some(tid) if seen.insert(id) => {
+                results.push(JobResult::Committed(Effect::NoOp));
+                tids.push(Some(tid));
+                work.push(serde_json::json!({"i": i, "payload": job.env.payload}));
+            }
+            _ => {
+                results.push(JobResult::Duplicate);
+                tids.push(None);
+            }
         }
     }
     if !work.is_empty() {
@@ -566,11 +678,13 @@ fn set_body(
             let i: i32 = row.try_get(0).map_err(db_err)?;
             match usize::try_from(i).ok().and_then(|i| results.get_mut(i)) {
                 Some(r @ JobResult::Committed(Effect::NoOp)) => {
-                    *r = JobResult::Committed(Effect::Applied)
+                    *r = JobResult::Committed(Effect::Applied);
+                    tids[i as usize] = None;
                 }
                 _ => return Err(SetError::Index(i)),
             }
         }
     }
-    Ok(results)
+    let noops = tids.into_iter().flatten().cloned().collect();
+    Ok((results, noops))
 }

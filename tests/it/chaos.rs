@@ -2607,16 +2607,18 @@ fn oracle(
             Class::Direct => (e.min, e.max) = (1, 1),
             // A resent letter may die twice.
             Class::Hostile(_) => (e.min, e.max) = (1, 1 + r.uncertain as i64),
-            // A legacy message's `ts` is its move time: a resent member may be a new job.
+            // A resent legacy member (the same order id and due time) is the same job
+            // as the first copy; the range still allows a second job, as when a job's
+            // identity was made at move time.
             Class::Legacy { .. } if r.uncertain => {
                 e.min += (e.max == 0) as i64;
                 e.max += 1;
             }
-            // A push whose reply was lost is sent again: the resend replaces the first
-            // copy while it is still scheduled (one job), but once the mover has taken the
-            // first copy (stamping its job id) the resend is a new job of the same key,
-            // as any later push of that key is. A later push may also have replaced the
-            // message before it.
+            // A push whose reply was lost is sent again, the same bytes and due time: the
+            // resend replaces the first copy while it is still scheduled, and once the
+            // mover has taken the first copy it moves as the same job (a duplicate). A
+            // later push may also have replaced the message before it. The range still
+            // allows a second job, as when a job's identity was made at move time.
             Class::Good | Class::Far if r.uncertain => {
                 if e.max == 0 {
                     e.min += 1;

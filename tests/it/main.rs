@@ -11,6 +11,7 @@ mod cluster;
 mod consumer;
 mod faults;
 mod hostile;
+mod identity;
 mod legacy_stall;
 mod list;
 mod list_dead;

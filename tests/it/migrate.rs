@@ -16,7 +16,8 @@ fn migrate_applies_once_and_records_it() {
             "0002_worker_inbox",
             "0003_payment_review",
             "0004_worker_flush",
-            "0005_inbox_job_id"
+            "0005_inbox_job_id",
+            "0006_inbox_outcome"
         ]
     );
     assert!(

@@ -792,7 +792,7 @@ fn stream_messages(con: &mut Connection, k: &Keys) -> Vec<String> {
 }
 
 #[test]
-fn a_retry_keeps_its_job_id_and_a_copy_pushed_again_gets_a_new_one() {
+fn a_retry_keeps_its_job_id_and_a_copy_pushed_again_is_the_job_it_pushes() {
     let r = RedisServer::start();
     let mut con = r.con();
     let k = keys();
@@ -809,8 +809,11 @@ fn a_retry_keeps_its_job_id_and_a_copy_pushed_again_gets_a_new_one() {
         Some(first.as_str()),
         "a retry is the same job"
     );
-    // A producer copies that message and pushes the key again, twice: new jobs.
-    for _ in 0..2 {
+    // A producer copies that message and pushes the key again: a new job, the one it
+    // pushed. The same copy pushed again with the same due time is that job again (it
+    // cannot be told from its move undone by a failover and done again); with another
+    // due time it is a new one.
+    for score in [NOW - 5, NOW - 5, NOW - 4] {
         redis::cmd("HSET")
             .arg(&k.data)
             .arg("job-1")
@@ -819,26 +822,194 @@ fn a_retry_keeps_its_job_id_and_a_copy_pushed_again_gets_a_new_one() {
             .unwrap();
         redis::cmd("ZADD")
             .arg(&k.pool)
-            .arg(NOW - 5)
+            .arg(score)
             .arg("job-1")
             .query::<()>(&mut con)
             .unwrap();
         assert_eq!(move_now(&mut con, &k).unwrap().moved, 1);
     }
     let msgs = stream_messages(&mut con, &k);
+    let ids: Vec<String> = msgs
+        .iter()
+        .map(|m| delay_worker::message::stamp_of(m.as_bytes()).unwrap())
+        .collect();
+    assert_eq!(msgs.len(), 5);
+    assert_eq!(ids[0], ids[1], "the retry shares the first id");
+    assert_ne!(ids[2], ids[0], "a copy pushed again is a job of its own");
+    assert_eq!(ids[3], ids[2], "the same push again is the same job");
+    assert_ne!(ids[4], ids[2], "another due time is another job");
+    for m in &msgs {
+        assert_eq!(m.matches("job_id").count(), 1, "one stamp, never two: {m}");
+    }
+}
+
+/// What a replica that missed a move still holds of it: the member, its score and its
+/// data, put back as they were (the retry record too, if there was one).
+fn undo_move(
+    con: &mut Connection,
+    pool: &str,
+    data: Option<(&str, &str, &str)>,
+    key: &str,
+    score: i64,
+) {
+    if let Some((hash, field, value)) = data {
+        redis::cmd("HSET")
+            .arg(hash)
+            .arg(field)
+            .arg(value)
+            .query::<()>(con)
+            .unwrap();
+    }
+    redis::cmd("ZADD")
+        .arg(pool)
+        .arg(score)
+        .arg(key)
+        .query::<()>(con)
+        .unwrap();
+}
+
+#[test]
+fn a_move_undone_and_done_again_is_the_same_job_and_another_push_is_not() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let k = keys();
+    let msg = r#"{"event":"e","payload":{"v":1},"retry":0,"ts":1800000000}"#;
+    let stamps = |con: &mut Connection| -> Vec<String> {
+        stream_messages(con, &k)
+            .iter()
+            .map(|m| delay_worker::message::stamp_of(m.as_bytes()).unwrap())
+            .collect()
+    };
+    // Moved, the move undone (as on a replica that never received it), moved again a
+    // second later by another mover's call: the same id, the same bytes.
+    store::push(&mut con, &k, "job-1", msg, NOW - 1000).unwrap();
+    move_now(&mut con, &k).unwrap();
+    undo_move(
+        &mut con,
+        &k.pool,
+        Some((&k.data, "job-1", msg)),
+        "job-1",
+        NOW - 1000,
+    );
+    assert_eq!(
+        move_at_most_at(&mut con, &k, NOW + 1000, 10).unwrap().moved,
+        1
+    );
+    let ids = stamps(&mut con);
+    assert_eq!(
+        ids[0], ids[1],
+        "a move undone and done again is the same job"
+    );
+    let msgs = stream_messages(&mut con, &k);
+    assert_eq!(msgs[0], msgs[1]);
+    // The identity's form: the due time in µs, then two numbers of the digest; digits
+    // and dashes only, which every worker version reads as a stamp.
+    let parts: Vec<&str> = ids[0].split('-').collect();
+    assert_eq!(parts.len(), 3, "{}", ids[0]);
+    assert_eq!(parts[0], ((NOW - 1000) * 1000).to_string());
+    assert!(parts
+        .iter()
+        .all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit())));
+    // The same key pushed again with other data, or another due time, in the same
+    // millisecond: new jobs.
+    let other = r#"{"event":"e","payload":{"v":2},"retry":0,"ts":1800000000}"#;
+    store::push(&mut con, &k, "job-1", other, NOW - 1000).unwrap();
+    move_now(&mut con, &k).unwrap();
+    store::push(&mut con, &k, "job-1", msg, NOW - 999).unwrap();
+    move_now(&mut con, &k).unwrap();
+    // Another key with the same data and due time: another job (the inbox keys it by
+    // its key too), and so is the same key in another pool.
+    store::push(&mut con, &k, "job-2", msg, NOW - 1000).unwrap();
+    move_now(&mut con, &k).unwrap();
+    let ids = stamps(&mut con);
+    let distinct: std::collections::HashSet<&String> = ids[1..].iter().collect();
+    assert_eq!(distinct.len(), 4, "{ids:?}");
+
+    // A retry's move undone: its record is undone with it, and still names its job.
+    let retried = ids[4].clone();
+    let d = {
+        stream::ensure_group(&mut con, &k).unwrap();
+        let mut read = stream::read(&mut con, reading(&k), 10, ">").unwrap();
+        read.deliveries.pop().unwrap()
+    };
+    let env = delay_worker::message::Envelope::decode(&d.msg, MAX).unwrap();
+    assert_eq!(env.job_id.as_deref(), Some(retried.as_str()));
+    let retry = env.next_retry();
+    settle(
+        &mut con,
+        &k,
+        &[retry_of(&d, retry.clone().into_bytes(), NOW - 10)],
+    )
+    .unwrap();
+    let record: String = redis::cmd("HGET")
+        .arg(&k.jobs)
+        .arg("job-2")
+        .query(&mut con)
+        .unwrap();
+    move_now(&mut con, &k).unwrap();
+    undo_move(
+        &mut con,
+        &k.pool,
+        Some((&k.data, "job-2", &retry)),
+        "job-2",
+        NOW - 10,
+    );
+    undo_move(
+        &mut con,
+        &k.pool,
+        Some((&k.jobs, "job-2", &record)),
+        "job-2",
+        NOW - 10,
+    );
+    move_at_most_at(&mut con, &k, NOW + 1000, 10).unwrap();
+    let ids = stamps(&mut con);
+    assert_eq!(
+        &ids[5..],
+        &[retried.clone(), retried],
+        "the retry stays its job"
+    );
+}
+
+#[test]
+fn a_legacy_move_undone_and_done_again_builds_the_same_message() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let k = keys();
+    // A legacy producer's push: the STRING key, then the member.
+    let legacy = |con: &mut Connection, order_id: &str, score: i64| {
+        redis::cmd("SET")
+            .arg("close_order_7")
+            .arg(order_id)
+            .query::<()>(con)
+            .unwrap();
+        undo_move(con, "delay:order_close", None, "close_order_7", score);
+    };
+    legacy(&mut con, "7", NOW - 1000);
+    assert_eq!(move_from(&mut con, &k, LEGACY, NOW, 10).unwrap().moved, 1);
+    // The STRING key and the member back, as the replica had them; moved again seconds
+    // later: the message built is the same, `ts` (its due time) included.
+    legacy(&mut con, "7", NOW - 1000);
+    assert_eq!(
+        move_from(&mut con, &k, LEGACY, NOW + 5000, 10)
+            .unwrap()
+            .moved,
+        1
+    );
+    // Pushed again with another due time, or with another order id in the key: new jobs.
+    legacy(&mut con, "7", NOW - 500);
+    move_from(&mut con, &k, LEGACY, NOW + 5000, 10).unwrap();
+    legacy(&mut con, "8", NOW - 1000);
+    move_from(&mut con, &k, LEGACY, NOW + 5000, 10).unwrap();
+    let msgs = stream_messages(&mut con, &k);
+    assert_eq!(msgs.len(), 4);
+    assert_eq!(msgs[0], msgs[1], "the same job, byte for byte");
+    let v: serde_json::Value = serde_json::from_str(&msgs[0]).unwrap();
+    assert_eq!(v["ts"], (NOW - 1000) / 1000, "its ts is its due time");
     let ids: std::collections::HashSet<String> = msgs
         .iter()
         .map(|m| delay_worker::message::stamp_of(m.as_bytes()).unwrap())
         .collect();
-    assert_eq!(msgs.len(), 4);
-    assert_eq!(
-        ids.len(),
-        3,
-        "the retry shares the first id; each re-push has its own"
-    );
-    for m in &msgs {
-        assert_eq!(m.matches("job_id").count(), 1, "one stamp, never two: {m}");
-    }
+    assert_eq!(ids.len(), 3, "{msgs:?}");
 }
 
 #[test]
