@@ -8,10 +8,12 @@
 //! [`dead::scan`]) with the time passed in, so the tests check numbers, not text.
 //!
 //! - `stats.rs` — what the queue looks like right now, the table, `--watch`.
+//! - `by_event.rs` — the pool's soonest members split by event, with each one's next due.
 //! - `check.rs` — thresholds and the one-line verdict of `--check`.
 //! - `dead.rs` — the dead-letter stream: filters, list, show, requeue, purge; `dead/list.rs`
 //!   the same on list mode's dead lists.
 
+pub mod by_event;
 pub mod check;
 pub mod dead;
 pub mod stats;

@@ -17,6 +17,7 @@ mod list;
 mod list_dead;
 mod loss;
 mod metrics_server;
+mod operator;
 
 mod migrate;
 mod monitoring;
