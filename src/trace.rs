@@ -407,11 +407,7 @@ fn text(b: &[u8]) -> String {
 }
 
 /// The one entry `id` of `stream`, its fields; `None` when it is gone.
-fn entry(
-    con: &mut dyn ConnectionLike,
-    stream: &str,
-    id: &str,
-) -> RedisResult<Option<Fields>> {
+fn entry(con: &mut dyn ConnectionLike, stream: &str, id: &str) -> RedisResult<Option<Fields>> {
     let v: Value = redis::cmd("XRANGE")
         .arg(stream)
         .arg(id)

@@ -247,18 +247,18 @@ pub fn describe(j: &Job, now_ms: i64) -> String {
             outcome,
             consumer,
         } => {
-            let what = match outcome.as_deref() {
-                Some("noop") => "done, a no-op (the handler had nothing to change)",
-                Some(_) => "done",
-                None => "done (by a worker that did not record its outcome)",
-            };
-            let mut s = format!("{what} at {}", when(*processed_ms, now_ms));
+            let mut s = format!("done at {}", when(*processed_ms, now_ms));
             if let Some(l) = late_ms {
                 s.push_str(&format!(", {} late", crate::human_ms(*l)));
             }
             if let Some(c) = consumer {
                 s.push_str(&format!(", by {c}"));
             }
+            s.push_str(match outcome.as_deref() {
+                Some("noop") => ": a no-op (the handler had nothing to change)",
+                Some(_) => "",
+                None => " (a worker that did not record its outcome)",
+            });
             s
         }
         State::Dead {
