@@ -15,6 +15,14 @@ pub struct Keys {
     /// HASH: job key -> "<job id> <sha1>" of a retry waiting in the pool, so the retry
     /// keeps its job id (`<pool>:jobs`; written by the settle scripts, read by the mover).
     pub jobs: String,
+    /// HASH: job key -> id of the stream entry its latest move wrote, until that entry is
+    /// settled (`<pool>:moved`; kept by the move, settle and bury scripts), so `worker
+    /// trace` finds a moved job's entry without reading the stream.
+    pub moved: String,
+    /// HASH: job key -> the ids of its newest dead letters, space-separated, oldest first
+    /// (`<pool>:letters`; at most 8, kept by the scripts that write, requeue and purge
+    /// dead letters), so `worker trace` finds them without reading the dead letters.
+    pub letters: String,
     /// STREAM the mover appends due messages to, fields `msg` and `key`.
     pub stream: String,
     /// Consumer group on `stream`.
@@ -87,6 +95,8 @@ impl Keys {
         Keys {
             data: o.data.clone().unwrap_or_else(|| format!("{pool}:data")),
             jobs: format!("{pool}:jobs"),
+            moved: format!("{pool}:moved"),
+            letters: format!("{pool}:letters"),
             pool,
             stream: o
                 .stream
@@ -128,6 +138,8 @@ impl Keys {
             self.pool.clone(),
             self.data.clone(),
             self.jobs.clone(),
+            self.moved.clone(),
+            self.letters.clone(),
             self.stream.clone(),
             self.dead.clone(),
             self.heartbeat("any"),

@@ -46,7 +46,9 @@
 //! - `signals.rs` — the signals: stop, reload (SIGHUP), state report (SIGUSR1).
 //! - `prune.rs` — the inbox pruner: old `worker_inbox` rows deleted, one process at a time.
 //! - `shutdown.rs`, `backoff.rs` — the small shared pieces.
-//! - `admin/` — the operator's tools: `worker stats` (`--watch`, `--check`), `worker dead`.
+//! - `admin/` — the operator's tools: `worker stats` (`--watch`, `--check`), `worker dead`,
+//!   `worker trace` (printed there, gathered in `trace.rs`: a job key's jobs, where each
+//!   is and what became of it).
 //! - `notify.rs` — systemd readiness and watchdog; `metrics.rs` — `/metrics` and `/healthz`;
 //!   `status/` — the status page on the same address (`/`, the dead letters, requeue and
 //!   purge with `--admin-token-file`).
@@ -77,6 +79,7 @@ pub mod stats;
 pub mod status;
 pub mod store;
 pub mod tls;
+pub mod trace;
 pub mod watch;
 pub mod workers;
 

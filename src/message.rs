@@ -190,6 +190,27 @@ impl Envelope {
         to_wire(raw, self.job_id.as_deref())
     }
 
+    /// [`Envelope::requeued`] with why it goes back (`last_error`, cut at
+    /// [`LAST_ERROR_CHARS`]), for `worker trace`; without it when the message would
+    /// outgrow `limit` (the mover would bury it).
+    pub fn requeued_after(&self, retry: u32, first_due: i64, error: &str, limit: usize) -> String {
+        let plain = self.requeued(retry, first_due);
+        let mut raw = self.raw.clone();
+        raw.insert("retry".into(), Value::from(retry));
+        raw.insert(
+            FIRST_DUE.into(),
+            Value::from(self.first_due.unwrap_or(first_due)),
+        );
+        let cut: String = error.chars().take(LAST_ERROR_CHARS).collect();
+        raw.insert(LAST_ERROR.into(), Value::from(cut));
+        let with = to_wire(raw, self.job_id.as_deref());
+        if with.len() > limit {
+            plain
+        } else {
+            with
+        }
+    }
+
     pub fn to_json(&self) -> String {
         to_wire(self.raw.clone(), self.job_id.as_deref())
     }
@@ -215,6 +236,13 @@ impl Envelope {
 
 /// The field of a message sent back to the pool that says when its job first fell due.
 pub const FIRST_DUE: &str = "first_due";
+
+/// The field of a message sent back to the pool that says why (the failure's reason):
+/// what `worker trace` shows of a job waiting for a retry.
+pub const LAST_ERROR: &str = "last_error";
+
+/// The longest `last_error` kept, in characters.
+pub const LAST_ERROR_CHARS: usize = 300;
 
 /// The mover's stamp: the id of `{"job_id":"<digits and dashes>"` at the very start of a
 /// message, followed by `,` or `}`; `None` for anything else.
@@ -339,6 +367,21 @@ mod tests {
         assert_eq!(ts(r#""soon""#), 0);
         assert_eq!(ts("1e300"), 0);
         assert_eq!(ts("null"), 0);
+    }
+
+    #[test]
+    fn a_message_sent_back_says_why_while_it_fits() {
+        let e = d(r#"{"job_id":"17-3","event":"e","payload":{},"retry":0}"#).unwrap();
+        let m = e.requeued_after(1, 5, &"x".repeat(400), 1000);
+        assert!(m.starts_with(r#"{"job_id":"17-3","#), "{m}");
+        let v: Value = serde_json::from_str(&m).unwrap();
+        assert_eq!(v[LAST_ERROR].as_str().map(str::len), Some(LAST_ERROR_CHARS));
+        assert_eq!(
+            (v["retry"].as_i64(), v[FIRST_DUE].as_i64()),
+            (Some(1), Some(5))
+        );
+        // Too large with the reason: sent back without it.
+        assert_eq!(e.requeued_after(1, 5, "boom", 60), e.requeued(1, 5));
     }
 
     #[test]

@@ -534,6 +534,11 @@ impl Server<'_> {
                 "Dead letters of the dead-letter stream written within the last 5 minutes.",
                 r.dead.new as f64,
             ),
+            (
+                "delay_worker_live_workers",
+                "Workers of this queue with a live heartbeat (every host's; 0 means none runs).",
+                r.workers.len() as f64,
+            ),
         ] {
             sample(out, name, "gauge", help, v);
         }

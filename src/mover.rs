@@ -155,7 +155,7 @@ impl<'a> Mover<'a> {
             match store::move_due(
                 con,
                 pool,
-                &self.keys.jobs,
+                self.keys,
                 target,
                 at,
                 self.cfg.batch,

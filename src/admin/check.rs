@@ -61,6 +61,10 @@ pub struct Thresholds {
     /// A live worker's clock offset to Redis beyond this: critical.
     #[arg(long, default_value = "10s", value_parser = super::parse_duration)]
     pub clock_offset_crit: Duration,
+    /// Workers expected alive (a live heartbeat): none is critical, fewer than this a
+    /// warning; 0 leaves the workers out of the check (a host that checks the queue only).
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub expect_workers: u64,
 }
 
 impl Default for Thresholds {
@@ -203,6 +207,12 @@ pub fn evaluate(r: &StatsReport, t: &Thresholds) -> Verdict {
 /// WARNING for the others), named with the worker. Nothing without records.
 fn worker_figures(r: &StatsReport, t: &Thresholds) -> Vec<Figure> {
     let mut out = Vec::new();
+    match live_workers(r, t.expect_workers) {
+        // No worker at all leads the line: it is what the operator must act on.
+        Some(f) if f.status == Status::Critical => out.insert(0, f),
+        Some(f) => out.push(f),
+        None => {}
+    }
     let secs = |d: Duration| d.as_secs_f64();
     let worst = r
         .workers
@@ -249,6 +259,52 @@ fn worker_figures(r: &StatsReport, t: &Thresholds) -> Vec<Figure> {
         });
     }
     out
+}
+
+/// The workers' figures after the queue's, but "no worker is running" first.
+fn add_worker_figures(figures: &mut Vec<Figure>, r: &StatsReport, t: &Thresholds) {
+    let mut workers = worker_figures(r, t);
+    if workers
+        .first()
+        .is_some_and(|f| f.text.starts_with("no worker"))
+    {
+        figures.insert(0, workers.remove(0));
+    }
+    figures.extend(workers);
+}
+
+/// The live workers against `expect` (0: not checked): none is CRITICAL and says so,
+/// fewer than `expect` a WARNING. Perfdata in Nagios's "below" ranges: `workers=1;2:;1:`.
+fn live_workers(r: &StatsReport, expect: u64) -> Option<Figure> {
+    if expect == 0 {
+        return None;
+    }
+    let live = r.workers.len() as u64;
+    let perf = format!("workers={live};{expect}:;1:");
+    let whose = if r.queues.is_empty() {
+        format!("no consumer of group {} has a live heartbeat", r.group.name)
+    } else {
+        "no list-mode worker has a live heartbeat".to_string()
+    };
+    Some(if live == 0 {
+        Figure {
+            status: Status::Critical,
+            text: format!("no worker is running ({whose}; due jobs wait until one starts)"),
+            perf,
+        }
+    } else if live < expect {
+        Figure {
+            status: Status::Warning,
+            text: format!("workers {live} live (warn < {expect})"),
+            perf,
+        }
+    } else {
+        Figure {
+            status: Status::Ok,
+            text: format!("workers {live} live"),
+            perf,
+        }
+    })
 }
 
 /// Every figure of the report against the thresholds, and the perfdata of the figures
@@ -333,7 +389,7 @@ fn figures(r: &StatsReport, t: &Thresholds) -> (Vec<Figure>, String) {
         }
         figures.push(mover_lag);
         figures.push(dead(r.queues.iter().map(|q| q.dead_new).sum()));
-        figures.extend(worker_figures(r, t));
+        add_worker_figures(&mut figures, r, t);
         let extra = format!(
             "pool={} due={} dead={}",
             r.pool.size,
@@ -371,7 +427,7 @@ fn figures(r: &StatsReport, t: &Thresholds) -> (Vec<Figure>, String) {
         mover_lag,
         dead(r.dead.new),
     ];
-    figures.extend(worker_figures(r, t));
+    add_worker_figures(&mut figures, r, t);
     // Figures without a threshold, for the graphs.
     let extra = format!(
         "pool={} due={} stream_lag={} dead={}",
@@ -530,6 +586,7 @@ mod tests {
             legacy: Vec::new(),
             shards: Vec::new(),
             workers: Vec::new(),
+            by_event: None,
             pool: PoolFigures {
                 key: "p".into(),
                 size: 0,
@@ -553,9 +610,63 @@ mod tests {
         }
     }
 
+    /// The defaults with the workers left out: these reports have none.
+    fn queue_only() -> Thresholds {
+        Thresholds {
+            expect_workers: 0,
+            ..Thresholds::default()
+        }
+    }
+
+    #[test]
+    fn no_live_worker_is_critical_and_fewer_than_expected_a_warning() {
+        use crate::admin::stats::WorkerHealth;
+        let mut r = report(0, 0, 0, 0);
+        let v = evaluate(&r, &Thresholds::default());
+        assert_eq!(v.status, Status::Critical, "{}", v.line);
+        assert!(
+            v.line.starts_with(
+                "CRITICAL - no worker is running (no consumer of group g has a live heartbeat"
+            ),
+            "{}",
+            v.line
+        );
+        assert!(v.line.contains(" workers=0;1:;1: "), "{}", v.line);
+        r.queues = vec![queue("q1", 0, Some(0), 0)];
+        let v = evaluate(&r, &Thresholds::default());
+        assert!(
+            v.line
+                .contains("no worker is running (no list-mode worker has a live heartbeat"),
+            "{}",
+            v.line
+        );
+        r.queues.clear();
+        r.workers = vec![WorkerHealth {
+            name: "c1".into(),
+            record: None,
+        }];
+        let v = evaluate(&r, &Thresholds::default());
+        assert_eq!(v.status, Status::Ok, "{}", v.line);
+        assert!(
+            v.line.contains("dead 0 new, workers 1 live |"),
+            "{}",
+            v.line
+        );
+        let t = Thresholds {
+            expect_workers: 2,
+            ..Thresholds::default()
+        };
+        let v = evaluate(&r, &t);
+        assert_eq!(v.status, Status::Warning, "{}", v.line);
+        assert!(v.line.contains("workers 1 live (warn < 2)"), "{}", v.line);
+        assert!(v.line.contains(" workers=1;2:;1: "), "{}", v.line);
+        r.workers.clear();
+        assert_eq!(evaluate(&r, &queue_only()).status, Status::Ok);
+    }
+
     #[test]
     fn the_worst_figure_decides() {
-        let t = Thresholds::default();
+        let t = queue_only();
         let v = evaluate(&report(3, 0, 0, 0), &t);
         assert_eq!(v.status, Status::Ok);
         assert_eq!(
@@ -582,7 +693,7 @@ mod tests {
         assert!(v.line.starts_with("WARNING - pending 150 (warn > 100), oldest 0s, mover lag 0.0s, dead 1 new (warn > 0) |"), "{}", v.line);
         let t = Thresholds {
             dead_crit: Some(5),
-            ..Thresholds::default()
+            ..queue_only()
         };
         assert_eq!(evaluate(&report(0, 0, 0, 6), &t).status, Status::Critical);
     }
@@ -667,7 +778,7 @@ mod tests {
 
     #[test]
     fn in_list_mode_the_queues_are_held_against_their_levels() {
-        let t = Thresholds::default();
+        let t = queue_only();
         let mut r = report(5000, 7_200_000, 0, 9);
         r.queues = vec![queue("high", 3, Some(2_000), 0), queue("pay q", 1, None, 0)];
         let v = evaluate(&r, &t);

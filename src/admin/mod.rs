@@ -8,13 +8,17 @@
 //! [`dead::scan`]) with the time passed in, so the tests check numbers, not text.
 //!
 //! - `stats.rs` — what the queue looks like right now, the table, `--watch`.
+//! - `by_event.rs` — the pool's soonest members split by event, with each one's next due.
 //! - `check.rs` — thresholds and the one-line verdict of `--check`.
 //! - `dead.rs` — the dead-letter stream: filters, list, show, requeue, purge; `dead/list.rs`
 //!   the same on list mode's dead lists.
+//! - `trace.rs` — `worker trace`: a job key's story (gathered in `crate::trace`) in words.
 
+pub mod by_event;
 pub mod check;
 pub mod dead;
 pub mod stats;
+pub mod trace;
 
 pub use check::{Status, Thresholds, Verdict};
 pub use dead::{DeadArgs, DeadLetter, Filter};
@@ -38,6 +42,12 @@ pub fn stats(config: &Config, args: &StatsArgs) -> anyhow::Result<ExitCode> {
     } else {
         stats::run(config, args, out)
     })
+}
+
+/// `worker trace KEY` / `--order ORDER`.
+pub fn trace(config: &Config, args: &trace::TraceArgs) -> anyhow::Result<ExitCode> {
+    let out = &mut io::stdout().lock();
+    quiet_on_broken_pipe(trace::run(config, args, out))
 }
 
 /// `worker dead ...`.

@@ -63,6 +63,10 @@ pub struct StatsReport {
     /// there (`health.rs`): its clock offset to Redis and its problems. `None` for a
     /// worker of an older version, which wrote no record.
     pub workers: Vec<WorkerHealth>,
+    /// `worker stats` only: the pool's soonest members split by event
+    /// (`by_event.rs`); `None` in `--check`, `/metrics` and the page.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub by_event: Option<super::by_event::ByEvent>,
 }
 
 /// One live worker as its heartbeat key describes it.
@@ -493,6 +497,7 @@ pub fn gather(
         legacy: Vec::new(),
         shards: Vec::new(),
         workers,
+        by_event: None,
     })
 }
 
@@ -1017,11 +1022,20 @@ pub(super) fn run(
     args: &StatsArgs,
     out: &mut dyn Write,
 ) -> anyhow::Result<ExitCode> {
-    let (_, report) = read(config, args)?;
+    let (mut con, mut report) = read(config, args)?;
+    let by_event = super::by_event::gather(
+        &mut con,
+        &config.shard_keys(),
+        report.now_ms,
+        report.pool.size,
+    )
+    .context("cannot read the pool's events")?;
     if args.json {
+        report.by_event = Some(by_event);
         super::write_json(out, &report)?;
     } else {
         render(&report, None, out)?;
+        super::by_event::render(&by_event, report.now_ms, out)?;
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -1,7 +1,8 @@
 -- autoclaim: XAUTOCLAIM entries idle longer than the claim timeout on any consumer, with
 -- the size screen of the prelude.
 --
--- KEYS[1] events STREAM, KEYS[2] dead STREAM
+-- KEYS[1] events STREAM, KEYS[2] dead STREAM, KEYS[3] and KEYS[4] the pool's `moved` and
+-- `letters` indexes (see the prelude)
 -- ARGV[1] group, ARGV[2] consumer, ARGV[3] min idle (ms), ARGV[4] cursor, ARGV[5] count,
 -- ARGV[6] max bytes
 -- Returns {gone, {entries}, {key, reason, ...} of the buried, {key, found, wanted} or {},

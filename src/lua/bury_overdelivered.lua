@@ -2,7 +2,8 @@
 -- (a message that keeps killing its consumer) go to the dead letters, read and written
 -- here so the worker never holds them: the dead letter first, the XACK last.
 --
--- KEYS[1] events STREAM, KEYS[2] dead STREAM
+-- KEYS[1] events STREAM, KEYS[2] dead STREAM, KEYS[3] and KEYS[4] the pool's `moved` and
+-- `letters` indexes (see the prelude)
 -- ARGV[1] group, ARGV[2] only this consumer's entries ('' for all), ARGV[3] min idle (ms),
 -- ARGV[4] max deliveries, ARGV[5] max bytes, ARGV[6] most entries looked at,
 -- ARGV[7] this consumer (recorded in the letter)
@@ -36,9 +37,11 @@ for _, p in ipairs(redis.call('XPENDING', unpack(args))) do
         digest = redis.sha1hex(msg)
         msg = string.sub(msg, 1, OVERSIZE_PREFIX)
       end
-      redis.call('XADD', KEYS[2], '*', 'msg', msg, 'reason', reason, 'ts', server_s(),
-        'event', event, 'key', key, 'attempts', count, 'length', length, 'sha1', digest,
-        'consumer', ARGV[7], 'id', id)
+      local letter = redis.call('XADD', KEYS[2], '*', 'msg', msg, 'reason', reason,
+        'ts', server_s(), 'event', event, 'key', key, 'attempts', count, 'length', length,
+        'sha1', digest, 'consumer', ARGV[7], 'id', id)
+      unindex_move(KEYS[3], key, id)
+      index_letter(KEYS[4], key, letter)
       out[#out + 1] = key
       out[#out + 1] = reason
     end

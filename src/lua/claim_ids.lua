@@ -2,7 +2,8 @@
 -- peer), by id, with the size screen of the prelude. XCLAIM with content counts a
 -- delivery, as a read does. An id whose entry is gone is dropped from the pending list.
 --
--- KEYS[1] events STREAM, KEYS[2] dead STREAM
+-- KEYS[1] events STREAM, KEYS[2] dead STREAM, KEYS[3] and KEYS[4] the pool's `moved` and
+-- `letters` indexes (see the prelude)
 -- ARGV[1] group, ARGV[2] consumer, ARGV[3] max bytes, then the ids
 -- Returns {gone, {entries}, {key, reason, ...} of the buried, {key, found, wanted} or {}}.
 local w = wrong_type(KEYS[1], 'stream')

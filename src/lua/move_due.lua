@@ -4,7 +4,8 @@
 --
 -- KEYS[1] pool ZSET, KEYS[2] data HASH, KEYS[3] target (events STREAM or queue LIST),
 -- KEYS[4] dead letters (STREAM in stream mode, the queue's dead LIST in list mode),
--- KEYS[5] the pool's jobs HASH (job ids of retries waiting in the pool)
+-- KEYS[5] the pool's jobs HASH (job ids of retries waiting in the pool), KEYS[6] and KEYS[7]
+-- the pool's `moved` and `letters` indexes (stream mode; see the prelude)
 -- ARGV[1] '' to decide by Redis's own clock (TIME), as the worker always does; a time in
 --         unix milliseconds decides by that instead (the tests' injected clock)
 -- ARGV[2] limit
@@ -16,7 +17,7 @@
 --         scans the pool and reaches each member's key itself (undeclared, under
 --         redis.pcall, so a key an ACL user may not touch is that member's problem alone).
 --         On a Redis Cluster (ARGV[7] = 'declared') the caller reads the due members first
---         and declares their keys in KEYS[6..] (this script checks that each is still a due
+--         and declares their keys in KEYS[8..] (this script checks that each is still a due
 --         member); members whose key is in another hash slot than the pool come in
 --         ARGV[8..] instead: they can only be dead-lettered.
 -- ARGV[6] the largest message in bytes (--max-message-bytes)
@@ -264,9 +265,10 @@ local function bury(key, reason, len)
       attempts = 0, length = len or 0, sha1 = digest, consumer = 'mover'
     }))
   else
-    redis.call('XADD', KEYS[4], '*', 'msg', msg, 'reason', reason, 'ts', now_ts,
+    local letter = redis.call('XADD', KEYS[4], '*', 'msg', msg, 'reason', reason, 'ts', now_ts,
       'event', legacy, 'key', key, 'attempts', 0, 'length', len or 0, 'sha1', digest,
       'consumer', 'mover')
+    index_letter(KEYS[7], key, letter)
   end
   buried[#buried + 1] = key
   buried[#buried + 1] = reason
@@ -283,8 +285,9 @@ replaced = function(key, job_id)
       attempts = 0, consumer = 'mover'
     }))
   else
-    redis.call('XADD', KEYS[4], '*', 'msg', '', 'reason', reason, 'ts', now_ts,
+    local letter = redis.call('XADD', KEYS[4], '*', 'msg', '', 'reason', reason, 'ts', now_ts,
       'event', legacy, 'key', key, 'attempts', 0, 'consumer', 'mover')
+    index_letter(KEYS[7], key, letter)
   end
   buried[#buried + 1] = key
   buried[#buried + 1] = reason
@@ -302,8 +305,9 @@ local function handle(items, scale)
         -- job_key inside, the stamp in front of everything.
         redis.call('LPUSH', KEYS[3], with_job_id(with_job_key(body, key), id))
       else
-        redis.call('XADD', KEYS[3], '*', 'msg', with_job_id(body, id), 'key', key,
+        local entry = redis.call('XADD', KEYS[3], '*', 'msg', with_job_id(body, id), 'key', key,
           'due', math.floor(due))
+        index_move(KEYS[6], key, entry)
       end
       forget(key)
       redis.call('ZREM', KEYS[1], key)
@@ -365,7 +369,7 @@ else
       if bury(key, reason) then redis.call('ZREM', KEYS[1], key) else skipped = skipped + 1 end
     end
   end
-  for i = 6, #KEYS do
+  for i = 8, #KEYS do
     if moved + #buried / 2 >= limit then break end
     local key = KEYS[i]
     local score = redis.call('ZSCORE', KEYS[1], key)

@@ -55,6 +55,55 @@ local function remember_job(jobs, key, msg)
   redis.call('HSET', jobs, key, id .. ' ' .. redis.sha1hex(msg))
 end
 
+-- The two small indexes `worker trace` answers from without scanning a stream (the
+-- pool's `moved` and `letters` HASHes, see keys.rs), kept in the round trips that move,
+-- settle and bury messages, and by the requeue and purge of dead letters:
+-- `moved`: job key -> id of the stream entry its latest move wrote, until that entry is
+-- settled (acknowledged, retried or dead-lettered); `letters`: job key -> the ids of its
+-- newest dead letters (at most LETTERS_KEPT, oldest first), until they are requeued or
+-- purged. Each is at most one field per job key still moving or dead. Advisory: their
+-- commands run under redis.pcall, so an index key of another type never holds a message
+-- back (trace then reads less).
+local LETTERS_KEPT = 8
+
+local function index_move(moved, key, id)
+  redis.pcall('HSET', moved, key, id)
+end
+
+-- Only the entry the index names: a newer move of the key keeps its own.
+local function unindex_move(moved, key, id)
+  if key and key ~= '' and redis.pcall('HGET', moved, key) == id then
+    redis.pcall('HDEL', moved, key)
+  end
+end
+
+local function index_letter(letters, key, id)
+  if not key or key == '' then return end
+  local ids = {}
+  local old = redis.pcall('HGET', letters, key)
+  if type(old) == 'string' then
+    for i in string.gmatch(old, '%S+') do ids[#ids + 1] = i end
+  end
+  ids[#ids + 1] = id
+  while #ids > LETTERS_KEPT do table.remove(ids, 1) end
+  redis.pcall('HSET', letters, key, table.concat(ids, ' '))
+end
+
+local function unindex_letter(letters, key, id)
+  if not key or key == '' then return end
+  local old = redis.pcall('HGET', letters, key)
+  if type(old) ~= 'string' then return end
+  local ids = {}
+  for i in string.gmatch(old, '%S+') do
+    if i ~= id then ids[#ids + 1] = i end
+  end
+  if #ids == 0 then
+    redis.pcall('HDEL', letters, key)
+  else
+    redis.pcall('HSET', letters, key, table.concat(ids, ' '))
+  end
+end
+
 -- Why a retry is a dead letter when its job key was pushed again before it ran.
 local SUPERSEDED = 'retry superseded: the job key was pushed again before the retry ran ' ..
   '(a push reschedules its key; the newer push runs)'
@@ -84,7 +133,8 @@ end
 -- another type, an oversized entry stays pending, undelivered, and that key is reported.
 -- Returns the entries to deliver, the count of gone ones, {key, reason, ...} of the
 -- buried ones and {key, found, wanted} (empty when none) of a key that blocked one.
--- KEYS[1] must be the stream and KEYS[2] the dead-letter stream.
+-- KEYS[1] must be the stream, KEYS[2] the dead-letter stream, KEYS[3] and KEYS[4] the
+-- pool's `moved` and `letters` indexes.
 local function screen(entries, group, consumer, max_bytes, now_s)
   local kept, buried, gone = {}, {}, 0
   local dead_bad = wrong_type(KEYS[2], 'stream')
@@ -101,9 +151,11 @@ local function screen(entries, group, consumer, max_bytes, now_s)
         blocked = dead_bad
       elseif #msg > max_bytes then
         local reason = oversize_reason(#msg, max_bytes)
-        redis.call('XADD', KEYS[2], '*', 'msg', string.sub(msg, 1, OVERSIZE_PREFIX),
+        local letter = redis.call('XADD', KEYS[2], '*', 'msg', string.sub(msg, 1, OVERSIZE_PREFIX),
           'reason', reason, 'ts', now_s, 'event', '', 'key', key, 'attempts', 0,
           'length', #msg, 'sha1', redis.sha1hex(msg), 'consumer', consumer, 'id', id)
+        unindex_move(KEYS[3], key, id)
+        index_letter(KEYS[4], key, letter)
         redis.call('XACK', KEYS[1], group, id)
         -- Written by someone else (our mover never writes one): its bytes leave Redis
         -- too, not after the retention.

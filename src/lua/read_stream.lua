@@ -2,7 +2,8 @@
 -- limit ever reaches the worker (see `screen` in the prelude). Never blocks: the reader
 -- waits between empty reads itself.
 --
--- KEYS[1] events STREAM, KEYS[2] dead STREAM
+-- KEYS[1] events STREAM, KEYS[2] dead STREAM, KEYS[3] and KEYS[4] the pool's `moved` and
+-- `letters` indexes (see the prelude)
 -- ARGV[1] group, ARGV[2] consumer, ARGV[3] count, ARGV[4] id ('>' for new entries, or a
 -- cursor into this consumer's own pending entries), ARGV[5] max bytes
 -- Returns {gone, {entries}, {key, reason, ...} of the buried, {key, found, wanted} or {}}.

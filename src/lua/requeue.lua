@@ -7,7 +7,8 @@
 -- alone: the newer message wins, and the letter stays for the operator to purge.
 --
 -- KEYS[1] dead STREAM, KEYS[2] pool ZSET, KEYS[3] data HASH, KEYS[4] the pool's jobs HASH
--- (a requeued letter stays the same job: its stamp is remembered, as for a retry)
+-- (a requeued letter stays the same job: its stamp is remembered, as for a retry),
+-- KEYS[5] the pool's `letters` index (see the prelude)
 -- ARGV[1] due score (unix ms), then triples: dead-letter id, job key, message
 -- Data and score are written before the XDEL (ack last).
 -- Returns one code per triple: 1 requeued, 0 gone, -1 job key scheduled again.
@@ -26,6 +27,7 @@ for i = 2, #ARGV, 3 do
     redis.call('HSET', KEYS[3], key, msg)
     redis.call('ZADD', KEYS[2], ARGV[1], key)
     redis.call('XDEL', KEYS[1], id)
+    unindex_letter(KEYS[5], key, id)
     out[#out + 1] = 1
   end
 end

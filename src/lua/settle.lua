@@ -5,10 +5,11 @@
 -- key holds another type is left pending, untouched, and reported; the others go on.
 --
 -- KEYS[1] events STREAM, KEYS[2] pool ZSET, KEYS[3] data HASH, KEYS[4] dead STREAM,
--- KEYS[5] the pool's jobs HASH (a retry keeps its job id through the pool)
+-- KEYS[5] the pool's jobs HASH (a retry keeps its job id through the pool), KEYS[6] and
+-- KEYS[7] the pool's `moved` and `letters` indexes (see the prelude)
 -- ARGV[1] group, ARGV[2] consumer name
 -- then records of 7 fields: kind, entry id, job key, message, score-or-reason, event,
--- attempts. kind: 'A' ack, 'R' retry (score = due time), 'D' dead letter (reason).
+-- attempts (an ack's job key is given for the index; its other fields are empty). kind: 'A' ack, 'R' retry (score = due time), 'D' dead letter (reason).
 -- Returns one code per record (1 settled by this call, 2 settled as a dead letter because
 -- its retry was superseded by a newer push of its key, 0 already settled, -1 left
 -- pending: a key of another type), then {key, found, wanted} if any was -1.
@@ -40,24 +41,27 @@ for i = 3, #ARGV, 7 do
     if kind == 'R' and redis.call('ZSCORE', KEYS[2], ARGV[i + 2]) then
       -- The key was pushed again while this job ran, and a push reschedules its key: the
       -- newer push keeps the slot, this retry becomes a dead letter (nothing vanishes).
-      redis.call('XADD', KEYS[4], '*',
+      local letter = redis.call('XADD', KEYS[4], '*',
         'msg', ARGV[i + 3], 'reason', SUPERSEDED, 'ts', now_s,
         'event', ARGV[i + 5], 'key', ARGV[i + 2], 'attempts', ARGV[i + 6],
         'consumer', ARGV[2], 'id', id)
+      index_letter(KEYS[7], ARGV[i + 2], letter)
       superseded = true
     elseif kind == 'R' then
       remember_job(KEYS[5], ARGV[i + 2], ARGV[i + 3])
       redis.call('HSET', KEYS[3], ARGV[i + 2], ARGV[i + 3])
       redis.call('ZADD', KEYS[2], ARGV[i + 4], ARGV[i + 2])
     else
-      redis.call('XADD', KEYS[4], '*',
+      local letter = redis.call('XADD', KEYS[4], '*',
         'msg', ARGV[i + 3], 'reason', ARGV[i + 4], 'ts', now_s,
         'event', ARGV[i + 5], 'key', ARGV[i + 2], 'attempts', ARGV[i + 6],
         'consumer', ARGV[2], 'id', id)
+      index_letter(KEYS[7], ARGV[i + 2], letter)
     end
     code = redis.call('XACK', KEYS[1], ARGV[1], id)
     if superseded and code == 1 then code = 2 end
   end
+  if code == 1 or code == 2 then unindex_move(KEYS[6], ARGV[i + 2], id) end
   out[#out + 1] = code
 end
 if blocked then

@@ -12,6 +12,8 @@
 //!   reason and its message pretty-printed. Both through `admin::dead` (and `dead::list`).
 //!   With `--shards N`, every shard's letters merged newest first
 //!   (`dead::newest_sharded`), ids written `<shard>/<id>` as `worker dead` writes them.
+//! - `GET /trace?q=...`: the search box (in every page's header): the trace of a job key
+//!   or an order number, as `worker trace` shows it (`trace.rs`).
 //! - `POST /dead/requeue`, `POST /dead/purge`: only with `--admin-token-file`
 //!   (`actions.rs`); without it the page is read-only, says so, and renders no form.
 //!
@@ -33,6 +35,7 @@
 mod actions;
 mod chart;
 mod pretty;
+mod trace;
 mod view;
 
 use crate::admin::{self, dead, StatsReport};
@@ -79,7 +82,7 @@ pub const REFRESH_S: u32 = 10;
 pub fn serves(path: &str) -> bool {
     matches!(
         path,
-        "/" | "/dead" | "/dead/letter" | "/dead/requeue" | "/dead/purge"
+        "/" | "/dead" | "/dead/letter" | "/dead/requeue" | "/dead/purge" | "/trace"
     )
 }
 
@@ -248,6 +251,7 @@ impl<'a> Page<'a> {
                 (arg("at"), arg("after"), arg("older")),
             ),
             "/dead/letter" => self.letter(arg("id"), arg("queue"), arg("at")),
+            "/trace" => self.trace(arg("q")),
             _ => match &self.actions {
                 Some(a) => a.handle(self, req),
                 None => {

@@ -38,10 +38,11 @@ figure{margin:.5rem 0 1rem}
 figcaption{font-size:.85rem;color:#777}
 form.row{display:flex;flex-wrap:wrap;gap:.4rem;align-items:center;margin:.5rem 0}
 input,button{font:inherit;padding:.25rem .5rem}
+nav form.row{margin:0 0 0 auto}
 "#;
 
 /// The page around `body`; the overview refreshes itself.
-fn layout(title: &str, refresh: bool, body: Markup) -> Markup {
+pub(super) fn layout(title: &str, refresh: bool, body: Markup) -> Markup {
     html! {
         (DOCTYPE)
         html lang="en" {
@@ -60,6 +61,8 @@ fn layout(title: &str, refresh: bool, body: Markup) -> Markup {
                     a href="/dead" { "Dead letters" }
                     a href="/metrics" { "Metrics" }
                     a href="/healthz" { "Health" }
+                    a href="/trace" { "Trace" }
+                    (super::trace::search_box())
                 }
                 (body)
             }

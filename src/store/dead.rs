@@ -1,13 +1,14 @@
 //! The operator's changes to the dead letters: requeue into the delay pool, purge; and
 //! for list mode's dead lists, requeue onto the queue, purge.
 
-use super::{query, run, script, StoreResult};
+use super::{run, script, StoreResult};
 use crate::keys::{Keys, Queue};
 use redis::{ConnectionLike, Script, Value};
 use std::sync::LazyLock;
 
 static REQUEUE: LazyLock<Script> = script!("requeue.lua");
 static REQUEUE_LIST: LazyLock<Script> = script!("requeue_list.lua");
+static PURGE: LazyLock<Script> = script!("purge.lua");
 
 /// A read-only script for `worker stats`: how many entries of a stream have an id at or
 /// after ARGV[1], up to ARGV[2], counted server side (see `lua/count_since.lua`).
@@ -41,6 +42,7 @@ pub fn requeue(
         .key(&keys.pool)
         .key(&keys.data)
         .key(&keys.jobs)
+        .key(&keys.letters)
         .arg(due_ms);
     for (id, key, msg) in letters {
         inv.arg(*id).arg(*key).arg(*msg);
@@ -58,14 +60,22 @@ pub fn requeue(
         .collect())
 }
 
-/// Deletes dead letters by id; returns how many were still there.
+/// Deletes dead letters by id, and each from the `letters` index, in one script call;
+/// returns how many were still there.
 pub fn purge(con: &mut dyn ConnectionLike, keys: &Keys, ids: &[&str]) -> StoreResult<u64> {
     if ids.is_empty() {
         return Ok(0);
     }
-    let mut cmd = redis::cmd("XDEL");
-    cmd.arg(&keys.dead).arg(ids);
-    query("purge dead letters", &cmd, con)
+    let mut inv = PURGE.prepare_invoke();
+    inv.key(&keys.dead).key(&keys.letters);
+    for id in ids {
+        inv.arg(*id);
+    }
+    let reply = run("purge dead letters", &inv, con)?;
+    Ok(match reply {
+        Value::Array(v) => super::int(v.first()).max(0) as u64,
+        _ => 0,
+    })
 }
 
 /// Puts letters `(letter bytes, job key or empty, message)` of `queue`'s dead list back

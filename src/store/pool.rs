@@ -173,13 +173,14 @@ fn legacy_candidates(
 }
 
 /// Moves up to `limit` members of `pool` due at `at` (Redis's clock, or an injected time)
-/// to `target`, in one atomic script. `jobs` is the jobs HASH of our pool (retries keep
-/// their job id through it).
+/// to `target`, in one atomic script. `ours` are our pool's keys: its jobs HASH (retries
+/// keep their job id through it) and the `moved` and `letters` indexes `worker trace`
+/// reads (a legacy pool's jobs are indexed under ours too).
 #[allow(clippy::too_many_arguments)]
 pub fn move_due(
     con: &mut dyn ConnectionLike,
     pool: Pool<'_>,
-    jobs: &str,
+    ours: &Keys,
     target: Target<'_>,
     at: At,
     limit: usize,
@@ -230,7 +231,9 @@ pub fn move_due(
         .key(data)
         .key(target_key)
         .key(dead)
-        .key(jobs)
+        .key(&ours.jobs)
+        .key(&ours.moved)
+        .key(&ours.letters)
         .arg(match at {
             At::Server => String::new(),
             At::Ms(ms) => ms.to_string(),

@@ -49,6 +49,8 @@ impl Reading<'_> {
         let mut inv = script.prepare_invoke();
         inv.key(&self.keys.stream)
             .key(&self.keys.dead)
+            .key(&self.keys.moved)
+            .key(&self.keys.letters)
             .arg(&self.keys.group)
             .arg(self.consumer);
         inv
@@ -177,6 +179,8 @@ pub fn bury_overdelivered(
     let mut inv = BURY.prepare_invoke();
     inv.key(&r.keys.stream)
         .key(&r.keys.dead)
+        .key(&r.keys.moved)
+        .key(&r.keys.letters)
         .arg(&r.keys.group)
         .arg(only.unwrap_or(""))
         .arg(min_idle.as_millis() as u64)
@@ -204,6 +208,8 @@ pub(super) fn settle(
         .key(&keys.data)
         .key(&keys.dead)
         .key(&keys.jobs)
+        .key(&keys.moved)
+        .key(&keys.letters)
         .arg(&keys.group)
         .arg(consumer);
     for s in batch {
@@ -212,7 +218,14 @@ pub(super) fn settle(
             Origin::List { .. } => "",
         };
         match &s.outcome {
-            Outcome::Ack => inv.arg("A").arg(id).arg("").arg("").arg("").arg("").arg(0),
+            Outcome::Ack => inv
+                .arg("A")
+                .arg(id)
+                .arg(s.key.as_slice())
+                .arg("")
+                .arg("")
+                .arg("")
+                .arg(0),
             Outcome::Retry { msg, due_ms } => inv
                 .arg("R")
                 .arg(id)

@@ -533,7 +533,12 @@ impl<'a> Worker<'a> {
             log::error!("{what}");
         }
         log::debug!("job {key} {} held: {}", env.event, f.reason);
-        let msg = env.requeued(env.retry, first_due.unwrap_or(now));
+        let msg = env.requeued_after(
+            env.retry,
+            first_due.unwrap_or(now),
+            &f.reason,
+            self.ctx.jobs.max_message_bytes,
+        );
         let mut s = Settlement::new(
             d,
             Outcome::Retry {
@@ -602,7 +607,12 @@ impl<'a> Worker<'a> {
             d,
             Outcome::Retry {
                 msg: env
-                    .requeued(env.retry.saturating_add(1), since)
+                    .requeued_after(
+                        env.retry.saturating_add(1),
+                        since,
+                        &f.reason,
+                        jobs.max_message_bytes,
+                    )
                     .into_bytes(),
                 due_ms: now + delay.as_millis() as i64,
             },

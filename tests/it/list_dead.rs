@@ -379,6 +379,8 @@ fn check_holds_list_queues_against_their_levels() {
         let mut a = vec![
             "stats",
             "--check",
+            "--expect-workers",
+            "0",
             "--source",
             "list",
             "--queues",

@@ -18,6 +18,7 @@ mod list;
 mod list_dead;
 mod loss;
 mod metrics_server;
+mod operator;
 
 mod migrate;
 mod monitoring;
@@ -40,3 +41,4 @@ mod status_page;
 mod store;
 mod tls;
 mod topology;
+mod trace;

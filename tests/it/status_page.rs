@@ -1516,3 +1516,87 @@ fn status_page_list_mode_pages_stay_stable() {
     assert!(worker.wait(WAIT).success());
     let _ = std::fs::remove_dir_all(token_dir);
 }
+
+// ---- the trace search --------------------------------------------------------------------
+
+/// `/trace?q=...` of `q`, as Chromium lays it out.
+fn trace_dom(port: u16, q: &str) -> String {
+    let q: String = form_urlencoded::byte_serialize(q.as_bytes()).collect();
+    dom(&format!("http://127.0.0.1:{port}/trace?q={q}"))
+}
+
+#[test]
+fn status_page_trace_search_by_key_and_by_order_number_shown_as_text() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 1);
+    let no = orders[0].order_no.clone();
+    let key = format!("order.timeout:{no}");
+    let hostile = format!("order.timeout:{HOSTILE_EVENT}");
+    let now = delay_worker::now_ms();
+    let mut con = env.con();
+    for (k, due) in [(&key, now), (&hostile, now + 15 * 60_000)] {
+        let job = delay_worker::producer::NewJob {
+            event: "order.timeout".into(),
+            payload: serde_json::json!({ "order_no": HOSTILE_NOTE }),
+            due_ms: due,
+            key: Some(k.clone()),
+        };
+        let job = if *k == key {
+            delay_worker::producer::NewJob {
+                payload: serde_json::json!({ "order_no": no }),
+                ..job
+            }
+        } else {
+            job
+        };
+        delay_worker::producer::push(&mut con, &env.config.keys, &job, now).unwrap();
+    }
+    let port = free_port();
+    let _worker = start(&env, "trace-page", port, &[]);
+    wait_until(WAIT, "the order's timeout done", || {
+        inbox_count(&env.db) == 1
+    });
+
+    // Every page has the search box.
+    let overview = dom(&format!("http://127.0.0.1:{port}/"));
+    assert!(overview.contains(r#"action="/trace""#), "{overview}");
+
+    // By key: its job, done, with its consumer; the same words as `worker trace`.
+    let page = trace_dom(port, &key);
+    assert_eq!(attr_values(&page, "data-state"), ["done"], "{page}");
+    let said = plain(&page);
+    assert!(
+        said.contains("done at") && said.contains("by trace-page"),
+        "{said}"
+    );
+    let cli = run_worker(
+        &["trace", &key],
+        &env.config.redis_url,
+        &env.config.database_url,
+    );
+    let line = text(&cli.stdout)
+        .lines()
+        .find(|l| l.trim_start().starts_with("done at"))
+        .map(|l| l.trim().split(" (").next().unwrap().to_string())
+        .expect("a done line");
+    assert!(said.contains(&line), "{line} in {said}");
+
+    // By order number: the key of the order's timeout.
+    let page = trace_dom(port, &no);
+    assert_eq!(attr_values(&page, "data-key"), [key.as_str()], "{page}");
+    assert_eq!(attr_values(&page, "data-state"), ["done"]);
+
+    // A key holding HTML is shown as text: no element made of it.
+    let page = trace_dom(port, &hostile);
+    assert_eq!(attr_values(&page, "data-state"), ["scheduled"], "{page}");
+    assert!(
+        !page.contains("<img") && !page.contains("<script>alert"),
+        "{page}"
+    );
+    assert!(plain(&page).contains(&hostile), "{page}");
+
+    // Nothing of it anywhere: said so.
+    let page = trace_dom(port, "order.timeout:SO-NEVER");
+    assert_eq!(attr_values(&page, "data-state"), ["gone"], "{page}");
+    assert!(plain(&page).contains("never pushed"));
+}

@@ -65,6 +65,14 @@ pub enum Command {
     /// List, show, requeue or purge the dead letters (list mode: the dead lists).
     #[command(allow_negative_numbers = true)]
     Dead(DeadCli),
+    /// Where the jobs of a job key (or an order) are and what became of them; exit 4 if
+    /// there is no trace of one.
+    Trace {
+        #[command(flatten)]
+        queues: QueueArgs,
+        #[command(flatten)]
+        args: delay_worker::admin::trace::TraceArgs,
+    },
     /// Measure lateness and throughput against this machine's ceilings (destructive: use
     /// a bench database; scripts/bench.sh sets one up).
     #[command(allow_negative_numbers = true)]
@@ -500,12 +508,12 @@ impl Cli {
         match &self.command {
             None => Cow::Borrowed(&self.run),
             Some(Command::Run(r)) | Some(Command::Bench { run: r, .. }) => Cow::Borrowed(r),
-            Some(Command::Stats { queues, .. }) | Some(Command::Dead(DeadCli { queues, .. })) => {
-                Cow::Owned(RunArgs {
-                    queues: queues.clone(),
-                    ..RunArgs::defaults()
-                })
-            }
+            Some(Command::Stats { queues, .. })
+            | Some(Command::Dead(DeadCli { queues, .. }))
+            | Some(Command::Trace { queues, .. }) => Cow::Owned(RunArgs {
+                queues: queues.clone(),
+                ..RunArgs::defaults()
+            }),
             Some(_) => Cow::Owned(RunArgs::defaults()),
         }
     }
@@ -642,7 +650,7 @@ impl Cli {
     fn runs_no_mover(&self) -> bool {
         matches!(
             self.command,
-            Some(Command::Stats { .. }) | Some(Command::Dead(_))
+            Some(Command::Stats { .. }) | Some(Command::Dead(_)) | Some(Command::Trace { .. })
         )
     }
 

@@ -5,7 +5,7 @@
 //! (a server unreachable, a job not found by `cancel`), 2 bad input of any kind (a flag, a
 //! URL, a payload, an unknown event, a payload missing a required field), 130 a second
 //! signal during shutdown. `stats --check` has its own: 0 OK, 1 WARNING, 2 CRITICAL,
-//! 3 UNKNOWN.
+//! 3 UNKNOWN; `trace` exits 4 when there is no trace of the job.
 
 use anyhow::Context;
 use clap::{CommandFactory, FromArgMatches};
@@ -53,13 +53,16 @@ fn main() -> ExitCode {
         Some(Command::Cancel { ref key }) => cancel(&config, key),
         Some(Command::Stats { ref args, .. }) => admin::stats(&config, args),
         Some(Command::Dead(ref args)) => admin::dead(&config, args),
+        Some(Command::Trace { ref args, .. }) => admin::trace(&config, args),
         Some(Command::Bench { ref args, .. }) => bench::run(&config, args),
     };
     match result {
         Ok(code) => code,
         Err(e) => {
             eprintln!("worker: {}", admin::one_line(&e));
-            if e.downcast_ref::<BadInput>().is_some() {
+            if e.downcast_ref::<BadInput>().is_some()
+                || e.downcast_ref::<admin::trace::BadQuery>().is_some()
+            {
                 ExitCode::from(2)
             } else {
                 ExitCode::FAILURE
