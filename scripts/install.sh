@@ -11,7 +11,7 @@
 # A .deb (Debian, Ubuntu: where dpkg exists) is installed with `dpkg -i --force-confold`,
 # an .rpm (RHEL/CentOS 7 and later: where rpm exists and dpkg does not) with `rpm -U
 # --replacepkgs`: the package holds the binary (/usr/bin/worker), the unit, the environment
-# file template and creates the system user (README "Packages"); an existing environment
+# file template and creates the system user (docs/operating.md "Packages"); an existing environment
 # file is kept (rpm writes the template beside it as worker.env.rpmnew). A host installed
 # from a binary before moves to the package: its /usr/local/bin/worker and the copied unit
 # in /etc/systemd/system (which would hide the package's) are removed.

@@ -11,7 +11,7 @@
 #                                          (RHEL/CentOS 7, Debian 8, Ubuntu 14.04 and later)
 #   DIR/delay-worker_<version>-1_amd64.deb that binary as /usr/bin/worker, the unit, the
 #                                          environment file template (a conffile, mode 0600)
-#                                          and the system user (README "Packages")
+#                                          and the system user (docs/operating.md "Packages")
 #   DIR/delay-worker-<version>-1.x86_64.rpm
 #                                          the same for EL7-compatible hosts (RHEL/CentOS 7
 #                                          and later): the template a %config(noreplace)

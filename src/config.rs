@@ -1,7 +1,7 @@
 //! The validated configuration every role reads.
 //!
 //! `cli.rs` parses raw flags; [`Config`] is what they become once checked, with defaults
-//! that follow the README. Nothing here touches the network. Errors name the flag or
+//! that follow docs/operating.md (Flags). Nothing here touches the network. Errors name the flag or
 //! variable they came from, and URLs are only ever shown through [`redact_url`].
 
 use crate::conninfo;
@@ -268,11 +268,11 @@ impl JobConfig {
 /// Default of `--move-window`: at 2,000 jobs/s with millisecond scores, about ten jobs per
 /// move call, read and set instead of one, for at most 5 ms of lateness. Each of those is a
 /// round trip, and round trips are what the worker's CPU goes to: 2 ms made it 0.11 s per
-/// 1,000 jobs, 5 ms 0.073 (README, Performance).
+/// 1,000 jobs, 5 ms 0.073 (docs/performance.md).
 pub const DEFAULT_MOVE_WINDOW: Duration = Duration::from_millis(5);
 
 /// Default of `--set-size`: enough jobs per set that a backlog's commits and round trips
-/// are shared (see README, Performance), few enough that a set's locks are brief.
+/// are shared (see docs/performance.md), few enough that a set's locks are brief.
 pub const DEFAULT_SET_SIZE: usize = 32;
 
 /// Default of `--lock-timeout`: a shop transaction holds its row locks for milliseconds,

@@ -527,7 +527,7 @@ fn migrate_locked(client: &mut postgres::Client) -> Result<Vec<&'static str>, Db
 }
 
 /// Whose fault a failed statement is: what becomes of the job follows from it, never from
-/// where the failure showed. The table is the README's ("Failures: whose fault").
+/// where the failure showed. The table is docs/design.md's (Semantics, "Whose fault").
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fault {
     /// The connection or the server: lost, shutting down or starting, read-only (a standby,
@@ -550,7 +550,7 @@ pub enum Fault {
 }
 
 impl Fault {
-    /// The README's word for it.
+    /// docs/design.md's word for it.
     pub fn describe(self) -> &'static str {
         match self {
             Fault::Server => "the server",

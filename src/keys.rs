@@ -258,7 +258,7 @@ mod tests {
         for s in &k {
             assert!(slot_conflict(&s.script_names()).is_none());
         }
-        // The test vector of the README: PHP's crc32('order:1001') % 3.
+        // The test vector of docs/scaling.md (Sharding): PHP's crc32('order:1001') % 3.
         assert_eq!(crc32fast::hash(b"order:1001"), 0xdf03_51ab);
         assert_eq!(shard_of(b"order:1001", 3), 1);
         assert_eq!(shard_of(b"anything", 1), 0);

@@ -17,7 +17,7 @@
 //!   the others wait at the gate holding their jobs, and sets hold at most
 //!   [`YIELD_SET_SIZE`] jobs. A drain then leaves the database's
 //!   cores and the WAL to the shop's transactions instead of queueing eight of its own in
-//!   front of them (measured with `scripts/bench.sh shop`: README, Performance). When the
+//!   front of them (measured with `scripts/bench.sh shop`: docs/performance.md). When the
 //!   shop is quiet, every worker may run.
 
 use crate::shutdown::Shutdown;

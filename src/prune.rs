@@ -2,8 +2,8 @@
 //! `--inbox-retention`.
 //!
 //! The inbox gains one row per job (`workers.rs`), used only to make a job delivered again
-//! a no-op; a row is needed only as long as its job can still arrive again (README,
-//! "Inbox retention"). One thread per daemon runs a pass every `interval`:
+//! a no-op; a row is needed only as long as its job can still arrive again (docs/design.md,
+//! Semantics, "Inbox retention"). One thread per daemon runs a pass every `interval`:
 //!
 //! ```text
 //!  cutoff = PostgreSQL now() - retention, held back to the oldest pending stream entry

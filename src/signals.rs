@@ -11,7 +11,7 @@
 //! | SIGUSR2 | logged and ignored |
 //!
 //! SIGPIPE is ignored by the Rust runtime (a client gone is a write error); every other
-//! signal keeps its default action (README, "Signals").
+//! signal keeps its default action (docs/operating.md, systemd, "Signals").
 //!
 //! The admin tools and the benchmark stop on SIGINT and SIGTERM ([`on_stop`]).
 

@@ -14,8 +14,8 @@
 //!
 //! `--order SO123` traces the keys `<event>:SO123` of the built-in events that act on an
 //! order ([`ORDER_EVENTS`], payload `order_no` or `order_id`), the key `worker push` and the
-//! README's producers give them; in list mode it also matches messages whose payload names
-//! the order (a raw queue's messages have no key).
+//! producers of docs/producers.md give them; in list mode it also matches messages whose
+//! payload names the order (a raw queue's messages have no key).
 //!
 //! This module gathers ([`gather`]); `admin/trace.rs` prints and the status page shows.
 

@@ -21,7 +21,7 @@ local function wrong_type(...)
 end
 
 -- Redis's own clock in unix seconds: when a dead letter died (its `ts`). Every time a
--- script records is the server's, never a worker host's (README, Time).
+-- script records is the server's, never a worker host's (docs/design.md, Time).
 local function server_s()
   return tonumber(redis.call('TIME')[1])
 end

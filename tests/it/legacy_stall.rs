@@ -153,7 +153,7 @@ fn a_legacy_member_outside_the_acl_rules_is_one_dead_letter_and_nothing_waits() 
     let r = RedisServer::start();
     let mut admin = r.con();
     let keys = Keys::default();
-    // The README's rules for this legacy pool: its key and `close_order_*`. Another
+    // The rules of docs/security.md ("Least privilege") for this legacy pool: its key and `close_order_*`. Another
     // producer's member in the same pool is named outside them.
     let url = acl_user(&r, &[&format!("~{POOL}"), "~close_order_*"]);
     let mut pushed = Vec::new();

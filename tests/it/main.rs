@@ -9,6 +9,7 @@ mod cli;
 mod clock;
 mod cluster;
 mod consumer;
+mod docs;
 mod faults;
 mod hostile;
 mod identity;
@@ -27,6 +28,8 @@ mod php;
 mod privilege;
 mod producer;
 mod prune;
+#[path = "../docs/quick_start.rs"]
+mod quick_start;
 mod release;
 mod reload;
 mod retention;

@@ -3,7 +3,7 @@
 //! `sql/grants.sql` grants (the tables migrated by an owner role), through the whole order
 //! story in stream mode and in list mode with a legacy pool; then proof that neither the
 //! user nor the role can do anything else. The rules and grants are read from the very
-//! files the README tells the operator to apply, so the test and the documentation cannot
+//! files docs/security.md tells the operator to apply, so the test and the documentation cannot
 //! drift apart.
 
 use crate::support::*;
@@ -21,7 +21,7 @@ use std::time::Duration;
 
 const WAIT: Duration = Duration::from_secs(30);
 
-/// A file of the repository: the rules and grants are read where the README points the
+/// A file of the repository: the rules and grants are read where docs/security.md points the
 /// operator.
 fn repo_file(path: &str) -> String {
     let full = Path::new(env!("CARGO_MANIFEST_DIR")).join(path);
@@ -44,7 +44,7 @@ pub(crate) fn rules(files: &[&str]) -> Vec<String> {
         .collect()
 }
 
-/// What README "Least privilege" adds for list mode: `~Q ~Q:*` for each queue Q, and for
+/// What docs/security.md "Least privilege" adds for list mode: `~Q ~Q:*` for each queue Q, and for
 /// each legacy pool its key and the pattern of its members' names.
 fn list_mode_rules(queues: &[&str], legacy: &[(&str, &str)]) -> Vec<String> {
     let mut r = Vec::new();
@@ -154,7 +154,7 @@ impl Locked {
             db.name
         ))
         .unwrap();
-        // What the README asks of PostgreSQL 14 and older (15 has it so already): nobody
+        // What docs/security.md asks of PostgreSQL 14 and older (15 has it so already): nobody
         // but the schema's owner creates objects in it.
         db.client()
             .batch_execute("REVOKE CREATE ON SCHEMA public FROM PUBLIC")

@@ -1,5 +1,5 @@
 //! The release files of `scripts/release.sh`: the binary needs no glibc newer than 2.17 (its
-//! symbol versions, read with readelf), and the .deb holds what README "Packages" says and
+//! symbol versions, read with readelf), and the .deb holds what docs/operating.md "Packages" says and
 //! installs, upgrades, keeps an edited environment file, removes and purges in a throwaway
 //! root (`dpkg --root` with `--force-script-chrootless`, so its maintainer scripts run too,
 //! writing the system user into that root). The RPM requires nothing EL7 lacks and installs,

@@ -421,7 +421,7 @@ fn status_page_in_a_browser_stream_mode() {
     );
     assert!(!page.contains("Read-only"), "actions are on with the token");
 
-    // A screenshot at a phone's width: the page renders there (the README's picture is
+    // A screenshot at a phone's width: the page renders there (the picture in docs/operating.md is
     // made the same way).
     let shot = std::env::temp_dir().join(format!("dw-status-{port}.png"));
     let (w, h) = screenshot(&format!("{base}/"), &shot, 412, 1200);

@@ -6,7 +6,7 @@ namespace DelayWorker;
 
 /**
  * The key layout of one queue, exactly as the worker builds it from the same flags
- * (src/keys.rs; README "Wire format", "Scaling out"):
+ * (src/keys.rs; docs/producers.md "Wire format", docs/scaling.md "Sharding"):
  *
  * - unsharded, `--key-prefix P` (default `mq`): `P:delay:pool`, `P:delay:pool:data`,
  *   `P:delay:pool:jobs`; `--pool-key` and `--data-key` name the first two themselves.

@@ -34,7 +34,7 @@ test('layouts: the key names of src/keys.rs', function (): void {
         same($l['jobs'], $set->jobs, $what);
         same($l['shard_count'], $keys->shardCount(), $what);
     }
-    // The README's example: order:1001 is in shard 1 of 3.
+    // The example of docs/scaling.md (Sharding): order:1001 is in shard 1 of 3.
     same('{mq:1}:delay:pool', (new Keys('mq', 3))->forJob('order:1001')->pool);
 });
 

@@ -336,7 +336,7 @@ pub struct RunArgs {
     #[arg(long, default_value = "24h", value_parser = parse_duration)]
     pub retention: Duration,
     /// Delete worker_inbox rows older than this (0 keeps all). Must be longer than
-    /// every way a job can arrive again, --retention included (see README).
+    /// every way a job can arrive again, --retention included (see docs/design.md, "Inbox retention").
     #[arg(long, default_value = "7d", value_parser = parse_duration)]
     pub inbox_retention: Duration,
     /// Time between two inbox pruning passes (a pass works at most half of it).

@@ -107,7 +107,7 @@ const MALLOC_ARENAS: i32 = 2;
 /// threads that allocate at the same time arenas of their own, up to 8 per core, and each
 /// arena keeps what was freed in it for reuse: the daemon's threads (workers, mover, reader,
 /// pruner, the pool's helpers, metrics connections) took 15 arenas on 2 cores, holding
-/// 0.7–1.1 MB more than two after 10 minutes (README, "The status page, polled"). One arena
+/// 0.7–1.1 MB more than two after 10 minutes (docs/performance.md, "The status page, polled"). One arena
 /// saves ~0.1 MB more but cost 10–15 % more worker CPU per job on the backlog (threads
 /// waiting on its lock); two cost nothing measurable. Called first, before any thread
 /// exists.
