@@ -46,7 +46,8 @@
 //! - `signals.rs` — the signals: stop, reload (SIGHUP), state report (SIGUSR1).
 //! - `prune.rs` — the inbox pruner: old `worker_inbox` rows deleted, one process at a time.
 //! - `shutdown.rs`, `backoff.rs` — the small shared pieces.
-//! - `admin/` — the operator's tools: `worker stats` (`--watch`, `--check`), `worker dead`.
+//! - `admin/` — the operator's tools: `worker stats` (`--watch`, `--check`), `worker dead`,
+//!   `worker handlers check`.
 //! - `notify.rs` — systemd readiness and watchdog; `metrics.rs` — `/metrics` and `/healthz`;
 //!   `status/` — the status page on the same address (`/`, the dead letters, requeue and
 //!   purge with `--admin-token-file`).

@@ -11,9 +11,11 @@
 //! - `check.rs` — thresholds and the one-line verdict of `--check`.
 //! - `dead.rs` — the dead-letter stream: filters, list, show, requeue, purge; `dead/list.rs`
 //!   the same on list mode's dead lists.
+//! - `handlers_check.rs` — `worker handlers check`: handler files prepared without a daemon.
 
 pub mod check;
 pub mod dead;
+pub mod handlers_check;
 pub mod stats;
 
 pub use check::{Status, Thresholds, Verdict};

@@ -115,7 +115,7 @@ fn bad_flags_and_unreachable_servers_give_one_readable_line() {
 
 /// The README's exit-code table, row by row (the second signal's 130 is
 /// `consumer::a_second_signal_exits_at_once_and_the_next_start_recovers`, `stats --check`'s
-/// codes are in admin.rs).
+/// codes are in admin.rs, `handlers check`'s in handlers_check.rs).
 #[test]
 fn every_row_of_the_exit_code_table() {
     let r = RedisServer::start();

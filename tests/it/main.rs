@@ -10,6 +10,7 @@ mod clock;
 mod cluster;
 mod consumer;
 mod faults;
+mod handlers_check;
 mod hostile;
 mod identity;
 mod legacy_stall;

@@ -65,6 +65,9 @@ pub enum Command {
     /// List, show, requeue or purge the dead letters (list mode: the dead lists).
     #[command(allow_negative_numbers = true)]
     Dead(DeadCli),
+    /// Handler files: `worker handlers check --handlers-dir D`.
+    #[command(subcommand)]
+    Handlers(HandlersCommand),
     /// Measure lateness and throughput against this machine's ceilings (destructive: use
     /// a bench database; scripts/bench.sh sets one up).
     #[command(allow_negative_numbers = true)]
@@ -73,6 +76,19 @@ pub enum Command {
         run: RunArgs,
         #[command(flatten)]
         args: Box<crate::bench::BenchArgs>,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum HandlersCommand {
+    /// Read, parse and prepare every *.sql file of --handlers-dir against the database
+    /// (each in a transaction rolled back), without starting the daemon: one line per
+    /// file; exit 0 when all are ok, 2 when one is not, 1 when PostgreSQL cannot be
+    /// reached.
+    Check {
+        /// Directory of the SQL handlers (*.sql) to check.
+        #[arg(long)]
+        handlers_dir: PathBuf,
     },
 }
 
@@ -561,10 +577,13 @@ impl Cli {
                 problem: e.problem,
             });
         }
-        // `migrate` touches PostgreSQL only.
+        // `migrate` and `handlers` touch PostgreSQL only.
         if delay_worker::store::Topology::of(&config.redis_url)
             == delay_worker::store::Topology::Cluster
-            && !matches!(self.command, Some(Command::Migrate))
+            && !matches!(
+                self.command,
+                Some(Command::Migrate) | Some(Command::Handlers(_))
+            )
         {
             for (i, keys) in config.shard_keys().iter().enumerate() {
                 let mut names = keys.script_names();

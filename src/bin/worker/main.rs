@@ -12,7 +12,7 @@ use clap::{CommandFactory, FromArgMatches};
 mod bench;
 mod cli;
 
-use cli::{Cli, Command, PushArgs};
+use cli::{Cli, Command, HandlersCommand, PushArgs};
 use delay_worker::{admin, daemon, db, producer, Config, Shutdown};
 use std::io::Write;
 use std::process::ExitCode;
@@ -54,12 +54,17 @@ fn main() -> ExitCode {
         Some(Command::Stats { ref args, .. }) => admin::stats(&config, args),
         Some(Command::Dead(ref args)) => admin::dead(&config, args),
         Some(Command::Bench { ref args, .. }) => bench::run(&config, args),
+        Some(Command::Handlers(HandlersCommand::Check { ref handlers_dir })) => {
+            admin::handlers_check::run(&config, handlers_dir, &mut std::io::stdout().lock())
+        }
     };
     match result {
         Ok(code) => code,
         Err(e) => {
             eprintln!("worker: {}", admin::one_line(&e));
-            if e.downcast_ref::<BadInput>().is_some() {
+            if e.downcast_ref::<BadInput>().is_some()
+                || e.downcast_ref::<admin::handlers_check::BadDir>().is_some()
+            {
                 ExitCode::from(2)
             } else {
                 ExitCode::FAILURE
