@@ -38,3 +38,4 @@ mod status_page;
 mod store;
 mod tls;
 mod topology;
+mod unit_env;

@@ -299,8 +299,9 @@ impl Args for DeadCli {
 pub struct RunArgs {
     #[command(flatten)]
     pub queues: QueueArgs,
-    /// Worker threads; the PostgreSQL pool and the channel are sized from it.
-    #[arg(long, default_value_t = 8)]
+    /// Worker threads; the PostgreSQL pool and the channel are sized from it. The flag,
+    /// when given, wins over WORKER_THREADS (the systemd unit's environment file sets it).
+    #[arg(long, env = "WORKER_THREADS", default_value_t = 8)]
     pub threads: usize,
     /// Stable consumer name in the group [default: the host name]. Give each process
     /// on one host its own.
@@ -548,7 +549,6 @@ impl Cli {
                 }
             }
         }
-        let mut config = self.config()?;
         let source = |id: &str| {
             let sub = m.subcommand().map(|(_, s)| s);
             [sub, Some(m)]
@@ -556,6 +556,19 @@ impl Cli {
                 .flatten()
                 .find_map(|mm| mm.value_source(id))
         };
+        let mut config = self.config().map_err(|e| {
+            // A bad WORKER_THREADS is named as the operator wrote it.
+            if e.flag == "--threads"
+                && source("threads") == Some(clap::parser::ValueSource::EnvVariable)
+            {
+                CliError {
+                    flag: "WORKER_THREADS",
+                    ..e
+                }
+            } else {
+                e
+            }
+        })?;
         let given = |id: &str, flag: &'static str, var: &'static str| {
             if source(id) == Some(clap::parser::ValueSource::EnvVariable) {
                 var
