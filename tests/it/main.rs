@@ -16,6 +16,7 @@ mod identity;
 mod legacy_stall;
 mod list;
 mod list_dead;
+mod lock_holder;
 mod loss;
 mod metrics_server;
 
@@ -39,3 +40,4 @@ mod store;
 mod tls;
 mod topology;
 mod unit_env;
+mod url_hints;
