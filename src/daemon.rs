@@ -272,8 +272,8 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<Report, DaemonError> 
         }
     }
     log::info!(
-        "stopped after {:.1}s: drained {} jobs; {}",
-        started.elapsed().as_secs_f64(),
+        "stopped after {}: drained {} jobs; {}",
+        crate::human_ms(started.elapsed().as_millis() as i64),
         report.drained,
         report.stats
     );

@@ -29,7 +29,10 @@ fn push_and_cancel_from_the_command_line() {
         "postgres://unused",
     );
     assert!(out.status.success(), "{}", text(&out.stderr));
-    assert!(text(&out.stdout).starts_with("scheduled order.timeout:SO9"));
+    assert_eq!(
+        text(&out.stdout).trim(),
+        "scheduled order.timeout:SO9 due in 15 min"
+    );
     let out = worker(
         &[
             "push",
@@ -45,7 +48,10 @@ fn push_and_cancel_from_the_command_line() {
         &url,
         "postgres://unused",
     );
-    assert!(text(&out.stdout).starts_with("rescheduled order.timeout:SO9"));
+    assert_eq!(
+        text(&out.stdout).trim(),
+        "rescheduled order.timeout:SO9 due in 1 min"
+    );
     let out = worker(
         &["cancel", "--key", "order.timeout:SO9"],
         &url,

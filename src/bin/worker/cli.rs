@@ -57,10 +57,11 @@ pub enum Command {
     /// Queue figures (stream, group, consumers, pool, dead letters); --watch, --check.
     #[command(allow_negative_numbers = true)]
     Stats {
-        #[command(flatten)]
-        queues: QueueArgs,
+        // The command's own flags first: `--help` lists them before the headings.
         #[command(flatten)]
         args: delay_worker::admin::StatsArgs,
+        #[command(flatten)]
+        queues: QueueArgs,
     },
     /// List, show, requeue or purge the dead letters (list mode: the dead lists).
     #[command(allow_negative_numbers = true)]
@@ -73,9 +74,9 @@ pub enum Command {
     #[command(allow_negative_numbers = true)]
     Bench {
         #[command(flatten)]
-        run: RunArgs,
-        #[command(flatten)]
         args: Box<crate::bench::BenchArgs>,
+        #[command(flatten)]
+        run: RunArgs,
     },
 }
 
@@ -117,6 +118,7 @@ pub struct PushArgs {
 
 /// Where the servers are and what the keys are called.
 #[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Connection and key names (any subcommand)")]
 pub struct ConnArgs {
     /// Redis URL: redis:// or rediss:// (TLS) for one server,
     /// redis+cluster://host:port,host:port for a Redis Cluster,
@@ -184,25 +186,39 @@ pub enum SourceArg {
     List,
 }
 
-/// Where messages wait: the stream, or list queues; and older producers' pools.
+/// Where messages wait: the stream, or list queues; and older producers' pools. `--help`
+/// shows the list-mode flags under a heading of their own, apart from the stream's.
 #[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Queue layout")]
 pub struct QueueArgs {
     /// Read from the events stream or from list queues.
     #[arg(long, value_enum, default_value = "stream")]
     pub source: SourceArg,
     /// List mode: the queues, highest priority first (the first non-empty one wins).
-    #[arg(long, value_delimiter = ',')]
+    #[arg(
+        help_heading = "List mode only (--source list)",
+        long,
+        value_delimiter = ','
+    )]
     pub queues: Vec<String>,
     /// List mode: a queue of raw JSON (no envelope) standing for one event, as
     /// NAME=EVENT (e.g. payment_queue=payment.paid); added after --queues if not listed.
-    #[arg(long = "queue", value_name = "NAME=EVENT")]
+    #[arg(
+        help_heading = "List mode only (--source list)",
+        long = "queue",
+        value_name = "NAME=EVENT"
+    )]
     pub raw_queues: Vec<String>,
     /// List mode: the queue the mover pushes due messages onto [default: the first queue
     /// that is not raw].
-    #[arg(long)]
+    #[arg(help_heading = "List mode only (--source list)", long)]
     pub mover_queue: Option<String>,
     /// List mode: suffix of each queue's dead list.
-    #[arg(long, default_value = ":dead")]
+    #[arg(
+        help_heading = "List mode only (--source list)",
+        long,
+        default_value = ":dead"
+    )]
     pub dead_suffix: String,
     /// An older producer's pool also moved, as KEY=EVENT (e.g.
     /// delay:order_close=order.timeout): a ZSET of keys whose STRING value is the order id.
@@ -296,9 +312,8 @@ impl Args for DeadCli {
 
 /// How the daemon runs.
 #[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Daemon")]
 pub struct RunArgs {
-    #[command(flatten)]
-    pub queues: QueueArgs,
     /// Worker threads; the PostgreSQL pool and the channel are sized from it. The flag,
     /// when given, wins over WORKER_THREADS (the systemd unit's environment file sets it).
     #[arg(long, env = "WORKER_THREADS", default_value_t = 8)]
@@ -423,6 +438,10 @@ pub struct RunArgs {
     /// address bar.
     #[arg(long, value_name = "NAME", value_delimiter = ',')]
     pub status_host: Vec<String>,
+    /// Last, so that its help headings (the queue layout, list mode) come after the
+    /// daemon's own flags.
+    #[command(flatten)]
+    pub queues: QueueArgs,
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -207,14 +207,14 @@ fn push(config: &Config, args: &PushArgs) -> anyhow::Result<ExitCode> {
         input => BadInput(format!("--key or --event: {input}")).into(),
     })?;
     println!(
-        "{} {} due in {:.3}s",
+        "{} {} due in {}",
         if pushed.rescheduled {
             "rescheduled"
         } else {
             "scheduled"
         },
         pushed.key,
-        args.delay.as_secs_f64()
+        delay_worker::human_ms(args.delay.as_millis() as i64)
     );
     Ok(ExitCode::SUCCESS)
 }
