@@ -11,6 +11,7 @@ mod cluster;
 mod consumer;
 mod faults;
 mod handlers_check;
+mod help;
 mod hostile;
 mod identity;
 mod legacy_stall;
