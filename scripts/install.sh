@@ -6,7 +6,8 @@
 #   FILE       a delay-worker .deb or .rpm (scripts/release.sh makes both) or a worker
 #              binary [default: where dpkg exists, the .deb in target/dist; where rpm
 #              exists and dpkg does not, the .rpm there; elsewhere target/release/worker]
-#   --dry-run  print the steps, change nothing (needs neither root nor systemd)
+#   --dry-run  print the steps, change nothing (needs neither root nor systemd; fails,
+#              as a real run would, when FILE is missing)
 #
 # A .deb (Debian, Ubuntu: where dpkg exists) is installed with `dpkg -i --force-confold`,
 # an .rpm (RHEL/CentOS 7 and later: where rpm exists and dpkg does not) with `rpm -U
@@ -24,7 +25,8 @@
 # Then, when systemd is running (PID 1), `systemctl daemon-reload` and `systemctl enable
 # --now` (or a restart when the service already runs, so a new binary takes over). A
 # freshly created environment file is only a template, so the service is then enabled but
-# not started: fill it in, run `worker migrate`, then `systemctl start delay-worker`.
+# not started: fill it in, run `bash -c 'set -a; . /etc/delay-worker/worker.env; worker
+# migrate'`, then `systemctl start delay-worker`.
 # Without systemd the script says what it would have done and exits 0. Running it again is
 # safe (an upgrade).
 set -euo pipefail
@@ -111,16 +113,18 @@ elif [ "$kind" = rpm ]; then
     die "an .rpm needs rpm; on this host install the binary instead: scripts/install.sh DIR/worker"
   }
 fi
+# What is to be installed must exist, dry run or not: a dry run that shows the install of
+# a file that is not there would only say that a real run works when it does not.
 if [ "$kind" = binary ]; then
   [ -x "$file" ] ||
-    refuse "no executable worker at $file (build it: cargo build --release, or name one)"
+    die "no executable worker at $file (build it: cargo build --release, or name one)"
   remove="dpkg -r $PACKAGE"
   [ "$have_rpm" = 1 ] && remove="rpm -e $PACKAGE"
   ! package_installed ||
     refuse "$PACKAGE is installed as a package (/usr/bin/worker): install a newer package, or remove it first ($remove)"
 else
   [ -f "$file" ] ||
-    refuse "no package at $file (make one: scripts/release.sh; or name a package or a binary)"
+    die "no package at $file (make one: scripts/release.sh; or name a package or a binary)"
 fi
 if [ "$dry_run" = 0 ] && [ "$(id -u)" != 0 ]; then
   die "run as root (or with --dry-run to see the steps)"
@@ -184,7 +188,7 @@ if [ -d /run/systemd/system ]; then
   run systemctl daemon-reload
   if [ "$env_created" = 1 ]; then
     run systemctl enable "$UNIT_NAME"
-    note "fill in $ENV_FILE, run \`worker migrate\` with those URLs, then: systemctl start $UNIT_NAME"
+    note "fill in $ENV_FILE, run \`bash -c 'set -a; . $ENV_FILE; worker migrate'\` (its URLs), then: systemctl start $UNIT_NAME"
   elif [ "$dry_run" = 0 ] && systemctl is-active --quiet "$UNIT_NAME"; then
     run systemctl enable "$UNIT_NAME"
     [ "$restart" = 0 ] || run systemctl restart "$UNIT_NAME"
@@ -196,7 +200,7 @@ else
   echo "    systemctl daemon-reload"
   if [ "$env_created" = 1 ]; then
     echo "    systemctl enable $UNIT_NAME"
-    note "fill in $ENV_FILE, run \`worker migrate\` with those URLs, then: systemctl start $UNIT_NAME"
+    note "fill in $ENV_FILE, run \`bash -c 'set -a; . $ENV_FILE; worker migrate'\` (its URLs), then: systemctl start $UNIT_NAME"
   else
     echo "    systemctl enable --now $UNIT_NAME"
   fi

@@ -61,9 +61,9 @@ impl Backoff {
     pub fn reset(&mut self) {
         if let Some(since) = self.outage_since.take() {
             log::info!(
-                "{}: recovered after {:.1}s and {} attempts",
+                "{}: recovered after {} and {} attempts",
                 self.role,
-                since.elapsed().as_secs_f64(),
+                crate::human_ms(since.elapsed().as_millis() as i64),
                 self.attempt
             );
         }

@@ -153,9 +153,85 @@ pub fn query_settings(s: &str) -> Vec<Setting> {
 pub fn url_password_range(s: &str) -> Option<Range<usize>> {
     let rest_start = s.find("://")? + 3;
     let end = query_range(s).map(|q| q.start - 1).unwrap_or(s.len());
+    let found = s[rest_start..end].rfind('@').and_then(|at| {
+        let at = rest_start + at;
+        let colon = rest_start + s[rest_start..at].find(':')?;
+        Some(colon + 1..at)
+    });
+    // A `?` or `#` left unencoded in the password looks like the start of a query: the
+    // password then runs to the last `@`, and is hidden whole all the same.
+    found.or_else(|| unencoded_password_span(s).map(|(range, _)| range))
+}
+
+/// The password of a URL that seems to hold characters a URL reserves, unencoded, and
+/// those characters: the text from the scheme to the last `@` is `user:password`, and the
+/// password holds `@`, `/`, `?`, `#`, `[`, `]`, a blank, or a `%` that is not `%XX`. A
+/// port followed by a path (`host:5432/db?...@...`) is not taken for a password.
+fn unencoded_password_span(s: &str) -> Option<(Range<usize>, Vec<char>)> {
+    let rest_start = s.find("://")? + 3;
+    // An `@` in a query that follows a whole `user@host/path` is the query's.
+    let mut end = s.len();
+    if let Some(q) = s[rest_start..].find('?').map(|q| rest_start + q) {
+        let before = &s[rest_start..q];
+        if before
+            .rfind('@')
+            .is_some_and(|at| before[at..].contains('/'))
+        {
+            end = q;
+        }
+    }
     let at = rest_start + s[rest_start..end].rfind('@')?;
     let colon = rest_start + s[rest_start..at].find(':')?;
-    Some(colon + 1..at)
+    let password = &s[colon + 1..at];
+    let cut = password.find(['/', '?', '#']).unwrap_or(password.len());
+    if !password[..cut].is_empty()
+        && password[..cut].bytes().all(|b| b.is_ascii_digit())
+        && password[cut..].starts_with('/')
+    {
+        return None;
+    }
+    let b = password.as_bytes();
+    let mut found = Vec::new();
+    for (i, c) in password.char_indices() {
+        let bad = match c {
+            '@' | '/' | '?' | '#' | '[' | ']' | ' ' | '\t' => true,
+            '%' => {
+                !(b.get(i + 1).is_some_and(u8::is_ascii_hexdigit)
+                    && b.get(i + 2).is_some_and(u8::is_ascii_hexdigit))
+            }
+            _ => false,
+        };
+        if bad && !found.contains(&c) {
+            found.push(c);
+        }
+    }
+    (!found.is_empty()).then_some((colon + 1..at, found))
+}
+
+/// What to do when a URL's password seems to hold reserved characters unencoded (see
+/// [`unencoded_password_span`]), for the error line of a URL that does not parse or
+/// reaches the wrong host: `None` when it does not.
+pub fn percent_encoding_hint(s: &str) -> Option<String> {
+    if !is_url(s) {
+        return None;
+    }
+    let (_, chars) = unencoded_password_span(s)?;
+    let code = |c: char| match c {
+        ' ' => "%20".to_string(),
+        c => format!("%{:02X}", c as u32),
+    };
+    let list: Vec<String> = chars
+        .iter()
+        .map(|&c| match c {
+            ' ' => "a space as %20".to_string(),
+            '\t' => "a tab as %09".to_string(),
+            c => format!("{c} as {}", code(c)),
+        })
+        .collect();
+    Some(format!(
+        "the password seems to hold characters a URL reserves: percent-encode them ({}), e.g. p@ss/1 is written p%40ss%2F1",
+        list.join(", ")
+    ))
 }
 
 /// `%XX` sequences decoded (others left as they are); invalid UTF-8 replaced.
@@ -274,5 +350,30 @@ mod tests {
         assert!(has_password("host=h password=x"));
         assert!(!has_password("host=h password=''"));
         assert!(has_password("postgres://h/db?password=x"));
+    }
+}
+
+#[cfg(test)]
+mod encoding_tests {
+    use super::*;
+
+    #[test]
+    fn an_unencoded_password_is_seen_and_hidden() {
+        let hint = |s: &str| percent_encoding_hint(s).unwrap_or_default();
+        assert!(hint("redis://:p@ss/1@h:6379/0").contains("@ as %40, / as %2F"));
+        assert!(hint("postgres://u:a?b@h/db").contains("? as %3F"));
+        assert!(hint("postgres://u:100%@h/db").contains("% as %25"));
+        for fine in [
+            "redis://:p%40ss%2F1@h:6379/0",
+            "postgres://u:pw@h:5432/db?application_name=a@b",
+            "postgres://h:5432/db?application_name=a@b",
+            "redis://h:6379/0",
+            "host=h password=x",
+        ] {
+            assert_eq!(percent_encoding_hint(fine), None, "{fine}");
+        }
+        // A `?` in the password no longer reads as the start of the query: hidden whole.
+        let s = "postgres://u:a?b@h/db";
+        assert_eq!(url_password_range(s).map(|r| &s[r]), Some("a?b"));
     }
 }

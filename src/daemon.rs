@@ -132,6 +132,16 @@ pub fn redis_connection(config: &Config) -> Result<crate::store::Con, DaemonErro
 /// never answers reads as the socket's "Resource temporarily unavailable" otherwise, and
 /// a TLS failure is said in plain words.
 fn unreachable_reason(e: &redis::RedisError, url: &str) -> String {
+    let reason = unreachable_words(e, url);
+    // A password with an unencoded `@`, `/` or `#` moves the host: the lookup fails, or
+    // the password is wrong; the fix is the URL's.
+    match crate::conninfo::percent_encoding_hint(url) {
+        Some(hint) => format!("{reason}; {hint}"),
+        None => reason,
+    }
+}
+
+fn unreachable_words(e: &redis::RedisError, url: &str) -> String {
     let scheme = url.split("://").next().unwrap_or("");
     let tls_url = scheme.starts_with("rediss") || scheme.starts_with("valkeys");
     if let Some(tls) = crate::tls::describe(e, "--redis-ca-file") {
@@ -262,8 +272,8 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<Report, DaemonError> 
         }
     }
     log::info!(
-        "stopped after {:.1}s: drained {} jobs; {}",
-        started.elapsed().as_secs_f64(),
+        "stopped after {}: drained {} jobs; {}",
+        crate::human_ms(started.elapsed().as_millis() as i64),
         report.drained,
         report.stats
     );

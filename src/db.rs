@@ -79,6 +79,9 @@ pub struct Target {
     pub tls_settings: PgTls,
     /// The connection string with its secrets hidden, for messages.
     pub shown: String,
+    /// What to do about a password that seems to hold reserved characters unencoded,
+    /// added to a failed connection's message.
+    hint: Option<String>,
 }
 
 impl Target {
@@ -100,9 +103,18 @@ impl Target {
                 .filter(|v| !v.is_empty())
         };
         let rest = conninfo::without(url, |k| TLS_KEYS.contains(&k) || k == SESSION_ATTRS);
-        let mut config: postgres::Config = rest
-            .parse()
-            .map_err(|e: postgres::Error| DbError::BadUrl(error_text(&e)))?;
+        let hint = conninfo::percent_encoding_hint(url);
+        let mut config: postgres::Config = rest.parse().map_err(|e: postgres::Error| {
+            // libpq's key=value form quotes instead: a password with a blank, a quote or
+            // a backslash that was not quoted breaks the string at it.
+            let quoting = (!conninfo::is_url(url) && url.contains("password")).then(|| {
+                r"a value with blanks, ' or \ goes in single quotes, with ' and \ escaped by a backslash: password='p s\'s'".to_string()
+            });
+            DbError::BadUrl(match hint.as_ref().or(quoting.as_ref()) {
+                Some(hint) => format!("{}; {hint}", error_text(&e)),
+                None => error_text(&e),
+            })
+        })?;
         // Every connection must take writes: a standby, or a primary turned read-only
         // (default_transaction_read_only), is skipped for the next host of a multi-host
         // string, and refused when it is the only one, as libpq's read-write does. So
@@ -180,6 +192,7 @@ impl Target {
             tls,
             tls_settings,
             shown: crate::config::redact_url(url),
+            hint,
         })
     }
 
@@ -254,9 +267,14 @@ impl Target {
     }
 
     fn unreachable(&self, reason: impl Into<String>) -> DbError {
+        let mut reason = reason.into();
+        if let Some(hint) = &self.hint {
+            reason.push_str("; ");
+            reason.push_str(hint);
+        }
         DbError::Unreachable {
             url: self.shown.clone(),
-            reason: reason.into(),
+            reason,
         }
     }
 }

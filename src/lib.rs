@@ -34,7 +34,8 @@
 //!   alone, in sets (split under contention) or in batches; `manners.rs` — `--max-rate`
 //!   and the set sizes that shrink under the shop's locks; `dbwatch.rs` — whether
 //!   PostgreSQL takes writes and the shop is busy (4 times a second), every handler still
-//!   prepares (every 10 s).
+//!   prepares (every 10 s); `blocker.rs` — who held the lock a job timed out on (looked
+//!   up after the timeout, rate-limited).
 //! - `tls.rs` — TLS to both servers (rustls); `conninfo.rs` — connection strings read as
 //!   their clients read them (for the TLS settings and for redaction).
 //! - `stats.rs` — the one set of counters (log line, exit report, `/metrics`) and the
@@ -48,13 +49,14 @@
 //! - `shutdown.rs`, `backoff.rs` — the small shared pieces.
 //! - `admin/` — the operator's tools: `worker stats` (`--watch`, `--check`), `worker dead`,
 //!   `worker trace` (printed there, gathered in `trace.rs`: a job key's jobs, where each
-//!   is and what became of it).
+//!   is and what became of it), `worker handlers check`.
 //! - `notify.rs` — systemd readiness and watchdog; `metrics.rs` — `/metrics` and `/healthz`;
 //!   `status/` — the status page on the same address (`/`, the dead letters, requeue and
 //!   purge with `--admin-token-file`).
 
 pub mod admin;
 pub mod backoff;
+pub mod blocker;
 pub mod clock;
 pub mod config;
 pub mod conninfo;

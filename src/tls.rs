@@ -100,6 +100,10 @@ fn private_key(
 /// `rediss://` URL. Reads the files now, so a missing or malformed file is said at start.
 pub fn redis_client(url: &str, tls: &RedisTls) -> Result<Redis, SetupError> {
     let bad_url = |detail: &str| {
+        let detail = match crate::conninfo::percent_encoding_hint(url) {
+            Some(hint) => format!("{detail}; {hint}"),
+            None => detail.to_string(),
+        };
         setup(
             "--redis-url",
             format!(

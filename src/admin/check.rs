@@ -44,16 +44,24 @@ pub struct Thresholds {
     #[arg(long)]
     pub dead_crit: Option<u64>,
     /// List mode: messages waiting in a queue above this: warning.
-    #[arg(long, default_value_t = 10_000)]
+    #[arg(
+        help_heading = "Check thresholds, list mode only (--check --source list)",
+        long,
+        default_value_t = 10_000
+    )]
     pub queue_length_warn: u64,
     /// List mode: messages waiting in a queue above this: critical.
-    #[arg(long, default_value_t = 100_000)]
+    #[arg(
+        help_heading = "Check thresholds, list mode only (--check --source list)",
+        long,
+        default_value_t = 100_000
+    )]
     pub queue_length_crit: u64,
     /// List mode: a queue's oldest waiting message older than this: warning.
-    #[arg(long, default_value = "1m", value_parser = super::parse_duration)]
+    #[arg(help_heading = "Check thresholds, list mode only (--check --source list)", long, default_value = "1m", value_parser = super::parse_duration)]
     pub queue_oldest_warn: Duration,
     /// List mode: a queue's oldest waiting message older than this: critical.
-    #[arg(long, default_value = "10m", value_parser = super::parse_duration)]
+    #[arg(help_heading = "Check thresholds, list mode only (--check --source list)", long, default_value = "10m", value_parser = super::parse_duration)]
     pub queue_oldest_crit: Duration,
     /// A live worker's clock offset to Redis (either way) beyond this: warning.
     #[arg(long, default_value = "1s", value_parser = super::parse_duration)]

@@ -13,10 +13,12 @@
 //! - `dead.rs` — the dead-letter stream: filters, list, show, requeue, purge; `dead/list.rs`
 //!   the same on list mode's dead lists.
 //! - `trace.rs` — `worker trace`: a job key's story (gathered in `crate::trace`) in words.
+//! - `handlers_check.rs` — `worker handlers check`: handler files prepared without a daemon.
 
 pub mod by_event;
 pub mod check;
 pub mod dead;
+pub mod handlers_check;
 pub mod stats;
 pub mod trace;
 

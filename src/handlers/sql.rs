@@ -48,6 +48,9 @@ pub const BUILTIN: &[(&str, &str)] = &[
     ),
 ];
 
+/// One file of a handler directory and what it parsed into.
+pub type LoadedFile = (std::path::PathBuf, Result<SqlHandler, SqlHandlerError>);
+
 #[derive(Debug, Clone)]
 pub struct SqlHandler {
     event: String,
@@ -135,6 +138,13 @@ impl SqlHandler {
 
     /// Loads every `*.sql` file of a directory, sorted by name.
     pub fn load_dir(dir: &Path) -> Result<Vec<SqlHandler>, SqlHandlerError> {
+        Self::load_each(dir)?.into_iter().map(|(_, h)| h).collect()
+    }
+
+    /// Every `*.sql` file of `dir`, in name order, with what it parsed into: each file's
+    /// own result, so that one broken file does not hide the others (`worker handlers
+    /// check`). Only a directory that cannot be read fails the whole.
+    pub fn load_each(dir: &Path) -> Result<Vec<LoadedFile>, SqlHandlerError> {
         let read_err = |source| SqlHandlerError::Read {
             file: dir.display().to_string(),
             source,
@@ -145,19 +155,23 @@ impl SqlHandler {
             .filter(|p| p.extension().is_some_and(|x| x == "sql"))
             .collect();
         paths.sort();
-        paths
-            .iter()
+        Ok(paths
+            .into_iter()
             .map(|p| {
-                let text = std::fs::read_to_string(p).map_err(|source| SqlHandlerError::Read {
-                    file: p.display().to_string(),
-                    source,
-                })?;
-                let name = p.file_name().unwrap_or_default().to_string_lossy();
-                let mut h = SqlHandler::parse(&name, &text)?;
-                h.file = p.display().to_string();
-                Ok(h)
+                let parsed = std::fs::read_to_string(&p)
+                    .map_err(|source| SqlHandlerError::Read {
+                        file: p.display().to_string(),
+                        source,
+                    })
+                    .and_then(|text| {
+                        let name = p.file_name().unwrap_or_default().to_string_lossy();
+                        let mut h = SqlHandler::parse(&name, &text)?;
+                        h.file = p.display().to_string();
+                        Ok(h)
+                    });
+                (p, parsed)
             })
-            .collect()
+            .collect())
     }
 }
 

@@ -581,10 +581,10 @@ impl<'a> Worker<'a> {
         }
         let delay = contention_delay(jobs, env.retry);
         log::debug!(
-            "job {key} {} will retry ({}) in {:.1}s: {}",
+            "job {key} {} will retry ({}) in {}: {}",
             env.event,
             env.retry + 1,
-            delay.as_secs_f64(),
+            crate::human_ms(delay.as_millis() as i64),
             f.reason
         );
         stats

@@ -35,6 +35,8 @@ pub struct Failure {
     pub fault: Fault,
     /// The server's message and SQLSTATE, or the client's error.
     pub reason: String,
+    /// What a lock or statement timeout waited on, for the look-up of who held it.
+    pub wait: Option<crate::blocker::LockWait>,
 }
 
 impl From<postgres::Error> for Failure {
@@ -42,6 +44,7 @@ impl From<postgres::Error> for Failure {
         Failure {
             fault: db::classify(&e),
             reason: db::error_text(&e),
+            wait: crate::blocker::lock_wait(&e),
         }
     }
 }
@@ -115,6 +118,8 @@ pub struct Session {
     handlers: Vec<Prepared>,
     /// `BEGIN` of a set, with its short lock timeout.
     begin_set: String,
+    /// Who held the lock a job waited for, looked up after its timeout (rate-limited).
+    looker: crate::blocker::Looker,
 }
 
 /// The inbox insert. Its row says whether this job is new (a row) or a redelivery (none).
@@ -214,6 +219,7 @@ impl Session {
             inbox_set,
             handlers,
             begin_set: format!("BEGIN; SET LOCAL lock_timeout = {set_lock_ms}"),
+            looker: crate::blocker::Looker::default(),
         })
     }
 
@@ -339,6 +345,17 @@ impl Session {
             };
             for (&k, r) in chunk.iter().zip(rs) {
                 results[k] = Some(r);
+            }
+        }
+        // Every transaction has ended: who held the lock a job timed out on is asked on
+        // this connection now, on this failure path alone (rate-limited, `blocker.rs`).
+        for r in results.iter_mut() {
+            if let Some(JobResult::Failed(f)) = r {
+                if let Some(wait) = f.wait.take() {
+                    if let Some(holder) = self.looker.holder(&mut self.conn, &wait) {
+                        f.reason = format!("{}: {holder}", f.reason);
+                    }
+                }
             }
         }
         for (job, r) in jobs.iter().zip(&results) {
@@ -474,6 +491,7 @@ impl Session {
                 return Err(SetError::Db(Failure {
                     fault: Fault::Server,
                     reason: db::error_text(&e),
+                    wait: None,
                 }));
             }
         }

@@ -29,7 +29,10 @@ fn push_and_cancel_from_the_command_line() {
         "postgres://unused",
     );
     assert!(out.status.success(), "{}", text(&out.stderr));
-    assert!(text(&out.stdout).starts_with("scheduled order.timeout:SO9"));
+    assert_eq!(
+        text(&out.stdout).trim(),
+        "scheduled order.timeout:SO9 due in 15 min"
+    );
     let out = worker(
         &[
             "push",
@@ -45,7 +48,10 @@ fn push_and_cancel_from_the_command_line() {
         &url,
         "postgres://unused",
     );
-    assert!(text(&out.stdout).starts_with("rescheduled order.timeout:SO9"));
+    assert_eq!(
+        text(&out.stdout).trim(),
+        "rescheduled order.timeout:SO9 due in 1 min"
+    );
     let out = worker(
         &["cancel", "--key", "order.timeout:SO9"],
         &url,
@@ -115,7 +121,7 @@ fn bad_flags_and_unreachable_servers_give_one_readable_line() {
 
 /// The README's exit-code table, row by row (the second signal's 130 is
 /// `consumer::a_second_signal_exits_at_once_and_the_next_start_recovers`, `stats --check`'s
-/// codes are in admin.rs).
+/// codes are in admin.rs, `handlers check`'s in handlers_check.rs).
 #[test]
 fn every_row_of_the_exit_code_table() {
     let r = RedisServer::start();

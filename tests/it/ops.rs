@@ -328,7 +328,7 @@ fn ops_the_unit_passes_systemd_analyze_verify() {
         "Restart=always",
         "User=delay-worker",
         "EnvironmentFile=/etc/delay-worker/worker.env",
-        "ExecStart=/usr/local/bin/worker --threads 8",
+        "ExecStart=/usr/local/bin/worker $WORKER_ARGS\n",
         "MemoryMax=256M",
         "CapabilityBoundingSet=\n",
     ] {

@@ -291,7 +291,7 @@ fn release_deb_installs_upgrades_keeps_the_edited_env_file_and_purges() {
     assert!(version.starts_with("worker "), "{version}");
     let unit = root.read("/usr/lib/systemd/system/delay-worker.service");
     assert!(
-        unit.contains("\nExecStart=/usr/bin/worker --threads 8 $WORKER_ARGS\n"),
+        unit.contains("\nExecStart=/usr/bin/worker $WORKER_ARGS\n"),
         "{unit}"
     );
     assert!(!unit.contains("/usr/local/bin/worker"), "{unit}");

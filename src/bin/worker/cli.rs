@@ -57,10 +57,11 @@ pub enum Command {
     /// Queue figures (stream, group, consumers, pool, dead letters); --watch, --check.
     #[command(allow_negative_numbers = true)]
     Stats {
-        #[command(flatten)]
-        queues: QueueArgs,
+        // The command's own flags first: `--help` lists them before the headings.
         #[command(flatten)]
         args: delay_worker::admin::StatsArgs,
+        #[command(flatten)]
+        queues: QueueArgs,
     },
     /// List, show, requeue or purge the dead letters (list mode: the dead lists).
     #[command(allow_negative_numbers = true)]
@@ -73,14 +74,30 @@ pub enum Command {
         #[command(flatten)]
         args: delay_worker::admin::trace::TraceArgs,
     },
+    /// Handler files: `worker handlers check --handlers-dir D`.
+    #[command(subcommand)]
+    Handlers(HandlersCommand),
     /// Measure lateness and throughput against this machine's ceilings (destructive: use
     /// a bench database; scripts/bench.sh sets one up).
     #[command(allow_negative_numbers = true)]
     Bench {
         #[command(flatten)]
-        run: RunArgs,
-        #[command(flatten)]
         args: Box<crate::bench::BenchArgs>,
+        #[command(flatten)]
+        run: RunArgs,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum HandlersCommand {
+    /// Read, parse and prepare every *.sql file of --handlers-dir against the database
+    /// (each in a transaction rolled back), without starting the daemon: one line per
+    /// file; exit 0 when all are ok, 2 when one is not, 1 when PostgreSQL cannot be
+    /// reached.
+    Check {
+        /// Directory of the SQL handlers (*.sql) to check.
+        #[arg(long)]
+        handlers_dir: PathBuf,
     },
 }
 
@@ -109,6 +126,7 @@ pub struct PushArgs {
 
 /// Where the servers are and what the keys are called.
 #[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Connection and key names (any subcommand)")]
 pub struct ConnArgs {
     /// Redis URL: redis:// or rediss:// (TLS) for one server,
     /// redis+cluster://host:port,host:port for a Redis Cluster,
@@ -176,25 +194,39 @@ pub enum SourceArg {
     List,
 }
 
-/// Where messages wait: the stream, or list queues; and older producers' pools.
+/// Where messages wait: the stream, or list queues; and older producers' pools. `--help`
+/// shows the list-mode flags under a heading of their own, apart from the stream's.
 #[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Queue layout")]
 pub struct QueueArgs {
     /// Read from the events stream or from list queues.
     #[arg(long, value_enum, default_value = "stream")]
     pub source: SourceArg,
     /// List mode: the queues, highest priority first (the first non-empty one wins).
-    #[arg(long, value_delimiter = ',')]
+    #[arg(
+        help_heading = "List mode only (--source list)",
+        long,
+        value_delimiter = ','
+    )]
     pub queues: Vec<String>,
     /// List mode: a queue of raw JSON (no envelope) standing for one event, as
     /// NAME=EVENT (e.g. payment_queue=payment.paid); added after --queues if not listed.
-    #[arg(long = "queue", value_name = "NAME=EVENT")]
+    #[arg(
+        help_heading = "List mode only (--source list)",
+        long = "queue",
+        value_name = "NAME=EVENT"
+    )]
     pub raw_queues: Vec<String>,
     /// List mode: the queue the mover pushes due messages onto [default: the first queue
     /// that is not raw].
-    #[arg(long)]
+    #[arg(help_heading = "List mode only (--source list)", long)]
     pub mover_queue: Option<String>,
     /// List mode: suffix of each queue's dead list.
-    #[arg(long, default_value = ":dead")]
+    #[arg(
+        help_heading = "List mode only (--source list)",
+        long,
+        default_value = ":dead"
+    )]
     pub dead_suffix: String,
     /// An older producer's pool also moved, as KEY=EVENT (e.g.
     /// delay:order_close=order.timeout): a ZSET of keys whose STRING value is the order id.
@@ -288,11 +320,11 @@ impl Args for DeadCli {
 
 /// How the daemon runs.
 #[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Daemon")]
 pub struct RunArgs {
-    #[command(flatten)]
-    pub queues: QueueArgs,
-    /// Worker threads; the PostgreSQL pool and the channel are sized from it.
-    #[arg(long, default_value_t = 8)]
+    /// Worker threads; the PostgreSQL pool and the channel are sized from it. The flag,
+    /// when given, wins over WORKER_THREADS (the systemd unit's environment file sets it).
+    #[arg(long, env = "WORKER_THREADS", default_value_t = 8)]
     pub threads: usize,
     /// Stable consumer name in the group [default: the host name]. Give each process
     /// on one host its own.
@@ -414,6 +446,10 @@ pub struct RunArgs {
     /// address bar.
     #[arg(long, value_name = "NAME", value_delimiter = ',')]
     pub status_host: Vec<String>,
+    /// Last, so that its help headings (the queue layout, list mode) come after the
+    /// daemon's own flags.
+    #[command(flatten)]
+    pub queues: QueueArgs,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -540,7 +576,6 @@ impl Cli {
                 }
             }
         }
-        let mut config = self.config()?;
         let source = |id: &str| {
             let sub = m.subcommand().map(|(_, s)| s);
             [sub, Some(m)]
@@ -548,6 +583,19 @@ impl Cli {
                 .flatten()
                 .find_map(|mm| mm.value_source(id))
         };
+        let mut config = self.config().map_err(|e| {
+            // A bad WORKER_THREADS is named as the operator wrote it.
+            if e.flag == "--threads"
+                && source("threads") == Some(clap::parser::ValueSource::EnvVariable)
+            {
+                CliError {
+                    flag: "WORKER_THREADS",
+                    ..e
+                }
+            } else {
+                e
+            }
+        })?;
         let given = |id: &str, flag: &'static str, var: &'static str| {
             if source(id) == Some(clap::parser::ValueSource::EnvVariable) {
                 var
@@ -569,10 +617,13 @@ impl Cli {
                 problem: e.problem,
             });
         }
-        // `migrate` touches PostgreSQL only.
+        // `migrate` and `handlers` touch PostgreSQL only.
         if delay_worker::store::Topology::of(&config.redis_url)
             == delay_worker::store::Topology::Cluster
-            && !matches!(self.command, Some(Command::Migrate))
+            && !matches!(
+                self.command,
+                Some(Command::Migrate) | Some(Command::Handlers(_))
+            )
         {
             for (i, keys) in config.shard_keys().iter().enumerate() {
                 let mut names = keys.script_names();

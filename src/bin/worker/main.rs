@@ -12,7 +12,7 @@ use clap::{CommandFactory, FromArgMatches};
 mod bench;
 mod cli;
 
-use cli::{Cli, Command, PushArgs};
+use cli::{Cli, Command, HandlersCommand, PushArgs};
 use delay_worker::{admin, daemon, db, producer, Config, Shutdown};
 use std::io::Write;
 use std::process::ExitCode;
@@ -55,6 +55,9 @@ fn main() -> ExitCode {
         Some(Command::Dead(ref args)) => admin::dead(&config, args),
         Some(Command::Trace { ref args, .. }) => admin::trace(&config, args),
         Some(Command::Bench { ref args, .. }) => bench::run(&config, args),
+        Some(Command::Handlers(HandlersCommand::Check { ref handlers_dir })) => {
+            admin::handlers_check::run(&config, handlers_dir, &mut std::io::stdout().lock())
+        }
     };
     match result {
         Ok(code) => code,
@@ -62,6 +65,7 @@ fn main() -> ExitCode {
             eprintln!("worker: {}", admin::one_line(&e));
             if e.downcast_ref::<BadInput>().is_some()
                 || e.downcast_ref::<admin::trace::BadQuery>().is_some()
+                || e.downcast_ref::<admin::handlers_check::BadDir>().is_some()
             {
                 ExitCode::from(2)
             } else {
@@ -205,14 +209,14 @@ fn push(config: &Config, args: &PushArgs) -> anyhow::Result<ExitCode> {
         input => BadInput(format!("--key or --event: {input}")).into(),
     })?;
     println!(
-        "{} {} due in {:.3}s",
+        "{} {} due in {}",
         if pushed.rescheduled {
             "rescheduled"
         } else {
             "scheduled"
         },
         pushed.key,
-        args.delay.as_secs_f64()
+        delay_worker::human_ms(args.delay.as_millis() as i64)
     );
     Ok(ExitCode::SUCCESS)
 }

@@ -1,0 +1,80 @@
+//! A job that times out on a lock the shop holds says whose: "waited for a lock held by
+//! pid N (`query`, state) on ...", for a row lock (the row named by PostgreSQL's error
+//! context, its holder found through the row's xmax) and a table lock; the look-up runs
+//! after the failed transaction, on the failure path alone.
+
+use crate::support::*;
+use std::time::Duration;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// A shop session that runs `sql` in an open transaction and holds what it locked until
+/// told; its backend pid.
+fn hold(
+    env: &Env,
+    sql: &'static str,
+) -> (
+    i32,
+    std::sync::mpsc::Sender<()>,
+    std::thread::JoinHandle<()>,
+) {
+    let url = env.db.url.clone();
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<i32>();
+    let h = std::thread::spawn(move || {
+        let mut c = postgres::Client::connect(&url, postgres::NoTls).unwrap();
+        let pid: i32 = c.query_one("SELECT pg_backend_pid()", &[]).unwrap().get(0);
+        let mut t = c.transaction().unwrap();
+        t.batch_execute(sql).unwrap();
+        ready_tx.send(pid).unwrap();
+        let _ = rx.recv();
+        t.rollback().unwrap();
+    });
+    let pid = ready_rx.recv().unwrap();
+    (pid, tx, h)
+}
+
+fn dead_reason_with(env: &mut Env, sql: &'static str) -> (i32, String) {
+    env.config.jobs.statement_timeout = Duration::from_millis(200);
+    env.config.jobs.lock_timeout = Duration::from_millis(50);
+    env.config.jobs.max_retries = 2;
+    env.config.jobs.retry_base = Duration::from_millis(50);
+    env.config.jobs.retry_cap = Duration::from_millis(200);
+    env.config.jobs.retry_for = Duration::from_millis(800);
+    let orders = seed_orders(&env.db, 1);
+    let (pid, release, h) = hold(env, sql);
+    push_timeouts(env, &orders, 0);
+    let daemon = Daemon::start(&env.config);
+    wait_until(WAIT, "the dead letter", || dead_letters(env).len() == 1);
+    daemon.stop();
+    release.send(()).unwrap();
+    h.join().unwrap();
+    (pid, dead_letters(env)[0]["reason"].clone())
+}
+
+#[test]
+fn a_row_lock_timeout_names_the_session_that_holds_the_row() {
+    let mut env = Env::new();
+    let (pid, reason) = dead_reason_with(&mut env, "SELECT 1 FROM orders FOR UPDATE");
+    assert!(reason.contains("(55P03)"), "{reason}");
+    assert!(
+        reason.contains(&format!(
+            "waited for a lock held by pid {pid} (`SELECT 1 FROM orders FOR UPDATE`, idle in transaction) on the row ("
+        )),
+        "{reason}"
+    );
+    assert!(reason.ends_with(") of orders"), "{reason}");
+}
+
+#[test]
+fn a_table_lock_timeout_names_the_session_that_holds_the_table() {
+    let mut env = Env::new();
+    let (pid, reason) = dead_reason_with(&mut env, "LOCK TABLE orders IN EXCLUSIVE MODE");
+    assert!(reason.contains("(55P03)"), "{reason}");
+    assert!(
+        reason.contains(&format!(
+            "waited for a lock held by pid {pid} (`LOCK TABLE orders IN EXCLUSIVE MODE`, idle in transaction) on the table orders"
+        )),
+        "{reason}"
+    );
+}
