@@ -13,11 +13,12 @@
 //! In list mode (`--source list --queues ...`) the same commands work on the queues' dead
 //! lists instead: see [`list`].
 
-use super::{fmt_age, fmt_time, is_stream_id, write_json};
+use super::{is_stream_id, write_json};
 use crate::config::Config;
 use crate::keys::Keys;
 use crate::store::dead::Requeued;
 use crate::store::{self, value_to_string, StoreError};
+use crate::text::{clip, fmt_age, fmt_time, or_dash};
 use anyhow::Context;
 use clap::{ArgGroup, Args, Subcommand};
 use redis::{RedisResult, Value};
@@ -1000,25 +1001,6 @@ fn print_list(
     Ok(ExitCode::SUCCESS)
 }
 
-fn or_dash(s: &str) -> &str {
-    if s.is_empty() {
-        "-"
-    } else {
-        s
-    }
-}
-
-/// At most `max` characters on one line, `…` marking a cut.
-fn clip(s: &str, max: usize) -> String {
-    let s = s.replace(['\n', '\r', '\t'], " ");
-    if s.chars().count() <= max {
-        return s;
-    }
-    let mut t: String = s.chars().take(max.saturating_sub(1)).collect();
-    t.push('…');
-    t
-}
-
 fn show(
     con: &mut dyn redis::ConnectionLike,
     keys: &Keys,
@@ -1183,12 +1165,5 @@ mod tests {
             place(0, "5") > place(1, "5-7"),
             "a bare ms is its millisecond's last"
         );
-    }
-
-    #[test]
-    fn clip_marks_the_cut() {
-        assert_eq!(clip("short", 10), "short");
-        assert_eq!(clip("a\nb", 10), "a b");
-        assert_eq!(clip("abcdefghijk", 5), "abcd…");
     }
 }

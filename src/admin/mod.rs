@@ -23,10 +23,10 @@ pub use stats::{gather, StatsArgs, StatsReport};
 use crate::config::parse_duration;
 use crate::config::Config;
 use crate::store::value_to_string;
+pub use crate::text::{fmt_age, fmt_time, one_line};
 use redis::Value;
 use std::io::{self, Write};
 use std::process::ExitCode;
-use std::time::Duration;
 
 /// `worker stats`: the table, `--json`, `--watch` or `--check`.
 pub fn stats(config: &Config, args: &StatsArgs) -> anyhow::Result<ExitCode> {
@@ -62,7 +62,7 @@ fn quiet_on_broken_pipe(r: anyhow::Result<ExitCode>) -> anyhow::Result<ExitCode>
 
 /// One connection, checked with a PING, its errors showing the URL without password.
 fn connect(config: &Config) -> anyhow::Result<crate::store::Con> {
-    Ok(crate::daemon::redis_connection(config)?)
+    Ok(crate::connect::redis_connection(config)?)
 }
 
 /// The millisecond part of a stream id: when the entry was added.
@@ -78,26 +78,6 @@ pub fn is_stream_id(s: &str) -> bool {
         p.is_some_and(|p| p.bytes().all(|b| b.is_ascii_digit()) && p.parse::<u64>().is_ok())
     };
     digits(parts.next()) && parts.next().is_none_or(|p| digits(Some(p))) && parts.next().is_none()
-}
-
-/// An age for people: `42s`, `3m05s`, `2h10m`, `3d04h`.
-pub fn fmt_age(ms: i64) -> String {
-    let s = ms.max(0) / 1000;
-    if s < 60 {
-        format!("{s}s")
-    } else if s < 3600 {
-        format!("{}m{:02}s", s / 60, s % 60)
-    } else if s < 86_400 {
-        format!("{}h{:02}m", s / 3600, s % 3600 / 60)
-    } else {
-        format!("{}d{:02}h", s / 86_400, s % 86_400 / 3600)
-    }
-}
-
-/// Unix milliseconds as an RFC 3339 time (UTC, whole seconds).
-pub fn fmt_time(ms: i64) -> String {
-    let t = std::time::UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64);
-    humantime::format_rfc3339_seconds(t).to_string()
 }
 
 /// The field/value pairs of an XINFO reply: a flat array in RESP2, a map in RESP3.
@@ -132,35 +112,9 @@ fn write_json(out: &mut dyn Write, v: &impl serde::Serialize) -> anyhow::Result<
     Ok(())
 }
 
-/// An error and its causes on one line, each said once, never a backtrace: how every
-/// command of the binary reports a failure.
-pub fn one_line(e: &anyhow::Error) -> String {
-    let mut line = String::new();
-    for cause in e.chain() {
-        let c = cause.to_string();
-        if !line.contains(&c) {
-            if !line.is_empty() {
-                line.push_str(": ");
-            }
-            line.push_str(&c);
-        }
-    }
-    line.replace('\n', " ")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn ages_read_like_a_person_would_write_them() {
-        assert_eq!(fmt_age(-5), "0s");
-        assert_eq!(fmt_age(999), "0s");
-        assert_eq!(fmt_age(59_999), "59s");
-        assert_eq!(fmt_age(185_000), "3m05s");
-        assert_eq!(fmt_age(2 * 3_600_000 + 600_000), "2h10m");
-        assert_eq!(fmt_age(3 * 86_400_000 + 4 * 3_600_000), "3d04h");
-    }
 
     #[test]
     fn stream_ids() {

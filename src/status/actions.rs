@@ -20,8 +20,8 @@ use super::{view, Page};
 use crate::admin::dead::{self, RequeueReport};
 use crate::admin::{self, is_stream_id};
 use crate::config::{AdminToken, Source};
+use crate::http::{Request, Response};
 use crate::keys::Keys;
-use crate::metrics::{Request, Response};
 
 /// Letters one POST may name: one store script call's worth (`dead::PAGE`).
 const MAX_IDS: usize = 100;

@@ -37,7 +37,7 @@ mod view;
 
 use crate::admin::{self, dead, StatsReport};
 use crate::config::{Config, Source};
-use crate::metrics::{Request, Response};
+use crate::http::{Request, Response};
 use crate::shutdown::Shutdown;
 use crate::stats::Stats;
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
@@ -309,21 +309,17 @@ impl<'a> Page<'a> {
         if let Err(e) = &report {
             log::debug!("status page: {e}");
         }
+        let verdict = crate::health::Verdict::of(self.stats, self.config, now);
         let v = view::Overview {
             config: self.config,
             report: &report,
             hour: &self.stats.jobs.last_hour(now),
             totals: &self.stats.snapshot(),
-            live: crate::notify::live(self.stats, self.config, now),
-            alerts: match crate::notify::healthy(self.stats, self.config, now) {
-                Err(why) if crate::notify::live(self.stats, self.config, now).is_ok() => {
-                    vec![why]
-                }
-                _ => Vec::new(),
-            },
+            alerts: verdict.alerts(),
+            live: verdict.live,
             contention: self.stats.contention.summary(self.stats.clock.now_ms()),
             uptime: self.started.elapsed(),
-            rss: crate::metrics::resident_memory_bytes(),
+            rss: crate::stats::resident_memory_bytes(),
             now_ms: now,
             actions: self.actions.is_some(),
         };

@@ -7,9 +7,10 @@
 use super::{chart, pretty, DEAD_BUDGET, DEAD_PER_PAGE, DEAD_WINDOW, REFRESH_S};
 use crate::admin::dead::list::{ListLetter, NewestPage};
 use crate::admin::dead::{shard_id, DeadLetter, RequeueReport};
-use crate::admin::{fmt_age, fmt_time, id_ms, StatsReport};
+use crate::admin::{id_ms, StatsReport};
 use crate::config::{Config, Source};
 use crate::stats::{Hour, Snapshot};
+use crate::text::{clip, fmt_age, fmt_ms, fmt_time, or_dash};
 use maud::{html, Markup, PreEscaped, DOCTYPE};
 use std::time::Duration;
 
@@ -96,38 +97,6 @@ fn secs(ms: i64) -> String {
     format!("{:.1} s", ms as f64 / 1000.0)
 }
 
-fn dash(s: &str) -> &str {
-    if s.is_empty() {
-        "-"
-    } else {
-        s
-    }
-}
-
-/// Milliseconds for people: `0.8 ms`, `45 ms`, `2.5 s`, `3m05s`.
-pub fn fmt_ms(ms: f64) -> String {
-    if ms < 10.0 {
-        format!("{ms:.1} ms")
-    } else if ms < 1000.0 {
-        format!("{ms:.0} ms")
-    } else if ms < 60_000.0 {
-        format!("{:.1} s", ms / 1000.0)
-    } else {
-        fmt_age(ms as i64)
-    }
-}
-
-/// At most `max` characters on one line, `…` marking a cut.
-fn clip(s: &str, max: usize) -> String {
-    let s = s.replace(['\n', '\r', '\t'], " ");
-    if s.chars().count() <= max {
-        return s;
-    }
-    let mut t: String = s.chars().take(max.saturating_sub(1)).collect();
-    t.push('…');
-    t
-}
-
 /// What the overview shows.
 pub struct Overview<'a> {
     pub config: &'a Config,
@@ -136,7 +105,7 @@ pub struct Overview<'a> {
     pub totals: &'a Snapshot,
     pub live: Result<(), String>,
     /// What holds jobs back besides liveness: jobs held by a schema fault, PostgreSQL
-    /// not writable, dead letters faster than `--dead-rate-crit` (`notify::healthy`).
+    /// not writable, dead letters faster than `--dead-rate-crit` (`health::Verdict::alerts`).
     pub alerts: Vec<String>,
     /// Jobs this process sent back after contention, and the one waiting longest.
     pub contention: (usize, Option<crate::stats::Waiter>),
@@ -468,12 +437,12 @@ fn letter_cell(
         div {
             a href=(href) { (died) } " · "
             @match event_href {
-                Some(e) => { a.event href=(e) { strong { (dash(event)) } } }
-                None => { strong.event { (dash(event)) } }
+                Some(e) => { a.event href=(e) { strong { (or_dash(event)) } } }
+                None => { strong.event { (or_dash(event)) } }
             }
         }
         div.muted {
-            "key " span.key { (dash(key)) }
+            "key " span.key { (or_dash(key)) }
             (facts)
         }
         div.reason { (reason) }

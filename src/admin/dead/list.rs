@@ -20,14 +20,15 @@
 //! where it is ([`requeueable`]).
 
 use super::{
-    clip, lossy, millis, or_dash, requeue_message, DeadArgs, DeadCommand, Filter, ListArgs,
-    RequeueArgs, RequeueReport, ShowArgs, PAGE,
+    lossy, millis, requeue_message, DeadArgs, DeadCommand, Filter, ListArgs, RequeueArgs,
+    RequeueReport, ShowArgs, PAGE,
 };
-use crate::admin::{connect, fmt_age, fmt_time, write_json};
+use crate::admin::{connect, write_json};
 use crate::config::Config;
 use crate::keys::{Keys, Queue};
 use crate::store::dead::Requeued;
 use crate::store::{self, StoreError};
+use crate::text::{clip, fmt_age, fmt_time, or_dash};
 use anyhow::Context;
 use redis::RedisResult;
 use serde::Serialize;
