@@ -61,6 +61,7 @@ pub mod daemon;
 pub mod db;
 pub mod dbwatch;
 pub mod delivery;
+pub mod figures;
 pub mod handlers;
 pub mod health;
 pub mod http;

@@ -215,14 +215,9 @@ impl Server<'_> {
         let report = store::connect_with(src.redis, PROBE_IO_TIMEOUT)
             .map_err(|e| e.to_string())
             .and_then(|mut con| {
-                crate::admin::stats::redis_now_ms(&mut con, src.config)
+                crate::figures::redis_now_ms(&mut con, src.config)
                     .and_then(|now| {
-                        crate::admin::stats::gather_all(
-                            &mut con,
-                            src.config,
-                            now,
-                            QUEUE_DEAD_WINDOW,
-                        )
+                        crate::figures::gather_all(&mut con, src.config, now, QUEUE_DEAD_WINDOW)
                     })
                     .map_err(|e| e.to_string())
             });
@@ -288,7 +283,7 @@ impl Server<'_> {
             |out: &mut String,
              name: &str,
              help: &str,
-             value: &dyn Fn(&crate::admin::stats::QueueFigures) -> f64| {
+             value: &dyn Fn(&crate::figures::QueueFigures) -> f64| {
                 crate::stats::header(out, name, "gauge", help);
                 for q in &r.queues {
                     let _ = writeln!(

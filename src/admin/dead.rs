@@ -13,10 +13,11 @@
 //! In list mode (`--source list --queues ...`) the same commands work on the queues' dead
 //! lists instead: see [`list`].
 
-use super::{is_stream_id, write_json};
+use super::write_json;
 use crate::config::Config;
 use crate::keys::Keys;
 use crate::store::dead::Requeued;
+use crate::store::stream::{id_ms, is_stream_id};
 use crate::store::{self, value_to_string, StoreError};
 use crate::text::{clip, fmt_age, fmt_time, or_dash};
 use anyhow::Context;
@@ -174,7 +175,7 @@ impl DeadLetter {
     }
 
     fn at_ms(&self) -> i64 {
-        super::id_ms(&self.id).unwrap_or(0)
+        id_ms(&self.id).unwrap_or(0)
     }
 
     /// Parses one `[id, [field, value, ...]]` entry; `None` for an entry deleted meanwhile.
@@ -186,7 +187,7 @@ impl DeadLetter {
         let Some(Value::Array(fields)) = pair.get(1) else {
             return None;
         };
-        let age_ms = super::id_ms(&id).map_or(0, |t| (now_ms - t).max(0));
+        let age_ms = id_ms(&id).map_or(0, |t| (now_ms - t).max(0));
         let mut d = DeadLetter::blank(id, age_ms);
         for kv in fields.chunks_exact(2) {
             let bytes = match &kv[1] {
@@ -698,7 +699,7 @@ pub(super) fn run(
     }
     let mut con = super::connect(config)?;
     // Ages, filters and a requeue's due time on Redis's clock.
-    let now = super::stats::redis_now_ms(&mut con, config)?;
+    let now = crate::figures::redis_now_ms(&mut con, config)?;
     let shards = config.shard_keys();
     if shards.len() == 1 {
         return one_set(&mut con, &config.keys, args, now, out);

@@ -18,10 +18,10 @@
 
 use super::{view, Page};
 use crate::admin::dead::{self, RequeueReport};
-use crate::admin::{self, is_stream_id};
 use crate::config::{AdminToken, Source};
 use crate::http::{Request, Response};
 use crate::keys::Keys;
+use crate::store::stream::is_stream_id;
 
 /// Letters one POST may name: one store script call's worth (`dead::PAGE`).
 const MAX_IDS: usize = 100;
@@ -276,7 +276,7 @@ impl Actions {
         for id in &form.ids {
             match dead::list::parse_id(id) {
                 Ok(id) => ids.push(id),
-                Err(e) => return Response::text(400, format!("{}\n", admin::one_line(&e))),
+                Err(e) => return Response::text(400, format!("{}\n", crate::text::one_line(&e))),
             }
         }
         let now = crate::now_ms();
@@ -505,7 +505,7 @@ fn render(done: &Done, back: String) -> Response {
 
 /// An action that failed; `before` what it had done on other shards first.
 fn failed(kind: Kind, e: &anyhow::Error, before: &[String]) -> Response {
-    let mut line = admin::one_line(e);
+    let mut line = crate::text::one_line(e);
     if !before.is_empty() {
         line = format!("{line}; done before it failed: {}", before.join("; "));
     }

@@ -4,7 +4,7 @@
 //! every 10 s with a meta refresh. Served by the metrics server's threads
 //! (`metrics.rs` routes the paths of [`serves`] here).
 //!
-//! - `GET /`: what `worker stats` shows, read by the same code ([`admin::gather`]) so the
+//! - `GET /`: what `worker stats` shows, read by the same code (`figures.rs`) so the
 //!   figures are the same, plus this process's own last hour from its counters
 //!   (`stats::History`: jobs and lateness percentiles per minute, a fixed ring).
 //! - `GET /dead`: the dead letters, newest first, a page at a time, filtered by event;
@@ -35,8 +35,9 @@ mod chart;
 mod pretty;
 mod view;
 
-use crate::admin::{self, dead, StatsReport};
+use crate::admin::dead;
 use crate::config::{Config, Source};
+use crate::figures::StatsReport;
 use crate::http::{Request, Response};
 use crate::shutdown::Shutdown;
 use crate::stats::Stats;
@@ -297,8 +298,8 @@ impl<'a> Page<'a> {
         let report: Result<StatsReport, String> = self
             .with_redis(|con| {
                 // Ages and lags on Redis's clock, as `worker stats` reads them.
-                let redis_now = admin::stats::redis_now_ms(con, self.config)?;
-                Ok(admin::stats::gather_all(
+                let redis_now = crate::figures::redis_now_ms(con, self.config)?;
+                Ok(crate::figures::gather_all(
                     con,
                     self.config,
                     redis_now,
@@ -407,7 +408,7 @@ impl<'a> Page<'a> {
         } else if self.config.shards > 1 {
             return self.dead_shards(&filter, event, before, now, actions);
         } else {
-            if before.is_some_and(|b| !admin::is_stream_id(b)) {
+            if before.is_some_and(|b| !crate::store::stream::is_stream_id(b)) {
                 return bad_request("before: not a dead-letter id");
             }
             let read = self.with_redis(|con| {
@@ -453,7 +454,9 @@ impl<'a> Page<'a> {
         let place = match before.map(|b| b.split_once('/')) {
             None => None,
             Some(Some((s, id))) => match s.parse::<usize>() {
-                Ok(s) if s < shards.len() && admin::is_stream_id(id) => Some((s, id)),
+                Ok(s) if s < shards.len() && crate::store::stream::is_stream_id(id) => {
+                    Some((s, id))
+                }
                 _ => return bad_request("before: not a dead-letter id (<shard>/<id>)"),
             },
             Some(None) => return bad_request("before: not a dead-letter id (<shard>/<id>)"),
@@ -559,7 +562,7 @@ impl<'a> Page<'a> {
             let shards = self.config.shard_keys();
             let found = self.with_redis(|con| {
                 Ok(match dead::locate(con, &shards, id, now)? {
-                    Ok((s, bare)) if admin::is_stream_id(&bare) => {
+                    Ok((s, bare)) if crate::store::stream::is_stream_id(&bare) => {
                         let ids = [bare];
                         let d = dead::fetch(con, &shards[s], &ids, now)?;
                         Ok((s, d.into_iter().next().flatten()))
@@ -580,7 +583,7 @@ impl<'a> Page<'a> {
                 Err(e) => self.unavailable(&e),
             }
         } else {
-            if !admin::is_stream_id(id) {
+            if !crate::store::stream::is_stream_id(id) {
                 return bad_request("id: not a dead-letter id (like 1768764300123-0)");
             }
             let ids = [id.to_string()];
@@ -672,12 +675,12 @@ impl Page<'_> {
     /// A read that failed, in one line: what Redis said, and when it refused because a
     /// key holds another type, which key (and shard).
     fn explain(&self, e: &anyhow::Error) -> String {
-        let line = admin::one_line(e);
+        let line = crate::text::one_line(e);
         if !refused(e) {
             return line;
         }
         let bad = self
-            .with_redis(|con| Ok(admin::check::wrong_types(con, self.config)?))
+            .with_redis(|con| Ok(crate::figures::wrong_types(con, self.config)?))
             .unwrap_or_default();
         if bad.is_empty() {
             format!("Redis refused: {line}")

@@ -7,9 +7,10 @@
 use super::{chart, pretty, DEAD_BUDGET, DEAD_PER_PAGE, DEAD_WINDOW, REFRESH_S};
 use crate::admin::dead::list::{ListLetter, NewestPage};
 use crate::admin::dead::{shard_id, DeadLetter, RequeueReport};
-use crate::admin::{id_ms, StatsReport};
 use crate::config::{Config, Source};
+use crate::figures::StatsReport;
 use crate::stats::{Hour, Snapshot};
+use crate::store::stream::id_ms;
 use crate::text::{clip, fmt_age, fmt_ms, fmt_time, or_dash};
 use maud::{html, Markup, PreEscaped, DOCTYPE};
 use std::time::Duration;

@@ -574,7 +574,7 @@ pub(super) fn run(
     let mut con = connect(config)?;
     let keys = &config.keys;
     // Ages and filters on Redis's clock, which stamps the letters' `ts`.
-    let now = crate::admin::stats::redis_now_ms(&mut con, config)?;
+    let now = crate::figures::redis_now_ms(&mut con, config)?;
     match &args.command {
         DeadCommand::List(a) => list(&mut con, keys, a, now, out),
         DeadCommand::Show(a) => show(&mut con, keys, a, now, out),

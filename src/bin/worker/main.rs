@@ -183,7 +183,7 @@ fn push(config: &Config, args: &PushArgs) -> anyhow::Result<ExitCode> {
     let mut con = redis(config)?;
     delay_worker::connect::check_shards(config, &mut con, true)?;
     // Due `--delay` after now on Redis's clock, which decides when it is due.
-    let now = admin::stats::redis_now_ms(&mut con, config)?;
+    let now = delay_worker::figures::redis_now_ms(&mut con, config)?;
     // The key first: it names the shard.
     let key = args
         .key
