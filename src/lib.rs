@@ -60,6 +60,7 @@ pub mod conninfo;
 pub mod daemon;
 pub mod db;
 pub mod dbwatch;
+pub mod dead;
 pub mod delivery;
 pub mod figures;
 pub mod handlers;

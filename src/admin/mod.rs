@@ -4,21 +4,23 @@
 //! Owns no role of the daemon and starts no thread: each command opens one Redis
 //! connection, reads (or makes one atomic change per batch), prints and returns its exit
 //! code. The only loop is `stats --watch`, which redraws once a second until Ctrl-C.
-//! The figures and the dead letters are gathered by plain functions ([`stats::gather`],
-//! [`dead::scan`]) with the time passed in, so the tests check numbers, not text.
+//! The figures and the dead letters are read by the library (`figures.rs`, `dead/`: plain
+//! functions with the time passed in, so the tests check numbers, not text); these files
+//! hold the flags and print.
 //!
 //! - `stats.rs` — what the queue looks like right now, the table, `--watch`.
 //! - `check.rs` — thresholds and the one-line verdict of `--check`.
-//! - `dead.rs` — the dead-letter stream: filters, list, show, requeue, purge; `dead/list.rs`
-//!   the same on list mode's dead lists.
+//! - `dead.rs` — `worker dead`: list, show, requeue, purge, on the dead-letter stream (each
+//!   shard's) or on list mode's dead lists.
 
 pub mod check;
 pub mod dead;
 pub mod stats;
 
+pub use crate::dead::{DeadLetter, Filter};
 pub use crate::figures::{gather, StatsReport};
 pub use check::{Status, Thresholds, Verdict};
-pub use dead::{DeadArgs, DeadLetter, Filter};
+pub use dead::DeadArgs;
 pub use stats::StatsArgs;
 
 use crate::config::parse_duration;

@@ -9,7 +9,7 @@
 //!   (`stats::History`: jobs and lateness percentiles per minute, a fixed ring).
 //! - `GET /dead`: the dead letters, newest first, a page at a time, filtered by event;
 //!   list mode: the dead list of one queue at a time. `GET /dead/letter`: one letter, its
-//!   reason and its message pretty-printed. Both through `admin::dead` (and `dead::list`).
+//!   reason and its message pretty-printed. Both through the dead-letter model (`dead/`).
 //!   With `--shards N`, every shard's letters merged newest first
 //!   (`dead::newest_sharded`), ids written `<shard>/<id>` as `worker dead` writes them.
 //! - `POST /dead/requeue`, `POST /dead/purge`: only with `--admin-token-file`
@@ -35,8 +35,8 @@ mod chart;
 mod pretty;
 mod view;
 
-use crate::admin::dead;
 use crate::config::{Config, Source};
+use crate::dead;
 use crate::figures::StatsReport;
 use crate::http::{Request, Response};
 use crate::shutdown::Shutdown;
