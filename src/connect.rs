@@ -3,7 +3,7 @@
 //! shard count it records agrees with `--shards`; a failure is one readable line
 //! ([`ConnectError`]) naming the URL without its password.
 
-use crate::config::{redact_url, Config};
+use crate::config::Config;
 use crate::store;
 
 #[derive(Debug, thiserror::Error)]
@@ -24,7 +24,7 @@ pub fn redis_client(config: &Config) -> Result<crate::store::Redis, ConnectError
     let url = &config.redis_url;
     let client = crate::tls::redis_client(url, &config.redis_tls)?;
     let unreachable = |e: redis::RedisError| ConnectError::RedisUnreachable {
-        url: redact_url(url),
+        url: config.derived.redis_shown.clone(),
         reason: unreachable_reason(&e, url),
     };
     let mut con = store::connect(&client).map_err(unreachable)?;
@@ -58,7 +58,7 @@ pub fn check_shards(
              --shards {n}"
         ))),
         Err(e) => Err(ConnectError::RedisUnreachable {
-            url: redact_url(&config.redis_url),
+            url: config.derived.redis_shown.clone(),
             reason: e.to_string(),
         }),
     }
@@ -68,7 +68,7 @@ pub fn check_shards(
 pub fn redis_connection(config: &Config) -> Result<crate::store::Con, ConnectError> {
     let client = redis_client(config)?;
     let mut con = store::connect(&client).map_err(|e| ConnectError::RedisUnreachable {
-        url: redact_url(&config.redis_url),
+        url: config.derived.redis_shown.clone(),
         reason: unreachable_reason(&e, &config.redis_url),
     })?;
     check_shards(config, &mut con, false)?;

@@ -498,10 +498,10 @@ fn counted(v: &Value) -> (u64, u64) {
 /// figures are read against, so that no host's own clock makes a lag or an age.
 pub fn redis_now_ms(con: &mut dyn redis::ConnectionLike, config: &Config) -> RedisResult<i64> {
     let key = config
-        .shard_keys()
-        .into_iter()
-        .next()
-        .map(|k| k.pool)
+        .derived
+        .shards
+        .first()
+        .map(|k| k.pool.clone())
         .unwrap_or_default();
     crate::store::server_time_us(con, &key)
         .map(|us| us.div_euclid(1000))
@@ -522,7 +522,7 @@ pub fn gather_all(
     now_ms: i64,
     dead_window: Duration,
 ) -> RedisResult<StatsReport> {
-    let shards = config.shard_keys();
+    let shards = &config.derived.shards;
     let mut report = if shards.len() > 1 {
         let each = shards
             .iter()
@@ -773,7 +773,7 @@ pub fn wrong_types(
     config: &Config,
 ) -> redis::RedisResult<Vec<String>> {
     let k = &config.keys;
-    let shards = config.shard_keys();
+    let shards = &config.derived.shards;
     let sharded = shards.len() > 1;
     // (key, type wanted, its shard when sharded)
     let mut want: Vec<(&str, &str, Option<usize>)> = Vec::new();

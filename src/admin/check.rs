@@ -8,7 +8,7 @@
 //! answering with an error.
 
 use super::stats::StatsArgs;
-use crate::config::{redact_url, Config};
+use crate::config::Config;
 use crate::figures::{gather_all, redis_now_ms, wrong_types, StatsReport};
 use crate::store::Memory;
 use clap::Args;
@@ -410,8 +410,9 @@ fn verdict(figures: &[Figure], extra: &str) -> Verdict {
 /// read (an ACL user without `+info|memory`) is left out.
 fn memory(con: &mut dyn redis::ConnectionLike, config: &Config) -> Vec<(String, Memory)> {
     config
-        .shard_keys()
-        .into_iter()
+        .derived
+        .shards
+        .iter()
         .filter_map(|k| Some((k.pool.clone(), crate::store::memory(con, &k.pool).ok()?)))
         .collect()
 }
@@ -440,7 +441,7 @@ pub(super) fn run(
             },
             Err(e) => unknown(format!(
                 "cannot read the key types from {}: {e}",
-                redact_url(&config.redis_url)
+                config.derived.redis_shown
             )),
             Ok(_) => {
                 match redis_now_ms(&mut con, config)
@@ -449,7 +450,7 @@ pub(super) fn run(
                     Ok(r) => evaluate_all(&r, &args.thresholds, &memory(&mut con, config)),
                     Err(e) => unknown(format!(
                         "cannot read the queue figures from {}: {e}",
-                        redact_url(&config.redis_url)
+                        config.derived.redis_shown
                     )),
                 }
             }

@@ -107,7 +107,7 @@ pub(super) fn run(
     if config.source == Source::List {
         return on_lists(r, &config.keys, args);
     }
-    let shards = config.shard_keys();
+    let shards = &config.derived.shards;
     if shards.len() == 1 {
         return one_set(r, &config.keys, args);
     }
@@ -116,7 +116,7 @@ pub(super) fn run(
     match &args.command {
         DeadCommand::List(a) => {
             let letters =
-                dead::oldest_sharded(r.con, &shards, &a.filter, now, a.limit.saturating_add(1))
+                dead::oldest_sharded(r.con, shards, &a.filter, now, a.limit.saturating_add(1))
                     .context(READ)?;
             print_stream_list(
                 letters.into_iter().map(|(s, d)| (Some(s), d)).collect(),
@@ -125,11 +125,11 @@ pub(super) fn run(
             )
         }
         DeadCommand::Show(a) => {
-            let (shard, id) = locate_arg(r, &shards, &a.id)?;
+            let (shard, id) = locate_arg(r, shards, &a.id)?;
             let one = ShowArgs { id, json: a.json };
             show(r, &shards[shard], &one)
         }
-        DeadCommand::Requeue(a) => requeue_sharded(r, &shards, a),
+        DeadCommand::Requeue(a) => requeue_sharded(r, shards, a),
         DeadCommand::Purge(_) => {
             for (i, keys) in shards.iter().enumerate() {
                 write!(r.out, "shard {i} ({}): ", keys.dead)?;

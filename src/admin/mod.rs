@@ -31,6 +31,7 @@ use std::process::ExitCode;
 
 /// `worker stats`: the table, `--json`, `--watch` or `--check`.
 pub fn stats(config: &Config, args: &StatsArgs) -> anyhow::Result<ExitCode> {
+    let config = &config.settled();
     let out = &mut io::stdout().lock();
     quiet_on_broken_pipe(if args.check {
         check::run(config, args, out)
@@ -43,6 +44,7 @@ pub fn stats(config: &Config, args: &StatsArgs) -> anyhow::Result<ExitCode> {
 
 /// `worker dead ...`.
 pub fn dead(config: &Config, args: &DeadArgs) -> anyhow::Result<ExitCode> {
+    let config = &config.settled();
     let out = &mut io::stdout().lock();
     quiet_on_broken_pipe(dead::run(config, args, out))
 }

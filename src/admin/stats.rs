@@ -5,7 +5,7 @@
 //! only wakes it, so it leaves through the normal return path.
 
 use super::Thresholds;
-use crate::config::{redact_url, Config};
+use crate::config::Config;
 use crate::figures::{gather_all, rates, redis_now_ms, Rates, StatsReport};
 use crate::text::fmt_age;
 use anyhow::Context;
@@ -296,7 +296,7 @@ pub(super) fn watch(
         writeln!(
             frame,
             "worker stats  {}  {}  (every 1s, Ctrl-C to quit)\n",
-            redact_url(&config.redis_url),
+            config.derived.redis_shown,
             super::fmt_time(crate::now_ms())
         )?;
         match &now_report {

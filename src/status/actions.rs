@@ -205,14 +205,14 @@ impl Actions {
     /// (`dead::locate`); each shard's letters are requeued or purged in that shard, one
     /// shard after the other, each logged with its shard as it is done.
     fn on_shards(&self, page: &Page, kind: Kind, form: &Form) -> Response {
-        let shards = page.config.shard_keys();
+        let shards = &page.config.derived.shards;
         let now = page.stats.clock.now_ms();
         // Every id placed before anything changes: a form with one id that names no
         // shard changes nothing.
         let placed = page.with_redis(|con| {
             let mut out = Vec::new();
             for id in &form.ids {
-                out.push(dead::locate(con, &shards, id, now)?);
+                out.push(dead::locate(con, shards, id, now)?);
             }
             Ok(out)
         });

@@ -450,7 +450,7 @@ impl<'a> Page<'a> {
         now: i64,
         nonce: Option<&str>,
     ) -> Response {
-        let shards = self.config.shard_keys();
+        let shards = &self.config.derived.shards;
         let place = match before.map(|b| b.split_once('/')) {
             None => None,
             Some(Some((s, id))) => match s.parse::<usize>() {
@@ -467,7 +467,7 @@ impl<'a> Page<'a> {
             // round trip (XLEN fails on the other types, so errors are taken per command).
             let mut p = redis::pipe();
             p.ignore_errors();
-            for k in &shards {
+            for k in shards {
                 p.cmd("TYPE").arg(&k.dead).cmd("XLEN").arg(&k.dead);
             }
             let answers: Vec<redis::RedisResult<redis::Value>> = p.query(con)?;
@@ -559,9 +559,9 @@ impl<'a> Page<'a> {
                 Err(e) => self.unavailable(&e),
             }
         } else if self.config.shards > 1 {
-            let shards = self.config.shard_keys();
+            let shards = &self.config.derived.shards;
             let found = self.with_redis(|con| {
-                Ok(match dead::locate(con, &shards, id, now)? {
+                Ok(match dead::locate(con, shards, id, now)? {
                     Ok((s, bare)) if crate::store::stream::is_stream_id(&bare) => {
                         let ids = [bare];
                         let d = dead::fetch(con, &shards[s], &ids, now)?;
