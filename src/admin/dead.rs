@@ -517,7 +517,7 @@ fn grouped<G, L>(
     out
 }
 
-/// [`locate`] for the CLI: an id that names no shard is an error.
+/// [`dead::locate`] for the CLI: an id that names no shard is an error.
 fn locate_arg(r: &mut Cmd, shards: &[Keys], given: &str) -> anyhow::Result<(usize, String)> {
     dead::locate(r.con, shards, given, r.now)
         .context("cannot read the dead letters")?
