@@ -84,6 +84,32 @@ pub struct Config {
     /// `/healthz` is 503 while this process wrote more dead letters than this in the last
     /// minute (`--dead-rate-crit`); 0 turns it off.
     pub dead_rate_crit: u64,
+    /// What the users of the configuration need computed from the fields above, computed
+    /// once ([`Config::settled`]).
+    pub derived: Derived,
+}
+
+/// What every user of the configuration needs computed from its fields, so that none
+/// computes it again: made by [`Config::new`], and again by [`Config::settled`], which the
+/// daemon's start and each command call (a field changed after `new` counts from there).
+#[derive(Clone, Debug, Default)]
+pub struct Derived {
+    /// `redis_url` without its secrets: how every message names the server.
+    pub redis_shown: String,
+    /// `database_url` without its secrets.
+    pub database_shown: String,
+    /// The key set of each shard, in shard order: `keys` itself when unsharded.
+    pub shards: Vec<Keys>,
+}
+
+impl Derived {
+    fn of(c: &Config) -> Derived {
+        Derived {
+            redis_shown: redact_url(&c.redis_url),
+            database_shown: redact_url(&c.database_url),
+            shards: c.shard_keys(),
+        }
+    }
 }
 
 /// The secret that unlocks the status page's actions, read from `--admin-token-file`.
@@ -469,7 +495,16 @@ impl Config {
             dead_rate_crit: DEFAULT_DEAD_RATE_CRIT,
             prune: PruneConfig::default(),
             admin_token: None,
+            derived: Derived::default(),
         }
+        .settled()
+    }
+
+    /// The same configuration with [`Derived`] computed from its fields as they are now.
+    pub fn settled(&self) -> Config {
+        let mut c = self.clone();
+        c.derived = Derived::of(&c);
+        c
     }
 
     /// Sets the message size limit everywhere it is checked: the mover, the reader and the
@@ -498,7 +533,7 @@ impl Config {
     pub fn summary(&self) -> String {
         let (stream, pool, shards) = if self.shards > 1 {
             let all = |k: &str| k.replacen(":0}", &format!(":0..{}}}", self.shards - 1), 1);
-            let first = &self.shard_keys()[0];
+            let first = &self.derived.shards[0];
             (
                 all(&first.stream),
                 all(&first.pool),
@@ -513,8 +548,8 @@ impl Config {
         };
         format!(
             "redis={} database={} stream={stream} group={} pool={pool}{shards} consumer={} threads={} batch={} poll={}ms block={}ms claim_idle={}s max_deliveries={} max_retries={} statement_timeout={}ms mover={}",
-            redact_url(&self.redis_url),
-            redact_url(&self.database_url),
+            self.derived.redis_shown,
+            self.derived.database_shown,
             self.keys.group,
             self.consumer,
             self.threads,

@@ -17,9 +17,13 @@
 //! The main loop also answers the operator's requests (`signals.rs`): SIGUSR1 logs the
 //! state report ([`report`]), SIGHUP calls [`reload`].
 
+use crate::config::Config;
+use crate::config::MoverConfig;
 use crate::config::Source;
-use crate::config::{redact_url, Config};
+use crate::connect::{check_shards, redis_client, unreachable_reason, ConnectError};
 use crate::db::{self, DbError};
+use crate::dbwatch::DbWatch;
+use crate::delivery::Take;
 use crate::handlers::sql::{SqlHandler, SqlHandlerError};
 use crate::handlers::{Handlers, Registry};
 use crate::manners::Manners;
@@ -28,24 +32,22 @@ use crate::mover::Mover;
 use crate::notify::Notifier;
 use crate::prune::Pruner;
 use crate::shutdown::Shutdown;
-use crate::source::{self, list::ListReader, stream::Reader, Doorbell, Feed};
+use crate::source::{self, list::ListReader, stream::Reader, stream::Shards, Doorbell, Feed};
 use crate::stats::{Snapshot, Stats};
 use crate::store;
 use crate::workers::session::{Session, SessionError};
 use crate::workers::{PoolContext, Worker};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::thread::{Scope, ScopedJoinHandle};
 use std::time::{Duration, Instant};
 
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
-    /// The Redis URL or its TLS files cannot work (bad input).
+    /// Redis cannot be opened, or is laid out for another `--shards` (`connect.rs`).
     #[error(transparent)]
-    BadRedis(#[from] crate::tls::SetupError),
+    Connect(#[from] ConnectError),
     #[error("cannot reach Redis at {url}: {reason}")]
     RedisUnreachable { url: String, reason: String },
-    /// The keys in Redis are laid out for another `--shards`.
-    #[error("{0}")]
-    Layout(String),
     #[error(transparent)]
     Db(#[from] DbError),
     #[error("the database schema is not current (missing {missing}): run `worker migrate`")]
@@ -69,95 +71,6 @@ pub struct Report {
     pub stats: Snapshot,
     /// Jobs finished after shutdown was requested.
     pub drained: u64,
-}
-
-/// Opens the Redis client (with its TLS files for a `rediss://` URL) and checks that the
-/// server answers.
-pub fn redis_client(config: &Config) -> Result<crate::store::Redis, DaemonError> {
-    let url = &config.redis_url;
-    let client = crate::tls::redis_client(url, &config.redis_tls)?;
-    let unreachable = |e: redis::RedisError| DaemonError::RedisUnreachable {
-        url: redact_url(url),
-        reason: unreachable_reason(&e, url),
-    };
-    let mut con = store::connect(&client).map_err(unreachable)?;
-    // A read-only probe: the first thing a new connection is asked.
-    redis::cmd("PING")
-        .query::<String>(&mut con)
-        .map_err(unreachable)?;
-    Ok(client)
-}
-
-/// Checks `--shards` against the count recorded in Redis; with `claim` (a worker's start,
-/// a push) records it when nothing is recorded yet.
-pub fn check_shards(
-    config: &Config,
-    con: &mut dyn redis::ConnectionLike,
-    claim: bool,
-) -> Result<(), DaemonError> {
-    let n = config.shards;
-    let key = &config.keys.shard_count;
-    match store::check_shards(con, &config.keys, n, claim) {
-        Ok(store::ShardLayout::Agrees) => Ok(()),
-        Ok(store::ShardLayout::Differs { recorded }) => Err(DaemonError::Layout(format!(
-            "--shards {n}: Redis records {recorded} shards ({key}); every worker and producer \
-             of one queue must use the same count. To change it: stop the producers, let the \
-             workers drain every shard (`worker stats --shards {recorded}` shows nothing \
-             waiting or pending), stop them, DEL {key}, and start everything with the new count"
-        ))),
-        Ok(store::ShardLayout::UnshardedJobs { pool, jobs }) => Err(DaemonError::Layout(format!(
-            "--shards {n}: the unsharded {pool} still holds {jobs} jobs (waiting, or read and \
-             not acknowledged); let workers without --shards drain it first, then start with \
-             --shards {n}"
-        ))),
-        Err(e) => Err(DaemonError::RedisUnreachable {
-            url: redact_url(&config.redis_url),
-            reason: e.to_string(),
-        }),
-    }
-}
-
-/// One checked connection, for the admin commands, `push` and `cancel`.
-pub fn redis_connection(config: &Config) -> Result<crate::store::Con, DaemonError> {
-    let client = redis_client(config)?;
-    let mut con = store::connect(&client).map_err(|e| DaemonError::RedisUnreachable {
-        url: redact_url(&config.redis_url),
-        reason: unreachable_reason(&e, &config.redis_url),
-    })?;
-    check_shards(config, &mut con, false)?;
-    Ok(con)
-}
-
-/// Why Redis could not be reached, in words: a server that accepts the connection but
-/// never answers reads as the socket's "Resource temporarily unavailable" otherwise, and
-/// a TLS failure is said in plain words.
-fn unreachable_reason(e: &redis::RedisError, url: &str) -> String {
-    let reason = unreachable_words(e, url);
-    // A password with an unencoded `@`, `/` or `#` moves the host: the lookup fails, or
-    // the password is wrong; the fix is the URL's.
-    match crate::conninfo::percent_encoding_hint(url) {
-        Some(hint) => format!("{reason}; {hint}"),
-        None => reason,
-    }
-}
-
-fn unreachable_words(e: &redis::RedisError, url: &str) -> String {
-    let scheme = url.split("://").next().unwrap_or("");
-    let tls_url = scheme.starts_with("rediss") || scheme.starts_with("valkeys");
-    if let Some(tls) = crate::tls::describe(e, "--redis-ca-file") {
-        tls
-    } else if e.is_timeout() {
-        let hint = if tls_url {
-            "; if this port does not speak TLS, use redis://"
-        } else {
-            ""
-        };
-        format!("no answer within the timeout ({e}){hint}")
-    } else if !tls_url && e.is_connection_dropped() {
-        format!("{e} (if this port speaks TLS, use rediss://)")
-    } else {
-        e.to_string()
-    }
 }
 
 /// The built-in handlers plus those of `--handlers-dir`.
@@ -218,13 +131,16 @@ impl Drop for PanicGuard<'_> {
     }
 }
 
+/// A role's thread, named, or why it could not start.
+type Spawned<'scope> = std::io::Result<(String, ScopedJoinHandle<'scope, ()>)>;
+
 /// Spawns one named role in the scope, with a guard that stops the daemon if it panics.
-fn spawn_role<'scope, 'env>(
-    s: &'scope std::thread::Scope<'scope, 'env>,
-    shutdown: &'env Shutdown,
+fn spawn_role<'scope>(
+    s: &'scope Scope<'scope, '_>,
+    shutdown: &'scope Shutdown,
     name: String,
     f: impl FnOnce() + Send + 'scope,
-) -> std::io::Result<(String, std::thread::ScopedJoinHandle<'scope, ()>)> {
+) -> Spawned<'scope> {
     let role = name.clone();
     std::thread::Builder::new()
         .name(name.clone())
@@ -245,6 +161,8 @@ struct Ready {
 /// Runs the daemon until `shutdown` is triggered and the pool has drained: [`preflight`],
 /// then the roles spawned and supervised in one scope ([`spawn_and_supervise`]).
 pub fn run(config: &Config, shutdown: &Shutdown) -> Result<Report, DaemonError> {
+    // What every role needs computed from the configuration, computed once here.
+    let config = &config.settled();
     let ready = match preflight(config) {
         Ok(ready) => ready,
         // A signal during start-up interrupts a connect or a query: nothing was read yet,
@@ -267,8 +185,8 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<Report, DaemonError> 
     // Peers may take over at once whatever this consumer still has pending. Best effort:
     // if Redis is unreachable now, the key expires by itself.
     if let Ok(mut con) = store::connect(&ready.client) {
-        for keys in config.shard_keys() {
-            let _ = store::forget_heartbeat(&mut con, &keys, &config.consumer);
+        for keys in &config.derived.shards {
+            let _ = store::forget_heartbeat(&mut con, keys, &config.consumer);
         }
     }
     log::info!(
@@ -283,39 +201,42 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<Report, DaemonError> 
     }
 }
 
+/// Redis as the daemon needs it: the shard layout agrees (and is recorded), no key may be
+/// evicted, and in stream mode every shard's consumer group exists.
+fn check_redis(config: &Config, client: &crate::store::Redis) -> Result<(), DaemonError> {
+    let url = || config.derived.redis_shown.clone();
+    let mut con = store::connect(client).map_err(|e| DaemonError::RedisUnreachable {
+        url: url(),
+        reason: unreachable_reason(&e, &config.redis_url),
+    })?;
+    check_shards(config, &mut con, true)?;
+    let evicting = crate::watch::refuse_eviction(&mut con, config).map_err(|e| {
+        DaemonError::RedisUnreachable {
+            url: url(),
+            reason: e.to_string(),
+        }
+    })?;
+    if let Some(what) = evicting {
+        return Err(DaemonError::Evicting { url: url(), what });
+    }
+    if config.source == Source::Stream {
+        for keys in &config.derived.shards {
+            store::stream::ensure_group(&mut con, keys).map_err(|e| {
+                DaemonError::RedisUnreachable {
+                    url: url(),
+                    reason: e.to_string(),
+                }
+            })?;
+        }
+    }
+    Ok(())
+}
+
 /// Fails fast, with one readable error, when Redis or PostgreSQL cannot be reached, the
 /// schema is not current, or a handler's SQL does not prepare.
 fn preflight(config: &Config) -> Result<Ready, DaemonError> {
     let client = redis_client(config)?;
-    {
-        let mut con = store::connect(&client).map_err(|e| DaemonError::RedisUnreachable {
-            url: redact_url(&config.redis_url),
-            reason: unreachable_reason(&e, &config.redis_url),
-        })?;
-        check_shards(config, &mut con, true)?;
-        let evicting = crate::watch::refuse_eviction(&mut con, config).map_err(|e| {
-            DaemonError::RedisUnreachable {
-                url: redact_url(&config.redis_url),
-                reason: e.to_string(),
-            }
-        })?;
-        if let Some(what) = evicting {
-            return Err(DaemonError::Evicting {
-                url: redact_url(&config.redis_url),
-                what,
-            });
-        }
-        if config.source == Source::Stream {
-            for keys in config.shard_keys() {
-                store::stream::ensure_group(&mut con, &keys).map_err(|e| {
-                    DaemonError::RedisUnreachable {
-                        url: redact_url(&config.redis_url),
-                        reason: e.to_string(),
-                    }
-                })?;
-            }
-        }
-    }
+    check_redis(config, &client)?;
     check_schema(&config.database_url)?;
     let registry = registry(config)?;
     let pool = db::pool(
@@ -346,200 +267,259 @@ fn preflight(config: &Config) -> Result<Ready, DaemonError> {
     })
 }
 
-/// Spawns the roles in one scope (mover, reader, workers, metrics, pruner), then
-/// supervises them from this thread: systemd notifications and the stats line until
-/// shutdown, then joins them. Returns the report and the names of roles that panicked.
+/// Spawns the roles in one scope, then supervises them from this thread until shutdown
+/// and joins them: [`Crew::new`], the metrics server bound, [`Crew::spawn_all`],
+/// [`Crew::supervise`], [`join`]. Returns the report and the names of roles that panicked.
 fn spawn_and_supervise(
     config: &Config,
     shutdown: &Shutdown,
     ready: &Ready,
 ) -> Result<(Report, Vec<String>), DaemonError> {
-    let Ready {
-        client,
-        handlers,
-        pool,
-    } = ready;
     let started = Instant::now();
-    let stats = Stats::new(handlers.current().0.events());
-    let doorbell = Doorbell::default();
-    // The roles' heartbeats start now: one that never completes a step counts as stalled.
-    Stats::beat(&stats.reader_beat_ms);
-    Stats::beat(&stats.mover_beat_ms);
-    let drained = AtomicU64::new(0);
+    let crew = Crew::new(config, shutdown, ready)?;
     let (hand, rx) = crate::delivery::channel(config.channel_capacity(), config.jobs.take_size());
     let (space_tx, space_rx) = crossbeam_channel::bounded::<()>(1);
-    let shard_keys = config.shard_keys();
-    let shard_mover = crate::config::MoverConfig {
-        legacy: Vec::new(),
-        ..config.mover.clone()
-    };
-    // The watch's own connections ask for read-write as the pool's do (`db::Target`).
-    let pool_target = db::Target::parse(&config.database_url)?;
-    let manners = Manners::new(&config.jobs.max_rates, config.jobs.set_size);
-    let ctx = PoolContext {
-        keys: &config.keys,
-        shards: &shard_keys,
-        jobs: &config.jobs,
-        consumer: &config.consumer,
-        handlers,
-        manners: &manners,
-        stats: &stats,
-        db: pool,
-        redis: client,
-        shutdown,
-        drained: &drained,
-    };
     // Bound before any thread starts, so a port in use stops the start with one line.
-    let server = match config.metrics_addr {
-        Some(addr) => Some(metrics::Server::bind(
-            addr,
-            metrics::Sources {
-                stats: &stats,
-                config,
-                pool,
-                redis: client,
-                manners: &manners,
-                depth: Box::new({
-                    let rx = rx.clone();
-                    move || rx.len()
-                }),
-                capacity: config.channel_capacity(),
-            },
-        )?),
-        None => None,
-    };
-
+    let server = crew.bind_metrics(&rx)?;
+    let ctx = crew.pool_context();
     let panicked: Vec<String> = std::thread::scope(|s| {
-        let mut handles = Vec::new();
-        let mut spawned = Vec::new();
-        if config.run_mover {
-            let (client, stats, bell) = (&client, &stats, doorbell.clone());
-            let (shard_keys, shard_mover) = (&shard_keys, &shard_mover);
-            spawned.push(spawn_role(s, shutdown, "mover".into(), move || {
-                // Legacy pools are served once, with the first shard.
-                let movers: Vec<Mover> = shard_keys
-                    .iter()
-                    .enumerate()
-                    .map(|(i, keys)| {
-                        let cfg = if i == 0 { &config.mover } else { shard_mover };
-                        let m = Mover::new(keys, cfg, stats).with_doorbell(bell.clone());
-                        if shard_keys.len() > 1 {
-                            m.in_shard(i)
-                        } else {
-                            m
-                        }
-                    })
-                    .collect();
-                crate::mover::run_shards(&movers, client, shutdown)
-            }));
-        }
-        {
-            let (client, stats, bell) = (&client, &stats, doorbell.clone());
-            let feed = Feed::new(hand, space_rx, stats);
-            let (keys, cfg, consumer) = (&config.keys, &config.reader, config.consumer.as_str());
-            let shard_keys = &shard_keys;
-            spawned.push(match config.source {
-                Source::Stream if shard_keys.len() > 1 => {
-                    spawn_role(s, shutdown, "reader".into(), move || {
-                        let readers = shard_keys
-                            .iter()
-                            .map(|k| Reader::new(k, cfg, consumer, stats, feed.clone()))
-                            .collect();
-                        source::run(
-                            crate::source::stream::Shards::new(readers, bell),
-                            client,
-                            stats,
-                            shutdown,
-                        )
-                    })
-                }
-                Source::Stream => spawn_role(s, shutdown, "reader".into(), move || {
-                    source::run(
-                        Reader::new(keys, cfg, consumer, stats, feed).with_doorbell(bell),
-                        client,
-                        stats,
-                        shutdown,
-                    )
-                }),
-                Source::List => spawn_role(s, shutdown, "reader".into(), move || {
-                    source::run(
-                        ListReader::new(keys, cfg, consumer, stats, feed).with_doorbell(bell),
-                        client,
-                        stats,
-                        shutdown,
-                    )
-                }),
-            });
-        }
-        for i in 0..config.threads {
-            let (ctx, rx, space_tx) = (&ctx, rx.clone(), space_tx.clone());
-            spawned.push(spawn_role(s, shutdown, format!("worker-{i}"), move || {
-                Worker::new(i, ctx).run(&rx, &space_tx)
-            }));
-        }
+        let feed = Feed::new(hand, space_rx, &crew.stats);
+        let mut spawned = crew.spawn_all(s, feed, &ctx, (&rx, &space_tx));
         if let Some(server) = &server {
             spawned.push(spawn_role(s, shutdown, "metrics".into(), move || {
                 server.run(shutdown)
             }));
         }
-        {
-            let watch = crate::dbwatch::DbWatch::new(
-                pool_target.clone(),
-                &stats,
-                &manners,
-                handlers,
-                config.dead_rate_crit,
-            );
-            spawned.push(spawn_role(s, shutdown, "pg-watch".into(), move || {
-                watch.run(shutdown)
+        // `rx` stays here for the channel depth of the status line. A receiver that never
+        // receives holds nobody up: the reader sends only what fits, and the workers stop
+        // when the sender is gone, however many receivers remain.
+        let handles = started_or_stop(spawned, shutdown);
+        crew.supervise(&|| rx.len(), started);
+        join(handles)
+    });
+    let report = Report {
+        stats: crew.stats.snapshot(),
+        drained: crew.drained.load(Ordering::Relaxed),
+    };
+    Ok((report, panicked))
+}
+
+/// What the roles share, made before any of them starts and borrowed by each.
+struct Crew<'a> {
+    config: &'a Config,
+    shutdown: &'a Shutdown,
+    ready: &'a Ready,
+    stats: Stats,
+    doorbell: Doorbell,
+    /// Jobs finished after shutdown was requested.
+    drained: AtomicU64,
+    manners: Manners,
+    /// The watch's own connections ask for read-write as the pool's do (`db::Target`).
+    pool_target: db::Target,
+    /// The mover's settings for every shard but the first: legacy pools are served once,
+    /// with the first shard.
+    shard_mover: MoverConfig,
+}
+
+impl<'a> Crew<'a> {
+    fn new(
+        config: &'a Config,
+        shutdown: &'a Shutdown,
+        ready: &'a Ready,
+    ) -> Result<Crew<'a>, DaemonError> {
+        let stats = Stats::new(ready.handlers.current().0.events());
+        // The roles' heartbeats start now: one that never completes a step counts as
+        // stalled.
+        Stats::beat(&stats.reader_beat_ms);
+        Stats::beat(&stats.mover_beat_ms);
+        Ok(Crew {
+            config,
+            shutdown,
+            ready,
+            stats,
+            doorbell: Doorbell::default(),
+            drained: AtomicU64::new(0),
+            manners: Manners::new(&config.jobs.max_rates, config.jobs.set_size),
+            pool_target: db::Target::parse(&config.database_url)?,
+            shard_mover: MoverConfig {
+                legacy: Vec::new(),
+                ..config.mover.clone()
+            },
+        })
+    }
+
+    /// What every worker borrows.
+    fn pool_context(&self) -> PoolContext<'_> {
+        let config = self.config;
+        PoolContext {
+            keys: &config.keys,
+            shards: &config.derived.shards,
+            jobs: &config.jobs,
+            consumer: &config.consumer,
+            handlers: &self.ready.handlers,
+            manners: &self.manners,
+            stats: &self.stats,
+            db: &self.ready.pool,
+            redis: &self.ready.client,
+            shutdown: self.shutdown,
+            drained: &self.drained,
+        }
+    }
+
+    /// The metrics server of `--metrics-addr`, bound; `rx` for the channel's depth.
+    fn bind_metrics(&self, rx: &Take) -> Result<Option<metrics::Server<'_>>, DaemonError> {
+        let Some(addr) = self.config.metrics_addr else {
+            return Ok(None);
+        };
+        let sources = metrics::Sources {
+            stats: &self.stats,
+            config: self.config,
+            pool: &self.ready.pool,
+            redis: &self.ready.client,
+            manners: &self.manners,
+            depth: Box::new({
+                let rx = rx.clone();
+                move || rx.len()
+            }),
+            capacity: self.config.channel_capacity(),
+        };
+        Ok(Some(metrics::Server::bind(addr, sources)?))
+    }
+
+    /// Every role but the metrics server: the mover (unless `--no-mover`), the reader,
+    /// the workers, the PostgreSQL watch, the pruner (unless `--inbox-retention 0`) and
+    /// the watch.
+    fn spawn_all<'s>(
+        &'s self,
+        s: &'s Scope<'s, '_>,
+        feed: Feed<'s>,
+        ctx: &'s PoolContext<'s>,
+        (rx, space_tx): (&Take, &crossbeam_channel::Sender<()>),
+    ) -> Vec<Spawned<'s>> {
+        let (config, shutdown) = (self.config, self.shutdown);
+        let mut spawned = Vec::new();
+        if config.run_mover {
+            spawned.push(self.spawn_mover(s));
+        }
+        spawned.push(self.spawn_reader(s, feed));
+        for i in 0..config.threads {
+            let (rx, space_tx) = (rx.clone(), space_tx.clone());
+            spawned.push(spawn_role(s, shutdown, format!("worker-{i}"), move || {
+                Worker::new(i, ctx).run(&rx, &space_tx)
             }));
         }
+        let handlers = &self.ready.handlers;
+        let pg = DbWatch::new(
+            self.pool_target.clone(),
+            &self.stats,
+            &self.manners,
+            handlers,
+            config.dead_rate_crit,
+        );
+        spawned.push(spawn_role(s, shutdown, "pg-watch".into(), move || {
+            pg.run(shutdown)
+        }));
         if config.prune.enabled() {
-            let pruner = Pruner::new(config, &stats, client);
+            let pruner = Pruner::new(config, &self.stats, &self.ready.client);
             spawned.push(spawn_role(s, shutdown, "pruner".into(), move || {
                 pruner.run(shutdown)
             }));
         }
-        {
-            let (watch, client) = (crate::watch::Watch::new(config, &stats), &client);
-            spawned.push(spawn_role(s, shutdown, "watch".into(), move || {
-                watch.run(client, shutdown)
-            }));
-        }
-        // `rx` stays here for the channel depth of the status line. A receiver that never
-        // receives holds nobody up: the reader sends only what fits, and the workers stop
-        // when the sender is gone, however many receivers remain.
-        for r in spawned {
-            match r {
-                Ok(h) => handles.push(h),
-                Err(e) => {
-                    log::error!("cannot spawn a thread: {e}");
-                    shutdown.trigger();
-                }
-            }
-        }
+        let (watch, client) = (
+            crate::watch::Watch::new(config, &self.stats),
+            &self.ready.client,
+        );
+        spawned.push(spawn_role(s, shutdown, "watch".into(), move || {
+            watch.run(client, shutdown)
+        }));
+        spawned
+    }
 
+    /// The mover: one a shard, each ringing the reader's doorbell after a move.
+    fn spawn_mover<'s>(&'s self, s: &'s Scope<'s, '_>) -> Spawned<'s> {
+        let shard_keys = &self.config.derived.shards;
+        let (client, bell) = (&self.ready.client, self.doorbell.clone());
+        spawn_role(s, self.shutdown, "mover".into(), move || {
+            let movers: Vec<Mover> = shard_keys
+                .iter()
+                .enumerate()
+                .map(|(i, keys)| {
+                    let cfg = if i == 0 {
+                        &self.config.mover
+                    } else {
+                        &self.shard_mover
+                    };
+                    let m = Mover::new(keys, cfg, &self.stats).with_doorbell(bell.clone());
+                    if shard_keys.len() > 1 {
+                        m.in_shard(i)
+                    } else {
+                        m
+                    }
+                })
+                .collect();
+            crate::mover::run_shards(&movers, client, self.shutdown)
+        })
+    }
+
+    /// The reader of the stream (of every shard's) or of the list queues.
+    fn spawn_reader<'s>(&'s self, s: &'s Scope<'s, '_>, feed: Feed<'s>) -> Spawned<'s> {
+        let config = self.config;
+        let (client, stats, bell, shutdown) = (
+            &self.ready.client,
+            &self.stats,
+            self.doorbell.clone(),
+            self.shutdown,
+        );
+        let (keys, cfg, consumer) = (&config.keys, &config.reader, config.consumer.as_str());
+        let shard_keys = &config.derived.shards;
+        spawn_role(s, shutdown, "reader".into(), move || match config.source {
+            Source::Stream if shard_keys.len() > 1 => {
+                let readers = shard_keys
+                    .iter()
+                    .map(|k| Reader::new(k, cfg, consumer, stats, feed.clone()))
+                    .collect();
+                source::run(Shards::new(readers, bell), client, stats, shutdown)
+            }
+            Source::Stream => source::run(
+                Reader::new(keys, cfg, consumer, stats, feed).with_doorbell(bell),
+                client,
+                stats,
+                shutdown,
+            ),
+            Source::List => source::run(
+                ListReader::new(keys, cfg, consumer, stats, feed).with_doorbell(bell),
+                client,
+                stats,
+                shutdown,
+            ),
+        })
+    }
+
+    /// This thread until shutdown: systemd's readiness, watchdog and status line, SIGHUP's
+    /// reload, SIGUSR1's report, the heap trimmed, the stats line every interval; `depth`:
+    /// the channel's.
+    fn supervise(&self, depth: &dyn Fn() -> usize, started: Instant) {
+        let (config, shutdown, stats) = (self.config, self.shutdown, &self.stats);
         let mut notifier = Notifier::from_env();
-        notifier.ready(&stats, rx.len());
-        let mut logged = Instant::now();
-        let mut trimmed = Instant::now();
-        let mut ticked = Instant::now();
+        notifier.ready(stats, depth());
+        let (mut logged, mut trimmed, mut ticked) =
+            (Instant::now(), Instant::now(), Instant::now());
         let (mut reloads, mut reports) = (shutdown.reloads(), shutdown.reports());
         let tick = notifier.tick_interval(config.stats_interval);
         while !shutdown.wait_or_request(tick.saturating_sub(ticked.elapsed())) {
             if shutdown.reloads() != reloads {
                 reloads = shutdown.reloads();
-                reload(config, handlers, &pool_target);
+                reload(config, &self.ready.handlers, &self.pool_target);
             }
             if shutdown.reports() != reports {
                 reports = shutdown.reports();
-                report(config, &stats, rx.len(), started);
+                report(config, stats, depth(), started);
             }
             if ticked.elapsed() < tick {
                 continue;
             }
             ticked = Instant::now();
-            notifier.tick(&stats, config, rx.len());
+            notifier.tick(stats, config, depth());
             if trimmed.elapsed() >= TRIM_EVERY {
                 trimmed = Instant::now();
                 release_free_memory();
@@ -549,21 +529,37 @@ fn spawn_and_supervise(
             }
             logged = Instant::now();
             // One line per interval even when idle: its absence in the journal means trouble.
-            log::info!("stats: {} in_channel={}", stats.snapshot(), rx.len());
+            log::info!("stats: {} in_channel={}", stats.snapshot(), depth());
         }
         notifier.stopping();
         log::info!("shutdown requested; draining the jobs already read");
-        handles
-            .into_iter()
-            .filter_map(|(name, h)| h.join().is_err().then_some(name))
-            .collect()
-    });
+    }
+}
 
-    let report = Report {
-        stats: stats.snapshot(),
-        drained: drained.load(Ordering::Relaxed),
-    };
-    Ok((report, panicked))
+/// The roles that started; a role that could not start stops the daemon.
+fn started_or_stop<'s>(
+    spawned: Vec<Spawned<'s>>,
+    shutdown: &Shutdown,
+) -> Vec<(String, ScopedJoinHandle<'s, ()>)> {
+    let mut handles = Vec::new();
+    for r in spawned {
+        match r {
+            Ok(h) => handles.push(h),
+            Err(e) => {
+                log::error!("cannot spawn a thread: {e}");
+                shutdown.trigger();
+            }
+        }
+    }
+    handles
+}
+
+/// Waits for every role; the names of those that panicked.
+fn join(handles: Vec<(String, ScopedJoinHandle<'_, ()>)>) -> Vec<String> {
+    handles
+        .into_iter()
+        .filter_map(|(name, h)| h.join().is_err().then_some(name))
+        .collect()
 }
 
 /// SIGHUP: reads the `--handlers-dir` files again and hands the new handlers to the
@@ -658,7 +654,7 @@ pub fn report(config: &Config, stats: &Stats, in_channel: usize, started: Instan
         "state: pending here: {in_channel} read and waiting for a worker, {} worker(s) waiting for PostgreSQL",
         stats.db_waiting.load(Relaxed)
     ));
-    lines.push(match crate::notify::live(stats, config, now) {
+    lines.push(match crate::health::live(stats, config, now) {
         Ok(()) => "state: live (the watchdog's verdict)".to_string(),
         Err(why) => format!("state: not live: {why}"),
     });

@@ -1,6 +1,21 @@
-//! Each worker's health, published in Redis for the operator's tools.
+//! Each worker's health: the verdicts of this process and the record it publishes in Redis
+//! for the operator's tools.
 //!
-//! The reader refreshes the consumer's heartbeat key every `--block`
+//! **The verdicts.** [`live`] is the watchdog's (`notify.rs` pings systemd while it holds;
+//! also the `delay_worker_live` metric and the status page's headline); [`healthy`] is
+//! `/healthz`'s before its [`Probe`] of both servers (also `delay_worker_healthy`, and the
+//! status page's alerts). Every surface that speaks of health asks these.
+//!
+//! **What "live" means**:
+//! the reader finished a step (a read, or a wait for room in the channel) within one
+//! block timeout plus [`STALL_MARGIN`], the mover (when this process runs one) a tick
+//! within one poll interval plus the margin, and no worker is waiting for a database
+//! session. The roles stamp heartbeats in [`Stats`] after each successful step, so a
+//! stuck thread, a Redis outage and a PostgreSQL outage all look the same here: no
+//! progress. systemd then restarts the unit once `WatchdogSec` passes without a ping; a
+//! blip shorter than that costs nothing.
+//!
+//! **The record.** The reader refreshes the consumer's heartbeat key every `--block`
 //! (`SET <prefix>:consumer:<name>:alive <record> PX <ttl>`, `store::heartbeat`); its value
 //! is this process's [`Record`], a small JSON object: when it was written, the host,
 //! the version, the measured offset of the host's clock to Redis, the producers seen
@@ -13,13 +28,28 @@
 //! Bounded: at most [`MAX_PROBLEMS`] problems of at most [`MAX_TEXT`] characters each,
 //! so the key stays well under 4 KiB however a role words its problem.
 
+use crate::config::Config;
+use crate::db;
 use crate::stats::{Reported, Stats};
+use crate::store;
 use serde::{Deserialize, Serialize};
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
 
 /// Most problems a record carries (the worst first).
 pub const MAX_PROBLEMS: usize = 8;
 /// Longest text of a problem in a record, in characters; longer ones end in `…`.
 pub const MAX_TEXT: usize = 300;
+
+/// `/healthz` answers 503 when the servers have not answered within this.
+pub const HEALTH_TIMEOUT: Duration = Duration::from_secs(3);
+/// Connect and I/O timeout of each server the health check asks.
+pub const PROBE_IO_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Slack over a role's longest healthy step before it counts as stalled: absorbs a slow
+/// maintenance pass or a busy Redis without calling the daemon dead.
+pub const STALL_MARGIN: Duration = Duration::from_secs(5);
 
 /// What a worker says of itself in its heartbeat key.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -100,6 +130,191 @@ pub fn host_name() -> String {
         .unwrap_or_default()
 }
 
+/// The health verdict of `/healthz` (before its probe of both servers): [`live`], and no
+/// critical problem ([`Stats::report_critical`]: jobs held by a schema fault, PostgreSQL
+/// not writable, an evicting Redis, lost data),
+/// and no more than `--dead-rate-crit` dead letters written in the last minute. Unlike
+/// [`live`], none of these stops the watchdog: a restart would not fix them.
+pub fn healthy(stats: &Stats, config: &Config, now_ms: i64) -> Result<(), String> {
+    live(stats, config, now_ms)?;
+    if let Some(p) = stats.alarm(now_ms) {
+        return Err(p);
+    }
+    let limit = config.dead_rate_crit;
+    if limit > 0 {
+        let n = stats.jobs.dead_last_minute(now_ms);
+        if n > limit {
+            return Err(format!(
+                "{n} dead letters in the last minute (over --dead-rate-crit {limit}): `worker dead list --newer-than 5m`"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Both verdicts at one moment, as the exporter's gauges and the status page show them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Verdict {
+    pub live: Result<(), String>,
+    pub healthy: Result<(), String>,
+}
+
+impl Verdict {
+    pub fn of(stats: &Stats, config: &Config, now_ms: i64) -> Verdict {
+        Verdict {
+            live: live(stats, config, now_ms),
+            healthy: healthy(stats, config, now_ms),
+        }
+    }
+
+    /// What holds jobs back besides liveness: why the daemon is not healthy while it is
+    /// live (a not-live daemon says so on its own).
+    pub fn alerts(&self) -> Vec<String> {
+        match (&self.live, &self.healthy) {
+            (Ok(()), Err(why)) => vec![why.clone()],
+            _ => Vec::new(),
+        }
+    }
+}
+
+/// The liveness verdict described in the module header; `Err` says what is wrong.
+pub fn live(stats: &Stats, config: &Config, now_ms: i64) -> Result<(), String> {
+    // What an operator must fix comes first: it is also why a role stopped moving.
+    if let Some(p) = stats.problem(now_ms) {
+        return Err(p);
+    }
+    let stalled = |beat: u64, step: Duration| {
+        let age = now_ms.saturating_sub(beat as i64).max(0) as u64;
+        let limit = (step + STALL_MARGIN).as_millis() as u64;
+        (age > limit).then(|| Duration::from_millis(age).as_secs())
+    };
+    if let Some(s) = stalled(stats.reader_beat_ms.load(Relaxed), config.reader.block) {
+        return Err(format!(
+            "the reader made no progress for {s}s (Redis unreachable or the thread stuck)"
+        ));
+    }
+    if config.run_mover {
+        if let Some(s) = stalled(stats.mover_beat_ms.load(Relaxed), config.mover.poll) {
+            return Err(format!(
+                "the mover made no progress for {s}s (Redis unreachable or the thread stuck)"
+            ));
+        }
+    }
+    match stats.db_waiting.load(Relaxed) {
+        0 => Ok(()),
+        n => Err(format!("{n} worker(s) cannot get a PostgreSQL connection")),
+    }
+}
+
+/// The `/healthz` check: Redis answers PING, and PostgreSQL accepts a new connection
+/// (what a restarted worker needs; the workers' pool has none to spare, see
+/// `metrics::Sources::pool`) that answers `SELECT 1`. A fresh connection also gives the server's
+/// own reason when it refuses, where a pool would only time out.
+///
+/// It runs on a short-lived thread of its own: a server that accepts connections but
+/// never answers (stopped, or a network black hole) must cost a 503 after
+/// [`HEALTH_TIMEOUT`], not a connection thread stuck in a read. That thread is not joined
+/// for the same reason; it ends by itself when its socket times out or errors. One check
+/// runs at a time: a request that comes while one runs waits for that one's result
+/// (so two probes at the same moment both get the answer, and a hung server costs one
+/// thread, not one per request).
+pub struct Probe {
+    redis: crate::store::Redis,
+    pg: db::Target,
+    shared: Arc<ProbeShared>,
+}
+
+#[derive(Default)]
+struct ProbeShared {
+    state: Mutex<ProbeState>,
+    /// Signalled when a check ends.
+    done: Condvar,
+}
+
+#[derive(Default)]
+struct ProbeState {
+    /// The number of the check that is running, if one is.
+    running: Option<u64>,
+    /// The number of the last check started.
+    started: u64,
+    /// The last check that ended: its number and result.
+    last: Option<(u64, Result<(), String>)>,
+}
+
+impl Probe {
+    /// The probe of `redis` and of the database at `database_url`, each asked within
+    /// [`PROBE_IO_TIMEOUT`]; `Err` for a URL that does not parse.
+    pub fn new(redis: &crate::store::Redis, database_url: &str) -> Result<Probe, String> {
+        let mut pg = db::Target::parse(database_url).map_err(|e| e.to_string())?;
+        pg.config.connect_timeout(PROBE_IO_TIMEOUT);
+        pg.config.application_name("delay-worker healthz");
+        pg.config.options(&format!(
+            "-c statement_timeout={}",
+            PROBE_IO_TIMEOUT.as_millis()
+        ));
+        Ok(Probe {
+            redis: redis.clone(),
+            pg,
+            shared: Arc::default(),
+        })
+    }
+
+    /// Runs the check, or waits for the one running (see above).
+    pub fn check(&self) -> Result<(), String> {
+        let shared = &self.shared;
+        let mut st = shared.state.lock().unwrap_or_else(|p| p.into_inner());
+        let number = match st.running {
+            Some(n) => n,
+            None => {
+                st.started += 1;
+                let n = st.started;
+                let (redis, pg, sh) = (self.redis.clone(), self.pg.clone(), shared.clone());
+                std::thread::Builder::new()
+                    .name("healthz".into())
+                    .spawn(move || {
+                        let r = probe(&redis, &pg);
+                        let mut st = sh.state.lock().unwrap_or_else(|p| p.into_inner());
+                        st.running = None;
+                        st.last = Some((n, r));
+                        sh.done.notify_all();
+                    })
+                    .map_err(|e| format!("cannot start the health check: {e}"))?;
+                st.running = Some(n);
+                n
+            }
+        };
+        let ended = |st: &ProbeState| matches!(&st.last, Some((n, _)) if *n == number);
+        let st = match shared
+            .done
+            .wait_timeout_while(st, HEALTH_TIMEOUT, |st| !ended(st))
+        {
+            Ok((g, _)) => g,
+            Err(p) => p.into_inner().0,
+        };
+        match &st.last {
+            Some((n, r)) if *n == number => r.clone(),
+            _ => Err(format!(
+                "no answer from Redis or PostgreSQL within {}s",
+                HEALTH_TIMEOUT.as_secs()
+            )),
+        }
+    }
+}
+
+fn probe(redis: &crate::store::Redis, pg: &db::Target) -> Result<(), String> {
+    let mut con = store::connect_with(redis, PROBE_IO_TIMEOUT)
+        .map_err(|e| format!("Redis unreachable: {e}"))?;
+    redis::cmd("PING")
+        .query::<String>(&mut con)
+        .map_err(|e| format!("Redis does not answer PING: {e}"))?;
+    let mut c = pg
+        .connect()
+        .map_err(|e| format!("no PostgreSQL connection: {}", db::error_text(&e)))?;
+    c.simple_query("SELECT 1")
+        .map_err(|e| format!("PostgreSQL SELECT 1 failed: {}", db::error_text(&e)))?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -134,5 +349,25 @@ mod tests {
             None,
             "an older worker's value"
         );
+    }
+
+    #[test]
+    fn stale_heartbeats_and_database_waits_are_not_live() {
+        let config = Config::new("redis://127.0.0.1/", "postgres://h/d");
+        let stats = Stats::default();
+        let now = 1_000_000_000;
+        stats.reader_beat_ms.store(now as u64, Relaxed);
+        stats.mover_beat_ms.store(now as u64, Relaxed);
+        assert_eq!(live(&stats, &config, now + 1000), Ok(()));
+        let late = now + (config.reader.block + STALL_MARGIN).as_millis() as i64 + 1000;
+        let e = live(&stats, &config, late).unwrap_err();
+        assert!(e.contains("reader made no progress"), "{e}");
+        stats.reader_beat_ms.store(late as u64, Relaxed);
+        assert!(live(&stats, &config, late).unwrap_err().contains("mover"));
+        stats.mover_beat_ms.store(late as u64, Relaxed);
+        stats.db_waiting.store(2, Relaxed);
+        assert!(live(&stats, &config, late)
+            .unwrap_err()
+            .contains("PostgreSQL"));
     }
 }

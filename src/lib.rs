@@ -39,33 +39,51 @@
 //! - `tls.rs` — TLS to both servers (rustls); `conninfo.rs` — connection strings read as
 //!   their clients read them (for the TLS settings and for redaction).
 //! - `stats.rs` — the one set of counters (log line, exit report, `/metrics`) and the
-//!   problems the roles report; `health.rs` — the record of them each worker publishes in
-//!   its heartbeat key, for `worker stats`.
+//!   problems the roles report; `health.rs` — the verdicts on them (live: the watchdog's;
+//!   healthy: `/healthz`'s, with its probe of both servers) and the record each worker
+//!   publishes in its heartbeat key, for `worker stats`.
 //! - `clock.rs` — the one clock: due times are Redis's (`TIME` in the move script); the
 //!   host's measured offset corrects its own clock everywhere else. `watch.rs` — the role
 //!   that measures it and looks at Redis's memory settings (an evicting Redis is refused).
 //! - `signals.rs` — the signals: stop, reload (SIGHUP), state report (SIGUSR1).
 //! - `prune.rs` — the inbox pruner: old `worker_inbox` rows deleted, one process at a time.
 //! - `shutdown.rs`, `backoff.rs` — the small shared pieces.
-//! - `admin/` — the operator's tools: `worker stats` (`--watch`, `--check`), `worker dead`,
-//!   `worker trace` (printed there, gathered in `trace.rs`: a job key's jobs, where each
-//!   is and what became of it), `worker handlers check`.
-//! - `notify.rs` — systemd readiness and watchdog; `metrics.rs` — `/metrics` and `/healthz`;
-//!   `status/` — the status page on the same address (`/`, the dead letters, requeue and
-//!   purge with `--admin-token-file`).
+//!
+//! The operator's side, each file one job and every arrow pointing down this list:
+//! - `admin/` (`worker stats`, `--watch`, `--check`; `worker dead`; `worker trace`;
+//!   `worker handlers check`), `status/` (the status page: `/`, the dead letters, requeue
+//!   and purge with `--admin-token-file`, the trace search; `view.rs` the HTML) and `metrics.rs` (`/metrics`, `/healthz`, the routing of the address) — the
+//!   three surfaces, each formatting on top of the same models;
+//! - `figures.rs` — the queue's figures (what `worker stats` shows), the one source of them
+//!   for all three; `trace.rs` — a job key's story (where each of its jobs is and what
+//!   became of it), for `worker trace` and the page's search;
+//! - `dead/` — the dead letters, one model for both kinds (`stream.rs`: the dead-letter
+//!   stream, each shard's; `list.rs`: the dead lists): read, page, find, requeue, purge;
+//! - `http.rs` — HTTP/1.1 for the address: accept, request deadlines, answers, the
+//!   connection slots shared among stalled clients; nothing about queues;
+//! - `connect.rs` — opening Redis, checked, its shard layout agreed (the daemon, every
+//!   command, the benchmark); `text.rs` — ages, times and clipped lines, the same in the
+//!   terminal and on the page; `notify.rs` — systemd readiness and watchdog.
+//!
+//! The configuration carries what its users need computed (`Config::derived`: the
+//! redacted URLs, each shard's key set), so none of them computes it again.
 
 pub mod admin;
 pub mod backoff;
 pub mod blocker;
 pub mod clock;
 pub mod config;
+pub mod connect;
 pub mod conninfo;
 pub mod daemon;
 pub mod db;
 pub mod dbwatch;
+pub mod dead;
 pub mod delivery;
+pub mod figures;
 pub mod handlers;
 pub mod health;
+pub mod http;
 pub mod keys;
 pub mod manners;
 pub mod message;
@@ -80,6 +98,7 @@ pub mod source;
 pub mod stats;
 pub mod status;
 pub mod store;
+pub mod text;
 pub mod tls;
 pub mod trace;
 pub mod watch;

@@ -4,29 +4,16 @@
 //! The daemon's main thread owns the one [`Notifier`]. It sends `READY=1` once Redis and
 //! PostgreSQL were checked and the roles spawned; then, at each tick of its loop (half of
 //! `$WATCHDOG_USEC` when systemd asked for a watchdog, else the stats interval), a
-//! `STATUS=` line with the counters and, while the daemon is [`live`], `WATCHDOG=1`;
+//! `STATUS=` line with the counters and, while the daemon is live (`health::live`), `WATCHDOG=1`;
 //! `STOPPING=1` when shutdown starts. Without `NOTIFY_SOCKET` (not under systemd, or a
 //! unit that is not `Type=notify`) every call is a no-op.
-//!
-//! **What "live" means** (the watchdog's verdict, also the `delay_worker_live` metric):
-//! the reader finished a step (a read, or a wait for room in the channel) within one
-//! block timeout plus [`STALL_MARGIN`], the mover (when this process runs one) a tick
-//! within one poll interval plus the margin, and no worker is waiting for a database
-//! session. The roles stamp heartbeats in [`Stats`] after each successful step, so a
-//! stuck thread, a Redis outage and a PostgreSQL outage all look the same here: no
-//! progress. systemd then restarts the unit once `WatchdogSec` passes without a ping; a
-//! blip shorter than that costs nothing.
 
 use crate::config::Config;
+use crate::health::live;
 use crate::stats::{Snapshot, Stats};
 use std::ffi::OsStr;
 use std::os::unix::net::{SocketAddr, UnixDatagram};
-use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
-
-/// Slack over a role's longest healthy step before it counts as stalled: absorbs a slow
-/// maintenance pass or a busy Redis without calling the daemon dead.
-pub const STALL_MARGIN: Duration = Duration::from_secs(5);
 
 /// Where notifications go; `None` parts make every call a no-op.
 pub struct Notifier {
@@ -189,57 +176,6 @@ pub fn status_line(s: &Snapshot, in_channel: usize, problem: Option<&String>) ->
     line
 }
 
-/// The health verdict of `/healthz` (before its probe of both servers): [`live`], and no
-/// critical problem ([`Stats::report_critical`]: jobs held by a schema fault, PostgreSQL
-/// not writable, an evicting Redis, lost data),
-/// and no more than `--dead-rate-crit` dead letters written in the last minute. Unlike
-/// [`live`], none of these stops the watchdog: a restart would not fix them.
-pub fn healthy(stats: &Stats, config: &Config, now_ms: i64) -> Result<(), String> {
-    live(stats, config, now_ms)?;
-    if let Some(p) = stats.alarm(now_ms) {
-        return Err(p);
-    }
-    let limit = config.dead_rate_crit;
-    if limit > 0 {
-        let n = stats.jobs.dead_last_minute(now_ms);
-        if n > limit {
-            return Err(format!(
-                "{n} dead letters in the last minute (over --dead-rate-crit {limit}): `worker dead list --newer-than 5m`"
-            ));
-        }
-    }
-    Ok(())
-}
-
-/// The liveness verdict described in the module header; `Err` says what is wrong.
-pub fn live(stats: &Stats, config: &Config, now_ms: i64) -> Result<(), String> {
-    // What an operator must fix comes first: it is also why a role stopped moving.
-    if let Some(p) = stats.problem(now_ms) {
-        return Err(p);
-    }
-    let stalled = |beat: u64, step: Duration| {
-        let age = now_ms.saturating_sub(beat as i64).max(0) as u64;
-        let limit = (step + STALL_MARGIN).as_millis() as u64;
-        (age > limit).then(|| Duration::from_millis(age).as_secs())
-    };
-    if let Some(s) = stalled(stats.reader_beat_ms.load(Relaxed), config.reader.block) {
-        return Err(format!(
-            "the reader made no progress for {s}s (Redis unreachable or the thread stuck)"
-        ));
-    }
-    if config.run_mover {
-        if let Some(s) = stalled(stats.mover_beat_ms.load(Relaxed), config.mover.poll) {
-            return Err(format!(
-                "the mover made no progress for {s}s (Redis unreachable or the thread stuck)"
-            ));
-        }
-    }
-    match stats.db_waiting.load(Relaxed) {
-        0 => Ok(()),
-        n => Err(format!("{n} worker(s) cannot get a PostgreSQL connection")),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -301,25 +237,5 @@ mod tests {
         assert!(n.is_active());
         assert_eq!(n.watchdog_interval(), None);
         let _ = std::fs::remove_dir_all(&dir);
-    }
-
-    #[test]
-    fn stale_heartbeats_and_database_waits_are_not_live() {
-        let config = Config::new("redis://127.0.0.1/", "postgres://h/d");
-        let stats = Stats::default();
-        let now = 1_000_000_000;
-        stats.reader_beat_ms.store(now as u64, Relaxed);
-        stats.mover_beat_ms.store(now as u64, Relaxed);
-        assert_eq!(live(&stats, &config, now + 1000), Ok(()));
-        let late = now + (config.reader.block + STALL_MARGIN).as_millis() as i64 + 1000;
-        let e = live(&stats, &config, late).unwrap_err();
-        assert!(e.contains("reader made no progress"), "{e}");
-        stats.reader_beat_ms.store(late as u64, Relaxed);
-        assert!(live(&stats, &config, late).unwrap_err().contains("mover"));
-        stats.mover_beat_ms.store(late as u64, Relaxed);
-        stats.db_waiting.store(2, Relaxed);
-        assert!(live(&stats, &config, late)
-            .unwrap_err()
-            .contains("PostgreSQL"));
     }
 }

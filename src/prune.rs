@@ -125,7 +125,8 @@ impl<'a> Pruner<'a> {
             database_url: &config.database_url,
             cfg: &config.prune,
             stats,
-            stream: (config.source == Source::Stream).then(|| (redis, config.shard_keys())),
+            stream: (config.source == Source::Stream)
+                .then(|| (redis, config.derived.shards.clone())),
         }
     }
 

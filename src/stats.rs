@@ -37,7 +37,7 @@ pub struct Stats {
     pub redis_reconnects: AtomicU64,
     /// Written by the reader (unix ms) whenever it hands messages to the pool, waits for
     /// room or finds nothing to read, which every successful step ends in; read by the
-    /// watchdog (`notify::live`): a stale stamp means a stuck reader or a Redis outage.
+    /// watchdog (`health::live`): a stale stamp means a stuck reader or a Redis outage.
     pub reader_beat_ms: AtomicU64,
     /// Written by the mover after every successful tick (unix ms); read like the above.
     pub mover_beat_ms: AtomicU64,
@@ -918,9 +918,22 @@ pub(crate) fn escape(v: &str) -> String {
         .replace('\n', "\\n")
 }
 
+/// Resident set size in bytes, from `/proc/self/status` (`VmRSS`, in kB).
+pub fn resident_memory_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn resident_memory_is_read() {
+        assert!(super::resident_memory_bytes().unwrap_or(0) > 0);
+    }
 
     #[test]
     fn histograms_are_cumulative_and_count_what_they_saw() {

@@ -129,7 +129,7 @@ impl Trace {
         let since = match self.inbox_since_ms {
             Some(ms) => format!(
                 "done before {} (the oldest inbox row; older rows are pruned after --inbox-retention)",
-                crate::admin::fmt_time(ms)
+                crate::text::fmt_time(ms)
             ),
             None => "done before the inbox's retention (the inbox is empty)".to_string(),
         };
@@ -287,7 +287,7 @@ pub fn gather(
     t.inbox_error = match db {
         Some(db) => inbox_part(db, &keys, &mut t)
             .err()
-            .map(|e| crate::admin::one_line(&e)),
+            .map(|e| crate::text::one_line(&e)),
         None => Some("no connection to PostgreSQL".into()),
     };
     if let Some(e) = &q.event {
@@ -351,7 +351,7 @@ fn merge(jobs: &mut Vec<Job>) {
             _ => {
                 j.notes.push(format!(
                     "already done at {} (its inbox row): running it again changes nothing",
-                    crate::admin::fmt_time(*at)
+                    crate::text::fmt_time(*at)
                 ));
                 true
             }
@@ -523,7 +523,7 @@ fn redis_part(
                         .get(crate::message::FIRST_DUE)
                         .and_then(Json::as_i64)
                         .or(due);
-                    let moved_ms = crate::admin::id_ms(&id).unwrap_or(0);
+                    let moved_ms = crate::store::stream::id_ms(&id).unwrap_or(0);
                     let state = in_flight(con, k, &id, moved_ms)?;
                     t.jobs.push(job(event, job_id, due, state, Vec::new()));
                 }
@@ -563,7 +563,7 @@ fn redis_part(
                 },
                 reason: field(&f, "reason").map(text).unwrap_or_default(),
                 attempts: field(&f, "attempts").and_then(|a| text(a).parse().ok()),
-                died_ms: crate::admin::id_ms(id).unwrap_or(0),
+                died_ms: crate::store::stream::id_ms(id).unwrap_or(0),
                 consumer: field(&f, "consumer").map(text).filter(|c| !c.is_empty()),
             };
             t.jobs.push(job(event, job_id, due, state, Vec::new()));

@@ -18,7 +18,7 @@
 //! pass of shutdown (its sleep is woken at once).
 
 use crate::clock::{self, Offset, SKEW_WARN};
-use crate::config::{redact_url, Config};
+use crate::config::Config;
 use crate::shutdown::Shutdown;
 use crate::stats::Stats;
 use crate::store::{self, Memory, StoreError};
@@ -50,7 +50,12 @@ impl<'a> Watch<'a> {
         Watch {
             config,
             stats,
-            keys: config.shard_keys().into_iter().map(|k| k.pool).collect(),
+            keys: config
+                .derived
+                .shards
+                .iter()
+                .map(|k| k.pool.clone())
+                .collect(),
             logged: None,
             info_refused: false,
         }
@@ -239,7 +244,12 @@ pub fn refuse_eviction(
     con: &mut dyn redis::ConnectionLike,
     config: &Config,
 ) -> Result<Option<String>, StoreError> {
-    let keys: Vec<String> = config.shard_keys().into_iter().map(|k| k.pool).collect();
+    let keys: Vec<String> = config
+        .derived
+        .shards
+        .iter()
+        .map(|k| k.pool.clone())
+        .collect();
     for key in &keys {
         let m = match store::memory(con, key) {
             Ok(m) => m,
@@ -259,7 +269,7 @@ pub fn refuse_eviction(
         if config.allow_eviction {
             log::warn!(
                 "--allow-eviction: running although {what} (Redis at {})",
-                redact_url(&config.redis_url)
+                config.derived.redis_shown
             );
             return Ok(None);
         }

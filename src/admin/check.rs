@@ -7,8 +7,9 @@
 //! figure decides the status. Unknown is only for "could not look": Redis unreachable or
 //! answering with an error.
 
-use super::stats::{StatsArgs, StatsReport};
-use crate::config::{redact_url, Config};
+use super::stats::StatsArgs;
+use crate::config::Config;
+use crate::figures::{gather_all, redis_now_ms, wrong_types, StatsReport};
 use crate::store::Memory;
 use clap::Args;
 use std::io::Write;
@@ -469,55 +470,13 @@ fn verdict(figures: &[Figure], extra: &str) -> Verdict {
     }
 }
 
-/// The worker's keys that exist with another type than the one it keeps there (a stray
-/// `SET` by hand, a name clash): the worker stops moving, reading or settling what needs
-/// them, so the check is CRITICAL, naming each. With `--shards N` every shard's keys are
-/// looked at, and each one found says its shard. Read only (TYPE).
-pub fn wrong_types(
-    con: &mut dyn redis::ConnectionLike,
-    config: &Config,
-) -> redis::RedisResult<Vec<String>> {
-    let k = &config.keys;
-    let shards = config.shard_keys();
-    let sharded = shards.len() > 1;
-    // (key, type wanted, its shard when sharded)
-    let mut want: Vec<(&str, &str, Option<usize>)> = Vec::new();
-    for (i, s) in shards.iter().enumerate() {
-        let shard = sharded.then_some(i);
-        want.push((&s.pool, "zset", shard));
-        want.push((&s.data, "hash", shard));
-        want.push((&s.stream, "stream", shard));
-        want.push((&s.dead, "stream", shard));
-    }
-    for q in &k.queues {
-        want.push((&q.name, "list", None));
-        want.push((&q.dead, "list", None));
-    }
-    for l in &config.mover.legacy {
-        want.push((&l.key, "zset", None));
-    }
-    let mut p = redis::pipe();
-    for (key, _, _) in &want {
-        p.cmd("TYPE").arg(*key);
-    }
-    let found: Vec<String> = p.query(con)?;
-    Ok(want
-        .iter()
-        .zip(found)
-        .filter(|((_, w, _), f)| f != "none" && f != w)
-        .map(|((key, w, shard), f)| match shard {
-            Some(i) => format!("key {key:?} (shard {i}) holds a {f}, not a {w}"),
-            None => format!("key {key:?} holds a {f}, not a {w}"),
-        })
-        .collect())
-}
-
 /// `INFO memory` of the server of each shard's keys (by the pool key); what cannot be
 /// read (an ACL user without `+info|memory`) is left out.
 fn memory(con: &mut dyn redis::ConnectionLike, config: &Config) -> Vec<(String, Memory)> {
     config
-        .shard_keys()
-        .into_iter()
+        .derived
+        .shards
+        .iter()
         .filter_map(|k| Some((k.pool.clone(), crate::store::memory(con, &k.pool).ok()?)))
         .collect()
 }
@@ -546,16 +505,16 @@ pub(super) fn run(
             },
             Err(e) => unknown(format!(
                 "cannot read the key types from {}: {e}",
-                redact_url(&config.redis_url)
+                config.derived.redis_shown
             )),
             Ok(_) => {
-                match super::stats::redis_now_ms(&mut con, config).and_then(|now| {
-                    super::stats::gather_all(&mut con, config, now, args.dead_window)
-                }) {
+                match redis_now_ms(&mut con, config)
+                    .and_then(|now| gather_all(&mut con, config, now, args.dead_window))
+                {
                     Ok(r) => evaluate_all(&r, &args.thresholds, &memory(&mut con, config)),
                     Err(e) => unknown(format!(
                         "cannot read the queue figures from {}: {e}",
-                        redact_url(&config.redis_url)
+                        config.derived.redis_shown
                     )),
                 }
             }
@@ -568,9 +527,7 @@ pub(super) fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::admin::stats::{
-        DeadFigures, GroupFigures, PoolFigures, QueueFigures, StreamFigures,
-    };
+    use crate::figures::{DeadFigures, GroupFigures, PoolFigures, QueueFigures, StreamFigures};
 
     fn report(pending: u64, oldest_ms: i64, lag_ms: i64, dead_new: u64) -> StatsReport {
         StatsReport {
@@ -628,7 +585,7 @@ mod tests {
 
     #[test]
     fn no_live_worker_is_critical_and_fewer_than_expected_a_warning() {
-        use crate::admin::stats::WorkerHealth;
+        use crate::figures::WorkerHealth;
         let mut r = report(0, 0, 0, 0);
         let v = evaluate(&r, &Thresholds::default());
         assert_eq!(v.status, Status::Critical, "{}", v.line);
@@ -708,7 +665,7 @@ mod tests {
 
     #[test]
     fn the_workers_offsets_and_problems_count() {
-        use crate::admin::stats::WorkerHealth;
+        use crate::figures::WorkerHealth;
         use crate::health::Record;
         use crate::stats::Reported;
         let t = Thresholds::default();

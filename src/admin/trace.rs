@@ -57,7 +57,7 @@ pub fn run(config: &Config, args: &TraceArgs, out: &mut dyn Write) -> anyhow::Re
         return Err(BadQuery(p.to_string()).into());
     }
     let mut con = super::connect(config)?;
-    let now = super::stats::redis_now_ms(&mut con, config)?;
+    let now = crate::figures::redis_now_ms(&mut con, config)?;
     let mut db = crate::db::connect(&config.database_url)
         .map_err(|e| anyhow::anyhow!("PostgreSQL (the inbox, worker_inbox): {e}"))?;
     let t = trace::gather(&mut con, Some(&mut db), config, &q, now)?;

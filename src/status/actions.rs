@@ -11,17 +11,17 @@
 //!   can submit it. Another site can neither read the nonce nor know the token; a
 //!   header it cannot send at all.
 //!
-//! The changes are those of `worker dead requeue | purge` (`admin::dead`, `dead::list`),
+//! The changes are those of `worker dead requeue | purge` (the dead-letter model, `dead/`),
 //! and each is logged with what it touched: requeues at info, purges and refusals at warn.
 //! With `--shards N` the ids are `<shard>/<id>` (or bare ids held by one shard), and each
 //! shard's letters are changed in that shard and logged under its stream and number.
 
 use super::{view, Page};
-use crate::admin::dead::{self, RequeueReport};
-use crate::admin::{self, is_stream_id};
 use crate::config::{AdminToken, Source};
+use crate::dead::{self, RequeueReport};
+use crate::http::{Request, Response};
 use crate::keys::Keys;
-use crate::metrics::{Request, Response};
+use crate::store::stream::is_stream_id;
 
 /// Letters one POST may name: one store script call's worth (`dead::PAGE`).
 const MAX_IDS: usize = 100;
@@ -205,14 +205,14 @@ impl Actions {
     /// (`dead::locate`); each shard's letters are requeued or purged in that shard, one
     /// shard after the other, each logged with its shard as it is done.
     fn on_shards(&self, page: &Page, kind: Kind, form: &Form) -> Response {
-        let shards = page.config.shard_keys();
+        let shards = &page.config.derived.shards;
         let now = page.stats.clock.now_ms();
         // Every id placed before anything changes: a form with one id that names no
         // shard changes nothing.
         let placed = page.with_redis(|con| {
             let mut out = Vec::new();
             for id in &form.ids {
-                out.push(dead::locate(con, &shards, id, now)?);
+                out.push(dead::locate(con, shards, id, now)?);
             }
             Ok(out)
         });
@@ -276,7 +276,7 @@ impl Actions {
         for id in &form.ids {
             match dead::list::parse_id(id) {
                 Ok(id) => ids.push(id),
-                Err(e) => return Response::text(400, format!("{}\n", admin::one_line(&e))),
+                Err(e) => return Response::text(400, format!("{}\n", crate::text::one_line(&e))),
             }
         }
         let now = crate::now_ms();
@@ -285,15 +285,8 @@ impl Actions {
         let budget = super::FIND_BUDGET;
         let near = (form.at, super::DEAD_BUDGET);
         let done = page.with_redis(|con| {
-            let mut letters = Vec::new();
-            let mut missing = Vec::new();
             let found = dead::list::find_near(con, q, &ids, now, near, budget)?;
-            for (id, l) in ids.iter().zip(found) {
-                match l {
-                    Some(l) => letters.push(l),
-                    None => missing.push(id.clone()),
-                }
-            }
+            let (letters, missing) = dead::sort_found(&ids, found, |_| true);
             let found: Vec<String> = letters.iter().map(|l| l.id.clone()).collect();
             let not_found = Some(format!(
                 "not in the first {budget} letters of {} (or near position {})",
@@ -351,17 +344,7 @@ impl Done {
             ids.iter().map(|id| dead::shard_id(shard, id)).collect()
         };
         Done {
-            report: self.report.map(|r| RequeueReport {
-                requeued: q(r.requeued),
-                as_is: q(r.as_is),
-                key_scheduled: q(r.key_scheduled),
-                gone: q(r.gone),
-                cannot: r
-                    .cannot
-                    .into_iter()
-                    .map(|(id, why)| (dead::shard_id(shard, &id), why))
-                    .collect(),
-            }),
+            report: self.report.map(|r| r.in_shard(shard)),
             found: q(self.found),
             purged: self.purged,
             missing: q(self.missing),
@@ -371,12 +354,9 @@ impl Done {
 
     fn add(&mut self, d: Done) {
         if let Some(r) = d.report {
-            let mine = self.report.get_or_insert_with(RequeueReport::default);
-            mine.requeued.extend(r.requeued);
-            mine.as_is.extend(r.as_is);
-            mine.key_scheduled.extend(r.key_scheduled);
-            mine.gone.extend(r.gone);
-            mine.cannot.extend(r.cannot);
+            self.report
+                .get_or_insert_with(RequeueReport::default)
+                .add(r);
         }
         self.found.extend(d.found);
         self.purged += d.purged;
@@ -401,14 +381,7 @@ fn on_set(
     now: i64,
 ) -> anyhow::Result<Done> {
     let found = dead::fetch(con, keys, ids, now)?;
-    let mut letters = Vec::new();
-    let mut missing = Vec::new();
-    for (id, d) in ids.iter().zip(found) {
-        match d {
-            Some(d) => letters.push(d),
-            None => missing.push(id.clone()),
-        }
-    }
+    let (letters, missing) = dead::sort_found(ids, found, |_| true);
     let found: Vec<String> = letters.iter().map(|d| d.id.clone()).collect();
     Ok(match kind {
         Kind::Requeue => Done {
@@ -505,7 +478,7 @@ fn render(done: &Done, back: String) -> Response {
 
 /// An action that failed; `before` what it had done on other shards first.
 fn failed(kind: Kind, e: &anyhow::Error, before: &[String]) -> Response {
-    let mut line = admin::one_line(e);
+    let mut line = crate::text::one_line(e);
     if !before.is_empty() {
         line = format!("{line}; done before it failed: {}", before.join("; "));
     }

@@ -3,8 +3,8 @@
 //! Each minute with something in it has a point with a `<title>` (its figures, shown on
 //! hover) and `data-` attributes with the same numbers.
 
-use super::view::fmt_ms;
 use crate::stats::{Hour, MinuteFigures};
+use crate::text::fmt_ms;
 use maud::{html, Markup};
 
 const W: f64 = 420.0;

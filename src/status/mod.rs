@@ -4,12 +4,12 @@
 //! every 10 s with a meta refresh. Served by the metrics server's threads
 //! (`metrics.rs` routes the paths of [`serves`] here).
 //!
-//! - `GET /`: what `worker stats` shows, read by the same code ([`admin::gather`]) so the
+//! - `GET /`: what `worker stats` shows, read by the same code (`figures.rs`) so the
 //!   figures are the same, plus this process's own last hour from its counters
 //!   (`stats::History`: jobs and lateness percentiles per minute, a fixed ring).
 //! - `GET /dead`: the dead letters, newest first, a page at a time, filtered by event;
 //!   list mode: the dead list of one queue at a time. `GET /dead/letter`: one letter, its
-//!   reason and its message pretty-printed. Both through `admin::dead` (and `dead::list`).
+//!   reason and its message pretty-printed. Both through the dead-letter model (`dead/`).
 //!   With `--shards N`, every shard's letters merged newest first
 //!   (`dead::newest_sharded`), ids written `<shard>/<id>` as `worker dead` writes them.
 //! - `GET /trace?q=...`: the search box (in every page's header): the trace of a job key
@@ -38,9 +38,10 @@ mod pretty;
 mod trace;
 mod view;
 
-use crate::admin::{self, dead, StatsReport};
 use crate::config::{Config, Source};
-use crate::metrics::{Request, Response};
+use crate::dead;
+use crate::figures::StatsReport;
+use crate::http::{Request, Response};
 use crate::shutdown::Shutdown;
 use crate::stats::Stats;
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
@@ -301,8 +302,8 @@ impl<'a> Page<'a> {
         let report: Result<StatsReport, String> = self
             .with_redis(|con| {
                 // Ages and lags on Redis's clock, as `worker stats` reads them.
-                let redis_now = admin::stats::redis_now_ms(con, self.config)?;
-                Ok(admin::stats::gather_all(
+                let redis_now = crate::figures::redis_now_ms(con, self.config)?;
+                Ok(crate::figures::gather_all(
                     con,
                     self.config,
                     redis_now,
@@ -313,21 +314,17 @@ impl<'a> Page<'a> {
         if let Err(e) = &report {
             log::debug!("status page: {e}");
         }
+        let verdict = crate::health::Verdict::of(self.stats, self.config, now);
         let v = view::Overview {
             config: self.config,
             report: &report,
             hour: &self.stats.jobs.last_hour(now),
             totals: &self.stats.snapshot(),
-            live: crate::notify::live(self.stats, self.config, now),
-            alerts: match crate::notify::healthy(self.stats, self.config, now) {
-                Err(why) if crate::notify::live(self.stats, self.config, now).is_ok() => {
-                    vec![why]
-                }
-                _ => Vec::new(),
-            },
+            alerts: verdict.alerts(),
+            live: verdict.live,
             contention: self.stats.contention.summary(self.stats.clock.now_ms()),
             uptime: self.started.elapsed(),
-            rss: crate::metrics::resident_memory_bytes(),
+            rss: crate::stats::resident_memory_bytes(),
             now_ms: now,
             actions: self.actions.is_some(),
         };
@@ -415,7 +412,7 @@ impl<'a> Page<'a> {
         } else if self.config.shards > 1 {
             return self.dead_shards(&filter, event, before, now, actions);
         } else {
-            if before.is_some_and(|b| !admin::is_stream_id(b)) {
+            if before.is_some_and(|b| !crate::store::stream::is_stream_id(b)) {
                 return bad_request("before: not a dead-letter id");
             }
             let read = self.with_redis(|con| {
@@ -457,11 +454,13 @@ impl<'a> Page<'a> {
         now: i64,
         nonce: Option<&str>,
     ) -> Response {
-        let shards = self.config.shard_keys();
+        let shards = &self.config.derived.shards;
         let place = match before.map(|b| b.split_once('/')) {
             None => None,
             Some(Some((s, id))) => match s.parse::<usize>() {
-                Ok(s) if s < shards.len() && admin::is_stream_id(id) => Some((s, id)),
+                Ok(s) if s < shards.len() && crate::store::stream::is_stream_id(id) => {
+                    Some((s, id))
+                }
                 _ => return bad_request("before: not a dead-letter id (<shard>/<id>)"),
             },
             Some(None) => return bad_request("before: not a dead-letter id (<shard>/<id>)"),
@@ -472,7 +471,7 @@ impl<'a> Page<'a> {
             // round trip (XLEN fails on the other types, so errors are taken per command).
             let mut p = redis::pipe();
             p.ignore_errors();
-            for k in &shards {
+            for k in shards {
                 p.cmd("TYPE").arg(&k.dead).cmd("XLEN").arg(&k.dead);
             }
             let answers: Vec<redis::RedisResult<redis::Value>> = p.query(con)?;
@@ -564,10 +563,10 @@ impl<'a> Page<'a> {
                 Err(e) => self.unavailable(&e),
             }
         } else if self.config.shards > 1 {
-            let shards = self.config.shard_keys();
+            let shards = &self.config.derived.shards;
             let found = self.with_redis(|con| {
-                Ok(match dead::locate(con, &shards, id, now)? {
-                    Ok((s, bare)) if admin::is_stream_id(&bare) => {
+                Ok(match dead::locate(con, shards, id, now)? {
+                    Ok((s, bare)) if crate::store::stream::is_stream_id(&bare) => {
                         let ids = [bare];
                         let d = dead::fetch(con, &shards[s], &ids, now)?;
                         Ok((s, d.into_iter().next().flatten()))
@@ -588,7 +587,7 @@ impl<'a> Page<'a> {
                 Err(e) => self.unavailable(&e),
             }
         } else {
-            if !admin::is_stream_id(id) {
+            if !crate::store::stream::is_stream_id(id) {
                 return bad_request("id: not a dead-letter id (like 1768764300123-0)");
             }
             let ids = [id.to_string()];
@@ -680,12 +679,12 @@ impl Page<'_> {
     /// A read that failed, in one line: what Redis said, and when it refused because a
     /// key holds another type, which key (and shard).
     fn explain(&self, e: &anyhow::Error) -> String {
-        let line = admin::one_line(e);
+        let line = crate::text::one_line(e);
         if !refused(e) {
             return line;
         }
         let bad = self
-            .with_redis(|con| Ok(admin::check::wrong_types(con, self.config)?))
+            .with_redis(|con| Ok(crate::figures::wrong_types(con, self.config)?))
             .unwrap_or_default();
         if bad.is_empty() {
             format!("Redis refused: {line}")

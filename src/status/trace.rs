@@ -8,7 +8,7 @@
 
 use super::{html, view, Page};
 use crate::admin::trace::{asked, describe, due_line, heading};
-use crate::metrics::Response;
+use crate::http::Response;
 use crate::trace::{Query, Trace};
 use maud::{html, Markup};
 use std::time::Duration;
@@ -31,7 +31,7 @@ impl Page<'_> {
         }
         let mut db = inbox(&self.config.database_url);
         let found = self.with_redis(|con| {
-            let now = crate::admin::stats::redis_now_ms(con, self.config)?;
+            let now = crate::figures::redis_now_ms(con, self.config)?;
             let mut t = crate::trace::gather(
                 con,
                 db.as_mut().ok(),
@@ -77,16 +77,6 @@ fn inbox(url: &str) -> Result<postgres::Client, String> {
     ))
     .map_err(|e| e.to_string())?;
     Ok(c)
-}
-
-/// The search box (in every page's header).
-pub fn search_box() -> Markup {
-    html! {
-        form.row method="get" action="/trace" {
-            input type="search" name="q" placeholder="job key or order number" aria-label="job key or order number";
-            button type="submit" { "Trace" }
-        }
-    }
 }
 
 fn page(t: Option<&Trace>) -> Markup {

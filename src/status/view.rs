@@ -5,11 +5,12 @@
 //! attributes), so the tests read the same numbers a person reads.
 
 use super::{chart, pretty, DEAD_BUDGET, DEAD_PER_PAGE, DEAD_WINDOW, REFRESH_S};
-use crate::admin::dead::list::{ListLetter, NewestPage};
-use crate::admin::dead::{shard_id, DeadLetter, RequeueReport};
-use crate::admin::{fmt_age, fmt_time, id_ms, StatsReport};
 use crate::config::{Config, Source};
+use crate::dead::list::{ListLetter, NewestPage};
+use crate::dead::{self, shard_id, DeadLetter, Letter, RequeueReport};
+use crate::figures::StatsReport;
 use crate::stats::{Hour, Snapshot};
+use crate::text::{clip, fmt_age, fmt_ms, fmt_time, or_dash};
 use maud::{html, Markup, PreEscaped, DOCTYPE};
 use std::time::Duration;
 
@@ -41,6 +42,16 @@ input,button{font:inherit;padding:.25rem .5rem}
 nav form.row{margin:0 0 0 auto}
 "#;
 
+/// The search box in every page's header: a job key or an order number, for `/trace`.
+fn search_box() -> Markup {
+    html! {
+        form.row method="get" action="/trace" {
+            input type="search" name="q" placeholder="job key or order number" aria-label="job key or order number";
+            button type="submit" { "Trace" }
+        }
+    }
+}
+
 /// The page around `body`; the overview refreshes itself.
 pub(super) fn layout(title: &str, refresh: bool, body: Markup) -> Markup {
     html! {
@@ -62,7 +73,7 @@ pub(super) fn layout(title: &str, refresh: bool, body: Markup) -> Markup {
                     a href="/metrics" { "Metrics" }
                     a href="/healthz" { "Health" }
                     a href="/trace" { "Trace" }
-                    (super::trace::search_box())
+                    (search_box())
                 }
                 (body)
             }
@@ -99,38 +110,6 @@ fn secs(ms: i64) -> String {
     format!("{:.1} s", ms as f64 / 1000.0)
 }
 
-fn dash(s: &str) -> &str {
-    if s.is_empty() {
-        "-"
-    } else {
-        s
-    }
-}
-
-/// Milliseconds for people: `0.8 ms`, `45 ms`, `2.5 s`, `3m05s`.
-pub fn fmt_ms(ms: f64) -> String {
-    if ms < 10.0 {
-        format!("{ms:.1} ms")
-    } else if ms < 1000.0 {
-        format!("{ms:.0} ms")
-    } else if ms < 60_000.0 {
-        format!("{:.1} s", ms / 1000.0)
-    } else {
-        fmt_age(ms as i64)
-    }
-}
-
-/// At most `max` characters on one line, `…` marking a cut.
-fn clip(s: &str, max: usize) -> String {
-    let s = s.replace(['\n', '\r', '\t'], " ");
-    if s.chars().count() <= max {
-        return s;
-    }
-    let mut t: String = s.chars().take(max.saturating_sub(1)).collect();
-    t.push('…');
-    t
-}
-
 /// What the overview shows.
 pub struct Overview<'a> {
     pub config: &'a Config,
@@ -139,7 +118,7 @@ pub struct Overview<'a> {
     pub totals: &'a Snapshot,
     pub live: Result<(), String>,
     /// What holds jobs back besides liveness: jobs held by a schema fault, PostgreSQL
-    /// not writable, dead letters faster than `--dead-rate-crit` (`notify::healthy`).
+    /// not writable, dead letters faster than `--dead-rate-crit` (`health::Verdict::alerts`).
     pub alerts: Vec<String>,
     /// Jobs this process sent back after contention, and the one waiting longest.
     pub contention: (usize, Option<crate::stats::Waiter>),
@@ -456,30 +435,43 @@ fn filter_form(event: Option<&str>, queue: Option<&str>) -> Markup {
     }
 }
 
-/// One letter in a list: when it died (the link to it), its event, key, attempts and
-/// reason, on up to three short lines (narrow screens too).
-fn letter_cell(
+/// One letter in a list, `id` as the page writes it: its checkbox when actions are on,
+/// then when it died (the link to it, `href`), its event (a link to the list of that
+/// event), key, shard, attempts and reason, on up to three short lines (narrow screens too).
+fn letter_row(
+    id: &str,
     href: &str,
-    died: &str,
-    event: &str,
-    event_href: Option<&str>,
-    key: &str,
-    facts: &str,
-    reason: &str,
+    l: &dyn Letter,
+    event_href: &str,
+    shard: Option<usize>,
+    nonce: Option<&str>,
 ) -> Markup {
+    let f = l.facts();
+    let died = l
+        .age_ms()
+        .map_or("? (no ts)".to_string(), |a| format!("{} ago", fmt_age(a)));
+    let reason = if l.readable() {
+        clip(&f.reason, 160)
+    } else {
+        "(not a letter the worker wrote)".to_string()
+    };
     html! {
-        div {
-            a href=(href) { (died) } " · "
-            @match event_href {
-                Some(e) => { a.event href=(e) { strong { (dash(event)) } } }
-                None => { strong.event { (dash(event)) } }
+        tr data-letter=(id) {
+            @if nonce.is_some() {
+                td.sel { input type="checkbox" name="id" value=(id) aria-label="select"; }
+            }
+            td.text {
+                div {
+                    a href=(href) { (died) } " · "
+                    a.event href=(event_href) { strong { (or_dash(&f.event)) } }
+                }
+                div.muted {
+                    "key " span.key { (or_dash(&String::from_utf8_lossy(&f.key))) }
+                    (facts(shard, f.attempts))
+                }
+                div.reason { (reason) }
             }
         }
-        div.muted {
-            "key " span.key { (dash(key)) }
-            (facts)
-        }
-        div.reason { (reason) }
     }
 }
 
@@ -493,6 +485,18 @@ fn facts(shard: Option<usize>, attempts: Option<u64>) -> String {
         s.push_str(&format!(" · {n} attempts"));
     }
     s
+}
+
+/// The end of a list of letters: the link to older ones, the read-only note, how much a
+/// page shows and looks at (and `more` to say).
+fn page_end(older: Option<&str>, nonce: Option<&str>, more: &str) -> Markup {
+    html! {
+        @if let Some(href) = older {
+            p { a href=(href) { "Older →" } }
+        }
+        @if nonce.is_none() { (read_only_note()) }
+        p.muted { (DEAD_PER_PAGE) " a page; a page looks at " (DEAD_BUDGET) " letters at most." (more) }
+    }
 }
 
 /// What the stream-mode list shows.
@@ -555,31 +559,19 @@ pub fn dead_stream(v: &DeadStream) -> Markup {
                 table.letters {
                     @for (shard, d) in v.letters {
                         @let id = letter_id(*shard, &d.id);
-                        tr data-letter=(id) {
-                            @if v.nonce.is_some() {
-                                td.sel { input type="checkbox" name="id" value=(id) aria-label="select"; }
-                            }
-                            td.text {
-                                (letter_cell(
-                                    &format!("/dead/letter?{}", query(&[("id", &id)])),
-                                    &format!("{} ago", fmt_age(d.age_ms)),
-                                    &d.event,
-                                    Some(&event_link(&d.event)),
-                                    &String::from_utf8_lossy(&d.key),
-                                    &facts(*shard, d.attempts),
-                                    &clip(&d.reason, 160),
-                                ))
-                            }
-                        }
+                        (letter_row(
+                            &id,
+                            &format!("/dead/letter?{}", query(&[("id", &id)])),
+                            d,
+                            &event_link(&d.facts.event),
+                            *shard,
+                            v.nonce,
+                        ))
                     }
                 }
             }))
         }
-        @if let Some(href) = &older {
-            p { a href=(href) { "Older →" } }
-        }
-        @if v.nonce.is_none() { (read_only_note()) }
-        p.muted { (DEAD_PER_PAGE) " a page; a page looks at " (DEAD_BUDGET) " letters at most." }
+        (page_end(older.as_deref(), v.nonce, ""))
     };
     layout("Dead letters", false, body)
 }
@@ -631,31 +623,19 @@ pub fn dead_list_mode(v: &DeadListMode) -> Markup {
             (selection_form(v.nonce, &[("queue", v.queue.to_string()), ("at", from.to_string())], html! {
                 table.letters {
                     @for (pos, l) in letters {
-                        tr data-letter=(l.id) {
-                            @if v.nonce.is_some() {
-                                td.sel { input type="checkbox" name="id" value=(l.id) aria-label="select"; }
-                            }
-                            td.text {
-                                (letter_cell(
-                                    &format!("/dead/letter?{}", query(&[("queue", v.queue), ("id", &l.id), ("at", &pos.to_string())])),
-                                    &l.age_ms.map_or("? (no ts)".to_string(), |a| format!("{} ago", fmt_age(a))),
-                                    &l.event,
-                                    Some(&event_link(&l.event)),
-                                    &String::from_utf8_lossy(&l.key),
-                                    &facts(None, l.attempts),
-                                    &if l.readable { clip(&l.reason, 160) } else { "(not a letter the worker wrote)".to_string() },
-                                ))
-                            }
-                        }
+                        (letter_row(
+                            &l.id,
+                            &format!("/dead/letter?{}", query(&[("queue", v.queue), ("id", &l.id), ("at", &pos.to_string())])),
+                            l,
+                            &event_link(&l.facts.event),
+                            None,
+                            v.nonce,
+                        ))
                     }
                 }
             }))
         }
-        @if let Some(href) = &older {
-            p { a href=(href) { "Older →" } }
-        }
-        @if v.nonce.is_none() { (read_only_note()) }
-        p.muted { (DEAD_PER_PAGE) " a page; a page looks at " (DEAD_BUDGET) " letters at most. Identical letters share one id: selecting them acts on one." }
+        (page_end(older.as_deref(), v.nonce, " Identical letters share one id: selecting them acts on one."))
     };
     layout("Dead letters", false, body)
 }
@@ -686,103 +666,65 @@ fn rows(rows: &[(String, String)]) -> Markup {
 /// One stream-mode letter; `shard` is its shard and that shard's dead-letter stream with
 /// `--shards N`.
 pub fn stream_letter(d: &DeadLetter, shard: Option<(usize, &str)>, nonce: Option<&str>) -> Markup {
-    let opt = |o: &Option<String>| o.clone().unwrap_or_else(|| "-".into());
-    let died = id_ms(&d.id).unwrap_or(0);
     let id = letter_id(shard.map(|(s, _)| s), &d.id);
-    let mut fields: Vec<(String, String)> = vec![("id".into(), id.clone())];
+    let mut fields = dead::rows(d, "id", id.clone(), false);
     if let Some((s, key)) = shard {
-        fields.push(("shard".into(), format!("{s} ({key})")));
+        fields.insert(1, ("shard".into(), format!("{s} ({key})")));
     }
-    fields.extend([
-        (
-            "died".into(),
-            format!("{} ({} ago)", fmt_time(died), fmt_age(d.age_ms)),
-        ),
-        ("event".into(), d.event.clone()),
-        ("key".into(), String::from_utf8_lossy(&d.key).into_owned()),
-        (
-            "attempts".into(),
-            d.attempts.map_or("-".into(), |n| n.to_string()),
-        ),
-        ("reason".into(), d.reason.clone()),
-        ("consumer".into(), opt(&d.consumer)),
-        ("entry".into(), opt(&d.entry_id)),
-    ]);
-    fields.extend(d.other.iter().map(|(k, v)| (k.clone(), v.clone())));
-    let body = html! {
-        h1 { "Dead letter" }
-        (rows(&fields))
-        (message_block(&d.msg))
-        @match nonce {
-            Some(n) => {
-                form method="post" action="/dead/requeue" {
-                    input type="hidden" name="nonce" value=(n);
-                    input type="hidden" name="id" value=(id);
-                    (action_buttons("this letter"))
-                }
-            }
-            None => { (read_only_note()) }
-        }
-        p { a href="/dead" { "← All dead letters" } }
-    };
-    layout("Dead letter", false, body)
+    let form = vec![("id", id)];
+    letter_page(
+        d,
+        &fields,
+        form,
+        nonce,
+        ("/dead".into(), "← All dead letters".into()),
+    )
 }
 
 pub fn list_letter(l: &ListLetter, at: usize, nonce: Option<&str>) -> Markup {
-    let opt = |o: &Option<String>| o.clone().unwrap_or_else(|| "-".into());
-    let mut fields: Vec<(String, String)> = vec![
-        ("id".into(), l.id.clone()),
-        ("queue".into(), l.queue.clone()),
-        (
-            "died".into(),
-            match (l.ts, l.age_ms) {
-                (Some(t), Some(age)) => format!(
-                    "{} ({} ago)",
-                    fmt_time(t.saturating_mul(1000)),
-                    fmt_age(age)
-                ),
-                _ => "? (no ts)".into(),
-            },
-        ),
-        ("event".into(), l.event.clone()),
-        ("key".into(), String::from_utf8_lossy(&l.key).into_owned()),
-        (
-            "attempts".into(),
-            l.attempts.map_or("-".into(), |n| n.to_string()),
-        ),
-        ("reason".into(), l.reason.clone()),
-        ("consumer".into(), opt(&l.consumer)),
+    let fields = dead::rows(l, "id", l.id.clone(), false);
+    let form = vec![
+        ("queue", l.queue.clone()),
+        ("at", at.to_string()),
+        ("id", l.id.clone()),
     ];
-    if let Some(n) = l.length {
-        fields.push(("length".into(), n.to_string()));
-    }
-    if let Some(d) = &l.sha1 {
-        fields.push(("sha1".into(), d.clone()));
-    }
-    fields.extend(l.other.iter().map(|(k, v)| (k.clone(), v.clone())));
     let back = format!("/dead?{}", query(&[("queue", &l.queue)]));
+    let back_text = format!("← All dead letters of {}", l.queue);
+    letter_page(l, &fields, form, nonce, (back, back_text))
+}
+
+/// One letter's page: its fields and message (or, for an entry the worker did not write,
+/// its bytes as stored), the form that requeues or purges it (its hidden fields `form`)
+/// when actions are on, and the link back.
+fn letter_page(
+    l: &dyn Letter,
+    fields: &[(String, String)],
+    form: Vec<(&str, String)>,
+    nonce: Option<&str>,
+    (back, back_text): (String, String),
+) -> Markup {
     let body = html! {
         h1 { "Dead letter" }
-        @if l.readable {
-            (rows(&fields))
-            (message_block(&l.msg))
+        @if l.readable() {
+            (rows(fields))
+            (message_block(l.msg()))
         } @else {
             p { "Not a letter the worker wrote (a JSON object with a \"msg\"); as stored:" }
-            pre data-k="msg" { (String::from_utf8_lossy(&l.raw)) }
+            pre data-k="msg" { (String::from_utf8_lossy(l.as_stored())) }
         }
         @match nonce {
             Some(n) => {
                 form method="post" action="/dead/requeue" {
                     input type="hidden" name="nonce" value=(n);
-                    input type="hidden" name="queue" value=(l.queue);
-                    input type="hidden" name="at" value=(at);
-                    input type="hidden" name="id" value=(l.id);
+                    @for (name, value) in &form {
+                        input type="hidden" name=(name) value=(value);
+                    }
                     (action_buttons("this letter"))
                 }
             }
             None => { (read_only_note()) }
         }
-        p { a href=(back) { "← All dead letters of " (l.queue) } }
+        p { a href=(back) { (back_text) } }
     };
     layout("Dead letter", false, body)
 }

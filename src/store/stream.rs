@@ -466,3 +466,45 @@ pub fn pending(
         })
         .collect())
 }
+/// The millisecond part of a stream id: when the entry was added.
+pub fn id_ms(id: &str) -> Option<i64> {
+    id.split('-').next()?.parse().ok()
+}
+
+/// A stream id as XRANGE takes it: `<ms>` or `<ms>-<seq>`, each part digits that fit in
+/// 64 bits (Redis refuses a larger one).
+pub fn is_stream_id(s: &str) -> bool {
+    let mut parts = s.split('-');
+    let digits = |p: Option<&str>| {
+        p.is_some_and(|p| p.bytes().all(|b| b.is_ascii_digit()) && p.parse::<u64>().is_ok())
+    };
+    digits(parts.next()) && parts.next().is_none_or(|p| digits(Some(p))) && parts.next().is_none()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stream_ids() {
+        assert_eq!(id_ms("1768764300123-4"), Some(1_768_764_300_123));
+        assert!(is_stream_id("1768764300123-4"));
+        assert!(is_stream_id("1768764300123"));
+        assert!(is_stream_id("18446744073709551615-18446744073709551615"));
+        for bad in [
+            "",
+            "-",
+            "1-",
+            "-1",
+            "a-1",
+            "1-2-3",
+            "1 2",
+            "+1",
+            "18446744073709551616",
+            "99999999999999999999999-0",
+            "1-18446744073709551616",
+        ] {
+            assert!(!is_stream_id(bad), "{bad:?}");
+        }
+    }
+}

@@ -3,8 +3,8 @@
 //! requeue through the real daemon, purge refusing without a scope).
 
 use crate::support::*;
-use delay_worker::admin::dead::{self, Filter};
 use delay_worker::admin::gather;
+use delay_worker::dead::{self, Filter};
 use delay_worker::keys::Keys;
 use delay_worker::now_ms;
 use redis::{Connection, Value};

@@ -4,9 +4,9 @@
 //! by the daemon, and `worker stats --check`'s list-mode levels.
 
 use crate::support::*;
-use delay_worker::admin::dead::list::{self as dead_list, ListLetter};
-use delay_worker::admin::dead::Filter;
 use delay_worker::config::Source;
+use delay_worker::dead::list::{self as dead_list, ListLetter};
+use delay_worker::dead::Filter;
 use delay_worker::keys::{Keys, Queue};
 use delay_worker::now_ms;
 use redis::Connection;

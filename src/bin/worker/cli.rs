@@ -694,7 +694,8 @@ impl Cli {
         if let Some(Command::Push(p)) = &self.command {
             config.handlers_dir = p.handlers_dir.clone();
         }
-        Ok(config)
+        // The redacted URLs and the shard key sets, from the fields as set above.
+        Ok(config.settled())
     }
 
     /// A command that reads or repairs the queues without running the daemon's roles.

@@ -175,7 +175,7 @@ fn migrate(config: &Config) -> anyhow::Result<ExitCode> {
 }
 
 fn redis(config: &Config) -> anyhow::Result<delay_worker::store::Con> {
-    Ok(daemon::redis_connection(config)?)
+    Ok(delay_worker::connect::redis_connection(config)?)
 }
 
 fn push(config: &Config, args: &PushArgs) -> anyhow::Result<ExitCode> {
@@ -188,9 +188,9 @@ fn push(config: &Config, args: &PushArgs) -> anyhow::Result<ExitCode> {
         check_job(config, &args.event, &payload)?;
     }
     let mut con = redis(config)?;
-    daemon::check_shards(config, &mut con, true)?;
+    delay_worker::connect::check_shards(config, &mut con, true)?;
     // Due `--delay` after now on Redis's clock, which decides when it is due.
-    let now = admin::stats::redis_now_ms(&mut con, config)?;
+    let now = delay_worker::figures::redis_now_ms(&mut con, config)?;
     // The key first: it names the shard.
     let key = args
         .key

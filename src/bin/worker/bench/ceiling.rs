@@ -15,13 +15,13 @@
 //!
 //! A missing tool is not fatal: that ceiling is reported as unavailable with the reason.
 
-use super::report::{Ceilings, PgbenchFigures};
 use super::{shop, BenchArgs, CeilingKind};
 use anyhow::{bail, Context, Result};
 use delay_worker::config::Config;
 use delay_worker::handlers::sql::SqlHandler;
 use delay_worker::Shutdown;
 use redis::ConnectionAddr;
+use serde::Serialize;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -30,6 +30,46 @@ const PGBENCH_SET_TEMPLATE: &str = include_str!("../../../../sql/bench/order_tim
 const ORDER_TIMEOUT_SQL: &str = include_str!("../../../../sql/handlers/order.timeout.sql");
 /// Orders per transaction of the set-based ceiling.
 pub const SET_ORDERS: u64 = 8;
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct PgbenchFigures {
+    pub tps: f64,
+    pub transactions: i64,
+    pub failed: i64,
+    /// Orders the run cancelled: equal to `transactions` when every transaction found a
+    /// pending order of its own (else raise --ceiling-orders).
+    pub cancelled: i64,
+    pub latency_avg_ms: Option<f64>,
+    /// The discarded warm-up run before it (a fresh cluster is slower at first).
+    pub warmup_tps: Option<f64>,
+    pub clients: usize,
+    pub command: String,
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Ceilings {
+    pub redis_xadd_per_s: Option<f64>,
+    /// How the XADD ceiling was measured (one server, or `--cluster` over every master).
+    pub redis_xadd_command: Option<String>,
+    pub redis_error: Option<String>,
+    pub pgbench: Option<PgbenchFigures>,
+    pub pgbench_error: Option<String>,
+    /// The same work in sets of [`SET_ORDERS`] orders per transaction.
+    pub pgbench_set: Option<PgbenchFigures>,
+    pub pgbench_set_error: Option<String>,
+}
+
+impl Ceilings {
+    pub fn pgbench_tps(&self) -> Option<f64> {
+        self.pgbench.as_ref().map(|p| p.tps)
+    }
+
+    /// Orders the set-based ceiling cancelled per second.
+    pub fn pgbench_set_orders_per_s(&self) -> Option<f64> {
+        self.pgbench_set.as_ref().map(|p| p.tps * SET_ORDERS as f64)
+    }
+}
+
 /// XADDs redis-benchmark sends.
 const XADD_REQUESTS: u32 = 200_000;
 const XADD_KEY: &str = "bench:stream";

@@ -265,7 +265,7 @@ pub fn run(config: &Config, args: &BenchArgs) -> Result<ExitCode> {
         .context("cannot install the signal handler")?;
     }
 
-    let redis = daemon::redis_client(config)?;
+    let redis = delay_worker::connect::redis_client(config)?;
     let mut pg = db::connect(&config.database_url)?;
     shop::check_database(&mut pg)?;
     daemon::check_schema(&config.database_url)?;

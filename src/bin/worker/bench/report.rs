@@ -2,6 +2,7 @@
 //! ceilings, one [`ScenarioResult`] per scenario; printed as a table and written as JSON
 //! (the same structs, serialized).
 
+use super::ceiling::{Ceilings, SET_ORDERS};
 use super::child::QueueState;
 use super::shop::{Books, Lateness};
 use super::BenchArgs;
@@ -203,46 +204,8 @@ impl Environment {
     }
 }
 
-#[derive(Debug, Clone, Default, Serialize)]
-pub struct PgbenchFigures {
-    pub tps: f64,
-    pub transactions: i64,
-    pub failed: i64,
-    /// Orders the run cancelled: equal to `transactions` when every transaction found a
-    /// pending order of its own (else raise --ceiling-orders).
-    pub cancelled: i64,
-    pub latency_avg_ms: Option<f64>,
-    /// The discarded warm-up run before it (a fresh cluster is slower at first).
-    pub warmup_tps: Option<f64>,
-    pub clients: usize,
-    pub command: String,
-}
-
-#[derive(Debug, Clone, Default, Serialize)]
-pub struct Ceilings {
-    pub redis_xadd_per_s: Option<f64>,
-    /// How the XADD ceiling was measured (one server, or `--cluster` over every master).
-    pub redis_xadd_command: Option<String>,
-    pub redis_error: Option<String>,
-    pub pgbench: Option<PgbenchFigures>,
-    pub pgbench_error: Option<String>,
-    /// The same work in sets of `ceiling::SET_ORDERS` orders per transaction.
-    pub pgbench_set: Option<PgbenchFigures>,
-    pub pgbench_set_error: Option<String>,
-}
-
+/// What a run measured of the two servers alone, as the report prints it.
 impl Ceilings {
-    pub fn pgbench_tps(&self) -> Option<f64> {
-        self.pgbench.as_ref().map(|p| p.tps)
-    }
-
-    /// Orders the set-based ceiling cancelled per second.
-    pub fn pgbench_set_orders_per_s(&self) -> Option<f64> {
-        self.pgbench_set
-            .as_ref()
-            .map(|p| p.tps * super::ceiling::SET_ORDERS as f64)
-    }
-
     pub fn print(&self) {
         match (self.redis_xadd_per_s, &self.redis_error) {
             (Some(v), _) => println!(
@@ -277,13 +240,13 @@ impl Ceilings {
         match (&self.pgbench_set, &self.pgbench_set_error) {
             (Some(p), _) => println!(
                 "ceiling: pgbench order.timeout in sets of {} {} tps = {} orders/s ({} clients, avg latency {} ms; {} of {} orders cancelled, {} failed; warm-up run {} tps)",
-                super::ceiling::SET_ORDERS,
+                SET_ORDERS,
                 n0(p.tps),
-                n0(p.tps * super::ceiling::SET_ORDERS as f64),
+                n0(p.tps * SET_ORDERS as f64),
                 p.clients,
                 p.latency_avg_ms.map(|v| format!("{v:.2}")).unwrap_or("?".into()),
                 p.cancelled,
-                p.transactions * super::ceiling::SET_ORDERS as i64,
+                p.transactions * SET_ORDERS as i64,
                 p.failed,
                 p.warmup_tps.map(n0).unwrap_or("-".into())
             ),
@@ -729,7 +692,7 @@ impl Model {
                 rate(self.primary_cpu_jobs_per_s),
                 rate(self.primary_pgbench_tps),
                 rate(self.primary_pgbench_set_orders_per_s),
-                super::ceiling::SET_ORDERS,
+                SET_ORDERS,
                 rate(self.primary_backlog_jobs_per_s)
             ),
         ];
@@ -853,7 +816,7 @@ impl Report {
                 "ceilings: pgbench order.timeout {} tps at {} clients; in sets of {}: {} orders/s; redis XADD {}/s",
                 n0(p.tps),
                 p.clients,
-                super::ceiling::SET_ORDERS,
+                SET_ORDERS,
                 self.ceilings
                     .pgbench_set_orders_per_s()
                     .map(n0)
@@ -953,7 +916,7 @@ impl ScenarioResult {
         if let (Some(one), Some(set)) = (self.ceiling_ratio, self.set_ceiling_ratio) {
             out.push(format!(
                 "throughput: {one:.2} × the one-order pgbench ceiling, {set:.2} × the set-based one (sets of {})",
-                super::ceiling::SET_ORDERS
+                SET_ORDERS
             ));
         }
         if let Some(p) = &self.producer {

@@ -4,9 +4,10 @@
 //! the books. A scenario that cannot run (the worker does not start, a server goes away)
 //! becomes a FAIL row with the error; the next scenario still runs.
 
+use super::ceiling::Ceilings;
 use super::child::{self, QueueState, RssSampler, WorkerChild};
 use super::load::{self, Scores, SteadyPlan};
-use super::report::{Ceilings, CpuUse, Producer, PruneFigures, ScenarioResult, Spread};
+use super::report::{CpuUse, Producer, PruneFigures, ScenarioResult, Spread};
 use super::shop;
 use super::{BenchArgs, Scenario};
 use anyhow::{bail, Result};

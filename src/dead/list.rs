@@ -1,5 +1,5 @@
-//! `worker dead list|show|requeue|purge` in list mode: the dead lists
-//! `<queue><dead-suffix>` of the queues named by `--queues` and `--queue NAME=EVENT`.
+//! List mode's dead letters: the dead lists `<queue><dead-suffix>` of the queues named by
+//! `--queues` and `--queue NAME=EVENT`.
 //!
 //! A list letter is a JSON object (`msg`, `reason`, `ts`, `event`, `key`, `attempts`,
 //! `consumer`, `queue`, and for an oversized message `length` and `sha1`) pushed onto the
@@ -19,22 +19,14 @@
 //! counts), a raw queue's message byte for byte. A letter without a whole message stays
 //! where it is ([`requeueable`]).
 
-use super::{
-    clip, lossy, millis, or_dash, requeue_message, DeadArgs, DeadCommand, Filter, ListArgs,
-    RequeueArgs, RequeueReport, ShowArgs, PAGE,
-};
-use crate::admin::{connect, fmt_age, fmt_time, write_json};
-use crate::config::Config;
+use super::{requeue_message, Facts, Filter, Letter, RequeueReport, NEWEST_PAGE, PAGE};
 use crate::keys::{Keys, Queue};
-use crate::store::dead::Requeued;
 use crate::store::{self, StoreError};
 use anyhow::Context;
-use redis::RedisResult;
+use redis::{ConnectionLike as Con, RedisResult};
 use serde::Serialize;
 use serde_json::Value;
 use std::collections::BTreeMap;
-use std::io::Write;
-use std::process::ExitCode;
 
 /// Hex digits of the SHA-1 a letter's id shows.
 pub const ID_LEN: usize = 16;
@@ -50,22 +42,14 @@ pub struct ListLetter {
     pub queue: String,
     /// Since it died (from `ts`); `None` when the letter has no `ts`.
     pub age_ms: Option<i64>,
-    /// The `event` field, or the message's own when a writer left the field out.
-    pub event: String,
-    /// The job key (`key` field), bytes as written; empty when the writer had none.
-    #[serde(serialize_with = "lossy")]
-    pub key: Vec<u8>,
-    pub attempts: Option<u64>,
-    pub reason: String,
-    /// `ts`: when it died, unix seconds.
-    pub ts: Option<i64>,
-    pub consumer: Option<String>,
+    #[serde(flatten)]
+    pub facts: Facts,
     /// A message over the size limit: its whole length (`msg` is only its start) ...
     pub length: Option<u64>,
     /// ... and its SHA-1.
     pub sha1: Option<String>,
     /// The message as it was delivered.
-    #[serde(serialize_with = "lossy")]
+    #[serde(serialize_with = "super::lossy")]
     pub msg: Vec<u8>,
     /// Fields this version does not know, as written.
     pub other: BTreeMap<String, String>,
@@ -97,12 +81,7 @@ impl ListLetter {
             id: digest[..ID_LEN].to_string(),
             queue: queue.to_string(),
             age_ms: None,
-            event: String::new(),
-            key: Vec::new(),
-            attempts: None,
-            reason: String::new(),
-            ts: None,
-            consumer: None,
+            facts: Facts::default(),
             length: None,
             sha1: None,
             msg: Vec::new(),
@@ -125,16 +104,16 @@ impl ListLetter {
         for (name, v) in &fields {
             match name.as_str() {
                 "msg" => l.msg = text(v).into_bytes(),
-                "key" => l.key = text(v).into_bytes(),
-                "event" => l.event = text(v),
-                "reason" => l.reason = text(v),
+                "key" => l.facts.key = text(v).into_bytes(),
+                "event" => l.facts.event = text(v),
+                "reason" => l.facts.reason = text(v),
                 "ts" => {
-                    l.ts = v
+                    l.facts.ts = v
                         .as_i64()
                         .or_else(|| text(v).trim().parse::<f64>().ok().map(|f| f as i64))
                 }
-                "attempts" => l.attempts = v.as_u64(),
-                "consumer" => l.consumer = Some(text(v)),
+                "attempts" => l.facts.attempts = v.as_u64(),
+                "consumer" => l.facts.consumer = Some(text(v)),
                 "length" => l.length = v.as_u64().filter(|n| *n > 0),
                 "sha1" => l.sha1 = Some(text(v)).filter(|s| !s.is_empty()),
                 "queue" if text(v) == queue => {}
@@ -143,15 +122,11 @@ impl ListLetter {
                 }
             }
         }
-        if l.event.is_empty() {
-            l.event = crate::message::event_of(&l.msg);
+        if l.facts.event.is_empty() {
+            l.facts.event = crate::message::event_of(&l.msg);
         }
-        l.age_ms = l.ts.map(|t| (now_ms - t.saturating_mul(1000)).max(0));
+        l.age_ms = l.facts.ts.map(|t| (now_ms - t.saturating_mul(1000)).max(0));
         l
-    }
-
-    fn died_ms(&self) -> Option<i64> {
-        self.ts.map(|t| t.saturating_mul(1000))
     }
 
     /// Whether its id starts with `id` (lower-case hex).
@@ -163,14 +138,38 @@ impl ListLetter {
     }
 }
 
-/// The filters of [`Filter`] on a list letter: the age is from its `ts`, and a letter
-/// without one matches no age filter.
-pub fn matches(f: &Filter, l: &ListLetter, now_ms: i64) -> bool {
-    f.event.as_ref().is_none_or(|e| *e == l.event)
-        && f.older_than
-            .is_none_or(|a| l.died_ms().is_some_and(|t| t <= now_ms - millis(a)))
-        && f.newer_than
-            .is_none_or(|a| l.died_ms().is_some_and(|t| t >= now_ms - millis(a)))
+impl Letter for ListLetter {
+    super::same_named_fields!();
+    fn died_ms(&self) -> Option<i64> {
+        self.facts.ts.map(|t| t.saturating_mul(1000))
+    }
+    fn age_ms(&self) -> Option<i64> {
+        self.age_ms
+    }
+    fn place_rows(&self) -> Vec<(String, String)> {
+        vec![("queue".into(), self.queue.clone())]
+    }
+    fn own_rows(&self, ts: bool) -> Vec<(String, String)> {
+        let mut rows: Vec<(String, String)> = ts.then(|| super::ts_row(self)).into_iter().collect();
+        rows.extend(self.length.map(|n| ("length".into(), n.to_string())));
+        rows.extend(self.sha1.clone().map(|d| ("sha1".into(), d)));
+        rows
+    }
+    fn readable(&self) -> bool {
+        self.readable
+    }
+    fn as_stored(&self) -> &[u8] {
+        &self.raw
+    }
+}
+
+/// Deletes `letters` of `queue`'s dead list; returns how many were still there.
+pub fn purge(con: &mut dyn Con, queue: &Queue, letters: &[ListLetter]) -> Result<u64, StoreError> {
+    super::purged(
+        letters,
+        |l| l.raw.as_slice(),
+        |raw| store::dead::purge_list(con, queue, raw),
+    )
 }
 
 /// A walk over one dead list, oldest first, a page at a time from the tail. New letters
@@ -195,7 +194,7 @@ impl<'a> Walk<'a> {
     /// The next letters, oldest first; `None` once the list is exhausted.
     pub fn next_page(
         &mut self,
-        con: &mut dyn redis::ConnectionLike,
+        con: &mut dyn Con,
         now_ms: i64,
     ) -> RedisResult<Option<Vec<ListLetter>>> {
         if self.done {
@@ -231,7 +230,7 @@ impl<'a> Walk<'a> {
 /// The matching letters of every queue's dead list, queue by queue in the order given,
 /// each oldest first; at most `limit`.
 pub fn scan(
-    con: &mut dyn redis::ConnectionLike,
+    con: &mut dyn Con,
     keys: &Keys,
     filter: &Filter,
     now_ms: i64,
@@ -244,7 +243,7 @@ pub fn scan(
             let Some(page) = walk.next_page(con, now_ms)? else {
                 break;
             };
-            out.extend(page.into_iter().filter(|l| matches(filter, l, now_ms)));
+            out.extend(page.into_iter().filter(|l| filter.matches(l, now_ms)));
         }
     }
     out.truncate(limit);
@@ -254,7 +253,7 @@ pub fn scan(
 /// For each id, the letter it names: `Ok(None)` when no letter has it, an error when it
 /// names different letters (a prefix too short). The same bytes twice are one letter.
 pub fn find(
-    con: &mut dyn redis::ConnectionLike,
+    con: &mut dyn Con,
     keys: &Keys,
     ids: &[String],
     now_ms: i64,
@@ -286,9 +285,6 @@ pub fn find(
     }
     Ok(found)
 }
-
-/// Letters per LRANGE of [`newest`] and [`find_near`] (see `dead::NEWEST_PAGE`).
-const NEWEST_PAGE: usize = 50;
 
 /// Where a status page of a dead list ended: the last letter it looked at, by its id, and
 /// how many letters were older than it then (its place counted from the tail). New
@@ -327,7 +323,7 @@ pub struct NewestPage {
 
 /// `LLEN` and `LRANGE start stop` of `key` in one `MULTI`: one state of the list.
 fn snapshot(
-    con: &mut dyn redis::ConnectionLike,
+    con: &mut dyn Con,
     key: &str,
     start: i64,
     stop: i64,
@@ -348,7 +344,7 @@ fn snapshot(
 /// the page reads by places counted from the tail (see [`After`]), checking in each read
 /// that the letter it goes on from is still in its place.
 pub fn newest(
-    con: &mut dyn redis::ConnectionLike,
+    con: &mut dyn Con,
     queue: &Queue,
     filter: &Filter,
     now_ms: i64,
@@ -408,7 +404,7 @@ pub fn newest(
                 id: l.id.clone(),
                 older,
             });
-            if matches(filter, &l, now_ms) {
+            if filter.matches(&l, now_ms) {
                 page.letters.push((len.saturating_sub(older + 1), l));
                 if page.letters.len() >= limit {
                     return Ok(page);
@@ -431,7 +427,7 @@ pub fn newest(
 /// looked at), then from the head; at no more than `budget` letters from the head, and
 /// `None` for an id not found within them. The same bytes several times are one letter.
 pub fn find_near(
-    con: &mut dyn redis::ConnectionLike,
+    con: &mut dyn Con,
     queue: &Queue,
     ids: &[String],
     now_ms: i64,
@@ -515,7 +511,7 @@ pub fn requeueable(l: &ListLetter, q: &Queue) -> Result<(Vec<u8>, bool), String>
 
 /// Requeues `letters`, all of `queue`'s dead list, one script call per [`PAGE`].
 pub fn requeue(
-    con: &mut dyn redis::ConnectionLike,
+    con: &mut dyn Con,
     keys: &Keys,
     queue: &Queue,
     letters: &[ListLetter],
@@ -531,271 +527,14 @@ pub fn requeue(
     for batch in ready.chunks(PAGE) {
         let args: Vec<(&[u8], &[u8], &[u8])> = batch
             .iter()
-            .map(|(l, msg, _)| (l.raw.as_slice(), l.key.as_slice(), msg.as_slice()))
+            .map(|(l, msg, _)| (l.raw.as_slice(), l.facts.key.as_slice(), msg.as_slice()))
             .collect();
         let codes = store::dead::requeue_list(con, keys, queue, &args)?;
         for ((l, _, object), code) in batch.iter().zip(codes) {
-            let id = l.id.clone();
-            match code {
-                Requeued::Requeued => {
-                    if !object {
-                        report.as_is.push(id.clone());
-                    }
-                    report.requeued.push(id);
-                }
-                Requeued::KeyScheduled => report.key_scheduled.push(id),
-                Requeued::Gone => report.gone.push(id),
-            }
+            report.record(&l.id, code, *object);
         }
     }
     Ok(report)
-}
-
-/// Deletes `letters` of `queue`'s dead list; returns how many were still there.
-pub fn purge(
-    con: &mut dyn redis::ConnectionLike,
-    queue: &Queue,
-    letters: &[ListLetter],
-) -> Result<u64, StoreError> {
-    let mut n = 0;
-    for batch in letters.chunks(PAGE) {
-        let raw: Vec<&[u8]> = batch.iter().map(|l| l.raw.as_slice()).collect();
-        n += store::dead::purge_list(con, queue, &raw)?;
-    }
-    Ok(n)
-}
-
-pub(super) fn run(
-    config: &Config,
-    args: &DeadArgs,
-    out: &mut dyn Write,
-) -> anyhow::Result<ExitCode> {
-    let mut con = connect(config)?;
-    let keys = &config.keys;
-    // Ages and filters on Redis's clock, which stamps the letters' `ts`.
-    let now = crate::admin::stats::redis_now_ms(&mut con, config)?;
-    match &args.command {
-        DeadCommand::List(a) => list(&mut con, keys, a, now, out),
-        DeadCommand::Show(a) => show(&mut con, keys, a, now, out),
-        DeadCommand::Requeue(a) => requeue_cmd(&mut con, keys, a, now, out),
-        DeadCommand::Purge(a) => {
-            let mut purged = 0;
-            for q in &keys.queues {
-                let mut walk = Walk::new(q);
-                while let Some(page) = walk
-                    .next_page(&mut con, now)
-                    .context("cannot read the dead lists")?
-                {
-                    let doomed: Vec<ListLetter> = page
-                        .into_iter()
-                        .filter(|l| matches(&a.filter, l, now))
-                        .collect();
-                    purged += purge(&mut con, q, &doomed).context("cannot purge")?;
-                    // Each of them is gone now, by this purge or another one.
-                    walk.removed(doomed.len());
-                }
-            }
-            writeln!(out, "purged {purged}")?;
-            Ok(ExitCode::SUCCESS)
-        }
-    }
-}
-
-fn list(
-    con: &mut dyn redis::ConnectionLike,
-    keys: &Keys,
-    a: &ListArgs,
-    now: i64,
-    out: &mut dyn Write,
-) -> anyhow::Result<ExitCode> {
-    // One more than shown tells whether there are more.
-    let mut letters = scan(con, keys, &a.filter, now, a.limit.saturating_add(1))
-        .context("cannot read the dead lists")?;
-    let more = letters.len() > a.limit;
-    letters.truncate(a.limit);
-    if a.json {
-        write_json(out, &letters)?;
-        return Ok(ExitCode::SUCCESS);
-    }
-    if letters.is_empty() {
-        writeln!(out, "no dead letters")?;
-        return Ok(ExitCode::SUCCESS);
-    }
-    let keys_shown: Vec<String> = letters
-        .iter()
-        .map(|l| String::from_utf8_lossy(&l.key).into_owned())
-        .collect();
-    let width = |f: &dyn Fn(usize) -> usize, title: &str, cap: usize| {
-        (0..letters.len())
-            .map(f)
-            .max()
-            .unwrap_or(0)
-            .max(title.len())
-            .min(cap)
-    };
-    let wq = width(&|i| letters[i].queue.chars().count(), "QUEUE", 32);
-    let we = width(&|i| letters[i].event.chars().count(), "EVENT", 32);
-    let wk = width(&|i| keys_shown[i].chars().count(), "KEY", 40);
-    writeln!(
-        out,
-        "{:ID_LEN$}  {:wq$}  {:>6}  {:we$}  {:wk$}  {:>8}  REASON",
-        "ID", "QUEUE", "AGE", "EVENT", "KEY", "ATTEMPTS"
-    )?;
-    for (l, key) in letters.iter().zip(&keys_shown) {
-        let reason = if l.readable {
-            clip(&l.reason, 60)
-        } else {
-            "(not a letter the worker wrote: see show)".to_string()
-        };
-        writeln!(
-            out,
-            "{:ID_LEN$}  {:wq$}  {:>6}  {:we$}  {:wk$}  {:>8}  {reason}",
-            l.id,
-            clip(&l.queue, wq),
-            l.age_ms.map_or("?".to_string(), fmt_age),
-            clip(or_dash(&l.event), we),
-            clip(or_dash(key), wk),
-            l.attempts.map_or("-".to_string(), |n| n.to_string()),
-        )?;
-    }
-    if more {
-        writeln!(out, "... more not shown (--limit {})", a.limit)?;
-    }
-    Ok(ExitCode::SUCCESS)
-}
-
-fn show(
-    con: &mut dyn redis::ConnectionLike,
-    keys: &Keys,
-    a: &ShowArgs,
-    now: i64,
-    out: &mut dyn Write,
-) -> anyhow::Result<ExitCode> {
-    let id = parse_id(&a.id)?;
-    let Some(Some(l)) = find(con, keys, std::slice::from_ref(&id), now)?
-        .into_iter()
-        .next()
-    else {
-        writeln!(out, "no dead letter {}", a.id)?;
-        return Ok(ExitCode::FAILURE);
-    };
-    if a.json {
-        write_json(out, &l)?;
-        return Ok(ExitCode::SUCCESS);
-    }
-    if !l.readable {
-        writeln!(out, "dead letter  {}", l.id)?;
-        writeln!(out, "queue        {}", l.queue)?;
-        writeln!(
-            out,
-            "not a letter the worker wrote (a JSON object with a \"msg\"), as stored\n{}",
-            String::from_utf8_lossy(&l.raw)
-        )?;
-        return Ok(ExitCode::SUCCESS);
-    }
-    let opt = |o: &Option<String>| o.clone().unwrap_or_else(|| "-".into());
-    let mut rows: Vec<(String, String)> = vec![
-        ("dead letter".into(), l.id.clone()),
-        ("queue".into(), l.queue.clone()),
-        (
-            "died".into(),
-            match (l.died_ms(), l.age_ms) {
-                (Some(t), Some(age)) => format!("{} ({} ago)", fmt_time(t), fmt_age(age)),
-                _ => "? (no ts)".into(),
-            },
-        ),
-        ("event".into(), l.event.clone()),
-        ("key".into(), String::from_utf8_lossy(&l.key).into_owned()),
-        (
-            "attempts".into(),
-            l.attempts.map_or("-".into(), |n| n.to_string()),
-        ),
-        ("reason".into(), l.reason.clone()),
-        ("consumer".into(), opt(&l.consumer)),
-        ("ts".into(), l.ts.map_or("-".into(), |t| t.to_string())),
-    ];
-    if let Some(n) = l.length {
-        rows.push(("length".into(), n.to_string()));
-    }
-    if let Some(d) = &l.sha1 {
-        rows.push(("sha1".into(), d.clone()));
-    }
-    rows.extend(l.other.iter().map(|(k, v)| (k.clone(), v.clone())));
-    let w = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
-    for (k, v) in &rows {
-        writeln!(out, "{k:w$}  {v}")?;
-    }
-    match serde_json::from_slice::<Value>(&l.msg) {
-        Ok(v) => writeln!(out, "message\n{}", serde_json::to_string_pretty(&v)?)?,
-        Err(e) => writeln!(
-            out,
-            "message (not JSON: {e}), as written\n{}",
-            String::from_utf8_lossy(&l.msg)
-        )?,
-    }
-    Ok(ExitCode::SUCCESS)
-}
-
-fn requeue_cmd(
-    con: &mut dyn redis::ConnectionLike,
-    keys: &Keys,
-    a: &RequeueArgs,
-    now: i64,
-    out: &mut dyn Write,
-) -> anyhow::Result<ExitCode> {
-    let mut left = a.limit.unwrap_or(usize::MAX);
-    let mut report = RequeueReport::default();
-    let mut missing = Vec::new();
-    if a.ids.is_empty() {
-        for q in &keys.queues {
-            let mut walk = Walk::new(q);
-            while left > 0 {
-                let Some(page) = walk
-                    .next_page(con, now)
-                    .context("cannot read the dead lists")?
-                else {
-                    break;
-                };
-                let mut chosen: Vec<ListLetter> = page
-                    .into_iter()
-                    .filter(|l| matches(&a.filter, l, now))
-                    .collect();
-                chosen.truncate(left);
-                left -= chosen.len();
-                let r = requeue(con, keys, q, &chosen).context("cannot requeue")?;
-                walk.removed(r.requeued.len() + r.gone.len());
-                report.add(r);
-            }
-        }
-    } else {
-        // The same id twice is one letter, not a second one "gone".
-        let mut ids = Vec::new();
-        for id in &a.ids {
-            let id = parse_id(id).context("--id")?;
-            if !ids.contains(&id) {
-                ids.push(id);
-            }
-        }
-        let found = find(con, keys, &ids, now)?;
-        let mut chosen: Vec<ListLetter> = Vec::new();
-        for (id, l) in ids.iter().zip(found) {
-            match l {
-                Some(l) if matches(&a.filter, &l, now) => chosen.push(l),
-                Some(_) => {}
-                None => missing.push(id.clone()),
-            }
-        }
-        chosen.truncate(left);
-        for q in &keys.queues {
-            let of_q: Vec<ListLetter> = chosen
-                .iter()
-                .filter(|l| l.queue == q.name)
-                .cloned()
-                .collect();
-            report.add(requeue(con, keys, q, &of_q).context("cannot requeue")?);
-        }
-    }
-    report.print(&missing, out)
 }
 
 #[cfg(test)]
@@ -813,9 +552,9 @@ mod tests {
         );
         let l = ListLetter::parse(raw, "q", NOW);
         assert!(l.readable);
-        assert_eq!(l.reason, "message is not valid UTF-8");
+        assert_eq!(l.facts.reason, "message is not valid UTF-8");
         assert_eq!(l.age_ms, Some(60_000));
-        assert_eq!(l.key, b"k2");
+        assert_eq!(l.facts.key, b"k2");
         assert!(String::from_utf8_lossy(&l.msg).ends_with("garbage"));
         // Its message is read with the bad bytes replaced: never put back like that.
         assert!(l.replaced);
@@ -828,9 +567,15 @@ mod tests {
         assert!(l.readable);
         assert_eq!(l.id.len(), ID_LEN);
         assert!(l.has_id(&l.id));
-        assert_eq!((l.event.as_str(), l.reason.as_str()), ("e", "boom"));
-        assert_eq!((l.key.as_slice(), l.attempts), (&b"k1"[..], Some(3)));
-        assert_eq!((l.ts, l.age_ms), (Some(1_799_999_940), Some(60_000)));
+        assert_eq!(
+            (l.facts.event.as_str(), l.facts.reason.as_str()),
+            ("e", "boom")
+        );
+        assert_eq!(
+            (l.facts.key.as_slice(), l.facts.attempts),
+            (&b"k1"[..], Some(3))
+        );
+        assert_eq!((l.facts.ts, l.age_ms), (Some(1_799_999_940), Some(60_000)));
         assert_eq!((l.length, l.sha1.as_deref()), (None, None));
         assert!(l.other.is_empty(), "{:?}", l.other);
         let q = Queue::new("q", None);
@@ -841,14 +586,14 @@ mod tests {
             older_than: older.map(std::time::Duration::from_secs),
             newer_than: newer.map(std::time::Duration::from_secs),
         };
-        assert!(matches(&f(Some(59), None), &l, NOW));
-        assert!(!matches(&f(Some(61), None), &l, NOW));
-        assert!(matches(&f(None, Some(61)), &l, NOW));
-        assert!(!matches(&f(None, Some(59)), &l, NOW));
+        assert!(f(Some(59), None).matches(&l, NOW));
+        assert!(!f(Some(61), None).matches(&l, NOW));
+        assert!(f(None, Some(61)).matches(&l, NOW));
+        assert!(!f(None, Some(59)).matches(&l, NOW));
 
         let bare = ListLetter::parse(b"{}".to_vec(), "q", NOW);
         assert!(!bare.readable && bare.age_ms.is_none());
-        assert!(!matches(&f(Some(0), None), &bare, NOW), "no ts, no age");
+        assert!(!f(Some(0), None).matches(&bare, NOW), "no ts, no age");
         assert!(requeueable(&bare, &q).is_err());
         let cut = ListLetter::parse(
             br#"{"msg":"{\"ev","length":70000,"sha1":"ab","ts":1}"#.to_vec(),

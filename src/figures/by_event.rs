@@ -1,4 +1,4 @@
-//! `worker stats`: the delay pool split by event, with each event's next due time.
+//! The delay pool split by event, with each event's next due time (`worker stats`).
 //!
 //! The event of a member is in its data (the message's `event`), so a split of the whole
 //! pool would read every message. This reads the [`SAMPLE`] members due soonest of each
@@ -148,49 +148,4 @@ fn with_scores(v: &Value, scale: f64) -> Vec<(String, i64)> {
             Some((member, (score * scale) as i64))
         })
         .collect()
-}
-
-/// The table's lines: `by event` and one line per event.
-pub fn render(b: &ByEvent, now_ms: i64, out: &mut dyn std::io::Write) -> std::io::Result<()> {
-    if b.events.is_empty() {
-        return Ok(());
-    }
-    let w = b
-        .events
-        .iter()
-        .map(|e| e.event.chars().count())
-        .max()
-        .unwrap_or(0)
-        .max("event".len());
-    writeln!(out)?;
-    if b.complete {
-        writeln!(
-            out,
-            "{:w$}  {:>9}  {:>7}  next due",
-            "event", "scheduled", "due"
-        )?;
-    } else {
-        writeln!(
-            out,
-            "{:w$}  {:>9}  {:>7}  next due   (of the {} due soonest; the pool holds more)",
-            "event", "scheduled", "due", b.sampled
-        )?;
-    }
-    for e in &b.events {
-        let when = e.next_due_ms - now_ms;
-        let next = if when <= 0 {
-            format!("{} ago", crate::human_ms(-when))
-        } else {
-            format!("in {}", crate::human_ms(when))
-        };
-        writeln!(
-            out,
-            "{:w$}  {:>9}  {:>7}  {} ({next})",
-            e.event,
-            e.scheduled,
-            e.due,
-            super::fmt_time(e.next_due_ms)
-        )?;
-    }
-    Ok(())
 }
