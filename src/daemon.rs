@@ -377,6 +377,7 @@ impl<'a> Crew<'a> {
             pool: &self.ready.pool,
             redis: &self.ready.client,
             manners: &self.manners,
+            handlers: &self.ready.handlers,
             depth: Box::new({
                 let rx = rx.clone();
                 move || rx.len()

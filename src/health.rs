@@ -26,7 +26,8 @@
 //! view shows in one place.
 //!
 //! Bounded: at most [`MAX_PROBLEMS`] problems of at most [`MAX_TEXT`] characters each,
-//! so the key stays well under 4 KiB however a role words its problem.
+//! and at most [`MAX_EVENTS`] event names, so the key stays under 12 KiB however a role
+//! words its problem.
 
 use crate::config::Config;
 use crate::db;
@@ -39,6 +40,8 @@ use std::time::Duration;
 
 /// Most problems a record carries (the worst first).
 pub const MAX_PROBLEMS: usize = 8;
+/// Most event names a record carries.
+pub const MAX_EVENTS: usize = 32;
 /// Longest text of a problem in a record, in characters; longer ones end in `…`.
 pub const MAX_TEXT: usize = 300;
 
@@ -69,6 +72,10 @@ pub struct Record {
     pub producer_lead_max_ms: i64,
     /// Its problems now, the worst first.
     pub problems: Vec<Reported>,
+    /// The events it has handlers for (as it started; at most [`MAX_EVENTS`]), so that
+    /// `worker dead requeue` on another host knows them without the handler files.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub events: Vec<String>,
 }
 
 impl Record {
@@ -95,6 +102,12 @@ impl Record {
             producer_ahead: stats.clock.producer_ahead(),
             producer_lead_max_ms: stats.clock.producer_lead_max_ms(),
             problems,
+            events: stats
+                .jobs
+                .event_names()
+                .take(MAX_EVENTS)
+                .map(truncate)
+                .collect(),
         }
     }
 

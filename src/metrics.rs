@@ -42,6 +42,8 @@ pub struct Sources<'a> {
     pub redis: &'a crate::store::Redis,
     /// Whether the workers yield to the shop (`manners.rs`).
     pub manners: &'a crate::manners::Manners,
+    /// The daemon's handlers, for the status page's requeue.
+    pub handlers: &'a crate::handlers::Handlers,
     /// Messages waiting in the reader -> pool channel.
     pub depth: Box<dyn Fn() -> usize + Send + Sync + 'a>,
     pub capacity: usize,
@@ -75,7 +77,12 @@ impl<'a> Server<'a> {
         Ok(Server {
             http,
             probe,
-            status: crate::status::Page::new(src.config, src.stats, src.redis.clone()),
+            status: crate::status::Page::new(
+                src.config,
+                src.stats,
+                src.handlers,
+                src.redis.clone(),
+            ),
             src,
         })
     }

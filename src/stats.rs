@@ -542,6 +542,14 @@ impl Default for Metrics {
 }
 
 impl Metrics {
+    /// The registered events' names (without `_other`), sorted.
+    pub fn event_names(&self) -> impl Iterator<Item = &str> {
+        self.events
+            .iter()
+            .map(|e| e.name.as_str())
+            .filter(|n| *n != OTHER_EVENT)
+    }
+
     /// One slot per event name (the registry's), plus `_other`.
     pub fn new<S: Into<String>>(events: impl IntoIterator<Item = S>) -> Metrics {
         let mut names: Vec<String> = events.into_iter().map(Into::into).collect();

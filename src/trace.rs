@@ -659,20 +659,11 @@ fn list_part(
         for (pos, msg) in look(con, &queue.name, true, &mut t.notes)? {
             let m: Json = serde_json::from_slice(&msg).unwrap_or(Json::Null);
             if found(&m) {
-                t.jobs.push(Job {
-                    key: key_of(&m),
-                    shard: None,
-                    event: event_of(&m),
-                    job_id: crate::message::stamp_of(&msg),
-                    due_ms: crate::message::stamp_of(&msg)
-                        .as_deref()
-                        .and_then(stamp_due_ms),
-                    state: State::Queued {
-                        queue: queue.name.clone(),
-                        position: pos,
-                    },
-                    notes: Vec::new(),
-                });
+                let state = State::Queued {
+                    queue: queue.name.clone(),
+                    position: pos,
+                };
+                t.jobs.push(list_job(key_of(&m), event_of(&m), &msg, state));
             }
         }
         for c in &consumers {
@@ -689,21 +680,12 @@ fn list_part(
             }
             let alive: bool = redis::cmd("EXISTS").arg(k.heartbeat(c)).query(con)?;
             for (m, msg) in held {
-                t.jobs.push(Job {
-                    key: key_of(&m),
-                    shard: None,
-                    event: event_of(&m),
-                    job_id: crate::message::stamp_of(&msg),
-                    due_ms: crate::message::stamp_of(&msg)
-                        .as_deref()
-                        .and_then(stamp_due_ms),
-                    state: State::Processing {
-                        queue: queue.name.clone(),
-                        consumer: c.clone(),
-                        alive,
-                    },
-                    notes: Vec::new(),
-                });
+                let state = State::Processing {
+                    queue: queue.name.clone(),
+                    consumer: c.clone(),
+                    alive,
+                };
+                t.jobs.push(list_job(key_of(&m), event_of(&m), &msg, state));
             }
         }
         // The dead list, newest first.
@@ -932,6 +914,20 @@ fn trim_zeros(s: &str) -> &str {
         s.trim_end_matches('0').trim_end_matches('.')
     } else {
         s
+    }
+}
+
+/// A job found in a list by its message: its stamp is its identity and says its due time.
+fn list_job(key: String, event: Option<String>, msg: &[u8], state: State) -> Job {
+    let job_id = crate::message::stamp_of(msg);
+    Job {
+        key,
+        shard: None,
+        event,
+        due_ms: job_id.as_deref().and_then(stamp_due_ms),
+        job_id,
+        state,
+        notes: Vec::new(),
     }
 }
 

@@ -670,6 +670,7 @@ mod tests {
         use crate::stats::Reported;
         let t = Thresholds::default();
         let record = |offset: i64, problems: Vec<Reported>| Record {
+            events: Vec::new(),
             at_ms: 0,
             host: "h".into(),
             pid: 1,

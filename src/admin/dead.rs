@@ -70,6 +70,48 @@ pub struct RequeueArgs {
     /// --shards, over all shards.
     #[arg(long)]
     pub limit: Option<usize>,
+    /// Requeue under this event instead (a producer's typo: `--event order.timout
+    /// --as-event order.timeout`); the letter is checked against the new event's handler.
+    #[arg(long, value_name = "EVENT")]
+    pub as_event: Option<String>,
+    /// Requeue even letters that would die again at once (no handler for the event, a
+    /// required field missing, not a whole message).
+    #[arg(long)]
+    pub force: bool,
+    /// Directory of the worker's extra SQL handlers (*.sql), to check letters against
+    /// (the built-in events are always known).
+    #[arg(long, value_name = "DIR")]
+    pub handlers_dir: Option<std::path::PathBuf>,
+}
+
+impl RequeueArgs {
+    /// The handlers a letter is held against: the built-in ones and `--handlers-dir`'s.
+    fn registry(&self) -> anyhow::Result<crate::handlers::Registry> {
+        let mut r = crate::handlers::Registry::builtin();
+        if let Some(dir) = &self.handlers_dir {
+            for h in crate::handlers::sql::SqlHandler::load_dir(dir)
+                .map_err(|e| super::handlers_check::BadDir(format!("--handlers-dir: {e}")))?
+            {
+                r.register(Box::new(h));
+            }
+        }
+        Ok(r)
+    }
+
+    fn screen<'a>(
+        &'a self,
+        registry: &'a crate::handlers::Registry,
+        limit: usize,
+        served: &'a [String],
+    ) -> dead::Screen<'a> {
+        dead::Screen {
+            registry,
+            new_event: self.as_event.as_deref(),
+            limit,
+            force: self.force,
+            served,
+        }
+    }
 }
 
 #[derive(Args, Debug, Clone)]
@@ -88,6 +130,10 @@ struct Cmd<'a> {
     con: &'a mut dyn redis::ConnectionLike,
     now: i64,
     out: &'a mut dyn Write,
+    /// `--max-message-bytes`: a requeued message is held to it as the worker would.
+    max_message: usize,
+    /// A requeue's: the events the live workers serve (their heartbeats' records).
+    served: Vec<String>,
 }
 
 pub(super) fn run(
@@ -99,10 +145,16 @@ pub(super) fn run(
     // Ages, filters and a requeue's due time on Redis's clock (which stamps a list
     // letter's `ts` too).
     let now = crate::figures::redis_now_ms(&mut con, config)?;
+    let served = match args.command {
+        DeadCommand::Requeue(_) => served(&mut con, config, now)?,
+        _ => Vec::new(),
+    };
     let r = &mut Cmd {
         con: &mut con,
         now,
         out,
+        max_message: config.jobs.max_message_bytes,
+        served,
     };
     if config.source == Source::List {
         return on_lists(r, &config.keys, args);
@@ -371,7 +423,29 @@ fn show(r: &mut Cmd, keys: &Keys, a: &ShowArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// The events the live workers serve, from the records in their heartbeat keys.
+fn served(
+    con: &mut dyn redis::ConnectionLike,
+    config: &Config,
+    now: i64,
+) -> anyhow::Result<Vec<String>> {
+    let report =
+        crate::figures::gather_all(con, config, now, std::time::Duration::ZERO).context(READ)?;
+    let mut events: Vec<String> = report
+        .workers
+        .into_iter()
+        .filter_map(|w| w.record)
+        .flat_map(|r| r.events)
+        .collect();
+    events.sort();
+    events.dedup();
+    Ok(events)
+}
+
 fn requeue_cmd(r: &mut Cmd, keys: &Keys, a: &RequeueArgs) -> anyhow::Result<ExitCode> {
+    let registry = a.registry()?;
+    let served = std::mem::take(&mut r.served);
+    let sc = &a.screen(&registry, r.max_message, &served);
     let mut left = a.limit.unwrap_or(usize::MAX);
     let mut report = RequeueReport::default();
     if a.ids.is_empty() {
@@ -382,7 +456,8 @@ fn requeue_cmd(r: &mut Cmd, keys: &Keys, a: &RequeueArgs) -> anyhow::Result<Exit
             };
             page.truncate(left);
             left -= page.len();
-            report.add(dead::requeue(r.con, keys, &page, r.now).context("cannot requeue")?);
+            let done = dead::requeue_with(r.con, keys, &page, r.now, Some(sc));
+            report.add(done.context("cannot requeue")?);
         }
         return print_report(&report, &[], r.out);
     }
@@ -397,13 +472,17 @@ fn requeue_cmd(r: &mut Cmd, keys: &Keys, a: &RequeueArgs) -> anyhow::Result<Exit
     let found = dead::fetch(r.con, keys, &ids, r.now).context(READ)?;
     let (mut letters, missing) = dead::sort_found(&ids, found, |d| a.filter.matches(d, r.now));
     letters.truncate(left);
-    report.add(dead::requeue(r.con, keys, &letters, r.now).context("cannot requeue")?);
+    let done = dead::requeue_with(r.con, keys, &letters, r.now, Some(sc));
+    report.add(done.context("cannot requeue")?);
     print_report(&report, &missing, r.out)
 }
 
 /// `worker dead requeue` in list mode: by filter, queue by queue, oldest first; or the
 /// letters named, each onto its own queue.
 fn requeue_lists(r: &mut Cmd, keys: &Keys, a: &RequeueArgs) -> anyhow::Result<ExitCode> {
+    let registry = a.registry()?;
+    let served = std::mem::take(&mut r.served);
+    let sc = &a.screen(&registry, r.max_message, &served);
     let mut left = a.limit.unwrap_or(usize::MAX);
     let mut report = RequeueReport::default();
     if a.ids.is_empty() {
@@ -421,7 +500,8 @@ fn requeue_lists(r: &mut Cmd, keys: &Keys, a: &RequeueArgs) -> anyhow::Result<Ex
                     .collect();
                 chosen.truncate(left);
                 left -= chosen.len();
-                let r = dl::requeue(r.con, keys, q, &chosen).context("cannot requeue")?;
+                let r = dl::requeue_with(r.con, keys, q, &chosen, Some(sc))
+                    .context("cannot requeue")?;
                 walk.removed(r.requeued.len() + r.gone.len());
                 report.add(r);
             }
@@ -439,7 +519,7 @@ fn requeue_lists(r: &mut Cmd, keys: &Keys, a: &RequeueArgs) -> anyhow::Result<Ex
     let (mut chosen, missing) = dead::sort_found(&ids, found, |l| a.filter.matches(l, r.now));
     chosen.truncate(left);
     for (_, q, of_q) in grouped(&keys.queues, chosen, |_, q, l| l.queue == q.name) {
-        report.add(dl::requeue(r.con, keys, q, &of_q).context("cannot requeue")?);
+        report.add(dl::requeue_with(r.con, keys, q, &of_q, Some(sc)).context("cannot requeue")?);
     }
     print_report(&report, &missing, r.out)
 }
@@ -447,6 +527,9 @@ fn requeue_lists(r: &mut Cmd, keys: &Keys, a: &RequeueArgs) -> anyhow::Result<Ex
 /// `worker dead requeue` with `--shards N`: each letter in its own shard, one report with
 /// `<shard>/<id>` ids; `--limit` counts over all shards (the oldest, or the first ids named).
 fn requeue_sharded(r: &mut Cmd, shards: &[Keys], a: &RequeueArgs) -> anyhow::Result<ExitCode> {
+    let registry = a.registry()?;
+    let served = std::mem::take(&mut r.served);
+    let sc = &a.screen(&registry, r.max_message, &served);
     let mut report = RequeueReport::default();
     let mut missing = Vec::new();
     let chosen: Vec<(usize, DeadLetter)> = if !a.ids.is_empty() {
@@ -482,7 +565,8 @@ fn requeue_sharded(r: &mut Cmd, shards: &[Keys], a: &RequeueArgs) -> anyhow::Res
         for (s, keys) in shards.iter().enumerate() {
             let mut scan = dead::Scan::new(keys, &a.filter, r.now);
             while let Some(page) = scan.next_page(r.con).context(READ)? {
-                let r = dead::requeue(r.con, keys, &page, r.now).context("cannot requeue")?;
+                let r = dead::requeue_with(r.con, keys, &page, r.now, Some(sc))
+                    .context("cannot requeue")?;
                 report.add(r.in_shard(s));
             }
         }
@@ -490,7 +574,8 @@ fn requeue_sharded(r: &mut Cmd, shards: &[Keys], a: &RequeueArgs) -> anyhow::Res
     };
     for (s, keys, of_s) in grouped(shards, chosen, |i, _, (s, _)| *s == i) {
         let letters: Vec<DeadLetter> = of_s.into_iter().map(|(_, d)| d).collect();
-        let r = dead::requeue(r.con, keys, &letters, r.now).context("cannot requeue")?;
+        let r =
+            dead::requeue_with(r.con, keys, &letters, r.now, Some(sc)).context("cannot requeue")?;
         report.add(r.in_shard(s));
     }
     print_report(&report, &missing, r.out)
@@ -550,6 +635,12 @@ fn print_report(
     for (id, why) in &r.cannot {
         writeln!(out, "left {id} in the dead letters: {why}")?;
     }
+    for (id, why) in &r.refused {
+        writeln!(
+            out,
+            "refused {id}, it would die again at once: {why} (--force requeues it anyway)"
+        )?;
+    }
     if !r.gone.is_empty() {
         writeln!(
             out,
@@ -560,7 +651,7 @@ fn print_report(
     for id in missing {
         writeln!(out, "no dead letter {id}")?;
     }
-    Ok(if missing.is_empty() {
+    Ok(if missing.is_empty() && r.refused.is_empty() {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE

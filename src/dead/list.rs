@@ -509,19 +509,42 @@ pub fn requeueable(l: &ListLetter, q: &Queue) -> Result<(Vec<u8>, bool), String>
     Ok(requeue_message(&l.msg))
 }
 
-/// Requeues `letters`, all of `queue`'s dead list, one script call per [`PAGE`].
+/// Requeues `letters`, all of `queue`'s dead list, one script call per [`PAGE`],
+/// unscreened.
 pub fn requeue(
     con: &mut dyn Con,
     keys: &Keys,
     queue: &Queue,
     letters: &[ListLetter],
 ) -> Result<RequeueReport, StoreError> {
+    requeue_with(con, keys, queue, letters, None)
+}
+
+/// [`requeue`], each letter first held against `screen` (see `stream::requeue_with`).
+pub fn requeue_with(
+    con: &mut dyn Con,
+    keys: &Keys,
+    queue: &Queue,
+    letters: &[ListLetter],
+    screen: Option<&super::Screen>,
+) -> Result<RequeueReport, StoreError> {
     let mut report = RequeueReport::default();
     let mut ready = Vec::new();
     for l in letters {
-        match requeueable(l, queue) {
-            Ok((msg, object)) => ready.push((l, msg, object)),
-            Err(why) => report.cannot.push((l.id.clone(), why)),
+        let screened = match screen {
+            None => Ok(None),
+            Some(sc) => sc.check(&l.msg, queue.raw_event.as_deref()).map(Some),
+        };
+        match (requeueable(l, queue), screened) {
+            (Err(why), _) => report.cannot.push((l.id.clone(), why)),
+            (Ok(_), Err(why)) => report.refused.push((l.id.clone(), why.to_string())),
+            (Ok(x), Ok(None)) => ready.push((l, x.0, x.1)),
+            // Renamed (or as it was): the requeue's own rewrite on top.
+            (Ok(_), Ok(Some(msg))) if queue.raw_event.is_some() => ready.push((l, msg, true)),
+            (Ok(_), Ok(Some(msg))) => {
+                let (msg, object) = super::requeue_message(&msg);
+                ready.push((l, msg, object));
+            }
         }
     }
     for batch in ready.chunks(PAGE) {

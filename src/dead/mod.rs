@@ -11,11 +11,13 @@
 //! ...), since stream mode is the default.
 
 pub mod list;
+pub mod screen;
 pub mod stream;
 
+pub use screen::{Doomed, Screen};
 pub use stream::{
-    fetch, locate, newest, newest_sharded, oldest_sharded, purge, requeue, scan, DeadLetter, Place,
-    Scan, ShardPage,
+    fetch, locate, newest, newest_sharded, oldest_sharded, purge, requeue, requeue_with, scan,
+    DeadLetter, Place, Scan, ShardPage,
 };
 
 use crate::store::dead::Requeued;
@@ -181,16 +183,19 @@ pub fn shard_id(shard: usize, id: &str) -> String {
     format!("{shard}/{id}")
 }
 /// The message to requeue and whether `retry` could be reset: a JSON object gets
-/// `retry: 0` with every other field kept (the same rewrite a retry makes, see
-/// `Envelope::next_retry`); one whose `retry` is already 0 or absent goes back byte for
-/// byte; anything else goes back as written (it will be dead-lettered again).
+/// `retry: 0` and no `last_error`, with every other field kept (the same rewrite a retry
+/// makes, see `Envelope::next_retry`); one whose `retry` is already 0 or absent (and no
+/// `last_error`) goes back byte for byte; anything else goes back as written (it will be dead-lettered again).
 pub fn requeue_message(msg: &[u8]) -> (Vec<u8>, bool) {
     match serde_json::from_slice::<serde_json::Value>(msg) {
         Ok(serde_json::Value::Object(mut m)) => {
-            if m.get("retry").is_none_or(|r| r.as_u64() == Some(0)) {
+            let fresh = m.get("retry").is_none_or(|r| r.as_u64() == Some(0));
+            if fresh && !m.contains_key(crate::message::LAST_ERROR) {
                 return (msg.to_vec(), true);
             }
             m.insert("retry".into(), 0.into());
+            // A requeue starts its tries afresh: the last try's error is history.
+            m.remove(crate::message::LAST_ERROR);
             // The job keeps its identity: the mover's stamp stays first, where it looks.
             let stamp = crate::message::stamp_of(msg);
             (
@@ -218,6 +223,10 @@ pub struct RequeueReport {
     /// A letter without a message; in list mode also one that keeps only a prefix of an
     /// oversized message, or an entry that is not a letter as the worker writes them.
     pub cannot: Vec<(String, String)>,
+    /// Left in the dead letters because they would die again at once (no handler for the
+    /// event, a required field missing, not a whole message: [`Screen`]): (id, why).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub refused: Vec<(String, String)>,
 }
 
 impl RequeueReport {
@@ -227,6 +236,7 @@ impl RequeueReport {
         self.key_scheduled.extend(r.key_scheduled);
         self.gone.extend(r.gone);
         self.cannot.extend(r.cannot);
+        self.refused.extend(r.refused);
     }
 
     /// The same, its ids written `<shard>/<id>`.
@@ -239,6 +249,11 @@ impl RequeueReport {
             gone: ids(self.gone),
             cannot: self
                 .cannot
+                .into_iter()
+                .map(|(id, why)| (shard_id(shard, &id), why))
+                .collect(),
+            refused: self
+                .refused
                 .into_iter()
                 .map(|(id, why)| (shard_id(shard, &id), why))
                 .collect(),

@@ -395,14 +395,45 @@ pub fn fetch(
         .collect())
 }
 
-/// Requeues `letters`, due at `now_ms`, one script call per [`PAGE`].
+/// Requeues `letters`, due at `now_ms`, one script call per [`PAGE`], unscreened.
 pub fn requeue(
     con: &mut dyn Con,
     keys: &Keys,
     letters: &[DeadLetter],
     now_ms: i64,
 ) -> Result<RequeueReport, StoreError> {
+    requeue_with(con, keys, letters, now_ms, None)
+}
+
+/// [`requeue`], each letter first held against `screen`: one that would die again at
+/// once stays, with its reason (`refused`), and `--as-event` renames the rest.
+pub fn requeue_with(
+    con: &mut dyn Con,
+    keys: &Keys,
+    letters: &[DeadLetter],
+    now_ms: i64,
+    screen: Option<&super::Screen>,
+) -> Result<RequeueReport, StoreError> {
     let mut report = RequeueReport::default();
+    let letters: Vec<DeadLetter> = match screen {
+        None => letters.to_vec(),
+        Some(sc) => letters
+            .iter()
+            .filter_map(|d| {
+                if d.msg.is_empty() {
+                    return Some(d.clone());
+                }
+                match sc.check(&d.msg, None) {
+                    Ok(msg) => Some(DeadLetter { msg, ..d.clone() }),
+                    Err(why) => {
+                        report.refused.push((d.id.clone(), why.to_string()));
+                        None
+                    }
+                }
+            })
+            .collect(),
+    };
+    let letters = &letters[..];
     // A letter without a message has nothing to put back: it would only die again.
     let (empty, letters): (Vec<&DeadLetter>, Vec<&DeadLetter>) =
         letters.iter().partition(|d| d.msg.is_empty());
@@ -527,6 +558,11 @@ mod tests {
         );
         assert_eq!(requeue_message(b"nope"), (b"nope".to_vec(), false));
         assert_eq!(requeue_message(b"[1]"), (b"[1]".to_vec(), false));
+        // The last try's error goes with the tries: `worker trace` shows no retry history.
+        let (m, _) = requeue_message(br#"{"event":"e","payload":{},"last_error":"lock"}"#);
+        let v: serde_json::Value = serde_json::from_slice(&m).unwrap();
+        assert!(v.get("last_error").is_none(), "{v}");
+        assert_eq!(v["retry"], 0);
     }
 
     fn letter(id: &str) -> DeadLetter {

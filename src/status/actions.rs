@@ -195,7 +195,9 @@ impl Actions {
         let keys = &page.config.keys;
         // A requeued letter is due now on the shared clock.
         let now = page.stats.clock.now_ms();
-        match page.with_redis(|con| on_set(con, keys, kind, &form.ids, now)) {
+        let registry = page.registry();
+        let screen = page.screen(&registry);
+        match page.with_redis(|con| on_set(con, keys, kind, &form.ids, now, &screen)) {
             Ok(done) => finish(&keys.dead, done, "/dead".into()),
             Err(e) => failed(kind, &e, &[]),
         }
@@ -234,6 +236,8 @@ impl Actions {
                 Err(why) => return Response::text(400, format!("{why}\n")),
             }
         }
+        let registry = page.registry();
+        let screen = page.screen(&registry);
         let mut all = Done::default();
         let mut each: Vec<(usize, Done)> = Vec::new();
         for (s, ids) in by_shard.iter().enumerate() {
@@ -241,7 +245,7 @@ impl Actions {
                 continue;
             }
             let keys = &shards[s];
-            match page.with_redis(|con| on_set(con, keys, kind, ids, now)) {
+            match page.with_redis(|con| on_set(con, keys, kind, ids, now, &screen)) {
                 Ok(done) => {
                     let done = done.in_shard(s);
                     log_done(&format!("{} (shard {s})", keys.dead), &done);
@@ -284,6 +288,8 @@ impl Actions {
         // head, as a letter's page looks.
         let budget = super::FIND_BUDGET;
         let near = (form.at, super::DEAD_BUDGET);
+        let registry = page.registry();
+        let screen = page.screen(&registry);
         let done = page.with_redis(|con| {
             let found = dead::list::find_near(con, q, &ids, now, near, budget)?;
             let (letters, missing) = dead::sort_found(&ids, found, |_| true);
@@ -294,7 +300,13 @@ impl Actions {
             ));
             Ok(match kind {
                 Kind::Requeue => Done {
-                    report: Some(dead::list::requeue(con, &page.config.keys, q, &letters)?),
+                    report: Some(dead::list::requeue_with(
+                        con,
+                        &page.config.keys,
+                        q,
+                        &letters,
+                        Some(&screen),
+                    )?),
                     found,
                     purged: 0,
                     missing,
@@ -379,13 +391,14 @@ fn on_set(
     kind: Kind,
     ids: &[String],
     now: i64,
+    screen: &dead::Screen,
 ) -> anyhow::Result<Done> {
     let found = dead::fetch(con, keys, ids, now)?;
     let (letters, missing) = dead::sort_found(ids, found, |_| true);
     let found: Vec<String> = letters.iter().map(|d| d.id.clone()).collect();
     Ok(match kind {
         Kind::Requeue => Done {
-            report: Some(dead::requeue(con, keys, &letters, now)?),
+            report: Some(dead::requeue_with(con, keys, &letters, now, Some(screen))?),
             found,
             purged: 0,
             missing,
@@ -425,6 +438,11 @@ fn log_done(key: &str, done: &Done) {
                 .iter()
                 .map(|id| format!("{id} (job key scheduled again)"))
                 .chain(r.cannot.iter().map(|(id, why)| format!("{id} ({why})")))
+                .chain(
+                    r.refused
+                        .iter()
+                        .map(|(id, why)| format!("{id} (refused: {why})")),
+                )
                 .chain(r.gone.iter().map(|id| format!("{id} (already gone)")))
                 .chain(done.missing.iter().map(|id| format!("{id} ({not_found})")))
                 .collect();

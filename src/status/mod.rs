@@ -91,6 +91,8 @@ pub fn serves(path: &str) -> bool {
 pub struct Page<'a> {
     config: &'a Config,
     stats: &'a Stats,
+    /// The daemon's handlers (SIGHUP replaces them): a requeue is held against them.
+    handlers: &'a crate::handlers::Handlers,
     redis: crate::store::Redis,
     idle: Mutex<Vec<crate::store::Con>>,
     /// Requests for the page thread, and where each answer goes.
@@ -116,16 +118,39 @@ const STARTED: u8 = 1;
 const ABANDONED: u8 = 2;
 
 impl<'a> Page<'a> {
-    pub fn new(config: &'a Config, stats: &'a Stats, redis: crate::store::Redis) -> Page<'a> {
+    pub fn new(
+        config: &'a Config,
+        stats: &'a Stats,
+        handlers: &'a crate::handlers::Handlers,
+        redis: crate::store::Redis,
+    ) -> Page<'a> {
         Page {
             config,
             stats,
+            handlers,
             redis,
             idle: Mutex::new(Vec::new()),
             jobs: crossbeam_channel::bounded(QUEUED),
             stopped: AtomicBool::new(false),
             started: Instant::now(),
             actions: config.admin_token.clone().map(actions::Actions::new),
+        }
+    }
+
+    /// The handlers now (a requeue is held against them).
+    fn registry(&self) -> std::sync::Arc<crate::handlers::Registry> {
+        self.handlers.current().0
+    }
+
+    /// What a requeue from the page is held against: the same refusal as `worker dead
+    /// requeue`, never forced.
+    fn screen<'r>(&self, registry: &'r crate::handlers::Registry) -> crate::dead::Screen<'r> {
+        crate::dead::Screen {
+            registry,
+            new_event: None,
+            limit: self.config.jobs.max_message_bytes,
+            force: false,
+            served: &[],
         }
     }
 

@@ -758,6 +758,9 @@ pub fn done(v: &Done) -> Markup {
                 @for (id, why) in &r.cannot {
                     li { "Left " (id) ": " (why) }
                 }
+                @for (id, why) in &r.refused {
+                    li data-k="refused" { "Refused " (id) ", it would die again at once: " (why) " (fix the cause, or requeue it with `worker dead requeue --force`)" }
+                }
                 @if !r.gone.is_empty() {
                     li data-k="gone" { "Already requeued or purged by someone else: " (list(&r.gone)) }
                 }

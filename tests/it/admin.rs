@@ -506,11 +506,23 @@ fn requeue_keeps_fields_respects_newer_pushes_and_goes_back_once() {
     let letters = dead::scan(&mut con, &keys, &Filter::default(), now, None).unwrap();
     assert_eq!(letters.len(), 4);
     let out = worker(&r.url(), &["dead", "requeue"]);
+    // The letter that is not JSON would die again at once: refused (exit 1), the rest go.
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    let said = text(&out.stdout);
+    assert!(said.starts_with("requeued 2\n"), "{said}");
+    assert!(
+        said.contains(&format!(
+            "refused {b}, it would die again at once: not a whole message"
+        )),
+        "{said}"
+    );
+    assert!(said.contains(&format!("left 1 in the dead letters: their job key is scheduled again and the newer push wins ({c})")), "{said}");
+    // Forced, it goes back as written, with the warning.
+    let out = worker(&r.url(), &["dead", "requeue", "--force", "--id", &b]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let said = text(&out.stdout);
-    assert!(said.starts_with("requeued 3\n"), "{said}");
+    assert!(said.starts_with("requeued 1\n"), "{said}");
     assert!(said.contains(&format!("1 of them not a JSON object, requeued as written: they will be dead-lettered again ({b})")), "{said}");
-    assert!(said.contains(&format!("left 1 in the dead letters: their job key is scheduled again and the newer push wins ({c})")), "{said}");
 
     let hget = |con: &mut Connection, k: &str| -> Option<String> {
         redis::cmd("HGET")

@@ -418,7 +418,12 @@ fn messages_and_inbox_rows_of_workers_older_than_the_identity_are_each_done_once
             old_row(key, id);
         }
     }
-    let out = run_worker(&["dead", "requeue"], &env.redis.url(), &env.db.url);
+    // No worker runs yet to say it serves ledger.add: the handler files say it.
+    let out = run_worker(
+        &["dead", "requeue", "--handlers-dir", dir.0.to_str().unwrap()],
+        &env.redis.url(),
+        &env.db.url,
+    );
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert_eq!(text(&out.stdout).trim(), "requeued 2");
 

@@ -192,3 +192,114 @@ fn stats_splits_the_pool_by_event_with_each_next_due() {
         "{t}"
     );
 }
+
+/// `worker dead requeue` with the daemon's environment; (exit code, stdout).
+fn requeue(env: &Env, flags: &[&str]) -> (i32, String) {
+    let mut a = vec!["dead", "requeue"];
+    a.extend_from_slice(flags);
+    let out = run_worker(&a, &env.config.redis_url, &env.config.database_url);
+    assert!(out.stderr.is_empty(), "{}", text(&out.stderr));
+    (out.status.code().unwrap_or(-1), text(&out.stdout))
+}
+
+#[test]
+fn a_requeue_that_would_die_again_is_refused_and_a_typo_goes_back_under_its_event() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 2);
+    let (r, d) = (&env.config.redis_url, &env.config.database_url);
+    let _w = Proc::start(&env.config, &[]);
+    // A producer's typo in the event, a payload without the field its handler needs, and a
+    // message that is not JSON: three letters of their own fault.
+    let typo = format!(r#"{{"order_no":"{}"}}"#, orders[0].order_no);
+    for (event, payload, key) in [
+        ("order.timout", typo.as_str(), "order.timeout:typo"),
+        ("order.timeout", r#"{"nothing":1}"#, "order.timeout:nofield"),
+    ] {
+        let out = run_worker(
+            &[
+                "push",
+                "--unchecked",
+                "--event",
+                event,
+                "--payload",
+                payload,
+                "--delay",
+                "0s",
+                "--key",
+                key,
+            ],
+            r,
+            d,
+        );
+        assert!(out.status.success(), "{}", text(&out.stderr));
+    }
+    let mut con = env.con();
+    let keys = &env.config.keys;
+    let _: () = redis::pipe()
+        .cmd("HSET")
+        .arg(&keys.data)
+        .arg("raw")
+        .arg("not json")
+        .ignore()
+        .cmd("ZADD")
+        .arg(&keys.pool)
+        .arg(delay_worker::now_ms())
+        .arg("raw")
+        .ignore()
+        .query(&mut con)
+        .unwrap();
+    wait_until(WAIT, "three dead letters", || dead_letters(&env).len() == 3);
+
+    // All of them: each refused, named with why; nothing moves; exit 1.
+    let (code, out) = requeue(&env, &[]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.starts_with("requeued 0\n"), "{out}");
+    assert_eq!(out.matches("refused ").count(), 3, "{out}");
+    assert!(
+        out.contains("no handler for event \"order.timout\""),
+        "{out}"
+    );
+    assert!(out.contains("order.timeout: "), "{out}");
+    assert!(out.contains("not a whole message"), "{out}");
+    assert!(out.contains("(--force requeues it anyway)"), "{out}");
+    assert_eq!(dead_letters(&env).len(), 3);
+    assert_eq!(books(&env).pool, 0);
+
+    // The typo under its corrected event: back once, the order cancelled once.
+    let (code, out) = requeue(
+        &env,
+        &["--event", "order.timout", "--as-event", "order.timeout"],
+    );
+    assert_eq!(code, 0, "{out}");
+    assert!(out.starts_with("requeued 1\n"), "{out}");
+    wait_until(WAIT, "the corrected job done", || inbox_count(&env.db) == 1);
+    assert_accounting(&env.db, &orders, &[&orders[0]]);
+    // Again: nothing left of that event, nothing goes back twice.
+    let (code, out) = requeue(
+        &env,
+        &["--event", "order.timout", "--as-event", "order.timeout"],
+    );
+    assert_eq!((code, out.as_str()), (0, "requeued 0\n"));
+    // A corrected name that has no handler either is refused too.
+    let (code, out) = requeue(
+        &env,
+        &["--event", "order.timeout", "--as-event", "order.timeot"],
+    );
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("no handler for event \"order.timeot\""),
+        "{out}"
+    );
+    assert_eq!(dead_letters(&env).len(), 2);
+
+    // --force: the one without its field goes back and dies again, as asked.
+    let (code, out) = requeue(&env, &["--event", "order.timeout", "--force"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.starts_with("requeued 1\n"), "{out}");
+    wait_until(WAIT, "the forced letter dead again", || {
+        let b = books(&env);
+        b.pool == 0 && b.stream_pending == 0 && dead_letters(&env).len() == 2
+    });
+    assert_eq!(inbox_count(&env.db), 1);
+    assert_accounting(&env.db, &orders, &[&orders[0]]);
+}

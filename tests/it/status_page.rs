@@ -621,6 +621,23 @@ fn status_page_in_a_browser_stream_mode() {
         ) == 12
     });
 
+    // A requeue of a letter that would die again at once (no handler for its event) is
+    // refused, with why, and changes nothing: the same refusal as `worker dead requeue`.
+    let (code, said) = post(
+        port,
+        "/dead/requeue",
+        &form(&[("id", &hostile)]),
+        &[("Authorization", format!("Bearer {TOKEN}"))],
+    );
+    assert_eq!(code, 200, "{said}");
+    assert!(
+        plain(&said).contains(&format!(
+            "Refused {hostile}, it would die again at once: no handler for event"
+        )),
+        "{said}"
+    );
+    assert_eq!(dead_ids(&env), vec![hostile.clone()]);
+
     // A purge with the token in a header (no form, no nonce; the scheme in lower case, as
     // RFC 7235 allows): the hostile letter goes.
     let (code, said) = post(
@@ -746,9 +763,8 @@ fn status_page_list_mode_dead_lists() {
         .query::<()>(&mut con)
         .unwrap();
 
-    // Requeue through the form: back onto its queue, where the worker dead-letters it
-    // again (its event still has no handler): the letter count stays, the worker's
-    // dead-letter counter says it went round once more.
+    // Requeue through the form: its event still has no handler, so it would only die
+    // again: refused, with why, and left where it is.
     let origin = ("Origin", format!("http://127.0.0.1:{port}"));
     let body = form(&[
         ("queue", "normal"),
@@ -771,10 +787,16 @@ fn status_page_list_mode_dead_lists() {
     ]);
     let (code, said) = post(port, "/dead/requeue", &body, std::slice::from_ref(&origin));
     assert_eq!(code, 200, "{said}");
-    assert!(plain(&said).contains("Requeued 1 dead letter(s)"), "{said}");
-    wait_until(WAIT, "the letter dead again", || {
-        metric(port, "delay_worker_dead_letters_total") == 2 && dead_len(&mut con) == 1
-    });
+    assert!(plain(&said).contains("Requeued 0 dead letter(s)"), "{said}");
+    assert!(
+        plain(&said).contains(&format!(
+            "Refused {}, it would die again at once: no handler for event",
+            ids[0]
+        )),
+        "{said}"
+    );
+    assert_eq!(dead_len(&mut con), 1);
+    assert_eq!(metric(port, "delay_worker_dead_letters_total"), 1);
 
     // Purge it.
     let (_, _, list) = http_get(port, "/dead?queue=normal").unwrap();
@@ -827,7 +849,8 @@ fn status_page_list_mode_dead_lists() {
         "the first page waited for Redis and says so: {made:?}"
     );
     for page in made {
-        assert_eq!(figure(page, "hour.dead"), "2", "the process's own figures");
+        // Died once: its requeue above was refused, so it did not go round again.
+        assert_eq!(figure(page, "hour.dead"), "1", "the process's own figures");
     }
     redis::cmd("CLIENT")
         .arg("UNPAUSE")
@@ -837,7 +860,8 @@ fn status_page_list_mode_dead_lists() {
 
     let log = worker.log();
     assert!(
-        log.contains("status page: requeued 1 dead letter(s) of normal:dead"),
+        log.contains("status page: requeue of normal:dead left 1 letter(s)")
+            && log.contains("(refused: no handler for event"),
         "{log}"
     );
     assert!(
