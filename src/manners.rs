@@ -14,10 +14,9 @@
 //! - **Yielding.** While the shop's own sessions are busy in the database (the PostgreSQL
 //!   watch samples `pg_stat_activity` four times a second, `dbwatch.rs`), at most
 //!   [`YIELD_CONCURRENCY`] of this process's workers are inside a transaction at once;
-//!   the others wait at the gate holding their jobs, and sets hold at most
-//!   [`YIELD_SET_SIZE`] jobs. A drain then leaves the database's
+//!   the others wait at the gate holding their jobs. A drain then leaves the database's
 //!   cores and the WAL to the shop's transactions instead of queueing eight of its own in
-//!   front of them (measured with `scripts/bench.sh shop`: docs/performance.md). When the
+//!   front of them (measured with `scripts/bench.sh shop`: README, Performance). When the
 //!   shop is quiet, every worker may run.
 
 use crate::shutdown::Shutdown;
@@ -89,10 +88,6 @@ impl Slots {
 
 /// Workers of one process inside a transaction at once while the shop is busy.
 pub const YIELD_CONCURRENCY: usize = 1;
-
-/// The largest set while the shop is busy: a set holds its rows' locks until it commits,
-/// and the shop's transactions that need one of them wait behind the whole set.
-pub const YIELD_SET_SIZE: usize = 4;
 
 /// The rate caps, the per-event set sizes and the yielding gate of one process.
 pub struct Manners {
@@ -202,19 +197,8 @@ impl Manners {
         }
     }
 
-    /// The set size jobs of `event` run with now: at most [`YIELD_SET_SIZE`] while the
-    /// shop is busy.
+    /// The set size jobs of `event` run with now.
     pub fn set_size(&self, event: &str) -> usize {
-        let size = self.grown_size(event);
-        if self.yielding() {
-            size.min(YIELD_SET_SIZE)
-        } else {
-            size
-        }
-    }
-
-    /// The size `event`'s sets have grown (or shrunk) to.
-    fn grown_size(&self, event: &str) -> usize {
         let sizes = self.set_sizes.read().unwrap_or_else(|p| p.into_inner());
         sizes
             .get(event)
@@ -245,7 +229,7 @@ impl Manners {
     /// A set of `event` committed: grow its size by one, up to `--set-size`.
     pub fn committed(&self, event: &str) {
         let cap = self.set_size;
-        if self.grown_size(event) < cap {
+        if self.set_size(event) < cap {
             self.resize(event, |n| (n < cap).then_some(n + 1));
         }
     }
@@ -311,19 +295,6 @@ mod tests {
         let _inside = m.enter(&stop);
         stop.trigger();
         let _also = m.enter(&stop);
-    }
-
-    #[test]
-    fn sets_are_small_while_yielding_and_whole_again_after() {
-        let m = Manners::unlimited(32);
-        assert_eq!(m.set_size("e"), 32);
-        m.set_yielding(true);
-        assert_eq!(m.set_size("e"), YIELD_SET_SIZE);
-        // A clean commit while yielding still grows the event's own size.
-        m.contended("e");
-        m.committed("e");
-        m.set_yielding(false);
-        assert_eq!(m.set_size("e"), 17);
     }
 
     #[test]
