@@ -16,7 +16,7 @@
 //!   [`YIELD_CONCURRENCY`] of this process's workers are inside a transaction at once;
 //!   the others wait at the gate holding their jobs. A drain then leaves the database's
 //!   cores and the WAL to the shop's transactions instead of queueing eight of its own in
-//!   front of them (measured with `scripts/bench.sh shop`: README, Performance). When the
+//!   front of them (measured with `scripts/bench.sh shop`: docs/performance.md, "The shop beside a drain"). When the
 //!   shop is quiet, every worker may run.
 
 use crate::shutdown::Shutdown;
