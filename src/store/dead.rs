@@ -47,17 +47,7 @@ pub fn requeue(
     for (id, key, msg) in letters {
         inv.arg(*id).arg(*key).arg(*msg);
     }
-    let Value::Array(codes) = run("requeue dead letters", &inv, con)? else {
-        return Ok(Vec::new());
-    };
-    Ok(codes
-        .iter()
-        .map(|c| match super::int(Some(c)) {
-            1 => Requeued::Requeued,
-            -1 => Requeued::KeyScheduled,
-            _ => Requeued::Gone,
-        })
-        .collect())
+    Ok(requeued(run("requeue dead letters", &inv, con)?))
 }
 
 /// Deletes dead letters by id, and each from the `letters` index, in one script call;
@@ -96,17 +86,7 @@ pub fn requeue_list(
     for (letter, key, msg) in letters {
         inv.arg(*letter).arg(*key).arg(*msg);
     }
-    let Value::Array(codes) = run("requeue dead letters", &inv, con)? else {
-        return Ok(Vec::new());
-    };
-    Ok(codes
-        .iter()
-        .map(|c| match super::int(Some(c)) {
-            1 => Requeued::Requeued,
-            -1 => Requeued::KeyScheduled,
-            _ => Requeued::Gone,
-        })
-        .collect())
+    Ok(requeued(run("requeue dead letters", &inv, con)?))
 }
 
 /// Deletes letters from a dead list by their exact bytes, one LREM each, all in one
@@ -128,4 +108,20 @@ pub fn purge_list(
         .query(con)
         .map_err(|e| super::StoreError::from_redis("purge dead letters", e))?;
     Ok(removed.iter().sum())
+}
+
+/// A requeue script's reply: a code per letter, in order (1 back, -1 its key scheduled
+/// again, 0 gone).
+fn requeued(reply: Value) -> Vec<Requeued> {
+    let Value::Array(codes) = reply else {
+        return Vec::new();
+    };
+    codes
+        .iter()
+        .map(|c| match super::int(Some(c)) {
+            1 => Requeued::Requeued,
+            -1 => Requeued::KeyScheduled,
+            _ => Requeued::Gone,
+        })
+        .collect()
 }

@@ -303,3 +303,28 @@ fn a_requeue_that_would_die_again_is_refused_and_a_typo_goes_back_under_its_even
     assert_eq!(inbox_count(&env.db), 1);
     assert_accounting(&env.db, &orders, &[&orders[0]]);
 }
+
+#[test]
+fn a_check_that_cannot_read_its_url_is_unknown_on_its_line() {
+    // A password with `/` and `@` not percent-encoded: the URL does not parse.
+    let out = run_worker(
+        &["stats", "--check"],
+        "redis://:s3cr@t/x@127.0.0.1:1/",
+        "postgres://unused",
+    );
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out.stderr));
+    let line = text(&out.stdout);
+    assert!(line.starts_with("UNKNOWN - "), "{line}");
+    assert_eq!(line.lines().count(), 1, "{line}");
+    assert!(
+        !line.contains("s3cr"),
+        "the password is never shown: {line}"
+    );
+    // Without --check, the usual bad-input line and exit 2.
+    let out = run_worker(
+        &["stats"],
+        "redis://:s3cr@t/x@127.0.0.1:1/",
+        "postgres://unused",
+    );
+    assert_eq!(out.status.code(), Some(2));
+}

@@ -41,6 +41,12 @@ fn main() -> ExitCode {
     };
     let config = match cli.config_from(&matches) {
         Ok(c) => c,
+        // A monitoring check that cannot look (a URL that does not parse, in the
+        // environment it was given) is UNKNOWN, on the line the plugin reads.
+        Err(e) if matches!(cli.command, Some(Command::Stats { ref args, .. }) if args.check) => {
+            println!("UNKNOWN - {e}");
+            return ExitCode::from(3);
+        }
         Err(e) => {
             eprintln!("worker: {e}");
             return ExitCode::from(2);
