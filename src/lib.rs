@@ -52,13 +52,15 @@
 //! The operator's side, each file one job and every arrow pointing down this list:
 //! - `admin/` (`worker stats`, `--watch`, `--check`; `worker dead`; `worker trace`;
 //!   `worker handlers check`), `status/` (the status page: `/`, the dead letters, requeue
-//!   and purge with `--admin-token-file`, the trace search; `view.rs` the HTML) and `metrics.rs` (`/metrics`, `/healthz`, the routing of the address) — the
-//!   three surfaces, each formatting on top of the same models;
+//!   and purge with `--admin-token-file`, the trace search; `view.rs` the HTML) and
+//!   `metrics.rs` (`/metrics`, `/healthz`, the routing of the address) — the three
+//!   surfaces, each formatting on top of the same models;
 //! - `figures.rs` — the queue's figures (what `worker stats` shows), the one source of them
 //!   for all three; `trace.rs` — a job key's story (where each of its jobs is and what
 //!   became of it), for `worker trace` and the page's search;
 //! - `dead/` — the dead letters, one model for both kinds (`stream.rs`: the dead-letter
 //!   stream, each shard's; `list.rs`: the dead lists): read, page, find, requeue, purge;
+//!   `screen.rs` holds a requeue against the handlers (what would only die again);
 //! - `http.rs` — HTTP/1.1 for the address: accept, request deadlines, answers, the
 //!   connection slots shared among stalled clients; nothing about queues;
 //! - `connect.rs` — opening Redis, checked, its shard layout agreed (the daemon, every

@@ -79,23 +79,27 @@ struct Cluster {
 
 impl Cluster {
     fn start() -> Cluster {
-        // The bus port given, not the port + 10000 (a free port may be above 55535).
-        let buses: Vec<u16> = (0..3).map(|_| free_port()).collect();
-        let nodes: Vec<RedisServer> = buses
-            .iter()
-            .map(|bus| {
-                RedisServer::start_with(&[
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-config-file",
-                    "nodes.conf",
-                    "--cluster-port",
-                    &bus.to_string(),
-                    "--appendonly",
-                    "no",
-                ])
-            })
-            .collect();
+        // The bus port given, not the port + 10000 (a free port may be above 55535). A
+        // port another test takes between its pick and the node's bind: pick again.
+        let node = || {
+            (0..5)
+                .find_map(|_| {
+                    let bus = free_port();
+                    RedisServer::try_start_with(&[
+                        "--cluster-enabled",
+                        "yes",
+                        "--cluster-config-file",
+                        "nodes.conf",
+                        "--cluster-port",
+                        &bus.to_string(),
+                        "--appendonly",
+                        "no",
+                    ])
+                    .map(|n| (n, bus))
+                })
+                .expect("a cluster node on a free port within 5 tries")
+        };
+        let (nodes, buses): (Vec<RedisServer>, Vec<u16>) = (0..3).map(|_| node()).unzip();
         let ranges = [(0, 5460), (5461, 10922), (10923, 16383)];
         for (n, (a, b)) in nodes.iter().zip(ranges) {
             redis::cmd("CLUSTER")

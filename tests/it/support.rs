@@ -71,7 +71,38 @@ impl RedisServer {
         r
     }
 
-    fn spawn(&mut self) {
+    /// [`RedisServer::start_with`], or `None` when the server exits at once (a port taken
+    /// by another test between its pick and the server's bind): the caller picks again.
+    pub fn try_start_with(extra: &[&str]) -> Option<RedisServer> {
+        let dir = std::env::temp_dir().join(unique("dw-redis"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut r = RedisServer {
+            port: free_port(),
+            dir,
+            child: None,
+            extra: extra.iter().map(|s| s.to_string()).collect(),
+        };
+        r.launch();
+        let url = r.url();
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(10) {
+            if let Some(Ok(Some(_))) = r.child.as_mut().map(|c| c.try_wait()) {
+                r.child = None;
+                return None;
+            }
+            let up = redis::Client::open(url.as_str())
+                .and_then(|c| c.get_connection())
+                .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c))
+                .is_ok();
+            if up {
+                return Some(r);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("timed out waiting for redis-server to answer");
+    }
+
+    fn launch(&mut self) {
         let child = Command::new("redis-server")
             .arg("--port")
             .arg(self.port.to_string())
@@ -83,6 +114,10 @@ impl RedisServer {
             .spawn()
             .expect("redis-server is not installed: run scripts/services.sh install");
         self.child = Some(child);
+    }
+
+    fn spawn(&mut self) {
+        self.launch();
         let url = self.url();
         wait_until(Duration::from_secs(10), "redis-server to answer", || {
             redis::Client::open(url.as_str())
