@@ -65,10 +65,7 @@ impl Screen<'_> {
     pub fn check(&self, msg: &[u8], raw_event: Option<&str>) -> Result<Vec<u8>, Doomed> {
         match self.verdict(msg, raw_event) {
             Err(Doomed::RawEvent { queue_event }) => Err(Doomed::RawEvent { queue_event }),
-            Err(_) if self.force => Ok(match self.new_event {
-                Some(new) => renamed(msg, new),
-                None => msg.to_vec(),
-            }),
+            Err(_) if self.force => Ok(self.rewritten(msg)),
             r => r,
         }
     }
@@ -91,10 +88,7 @@ impl Screen<'_> {
         let handler = self.registry.get(event);
         if handler.is_none() && served {
             // A live worker serves it (a handler file of its own): no fields to check.
-            return Ok(match self.new_event {
-                None => msg.to_vec(),
-                Some(new) => renamed(msg, new),
-            });
+            return Ok(self.rewritten(msg));
         }
         let Some((_, handler)) = handler else {
             let mut known: Vec<String> = self
@@ -115,10 +109,15 @@ impl Screen<'_> {
                 event: event.to_string(),
                 why: r.to_string(),
             })?;
-        Ok(match self.new_event {
+        Ok(self.rewritten(msg))
+    }
+
+    /// `msg` as it goes back: under the new event when one is asked for.
+    fn rewritten(&self, msg: &[u8]) -> Vec<u8> {
+        match self.new_event {
             None => msg.to_vec(),
             Some(new) => renamed(msg, new),
-        })
+        }
     }
 }
 
