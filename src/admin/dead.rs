@@ -132,7 +132,9 @@ struct Cmd<'a> {
     out: &'a mut dyn Write,
     /// `--max-message-bytes`: a requeued message is held to it as the worker would.
     max_message: usize,
-    /// A requeue's: the events the live workers serve (their heartbeats' records).
+    /// A requeue's: the built-in handlers and `--handlers-dir`'s, and the events the live
+    /// workers serve (their heartbeats' records).
+    registry: crate::handlers::Registry,
     served: Vec<String>,
 }
 
@@ -145,15 +147,17 @@ pub(super) fn run(
     // Ages, filters and a requeue's due time on Redis's clock (which stamps a list
     // letter's `ts` too).
     let now = crate::figures::redis_now_ms(&mut con, config)?;
-    let served = match args.command {
-        DeadCommand::Requeue(_) => served(&mut con, config, now)?,
-        _ => Vec::new(),
+    // A requeue is held against the handlers: the files' and the live workers'.
+    let (registry, served) = match &args.command {
+        DeadCommand::Requeue(a) => (a.registry()?, served(&mut con, config, now)?),
+        _ => (crate::handlers::Registry::default(), Vec::new()),
     };
     let r = &mut Cmd {
         con: &mut con,
         now,
         out,
         max_message: config.jobs.max_message_bytes,
+        registry,
         served,
     };
     if config.source == Source::List {
@@ -177,7 +181,7 @@ pub(super) fn run(
             )
         }
         DeadCommand::Show(a) => {
-            let (shard, id) = locate_arg(r, shards, &a.id)?;
+            let (shard, id) = locate_arg(r.con, r.now, shards, &a.id)?;
             let one = ShowArgs { id, json: a.json };
             show(r, &shards[shard], &one)
         }
@@ -443,9 +447,7 @@ fn served(
 }
 
 fn requeue_cmd(r: &mut Cmd, keys: &Keys, a: &RequeueArgs) -> anyhow::Result<ExitCode> {
-    let registry = a.registry()?;
-    let served = std::mem::take(&mut r.served);
-    let sc = &a.screen(&registry, r.max_message, &served);
+    let sc = &a.screen(&r.registry, r.max_message, &r.served);
     let mut left = a.limit.unwrap_or(usize::MAX);
     let mut report = RequeueReport::default();
     if a.ids.is_empty() {
@@ -480,9 +482,7 @@ fn requeue_cmd(r: &mut Cmd, keys: &Keys, a: &RequeueArgs) -> anyhow::Result<Exit
 /// `worker dead requeue` in list mode: by filter, queue by queue, oldest first; or the
 /// letters named, each onto its own queue.
 fn requeue_lists(r: &mut Cmd, keys: &Keys, a: &RequeueArgs) -> anyhow::Result<ExitCode> {
-    let registry = a.registry()?;
-    let served = std::mem::take(&mut r.served);
-    let sc = &a.screen(&registry, r.max_message, &served);
+    let sc = &a.screen(&r.registry, r.max_message, &r.served);
     let mut left = a.limit.unwrap_or(usize::MAX);
     let mut report = RequeueReport::default();
     if a.ids.is_empty() {
@@ -527,15 +527,13 @@ fn requeue_lists(r: &mut Cmd, keys: &Keys, a: &RequeueArgs) -> anyhow::Result<Ex
 /// `worker dead requeue` with `--shards N`: each letter in its own shard, one report with
 /// `<shard>/<id>` ids; `--limit` counts over all shards (the oldest, or the first ids named).
 fn requeue_sharded(r: &mut Cmd, shards: &[Keys], a: &RequeueArgs) -> anyhow::Result<ExitCode> {
-    let registry = a.registry()?;
-    let served = std::mem::take(&mut r.served);
-    let sc = &a.screen(&registry, r.max_message, &served);
+    let sc = &a.screen(&r.registry, r.max_message, &r.served);
     let mut report = RequeueReport::default();
     let mut missing = Vec::new();
     let chosen: Vec<(usize, DeadLetter)> = if !a.ids.is_empty() {
         let mut places = Vec::new();
         for given in &a.ids {
-            let (s, id) = locate_arg(r, shards, given)?;
+            let (s, id) = locate_arg(r.con, r.now, shards, given)?;
             anyhow::ensure!(
                 is_stream_id(&id),
                 "--id: {given:?} is not a dead-letter id (like 1/1768764300123-0)"
@@ -603,8 +601,13 @@ fn grouped<G, L>(
 }
 
 /// [`dead::locate`] for the CLI: an id that names no shard is an error.
-fn locate_arg(r: &mut Cmd, shards: &[Keys], given: &str) -> anyhow::Result<(usize, String)> {
-    dead::locate(r.con, shards, given, r.now)
+fn locate_arg(
+    con: &mut dyn redis::ConnectionLike,
+    now: i64,
+    shards: &[Keys],
+    given: &str,
+) -> anyhow::Result<(usize, String)> {
+    dead::locate(con, shards, given, now)
         .context("cannot read the dead letters")?
         .map_err(anyhow::Error::msg)
 }

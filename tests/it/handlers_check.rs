@@ -15,7 +15,17 @@ fn badge() -> String {
 }
 
 fn check(env: &Env, dir: &HandlerDir) -> (i32, String, String) {
-    let out = run_worker(
+    let out = check_on(env, dir, &env.db.url);
+    (
+        out.status.code().unwrap_or(-1),
+        text(&out.stdout),
+        text(&out.stderr),
+    )
+}
+
+/// `worker handlers check --handlers-dir DIR` against the database at `db`.
+fn check_on(env: &Env, dir: &HandlerDir, db: &str) -> std::process::Output {
+    run_worker(
         &[
             "handlers",
             "check",
@@ -23,12 +33,7 @@ fn check(env: &Env, dir: &HandlerDir) -> (i32, String, String) {
             &dir.0.display().to_string(),
         ],
         &env.config.redis_url,
-        &env.db.url,
-    );
-    (
-        out.status.code().unwrap_or(-1),
-        text(&out.stdout),
-        text(&out.stderr),
+        db,
     )
 }
 
@@ -92,16 +97,7 @@ fn handlers_check_names_each_file_and_its_error() {
     assert_eq!(out.status.code(), Some(2));
     assert!(text(&out.stderr).starts_with("worker: --handlers-dir: /no/such/dir: cannot read"));
     let dead_db = format!("postgres://postgres@127.0.0.1:{}/postgres", free_port());
-    let out = run_worker(
-        &[
-            "handlers",
-            "check",
-            "--handlers-dir",
-            &dir.0.display().to_string(),
-        ],
-        &env.config.redis_url,
-        &dead_db,
-    );
+    let out = check_on(&env, &dir, &dead_db);
     assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
     assert_eq!(
         text(&out.stderr).lines().count(),

@@ -59,42 +59,43 @@ impl RedisServer {
 
     /// Extra `redis-server` arguments, e.g. `["--appendonly", "yes"]`.
     pub fn start_with(extra: &[&str]) -> RedisServer {
+        let mut r = RedisServer::unstarted(extra);
+        r.spawn();
+        r
+    }
+
+    /// A server on a free port in a directory of its own, not started yet.
+    fn unstarted(extra: &[&str]) -> RedisServer {
         let dir = std::env::temp_dir().join(unique("dw-redis"));
         std::fs::create_dir_all(&dir).unwrap();
-        let mut r = RedisServer {
+        RedisServer {
             port: free_port(),
             dir,
             child: None,
             extra: extra.iter().map(|s| s.to_string()).collect(),
-        };
-        r.spawn();
-        r
+        }
+    }
+
+    /// It answers a PING.
+    fn answers(&self) -> bool {
+        redis::Client::open(self.url().as_str())
+            .and_then(|c| c.get_connection())
+            .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c))
+            .is_ok()
     }
 
     /// [`RedisServer::start_with`], or `None` when the server exits at once (a port taken
     /// by another test between its pick and the server's bind): the caller picks again.
     pub fn try_start_with(extra: &[&str]) -> Option<RedisServer> {
-        let dir = std::env::temp_dir().join(unique("dw-redis"));
-        std::fs::create_dir_all(&dir).unwrap();
-        let mut r = RedisServer {
-            port: free_port(),
-            dir,
-            child: None,
-            extra: extra.iter().map(|s| s.to_string()).collect(),
-        };
+        let mut r = RedisServer::unstarted(extra);
         r.launch();
-        let url = r.url();
         let start = Instant::now();
         while start.elapsed() < Duration::from_secs(10) {
             if let Some(Ok(Some(_))) = r.child.as_mut().map(|c| c.try_wait()) {
                 r.child = None;
                 return None;
             }
-            let up = redis::Client::open(url.as_str())
-                .and_then(|c| c.get_connection())
-                .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c))
-                .is_ok();
-            if up {
+            if r.answers() {
                 return Some(r);
             }
             std::thread::sleep(Duration::from_millis(20));
@@ -118,12 +119,8 @@ impl RedisServer {
 
     fn spawn(&mut self) {
         self.launch();
-        let url = self.url();
         wait_until(Duration::from_secs(10), "redis-server to answer", || {
-            redis::Client::open(url.as_str())
-                .and_then(|c| c.get_connection())
-                .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c))
-                .is_ok()
+            self.answers()
         });
     }
 
