@@ -74,6 +74,10 @@ if [ -n "$apt_pid" ]; then
     tail -n 5 "$apt_log"
   fi
 fi
-phase "testing"
+# Most integration tests wait on their servers (a failover, a lock held, a worker stopping)
+# rather than compute: three at a time per core keeps both cores busy (measured on 2 cores:
+# 254 s with 2 at a time, 151 s with 4, 139 s with 6). RUST_TEST_THREADS overrides it.
+export RUST_TEST_THREADS=${RUST_TEST_THREADS:-$(( $(nproc) * 3 ))}
+phase "testing ($RUST_TEST_THREADS tests at a time)"
 cargo test --all-targets -- "$@"
 phase "done"
