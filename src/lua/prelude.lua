@@ -104,6 +104,18 @@ local function unindex_letter(letters, key, id)
   end
 end
 
+-- The event and the attempts so far of a retry message (its `retry`, already raised),
+-- for the dead letter of a retry that a newer push superseded; '' and 0 for a message
+-- that does not decode.
+local function retry_facts(msg)
+  local ok, v = pcall(cjson.decode, msg)
+  if not ok or type(v) ~= 'table' then return '', 0 end
+  local event, retry = v['event'], tonumber(v['retry'])
+  if type(event) ~= 'string' then event = '' end
+  if not retry or retry < 0 then retry = 0 end
+  return event, math.floor(retry)
+end
+
 -- Why a retry is a dead letter when its job key was pushed again before it ran.
 local SUPERSEDED = 'retry superseded: the job key was pushed again before the retry ran ' ..
   '(a push reschedules its key; the newer push runs)'

@@ -41,9 +41,10 @@ for i = 3, #ARGV, 7 do
     if kind == 'R' and redis.call('ZSCORE', KEYS[2], ARGV[i + 2]) then
       -- The key was pushed again while this job ran, and a push reschedules its key: the
       -- newer push keeps the slot, this retry becomes a dead letter (nothing vanishes).
+      local event, attempts = retry_facts(ARGV[i + 3])
       local letter = redis.call('XADD', KEYS[4], '*',
         'msg', ARGV[i + 3], 'reason', SUPERSEDED, 'ts', now_s,
-        'event', ARGV[i + 5], 'key', ARGV[i + 2], 'attempts', ARGV[i + 6],
+        'event', event, 'key', ARGV[i + 2], 'attempts', attempts,
         'consumer', ARGV[2], 'id', id)
       index_letter(KEYS[7], ARGV[i + 2], letter)
       superseded = true

@@ -35,9 +35,11 @@ for i = 2, #ARGV, 8 do
     if superseded then
       -- The key was pushed again while this job ran, and a push reschedules its key: the
       -- newer push keeps the slot, this retry becomes a dead letter (nothing vanishes).
+      local event, attempts = retry_facts(ARGV[i + 5])
       redis.call('LPUSH', dead, cjson.encode({
         msg = ARGV[i + 5], reason = SUPERSEDED, ts = now_s,
-        event = '', key = ARGV[i + 3], attempts = 0, consumer = ARGV[1], queue = ARGV[i + 2]
+        event = event, key = ARGV[i + 3], attempts = attempts, consumer = ARGV[1],
+        queue = ARGV[i + 2]
       }))
     elseif kind == 'R' then
       remember_job(KEYS[3], ARGV[i + 3], ARGV[i + 5])

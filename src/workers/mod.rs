@@ -303,7 +303,7 @@ impl<'a> Worker<'a> {
             let taken = batch.len() as u64;
             let before = outcomes.len();
             self.handle_batch(batch, &mut outcomes);
-            if outcomes.len() - before < taken as usize {
+            if outcomes.len() - before < taken as usize && draining {
                 log::info!("{}: jobs left pending for the next start", self.name);
             }
             if draining {
@@ -382,7 +382,7 @@ impl<'a> Worker<'a> {
         for d in ds {
             match self.prepare(&registry, d) {
                 Ok(job) if job.handler.needs_database() => jobs.push(job),
-                Ok(job) => out.push(self.finish(job, JobResult::Committed(Effect::NoOp))),
+                Ok(job) => out.extend(self.finish(job, JobResult::Committed(Effect::NoOp))),
                 Err(dead) => out.push(*dead),
             }
         }
@@ -393,7 +393,25 @@ impl<'a> Worker<'a> {
             return;
         };
         for (job, result) in jobs.into_iter().zip(results) {
-            out.push(self.finish(job, result));
+            out.extend(self.finish(job, result));
+        }
+    }
+
+    /// A second delivery of a job whose transaction is running in another session (its
+    /// inbox insert waited on that one's row): that transaction decides the job, and this
+    /// delivery must not, or it could retry a job that then commits, and a retry that meets
+    /// a newer push of the key becomes a dead letter of a job that was done. A stream entry
+    /// is left pending: the running one settles it (both deliveries are the same entry),
+    /// and if that one's worker dies first, the entry is reclaimed after `--claim-idle` and
+    /// its inbox row decides. A list copy is this consumer's own: it is removed (as a
+    /// duplicate), the running one's copy stays in its own processing list until settled.
+    fn running_elsewhere(&mut self, d: Delivery, key: &str, event: &str) -> Option<Settlement> {
+        log::debug!(
+            "job {key} {event}: running in another session (a second delivery), left to it"
+        );
+        match d.origin {
+            Origin::Stream { .. } => None,
+            Origin::List { .. } => Some(Settlement::ack(d, event, JobOutcome::Duplicate)),
         }
     }
 
@@ -441,8 +459,9 @@ impl<'a> Worker<'a> {
     }
 
     /// Turns a job's result into its settlement: ack, retry with backoff, hold, or dead
-    /// letter, by whose fault a failure is (see the module header).
-    fn finish(&mut self, job: Job<'_>, result: JobResult) -> Settlement {
+    /// letter, by whose fault a failure is (see the module header); none for a stream
+    /// entry whose job is running in another session.
+    fn finish(&mut self, job: Job<'_>, result: JobResult) -> Option<Settlement> {
         let stats = self.ctx.stats;
         let Job {
             d,
@@ -451,7 +470,7 @@ impl<'a> Worker<'a> {
             first_due,
             ..
         } = job;
-        match result {
+        Some(match result {
             JobResult::Committed(effect) => {
                 let outcome = match effect {
                     Effect::Applied => JobOutcome::Done,
@@ -493,7 +512,8 @@ impl<'a> Worker<'a> {
                 let reason = format!("handler panicked: {msg}");
                 self.dead(d, reason, env.event.clone(), env.retry as u64 + 1)
             }
-        }
+            JobResult::RunningElsewhere => return self.running_elsewhere(d, &key, &env.event),
+        })
     }
 
     /// A job of `event` committed (or was already in the inbox): it waits on contention

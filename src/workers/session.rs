@@ -56,6 +56,11 @@ pub enum JobResult {
     Duplicate,
     Failed(Failure),
     Panicked(String),
+    /// The job's inbox insert waited on the inbox row of the same job, inserted by another
+    /// transaction that has not ended: a second delivery of a job that is running now
+    /// (an entry reclaimed from a worker still at it). That transaction decides the job;
+    /// this delivery must not (see `Worker::finish`).
+    RunningElsewhere,
 }
 
 /// A delivery that decoded and has a handler: ready for the database.
@@ -607,6 +612,7 @@ fn apply(
             None => return Ok(None),
             Some(row) => row.try_get(0).unwrap_or_default(),
         },
+        Err(e) if waited_on_inbox_row(&e) => return Err(JobResult::RunningElsewhere),
         Err(e) => return Err(JobResult::Failed(e.into())),
     };
     let outcome = catch_unwind(AssertUnwindSafe(|| {
@@ -624,6 +630,15 @@ fn apply(
             Err(JobResult::Panicked(msg))
         }
     }
+}
+
+/// Whether an inbox insert timed out waiting on a row of the inbox itself: the only row
+/// it can wait on is the same job's, inserted by a transaction still running (ON CONFLICT
+/// waits for it to end). A wait on the whole table (a migration's lock) is contention.
+fn waited_on_inbox_row(e: &postgres::Error) -> bool {
+    crate::blocker::lock_wait(e)
+        .and_then(|w| w.row)
+        .is_some_and(|(relation, _)| relation == "worker_inbox")
 }
 
 /// Why a set did not commit.

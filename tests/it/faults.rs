@@ -5,6 +5,7 @@
 //! a burst are in consumer.rs; list-mode crashes in list.rs.)
 
 use crate::support::*;
+use std::collections::HashMap;
 use std::time::Duration;
 
 const WAIT: Duration = Duration::from_secs(90);
@@ -272,7 +273,8 @@ fn a_handler_slower_than_claim_idle_is_reclaimed_by_a_second_worker() {
     let db_ = Daemon::start(&b);
     push_timeouts(&env, &orders, 0);
     // A reclaimed copy's inbox insert waits on the slow copy's uncommitted row past
-    // --lock-timeout: contention, so it comes back through the pool and is a duplicate then.
+    // --lock-timeout: the job is running in another session, which decides it; the copy
+    // is left pending (the same entry), neither retried nor dead-lettered.
     wait_until(WAIT, "every job", || {
         let b = books(&env);
         inbox_count(&env.db) == 100 && b.stream_pending == 0 && b.pool == 0
@@ -280,10 +282,91 @@ fn a_handler_slower_than_claim_idle_is_reclaimed_by_a_second_worker() {
     let ra = da.stop();
     let rb = db_.stop();
     let reclaimed = ra.stats.reclaimed + rb.stats.reclaimed;
-    let duplicates = ra.stats.duplicate + rb.stats.duplicate;
     eprintln!("a: {}\nb: {}", ra.stats, rb.stats);
     assert!(reclaimed >= 1, "slow entries were reclaimed");
-    assert!(duplicates >= 1, "and their second run had no effect");
+    assert_eq!(
+        ra.stats.retried + rb.stats.retried,
+        0,
+        "a copy of a running job goes back to no pool"
+    );
     assert_accounting(&env.db, &orders, &all(&orders));
     assert_all_accounted(&env, &env.db, 100);
+}
+
+#[test]
+fn a_second_delivery_of_a_running_job_leaves_it_to_the_running_one() {
+    // One job runs slowly (3 s) while its entry is reclaimed (claim idle 1 s) and its key
+    // is pushed again, due later: the reclaimed copy waits on the running one's inbox
+    // row. Were it sent back to the pool as contention, its retry would meet the newer
+    // push and become a dead letter of a job that the running copy then commits.
+    let mut env = Env::new();
+    let dir = HandlerDir::new(&[(
+        "order.timeout.sql",
+        order_timeout_with(
+            "slow AS (SELECT pg_sleep(CASE WHEN $1 ->> 'order_no' LIKE '%7' THEN 3 ELSE 0 END) AS s)",
+            "(SELECT true FROM slow)",
+        ),
+    )]);
+    env.config.handlers_dir = Some(dir.0.clone());
+    env.config.reader.claim_idle = Duration::from_secs(1);
+    env.config.jobs.statement_timeout = Duration::from_secs(10);
+    let orders = seed_orders(&env.db, 10);
+    let slow: Vec<&SeedOrder> = orders
+        .iter()
+        .filter(|o| o.order_no.ends_with('7'))
+        .collect();
+    assert_eq!(slow.len(), 1, "one slow order");
+    let mut a = env.config.clone();
+    a.consumer = "host-a".into();
+    let mut b = env.config.clone();
+    b.consumer = "host-b".into();
+    let da = Daemon::start(&a);
+    let db_ = Daemon::start(&b);
+    push_timeouts(&env, &orders, 0);
+    let mut pg = env.db.client();
+    wait_until(WAIT, "the slow job running", || {
+        let n: i64 = pg
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE state = 'active' AND query LIKE '%pg_sleep%' AND pid <> pg_backend_pid()",
+                &[],
+            )
+            .unwrap()
+            .get(0);
+        n > 0
+    });
+    // The producer pushes the slow order's key again while its job runs: a new job, due
+    // in 4 s (after the slow one has committed).
+    push_timeouts(
+        &env,
+        &slow.iter().map(|o| (*o).clone()).collect::<Vec<_>>(),
+        4_000,
+    );
+    wait_until(
+        WAIT,
+        "both jobs of the slow key and every other job",
+        || {
+            let b = books(&env);
+            inbox_count(&env.db) == 11 && b.stream_pending == 0 && b.pool == 0
+        },
+    );
+    let ra = da.stop();
+    let rb = db_.stop();
+    eprintln!("a: {}\nb: {}", ra.stats, rb.stats);
+    assert!(
+        ra.stats.reclaimed + rb.stats.reclaimed >= 1,
+        "the slow job's entry was reclaimed while it ran"
+    );
+    assert_eq!(
+        dead_letters(&env),
+        Vec::<HashMap<String, String>>::new(),
+        "no dead letter"
+    );
+    assert_eq!(
+        ra.stats.retried + rb.stats.retried,
+        0,
+        "nothing went back to the pool"
+    );
+    assert_accounting(&env.db, &orders, &all(&orders));
+    assert_all_accounted(&env, &env.db, 11);
 }

@@ -1066,6 +1066,13 @@ fn a_retry_never_overwrites_a_newer_push_of_its_key() {
     assert_eq!(data, newer, "the newer push keeps its slot");
     let letter = &xrange(&mut con, &k.dead)[0];
     assert!(letter["reason"].contains("pushed again"), "{letter:?}");
+    // The letter names the retry's event and its attempts, as every letter does (so
+    // `worker dead list --event` finds it).
+    assert_eq!(
+        (letter["event"].as_str(), letter["attempts"].as_str()),
+        ("e", "1"),
+        "{letter:?}"
+    );
     assert_eq!(pending(&mut con, &k), 0);
 }
 
