@@ -100,6 +100,8 @@ local dead_bad = wrong_type(KEYS[4], dead_type)
 local blocked = {}
 
 local moved, skipped = 0, 0
+-- {job key, entry id, ...} of this call's moves, for the `moved` index.
+local index = {}
 local buried = {}
 local undeleted = {}
 
@@ -307,7 +309,8 @@ local function handle(items, scale)
       else
         local entry = redis.call('XADD', KEYS[3], '*', 'msg', with_job_id(body, id), 'key', key,
           'due', math.floor(due))
-        index_move(KEYS[6], key, entry)
+        index[#index + 1] = key
+        index[#index + 1] = entry
       end
       forget(key)
       redis.call('ZREM', KEYS[1], key)
@@ -381,6 +384,8 @@ else
     end
   end
 end
+
+if #index > 0 then index_moves(KEYS[6], index) end
 
 -- The earliest member not yet due, so the caller can sleep exactly until then.
 local next_due = -1

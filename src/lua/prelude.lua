@@ -66,15 +66,43 @@ end
 -- back (trace then reads less).
 local LETTERS_KEPT = 8
 
-local function index_move(moved, key, id)
-  redis.pcall('HSET', moved, key, id)
+-- Both are kept a batch at a time: the move script gathers its {key, id, ...} and
+-- writes them with one HSET, the settle script unindexes its entries with one HMGET and
+-- one HDEL, instead of a command or two per message.
+local INDEX_CHUNK = 500
+
+local function index_moves(moved, pairs)
+  for i = 1, #pairs, 2 * INDEX_CHUNK do
+    redis.pcall('HSET', moved, unpack(pairs, i, math.min(i + 2 * INDEX_CHUNK - 1, #pairs)))
+  end
 end
 
--- Only the entry the index names: a newer move of the key keeps its own.
-local function unindex_move(moved, key, id)
-  if key and key ~= '' and redis.pcall('HGET', moved, key) == id then
-    redis.pcall('HDEL', moved, key)
+-- Only the entries the index names: a newer move of a key keeps its own. `pairs` is
+-- {key, id, ...}.
+local function unindex_moves(moved, pairs)
+  for i = 1, #pairs, 2 * INDEX_CHUNK do
+    local keys, ids = {}, {}
+    for j = i, math.min(i + 2 * INDEX_CHUNK - 1, #pairs), 2 do
+      if pairs[j] and pairs[j] ~= '' then
+        keys[#keys + 1] = pairs[j]
+        ids[#ids + 1] = pairs[j + 1]
+      end
+    end
+    if #keys > 0 then
+      local now = redis.pcall('HMGET', moved, unpack(keys))
+      if type(now) == 'table' then
+        local gone = {}
+        for j = 1, #keys do
+          if now[j] == ids[j] then gone[#gone + 1] = keys[j] end
+        end
+        if #gone > 0 then redis.pcall('HDEL', moved, unpack(gone)) end
+      end
+    end
   end
+end
+
+local function unindex_move(moved, key, id)
+  unindex_moves(moved, {key, id})
 end
 
 local function index_letter(letters, key, id)

@@ -23,6 +23,8 @@ local function pending(id)
   return #redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1) > 0
 end
 local now_s = server_s()
+-- {job key, entry id, ...} of the entries this call settled, for the `moved` index.
+local settled = {}
 for i = 3, #ARGV, 7 do
   local kind, id = ARGV[i], ARGV[i + 1]
   local code
@@ -62,9 +64,13 @@ for i = 3, #ARGV, 7 do
     code = redis.call('XACK', KEYS[1], ARGV[1], id)
     if superseded and code == 1 then code = 2 end
   end
-  if code == 1 or code == 2 then unindex_move(KEYS[6], ARGV[i + 2], id) end
+  if code == 1 or code == 2 then
+    settled[#settled + 1] = ARGV[i + 2]
+    settled[#settled + 1] = id
+  end
   out[#out + 1] = code
 end
+unindex_moves(KEYS[6], settled)
 if blocked then
   out[#out + 1] = blocked[1]; out[#out + 1] = blocked[2]; out[#out + 1] = blocked[3]
 end
