@@ -50,7 +50,8 @@ use crate::shutdown::Shutdown;
 use crate::stats::{JobOutcome, Stats};
 use crate::store::{self, Settled, StoreError};
 use crossbeam_channel::{RecvTimeoutError, Sender, TryRecvError};
-use session::{Failure, Job, JobResult, Session};
+use session::{Failure, InboxId, Job, JobResult, Session};
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -229,9 +230,17 @@ impl<'a> Worker<'a> {
             return;
         }
         self.durability_lost = false;
+        let doubtful: Vec<usize> = (0..outcomes.len())
+            .filter(|&i| outcomes[i].is_ack())
+            .collect();
+        if doubtful.is_empty() {
+            return;
+        }
+        let survived = self.survived(outcomes, &doubtful);
         let now = self.ctx.stats.clock.now_ms();
         let mut n = 0;
-        for s in outcomes.iter_mut().filter(|s| s.is_ack()) {
+        for i in doubtful.into_iter().filter(|i| !survived.contains(i)) {
+            let s = &mut outcomes[i];
             s.outcome = Outcome::Retry {
                 msg: self.requeue_message(s),
                 due_ms: now,
@@ -245,6 +254,65 @@ impl<'a> Worker<'a> {
                 self.name
             );
         }
+    }
+
+    /// Which of the acks at `doubtful` (their commits' durability unconfirmed) stand for
+    /// a job whose inbox row is there and durable: on a new session, one WAL flush (which
+    /// makes every commit visible to it durable), then one look-up of their inbox rows.
+    /// Those stay acks, so a job that committed is never also sent round again (where a
+    /// newer push of its key would turn it into a dead letter). Empty when PostgreSQL
+    /// cannot be reached or asked now: then every doubtful ack goes back to the pool, and
+    /// the inbox makes the second run of a job that had committed a no-op.
+    fn survived(&mut self, outcomes: &[Settlement], doubtful: &[usize]) -> HashSet<usize> {
+        let ids: Vec<(usize, InboxId)> = doubtful
+            .iter()
+            .filter_map(|&i| Some((i, self.inbox_id(&outcomes[i])?)))
+            .collect();
+        let session = match self.session.as_mut() {
+            Some(s) => s,
+            None => match Session::open(self.ctx.db, &self.registry, self.ctx.jobs.lock_timeout) {
+                Ok(s) => self.session.insert(s),
+                Err(e) => {
+                    log::warn!(
+                        "{}: cannot look up whether commits survived: {e}",
+                        self.name
+                    );
+                    return HashSet::new();
+                }
+            },
+        };
+        let found = db::flush_wal(session.client(), &self.flush_slot)
+            .and_then(|()| session::inbox_rows(session.client(), ids.iter().map(|(_, id)| id)));
+        match found {
+            Ok(found) => ids
+                .into_iter()
+                .filter(|(_, id)| found.contains(id))
+                .map(|(i, _)| i)
+                .collect(),
+            Err(e) => {
+                log::warn!(
+                    "{}: cannot look up whether commits survived: {}",
+                    self.name,
+                    db::error_text(&e)
+                );
+                self.drop_session();
+                HashSet::new()
+            }
+        }
+    }
+
+    /// The inbox key of a settlement's job, as its inbox insert wrote it.
+    fn inbox_id(&self, s: &Settlement) -> Option<InboxId> {
+        let env = match raw_event(self.ctx.keys, &s.origin) {
+            Some(event) => Envelope::decode_raw(&s.msg, usize::MAX, event),
+            None => Envelope::decode(&s.msg, usize::MAX),
+        }
+        .ok()?;
+        Some(InboxId {
+            key: key_text(&s.key),
+            ts: env.ts,
+            job_id: env.job_id.unwrap_or_default(),
+        })
     }
 
     /// The message to put back in the delay pool for a settlement: as delivered, except a
@@ -278,7 +346,7 @@ impl<'a> Worker<'a> {
                         Ok(d) => d,
                         Err(RecvTimeoutError::Disconnected) => break,
                         Err(RecvTimeoutError::Timeout) => {
-                            self.flush(&mut outcomes);
+                            self.settle(&mut outcomes);
                             settle_by = None;
                             match self.wait_for_work(rx, &mut outcomes) {
                                 Some(d) => d,
@@ -317,13 +385,13 @@ impl<'a> Worker<'a> {
                 || draining
                 || settle_by.is_some_and(|at| now >= at)
             {
-                self.flush(&mut outcomes);
+                self.settle(&mut outcomes);
                 settle_by = None;
             } else if !outcomes.is_empty() && settle_by.is_none() {
                 settle_by = Some(now + ACK_HOLD);
             }
         }
-        self.flush(&mut outcomes);
+        self.settle(&mut outcomes);
         if !self.held.is_empty() {
             log::warn!(
                 "{}: {} outcomes held back by a key of the wrong type stay where they are for the next start",
@@ -348,7 +416,7 @@ impl<'a> Worker<'a> {
             match rx.recv_timeout(HELD_RETRY) {
                 Ok(d) => return Some(d),
                 Err(RecvTimeoutError::Disconnected) => return None,
-                Err(RecvTimeoutError::Timeout) => self.flush(outcomes),
+                Err(RecvTimeoutError::Timeout) => self.settle(outcomes),
             }
         }
     }
@@ -739,10 +807,12 @@ impl<'a> Worker<'a> {
         )
     }
 
-    /// Settles the collected outcomes in one script call. Retries with backoff while Redis
-    /// is unreachable; gives up only at shutdown, leaving the entries pending (they are
-    /// redelivered and the inbox turns the redelivery into a no-op).
-    fn flush(&mut self, outcomes: &mut Vec<Settlement>) {
+    /// Settles the collected outcomes in one script call, after making the commits behind
+    /// the acks durable (group commit). Retries with backoff while Redis is unreachable;
+    /// gives up only at shutdown, leaving the entries pending (they are redelivered and
+    /// the inbox turns the redelivery into a no-op). The loop's step after
+    /// [`Worker::handle_batch`].
+    pub fn settle(&mut self, outcomes: &mut Vec<Settlement>) {
         if !self.held.is_empty() && self.held_tried.is_none_or(|t| t.elapsed() >= HELD_RETRY) {
             self.held_tried = Some(std::time::Instant::now());
             outcomes.append(&mut self.held);

@@ -632,6 +632,46 @@ fn apply(
     }
 }
 
+/// A job's inbox key: its job key (as text), `ts` and the mover's `job_id` (empty when
+/// unstamped).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct InboxId {
+    pub key: String,
+    pub ts: i64,
+    pub job_id: String,
+}
+
+/// Which of `ids` have their inbox row, in one statement.
+pub fn inbox_rows<'a>(
+    client: &mut postgres::Client,
+    ids: impl Iterator<Item = &'a InboxId>,
+) -> Result<HashSet<InboxId>, postgres::Error> {
+    let (mut keys, mut ts, mut job_ids) = (Vec::new(), Vec::new(), Vec::new());
+    for id in ids {
+        keys.push(id.key.as_str());
+        ts.push(id.ts);
+        job_ids.push(id.job_id.as_str());
+    }
+    if keys.is_empty() {
+        return Ok(HashSet::new());
+    }
+    let rows = client.query(
+        "SELECT i.job_key, i.enqueued_at, i.job_id FROM worker_inbox i \
+         JOIN unnest($1::text[], $2::bigint[], $3::text[]) AS u(k, t, j) \
+         ON i.job_key = u.k AND i.enqueued_at = u.t AND i.job_id = u.j",
+        &[&keys, &ts, &job_ids],
+    )?;
+    rows.iter()
+        .map(|r| {
+            Ok(InboxId {
+                key: r.try_get(0)?,
+                ts: r.try_get(1)?,
+                job_id: r.try_get(2)?,
+            })
+        })
+        .collect()
+}
+
 /// Whether an inbox insert timed out waiting on a row of the inbox itself: the only row
 /// it can wait on is the same job's, inserted by a transaction still running (ON CONFLICT
 /// waits for it to end). A wait on the whole table (a migration's lock) is contention.

@@ -328,7 +328,7 @@ fn a_second_delivery_of_a_running_job_leaves_it_to_the_running_one() {
         let n: i64 = pg
             .query_one(
                 "SELECT count(*) FROM pg_stat_activity \
-                 WHERE state = 'active' AND query LIKE '%pg_sleep%' AND pid <> pg_backend_pid()",
+                 WHERE wait_event = 'PgSleep' AND datname = current_database()",
                 &[],
             )
             .unwrap()
@@ -369,4 +369,120 @@ fn a_second_delivery_of_a_running_job_leaves_it_to_the_running_one() {
     );
     assert_accounting(&env.db, &orders, &all(&orders));
     assert_all_accounted(&env, &env.db, 11);
+}
+
+#[test]
+fn a_commit_whose_durability_was_in_doubt_is_looked_up_not_sent_round_again() {
+    // A worker commits a job (group commit: not yet flushed), then loses its PostgreSQL
+    // connection before the flush that makes the ack safe. The server is fine and the
+    // commit is there: on a new session the worker flushes and finds its inbox row, and
+    // acknowledges it. Sent round the pool again instead, its retry would meet the newer
+    // push of its key the producer made meanwhile, and be a dead letter of a job that was
+    // done.
+    use delay_worker::delivery::Outcome;
+    use delay_worker::store::{self, stream, Pool, Target};
+    use delay_worker::workers::{PoolContext, Worker};
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 1);
+    let k = &env.config.keys;
+    let mut con = env.con();
+    stream::ensure_group(&mut con, k).unwrap();
+    push_timeouts(&env, &orders, 0);
+    let pool = Pool::Enveloped {
+        pool: &k.pool,
+        data: &k.data,
+    };
+    let target = Target::Stream {
+        stream: &k.stream,
+        dead: &k.dead,
+    };
+    let now = delay_worker::now_ms();
+    let moved = store::move_due(
+        &mut con,
+        pool,
+        k,
+        target,
+        (now + 1000).into(),
+        10,
+        60_000,
+        65_536,
+    )
+    .unwrap();
+    assert_eq!(moved.moved, 1);
+    let reading = stream::Reading {
+        keys: k,
+        consumer: "c1",
+        max_bytes: 65_536,
+    };
+    let d = stream::read(&mut con, reading, 10, ">")
+        .unwrap()
+        .deliveries
+        .pop()
+        .unwrap();
+
+    let registry = delay_worker::handlers::Registry::builtin();
+    let db = delay_worker::db::pool(
+        &env.db.url,
+        1,
+        delay_worker::db::Timeouts {
+            statement: Duration::from_secs(5),
+            lock: Duration::from_millis(100),
+        },
+        Duration::from_secs(5),
+        false,
+    )
+    .unwrap();
+    let manners = delay_worker::manners::Manners::unlimited(32);
+    let handlers = delay_worker::handlers::Handlers::new(registry);
+    let client = redis::Client::open(env.redis.url()).unwrap();
+    let stats = delay_worker::stats::Stats::default();
+    let shutdown = delay_worker::Shutdown::new();
+    let drained = std::sync::atomic::AtomicU64::new(0);
+    assert!(env.config.jobs.group_commit, "group commit is the default");
+    let ctx = PoolContext {
+        keys: k,
+        shards: std::slice::from_ref(k),
+        jobs: &env.config.jobs,
+        consumer: "c1",
+        handlers: &handlers,
+        manners: &manners,
+        stats: &stats,
+        db: &db,
+        redis: &client.clone().into(),
+        shutdown: &shutdown,
+        drained: &drained,
+    };
+    let mut w = Worker::new(0, &ctx);
+    let s = w.handle(d).expect("an outcome");
+    assert_eq!(s.outcome, Outcome::Ack);
+    // The producer pushes the key again (a new job, due later), and the worker's
+    // connection goes before its flush.
+    push_timeouts(&env, &orders, 60_000);
+    let mut pg = env.db.client();
+    let cut: i64 = pg
+        .query_one(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+             WHERE datname = current_database() AND application_name = 'delay-worker'",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(cut, 1, "the worker's connection cut");
+    let mut outcomes = vec![s];
+    w.settle(&mut outcomes);
+    let counted = stats.snapshot();
+    assert_eq!(
+        (counted.done, counted.retried, counted.dead),
+        (1, 0, 0),
+        "acknowledged as done, not sent round: {counted}"
+    );
+    let b = books(&env);
+    assert_eq!(
+        (b.stream_pending, b.dead, b.pool),
+        (0, 0, 1),
+        "the entry acknowledged, no dead letter, the newer push scheduled"
+    );
+    assert_eq!(dead_letters(&env), Vec::<HashMap<String, String>>::new());
+    assert_accounting(&env.db, &orders, &all(&orders));
+    assert_eq!(inbox_count(&env.db), 1);
 }
