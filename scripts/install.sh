@@ -4,8 +4,9 @@
 #   scripts/install.sh [--dry-run] [FILE]
 #
 #   FILE       a delay-worker .deb or .rpm (scripts/release.sh makes both) or a worker
-#              binary [default: where dpkg exists, the .deb in target/dist; where rpm
-#              exists and dpkg does not, the .rpm there; elsewhere target/release/worker]
+#              binary [default: in an unpacked release tarball, its ./worker; in the
+#              repository, where dpkg exists, the .deb in target/dist; where rpm exists and
+#              dpkg does not, the .rpm there; elsewhere target/release/worker]
 #   --dry-run  print the steps, change nothing (needs neither root nor systemd; fails,
 #              as a real run would, when FILE is missing)
 #
@@ -24,9 +25,10 @@
 #
 # Then, when systemd is running (PID 1), `systemctl daemon-reload` and `systemctl enable
 # --now` (or a restart when the service already runs, so a new binary takes over). A
-# freshly created environment file is only a template, so the service is then enabled but
-# not started: fill it in, run `bash -c 'set -a; . /etc/delay-worker/worker.env; worker
-# migrate'`, then `systemctl start delay-worker`.
+# freshly created environment file is only a template, so the service is then neither
+# enabled nor started (a reboot would start it without its URLs): fill it in, run `bash
+# -c 'set -a; . /etc/delay-worker/worker.env; worker migrate'`, then `systemctl enable
+# --now delay-worker`.
 # Without systemd the script says what it would have done and exits 0. Running it again is
 # safe (an upgrade).
 set -euo pipefail
@@ -63,7 +65,10 @@ command -v dpkg >/dev/null && have_dpkg=1
 # has the rpm tool as well.
 have_rpm=0
 [ "$have_dpkg" = 0 ] && command -v rpm >/dev/null && have_rpm=1
-if [ -z "$file" ]; then
+if [ -z "$file" ] && [ -x "$here/worker" ] && [ ! -d "$root/target" ]; then
+  # An unpacked release tarball: the binary beside this script.
+  file=$here/worker
+elif [ -z "$file" ]; then
   if [ "$have_dpkg" = 1 ]; then
     file=$(ls -1 "$root"/target/dist/${PACKAGE}_*.deb 2>/dev/null | sort -V | tail -n 1 || true)
     file=${file:-$root/target/dist/${PACKAGE}_VERSION_amd64.deb}
@@ -187,8 +192,7 @@ fi
 if [ -d /run/systemd/system ]; then
   run systemctl daemon-reload
   if [ "$env_created" = 1 ]; then
-    run systemctl enable "$UNIT_NAME"
-    note "fill in $ENV_FILE, run \`bash -c 'set -a; . $ENV_FILE; worker migrate'\` (its URLs), then: systemctl start $UNIT_NAME"
+    note "fill in $ENV_FILE, run \`bash -c 'set -a; . $ENV_FILE; worker migrate'\` (its URLs), then: systemctl enable --now $UNIT_NAME"
   elif [ "$dry_run" = 0 ] && systemctl is-active --quiet "$UNIT_NAME"; then
     run systemctl enable "$UNIT_NAME"
     [ "$restart" = 0 ] || run systemctl restart "$UNIT_NAME"
@@ -199,8 +203,7 @@ else
   note "systemd is not running here (PID 1 is $(cat /proc/1/comm 2>/dev/null || echo unknown)); on a systemd host this would now run:"
   echo "    systemctl daemon-reload"
   if [ "$env_created" = 1 ]; then
-    echo "    systemctl enable $UNIT_NAME"
-    note "fill in $ENV_FILE, run \`bash -c 'set -a; . $ENV_FILE; worker migrate'\` (its URLs), then: systemctl start $UNIT_NAME"
+    note "fill in $ENV_FILE, run \`bash -c 'set -a; . $ENV_FILE; worker migrate'\` (its URLs), then: systemctl enable --now $UNIT_NAME"
   else
     echo "    systemctl enable --now $UNIT_NAME"
   fi

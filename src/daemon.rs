@@ -415,6 +415,7 @@ impl<'a> Crew<'a> {
             &self.stats,
             &self.manners,
             handlers,
+            config.handlers_dir.clone(),
             config.dead_rate_crit,
         );
         spawned.push(spawn_role(s, shutdown, "pg-watch".into(), move || {
@@ -510,7 +511,7 @@ impl<'a> Crew<'a> {
         while !shutdown.wait_or_request(tick.saturating_sub(ticked.elapsed())) {
             if shutdown.reloads() != reloads {
                 reloads = shutdown.reloads();
-                reload(config, &self.ready.handlers, &self.pool_target);
+                reload(config, &self.ready.handlers, &self.pool_target, stats);
             }
             if shutdown.reports() != reports {
                 reports = shutdown.reports();
@@ -570,15 +571,28 @@ fn join(handles: Vec<(String, ScopedJoinHandle<'_, ()>)>) -> Vec<String> {
 ///   a typo does not take a working event down), and is added as it is when it is new (its
 ///   jobs are held, not dead-lettered, until it prepares: the PostgreSQL watch checks it
 ///   every 10 s and health names it meanwhile).
-pub fn reload(config: &Config, handlers: &Handlers, target: &db::Target) {
+///
+/// A folder that cannot be loaded is also a warning in the published health (`worker stats
+/// --check`) until it loads again (the PostgreSQL watch reads it every 10 s), since the
+/// next start would stop at it.
+pub fn reload(config: &Config, handlers: &Handlers, target: &db::Target, stats: &Stats) {
     let Some(dir) = &config.handlers_dir else {
         log::info!("SIGHUP: no --handlers-dir, nothing to reload");
         return;
     };
     let new = match registry(config) {
-        Ok(r) => r,
+        Ok(r) => {
+            stats.clear_problem(crate::dbwatch::HANDLERS_FOLDER, i64::MAX);
+            r
+        }
         Err(e) => {
             log::error!("SIGHUP: the handlers stay as they were: {e}");
+            stats.report_trouble(
+                crate::dbwatch::HANDLERS_FOLDER,
+                format!(
+                    "SIGHUP: the handlers stay as they were, and a restart would stop here: {e}"
+                ),
+            );
             return;
         }
     };

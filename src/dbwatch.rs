@@ -22,6 +22,9 @@
 //!   (and drops them): a handler that does not prepare (its table not there yet, a column
 //!   renamed, SQL that does not parse) is reported as critical, naming its file and the
 //!   error, until it does; its jobs are held meanwhile (`workers.rs`), the other events run.
+//! - With the prepare, it reads the `--handlers-dir` files again: one that cannot be read
+//!   or parsed (a file the service's user may not read) is a warning until it can: the
+//!   running handlers stay, but a reload would keep them and the next start would stop.
 //! - This process's dead letters of the last minute are held against `--dead-rate-crit`:
 //!   more is reported as critical too (under [`DEAD_RATE`]), so the published health
 //!   record, and with it `worker stats --check`, says so.
@@ -31,6 +34,7 @@
 //! that cannot join it). It stops at shutdown, within one [`EVERY`].
 
 use crate::db::{self, DbError};
+use crate::handlers::sql::SqlHandler;
 use crate::handlers::{Handlers, Registry};
 use crate::manners::Manners;
 use crate::shutdown::Shutdown;
@@ -44,6 +48,9 @@ pub const EVERY: Duration = Duration::from_millis(250);
 
 /// The role its reports carry.
 pub const ROLE: &str = "postgresql";
+
+/// The role a `--handlers-dir` that cannot be loaded is reported under.
+pub const HANDLERS_FOLDER: &str = "handlers folder";
 
 /// The role the dead-letter rate is reported under.
 pub const DEAD_RATE: &str = "dead letters";
@@ -95,6 +102,9 @@ pub struct DbWatch<'a> {
     stats: &'a Stats,
     manners: &'a Manners,
     handlers: &'a Handlers,
+    /// `--handlers-dir`, read again with every prepare: what a reload or the next start
+    /// would load.
+    handlers_dir: Option<std::path::PathBuf>,
     /// `--dead-rate-crit` (0: off).
     dead_rate_crit: u64,
 }
@@ -105,6 +115,7 @@ impl<'a> DbWatch<'a> {
         stats: &'a Stats,
         manners: &'a Manners,
         handlers: &'a Handlers,
+        handlers_dir: Option<std::path::PathBuf>,
         dead_rate_crit: u64,
     ) -> DbWatch<'a> {
         DbWatch {
@@ -112,6 +123,7 @@ impl<'a> DbWatch<'a> {
             stats,
             manners,
             handlers,
+            handlers_dir,
             dead_rate_crit,
         }
     }
@@ -131,6 +143,7 @@ impl<'a> DbWatch<'a> {
                 .then(|| self.handlers.current().0);
             if prepare.is_some() {
                 prepared_at = Some(Instant::now());
+                self.handlers_folder();
             }
             match self.ask(&waiting, &mut kept, prepare) {
                 Ok(seen) => {
@@ -243,6 +256,31 @@ impl<'a> DbWatch<'a> {
                     if self.stats.clear_problem(&role, i64::MAX) {
                         log::info!("the handler of {event:?} prepares again");
                     }
+                }
+            }
+        }
+    }
+
+    /// Reads the `--handlers-dir` files again, as a reload or the next start would: one
+    /// that cannot be read (a mode the service's user may not read) or parsed is a
+    /// warning until it can, since the handlers running now stay but a restart would stop
+    /// at it.
+    fn handlers_folder(&self) {
+        let Some(dir) = &self.handlers_dir else {
+            return;
+        };
+        match SqlHandler::load_dir(dir) {
+            Err(e) => {
+                let what = format!(
+                    "the handlers folder cannot be loaded now: {e}; the handlers loaded before run on, but a reload keeps them and a restart would stop here"
+                );
+                if self.stats.report_trouble(HANDLERS_FOLDER, what.clone()) {
+                    log::warn!("{what}");
+                }
+            }
+            Ok(_) => {
+                if self.stats.clear_problem(HANDLERS_FOLDER, i64::MAX) {
+                    log::info!("the handlers folder {} loads again", dir.display());
                 }
             }
         }

@@ -135,8 +135,8 @@ impl<'a> Pruner<'a> {
     pub fn run(&self, shutdown: &Shutdown) {
         log::info!(
             "inbox: rows older than {} are pruned (a pass every {})",
-            humantime::format_duration(self.cfg.retention),
-            humantime::format_duration(self.cfg.interval)
+            crate::human_ms(self.cfg.retention.as_millis() as i64),
+            crate::human_ms(self.cfg.interval.as_millis() as i64)
         );
         let mut next = Instant::now() + self.cfg.interval;
         loop {
@@ -159,7 +159,7 @@ impl<'a> Pruner<'a> {
                 Err(e) => {
                     let what = format!("cannot prune old inbox rows: {e}");
                     if self.stats.report_trouble(ROLE, what.clone()) {
-                        let every = humantime::format_duration(self.cfg.interval);
+                        let every = crate::human_ms(self.cfg.interval.as_millis() as i64);
                         log::warn!("inbox: {what} (tried again every {every})");
                     }
                 }
@@ -175,14 +175,14 @@ impl<'a> Pruner<'a> {
         let mut line = format!(
             "inbox: pruned {} rows older than {} in {} batches ({:.1}s)",
             r.rows,
-            humantime::format_duration(self.cfg.retention),
+            crate::human_ms(self.cfg.retention.as_millis() as i64),
             r.batches,
             took.as_secs_f64()
         );
         if let Some(age) = r.held_by_pending {
             line.push_str(&format!(
                 "; held back to the oldest pending stream entry ({} old)",
-                humantime::format_duration(Duration::from_secs(age.as_secs()))
+                crate::human_ms(Duration::from_secs(age.as_secs()).as_millis() as i64)
             ));
         }
         if !r.complete {

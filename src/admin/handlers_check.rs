@@ -7,6 +7,13 @@
 //! that a table locked by a migration does not hang the check. One line per file: `ok` or
 //! `FAILED` with the reason; exit 0 when every file is ok, 2 when one is not (bad input:
 //! the files), 1 when the database cannot be reached.
+//!
+//! The check runs as whoever types it (root, usually), the service as its own user: a file
+//! written 0600 by root reads fine here and stops the service at its next start. So each
+//! file, the folder and the folders above it are also held against the mode bits for the
+//! service's user (`--service-user`, `delay-worker` by default, skipped when no such user
+//! exists; ACLs are not read), and a folder the hardened unit hides from the service
+//! (`/home`, `/root`, `/run/user`, `/tmp`, `/var/tmp`) is noted.
 
 use crate::config::Config;
 use crate::handlers::sql::SqlHandler;
@@ -34,12 +41,152 @@ pub struct Checked {
 #[error("--handlers-dir: {0}")]
 pub struct BadDir(pub String);
 
-/// Checks every `*.sql` file of `dir` against `config.database_url`.
-pub fn check(config: &Config, dir: &Path) -> anyhow::Result<Vec<Checked>> {
+/// The service's user as the kernel checks it: uid and every group (primary first).
+#[derive(Debug, Clone)]
+pub struct ServiceUser {
+    pub name: String,
+    uid: u32,
+    groups: Vec<u32>,
+}
+
+impl ServiceUser {
+    /// The system user `name` with its groups, `None` when there is no such user.
+    pub fn lookup(name: &str) -> Option<ServiceUser> {
+        let c = std::ffi::CString::new(name).ok()?;
+        // SAFETY: getpwnam returns null or a pointer to a static record, read at once here,
+        // before any other call could overwrite it (the check runs on one thread).
+        let (uid, gid) = unsafe {
+            let pw = libc::getpwnam(c.as_ptr());
+            if pw.is_null() {
+                return None;
+            }
+            ((*pw).pw_uid, (*pw).pw_gid)
+        };
+        let mut groups: Vec<libc::gid_t> = vec![0; 64];
+        loop {
+            let mut n = groups.len() as libc::c_int;
+            // SAFETY: `groups` has room for `n` entries; getgrouplist writes at most that
+            // many and sets `n` to how many there are (more than the room: it returns -1).
+            let r = unsafe { libc::getgrouplist(c.as_ptr(), gid, groups.as_mut_ptr(), &mut n) };
+            if r >= 0 {
+                groups.truncate(n.max(0) as usize);
+                break;
+            }
+            if n as usize <= groups.len() {
+                groups = vec![gid];
+                break;
+            }
+            groups.resize(n as usize, 0);
+        }
+        Some(ServiceUser {
+            name: name.to_string(),
+            uid,
+            groups,
+        })
+    }
+
+    /// Whether the mode bits give this user `want` (4 read, 1 search, 5 both) on a file
+    /// with `meta`: the owner's bits if it owns it, else its groups', else the others'.
+    fn may(&self, meta: &std::fs::Metadata, want: u32) -> bool {
+        use std::os::unix::fs::MetadataExt;
+        if self.uid == 0 {
+            return true;
+        }
+        let mode = meta.mode();
+        let bits = if meta.uid() == self.uid {
+            mode >> 6
+        } else if self.groups.contains(&meta.gid()) {
+            mode >> 3
+        } else {
+            mode
+        };
+        bits & want == want
+    }
+
+    /// Why this user cannot do `want` on `path`, `None` when it can (or `path` cannot be
+    /// read here at all: that is said elsewhere).
+    fn refused(&self, path: &Path, want: u32, what: &str) -> Option<String> {
+        use std::os::unix::fs::MetadataExt;
+        let meta = std::fs::metadata(path).ok()?;
+        if self.may(&meta, want) {
+            return None;
+        }
+        let owner = user_name(meta.uid()).unwrap_or_else(|| meta.uid().to_string());
+        Some(format!(
+            "the service's user {} cannot {what} {} (mode {:04o}, owner {owner})",
+            self.name,
+            path.display(),
+            meta.mode() & 0o7777
+        ))
+    }
+}
+
+/// The name of user `uid`, when it has one.
+fn user_name(uid: u32) -> Option<String> {
+    // SAFETY: as in `ServiceUser::lookup`: null or a static record, read at once.
+    unsafe {
+        let pw = libc::getpwuid(uid);
+        if pw.is_null() {
+            return None;
+        }
+        Some(
+            std::ffi::CStr::from_ptr((*pw).pw_name)
+                .to_string_lossy()
+                .into_owned(),
+        )
+    }
+}
+
+/// Folders the unit's hardening hides from the service (`ProtectHome=yes`,
+/// `PrivateTmp=yes`).
+const HIDDEN: &[(&str, &str)] = &[
+    ("/home", "ProtectHome=yes"),
+    ("/root", "ProtectHome=yes"),
+    ("/run/user", "ProtectHome=yes"),
+    ("/tmp", "PrivateTmp=yes"),
+    ("/var/tmp", "PrivateTmp=yes"),
+];
+
+/// What stops `user` from reading the folder `dir`: a folder above it it may not search,
+/// or the folder itself it may not list.
+fn folder_refused(dir: &Path, user: &ServiceUser) -> Option<String> {
+    let dir = std::fs::canonicalize(dir).ok()?;
+    for above in dir.ancestors().skip(1) {
+        if let Some(why) = user.refused(above, 1, "enter") {
+            return Some(why);
+        }
+    }
+    user.refused(&dir, 5, "list")
+}
+
+/// A note when the unit's hardening hides `dir` from the service.
+fn hidden_note(dir: &Path) -> Option<String> {
+    let dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
+    HIDDEN
+        .iter()
+        .find(|(top, _)| dir.starts_with(top))
+        .map(|(top, setting)| {
+            format!(
+                "under the unit's {setting} the service does not see {top}: put the handlers in a folder such as /etc/delay-worker/handlers"
+            )
+        })
+}
+
+/// Checks every `*.sql` file of `dir` against `config.database_url`, and each file's mode
+/// against `user` (the service's, when it exists).
+pub fn check(
+    config: &Config,
+    dir: &Path,
+    user: Option<&ServiceUser>,
+) -> anyhow::Result<Vec<Checked>> {
     let files = SqlHandler::load_each(dir).map_err(|e| BadDir(e.to_string()))?;
     if files.is_empty() {
         return Err(BadDir(format!("{}: no *.sql files", dir.display())).into());
     }
+    if let Some(why) = user.and_then(|u| folder_refused(dir, u)) {
+        return Err(BadDir(format!("{why}: the service would stop at it")).into());
+    }
+    let hidden = hidden_note(dir);
     let mut client = crate::db::connect(&config.database_url)?;
     let builtin = Registry::builtin();
     let mut served: HashMap<String, String> = HashMap::new();
@@ -72,7 +219,13 @@ pub fn check(config: &Config, dir: &Path) -> anyhow::Result<Vec<Checked>> {
                 "{earlier} serves {event:?} too: this file, later in name order, wins"
             ));
         }
-        let problem = prepare(&mut client, &h, &mut notes)?;
+        notes.extend(hidden.clone());
+        let mut problem = user.and_then(|u| u.refused(&path, 4, "read"));
+        if let Some(why) = &mut problem {
+            why.push_str(": the service would stop at it (make it readable, e.g. chmod 0644)");
+        } else {
+            problem = prepare(&mut client, &h, &mut notes)?;
+        }
         out.push(Checked {
             file,
             event: Some(event),
@@ -127,9 +280,16 @@ fn prepare(
     Ok(problem)
 }
 
-/// `worker handlers check`: the lines and the exit code.
-pub fn run(config: &Config, dir: &Path, out: &mut impl Write) -> anyhow::Result<ExitCode> {
-    let checked = check(config, dir)?;
+/// `worker handlers check`: the lines and the exit code. `service_user` is the user the
+/// service runs as, checked when it exists.
+pub fn run(
+    config: &Config,
+    dir: &Path,
+    service_user: &str,
+    out: &mut impl Write,
+) -> anyhow::Result<ExitCode> {
+    let user = ServiceUser::lookup(service_user);
+    let checked = check(config, dir, user.as_ref())?;
     for c in &checked {
         let event = c.event.as_deref().unwrap_or("-");
         match &c.problem {

@@ -70,6 +70,8 @@ pub enum SqlHandlerError {
     Empty { file: String },
     #[error("{file}: no SQL after the `-- set:` line")]
     EmptySet { file: String },
+    #[error("{file}: the `-- event:` line names no event")]
+    NoEvent { file: String },
     #[error("{file}: cannot read: {source}")]
     Read {
         file: String,
@@ -102,6 +104,11 @@ impl SqlHandler {
                     }
                 }
             }
+        }
+        if event.is_empty() {
+            return Err(SqlHandlerError::NoEvent {
+                file: file.to_string(),
+            });
         }
         if !has_sql(text) {
             return Err(SqlHandlerError::Empty {
@@ -252,6 +259,10 @@ mod tests {
         let h = SqlHandler::parse("c.d.sql", "SELECT 1").unwrap();
         assert_eq!(h.event(), "c.d");
         assert!(SqlHandler::parse("e.sql", "-- only a comment\n").is_err());
+        // A header that names no event is refused, not a handler of "" that never runs.
+        let e = SqlHandler::parse("f.sql", "-- event:\nSELECT 1").unwrap_err();
+        assert_eq!(e.to_string(), "f.sql: the `-- event:` line names no event");
+        assert!(SqlHandler::parse(".sql", "SELECT 1").is_err());
     }
 
     #[test]

@@ -536,6 +536,7 @@ impl<'a> Worker<'a> {
             env,
             key,
             first_due,
+            handler,
             ..
         } = job;
         Some(match result {
@@ -572,7 +573,9 @@ impl<'a> Worker<'a> {
                 Fault::Contention => self.contended(d, &env, &key, first_due, &f),
                 // Server faults come here only if shutdown cut the wait for a new
                 // connection short; they are held like the schema's.
-                Fault::Schema | Fault::Server => self.hold(d, &env, &key, first_due, &f),
+                Fault::Schema | Fault::Server => {
+                    self.hold(d, &env, &key, first_due, &f, handler.source())
+                }
             },
             JobResult::Panicked(msg) => {
                 // The connection may be mid-transaction: start afresh.
@@ -605,11 +608,13 @@ impl<'a> Worker<'a> {
         key: &str,
         first_due: Option<i64>,
         f: &Failure,
+        file: Option<&str>,
     ) -> Settlement {
         let now = self.ctx.stats.clock.now_ms();
         let what = format!(
-            "jobs of {} are held, none dead-lettered: {} (tried again every {}s, no retry spent)",
+            "jobs of {}{} are held, none dead-lettered: {} (tried again every {}s, no retry spent)",
             env.event,
+            file.map(|f| format!(" ({f})")).unwrap_or_default(),
             f.reason,
             SCHEMA_HOLD.as_secs()
         );
@@ -662,7 +667,7 @@ impl<'a> Worker<'a> {
                 "transient failure after {} retries, {} after its due time (contention: --retry-for {}): {}",
                 env.retry,
                 crate::human_ms(waited.as_millis() as i64),
-                humantime::format_duration(jobs.retry_for),
+                crate::human_ms(jobs.retry_for.as_millis() as i64),
                 f.reason
             );
             return self.dead(d, reason, env.event.clone(), env.retry as u64 + 1);

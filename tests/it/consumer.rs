@@ -214,7 +214,7 @@ fn contention_dead_letters_only_once_retries_and_the_retry_horizon_are_spent() {
     let d = &dead_letters(&env)[0];
     assert!(
         d["reason"].starts_with("transient failure after ")
-            && d["reason"].contains("(contention: --retry-for 1s 500ms)"),
+            && d["reason"].contains("(contention: --retry-for 1.5 s)"),
         "{}",
         d["reason"]
     );

@@ -108,6 +108,83 @@ fn handlers_check_names_each_file_and_its_error() {
 }
 
 #[test]
+fn handlers_check_reads_as_the_service_user_would() {
+    use std::os::unix::fs::PermissionsExt;
+    let env = Env::new();
+    let ok = "-- event: points\nSELECT 1 WHERE ($1 ->> 'user_id') IS NOT NULL".to_string();
+    let dir = HandlerDir::new(&[
+        ("ok.sql", ok.clone()),
+        ("secret.sql", ok.replace("points", "secret")),
+        ("noname.sql", "-- event:\nSELECT 1".into()),
+    ]);
+    let mode = |name: &str, m: u32| {
+        std::fs::set_permissions(dir.0.join(name), std::fs::Permissions::from_mode(m)).unwrap()
+    };
+    mode("ok.sql", 0o644);
+    mode("secret.sql", 0o600);
+    // As the service's user (here `nobody`) would: the file written 0600 by root (who runs
+    // this test) cannot be read by it, and the service would stop at it.
+    let check_as = |user: &str| {
+        let out = run_worker(
+            &[
+                "handlers",
+                "check",
+                "--handlers-dir",
+                &dir.0.display().to_string(),
+                "--service-user",
+                user,
+            ],
+            &env.config.redis_url,
+            &env.db.url,
+        );
+        (out.status.code(), text(&out.stdout), text(&out.stderr))
+    };
+    let (code, out, err) = check_as("nobody");
+    assert_eq!(code, Some(2), "{out}{err}");
+    let line = |out: &str, name: &str| {
+        out.lines()
+            .find(|l| l.contains(name))
+            .unwrap_or_else(|| panic!("no line for {name}: {out}"))
+            .to_string()
+    };
+    let secret = line(&out, "secret.sql");
+    assert!(
+        secret.starts_with("FAILED  secret")
+            && secret.contains("the service's user nobody cannot read")
+            && secret.contains("(mode 0600, owner root)"),
+        "{secret}"
+    );
+    assert!(line(&out, "ok.sql").starts_with("ok      points"), "{out}");
+    // A header that names no event does not parse (before, it made a handler of "").
+    assert!(
+        line(&out, "noname.sql").contains("does not parse: the `-- event:` line names no event"),
+        "{out}"
+    );
+    // The folder sits in /tmp, which the unit's PrivateTmp hides from the service.
+    assert!(
+        out.contains("note: under the unit's PrivateTmp=yes"),
+        "{out}"
+    );
+    // No such user: not checked.
+    std::fs::remove_file(dir.0.join("noname.sql")).unwrap();
+    let (code, out, err) = check_as("no-such-user-here");
+    assert_eq!(code, Some(0), "{out}{err}");
+    // A folder the user may not list: the whole check is bad input, in one line.
+    mode("secret.sql", 0o644);
+    std::fs::set_permissions(&dir.0, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let (code, out, err) = check_as("nobody");
+    assert_eq!(code, Some(2), "{out}{err}");
+    assert!(
+        err.starts_with("worker: --handlers-dir: the service's user nobody cannot list")
+            && err.contains("(mode 0700, owner root)"),
+        "{err}"
+    );
+    std::fs::set_permissions(&dir.0, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let (code, out, err) = check_as("nobody");
+    assert_eq!(code, Some(0), "{out}{err}");
+}
+
+#[test]
 fn a_handler_whose_table_is_missing_holds_its_jobs_and_the_rest_run() {
     let env = Env::new();
     let dir = HandlerDir::new(&[("badge.sql", badge())]);

@@ -400,10 +400,15 @@ fn ops_install_dry_run_prints_the_steps_and_changes_nothing() {
     ] {
         assert!(text.contains(step), "no {step:?} in:\n{text}");
     }
-    // A fresh environment file is only a template: enabled, not started.
+    // A fresh environment file is only a template: neither enabled (a reboot would
+    // start it without its URLs) nor started; the last step says to do both.
     if !std::path::Path::new("/etc/delay-worker/worker.env").exists() {
-        assert!(!text.contains("enable --now"), "{text}");
-        assert!(text.contains("then: systemctl start"), "{text}");
+        assert!(!text.contains("\n+ systemctl enable"), "{text}");
+        assert!(!text.contains("\n    systemctl enable"), "{text}");
+        assert!(
+            text.contains("then: systemctl enable --now delay-worker.service"),
+            "{text}"
+        );
     }
     assert_eq!(unit_dst.exists(), existed, "a dry run installed the unit");
     let bad = Command::new("bash")

@@ -436,6 +436,20 @@ fn release_tarball_carries_the_binary_and_install_sh() {
     ] {
         assert!(text.contains(step), "no {step:?} in:\n{text}");
     }
+    // Without a file named, install.sh in the tarball installs the binary beside it.
+    let out = Command::new("bash")
+        .arg("./install.sh")
+        .arg("--dry-run")
+        .current_dir(&top)
+        .output()
+        .unwrap();
+    let text = said(&out);
+    assert!(out.status.success(), "{text}");
+    let step = format!(
+        "install -D -m 0755 -o root -g root {}/worker /usr/local/bin/worker",
+        top.display()
+    );
+    assert!(text.contains(&step), "no {step:?} in:\n{text}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

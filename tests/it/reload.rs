@@ -94,6 +94,15 @@ fn sighup_reloads_the_handlers_and_a_broken_file_keeps_what_worked() {
     wait_until(WAIT, "the refusal logged", || {
         w.log().contains("the handlers stay as they were")
     });
+    // ... and the operator is told, since the next start would stop at the file.
+    let check = || {
+        let out = run_worker(&["stats", "--check"], &env.config.redis_url, &env.db.url);
+        (out.status.code(), text(&out.stdout))
+    };
+    wait_until(WAIT, "stats --check warning of the folder", || {
+        let (code, line) = check();
+        code == Some(1) && line.contains("handlers folder") && line.contains("broken.sql")
+    });
     std::fs::remove_file(dir.0.join("broken.sql")).unwrap();
 
     // An edit that does not prepare keeps the working version of its handler; a new
@@ -136,6 +145,11 @@ fn sighup_reloads_the_handlers_and_a_broken_file_keeps_what_worked() {
     done(19);
     assert_eq!(rows(&env, "badge", 1), 4);
     wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
+    assert!(
+        !check().1.contains("handlers folder"),
+        "the folder loads again: {:?}",
+        check()
+    );
 
     // Three reloads later, the daemon still runs and stops as always.
     w.signal(libc::SIGTERM);

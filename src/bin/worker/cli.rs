@@ -98,6 +98,11 @@ pub enum HandlersCommand {
         /// Directory of the SQL handlers (*.sql) to check.
         #[arg(long)]
         handlers_dir: PathBuf,
+        /// The user the service runs as (the unit's User=): each file, the folder and the
+        /// folders above it must be readable by it, as the check's own user may read what
+        /// the service cannot. Not checked when no such user exists.
+        #[arg(long, default_value = "delay-worker", value_name = "USER")]
+        service_user: String,
     },
 }
 

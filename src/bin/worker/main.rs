@@ -61,9 +61,15 @@ fn main() -> ExitCode {
         Some(Command::Dead(ref args)) => admin::dead(&config, args),
         Some(Command::Trace { ref args, .. }) => admin::trace(&config, args),
         Some(Command::Bench { ref args, .. }) => bench::run(&config, args),
-        Some(Command::Handlers(HandlersCommand::Check { ref handlers_dir })) => {
-            admin::handlers_check::run(&config, handlers_dir, &mut std::io::stdout().lock())
-        }
+        Some(Command::Handlers(HandlersCommand::Check {
+            ref handlers_dir,
+            ref service_user,
+        })) => admin::handlers_check::run(
+            &config,
+            handlers_dir,
+            service_user,
+            &mut std::io::stdout().lock(),
+        ),
     };
     match result {
         Ok(code) => code,
