@@ -25,10 +25,11 @@
 #
 # Then, when systemd is running (PID 1), `systemctl daemon-reload` and `systemctl enable
 # --now` (or a restart when the service already runs, so a new binary takes over). A
-# freshly created environment file is only a template, so the service is then neither
-# enabled nor started (a reboot would start it without its URLs): fill it in, run `bash
-# -c 'set -a; . /etc/delay-worker/worker.env; worker migrate'`, then `systemctl enable
-# --now delay-worker`.
+# environment file that names no server yet (the template, just created or left unedited)
+# leaves the service neither enabled nor started (a reboot would start it without its
+# URLs; one enabled by an earlier run is disabled): fill it in, run `bash -c 'set -a; .
+# /etc/delay-worker/worker.env; worker migrate'`, then `systemctl enable --now
+# delay-worker`.
 # Without systemd the script says what it would have done and exits 0. Running it again is
 # safe (an upgrade).
 set -euo pipefail
@@ -138,6 +139,16 @@ fi
 
 env_created=0
 [ -e "$ENV_FILE" ] || env_created=1
+# Whether the environment file names a server yet (a REDIS_URL or DATABASE_URL line that is
+# not commented out): until then it is the template, and the service is neither enabled
+# nor started (it would restart in a loop without its URLs, and again at every boot). Read
+# after the install below, which may have written the template; a file this user may not
+# read (a dry run as another user) is taken as filled in.
+env_filled() {
+  [ -e "$ENV_FILE" ] || return 1
+  [ -r "$ENV_FILE" ] || return 0
+  grep -Eq '^[[:space:]]*(export[[:space:]]+)?(REDIS_URL|DATABASE_URL)=' "$ENV_FILE"
+}
 # A restart is left to this script unless the package's postinst makes it (an upgrade of
 # the package restarts a running worker itself).
 restart=1
@@ -191,7 +202,11 @@ fi
 # 5. systemd, when it is what runs this host (the check sd_booted(3) makes).
 if [ -d /run/systemd/system ]; then
   run systemctl daemon-reload
-  if [ "$env_created" = 1 ]; then
+  if [ "$env_created" = 1 ] || ! env_filled; then
+    if [ "$dry_run" = 0 ] && systemctl is-enabled --quiet "$UNIT_NAME" 2>/dev/null; then
+      # Enabled by an earlier install while the file was still the template.
+      run systemctl disable --now "$UNIT_NAME"
+    fi
     note "fill in $ENV_FILE, run \`bash -c 'set -a; . $ENV_FILE; worker migrate'\` (its URLs), then: systemctl enable --now $UNIT_NAME"
   elif [ "$dry_run" = 0 ] && systemctl is-active --quiet "$UNIT_NAME"; then
     run systemctl enable "$UNIT_NAME"
@@ -202,7 +217,7 @@ if [ -d /run/systemd/system ]; then
 else
   note "systemd is not running here (PID 1 is $(cat /proc/1/comm 2>/dev/null || echo unknown)); on a systemd host this would now run:"
   echo "    systemctl daemon-reload"
-  if [ "$env_created" = 1 ]; then
+  if [ "$env_created" = 1 ] || ! env_filled; then
     note "fill in $ENV_FILE, run \`bash -c 'set -a; . $ENV_FILE; worker migrate'\` (its URLs), then: systemctl enable --now $UNIT_NAME"
   else
     echo "    systemctl enable --now $UNIT_NAME"

@@ -77,8 +77,10 @@ pub struct Report {
 pub fn registry(config: &Config) -> Result<Registry, DaemonError> {
     let mut r = Registry::builtin();
     if let Some(dir) = &config.handlers_dir {
+        // Debug: every command that takes --handlers-dir reads it (push, dead requeue), and
+        // the daemon logs the events it serves once it starts.
         for h in SqlHandler::load_dir(dir)? {
-            log::info!(
+            log::debug!(
                 "handler for {:?} loaded from {}",
                 crate::handlers::Handler::event(&h),
                 dir.display()

@@ -289,6 +289,12 @@ pub fn run(
     out: &mut impl Write,
 ) -> anyhow::Result<ExitCode> {
     let user = ServiceUser::lookup(service_user);
+    if user.is_none() {
+        writeln!(
+            out,
+            "note: no user {service_user:?} here: the files are not checked against the service's user (--service-user)"
+        )?;
+    }
     let checked = check(config, dir, user.as_ref())?;
     for c in &checked {
         let event = c.event.as_deref().unwrap_or("-");

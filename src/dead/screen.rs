@@ -96,8 +96,10 @@ impl Screen<'_> {
                 .events()
                 .into_iter()
                 .map(String::from)
+                .chain(self.served.iter().cloned())
                 .collect();
             known.sort();
+            known.dedup();
             return Err(Doomed::NoHandler {
                 event: event.to_string(),
                 known,

@@ -72,6 +72,12 @@ pub enum SqlHandlerError {
     EmptySet { file: String },
     #[error("{file}: the `-- event:` line names no event")]
     NoEvent { file: String },
+    #[error("{file}: two `-- event:` lines ({first:?} and {second:?}): a file serves one event")]
+    TwoEvents {
+        file: String,
+        first: String,
+        second: String,
+    },
     #[error("{file}: cannot read: {source}")]
     Read {
         file: String,
@@ -84,6 +90,7 @@ impl SqlHandler {
     pub fn parse(file: &str, text: &str) -> Result<SqlHandler, SqlHandlerError> {
         let (text, set_text) = split_set_form(text);
         let mut event = file.strip_suffix(".sql").unwrap_or(file).to_string();
+        let mut named: Option<String> = None;
         let mut required = Vec::new();
         for line in text.lines() {
             let Some(comment) = line.trim().strip_prefix("--") else {
@@ -91,7 +98,15 @@ impl SqlHandler {
             };
             let comment = comment.trim();
             if let Some(e) = comment.strip_prefix("event:") {
-                event = e.trim().to_string();
+                let e = e.trim().to_string();
+                if let Some(first) = named.replace(e.clone()) {
+                    return Err(SqlHandlerError::TwoEvents {
+                        file: file.to_string(),
+                        first,
+                        second: e,
+                    });
+                }
+                event = e;
             } else if let Some(r) = comment.strip_prefix("requires:") {
                 for group in r.split(',') {
                     let alts: Vec<String> = group
@@ -263,6 +278,8 @@ mod tests {
         let e = SqlHandler::parse("f.sql", "-- event:\nSELECT 1").unwrap_err();
         assert_eq!(e.to_string(), "f.sql: the `-- event:` line names no event");
         assert!(SqlHandler::parse(".sql", "SELECT 1").is_err());
+        let e = SqlHandler::parse("g.sql", "-- event: a\n-- event: b\nSELECT 1").unwrap_err();
+        assert!(e.to_string().contains("two `-- event:` lines"), "{e}");
     }
 
     #[test]

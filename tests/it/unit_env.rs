@@ -325,22 +325,25 @@ fn the_unit_s_command_line_runs_with_the_edited_environment_file() {
     w.signal(libc::SIGTERM);
     assert!(w.wait(WAIT).success(), "{}", w.log());
 
-    // A WORKER_THREADS that makes no sense is named as written, one line, exit 2.
-    std::fs::write(
-        &file,
-        edited(&template, &env.config.redis_url, &env.db.url, "0", ""),
-    )
-    .unwrap();
-    let mut w = start_unit(&file);
-    let status = w.wait(WAIT);
-    assert_eq!(status.code(), Some(2), "{}", w.log());
-    assert!(
-        w.log()
-            .trim_end()
-            .ends_with("worker: WORKER_THREADS: must be between 1 and 1024"),
-        "{}",
-        w.log()
-    );
+    // A WORKER_THREADS that makes no sense, out of range or not a number, is named as
+    // written, one line, exit 2.
+    for bad in ["0", "abc"] {
+        std::fs::write(
+            &file,
+            edited(&template, &env.config.redis_url, &env.db.url, bad, ""),
+        )
+        .unwrap();
+        let mut w = start_unit(&file);
+        let status = w.wait(WAIT);
+        assert_eq!(status.code(), Some(2), "{}", w.log());
+        assert!(
+            w.log()
+                .trim_end()
+                .ends_with("worker: WORKER_THREADS: must be a whole number between 1 and 1024"),
+            "{bad}: {}",
+            w.log()
+        );
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 

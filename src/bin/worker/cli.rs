@@ -329,8 +329,13 @@ impl Args for DeadCli {
 pub struct RunArgs {
     /// Worker threads; the PostgreSQL pool and the channel are sized from it. The flag,
     /// when given, wins over WORKER_THREADS (the systemd unit's environment file sets it).
-    #[arg(long, env = "WORKER_THREADS", default_value_t = 8)]
-    pub threads: usize,
+    #[arg(
+        long,
+        env = "WORKER_THREADS",
+        default_value = "8",
+        value_name = "THREADS"
+    )]
+    pub threads: String,
     /// Stable consumer name in the group [default: the host name]. Give each process
     /// on one host its own.
     #[arg(long)]
@@ -716,10 +721,13 @@ impl Cli {
         let run = self.run_args();
         let r: &RunArgs = &run;
         let q = &r.queues;
+        // Read here rather than by clap, so that a value that is not a number is named
+        // as WORKER_THREADS when it came from there, as a value out of range is.
+        let threads = r.threads.trim().parse::<usize>().unwrap_or(0);
         check(
-            (1..=1024).contains(&r.threads),
+            (1..=1024).contains(&threads),
             "--threads",
-            "must be between 1 and 1024",
+            "must be a whole number between 1 and 1024",
         )?;
         check(r.batch_size >= 1, "--batch-size", "must be at least 1")?;
         check(
@@ -894,7 +902,7 @@ impl Cli {
                 config.keys.queues = queues;
             }
         }
-        config.threads = r.threads;
+        config.threads = threads;
         if let Some(c) = &r.consumer {
             config.consumer = c.clone();
         }
@@ -1122,6 +1130,11 @@ mod tests {
     fn bad_values_name_their_flag() {
         let e = parse(&["--threads", "0"]).config().unwrap_err();
         assert!(e.to_string().starts_with("--threads:"), "{e}");
+        let e = parse(&["--threads", "abc"]).config().unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "--threads: must be a whole number between 1 and 1024"
+        );
         let e = parse(&["--block", "5s", "--heartbeat-ttl", "2s"])
             .config()
             .unwrap_err();
