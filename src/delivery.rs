@@ -35,6 +35,11 @@ pub struct Delivery {
     pub received: Instant,
     /// The shard (key set, `--shards`) it was read from; 0 when unsharded.
     pub shard: usize,
+    /// Taken back from a consumer that is gone: this consumer's previous run (its own
+    /// pending entries at start) or a host whose heartbeat expired. A transaction of its
+    /// job still running then belongs to no live worker: it ends by itself, and nobody
+    /// else will settle the entry (see `workers::session`, a job running elsewhere).
+    pub holder_gone: bool,
 }
 
 impl Delivery {
@@ -255,6 +260,7 @@ mod tests {
             due_ms: None,
             received: Instant::now(),
             shard: 0,
+            holder_gone: false,
         }
     }
 

@@ -72,6 +72,7 @@ impl<'a> ListReader<'a> {
             due_ms: None,
             received: Instant::now(),
             shard: 0,
+            holder_gone: false,
         }
     }
 

@@ -23,6 +23,13 @@ use crate::store::{self, stream, stream::Read, stream::Reading};
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
+/// Marks the deliveries of `read` as taken back from a consumer that is gone.
+fn holder_gone(read: &mut Read) {
+    for d in &mut read.deliveries {
+        d.holder_gone = true;
+    }
+}
+
 /// How often the reader trims the stream; retention is counted in hours, so once a minute
 /// is plenty.
 const TRIM_EVERY: Duration = Duration::from_secs(60);
@@ -51,6 +58,9 @@ pub struct Reader<'a> {
     name: String,
     /// A key of the wrong type held messages back since the current maintenance began.
     held: bool,
+    /// The process's first start is done: own pending entries read after it (a
+    /// reconnect) may be held by this very process's workers, not by a previous run.
+    started_once: bool,
 }
 
 impl<'a> Reader<'a> {
@@ -77,6 +87,7 @@ impl<'a> Reader<'a> {
             drained: false,
             name: "reader".to_string(),
             held: false,
+            started_once: false,
         }
     }
 
@@ -155,7 +166,10 @@ impl<'a> Reader<'a> {
                 self.heartbeat(con)?;
                 continue;
             }
-            let read = stream::read(con, self.reading(), room, &cursor)?;
+            let mut read = stream::read(con, self.reading(), room, &cursor)?;
+            if !self.started_once {
+                holder_gone(&mut read);
+            }
             let progress = read.gone + read.buried.len();
             if let Some(last) = read.deliveries.last().and_then(|d| d.stream_id()) {
                 cursor = last.to_string();
@@ -164,12 +178,13 @@ impl<'a> Reader<'a> {
             }
             total += self.deliver(read)?;
         }
-        if total > 0 {
+        if total > 0 && !self.started_once {
             log::info!(
                 "reader: re-delivered {total} entries left pending by a previous run of consumer {:?}",
                 self.consumer
             );
         }
+        self.started_once = !shutdown.is_set();
         Ok(total)
     }
 
@@ -202,7 +217,8 @@ impl<'a> Reader<'a> {
         }
         if !self.taken.is_empty() {
             let ids: Vec<String> = self.taken.drain(..room.min(self.taken.len())).collect();
-            let read = stream::claim_ids(con, self.reading(), &ids)?;
+            let mut read = stream::claim_ids(con, self.reading(), &ids)?;
+            holder_gone(&mut read);
             Stats::add(&self.stats.reclaimed, read.deliveries.len() as u64);
             return Ok(n + self.deliver(read)?);
         }

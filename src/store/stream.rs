@@ -294,6 +294,7 @@ fn parse_entries(v: Value, out: &mut Vec<Delivery>) {
             due_ms,
             received: Instant::now(),
             shard: 0,
+            holder_gone: false,
         });
     }
 }

@@ -465,21 +465,38 @@ impl<'a> Worker<'a> {
         }
     }
 
-    /// A second delivery of a job whose transaction is running in another session (its
-    /// inbox insert waited on that one's row): that transaction decides the job, and this
-    /// delivery must not, or it could retry a job that then commits, and a retry that meets
-    /// a newer push of the key becomes a dead letter of a job that was done. A stream entry
-    /// is left pending: the running one settles it (both deliveries are the same entry),
-    /// and if that one's worker dies first, the entry is reclaimed after `--claim-idle` and
-    /// its inbox row decides. A list copy is this consumer's own: it is removed (as a
-    /// duplicate), the running one's copy stays in its own processing list until settled.
-    fn running_elsewhere(&mut self, d: Delivery, key: &str, event: &str) -> Option<Settlement> {
-        log::debug!(
-            "job {key} {event}: running in another session (a second delivery), left to it"
-        );
+    /// A second delivery of a job whose transaction is running in a live worker's session
+    /// (its inbox insert waited on that one's row): that transaction decides the job, and
+    /// this delivery must not, or it could retry a job that then commits, and a retry that
+    /// meets a newer push of the key becomes a dead letter of a job that was done. The
+    /// stream entry is left pending: the running one settles it (both deliveries are the
+    /// same entry), and if that one's worker dies first, the entry is reclaimed after
+    /// `--claim-idle` and its inbox row decides. (Deliveries whose holder is gone, and list
+    /// copies, were waited out and run again by the session; a list copy still waiting
+    /// after the statement timeout is contention.)
+    fn running_elsewhere(
+        &mut self,
+        d: Delivery,
+        key: &str,
+        env: &Envelope,
+        first_due: Option<i64>,
+    ) -> Option<Settlement> {
         match d.origin {
-            Origin::Stream { .. } => None,
-            Origin::List { .. } => Some(Settlement::ack(d, event, JobOutcome::Duplicate)),
+            Origin::Stream { .. } => {
+                log::debug!(
+                    "job {key} {}: running in another session (a second delivery), left to it",
+                    env.event
+                );
+                None
+            }
+            Origin::List { .. } => {
+                let f = Failure {
+                    fault: Fault::Contention,
+                    reason: "its job is running in another session".into(),
+                    wait: None,
+                };
+                Some(self.contended(d, env, key, first_due, &f))
+            }
         }
     }
 
@@ -583,7 +600,7 @@ impl<'a> Worker<'a> {
                 let reason = format!("handler panicked: {msg}");
                 self.dead(d, reason, env.event.clone(), env.retry as u64 + 1)
             }
-            JobResult::RunningElsewhere => return self.running_elsewhere(d, &key, &env.event),
+            JobResult::RunningElsewhere => return self.running_elsewhere(d, &key, &env, first_due),
         })
     }
 

@@ -57,9 +57,13 @@ pub enum JobResult {
     Failed(Failure),
     Panicked(String),
     /// The job's inbox insert waited on the inbox row of the same job, inserted by another
-    /// transaction that has not ended: a second delivery of a job that is running now
-    /// (an entry reclaimed from a worker still at it). That transaction decides the job;
-    /// this delivery must not (see `Worker::finish`).
+    /// transaction that has not ended: a second delivery of a job that is running now.
+    /// When that transaction is a live worker's (an entry reclaimed from a worker still
+    /// at it), it decides the job, and this delivery must not (see `Worker::finish`). One
+    /// whose worker is gone ([`Delivery::holder_gone`]), and any list copy, is waited
+    /// out first and the job run again ([`Session::run_job`]).
+    ///
+    /// [`Delivery::holder_gone`]: crate::delivery::Delivery::holder_gone
     RunningElsewhere,
 }
 
@@ -123,6 +127,9 @@ pub struct Session {
     handlers: Vec<Prepared>,
     /// `BEGIN` of a set, with its short lock timeout.
     begin_set: String,
+    /// `SET LOCAL` of the connection's own lock timeout, which a job's transaction that
+    /// waited without one for its inbox row goes back to before its handler runs.
+    lock_timeout_back: String,
     /// Who held the lock a job waited for, looked up after its timeout (rate-limited).
     looker: crate::blocker::Looker,
 }
@@ -224,6 +231,10 @@ impl Session {
             inbox_set,
             handlers,
             begin_set: format!("BEGIN; SET LOCAL lock_timeout = {set_lock_ms}"),
+            lock_timeout_back: format!(
+                "SET LOCAL lock_timeout = {}",
+                lock_timeout.as_millis().max(1)
+            ),
             looker: crate::blocker::Looker::default(),
         })
     }
@@ -445,7 +456,27 @@ impl Session {
     /// Dropping the transaction on an error rolls it back. A commit whose outcome the
     /// connection could not report fails with a server fault: the job runs again on a
     /// new connection, where its inbox row says whether it had committed.
+    ///
+    /// A job running in another transaction whose worker is gone (or a list copy, whose
+    /// other copy may have gone back to its queue) is waited out: the other transaction
+    /// ends by itself (committed, or rolled back once its statement ends and it finds its
+    /// client gone), and the job runs again, a duplicate or the job's only run.
     fn run_job(&mut self, job: &Job<'_>) -> JobResult {
+        match self.run_job_once(job, false) {
+            JobResult::RunningElsewhere
+                if job.d.holder_gone
+                    || matches!(job.d.origin, crate::delivery::Origin::List { .. }) =>
+            {
+                self.run_job_once(job, true)
+            }
+            r => r,
+        }
+    }
+
+    /// [`Session::run_job`]'s one try. `wait_out`: the inbox insert waits for another
+    /// transaction holding the job's row without a lock timeout (the statement timeout
+    /// bounds it), and the handler then runs under the connection's own.
+    fn run_job_once(&mut self, job: &Job<'_>, wait_out: bool) -> JobResult {
         let one = match &self.handlers[job.index] {
             Prepared::Ready { one, .. } => one,
             Prepared::Failed { failure, .. } => return JobResult::Failed(failure.clone()),
@@ -455,7 +486,13 @@ impl Session {
             Err(e) => return JobResult::Failed(e.into()),
         };
         let mut noops = Vec::new();
-        let result = match apply(&mut tx, &self.inbox, one, job) {
+        let waits = wait_out.then_some(self.lock_timeout_back.as_str());
+        if waits.is_some() {
+            if let Err(e) = tx.batch_execute("SET LOCAL lock_timeout = 0") {
+                return JobResult::Failed(e.into());
+            }
+        }
+        let result = match apply(&mut tx, &self.inbox, one, job, waits) {
             Ok(Some((effect, tid))) => {
                 if effect == Effect::NoOp {
                     noops.push(tid);
@@ -515,7 +552,7 @@ impl Session {
             let Prepared::Ready { one, .. } = &self.handlers[job.index] else {
                 return None;
             };
-            results.push(match apply(&mut tx, &self.inbox, one, job).ok()? {
+            results.push(match apply(&mut tx, &self.inbox, one, job, None).ok()? {
                 Some((effect, tid)) => {
                     if effect == Effect::NoOp {
                         noops.push(tid);
@@ -590,12 +627,13 @@ pub fn set_shape(st: &Statement) -> Option<String> {
 
 /// Inserts the job's inbox row and runs its handler inside `tx`: its effect and its
 /// row's ctid. `Ok(None)`: the inbox already held the job (a redelivery), nothing else
-/// was done.
+/// was done. `after_insert` runs between the two (a lock timeout set back).
 fn apply(
     tx: &mut postgres::Transaction<'_>,
     inbox: &Statement,
     statements: &[Statement],
     job: &Job<'_>,
+    after_insert: Option<&str>,
 ) -> Result<Option<(Effect, String)>, JobResult> {
     let job_id = job.env.job_id.as_deref().unwrap_or("");
     let late = job.late_ms();
@@ -615,6 +653,11 @@ fn apply(
         Err(e) if waited_on_inbox_row(&e) => return Err(JobResult::RunningElsewhere),
         Err(e) => return Err(JobResult::Failed(e.into())),
     };
+    if let Some(sql) = after_insert {
+        if let Err(e) = tx.batch_execute(sql) {
+            return Err(JobResult::Failed(e.into()));
+        }
+    }
     let outcome = catch_unwind(AssertUnwindSafe(|| {
         job.handler.handle(tx, statements, &job.env.payload)
     }));

@@ -306,6 +306,7 @@ fn a_panicking_handler_is_dead_lettered_and_the_worker_goes_on() {
         due_ms: None,
         received: std::time::Instant::now(),
         shard: 0,
+        holder_gone: false,
     };
     let s = w
         .handle(d(

@@ -486,3 +486,59 @@ fn a_commit_whose_durability_was_in_doubt_is_looked_up_not_sent_round_again() {
     assert_accounting(&env.db, &orders, &all(&orders));
     assert_eq!(inbox_count(&env.db), 1);
 }
+
+/// Backends of `db` sleeping in a slow handler's `pg_sleep`.
+fn sleeping(db: &TestDb) -> i64 {
+    db.client()
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE wait_event = 'PgSleep' AND datname = current_database()",
+            &[],
+        )
+        .unwrap()
+        .get(0)
+}
+
+#[test]
+fn a_worker_killed_mid_transaction_and_restarted_runs_its_jobs_once_the_orphans_end() {
+    // kill -9 while a slow job (2 s) is inside its transaction: their
+    // backends run on alone until their statements end. The restarted worker takes its own
+    // pending entries back at once; each job's inbox insert meets its orphan's row. It waits
+    // the orphan out and runs the job (the orphan rolls back: its client is gone), instead
+    // of leaving the entry for --claim-idle (here 5 minutes) or sending it round the pool.
+    let env = Env::new();
+    let dir = HandlerDir::new(&[(
+        "order.timeout.sql",
+        order_timeout_with(
+            "slow AS (SELECT pg_sleep(2) AS s)",
+            "(SELECT true FROM slow)",
+        ),
+    )]);
+    let orders = seed_orders(&env.db, 8);
+    let args = [
+        "--handlers-dir".to_string(),
+        dir.0.display().to_string(),
+        "--claim-idle".into(),
+        "5m".into(),
+        "--statement-timeout".into(),
+        "10s".into(),
+    ];
+    let mut p = Proc::start(&env.config, &args);
+    push_timeouts(&env, &orders, 0);
+    // A worker runs the jobs of one read one after another (no set form): kill it with
+    // two of them committed and the third inside its transaction.
+    wait_until(WAIT, "a job inside its transaction after two done", || {
+        inbox_count(&env.db) >= 2 && sleeping(&env.db) == 1
+    });
+    p.kill9();
+    let mut p = Proc::start(&env.config, &args);
+    wait_until(WAIT, "every job done by the restarted worker", || {
+        let b = books(&env);
+        inbox_count(&env.db) == 8 && b.stream_pending == 0 && b.pool == 0
+    });
+    p.signal(libc::SIGTERM);
+    assert!(p.wait(WAIT).success(), "{}", p.log());
+    assert_eq!(books(&env).dead, 0);
+    assert_accounting(&env.db, &orders, &all(&orders));
+    assert_all_accounted(&env, &env.db, 8);
+}

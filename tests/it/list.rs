@@ -442,3 +442,55 @@ fn a_message_that_keeps_killing_its_consumer_goes_to_the_dead_list() {
         .unwrap();
     assert_eq!(n, 0);
 }
+
+#[test]
+fn a_consumer_killed_mid_transaction_and_restarted_loses_no_job_to_its_orphans() {
+    // kill -9 while a slow job (2 s) is inside its transaction. At restart
+    // the consumer's processing list goes back to its queue and each message is read again
+    // while its orphaned transaction still runs: the copy waits the orphan out and runs
+    // (the orphan rolls back: its client is gone). Taken for a duplicate and removed, it
+    // would be lost with the rollback.
+    let env = list_env(&[("normal", None)]);
+    let dir = HandlerDir::new(&[(
+        "order.timeout.sql",
+        order_timeout_with(
+            "slow AS (SELECT pg_sleep(2) AS s)",
+            "(SELECT true FROM slow)",
+        ),
+    )]);
+    let orders = seed_orders(&env.db, 8);
+    let mut args = list_args(&env);
+    args.extend([
+        "--handlers-dir".to_string(),
+        dir.0.display().to_string(),
+        "--statement-timeout".into(),
+        "10s".into(),
+    ]);
+    let mut p = Proc::start(&env.config, &args);
+    push_timeouts(&env, &orders, 0);
+    let sleeping = || -> i64 {
+        env.db
+            .client()
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE wait_event = 'PgSleep' AND datname = current_database()",
+                &[],
+            )
+            .unwrap()
+            .get(0)
+    };
+    // A worker runs the jobs of one read one after another (no set form): kill it with
+    // two of them committed and the third inside its transaction.
+    wait_until(WAIT, "a job inside its transaction after two done", || {
+        inbox_count(&env.db) >= 2 && sleeping() == 1
+    });
+    p.kill9();
+    let mut p = Proc::start(&env.config, &args);
+    wait_until(WAIT, "every job done by the restarted consumer", || {
+        inbox_count(&env.db) == 8 && books(&env).pool == 0 && lists_drained(&env, &["c1"])
+    });
+    p.signal(libc::SIGTERM);
+    assert!(p.wait(WAIT).success(), "{}", p.log());
+    assert_accounting(&env.db, &orders, &orders.iter().collect::<Vec<_>>());
+    assert_lists_empty(&env, &["c1"]);
+}

@@ -660,6 +660,7 @@ fn list_settle_and_push_back_keep_messages_when_a_key_is_the_wrong_type() {
         due_ms: None,
         received: Instant::now(),
         shard: 0,
+        holder_gone: false,
     };
     let dead = dead_of(&d, "r");
     set_string(&mut con, &q.dead);
