@@ -410,11 +410,11 @@ fn a_reshard_of_one_shard_s_slot_holds_back_only_that_shard() {
     wait_until(WAIT, "the batch before the reshard done", || {
         done(before) == before.len()
     });
-    // Shard 2's jobs due in a second; then at once its slot starts to move, with its pool
-    // already on the new master and the rest not yet: every script of shard 2 answers
+    // Shard 2's jobs due in two seconds; then at once its slot starts to move, with its
+    // pool already on the new master and the rest not yet: every script of shard 2 answers
     // TRYAGAIN.
     for o in &held {
-        push_timeout(&mut cons[2], &shards[2], o, 1_000).unwrap();
+        push_timeout(&mut cons[2], &shards[2], o, 2_000).unwrap();
     }
     let slot = cluster.slot_of(&shards[2].pool);
     cluster.begin_reshard(slot, from, to);
