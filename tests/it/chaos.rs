@@ -2735,9 +2735,18 @@ fn in_flight(ctx: &Ctx, con: &mut Con) -> redis::RedisResult<Vec<String>> {
             .arg(-1)
             .arg("WITHSCORES")
             .query(con)?;
-        let due = members.iter().filter(|(_, s)| due_ms(*s) < horizon).count();
-        if due > 0 {
-            busy.push(format!("{due} due or retrying in {pool}"));
+        let due: Vec<f64> = members
+            .iter()
+            .map(|(_, s)| due_ms(*s))
+            .filter(|d| *d < horizon)
+            .collect();
+        if !due.is_empty() {
+            let last = due.iter().copied().fold(f64::MIN, f64::max);
+            busy.push(format!(
+                "{} due or retrying in {pool} (the last due in {:.1}s)",
+                due.len(),
+                (last - delay_worker::now_ms() as f64) / 1000.0
+            ));
         }
     }
     match ctx.plan.setup.mode {
@@ -3638,7 +3647,9 @@ fn run_seed(seed: u64, secs: f64) -> Result<String, String> {
 
     // Drain: every non-dead worker back, until nothing is due, delivered or held.
     workers.revive_all();
-    let drain_began = Instant::now();
+    let (schedule_over, drain_began) = (ctx.now(), Instant::now());
+    // What the drain still waited on 10 s in, if it did (said in the summary).
+    let mut slow_drain = String::new();
     let stuck = loop {
         workers.supervise();
         let busy = rcon(&ctx.redis_url)
@@ -3646,6 +3657,10 @@ fn run_seed(seed: u64, secs: f64) -> Result<String, String> {
             .unwrap_or_else(|e| vec![format!("redis: {e}")]);
         if busy.is_empty() && workers.all_up() {
             break None;
+        }
+        if slow_drain.is_empty() && drain_began.elapsed() > Duration::from_secs(10) {
+            slow_drain = format!("; 10 s into the drain: {}", busy.join(", "));
+            ctx.note(format!("the drain still waits on: {}", busy.join(", ")));
         }
         if drain_began.elapsed() > QUIESCE_TIMEOUT {
             break Some(format!(
@@ -3664,6 +3679,7 @@ fn run_seed(seed: u64, secs: f64) -> Result<String, String> {
             ": NOT quiescent"
         }
     ));
+    let drained = drain_began.elapsed().as_secs_f64();
     workers.stop_all();
     ctx.note("every worker stopped");
 
@@ -3707,7 +3723,7 @@ fn run_seed(seed: u64, secs: f64) -> Result<String, String> {
         false => format!("; resharded: {}", driver.resharded.join(", ")),
     };
     let result = format!(
-        "chaos seed {seed} ({secs}s): {} in {:.0}s — faults: {} ({} of them on a worker not running){resharded}; {}; {starts} worker starts, {} refused at start ({} by a SIGTERM interrupting the start checks)",
+        "chaos seed {seed} ({secs}s): {} in {:.0}s (the schedule over at +{schedule_over:.0}s, drained in {drained:.1}s{slow_drain}) — faults: {} ({} of them on a worker not running){resharded}; {}; {starts} worker starts, {} refused at start ({} by a SIGTERM interrupting the start checks)",
         if f.is_empty() { "PASS" } else { "FAIL" },
         began.elapsed().as_secs_f64(),
         tally.join(", "),
