@@ -1,10 +1,12 @@
 //! The watch role: what the worker's guarantees need of its surroundings, looked at.
 //!
 //! One thread of the daemon. At start and every [`clock::MEASURE_EVERY`] (or
-//! `--stats-interval` when shorter) it
-//! - measures this host's clock against Redis's (a few `TIME` round trips on the server of
-//!   shard 0, the quickest wins) and stores the offset in [`Stats::clock`], which every
-//!   role corrects its clock with; an offset beyond [`clock::SKEW_WARN`] is logged (again
+//! `--stats-interval` when shorter; every second until the clock has been measured once)
+//! it
+//! - measures this host's clock against Redis's ([`offset`]: a few `TIME` round trips on
+//!   the server of shard 0, the quickest wins; the daemon measures it the same way once
+//!   before the roles start) and stores the offset in [`Stats::clock`], which every role
+//!   corrects its clock with; an offset beyond [`clock::SKEW_WARN`] is logged (again
 //!   every [`LOG_EVERY`] while it lasts, or when it changes by a second);
 //! - reads `INFO memory` of the server of each shard: a `maxmemory-policy` that may evict
 //!   the worker's keys (`allkeys-*`) is a critical problem (`/healthz` 503, `stats
