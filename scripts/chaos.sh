@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The chaos soak (tests/it/chaos.rs): seeded runs of faults over a load of order timeouts,
-# each ending with an exact oracle, one seed after another until the time is up.
+# each ending with an exact oracle, one seed after another until the time is up. A third of
+# the seeds run on a Redis Cluster of three masters with --shards 3 and reshard a slot.
 #
 #   scripts/chaos.sh --minutes 30                  random seeds for 30 minutes
 #   scripts/chaos.sh --seed 123 --minutes 0        exactly one run, seed 123 (a replay)

@@ -4,9 +4,10 @@
 //! script), so no worker host's clock ever decides it. Everywhere else a worker compares
 //! a time with a due time (a retry's due time, how late a job took effect, the time a dead
 //! letter died) it uses its own clock corrected by its measured offset to Redis:
-//! [`Clock::now_ms`]. The offset is measured by the watch role (`watch.rs`) at start and
-//! every [`MEASURE_EVERY`], with a few `TIME` round trips; the one with the shortest round
-//! trip wins, and half its round trip bounds the error.
+//! [`Clock::now_ms`]. The offset is measured once by the daemon before its roles start,
+//! then by the watch role (`watch.rs`) every [`MEASURE_EVERY`], with a few `TIME` round
+//! trips; the one with the shortest round trip wins, and half its round trip bounds the
+//! error.
 //!
 //! The clock also sees producers' clocks through the `ts` they write: a message whose `ts`
 //! is later than its arrival (on the shared clock) by more than [`SKEW_WARN`] comes from a

@@ -158,6 +158,9 @@ struct Ready {
     client: crate::store::Redis,
     handlers: Handlers,
     pool: db::Pool,
+    /// This host's clock offset to Redis, measured before any role reads the clock;
+    /// `None` when that failed (the watch role's first pass measures it).
+    offset: Option<crate::clock::Offset>,
 }
 
 /// Runs the daemon until `shutdown` is triggered and the pool has drained: [`preflight`],
@@ -204,8 +207,12 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<Report, DaemonError> 
 }
 
 /// Redis as the daemon needs it: the shard layout agrees (and is recorded), no key may be
-/// evicted, and in stream mode every shard's consumer group exists.
-fn check_redis(config: &Config, client: &crate::store::Redis) -> Result<(), DaemonError> {
+/// evicted, and in stream mode every shard's consumer group exists. Returns this host's
+/// clock offset to Redis, measured on the same connection (see [`crate::watch::offset`]).
+fn check_redis(
+    config: &Config,
+    client: &crate::store::Redis,
+) -> Result<Option<crate::clock::Offset>, DaemonError> {
     let url = || config.derived.redis_shown.clone();
     let mut con = store::connect(client).map_err(|e| DaemonError::RedisUnreachable {
         url: url(),
@@ -231,14 +238,21 @@ fn check_redis(config: &Config, client: &crate::store::Redis) -> Result<(), Daem
             })?;
         }
     }
-    Ok(())
+    let key = &config.derived.shards[0].pool;
+    Ok(match crate::watch::offset(&mut con, key) {
+        Ok(o) => Some(o),
+        Err(e) => {
+            log::debug!("the clock's offset to Redis not measured at start: {e}");
+            None
+        }
+    })
 }
 
 /// Fails fast, with one readable error, when Redis or PostgreSQL cannot be reached, the
 /// schema is not current, or a handler's SQL does not prepare.
 fn preflight(config: &Config) -> Result<Ready, DaemonError> {
     let client = redis_client(config)?;
-    check_redis(config, &client)?;
+    let offset = check_redis(config, &client)?;
     check_schema(&config.database_url)?;
     let registry = registry(config)?;
     let pool = db::pool(
@@ -266,6 +280,7 @@ fn preflight(config: &Config) -> Result<Ready, DaemonError> {
         client,
         handlers: Handlers::new(registry),
         pool,
+        offset,
     })
 }
 
@@ -330,6 +345,9 @@ impl<'a> Crew<'a> {
         ready: &'a Ready,
     ) -> Result<Crew<'a>, DaemonError> {
         let stats = Stats::new(ready.handlers.current().0.events());
+        if let Some(o) = ready.offset {
+            stats.clock.set(o);
+        }
         // The roles' heartbeats start now: one that never completes a step counts as
         // stalled.
         Stats::beat(&stats.reader_beat_ms);

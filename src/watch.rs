@@ -1,10 +1,12 @@
 //! The watch role: what the worker's guarantees need of its surroundings, looked at.
 //!
 //! One thread of the daemon. At start and every [`clock::MEASURE_EVERY`] (or
-//! `--stats-interval` when shorter) it
-//! - measures this host's clock against Redis's (a few `TIME` round trips on the server of
-//!   shard 0, the quickest wins) and stores the offset in [`Stats::clock`], which every
-//!   role corrects its clock with; an offset beyond [`clock::SKEW_WARN`] is logged (again
+//! `--stats-interval` when shorter; every second until the clock has been measured once)
+//! it
+//! - measures this host's clock against Redis's ([`offset`]: a few `TIME` round trips on
+//!   the server of shard 0, the quickest wins; the daemon measures it the same way once
+//!   before the roles start) and stores the offset in [`Stats::clock`], which every role
+//!   corrects its clock with; an offset beyond [`clock::SKEW_WARN`] is logged (again
 //!   every [`LOG_EVERY`] while it lasts, or when it changes by a second);
 //! - reads `INFO memory` of the server of each shard: a `maxmemory-policy` that may evict
 //!   the worker's keys (`allkeys-*`) is a critical problem (`/healthz` 503, `stats
@@ -84,17 +86,7 @@ impl<'a> Watch<'a> {
 
     /// Measures this host's offset to Redis and logs it when beyond [`SKEW_WARN`].
     pub fn measure(&mut self, con: &mut dyn redis::ConnectionLike) -> Result<Offset, StoreError> {
-        let key = &self.keys[0];
-        let mut samples = Vec::with_capacity(SAMPLES);
-        for _ in 0..SAMPLES {
-            samples.push(store::clock_sample(con, key)?);
-        }
-        let Some(o) = clock::best(&samples) else {
-            return Ok(Offset {
-                offset_ms: 0,
-                error_ms: 0,
-            });
-        };
+        let o = offset(con, &self.keys[0])?;
         self.stats.clock.set(o);
         let beyond = o.offset_ms.abs() > SKEW_WARN.as_millis() as i64 + o.error_ms;
         if beyond {
@@ -206,7 +198,7 @@ impl<'a> Watch<'a> {
                     Ok(c) => con.insert(c),
                     Err(e) => {
                         log::debug!("watch: cannot connect to redis: {e}");
-                        shutdown.wait(self.every());
+                        shutdown.wait(self.next_pass());
                         continue;
                     }
                 },
@@ -217,10 +209,38 @@ impl<'a> Watch<'a> {
                     con = None;
                 }
             }
-            shutdown.wait(self.every());
+            shutdown.wait(self.next_pass());
         }
         log::debug!("watch: stopped");
     }
+
+    /// How long until the next pass: [`Watch::every`], or [`UNMEASURED_RETRY`] while the
+    /// clock has never been measured (every role reads it through the offset).
+    fn next_pass(&self) -> Duration {
+        match self.stats.clock.offset() {
+            Some(_) => self.every(),
+            None => self.every().min(UNMEASURED_RETRY),
+        }
+    }
+}
+
+/// How soon a pass is tried again while the clock has never been measured.
+const UNMEASURED_RETRY: Duration = Duration::from_secs(1);
+
+/// This host's offset to Redis, read on the server that holds `key`: [`SAMPLES`] `TIME`
+/// round trips, the quickest wins. The daemon measures it once before its roles start
+/// (so none of them reads its clock uncorrected: a host whose clock is off would write
+/// the due times of its first retries and held jobs, and its first jobs' lateness, by its
+/// own clock), then the watch role at each pass.
+pub fn offset(con: &mut dyn redis::ConnectionLike, key: &str) -> Result<Offset, StoreError> {
+    let mut samples = Vec::with_capacity(SAMPLES);
+    for _ in 0..SAMPLES {
+        samples.push(store::clock_sample(con, key)?);
+    }
+    Ok(clock::best(&samples).unwrap_or(Offset {
+        offset_ms: 0,
+        error_ms: 0,
+    }))
 }
 
 /// What an evicting policy endangers, in one line.

@@ -1,27 +1,38 @@
 //! The chaos soak: a seeded, randomized schedule of faults over a realistic load of order
 //! timeouts, ended by an exact oracle.
 //!
-//! From one `u64` seed a run draws its configuration (stream or list mode, 1-3 worker
-//! processes, with or without a legacy pool, with or without a handler that fails
-//! transiently) and its schedule: which orders get a timeout and when it is pushed and
-//! due (second and millisecond scores, integer and float `ts`, reschedules, re-pushes of a
-//! key after its job ran), which orders are paid before or during the run, the hostile
-//! messages among the good ones, and the faults: kill -9 (with or without a restart),
-//! SIGTERM, a second SIGTERM during the drain, Redis client kills, stalls and restarts,
-//! PostgreSQL crash restarts, backend terminate storms and connection exhaustion, and keys
-//! of the wrong type for a while. The plan printed at the start is a function of the seed
-//! and the length only: `DW_CHAOS_SEED=S DW_CHAOS_SECONDS=N` replays it (the machine's
-//! timing does not replay; the schedule does).
+//! From one `u64` seed a run draws its configuration (one Redis server or, for a third of
+//! the seeds, a Redis Cluster of three masters with `--shards 3`; stream or list mode (a
+//! Cluster: stream mode), 1-3 worker processes, with or without a legacy pool, with or
+//! without a handler that fails transiently) and its schedule: which orders get a timeout
+//! and when it is pushed and due (second and millisecond scores, integer and float `ts`,
+//! reschedules, re-pushes of a key after its job ran), which orders are paid before or
+//! during the run, the hostile messages among the good ones, and the faults: kill -9 (with
+//! or without a restart), SIGTERM, a second SIGTERM during the drain, Redis client kills,
+//! stalls and restarts, PostgreSQL crash restarts, backend terminate storms and connection
+//! exhaustion, and keys of the wrong type for a while. On a Cluster: a shard's hash slot
+//! resharded to another master while the workers run (one more per 40 s of schedule),
+//! lasting 2 to 6 s (`MIGRATING`/`IMPORTING`, its keys moved with `MIGRATE` in one to three
+//! steps, its pool first, then the rest and the slot given to the new master), client kills
+//! on every master, a shard's master stalled, a shard's keys of the wrong type (never a
+//! shard whose slot moves meanwhile), and no restart of the one server. The plan printed at
+//! the start is a function of the seed and the length only: `DW_CHAOS_SEED=S
+//! DW_CHAOS_SECONDS=N` replays it (the machine's timing does not replay; the schedule does).
 //!
-//! Each run has its own Redis (AOF, `appendfsync always`) and its own PostgreSQL cluster;
-//! the workers are the real binary, their logs go to files. After the schedule the faults
-//! stop, the workers drain until nothing is due, delivered or held, then stop with SIGTERM
-//! (exit 0), and the oracle counts: every unpaid order whose timeout was pushed is
-//! cancelled once, no paid or untouched order is, stock and coupons are exact, and every
-//! pushed message is done (inbox), dead-lettered with a reason, or still scheduled, key by
-//! key. Hostile messages must all be dead letters.
+//! Each run has its own Redis (AOF, `appendfsync always`), or its own Cluster of six nodes
+//! (topology.rs), and its own PostgreSQL cluster; the workers are the real binary, their
+//! logs go to files. On a Cluster each shard has a producer thread of its own, so a shard
+//! whose slot moves holds back only its own pushes, and the legacy pool and its members
+//! carry shard 0's hash tag. After the schedule the faults stop, the workers drain until
+//! nothing is due, delivered or held, then stop with SIGTERM (exit 0), and the oracle
+//! counts: every unpaid order whose timeout was pushed is cancelled once, no paid or
+//! untouched order is, stock and coupons are exact, and every pushed message is done
+//! (inbox), dead-lettered with a reason, or still scheduled, key by key (on a Cluster read
+//! from every shard's keys wherever the reshards left them). Hostile messages must all be
+//! dead letters.
 //!
-//! `chaos_fixed_seeds` (plain `cargo test`) runs three short fixed seeds; `chaos_seeded`
+//! `chaos_fixed_seeds` (plain `cargo test`) runs three short fixed seeds on one Redis, and
+//! `chaos_cluster_fixed_seed` one short seed on a Cluster with a reshard; `chaos_seeded`
 //! (ignored) is what `scripts/chaos.sh` runs with `DW_CHAOS_SEED` and `DW_CHAOS_SECONDS`;
 //! `chaos_plan` (ignored) prints a seed's plan without running it. `DW_CHAOS_SKIP` takes
 //! fault kinds out of a plan and leaves the rest as drawn (to find which kind a failure
@@ -29,8 +40,9 @@
 //! fails (or with `DW_CHAOS_KEEP_LOGS`); `DW_CHILD_LOG` is their `RUST_LOG` (default `warn`).
 
 use crate::support::*;
+use crate::topology::Cluster;
 use delay_worker::keys::Keys;
-use delay_worker::Config;
+use delay_worker::store::Con;
 use postgres::NoTls;
 use redis::Value;
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -46,11 +58,24 @@ use std::time::{Duration, Instant};
 const SHORT_SECONDS: f64 = 9.0;
 /// The default pass. Between them these seeds draw stream mode (27, 6), list mode with two
 /// queues (10), the legacy pool (10, 6), the flaky handler (6), workers killed for good, and
-/// every fault kind.
+/// every fault kind of one Redis server.
 const FIXED_SEEDS: [u64; 3] = [27, 10, 6];
+/// The default pass's seed on a Redis Cluster (a test of its own: the four seeds in one
+/// test took over a minute on two cores): three worker processes, the legacy pool and the
+/// flaky handler, shard 0's slot (the legacy pool's) resharded in three steps while a
+/// worker is killed for good (its peers take over its entries), shard 1's data hash of the
+/// wrong type, shard 2's master stalled.
+const CLUSTER_FIXED_SEED: u64 = 35;
 
 const LEGACY_POOL: &str = "delay:order_close";
 const LEGACY_EVENT: &str = "order.timeout";
+/// Cluster mode: `--shards` over the three masters, and the legacy pool with its member
+/// keys under shard 0's hash tag (a legacy pool is served with shard 0).
+const CLUSTER_SHARDS: usize = 3;
+const CLUSTER_LEGACY_POOL: &str = "{mq:0}delay:order_close";
+/// Cluster mode: how long a master stalls (`DEBUG SLEEP`), well below the cluster's node
+/// timeout (2 s), so no failover starts.
+const CLUSTER_STALL: &str = "0.8";
 /// List mode: the queue the mover feeds, and a higher one producers LPUSH onto directly.
 const NORMAL: &str = "normal";
 const HIGH: &str = "high";
@@ -84,6 +109,18 @@ fn chaos_fixed_seeds() {
 }
 
 #[test]
+fn chaos_cluster_fixed_seed() {
+    let secs = env_f64("DW_CHAOS_SHORT_SECONDS").unwrap_or(SHORT_SECONDS);
+    assert!(
+        Plan::draw(CLUSTER_FIXED_SEED, secs, &[]).setup.cluster,
+        "seed {CLUSTER_FIXED_SEED} draws a Redis Cluster"
+    );
+    if let Err(report) = run_seed(CLUSTER_FIXED_SEED, secs) {
+        panic!("{report}");
+    }
+}
+
+#[test]
 #[ignore = "long soak: scripts/chaos.sh runs it with DW_CHAOS_SEED and DW_CHAOS_SECONDS"]
 fn chaos_seeded() {
     let seed = match std::env::var("DW_CHAOS_SEED") {
@@ -108,10 +145,7 @@ fn chaos_plan() {
         .parse()
         .expect("DW_CHAOS_SEED is a u64");
     let secs = env_f64("DW_CHAOS_SECONDS").unwrap_or(60.0);
-    println!(
-        "{}",
-        Plan::draw(seed, secs, &skip_list()).describe(&Keys::default())
-    );
+    println!("{}", Plan::draw(seed, secs, &skip_list()).describe());
 }
 
 fn env_f64(name: &str) -> Option<f64> {
@@ -137,6 +171,9 @@ enum Mode {
 
 #[derive(Clone, Debug)]
 struct Setup {
+    /// A Redis Cluster of three masters (a replica each) with `--shards 3`, instead of
+    /// one Redis server: stream mode, and reshards among the faults.
+    cluster: bool,
     mode: Mode,
     /// `--threads` of each worker process.
     threads: Vec<usize>,
@@ -157,6 +194,7 @@ impl Setup {
         let mode = if rng.bool() { Mode::Stream } else { Mode::List };
         let workers = rng.usize(1..=3);
         Setup {
+            cluster: false,
             mode,
             threads: (0..workers).map(|_| rng.usize(2..=4)).collect(),
             legacy: rng.bool(),
@@ -181,6 +219,43 @@ impl Setup {
                 _ => -rng.i64(1..=180),
             })
             .collect();
+    }
+
+    /// Whether a seed runs on a Redis Cluster (a third of them), from a generator of its
+    /// own, so the other draws of a seed that does not stay what they were before (the
+    /// three of `FIXED_SEEDS` among them).
+    fn draws_cluster(seed: u64) -> bool {
+        fastrand::Rng::with_seed(seed ^ 0xC105_7E86).u32(..3) == 0
+    }
+
+    /// On a Redis Cluster: stream mode (`--shards` is stream mode's), and no direct pushes.
+    fn on_cluster(&mut self) {
+        self.cluster = true;
+        self.mode = Mode::Stream;
+        self.two_queues = false;
+    }
+
+    /// The key sets the workers serve: one, or each shard's.
+    fn shard_keys(&self) -> Vec<Keys> {
+        match self.cluster {
+            false => vec![Keys::default()],
+            true => Keys::default().sharded("mq", CLUSTER_SHARDS),
+        }
+    }
+
+    fn legacy_pool(&self) -> &'static str {
+        match self.cluster {
+            false => LEGACY_POOL,
+            true => CLUSTER_LEGACY_POOL,
+        }
+    }
+
+    /// A legacy member's STRING key (on a Cluster in its pool's slot).
+    fn legacy_key(&self, order_id: i64) -> String {
+        match self.cluster {
+            false => format!("close_order_{order_id}"),
+            true => format!("{{mq:0}}close_order_{order_id}"),
+        }
     }
 
     fn queues(&self) -> Vec<&'static str> {
@@ -233,7 +308,11 @@ impl Setup {
         }
         if self.legacy {
             a.push("--legacy-pool".into());
-            a.push(format!("{LEGACY_POOL}={LEGACY_EVENT}"));
+            a.push(format!("{}={LEGACY_EVENT}", self.legacy_pool()));
+        }
+        if self.cluster {
+            a.push("--shards".into());
+            a.push(CLUSTER_SHARDS.to_string());
         }
         a
     }
@@ -241,9 +320,13 @@ impl Setup {
 
 impl fmt::Display for Setup {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self.mode {
-            Mode::Stream => write!(f, "stream mode")?,
-            Mode::List => write!(
+        match (self.mode, self.cluster) {
+            (Mode::Stream, true) => write!(
+                f,
+                "a Redis Cluster of 3 masters (a replica each), stream mode with --shards {CLUSTER_SHARDS}"
+            )?,
+            (Mode::Stream, false) => write!(f, "stream mode")?,
+            (Mode::List, _) => write!(
                 f,
                 "list mode (queues {}, the mover feeds {NORMAL})",
                 self.queues().join(",")
@@ -258,7 +341,7 @@ impl fmt::Display for Setup {
             t.join("+")
         )?;
         if self.legacy {
-            write!(f, ", legacy pool {LEGACY_POOL}={LEGACY_EVENT}")?;
+            write!(f, ", legacy pool {}={LEGACY_EVENT}", self.legacy_pool())?;
         }
         if self.flaky {
             write!(
@@ -408,15 +491,39 @@ enum Fault {
     /// A deploy renaming `orders.cancel_reason`, then renaming it back.
     RenameColumn,
     RestoreColumn,
-    WrongType(WrongKey),
-    Restore(WrongKey),
+    /// A key of shard `.1` (0 on one server) of the wrong type, then restored.
+    WrongType(WrongKey, usize),
+    Restore(WrongKey, usize),
+    /// Cluster mode: the master serving a shard stalls (`DEBUG SLEEP`).
+    StallMaster {
+        shard: usize,
+    },
+    /// Cluster mode: a shard's hash slot starts to move (`IMPORTING` on the target,
+    /// `MIGRATING` on its master) to another master (`to`: which of the others, by port),
+    /// for `secs`; its keys move in `steps` steps, then the end moves the rest and gives
+    /// the slot to the target.
+    ReshardBegin {
+        shard: usize,
+        to: usize,
+        steps: usize,
+        secs: f64,
+    },
+    ReshardStep {
+        shard: usize,
+        step: usize,
+        steps: usize,
+    },
+    ReshardEnd {
+        shard: usize,
+    },
 }
 
 impl Fault {
-    fn describe(&self, setup: &Setup, keys: &Keys) -> String {
-        let key = |k: &WrongKey| match k {
-            WrongKey::Dead => setup.dead_key(keys),
-            WrongKey::Data => keys.data.clone(),
+    fn describe(&self, setup: &Setup) -> String {
+        let shards = setup.shard_keys();
+        let key = |k: &WrongKey, shard: &usize| match k {
+            WrongKey::Dead => setup.dead_key(&shards[*shard]),
+            WrongKey::Data => shards[*shard].data.clone(),
         };
         match self {
             Fault::Kill9 {
@@ -439,8 +546,24 @@ impl Fault {
                 "SIGTERM w{slot}, again {:.0}ms later during the drain (exit 130), restart after {restart_after:.2}s",
                 gap * 1000.0
             ),
+            Fault::ClientKill if setup.cluster => {
+                "redis CLIENT KILL TYPE normal on every master".into()
+            }
             Fault::ClientKill => "redis CLIENT KILL TYPE normal".into(),
             Fault::DebugSleep => "redis DEBUG SLEEP 1 (stall)".into(),
+            Fault::StallMaster { shard } => {
+                format!("redis DEBUG SLEEP {CLUSTER_STALL} on the master of shard {shard} (stall)")
+            }
+            Fault::ReshardBegin { shard, to, steps, secs } => format!(
+                "reshard shard {shard}'s slot to the {} other master for {secs:.2}s: IMPORTING, MIGRATING, its keys in {steps} step(s), then the rest and the slot",
+                ["first", "second"][*to]
+            ),
+            Fault::ReshardStep { shard, step, steps } => {
+                format!("reshard of shard {shard}: step {step} of {steps}, keys migrated (its pool first)")
+            }
+            Fault::ReshardEnd { shard } => {
+                format!("reshard of shard {shard} ends: the rest of its keys migrated, the slot given to the new master")
+            }
             Fault::RedisRestart => "redis kill -9 and restart (AOF, appendfsync always)".into(),
             Fault::PgRestart { down } => {
                 format!("postgresql immediate shutdown, down {down:.2}s, restart")
@@ -459,8 +582,8 @@ impl Fault {
             }
             Fault::RenameColumn => "ALTER TABLE orders RENAME cancel_reason (a deploy)".into(),
             Fault::RestoreColumn => "ALTER TABLE orders: cancel_reason back".into(),
-            Fault::WrongType(k) => format!("SET {} to a string (wrong type)", key(k)),
-            Fault::Restore(k) => format!("restore {} (DEL the string, put back what it held)", key(k)),
+            Fault::WrongType(k, i) => format!("SET {} to a string (wrong type)", key(k, i)),
+            Fault::Restore(k, i) => format!("restore {} (DEL the string, put back what it held)", key(k, i)),
         }
     }
 }
@@ -504,7 +627,7 @@ fn r2(x: f64) -> f64 {
 
 /// What `DW_CHAOS_SKIP` may name: the fault kinds, float `ts` (all integer), the flaky
 /// handler, re-pushes of a key after its due time, the workers' shifted clocks.
-const SKIPPABLE: [&str; 19] = [
+const SKIPPABLE: [&str; 20] = [
     "clock",
     "pg-read-only",
     "shop-lock",
@@ -521,6 +644,7 @@ const SKIPPABLE: [&str; 19] = [
     "pg-exhaust",
     "wrong-dead",
     "wrong-data",
+    "reshard",
     "float-ts",
     "flaky",
     "repush",
@@ -537,7 +661,7 @@ impl Fault {
             Fault::Term { .. } => "term",
             Fault::DoubleTerm { .. } => "double-term",
             Fault::ClientKill => "client-kill",
-            Fault::DebugSleep => "debug-sleep",
+            Fault::DebugSleep | Fault::StallMaster { .. } => "debug-sleep",
             Fault::RedisRestart => "redis-restart",
             Fault::PgRestart { .. } => "pg-restart",
             Fault::PgTerminate { .. } => "pg-terminate",
@@ -545,8 +669,11 @@ impl Fault {
             Fault::PgReadOnly | Fault::PgWritable => "pg-read-only",
             Fault::ShopLock { .. } => "shop-lock",
             Fault::RenameColumn | Fault::RestoreColumn => "column",
-            Fault::WrongType(WrongKey::Dead) | Fault::Restore(WrongKey::Dead) => "wrong-dead",
-            Fault::WrongType(WrongKey::Data) | Fault::Restore(WrongKey::Data) => "wrong-data",
+            Fault::WrongType(WrongKey::Dead, _) | Fault::Restore(WrongKey::Dead, _) => "wrong-dead",
+            Fault::WrongType(WrongKey::Data, _) | Fault::Restore(WrongKey::Data, _) => "wrong-data",
+            Fault::ReshardBegin { .. } | Fault::ReshardStep { .. } | Fault::ReshardEnd { .. } => {
+                "reshard"
+            }
         }
     }
 }
@@ -574,6 +701,9 @@ impl Plan {
     fn draw(seed: u64, secs: f64, skip: &[String]) -> Plan {
         let mut rng = fastrand::Rng::with_seed(seed);
         let mut setup = Setup::draw(&mut rng, secs);
+        if Setup::draws_cluster(seed) {
+            setup.on_cluster();
+        }
         let drawn = draw_faults(&mut rng, &setup, secs);
         let (mut msgs, pays) = draw_inputs(&mut rng, &setup, secs, &drawn);
         let skipped = |k: &str| skip.iter().any(|s| s == k);
@@ -632,7 +762,7 @@ impl Plan {
     }
 
     /// The seed, the configuration, the inputs in figures and one line per event.
-    fn describe(&self, keys: &Keys) -> String {
+    fn describe(&self) -> String {
         let mut s = String::new();
         let _ = writeln!(
             s,
@@ -663,7 +793,7 @@ impl Plan {
         let mut events: Vec<(f64, String)> = self
             .faults
             .iter()
-            .map(|(t, f)| (*t, f.describe(&self.setup, keys)))
+            .map(|(t, f)| (*t, f.describe(&self.setup)))
             .collect();
         for m in &self.msgs {
             if let Class::Hostile(h) = m.class {
@@ -690,7 +820,7 @@ impl Plan {
                 .iter()
                 .filter(|m| m.trigger == Some(i) && !matches!(m.class, Class::Hostile(_)))
                 .count();
-            if burst > 0 && matches!(f, Fault::WrongType(_)) {
+            if burst > 0 && matches!(f, Fault::WrongType(..)) {
                 events.push((*t, format!("  with it: {burst} timeouts due at once, the key broken once they are moved")));
             }
         }
@@ -726,6 +856,45 @@ fn draw_faults(rng: &mut fastrand::Rng, setup: &Setup, secs: f64) -> Vec<(f64, F
     let mut forever: Vec<usize> = Vec::new();
     let (mut wrong_busy, mut pg_busy, mut column_busy) = (0.0, 0.0, 0.0);
     let mut out = Vec::new();
+    // Cluster mode: the reshards first, one at a time (one more per 40 s of schedule),
+    // each of a shard drawn, lasting 2 to 6 s: (start, end, shard).
+    let mut reshards: Vec<(f64, f64, usize)> = Vec::new();
+    if setup.cluster {
+        let mut busy = 0.0;
+        for _ in 0..1 + (secs / 40.0) as usize {
+            let t = r2(secs * (0.08 + 0.5 * rng.f64()));
+            let hold = 2.0 + 4.0 * rng.f64();
+            let (shard, to, steps) = (
+                rng.usize(..CLUSTER_SHARDS),
+                rng.usize(..2),
+                rng.usize(1..=3),
+            );
+            if let Some((a, b)) = window(&mut busy, t, hold, end) {
+                out.push((
+                    a,
+                    Fault::ReshardBegin {
+                        shard,
+                        to,
+                        steps,
+                        secs: r2(b - a),
+                    },
+                ));
+                for step in 1..=steps {
+                    let at = r2(a + (b - a) * step as f64 / (steps + 1) as f64);
+                    out.push((at, Fault::ReshardStep { shard, step, steps }));
+                }
+                out.push((b, Fault::ReshardEnd { shard }));
+                reshards.push((a, b, shard));
+            }
+        }
+    }
+    // A stall of Redis: the one server, or the master of a shard drawn.
+    let stall = |rng: &mut fastrand::Rng| match setup.cluster {
+        false => Fault::DebugSleep,
+        true => Fault::StallMaster {
+            shard: rng.usize(..CLUSTER_SHARDS),
+        },
+    };
     for t in times {
         if bag.is_empty() {
             bag = vec![
@@ -746,6 +915,10 @@ fn draw_faults(rng: &mut fastrand::Rng, setup: &Setup, secs: f64) -> Vec<(f64, F
             ];
             if workers > 1 && forever.len() + 1 < workers {
                 bag.push(Kind::Kill9Forever);
+            }
+            if setup.cluster {
+                // Restarting the one server from its AOF: not a Cluster's fault.
+                bag.retain(|k| *k != Kind::RedisRestart);
             }
             rng.shuffle(&mut bag);
         }
@@ -792,7 +965,7 @@ fn draw_faults(rng: &mut fastrand::Rng, setup: &Setup, secs: f64) -> Vec<(f64, F
                 },
             )),
             Kind::ClientKill => out.push((t, Fault::ClientKill)),
-            Kind::DebugSleep => out.push((t, Fault::DebugSleep)),
+            Kind::DebugSleep => out.push((t, stall(rng))),
             Kind::RedisRestart => out.push((t, Fault::RedisRestart)),
             Kind::PgRestart => out.push((
                 t,
@@ -833,7 +1006,7 @@ fn draw_faults(rng: &mut fastrand::Rng, setup: &Setup, secs: f64) -> Vec<(f64, F
                     out.push((a, Fault::RenameColumn));
                     out.push((b, Fault::RestoreColumn));
                 }
-                None => out.push((t, Fault::DebugSleep)),
+                None => out.push((t, stall(rng))),
             },
             Kind::WrongDead | Kind::WrongData => {
                 let k = if kind == Kind::WrongDead {
@@ -843,10 +1016,30 @@ fn draw_faults(rng: &mut fastrand::Rng, setup: &Setup, secs: f64) -> Vec<(f64, F
                 };
                 match window(&mut wrong_busy, t, 1.5 + 2.0 * rng.f64(), end) {
                     Some((a, b)) => {
-                        out.push((a, Fault::WrongType(k)));
-                        out.push((b, Fault::Restore(k)));
+                        // On a Cluster, a shard whose slot is not moving meanwhile (a key
+                        // is restored where it is).
+                        let shard = match setup.cluster {
+                            false => Some(0),
+                            true => {
+                                let free: Vec<usize> = (0..CLUSTER_SHARDS)
+                                    .filter(|&i| {
+                                        !reshards.iter().any(|&(ra, rb, ri)| {
+                                            ri == i && ra < b + 0.5 && a < rb + 0.5
+                                        })
+                                    })
+                                    .collect();
+                                (!free.is_empty()).then(|| free[rng.usize(..free.len())])
+                            }
+                        };
+                        match shard {
+                            Some(i) => {
+                                out.push((a, Fault::WrongType(k, i)));
+                                out.push((b, Fault::Restore(k, i)));
+                            }
+                            None => out.push((t, stall(rng))),
+                        }
                     }
-                    None => out.push((t, Fault::DebugSleep)),
+                    None => out.push((t, stall(rng))),
                 }
             }
         }
@@ -904,18 +1097,18 @@ fn draw_inputs(
         by_id: rng.u32(..100) < 20,
         ..plain(class, order, push_at, due_at)
     };
-    // (fault index, start, end, key) of each wrong-type window.
-    let windows: Vec<(usize, f64, f64, WrongKey)> = faults
+    // (fault index, start, end, key, shard) of each wrong-type window.
+    let windows: Vec<(usize, f64, f64, WrongKey, usize)> = faults
         .iter()
         .enumerate()
         .filter_map(|(i, (t, f))| match f {
-            Fault::WrongType(k) => {
+            Fault::WrongType(k, shard) => {
                 let end = faults
                     .iter()
-                    .find(|(u, g)| *u >= *t && matches!(g, Fault::Restore(j) if j == k))
+                    .find(|(u, g)| *u >= *t && matches!(g, Fault::Restore(j, _) if j == k))
                     .map(|(u, _)| *u)
                     .unwrap_or(*t + 1.0);
-                Some((i, *t, end, *k))
+                Some((i, *t, end, *k, *shard))
             }
             _ => None,
         })
@@ -925,15 +1118,27 @@ fn draw_inputs(
     // A burst the driver pushes, due at once, as it breaks the data key: jobs in flight
     // while it is broken (with the flaky handler their retries go back to the data hash).
     let burst = (n / 20).clamp(50, 200);
-    for &(fi, ws, _, k) in &windows {
+    for &(fi, ws, _, k, shard) in &windows {
         if k != WrongKey::Data {
             continue;
         }
         for o in good.by_ref().take(burst) {
-            msgs.push(MsgPlan {
+            let mut m = MsgPlan {
                 trigger: Some(fi),
                 ..styled(rng, Class::Good, o, ws, 0.0)
-            });
+            };
+            if setup.cluster {
+                // In the shard whose key breaks (a PHP-style key made so): the driver
+                // never pushes into a shard whose slot is moving.
+                let mut h = m.php_key.unwrap_or(0);
+                while delay_worker::keys::shard_of(php_key(o, h).as_bytes(), CLUSTER_SHARDS)
+                    != shard
+                {
+                    h = (h + 1) & 0xffff_ffff_ffff;
+                }
+                m.php_key = Some(h);
+            }
+            msgs.push(m);
         }
     }
     for o in good {
@@ -977,26 +1182,40 @@ fn draw_inputs(
         msgs.push(styled(rng, Class::Direct, o, push_at, push_at));
     }
     // Hostile messages, each naming an order nobody else touches: spread over the run, and
-    // three the driver pushes as it breaks the dead letters' key, due inside the window.
-    let mut hostile_times: Vec<(f64, f64, Option<usize>)> = (0..((secs / 1.2) as usize).max(10))
+    // three the driver pushes as it breaks the dead letters' key, due inside the window:
+    // (push, due, the window's fault and shard).
+    type Hostiles = Vec<(f64, f64, Option<(usize, usize)>)>;
+    let mut hostile_times: Hostiles = (0..((secs / 1.2) as usize).max(10))
         .map(|_| {
             let push = r2(last_push * rng.f64());
             (push, r2(push + 2.0 * rng.f64()), None)
         })
         .collect();
-    for &(fi, ws, we, k) in &windows {
+    for &(fi, ws, we, k, shard) in &windows {
         if k == WrongKey::Dead {
             for _ in 0..3 {
                 let after = r2(0.15 + (we - ws - 0.8).max(0.1) * rng.f64());
-                hostile_times.push((ws, after, Some(fi)));
+                hostile_times.push((ws, after, Some((fi, shard))));
             }
         }
     }
     let first_kind = rng.usize(..HOSTILE.len());
     for (i, (push_at, due_at, trigger)) in hostile_times.into_iter().enumerate() {
         let kind = HOSTILE[(first_kind + i) % HOSTILE.len()];
+        // On a Cluster one the driver pushes goes to the shard whose key breaks (never one
+        // whose slot is moving): an id of its own that puts its key there.
+        let id = match trigger {
+            Some((_, shard)) if setup.cluster => (1_000_000_000 + 1000 * i..)
+                .find(|&id| {
+                    delay_worker::keys::shard_of(hostile_key(id).as_bytes(), CLUSTER_SHARDS)
+                        == shard
+                })
+                .unwrap(),
+            _ => i,
+        };
+        let trigger = trigger.map(|(fi, _)| fi);
         msgs.push(MsgPlan {
-            id: i,
+            id,
             // Milliseconds when pushed by the driver: due inside the window, not at a
             // whole second that may fall after it.
             secs_score: trigger.is_none() && rng.bool(),
@@ -1044,7 +1263,10 @@ fn draw_inputs(
 struct Ctx<'a> {
     plan: &'a Plan,
     orders: &'a [SeedOrder],
-    keys: Keys,
+    /// The key sets the workers serve: one, or each shard's (cluster mode).
+    shards: Vec<Keys>,
+    /// Cluster mode: the cluster (its masters, for the faults that aim at one).
+    cluster: Option<&'a Cluster>,
     redis_url: String,
     db_url: String,
     start: Instant,
@@ -1103,16 +1325,35 @@ impl Ctx<'_> {
         &self.orders[m.order]
     }
 
+    /// The shard of a job key (0 on one server).
+    fn shard_of(&self, key: &str) -> usize {
+        delay_worker::keys::shard_of(key.as_bytes(), self.shards.len())
+    }
+
+    /// The key set a job key's push goes to.
+    fn keys_for(&self, key: &str) -> &Keys {
+        &self.shards[self.shard_of(key)]
+    }
+
+    /// The shard a message is pushed into: its key's, or shard 0's for a legacy member
+    /// (its pool carries shard 0's tag).
+    fn shard_of_msg(&self, m: &MsgPlan) -> usize {
+        match (m.class, self.key_of(m)) {
+            (Class::Legacy { .. }, _) | (_, None) => 0,
+            (_, Some(k)) => self.shard_of(&k),
+        }
+    }
+
     /// The job key of a message (direct LPUSHes: from their bytes, see `direct_key`).
     fn key_of(&self, m: &MsgPlan) -> Option<String> {
         let o = self.order(m);
         Some(match m.class {
             Class::Good | Class::Far => match m.php_key {
-                Some(h) => format!("{}:{h:012x}", 1_768_764_300 + m.order),
+                Some(h) => php_key(m.order, h),
                 None => format!("order.timeout:{}", o.order_no),
             },
-            Class::Legacy { .. } => format!("close_order_{}", o.id),
-            Class::Hostile(_) => format!("chaos:hostile:{}", m.id),
+            Class::Legacy { .. } => self.plan.setup.legacy_key(o.id),
+            Class::Hostile(_) => hostile_key(m.id),
             Class::Direct => return None,
         })
     }
@@ -1175,13 +1416,31 @@ impl Ctx<'_> {
     }
 }
 
+/// A PHP producer's random job key (`<secs>:<12 hex>`) for an order.
+fn php_key(order: usize, h: u64) -> String {
+    format!("{}:{h:012x}", 1_768_764_300 + order)
+}
+
+fn hostile_key(id: usize) -> String {
+    format!("chaos:hostile:{id}")
+}
+
 fn direct_key(body: &[u8]) -> String {
     format!("{HIGH}:sha1:{}", sha1_smol::Sha1::from(body).digest())
 }
 
-/// A Redis connection with timeouts, so no call of the test can hang.
-fn rcon(url: &str) -> redis::RedisResult<redis::Connection> {
-    let c = redis::Client::open(url)?.get_connection_with_timeout(Duration::from_secs(2))?;
+/// A Redis connection with timeouts, so no call of the test can hang: to the one server,
+/// or to the cluster (each command routed by its key, as the worker's own connections).
+fn rcon(url: &str) -> redis::RedisResult<Con> {
+    let redis = delay_worker::store::Redis::open(url, None)
+        .map_err(|e| redis::RedisError::from((redis::ErrorKind::Client, "url", e.0)))?;
+    redis.connect_within(Duration::from_secs(2), Duration::from_secs(10))
+}
+
+/// A plain connection to the server on `port` (a master of the cluster), with timeouts.
+fn node_con(port: u16) -> redis::RedisResult<redis::Connection> {
+    let c = redis::Client::open(format!("redis://127.0.0.1:{port}/"))?
+        .get_connection_with_timeout(Duration::from_secs(2))?;
     c.set_read_timeout(Some(Duration::from_secs(10)))?;
     c.set_write_timeout(Some(Duration::from_secs(10)))?;
     Ok(c)
@@ -1237,7 +1496,8 @@ struct PushRec {
     existed: bool,
     /// A reply was lost and the push sent again: the first may have landed too.
     uncertain: bool,
-    /// Refusals by the server (WRONGTYPE while the data key was broken, LOADING, ...).
+    /// Refusals by the server (WRONGTYPE while the data key was broken, LOADING, TRYAGAIN
+    /// while its shard's slot moved, ...).
     refused: u32,
     at: f64,
     /// When the push that landed was sent, and when its message is due (unix ms).
@@ -1251,12 +1511,14 @@ struct Inputs {
     problems: Vec<String>,
 }
 
-/// The producer: pushes each message at its time, the way PHP would, retrying through
-/// outages until it lands. (Messages of a fault are the driver's.)
-fn run_inputs(ctx: &Ctx) -> Inputs {
+/// The producer of one shard (of the one key set on one server): pushes each of its
+/// messages at its time, the way PHP would, retrying through outages until it lands, so a
+/// shard whose slot moves holds back only its own pushes. (Messages of a fault are the
+/// driver's.)
+fn run_inputs(ctx: &Ctx, shard: usize) -> Inputs {
     let mut p = Producer::default();
     for (i, m) in ctx.plan.msgs.iter().enumerate() {
-        if m.trigger.is_some() {
+        if m.trigger.is_some() || ctx.shard_of_msg(m) != shard {
             continue;
         }
         if !ctx.wait_for(m.push_at) {
@@ -1273,7 +1535,7 @@ fn run_inputs(ctx: &Ctx) -> Inputs {
 
 #[derive(Default)]
 struct Producer {
-    con: Option<redis::Connection>,
+    con: Option<Con>,
     /// The last `ts` (whole seconds) of each key.
     last_ts: HashMap<String, i64>,
     out: Inputs,
@@ -1327,7 +1589,7 @@ impl Producer {
                     .arg(ctx.order(m).id)
                     .ignore()
                     .cmd("ZADD")
-                    .arg(LEGACY_POOL)
+                    .arg(ctx.plan.setup.legacy_pool())
                     .arg(score)
                     .arg(&key)
                     .query::<(i64,)>(c)
@@ -1340,15 +1602,17 @@ impl Producer {
                     .map(|_| false)
                     .map_err(|e| maybe_ran(&e)),
                 // The store's push: a key of the wrong type is refused, nothing written.
-                _ => delay_worker::store::push(c, &ctx.keys, &key, &body, score).map_err(|e| {
-                    use delay_worker::store::StoreError;
-                    match e {
-                        StoreError::Connection { source, .. }
-                        | StoreError::Moving { source, .. }
-                        | StoreError::Refused { source, .. } => maybe_ran(&source),
-                        StoreError::WrongType { .. } => false,
-                    }
-                }),
+                _ => delay_worker::store::push(c, ctx.keys_for(&key), &key, &body, score).map_err(
+                    |e| {
+                        use delay_worker::store::StoreError;
+                        match e {
+                            StoreError::Connection { source, .. }
+                            | StoreError::Moving { source, .. }
+                            | StoreError::Refused { source, .. } => maybe_ran(&source),
+                            StoreError::WrongType { .. } => false,
+                        }
+                    },
+                ),
             };
             match r {
                 Ok(existed) => break Some(existed),
@@ -1889,7 +2153,7 @@ impl Drop for Workers<'_> {
 /// idempotent or harmless to repeat).
 fn redis_op<T>(
     ctx: &Ctx,
-    mut f: impl FnMut(&mut redis::Connection) -> redis::RedisResult<T>,
+    mut f: impl FnMut(&mut Con) -> redis::RedisResult<T>,
 ) -> Result<T, String> {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
@@ -1903,19 +2167,21 @@ fn redis_op<T>(
     }
 }
 
-fn wrong_key_name(ctx: &Ctx, k: WrongKey) -> String {
+fn wrong_key_name(ctx: &Ctx, k: WrongKey, shard: usize) -> String {
     match k {
-        WrongKey::Dead => ctx.plan.setup.dead_key(&ctx.keys),
-        WrongKey::Data => ctx.keys.data.clone(),
+        WrongKey::Dead => ctx.plan.setup.dead_key(&ctx.shards[shard]),
+        WrongKey::Data => ctx.shards[shard].data.clone(),
     }
 }
 
+/// Where a broken key's value waits (on a Cluster in the key's slot: its hash tag is the
+/// key's).
 fn stash(key: &str) -> String {
     format!("chaos:stash:{key}")
 }
 
-fn restore(ctx: &Ctx, k: WrongKey) -> String {
-    let key = wrong_key_name(ctx, k);
+fn restore(ctx: &Ctx, k: WrongKey, shard: usize) -> String {
+    let key = wrong_key_name(ctx, k, shard);
     match redis_op(ctx, |c| RESTORE.key(&key).key(stash(&key)).invoke::<i64>(c)) {
         Ok(_) => "restored".into(),
         Err(e) => e,
@@ -2038,11 +2304,46 @@ fn debug_sleep(ctx: &Ctx) -> String {
     }
 }
 
+/// The port of the master serving a shard's slot now.
+fn master_of_shard(ctx: &Ctx, shard: usize) -> u16 {
+    let cluster = ctx.cluster.expect("cluster mode");
+    cluster.master_serving(delay_worker::keys::slot(&ctx.shards[shard].pool))
+}
+
+/// Cluster mode: the master of a shard stalls.
+fn stall_master(ctx: &Ctx, shard: usize) -> String {
+    let port = master_of_shard(ctx, shard);
+    match node_con(port).and_then(|mut c| {
+        redis::cmd("DEBUG")
+            .arg("SLEEP")
+            .arg(CLUSTER_STALL)
+            .query::<()>(&mut c)
+    }) {
+        Ok(()) => format!("{port} stalled {CLUSTER_STALL}s"),
+        Err(e) => format!("{port} failed: {e}"),
+    }
+}
+
+/// A reshard under way: the shard, its slot, and the masters it moves between.
+#[derive(Clone, Copy)]
+struct Reshard {
+    shard: usize,
+    slot: u16,
+    from: u16,
+    to: u16,
+    /// Keys migrated so far, and in how many MIGRATE steps.
+    moved: usize,
+    steps: usize,
+}
+
 /// Runs the faults and keeps what a window holds open (connections, broken keys).
 struct Driver<'a> {
     ctx: &'a Ctx<'a>,
     hog: Vec<postgres::Client>,
-    broken: Vec<WrongKey>,
+    broken: Vec<(WrongKey, usize)>,
+    reshard: Option<Reshard>,
+    /// Each reshard done, in a few words (for the summary).
+    resharded: Vec<String>,
     /// Pushes the messages that belong to a fault.
     producer: Producer,
 }
@@ -2052,7 +2353,7 @@ impl Driver<'_> {
         &mut self,
         i: usize,
         f: &Fault,
-        env: &mut Env,
+        redis: Option<&mut RedisServer>,
         pg: &PgServer,
         workers: &mut Workers,
     ) {
@@ -2060,7 +2361,7 @@ impl Driver<'_> {
         // run on threads of `run_seed`, so the schedule keeps its times.)
         let ctx = self.ctx;
         let began = ctx.now();
-        let what = f.describe(&ctx.plan.setup, &ctx.keys);
+        let what = f.describe(&ctx.plan.setup);
         let note = match f {
             Fault::Kill9 {
                 slot,
@@ -2075,6 +2376,7 @@ impl Driver<'_> {
                 gap,
                 restart_after,
             } => workers.term(*slot, Some(*gap), *restart_after),
+            Fault::ClientKill if ctx.cluster.is_some() => client_kill_masters(ctx),
             Fault::ClientKill => redis_op(ctx, |c| {
                 redis::cmd("CLIENT")
                     .arg("KILL")
@@ -2085,12 +2387,18 @@ impl Driver<'_> {
             .map(|n| format!("{n} connections killed"))
             .unwrap_or_else(|e| e),
             Fault::RedisRestart => {
-                env.redis.restart();
+                redis.expect("one Redis server").restart();
                 "back".into()
             }
-            Fault::DebugSleep | Fault::PgRestart { .. } | Fault::PgTerminate { .. } => {
+            Fault::DebugSleep
+            | Fault::StallMaster { .. }
+            | Fault::PgRestart { .. }
+            | Fault::PgTerminate { .. } => {
                 unreachable!("run on a thread of run_seed")
             }
+            Fault::ReshardBegin { shard, to, .. } => self.reshard_begin(*shard, *to),
+            Fault::ReshardStep { step, steps, .. } => self.reshard_step(*step, *steps),
+            Fault::ReshardEnd { .. } => self.reshard_end(),
             Fault::PgExhaust => {
                 let (hog, note) = exhaust(&pg.url);
                 self.hog = hog;
@@ -2118,10 +2426,10 @@ impl Driver<'_> {
             Fault::RenameColumn | Fault::RestoreColumn | Fault::ShopLock { .. } => {
                 unreachable!("run on a thread of run_seed")
             }
-            Fault::WrongType(k) => self.break_key(i, *k),
-            Fault::Restore(k) => {
-                self.broken.retain(|b| b != k);
-                restore(ctx, *k)
+            Fault::WrongType(k, shard) => self.break_key(i, *k, *shard),
+            Fault::Restore(k, shard) => {
+                self.broken.retain(|b| *b != (*k, *shard));
+                restore(ctx, *k, *shard)
             }
         };
         ctx.note_at(began, format!("{what}: {note} ({:.2}s)", ctx.now() - began));
@@ -2129,9 +2437,9 @@ impl Driver<'_> {
 
     /// Breaks a key, with the messages of the fault: hostile ones due inside the window
     /// (dead key), or a burst in flight when it breaks (data key).
-    fn break_key(&mut self, i: usize, k: WrongKey) -> String {
+    fn break_key(&mut self, i: usize, k: WrongKey, shard: usize) -> String {
         let ctx = self.ctx;
-        let key = wrong_key_name(ctx, k);
+        let key = wrong_key_name(ctx, k, shard);
         let mine: Vec<usize> = (0..ctx.plan.msgs.len())
             .filter(|&m| ctx.plan.msgs[m].trigger == Some(i))
             .collect();
@@ -2140,17 +2448,20 @@ impl Driver<'_> {
             for &m in &mine {
                 self.producer.push(ctx, m, delay_worker::now_ms());
             }
-            // Once moved (the mover reads the data hash) they are in flight.
+            // Once moved (the mover reads the data hash) they are in flight. (On a Cluster
+            // those of the shard whose key breaks; the others may be in a shard whose slot
+            // is moving.)
             let keys: Vec<String> = self.producer.out.recs[first..]
                 .iter()
                 .map(|r| r.key.clone())
+                .filter(|k| ctx.shard_of(k) == shard)
                 .collect();
             let deadline = Instant::now() + Duration::from_secs(3);
             while Instant::now() < deadline {
                 let left = rcon(&ctx.redis_url).and_then(|mut c| {
                     let mut p = redis::pipe();
                     for k in &keys {
-                        p.cmd("ZSCORE").arg(&ctx.keys.pool).arg(k);
+                        p.cmd("ZSCORE").arg(&ctx.keys_for(k).pool).arg(k);
                     }
                     p.query::<Vec<Option<f64>>>(&mut c)
                 });
@@ -2160,7 +2471,7 @@ impl Driver<'_> {
                 std::thread::sleep(Duration::from_millis(10));
             }
         }
-        self.broken.push(k);
+        self.broken.push((k, shard));
         let mut note = redis_op(ctx, |c| {
             BREAK
                 .key(&key)
@@ -2186,13 +2497,100 @@ impl Driver<'_> {
         note
     }
 
+    /// Cluster mode: a shard's slot starts to move to another master (`to`: which of the
+    /// others, by port).
+    fn reshard_begin(&mut self, shard: usize, to: usize) -> String {
+        let ctx = self.ctx;
+        let cluster = ctx.cluster.expect("cluster mode");
+        if let Some(r) = self.reshard {
+            return format!("skipped: shard {}'s reshard is under way", r.shard);
+        }
+        let slot = delay_worker::keys::slot(&ctx.shards[shard].pool);
+        let from = cluster.master_serving(slot);
+        let mut others: Vec<u16> = cluster
+            .masters()
+            .into_iter()
+            .filter(|&p| p != from)
+            .collect();
+        others.sort_unstable();
+        let to = others[to % others.len()];
+        cluster.begin_reshard(slot, from, to);
+        self.reshard = Some(Reshard {
+            shard,
+            slot,
+            from,
+            to,
+            moved: 0,
+            steps: 0,
+        });
+        format!("slot {slot} MIGRATING on {from}, IMPORTING on {to}")
+    }
+
+    /// Cluster mode: a share of the moving slot's keys (the shard's pool first), so that
+    /// its scripts meet their keys on both masters (`TRYAGAIN`), or only on the new one
+    /// (`ASK`).
+    fn reshard_step(&mut self, step: usize, steps: usize) -> String {
+        let ctx = self.ctx;
+        let cluster = ctx.cluster.expect("cluster mode");
+        let Some(r) = self.reshard else {
+            return "skipped: no reshard under way".into();
+        };
+        let k = &ctx.shards[r.shard];
+        let first = [
+            &k.pool, &k.data, &k.jobs, &k.stream, &k.dead, &k.moved, &k.letters,
+        ];
+        let mut keys = cluster.keys_in_slot(r.from, r.slot, 1_000_000);
+        keys.sort_by_key(|key| {
+            (
+                first.iter().position(|f| *f == key).unwrap_or(first.len()),
+                key.clone(),
+            )
+        });
+        // This step's share of what is left: the end moves the last share.
+        let n = keys.len().div_ceil(steps - step + 2);
+        for chunk in keys[..n].chunks(500) {
+            cluster.migrate_keys(r.from, r.to, chunk);
+        }
+        if let Some(r) = self.reshard.as_mut() {
+            r.moved += n;
+            r.steps += 1;
+        }
+        format!(
+            "{n} of {} keys migrated{}",
+            keys.len(),
+            keys.first()
+                .map(|k| format!(" (first {k})"))
+                .unwrap_or_default()
+        )
+    }
+
+    /// Cluster mode: the rest of the slot's keys move and the new master serves it.
+    fn reshard_end(&mut self) -> String {
+        let cluster = self.ctx.cluster.expect("cluster mode");
+        let Some(r) = self.reshard.take() else {
+            return "skipped: no reshard under way".into();
+        };
+        let left = cluster.keys_in_slot(r.from, r.slot, 1_000_000).len();
+        cluster.end_reshard(r.slot, r.from, r.to);
+        self.resharded.push(format!(
+            "shard {} (slot {}, {} to {}: {} keys, {} step(s) while the workers ran, then {left})",
+            r.shard, r.slot, r.from, r.to, r.moved, r.steps
+        ));
+        format!("{left} keys migrated, slot {} served by {}", r.slot, r.to)
+    }
+
     /// Whatever the schedule left open is closed (it normally closes everything itself).
     fn close(&mut self) {
-        for k in std::mem::take(&mut self.broken) {
-            let note = restore(self.ctx, k);
+        if let Some(r) = self.reshard {
+            let note = self.reshard_end();
+            self.ctx
+                .note(format!("end: the reshard of shard {}: {note}", r.shard));
+        }
+        for (k, shard) in std::mem::take(&mut self.broken) {
+            let note = restore(self.ctx, k, shard);
             self.ctx.note(format!(
                 "end: restore {}: {note}",
-                wrong_key_name(self.ctx, k)
+                wrong_key_name(self.ctx, k, shard)
             ));
         }
         if !self.hog.is_empty() {
@@ -2201,6 +2599,28 @@ impl Driver<'_> {
             self.hog.clear();
         }
     }
+}
+
+/// Cluster mode: `CLIENT KILL TYPE normal` on every master.
+fn client_kill_masters(ctx: &Ctx) -> String {
+    let cluster = ctx.cluster.expect("cluster mode");
+    let notes: Vec<String> = cluster
+        .masters()
+        .into_iter()
+        .map(|port| {
+            match node_con(port).and_then(|mut c| {
+                redis::cmd("CLIENT")
+                    .arg("KILL")
+                    .arg("TYPE")
+                    .arg("normal")
+                    .query::<i64>(&mut c)
+            }) {
+                Ok(n) => format!("{port}: {n}"),
+                Err(e) => format!("{port}: failed: {e}"),
+            }
+        })
+        .collect();
+    format!("connections killed: {}", notes.join(", "))
 }
 
 /// Sets the abort flag when the driver unwinds, so the input threads stop at once.
@@ -2240,7 +2660,7 @@ fn due_ms(score: f64) -> f64 {
     }
 }
 
-fn xpending(con: &mut redis::Connection, keys: &Keys) -> redis::RedisResult<i64> {
+fn xpending(con: &mut dyn redis::ConnectionLike, keys: &Keys) -> redis::RedisResult<i64> {
     let v: Value = redis::cmd("XPENDING")
         .arg(&keys.stream)
         .arg(&keys.group)
@@ -2255,7 +2675,10 @@ fn xpending(con: &mut redis::Connection, keys: &Keys) -> redis::RedisResult<i64>
 }
 
 /// The stream's entries not yet delivered to the group, described; `None` if none.
-fn undelivered(con: &mut redis::Connection, keys: &Keys) -> redis::RedisResult<Option<String>> {
+fn undelivered(
+    con: &mut dyn redis::ConnectionLike,
+    keys: &Keys,
+) -> redis::RedisResult<Option<String>> {
     let stream: Value = redis::cmd("XINFO")
         .arg("STREAM")
         .arg(&keys.stream)
@@ -2283,7 +2706,7 @@ fn undelivered(con: &mut redis::Connection, keys: &Keys) -> redis::RedisResult<O
     }))
 }
 
-fn llen(con: &mut redis::Connection, key: &str) -> redis::RedisResult<i64> {
+fn llen(con: &mut dyn redis::ConnectionLike, key: &str) -> redis::RedisResult<i64> {
     redis::cmd("LLEN").arg(key).query(con)
 }
 
@@ -2301,29 +2724,45 @@ fn list_keys(ctx: &Ctx) -> Vec<String> {
 
 /// What is still moving: due members (or retries) in a pool, undelivered or pending stream
 /// entries, messages on a queue or held in a processing list. Empty: quiescent.
-fn in_flight(ctx: &Ctx, con: &mut redis::Connection) -> redis::RedisResult<Vec<String>> {
+fn in_flight(ctx: &Ctx, con: &mut Con) -> redis::RedisResult<Vec<String>> {
     let mut busy = Vec::new();
     let horizon = (ctx.start_ms + (FAR_SECS - 600) * 1000) as f64;
-    for pool in [ctx.keys.pool.as_str(), LEGACY_POOL] {
+    let pools = ctx.shards.iter().map(|k| k.pool.as_str());
+    for pool in pools.chain([ctx.plan.setup.legacy_pool()]) {
         let members: Vec<(Vec<u8>, f64)> = redis::cmd("ZRANGE")
             .arg(pool)
             .arg(0)
             .arg(-1)
             .arg("WITHSCORES")
             .query(con)?;
-        let due = members.iter().filter(|(_, s)| due_ms(*s) < horizon).count();
-        if due > 0 {
-            busy.push(format!("{due} due or retrying in {pool}"));
+        let due: Vec<f64> = members
+            .iter()
+            .map(|(_, s)| due_ms(*s))
+            .filter(|d| *d < horizon)
+            .collect();
+        if !due.is_empty() {
+            let last = due.iter().copied().fold(f64::MIN, f64::max);
+            busy.push(format!(
+                "{} due or retrying in {pool} (the last due in {:.1}s)",
+                due.len(),
+                (last - delay_worker::now_ms() as f64) / 1000.0
+            ));
         }
     }
     match ctx.plan.setup.mode {
         Mode::Stream => {
-            let pending = xpending(con, &ctx.keys)?;
-            if pending > 0 {
-                busy.push(format!("{pending} pending"));
-            }
-            if let Some(u) = undelivered(con, &ctx.keys)? {
-                busy.push(u);
+            for keys in &ctx.shards {
+                let pending = xpending(con, keys)?;
+                let of = match ctx.shards.len() {
+                    1 => String::new(),
+                    _ => format!(" in {}", keys.stream),
+                };
+                if pending > 0 {
+                    busy.push(format!("{pending} pending{of}"));
+                }
+                if let Some(u) = undelivered(con, keys)? {
+                    busy.push(format!("{u}{of}"));
+                }
             }
         }
         Mode::List => {
@@ -2365,7 +2804,6 @@ struct Books {
 fn read_books(ctx: &Ctx, db: &TestDb) -> Books {
     let mut con = rcon(&ctx.redis_url).expect("redis at the end");
     let mut pg = db.client();
-    let keys = &ctx.keys;
     let mut inbox = HashMap::new();
     for r in pg
         .query(
@@ -2384,7 +2822,7 @@ fn read_books(ctx: &Ctx, db: &TestDb) -> Books {
     {
         statuses.insert(r.get::<_, i64>(0), (r.get(1), r.get(2)));
     }
-    let zset = |con: &mut redis::Connection, key: &str| -> HashMap<String, f64> {
+    let zset = |con: &mut Con, key: &str| -> HashMap<String, f64> {
         let v: Vec<(Vec<u8>, f64)> = redis::cmd("ZRANGE")
             .arg(key)
             .arg(0)
@@ -2396,54 +2834,74 @@ fn read_books(ctx: &Ctx, db: &TestDb) -> Books {
             .map(|(m, s)| (String::from_utf8_lossy(&m).into_owned(), s))
             .collect()
     };
-    let pool = zset(&mut con, &keys.pool);
-    let legacy_pool = zset(&mut con, LEGACY_POOL);
-    let data: Vec<Vec<u8>> = redis::cmd("HKEYS").arg(&keys.data).query(&mut con).unwrap();
-    let data_keys = data
-        .iter()
-        .map(|k| String::from_utf8_lossy(k).into_owned())
-        .collect();
+    // Each shard's keys where they live now (after any reshard), through the cluster's
+    // routing: a job key is in one shard's pool and data.
+    let mut pool = HashMap::new();
+    let mut data_keys = HashSet::new();
+    for keys in &ctx.shards {
+        pool.extend(zset(&mut con, &keys.pool));
+        let data: Vec<Vec<u8>> = redis::cmd("HKEYS").arg(&keys.data).query(&mut con).unwrap();
+        data_keys.extend(data.iter().map(|k| String::from_utf8_lossy(k).into_owned()));
+    }
+    let legacy_pool = zset(&mut con, ctx.plan.setup.legacy_pool());
     let mut dead = Vec::new();
     let (mut pending, mut undel, mut stream_len, mut lists, mut deliveries) =
-        (0, None, 0, Vec::new(), 0);
+        (0, None::<String>, 0, Vec::new(), 0);
     match ctx.plan.setup.mode {
         Mode::Stream => {
-            let v: Value = redis::cmd("XRANGE")
-                .arg(&keys.dead)
-                .arg("-")
-                .arg("+")
-                .query(&mut con)
-                .unwrap();
-            if let Value::Array(entries) = v {
-                for e in entries {
-                    let Value::Array(pair) = e else { continue };
-                    let Some(Value::Array(f)) = pair.get(1) else {
-                        continue;
-                    };
-                    let mut fields: HashMap<String, Vec<u8>> = HashMap::new();
-                    for c in f.chunks(2) {
-                        if let [k, Value::BulkString(b)] = c {
-                            fields.insert(vtext(k), b.clone());
+            for keys in &ctx.shards {
+                let v: Value = redis::cmd("XRANGE")
+                    .arg(&keys.dead)
+                    .arg("-")
+                    .arg("+")
+                    .query(&mut con)
+                    .unwrap();
+                if let Value::Array(entries) = v {
+                    for e in entries {
+                        let Value::Array(pair) = e else { continue };
+                        let Some(Value::Array(f)) = pair.get(1) else {
+                            continue;
+                        };
+                        let mut fields: HashMap<String, Vec<u8>> = HashMap::new();
+                        for c in f.chunks(2) {
+                            if let [k, Value::BulkString(b)] = c {
+                                fields.insert(vtext(k), b.clone());
+                            }
                         }
+                        let s = |k: &str| {
+                            String::from_utf8_lossy(fields.get(k).map(Vec::as_slice).unwrap_or(b""))
+                                .into_owned()
+                        };
+                        dead.push(DeadLetter {
+                            key: s("key"),
+                            reason: s("reason"),
+                            raw: fields.get("msg").cloned().unwrap_or_default(),
+                            place: format!("{} {}", keys.dead, vtext(&pair[0])),
+                        });
                     }
-                    let s = |k: &str| {
-                        String::from_utf8_lossy(fields.get(k).map(Vec::as_slice).unwrap_or(b""))
-                            .into_owned()
+                }
+                let p = xpending(&mut con, keys).unwrap_or(-1);
+                pending = if p < 0 || pending < 0 {
+                    -1
+                } else {
+                    pending + p
+                };
+                let u = undelivered(&mut con, keys).unwrap_or_else(|e| Some(e.to_string()));
+                if let Some(u) = u {
+                    let u = match ctx.shards.len() {
+                        1 => u,
+                        _ => format!("{}: {u}", keys.stream),
                     };
-                    dead.push(DeadLetter {
-                        key: s("key"),
-                        reason: s("reason"),
-                        raw: fields.get("msg").cloned().unwrap_or_default(),
-                        place: format!("{} {}", keys.dead, vtext(&pair[0])),
+                    undel = Some(match undel {
+                        Some(before) => format!("{before}; {u}"),
+                        None => u,
                     });
                 }
+                stream_len += redis::cmd("XLEN")
+                    .arg(&keys.stream)
+                    .query::<i64>(&mut con)
+                    .unwrap();
             }
-            pending = xpending(&mut con, keys).unwrap_or(-1);
-            undel = undelivered(&mut con, keys).unwrap_or_else(|e| Some(e.to_string()));
-            stream_len = redis::cmd("XLEN")
-                .arg(&keys.stream)
-                .query(&mut con)
-                .unwrap();
         }
         Mode::List => {
             for q in ctx.plan.setup.queues() {
@@ -2980,7 +3438,7 @@ fn oracle(
         .count();
     let reasons: Vec<String> = reasons.iter().map(|(r, n)| format!("{n}× {r}")).collect();
     let line = format!(
-        "{} keys pushed ({} pushes, {} with a lost reply, {} refused while a key was broken); {done} jobs done, {dead_ok} dead letters for {hostile} hostile messages, {scheduled} still scheduled; orders: {} cancelled, {} paid, {} pending. Dead-letter reasons: {}",
+        "{} keys pushed ({} pushes, {} with a lost reply, {} refused while a key was broken or a slot moved); {done} jobs done, {dead_ok} dead letters for {hostile} hostile messages, {scheduled} still scheduled; orders: {} cancelled, {} paid, {} pending. Dead-letter reasons: {}",
         exp.len(),
         recs.len(),
         recs.iter().filter(|r| r.uncertain).count(),
@@ -3009,8 +3467,7 @@ fn log_dir(seed: u64) -> PathBuf {
 fn run_seed(seed: u64, secs: f64) -> Result<String, String> {
     let began = Instant::now();
     let plan = Plan::draw(seed, secs, &skip_list());
-    let keys = Keys::default();
-    let described = plan.describe(&keys);
+    let described = plan.describe();
     println!("{described}");
     let dir = log_dir(seed);
 
@@ -3019,14 +3476,29 @@ fn run_seed(seed: u64, secs: f64) -> Result<String, String> {
         "-c superuser_reserved_connections=0",
     ]);
     let db = pg.db();
-    let redis = RedisServer::start_with(&[
-        "--appendonly",
-        "yes",
-        "--appendfsync",
-        "always",
-        "--enable-debug-command",
-        "local",
-    ]);
+    // One server (AOF, restarted by a fault), or a Cluster whose masters may be stalled.
+    let (mut redis, cluster) = match plan.setup.cluster {
+        false => (
+            Some(RedisServer::start_with(&[
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "always",
+                "--enable-debug-command",
+                "local",
+            ])),
+            None,
+        ),
+        true => (
+            None,
+            Some(Cluster::start_with(&["--enable-debug-command", "local"])),
+        ),
+    };
+    let redis_url = match (&redis, &cluster) {
+        (Some(r), _) => r.url(),
+        (_, Some(c)) => c.url(),
+        _ => unreachable!(),
+    };
     let handlers = plan.setup.flaky.then(|| {
         db.client()
             .batch_execute(&format!(
@@ -3054,14 +3526,13 @@ fn run_seed(seed: u64, secs: f64) -> Result<String, String> {
     let before_orders: Vec<SeedOrder> = before.iter().map(|p| orders[p.1].clone()).collect();
     pay(&db, &before_orders);
     let mut paid: HashSet<usize> = before.iter().map(|p| p.1).collect();
-    let config = Config::new(&redis.url(), &db.url);
-    let mut env = Env { redis, db, config };
     let ctx = Ctx {
         plan: &plan,
         orders: &orders,
-        keys,
-        redis_url: env.redis.url(),
-        db_url: env.db.url.clone(),
+        shards: plan.setup.shard_keys(),
+        cluster: cluster.as_ref(),
+        redis_url,
+        db_url: db.url.clone(),
         start: Instant::now(),
         start_ms: delay_worker::now_ms(),
         abort: AtomicBool::new(false),
@@ -3082,11 +3553,15 @@ fn run_seed(seed: u64, secs: f64) -> Result<String, String> {
         ctx,
         hog: Vec::new(),
         broken: Vec::new(),
+        reshard: None,
+        resharded: Vec::new(),
         producer: Producer::default(),
     };
     let pg = &pg;
     let (mut inputs, paid_during, pay_problems) = std::thread::scope(|s| {
-        let inputs = s.spawn(|| run_inputs(ctx));
+        let inputs: Vec<_> = (0..ctx.shards.len())
+            .map(|shard| s.spawn(move || run_inputs(ctx, shard)))
+            .collect();
         let payer = s.spawn(|| {
             let mut problems = Vec::new();
             let paid = run_pays(ctx, &during, &mut problems);
@@ -3097,10 +3572,15 @@ fn run_seed(seed: u64, secs: f64) -> Result<String, String> {
         for (i, (t, f)) in plan.faults.iter().enumerate() {
             workers.supervise_until(ctx.at(*t));
             let began = ctx.now();
-            let what = f.describe(&plan.setup, &ctx.keys);
+            let what = f.describe(&plan.setup);
             match *f {
                 Fault::DebugSleep => {
                     s.spawn(move || ctx.note_at(began, format!("{what}: {}", debug_sleep(ctx))));
+                }
+                Fault::StallMaster { shard } => {
+                    s.spawn(move || {
+                        ctx.note_at(began, format!("{what}: {}", stall_master(ctx, shard)))
+                    });
                 }
                 Fault::ShopLock { table, at, secs } => {
                     s.spawn(move || {
@@ -3143,13 +3623,19 @@ fn run_seed(seed: u64, secs: f64) -> Result<String, String> {
                         ctx.note_at(began, format!("{what}: back ({:.2}s)", ctx.now() - began));
                     }));
                 }
-                _ => driver.execute(i, f, &mut env, pg, &mut workers),
+                _ => driver.execute(i, f, redis.as_mut(), pg, &mut workers),
             }
         }
         workers.supervise_until(ctx.at(plan.secs));
         driver.close();
         ctx.note("schedule over: faults stopped");
-        let inputs = inputs.join().expect("the producer thread panicked");
+        let mut all = Inputs::default();
+        for h in inputs {
+            let mut one = h.join().expect("a producer thread panicked");
+            all.recs.append(&mut one.recs);
+            all.problems.append(&mut one.problems);
+        }
+        let inputs = all;
         let (paid, problems) = payer.join().expect("the payer thread panicked");
         (inputs, paid, problems)
     });
@@ -3161,7 +3647,9 @@ fn run_seed(seed: u64, secs: f64) -> Result<String, String> {
 
     // Drain: every non-dead worker back, until nothing is due, delivered or held.
     workers.revive_all();
-    let drain_began = Instant::now();
+    let (schedule_over, drain_began) = (ctx.now(), Instant::now());
+    // What the drain still waited on 10 s in, if it did (said in the summary).
+    let mut slow_drain = String::new();
     let stuck = loop {
         workers.supervise();
         let busy = rcon(&ctx.redis_url)
@@ -3169,6 +3657,10 @@ fn run_seed(seed: u64, secs: f64) -> Result<String, String> {
             .unwrap_or_else(|e| vec![format!("redis: {e}")]);
         if busy.is_empty() && workers.all_up() {
             break None;
+        }
+        if slow_drain.is_empty() && drain_began.elapsed() > Duration::from_secs(10) {
+            slow_drain = format!("; 10 s into the drain: {}", busy.join(", "));
+            ctx.note(format!("the drain still waits on: {}", busy.join(", ")));
         }
         if drain_began.elapsed() > QUIESCE_TIMEOUT {
             break Some(format!(
@@ -3187,6 +3679,7 @@ fn run_seed(seed: u64, secs: f64) -> Result<String, String> {
             ": NOT quiescent"
         }
     ));
+    let drained = drain_began.elapsed().as_secs_f64();
     workers.stop_all();
     ctx.note("every worker stopped");
 
@@ -3203,11 +3696,17 @@ fn run_seed(seed: u64, secs: f64) -> Result<String, String> {
     for p in workers.panics() {
         f.add("panics in the worker logs", p);
     }
-    let (books, summary) = oracle(ctx, &env.db, &inputs.recs, &paid, &mut f);
+    let (books, summary) = oracle(ctx, &db, &inputs.recs, &paid, &mut f);
     let starts: usize = workers.slots.iter().map(|s| s.starts).sum();
     let mut tally: BTreeMap<&str, usize> = BTreeMap::new();
     for (_, f) in &plan.faults {
-        if !matches!(f, Fault::PgRelease | Fault::Restore(_)) {
+        if !matches!(
+            f,
+            Fault::PgRelease
+                | Fault::Restore(..)
+                | Fault::ReshardStep { .. }
+                | Fault::ReshardEnd { .. }
+        ) {
             *tally.entry(f.kind()).or_default() += 1;
         }
     }
@@ -3219,8 +3718,12 @@ fn run_seed(seed: u64, secs: f64) -> Result<String, String> {
         .filter(|e| e.1.contains("skipped: not running"))
         .count();
     let tally: Vec<String> = tally.iter().map(|(k, n)| format!("{k} {n}")).collect();
+    let resharded = match driver.resharded.is_empty() {
+        true => String::new(),
+        false => format!("; resharded: {}", driver.resharded.join(", ")),
+    };
     let result = format!(
-        "chaos seed {seed} ({secs}s): {} in {:.0}s — faults: {} ({} of them on a worker not running); {}; {starts} worker starts, {} refused at start ({} by a SIGTERM interrupting the start checks)",
+        "chaos seed {seed} ({secs}s): {} in {:.0}s (the schedule over at +{schedule_over:.0}s, drained in {drained:.1}s{slow_drain}) — faults: {} ({} of them on a worker not running){resharded}; {}; {starts} worker starts, {} refused at start ({} by a SIGTERM interrupting the start checks)",
         if f.is_empty() { "PASS" } else { "FAIL" },
         began.elapsed().as_secs_f64(),
         tally.join(", "),

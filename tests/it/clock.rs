@@ -166,6 +166,90 @@ fn a_worker_120s_behind_cancels_no_order_late_and_says_so() {
     shifted("-120s", 1.0);
 }
 
+/// A worker 120 s ahead of Redis restarted with jobs of its own pending (taken back the
+/// moment it starts) while a deploy has renamed a column the handler needs: each is held,
+/// back in the pool due in 5 s on Redis's clock, not 125 s, and once the column is back
+/// each is done with its lateness on Redis's clock, however soon after the start it ran
+/// (the clock is measured before the roles start); every order cancelled once.
+#[test]
+fn a_worker_ahead_restarted_with_jobs_pending_holds_and_times_them_on_redis_s_clock() {
+    use delay_worker::config::MoverConfig;
+    use delay_worker::mover::Mover;
+    use delay_worker::stats::Stats;
+    use delay_worker::store::At;
+    let env = Env::new();
+    let keys = &env.config.keys;
+    let orders = seed_orders(&env.db, 300);
+    let rename = |from: &str, to: &str| {
+        env.db
+            .client()
+            .batch_execute(&format!("ALTER TABLE orders RENAME COLUMN {from} TO {to}"))
+            .unwrap()
+    };
+    rename("cancel_reason", "cancel_reason_deployed");
+    // Due now, moved and read by consumer c1, which then died: pending for it.
+    push_on_redis_clock(&env, &orders, 0);
+    let mut con = env.con();
+    let (stats, cfg) = (Stats::default(), MoverConfig::default());
+    let mover = Mover::new(keys, &cfg, &stats);
+    while books(&env).pool > 0 {
+        mover.tick(&mut con, At::Server).unwrap();
+    }
+    delay_worker::store::stream::ensure_group(&mut con, keys).unwrap();
+    let _: redis::Value = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg(&keys.group)
+        .arg("c1")
+        .arg("COUNT")
+        .arg(1000)
+        .arg("STREAMS")
+        .arg(&keys.stream)
+        .arg(">")
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(books(&env).stream_pending, 300);
+    let mut p = worker(
+        &env,
+        &[],
+        &[
+            ("LD_PRELOAD", FAKETIME),
+            ("FAKETIME", "+120s"),
+            ("FAKETIME_DONT_FAKE_MONOTONIC", "1"),
+        ],
+    );
+    wait_until(WAIT, "every job held back in the pool", || {
+        let b = books(&env);
+        b.pool == 300 && b.stream_pending == 0
+    });
+    let now = redis_ms(&mut con);
+    let due: Vec<(String, f64)> = redis::cmd("ZRANGE")
+        .arg(&keys.pool)
+        .arg(0)
+        .arg(-1)
+        .arg("WITHSCORES")
+        .query(&mut con)
+        .unwrap();
+    let latest = due.iter().map(|(_, s)| *s as i64).max().unwrap();
+    assert!(
+        latest <= now + 10_000,
+        "a held job is due {:.1} s from now on Redis's clock (a hold is 5 s)",
+        (latest - now) as f64 / 1000.0
+    );
+    rename("cancel_reason_deployed", "cancel_reason");
+    wait_until(WAIT, "every job done", || inbox_count(&env.db) == 300);
+    let late: i64 = env
+        .db
+        .client()
+        .query_one("SELECT max(late_ms) FROM worker_inbox", &[])
+        .unwrap()
+        .get(0);
+    assert!(late < 60_000, "a job ran {late} ms late on Redis's clock");
+    p.signal(libc::SIGTERM);
+    assert!(p.wait(WAIT).success(), "{}", p.log());
+    let all: Vec<&SeedOrder> = orders.iter().collect();
+    assert_accounting(&env.db, &orders, &all);
+}
+
 #[test]
 fn the_move_is_decided_on_redis_s_clock() {
     use delay_worker::config::MoverConfig;

@@ -318,6 +318,37 @@ fn three_shards_spread_over_the_masters_through_a_manual_failover() {
     );
 }
 
+/// How late each job of `of` ran (`worker_inbox.late_ms`, from its due time to its
+/// transaction), by job key.
+fn lateness(db: &TestDb, of: &[&SeedOrder]) -> Vec<i64> {
+    let rows: std::collections::HashMap<String, Option<i64>> = db
+        .client()
+        .query("SELECT job_key, late_ms FROM worker_inbox", &[])
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    of.iter()
+        .map(|o| {
+            rows.get(&timeout_key(o))
+                .copied()
+                .flatten()
+                .unwrap_or_else(|| panic!("{} done with its lateness", o.order_no))
+        })
+        .collect()
+}
+
+/// How long shard 2's slot stays in the middle of its reshard while the other shards take
+/// a steady stream of jobs: long enough that the other shards held back with it would be
+/// seconds late.
+const HOLD: Duration = Duration::from_secs(6);
+/// A job of shards 0 and 1 ran at most this late, before the reshard and during it (a
+/// loaded 2-core machine running other tests: normally a few tens of milliseconds).
+const LATE_BOUND_MS: i64 = 2_000;
+/// During the reshard, the other shards' latest job ran at most this much later than
+/// their latest before it.
+const LATE_MARGIN_MS: i64 = 1_500;
+
 #[test]
 fn a_reshard_of_one_shard_s_slot_holds_back_only_that_shard() {
     let cluster = Cluster::start();
@@ -333,13 +364,21 @@ fn a_reshard_of_one_shard_s_slot_holds_back_only_that_shard() {
         .or_else(|| all.iter().find(|p| **p != from))
         .unwrap();
     assert!(masters[0] != from && masters[1] != from, "{masters:?}");
-    let orders = seed_orders(&db, 300);
+    let orders = seed_orders(&db, 600);
     let paid: Vec<SeedOrder> = orders.iter().step_by(5).cloned().collect();
     pay(&db, &paid);
     let shard = |o: &SeedOrder| delay_worker::keys::shard_of(timeout_key(o).as_bytes(), 3);
     let (held, others): (Vec<&SeedOrder>, Vec<&SeedOrder>) =
         orders.iter().partition(|o| shard(o) == 2);
-    assert!(held.len() > 50 && others.len() > 100, "{}", held.len());
+    // The other shards' jobs: a batch due before the reshard, and a steady stream due
+    // while shard 2 is held.
+    let (before, during) = others.split_at(100);
+    assert!(
+        held.len() > 100 && during.len() > 250,
+        "{} held, {} during",
+        held.len(),
+        during.len()
+    );
     let url = cluster.url();
     let out = run_worker(&["stats", "--shards", "3"], &url, &db.url);
     assert!(out.status.success(), "{}", text(&out.stderr));
@@ -357,40 +396,92 @@ fn a_reshard_of_one_shard_s_slot_holds_back_only_that_shard() {
         http_get(port, "/healthz").is_ok_and(|(c, _, _)| c == 200)
     });
     let mut cons: Vec<redis::Connection> = masters.iter().map(|&m| con_to(m)).collect();
-    // Shard 2's jobs due in 5 s; then at once its slot starts to move, with its pool
-    // already on the new master and the rest not yet: every script of shard 2 answers
-    // TRYAGAIN.
-    for o in &held {
-        push_timeout(&mut cons[2], &shards[2], o, 5_000).unwrap();
-    }
-    let slot = cluster.slot_of(&shards[2].pool);
-    cluster.begin_reshard(slot, from, to);
-    cluster.migrate_keys(from, to, std::slice::from_ref(&shards[2].pool));
-    // The other shards' jobs, due over the next 2 s, while shard 2 is held.
-    for (i, o) in others.iter().enumerate() {
-        let s = shard(o);
-        push_timeout(&mut cons[s], &shards[s], o, 200 * (i % 10) as i64).unwrap();
-    }
     let done = |of: &[&SeedOrder]| {
         let keys = inbox_keys(&db);
         of.iter()
             .filter(|o| keys.contains_key(&timeout_key(o)))
             .count()
     };
-    wait_until(WAIT, "the other shards' jobs all done", || {
-        done(&others) == others.len()
+    // Before: the other shards' batch, due over the next second.
+    for (i, o) in before.iter().enumerate() {
+        let s = shard(o);
+        push_timeout(&mut cons[s], &shards[s], o, 200 * (i % 5) as i64).unwrap();
+    }
+    wait_until(WAIT, "the batch before the reshard done", || {
+        done(before) == before.len()
+    });
+    // Shard 2's jobs due in two seconds; then at once its slot starts to move, with its
+    // pool already on the new master and the rest not yet: every script of shard 2 answers
+    // TRYAGAIN.
+    for o in &held {
+        push_timeout(&mut cons[2], &shards[2], o, 2_000).unwrap();
+    }
+    let slot = cluster.slot_of(&shards[2].pool);
+    cluster.begin_reshard(slot, from, to);
+    cluster.migrate_keys(from, to, std::slice::from_ref(&shards[2].pool));
+    let held_since = std::time::Instant::now();
+    // During: a steady stream to the other shards over the hold, each job due 100 ms after
+    // its push, pushed by a producer of its own while health is looked at.
+    let stream = std::thread::scope(|s| {
+        let producer = s.spawn(|| {
+            let mut cons: Vec<redis::Connection> = masters.iter().map(|&m| con_to(m)).collect();
+            let every = HOLD / during.len() as u32;
+            for (i, o) in during.iter().enumerate() {
+                let at = held_since + every * i as u32;
+                std::thread::sleep(at.saturating_duration_since(std::time::Instant::now()));
+                let s = shard(o);
+                push_timeout(&mut cons[s], &shards[s], o, 100).unwrap();
+            }
+            held_since.elapsed()
+        });
+        // Health names the shard and the cause.
+        wait_until(WAIT, "healthz naming shard 2 and TRYAGAIN", || {
+            http_get(port, "/healthz").is_ok_and(|(c, _, b)| {
+                c == 503 && b.contains("(shard 2)") && b.contains("TRYAGAIN")
+            })
+        });
+        wait_until(WAIT, "stats --check naming shard 2 and TRYAGAIN", || {
+            let out = run_worker(&["stats", "--shards", "3", "--check"], &url, &db.url);
+            let line = text(&out.stdout);
+            out.status.code() == Some(2) && line.contains("(shard 2)") && line.contains("TRYAGAIN")
+        });
+        producer.join().expect("the producer")
+    });
+    wait_until(WAIT, "the other shards' stream all done", || {
+        done(during) == during.len()
     });
     assert_eq!(done(&held), 0, "shard 2 is held while its slot moves");
-    // Health names the shard and the cause.
-    wait_until(WAIT, "healthz naming shard 2 and TRYAGAIN", || {
-        http_get(port, "/healthz")
-            .is_ok_and(|(c, _, b)| c == 503 && b.contains("(shard 2)") && b.contains("TRYAGAIN"))
-    });
-    wait_until(WAIT, "stats --check naming shard 2 and TRYAGAIN", || {
-        let out = run_worker(&["stats", "--shards", "3", "--check"], &url, &db.url);
-        let line = text(&out.stdout);
-        out.status.code() == Some(2) && line.contains("(shard 2)") && line.contains("TRYAGAIN")
-    });
+    let held_for = held_since.elapsed();
+    // The other shards ran as late during the reshard as before it.
+    let (late_before, late_during) = (lateness(&db, before), lateness(&db, during));
+    let max = |l: &[i64]| l.iter().copied().max().unwrap();
+    let median = |l: &[i64]| {
+        let mut l = l.to_vec();
+        l.sort_unstable();
+        l[l.len() / 2]
+    };
+    let figures = format!(
+        "shards 0 and 1, late before the reshard: median {} ms, max {} ms ({} jobs); during \
+         it (shard 2 held {:.1} s, {} jobs pushed over {:.1} s): median {} ms, max {} ms",
+        median(&late_before),
+        max(&late_before),
+        late_before.len(),
+        held_for.as_secs_f64(),
+        late_during.len(),
+        stream.as_secs_f64(),
+        median(&late_during),
+        max(&late_during),
+    );
+    eprintln!("{figures}");
+    assert!(held_for >= HOLD, "{figures}");
+    assert!(
+        max(&late_before) < LATE_BOUND_MS && max(&late_during) < LATE_BOUND_MS,
+        "the other shards' jobs ran late: {figures}"
+    );
+    assert!(
+        max(&late_during) <= max(&late_before) + LATE_MARGIN_MS,
+        "the reshard held the other shards back: {figures}"
+    );
     // The reshard ends: shard 2 catches up on its new master.
     cluster.end_reshard(slot, from, to);
     assert_eq!(cluster.master_of(&shards[2].pool), to);
@@ -399,7 +490,7 @@ fn a_reshard_of_one_shard_s_slot_holds_back_only_that_shard() {
         .map(|k| con_to(cluster.master_of(&k.pool)))
         .collect();
     wait_until(WAIT, "every job done", || {
-        inbox_count(&db) == 300
+        inbox_count(&db) == 600
             && (0..3).all(|i| {
                 let b = books_on(&mut cons[i], &shards[i]);
                 (b.pool, b.stream_pending, b.dead) == (0, 0, 0)

@@ -54,6 +54,39 @@ pub fn try_con(port: u16) -> Option<redis::Connection> {
     Some(con)
 }
 
+/// A plain connection to one server, with short timeouts, or why not.
+fn con_or_err(port: u16) -> redis::RedisResult<redis::Connection> {
+    let con = redis::Client::open(format!("redis://127.0.0.1:{port}/"))?
+        .get_connection_with_timeout(Duration::from_secs(2))?;
+    con.set_read_timeout(Some(Duration::from_secs(15)))?;
+    con.set_write_timeout(Some(Duration::from_secs(15)))?;
+    Ok(con)
+}
+
+/// `f`, tried again for up to [`UP`] while it fails without an answer from the server (a
+/// connection refused, cut, or killed by a test's fault); panics with `what` otherwise.
+fn retrying<T>(what: &str, mut f: impl FnMut() -> redis::RedisResult<T>) -> T {
+    let start = Instant::now();
+    loop {
+        match f() {
+            Ok(v) => return v,
+            Err(e) if e.code().is_none() && start.elapsed() < UP => {
+                std::thread::sleep(Duration::from_millis(50))
+            }
+            Err(e) => panic!("{what}: {e}"),
+        }
+    }
+}
+
+/// The node id of the server on `port` (`CLUSTER MYID`).
+fn node_id(port: u16) -> String {
+    retrying(&format!("CLUSTER MYID on {port}"), || {
+        redis::cmd("CLUSTER")
+            .arg("MYID")
+            .query(&mut con_or_err(port)?)
+    })
+}
+
 /// A plain connection to one server; panics if it does not answer.
 pub fn con_to(port: u16) -> redis::Connection {
     try_con(port).unwrap_or_else(|| panic!("redis on port {port} does not answer"))
@@ -188,6 +221,12 @@ impl Cluster {
     /// Starts six nodes, joins them with `redis-cli --cluster create` and waits until
     /// every node sees all 16384 slots served and each replica is in sync.
     pub fn start() -> Cluster {
+        Cluster::start_with(&[])
+    }
+
+    /// [`Cluster::start`] with extra `redis-server` arguments for every node, e.g.
+    /// `["--enable-debug-command", "local"]`.
+    pub fn start_with(extra: &[&str]) -> Cluster {
         let dir = temp_dir("dw-cluster");
         // The cluster bus gets a free port of its own (`port + 10000` may not exist).
         let ports = free_ports(12);
@@ -218,6 +257,7 @@ impl Cluster {
                 &dir.display().to_string(),
             ]
             .iter()
+            .chain(extra)
             .map(|s| s.to_string())
             .collect();
             nodes.push(Node::start(&dir, port, &args));
@@ -289,7 +329,11 @@ impl Cluster {
 
     /// The port of the master serving `key`'s slot.
     pub fn master_of(&self, key: &str) -> u16 {
-        let slot = self.slot_of(key);
+        self.master_serving(self.slot_of(key))
+    }
+
+    /// The port of the master serving `slot`.
+    pub fn master_serving(&self, slot: u16) -> u16 {
         self.nodes_view()
             .into_iter()
             .find(|n| n.is_master() && !n.failed() && n.serves(slot))
@@ -310,21 +354,16 @@ impl Cluster {
     /// `redis-cli --cluster reshard` does: IMPORTING on the target, MIGRATING on the
     /// source. The slot's keys stay where they are until [`Cluster::migrate_keys`].
     pub fn begin_reshard(&self, slot: u16, from: u16, to: u16) {
-        let id = |port: u16| -> String {
-            redis::cmd("CLUSTER")
-                .arg("MYID")
-                .query(&mut con_to(port))
-                .unwrap()
-        };
-        let (from_id, to_id) = (id(from), id(to));
+        let (from_id, to_id) = (node_id(from), node_id(to));
         let set = |port: u16, how: &str, node: &str| {
-            redis::cmd("CLUSTER")
-                .arg("SETSLOT")
-                .arg(slot)
-                .arg(how)
-                .arg(node)
-                .query::<()>(&mut con_to(port))
-                .unwrap()
+            retrying(&format!("CLUSTER SETSLOT {slot} {how} on {port}"), || {
+                redis::cmd("CLUSTER")
+                    .arg("SETSLOT")
+                    .arg(slot)
+                    .arg(how)
+                    .arg(node)
+                    .query::<()>(&mut con_or_err(port)?)
+            })
         };
         set(to, "IMPORTING", &from_id);
         set(from, "MIGRATING", &to_id);
@@ -335,50 +374,61 @@ impl Cluster {
         if keys.is_empty() {
             return;
         }
-        let ok: String = redis::cmd("MIGRATE")
-            .arg("127.0.0.1")
-            .arg(to)
-            .arg("")
-            .arg(0)
-            .arg(10_000)
-            .arg("KEYS")
-            .arg(keys)
-            .query(&mut con_to(from))
-            .unwrap();
-        assert_eq!(ok, "OK");
+        let mut tries = 0;
+        let reply: String = retrying(&format!("MIGRATE from {from} to {to}"), || {
+            tries += 1;
+            redis::cmd("MIGRATE")
+                .arg("127.0.0.1")
+                .arg(to)
+                .arg("")
+                .arg(0)
+                .arg(10_000)
+                .arg("KEYS")
+                .arg(keys)
+                .query(&mut con_or_err(from)?)
+        });
+        // A MIGRATE tried again after its connection failed may find its keys moved.
+        assert!(
+            reply == "OK" || (tries > 1 && reply == "NOKEY"),
+            "MIGRATE: {reply}"
+        );
+    }
+
+    /// The keys of `slot` still on the master on `port` (at most `count`).
+    pub fn keys_in_slot(&self, port: u16, slot: u16, count: usize) -> Vec<String> {
+        retrying(&format!("CLUSTER GETKEYSINSLOT {slot} on {port}"), || {
+            redis::cmd("CLUSTER")
+                .arg("GETKEYSINSLOT")
+                .arg(slot)
+                .arg(count)
+                .query(&mut con_or_err(port)?)
+        })
     }
 
     /// Ends the reshard of `slot`: every key still on `from` migrated, then the slot
     /// given to `to` on every master.
     pub fn end_reshard(&self, slot: u16, from: u16, to: u16) {
         loop {
-            let keys: Vec<String> = redis::cmd("CLUSTER")
-                .arg("GETKEYSINSLOT")
-                .arg(slot)
-                .arg(1000)
-                .query(&mut con_to(from))
-                .unwrap();
+            let keys = self.keys_in_slot(from, slot, 1000);
             if keys.is_empty() {
                 break;
             }
             self.migrate_keys(from, to, &keys);
         }
-        let to_id: String = redis::cmd("CLUSTER")
-            .arg("MYID")
-            .query(&mut con_to(to))
-            .unwrap();
+        let to_id = node_id(to);
         for port in [to, from].into_iter().chain(
             self.masters()
                 .into_iter()
                 .filter(|p| *p != to && *p != from),
         ) {
-            redis::cmd("CLUSTER")
-                .arg("SETSLOT")
-                .arg(slot)
-                .arg("NODE")
-                .arg(&to_id)
-                .query::<()>(&mut con_to(port))
-                .unwrap();
+            retrying(&format!("CLUSTER SETSLOT {slot} NODE on {port}"), || {
+                redis::cmd("CLUSTER")
+                    .arg("SETSLOT")
+                    .arg(slot)
+                    .arg("NODE")
+                    .arg(&to_id)
+                    .query::<()>(&mut con_or_err(port)?)
+            });
         }
         wait_until(UP, "every node to route the slot to its new master", || {
             self.live_ports().into_iter().all(|p| {
