@@ -582,6 +582,17 @@ fn the_order_story_runs_as_the_acl_user_and_the_runtime_role() {
         let ids = dead_ids(env);
         ids.len() == 2 && !ids.contains(&first) && books(env).pool == 0
     });
+    // The story of one job, from the command line and from the status page (whose dead
+    // letters view reads newest first), under the same rules.
+    let out = l.worker(true, &["trace", "order.timeout:bad"]);
+    assert!(out.status.success(), "trace: {}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("dead"), "{}", text(&out.stdout));
+    let (code, _, body) = http_get(metrics_port, "/trace?q=order.timeout%3Abad").unwrap();
+    assert_eq!(code, 200, "{body}");
+    assert!(body.contains("order.timeout:bad"), "{body}");
+    let (code, _, body) = http_get(metrics_port, "/dead").unwrap();
+    assert_eq!(code, 200, "{body}");
+    assert!(body.contains("order.timeout:bad"), "{body}");
     let out = l.worker(true, &["dead", "purge", "--all"]);
     assert!(out.status.success(), "dead purge: {}", text(&out.stderr));
     assert_eq!(books(env).dead, 0);
