@@ -36,8 +36,9 @@ setsid nice -n 10 bash -c '
 release_pid=$!
 # A run filtered to some tests does not wait for it.
 trap 'kill -- -"$release_pid" 2>/dev/null || true' EXIT
-phase "services: redis-server and postgresql (installed with apt-get when missing)"
-scripts/services.sh start --fast
+# The services (installed with apt-get when missing) and the packages some tests need
+# are set up in the background while cargo builds: on a fresh machine that is half a
+# minute of apt-get the build does not wait for.
 export DW_TEST_DATABASE_URL="postgres://postgres@127.0.0.1:${DW_PG_PORT:-5439}/postgres"
 packages=()
 command -v chromium >/dev/null || packages+=(chromium)
@@ -46,28 +47,40 @@ command -v php >/dev/null || packages+=(php-cli)
 { command -v php && php -r 'exit(extension_loaded("redis") ? 0 : 1);'; } >/dev/null 2>&1 ||
   packages+=(php-redis)
 [ -e /usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1 ] || packages+=(faketime)
-apt_pid=
+mkdir -p target
+services_log=target/services.log
 apt_log=target/apt-install.log
-if [ ${#packages[@]} -gt 0 ]; then
-  if [ "$(id -u)" = 0 ]; then
-    phase "installing ${packages[*]} in the background (apt-get; log: $apt_log)"
-    mkdir -p target
-    (
-      export DEBIAN_FRONTEND=noninteractive
-      # release.sh may be installing a tool of its own: wait for its lock, do not fail.
-      apt=(apt-get -o DPkg::Lock::Timeout=600)
-      "${apt[@]}" install -y -qq "${packages[@]}" ||
-        { "${apt[@]}" update -qq && "${apt[@]}" install -y -qq "${packages[@]}"; }
-    ) >"$apt_log" 2>&1 &
-    apt_pid=$!
-  else
-    echo "${packages[*]} missing and this is not root: the tests that use them will fail (apt-get install ${packages[*]})"
-  fi
+rm -f target/services.rc
+if [ ${#packages[@]} -gt 0 ] && [ "$(id -u)" != 0 ]; then
+  echo "${packages[*]} missing and this is not root: the tests that use them will fail (apt-get install ${packages[*]})"
+  packages=()
 fi
+phase "background: redis-server and postgresql (scripts/services.sh; log: $services_log), then ${packages[*]:-no packages} (apt-get; log: $apt_log)"
+(
+  rc=0
+  scripts/services.sh start --fast >"$services_log" 2>&1 </dev/null || rc=$?
+  echo "$rc" >target/services.rc
+  if [ ${#packages[@]} -gt 0 ]; then
+    export DEBIAN_FRONTEND=noninteractive
+    # release.sh may be installing a tool of its own: wait for its lock, do not fail.
+    apt=(apt-get -o DPkg::Lock::Timeout=600)
+    "${apt[@]}" install -y -qq "${packages[@]}" ||
+      { "${apt[@]}" update -qq && "${apt[@]}" install -y -qq "${packages[@]}"; }
+  fi
+) >"$apt_log" 2>&1 </dev/null &
+setup_pid=$!
 phase "building the tests (a first build takes about 2-3 minutes on 2 cores)"
 cargo build --all-targets --quiet
-if [ -n "$apt_pid" ]; then
-  if wait "$apt_pid"; then
+phase "built"
+setup_rc=0
+wait "$setup_pid" || setup_rc=$?
+cat "$services_log"
+if [ "$(cat target/services.rc 2>/dev/null)" != 0 ]; then
+  echo "scripts/services.sh start --fast failed (its log above)"
+  exit 1
+fi
+if [ ${#packages[@]} -gt 0 ]; then
+  if [ "$setup_rc" = 0 ]; then
     phase "${packages[*]} installed"
   else
     echo "installing ${packages[*]} failed (the tests that use them will fail); the last lines of $apt_log:"
