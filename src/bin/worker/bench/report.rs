@@ -882,6 +882,31 @@ impl ShopFigures {
                 f(&self.during)
             ),
             format!(
+                "  by kind, p50 / p99 ms alone -> while draining: {}",
+                self.alone
+                    .by_kind
+                    .iter()
+                    .zip(&self.during.by_kind)
+                    .map(|((k, a50, a99), (_, d50, d99))| format!(
+                        "{k} {} / {} -> {} / {}",
+                        ms(*a50),
+                        ms(*a99),
+                        ms(*d50),
+                        ms(*d99)
+                    ))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            format!(
+                "  p99 ms in each second of the drain: {}",
+                self.during
+                    .p99_by_second
+                    .iter()
+                    .map(|x| ms(*x))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            ),
+            format!(
                 "targets: the shop keeps {:.0} % of its rate (>= 95 %: {}), its p99 is {:.2}x alone (<= 2x: {})",
                 self.kept_share * 100.0,
                 met(self.kept_share >= 0.95),

@@ -44,6 +44,28 @@ pub struct Sample {
     /// From its scheduled start to its commit (or failure).
     pub latency: Duration,
     pub ok: bool,
+    /// Which of the mix it was.
+    pub kind: Kind,
+}
+
+/// The shop's transaction kinds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Payment,
+    Checkout,
+    Browse,
+}
+
+impl Kind {
+    const ALL: [Kind; 3] = [Kind::Payment, Kind::Checkout, Kind::Browse];
+
+    fn name(self) -> &'static str {
+        match self {
+            Kind::Payment => "payment",
+            Kind::Checkout => "checkout",
+            Kind::Browse => "browse",
+        }
+    }
 }
 
 /// The traffic while it runs.
@@ -120,6 +142,11 @@ fn client(
             std::thread::sleep(due - now);
         }
         let roll = rng.u32(0..100);
+        let kind = match roll {
+            0..50 => Kind::Payment,
+            50..80 => Kind::Checkout,
+            _ => Kind::Browse,
+        };
         let r = if roll < 50 {
             let (lo, hi) = if rng.u32(0..10) == 0 {
                 plan.backlog_orders
@@ -148,6 +175,7 @@ fn client(
             at,
             latency: due.elapsed(),
             ok,
+            kind,
         });
     }
     (samples, errors)
@@ -221,6 +249,29 @@ pub struct Figures {
     pub p50_ms: f64,
     pub p99_ms: f64,
     pub max_ms: f64,
+    /// p50 and p99 (ms) of each kind of transaction: which kind the tail is made of.
+    pub by_kind: Vec<(String, f64, f64)>,
+    /// p99 (ms) of each whole second of the window, in order: when the tail happens.
+    pub p99_by_second: Vec<f64>,
+}
+
+/// The `p` quantile of sorted `ms` (0 when empty).
+fn quantile(ms: &[f64], p: f64) -> f64 {
+    if ms.is_empty() {
+        0.0
+    } else {
+        ms[((p * ms.len() as f64).ceil() as usize).clamp(1, ms.len()) - 1]
+    }
+}
+
+/// The committed transactions' latencies (ms) among `window`, sorted.
+fn sorted_ms<'a>(window: impl Iterator<Item = &'a &'a Sample>) -> Vec<f64> {
+    let mut ms: Vec<f64> = window
+        .filter(|s| s.ok)
+        .map(|s| s.latency.as_secs_f64() * 1000.0)
+        .collect();
+    ms.sort_by(f64::total_cmp);
+    ms
 }
 
 pub fn figures(samples: &[Sample], from: Duration, to: Duration, offered: f64) -> Figures {
@@ -229,20 +280,34 @@ pub fn figures(samples: &[Sample], from: Duration, to: Duration, offered: f64) -
         .filter(|s| s.at >= from && s.at < to)
         .collect();
     let seconds = (to - from).as_secs_f64();
-    let mut ms: Vec<f64> = window
+    let ms = sorted_ms(window.iter());
+    let q = |p: f64| quantile(&ms, p);
+    let by_kind = Kind::ALL
         .iter()
-        .filter(|s| s.ok)
-        .map(|s| s.latency.as_secs_f64() * 1000.0)
+        .map(|k| {
+            let ms = sorted_ms(window.iter().filter(|s| s.kind == *k));
+            (
+                k.name().to_string(),
+                quantile(&ms, 0.5),
+                quantile(&ms, 0.99),
+            )
+        })
         .collect();
-    ms.sort_by(f64::total_cmp);
-    let q = |p: f64| {
-        if ms.is_empty() {
-            0.0
-        } else {
-            ms[((p * ms.len() as f64).ceil() as usize).clamp(1, ms.len()) - 1]
-        }
-    };
+    let p99_by_second = (0..seconds.floor() as u64)
+        .map(|i| {
+            let (a, b) = (
+                from + Duration::from_secs(i),
+                from + Duration::from_secs(i + 1),
+            );
+            quantile(
+                &sorted_ms(window.iter().filter(|s| s.at >= a && s.at < b)),
+                0.99,
+            )
+        })
+        .collect();
     Figures {
+        by_kind,
+        p99_by_second,
         seconds,
         offered_per_s: offered,
         done_per_s: ms.len() as f64 / seconds.max(1e-9),
