@@ -955,3 +955,53 @@ fn the_acl_users_and_the_runtime_role_can_do_nothing_else() {
     assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
     assert!(text(&out.stderr).contains("42501"), "{}", text(&out.stderr));
 }
+
+/// The Redis commands named in the code under `dir` (recursively): `redis.call('X'` and
+/// `redis.pcall('X'` in Lua, `cmd("X")` in Rust; lower case.
+fn commands_named_in(dir: &Path, out: &mut Vec<(String, String)>) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            commands_named_in(&path, out);
+            continue;
+        }
+        let text = std::fs::read_to_string(&path).unwrap_or_default();
+        for opener in ["redis.call('", "redis.pcall('", "cmd(\""] {
+            for (at, _) in text.match_indices(opener) {
+                let rest = &text[at + opener.len()..];
+                let name: String = rest
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphabetic())
+                    .collect();
+                if !name.is_empty() && name.chars().all(|c| c.is_ascii_uppercase()) {
+                    out.push((name.to_lowercase(), path.display().to_string()));
+                }
+            }
+        }
+    }
+}
+
+/// Every command the worker's code sends to its Redis is granted by
+/// `scripts/redis-acl/worker.acl`, so a command added to a script cannot reach an
+/// operator's ACL user as a refusal first (the settle script's `HMGET` once did). The
+/// benchmark's own commands and `SENTINEL` (sent to the Sentinels, not to the data's
+/// Redis) aside.
+#[test]
+fn every_command_the_code_sends_is_granted() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut named = Vec::new();
+    commands_named_in(&root.join("src"), &mut named);
+    assert!(named.iter().any(|(c, _)| c == "xadd"), "{named:?}");
+    let granted = rules(&["worker.acl"]);
+    let missing: Vec<_> = named
+        .into_iter()
+        .filter(|(c, path)| c != "sentinel" && !path.contains("/src/bin/worker/bench/"))
+        .filter(|(c, _)| {
+            !granted.iter().any(|r| {
+                r.strip_prefix('+')
+                    .is_some_and(|r| r == c || r.starts_with(&format!("{c}|")))
+            })
+        })
+        .collect();
+    assert!(missing.is_empty(), "not in worker.acl: {missing:?}");
+}
