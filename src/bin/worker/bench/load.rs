@@ -248,10 +248,15 @@ pub type Bulk = (String, String, i64);
 
 /// `order.timeout` for orders `1..=n`, all due a second before now.
 pub fn backlog_jobs(n: u64) -> impl Iterator<Item = Bulk> {
+    backlog_jobs_due(n, delay_worker::now_ms() - 1000)
+}
+
+/// `order.timeout` for orders `1..=n`, all due at `due_ms` (written now).
+pub fn backlog_jobs_due(n: u64, due_ms: i64) -> impl Iterator<Item = Bulk> {
     let now_ms = delay_worker::now_ms();
     (1..=n as i64).map(move |id| {
         let msg = Envelope::new(ORDER_EVENT, order_payload(id), now_ms / 1000).to_json();
-        (order_key(id), msg, now_ms - 1000)
+        (order_key(id), msg, due_ms)
     })
 }
 

@@ -609,10 +609,21 @@ fn shop_drain(
         bail!("interrupted");
     }
     worker.check_alive()?;
+    // The backlog is pushed ahead of its due time, so the window measured is the drain,
+    // not the benchmark's own push of it (which took the cores for its first second or
+    // two when it was pushed already due).
+    let push_started = Instant::now();
+    let due_ms = delay_worker::now_ms() + SHOP_BACKLOG_LEAD.as_millis() as i64;
+    load::bulk_push(&mut con, ctx.shards, load::backlog_jobs_due(n, due_ms))?;
+    let push_s = push_started.elapsed();
+    let pushed_at = push_started + SHOP_BACKLOG_LEAD;
+    if ctx
+        .stop
+        .wait(pushed_at.saturating_duration_since(Instant::now()))
+    {
+        bail!("interrupted");
+    }
     let before = Marks::take(&mut con, postmaster);
-    let pushed_at = Instant::now();
-    let pushed_ms = delay_worker::now_ms();
-    load::bulk_push(&mut con, ctx.shards, load::backlog_jobs(n))?;
     let drain = wait_drained(
         &mut worker,
         &mut con,
@@ -628,7 +639,7 @@ fn shop_drain(
     let (samples, errors) = traffic.map(|t| t.stop()).unwrap_or_default();
     let m = finish(worker, rss, &before, &mut con, postmaster);
     let dues: Vec<(String, i64)> = (1..=n as i64)
-        .map(|id| (load::order_key(id), pushed_ms))
+        .map(|id| (load::order_key(id), due_ms))
         .collect();
     let moved = child::moved_times(&mut con, ctx.shards)?;
     shop::record(db, &dues, &moved, &[])?;
@@ -649,7 +660,7 @@ fn shop_drain(
             drain_s: drain
                 .done
                 .map(|d| d.saturating_duration_since(pushed_at).as_secs_f64()),
-            drain_from: Some("push of the backlog".into()),
+            drain_from: Some("due time of the backlog".into()),
             cpu_s_per_1k_jobs: cpu_per_1k(&m.cpu, n),
             cpu: m.cpu,
             rss_peak_kb: Some(m.rss_peak_kb),
@@ -661,7 +672,16 @@ fn shop_drain(
             seed_s: Some(seed_s.as_secs_f64()),
             pass: problems.is_empty(),
             problems,
-            notes: vec!["lateness counted from the push of the backlog: it is the drain".into()],
+            notes: vec![format!(
+                "lateness counted from the backlog's due time: it is the drain (pushed in {:.1} s, {:.0} s before it fell due{})",
+                push_s.as_secs_f64(),
+                SHOP_BACKLOG_LEAD.as_secs_f64(),
+                if push_s > SHOP_BACKLOG_LEAD {
+                    ": the push was not done in time, and part of it is in the window"
+                } else {
+                    ""
+                }
+            )],
             ..Default::default()
         },
         window,
@@ -669,6 +689,9 @@ fn shop_drain(
         errors,
     })
 }
+
+/// How far ahead of its due time the shop scenario pushes its backlog.
+const SHOP_BACKLOG_LEAD: Duration = Duration::from_secs(3);
 
 /// The shop scenario: the shop's traffic alone for --shop-alone, then the backlog falls
 /// due while it runs (both measured over the drain), then the same drain without the
