@@ -242,7 +242,7 @@ impl<'a> Page<'a> {
                 recv(self.jobs.1) -> job => match job {
                     Ok(job) => {
                         if job.state.compare_exchange(WAITING, STARTED, SeqCst, SeqCst).is_ok() {
-                            let _ = job.reply.send(self.make(&job.req));
+                            let _ = job.reply.send(self.make_or_500(&job.req));
                         }
                     }
                     Err(_) => break,
@@ -253,6 +253,23 @@ impl<'a> Page<'a> {
         // Whoever still waits is told at once (their reply channels close).
         self.stopped.store(true, SeqCst);
         while self.jobs.1.try_recv().is_ok() {}
+    }
+
+    /// One page; a page that panicked is a 500 and a log line, and the page thread goes
+    /// on serving the next (a connection in use is dropped with the unwinding, never
+    /// reused).
+    fn make_or_500(&self, req: &Request) -> Response {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.make(req))).unwrap_or_else(
+            |panic| {
+                log::error!(
+                    "status page: {} {} failed: {}",
+                    req.method,
+                    req.path,
+                    crate::text::panic_text(&*panic)
+                );
+                Response::text(500, "this page failed; the worker's log says why\n")
+            },
+        )
     }
 
     /// One page.

@@ -664,14 +664,7 @@ fn apply(
     match outcome {
         Ok(Ok(effect)) => Ok(Some((effect, tid))),
         Ok(Err(e)) => Err(JobResult::Failed(e.into())),
-        Err(panic) => {
-            let msg = panic
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "unknown panic".to_string());
-            Err(JobResult::Panicked(msg))
-        }
+        Err(panic) => Err(JobResult::Panicked(crate::text::panic_text(&*panic))),
     }
 }
 

@@ -746,8 +746,10 @@ fn list_mode_and_a_legacy_pool_run_as_the_acl_user_with_their_key_rules() {
         &key("order.timeout", o6),
     );
 
+    let metrics_port = free_port();
     let mut args = list_args.clone();
     args.extend(["--statement-timeout", "300ms", "--max-retries", "10"].map(String::from));
+    args.extend(["--metrics-addr".into(), format!("127.0.0.1:{metrics_port}")]);
     let mut worker = Proc::start(&env.config, &args);
     wait_until(WAIT, "the locked order's job to be retried", || {
         retried(&l, &key("order.timeout", o6))
@@ -786,6 +788,18 @@ fn list_mode_and_a_legacy_pool_run_as_the_acl_user_with_their_key_rules() {
         "stats of list mode: {}",
         text(&out.stderr)
     );
+    // The dead lists, from the command line and from the status page (each list read in
+    // one MULTI), under the same rules.
+    let mut dead_args = vec!["dead", "list", "--json"];
+    dead_args.extend(list_args.iter().map(String::as_str));
+    let out = l.worker(true, &dead_args);
+    assert!(out.status.success(), "dead list: {}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("22P02"), "{}", text(&out.stdout));
+    for _ in 0..2 {
+        let (code, _, body) = http_get(metrics_port, "/dead").unwrap();
+        assert_eq!(code, 200, "{body}");
+        assert!(body.contains("22P02"), "{body}");
+    }
 
     worker.signal(libc::SIGTERM);
     assert!(worker.wait(WAIT).success(), "a graceful stop exits 0");
@@ -957,7 +971,8 @@ fn the_acl_users_and_the_runtime_role_can_do_nothing_else() {
 }
 
 /// The Redis commands named in the code under `dir` (recursively): `redis.call('X'` and
-/// `redis.pcall('X'` in Lua, `cmd("X")` in Rust; lower case.
+/// `redis.pcall('X'` in Lua, `cmd("X")` in Rust, MULTI and EXEC for an atomic pipeline;
+/// lower case.
 fn commands_named_in(dir: &Path, out: &mut Vec<(String, String)>) {
     for entry in std::fs::read_dir(dir).unwrap() {
         let path = entry.unwrap().path();
@@ -966,6 +981,12 @@ fn commands_named_in(dir: &Path, out: &mut Vec<(String, String)>) {
             continue;
         }
         let text = std::fs::read_to_string(&path).unwrap_or_default();
+        // An atomic pipeline is sent between MULTI and EXEC.
+        if text.contains(".atomic()") {
+            for c in ["multi", "exec"] {
+                out.push((c.to_string(), path.display().to_string()));
+            }
+        }
         for opener in ["redis.call('", "redis.pcall('", "cmd(\""] {
             for (at, _) in text.match_indices(opener) {
                 let rest = &text[at + opener.len()..];
