@@ -73,6 +73,15 @@ pub fn one_line(e: &anyhow::Error) -> String {
     line.replace('\n', " ")
 }
 
+/// What a caught panic said (its `&str` or `String` payload), or "unknown panic".
+pub fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -93,13 +102,4 @@ mod tests {
         assert_eq!(clip("a\nb", 10), "a b");
         assert_eq!(clip("abcdefghijk", 5), "abcd…");
     }
-}
-
-/// What a caught panic said (its `&str` or `String` payload), or "unknown panic".
-pub fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
-    panic
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| panic.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "unknown panic".to_string())
 }
