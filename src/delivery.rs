@@ -148,7 +148,15 @@ pub fn channel(capacity: usize, chunk: usize) -> (Hand, Take) {
             chunk: chunk.max(1),
             capacity: capacity.max(1),
         },
-        Take { rx, queued },
+        {
+            let (back_tx, back_rx) = crossbeam_channel::unbounded();
+            Take {
+                rx,
+                queued,
+                back_tx,
+                back_rx,
+            }
+        },
     )
 }
 
@@ -202,11 +210,16 @@ impl Hand {
     }
 }
 
-/// The pool's end of [`channel`]: each receive takes one chunk.
+/// The pool's end of [`channel`]: each receive takes one chunk. A worker gives back what
+/// it will not run in its own transaction ([`Take::give_back`]): those chunks wait on a
+/// side queue of their own that every receive looks at first, so the reader's bound and
+/// the end of the channel (the reader gone) stay the main queue's.
 #[derive(Clone)]
 pub struct Take {
     rx: Receiver<Vec<Delivery>>,
     queued: Arc<AtomicUsize>,
+    back_tx: Sender<Vec<Delivery>>,
+    back_rx: Receiver<Vec<Delivery>>,
 }
 
 impl Take {
@@ -215,20 +228,67 @@ impl Take {
         c
     }
 
+    /// Puts deliveries back for any worker to take, in chunks of at most `chunk`, ahead
+    /// of the reader's. Never waits.
+    pub fn give_back(&self, ds: Vec<Delivery>, chunk: usize) {
+        let mut ds = ds.into_iter().peekable();
+        while ds.peek().is_some() {
+            let c: Vec<Delivery> = ds.by_ref().take(chunk.max(1)).collect();
+            self.queued.fetch_add(c.len(), Ordering::Relaxed);
+            // Unbounded, and this end holds its receiver: the send cannot fail.
+            let _ = self.back_tx.send(c);
+        }
+    }
+
+    fn given_back(&self) -> Option<Vec<Delivery>> {
+        self.back_rx.try_recv().ok().map(|c| self.took(c))
+    }
+
     pub fn try_recv(&self) -> Result<Vec<Delivery>, TryRecvError> {
-        self.rx.try_recv().map(|c| self.took(c))
+        match self.given_back() {
+            Some(c) => Ok(c),
+            None => self.rx.try_recv().map(|c| self.took(c)),
+        }
     }
 
     pub fn recv(&self) -> Result<Vec<Delivery>, RecvError> {
-        self.rx.recv().map(|c| self.took(c))
+        self.recv_until(None).map_err(|_| RecvError)
     }
 
     pub fn recv_deadline(&self, at: Instant) -> Result<Vec<Delivery>, RecvTimeoutError> {
-        self.rx.recv_deadline(at).map(|c| self.took(c))
+        self.recv_until(Some(at))
     }
 
     pub fn recv_timeout(&self, d: Duration) -> Result<Vec<Delivery>, RecvTimeoutError> {
-        self.rx.recv_timeout(d).map(|c| self.took(c))
+        self.recv_until(Some(Instant::now() + d))
+    }
+
+    /// A chunk given back, else the first of either queue until `at` (`None`: no end).
+    /// Disconnected only once the reader is gone and nothing given back is left.
+    fn recv_until(&self, at: Option<Instant>) -> Result<Vec<Delivery>, RecvTimeoutError> {
+        if let Some(c) = self.given_back() {
+            return Ok(c);
+        }
+        let mut sel = crossbeam_channel::Select::new();
+        let back = sel.recv(&self.back_rx);
+        let main = sel.recv(&self.rx);
+        let op = match at {
+            None => sel.select(),
+            Some(at) => sel
+                .select_deadline(at)
+                .map_err(|_| RecvTimeoutError::Timeout)?,
+        };
+        match op.index() {
+            i if i == back => match op.recv(&self.back_rx) {
+                Ok(c) => Ok(self.took(c)),
+                Err(_) => Err(RecvTimeoutError::Disconnected),
+            },
+            i if i == main => match op.recv(&self.rx) {
+                Ok(c) => Ok(self.took(c)),
+                Err(_) => self.given_back().ok_or(RecvTimeoutError::Disconnected),
+            },
+            _ => unreachable!("two operations were selected on"),
+        }
     }
 
     /// Every delivery waiting now, chunk after chunk.
@@ -299,5 +359,33 @@ mod tests {
         for i in 0..3 {
             assert_eq!(ids(&take.try_recv().unwrap()), [format!("{i}-0")]);
         }
+    }
+
+    #[test]
+    fn given_back_chunks_come_first_and_outlive_the_reader() {
+        let (hand, take) = channel(10, 4);
+        hand.send(vec![d(1), d(2)]).unwrap();
+        let mine = take.recv().unwrap();
+        assert_eq!(mine.len(), 2);
+        take.give_back(vec![d(3), d(4), d(5)], 2);
+        hand.send(vec![d(6)]).unwrap();
+        assert_eq!(take.len(), 4, "given back counts against the room");
+        let ids = |c: Vec<Delivery>| -> Vec<String> {
+            c.iter()
+                .map(|d| d.stream_id().unwrap().to_string())
+                .collect()
+        };
+        assert_eq!(ids(take.recv().unwrap()), ["3-0", "4-0"]);
+        drop(hand);
+        assert_eq!(
+            ids(take.recv_timeout(Duration::from_millis(10)).unwrap()),
+            ["5-0"]
+        );
+        assert_eq!(ids(take.try_recv().unwrap()), ["6-0"]);
+        assert!(matches!(
+            take.recv_timeout(Duration::from_millis(10)),
+            Err(RecvTimeoutError::Disconnected)
+        ));
+        assert!(take.is_empty());
     }
 }

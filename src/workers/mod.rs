@@ -168,6 +168,8 @@ pub struct Worker<'a> {
     held_tried: Option<std::time::Instant>,
     db_backoff: Backoff,
     redis_backoff: Backoff,
+    /// Whether each handler of `registry` (by index) runs jobs in sets here.
+    in_sets: Vec<Option<bool>>,
 }
 
 impl<'a> Worker<'a> {
@@ -188,6 +190,7 @@ impl<'a> Worker<'a> {
             redis: None,
             held: Vec::new(),
             held_tried: None,
+            in_sets: Vec::new(),
         }
     }
 
@@ -370,7 +373,7 @@ impl<'a> Worker<'a> {
             let draining = self.ctx.shutdown.is_set();
             let taken = batch.len() as u64;
             let before = outcomes.len();
-            self.handle_batch(batch, &mut outcomes);
+            self.handle_batch_sharing(batch, &mut outcomes, Some(rx));
             if outcomes.len() - before < taken as usize && draining {
                 log::info!("{}: jobs left pending for the next start", self.name);
             }
@@ -434,10 +437,22 @@ impl<'a> Worker<'a> {
     /// `--tx-batch`: see [`Session::run`]); a delivery is missing from `out` only when the
     /// database stayed unreachable until shutdown.
     pub fn handle_batch(&mut self, ds: Vec<Delivery>, out: &mut Vec<Settlement>) {
+        self.handle_batch_sharing(ds, out, None)
+    }
+
+    /// [`Worker::handle_batch`], giving back to `pool` the jobs this worker would run one
+    /// transaction after another (see [`Worker::share`]).
+    fn handle_batch_sharing(
+        &mut self,
+        ds: Vec<Delivery>,
+        out: &mut Vec<Settlement>,
+        pool: Option<&crate::delivery::Take>,
+    ) {
         if self.ctx.handlers.generation() != self.generation {
             // A reload: the new handlers, prepared on the same connection (its commits
             // not yet flushed stay this session's).
             (self.registry, self.generation) = self.ctx.handlers.current();
+            self.in_sets.clear();
             if let Some(s) = self.session.as_mut() {
                 if let Err(e) = s.reprepare(&self.registry) {
                     log::warn!("{}: preparing the reloaded handlers: {e}", self.name);
@@ -454,6 +469,9 @@ impl<'a> Worker<'a> {
                 Err(dead) => out.push(*dead),
             }
         }
+        if let Some(pool) = pool {
+            jobs = self.share(jobs, pool);
+        }
         if jobs.is_empty() {
             return;
         }
@@ -463,6 +481,47 @@ impl<'a> Worker<'a> {
         for (job, result) in jobs.into_iter().zip(results) {
             out.extend(self.finish(job, result));
         }
+    }
+
+    /// Keeps the jobs this worker runs together (sets, and one `--tx-batch` of the rest)
+    /// and gives the others back to the pool, so that jobs of a handler without a set form
+    /// that came in one read run on the idle workers side by side rather than one after
+    /// another here (16 slow jobs due together once took 16 times one job on one worker
+    /// while the others idled, and their acks waited for the last). Not while draining:
+    /// a worker that stops runs what it took.
+    fn share<'h>(&mut self, jobs: Vec<Job<'h>>, pool: &crate::delivery::Take) -> Vec<Job<'h>> {
+        let alone_max = self.ctx.jobs.tx_batch.max(1);
+        if jobs.len() <= alone_max || self.ctx.shutdown.is_set() {
+            return jobs;
+        }
+        let mut kept = Vec::with_capacity(jobs.len());
+        let mut back = Vec::new();
+        let mut alone = 0;
+        for job in jobs {
+            if self.runs_in_sets(&job) {
+                kept.push(job);
+            } else if alone < alone_max {
+                alone += 1;
+                kept.push(job);
+            } else {
+                back.push(job.d);
+            }
+        }
+        if !back.is_empty() {
+            pool.give_back(back, alone_max);
+        }
+        kept
+    }
+
+    /// Whether `job`'s handler runs jobs in sets (it has a set form and `--set-size` is
+    /// above 1), known once per handler of the current registry.
+    fn runs_in_sets(&mut self, job: &Job<'_>) -> bool {
+        if self.in_sets.len() <= job.index {
+            self.in_sets.resize(job.index + 1, None);
+        }
+        let set_size = self.ctx.jobs.set_size;
+        *self.in_sets[job.index]
+            .get_or_insert_with(|| set_size > 1 && job.handler.set_statement().is_some())
     }
 
     /// A second delivery of a job whose transaction is running in a live worker's session

@@ -354,3 +354,48 @@ fn a_payload_naming_two_orders_cancels_one_alone_or_in_a_set() {
         assert_accounting(&env.db, &orders, &cancelled);
     }
 }
+
+#[test]
+fn jobs_of_a_handler_without_a_set_form_that_come_together_run_side_by_side() {
+    // Twelve slow jobs (0.5 s each) of a handler without a set form fall due together and
+    // come in one read. The worker that takes them keeps one and gives the rest back, so
+    // the four workers run them side by side: before, one worker ran all twelve, one after
+    // another, while the other three idled (and no ack went out until the last).
+    let mut env = Env::new();
+    let dir = HandlerDir::new(&[(
+        "order.timeout.sql",
+        order_timeout_with(
+            "slow AS (SELECT pg_sleep(0.5) AS s)",
+            "(SELECT true FROM slow)",
+        ),
+    )]);
+    env.config.handlers_dir = Some(dir.0.clone());
+    env.config.threads = 4;
+    env.config.jobs.statement_timeout = Duration::from_secs(10);
+    let orders = seed_orders(&env.db, 12);
+    let daemon = Daemon::start(&env.config);
+    push_timeouts(&env, &orders, 0);
+    let mut pg = env.db.client();
+    let mut most = 0;
+    wait_until(WAIT, "every job", || {
+        let running: i64 = pg
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE wait_event = 'PgSleep' AND datname = current_database()",
+                &[],
+            )
+            .unwrap()
+            .get(0);
+        most = most.max(running);
+        let b = books(&env);
+        inbox_count(&env.db) == 12 && b.pool == 0 && b.stream_pending == 0
+    });
+    daemon.stop();
+    assert!(
+        most >= 3,
+        "at most {most} of the jobs ran at once on 4 workers"
+    );
+    let cancelled: Vec<&SeedOrder> = orders.iter().collect();
+    assert_accounting(&env.db, &orders, &cancelled);
+    assert_all_accounted(&env, &env.db, 12);
+}
