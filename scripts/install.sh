@@ -8,7 +8,7 @@
 #              repository, where dpkg exists, the .deb in target/dist; where rpm exists and
 #              dpkg does not, the .rpm there; elsewhere target/release/worker]
 #   --dry-run  print the steps, change nothing (needs neither root nor systemd; fails,
-#              as a real run would, when FILE is missing)
+#              as a real run would, when FILE is missing or the real run would refuse)
 #
 # A .deb (Debian, Ubuntu: where dpkg exists) is installed with `dpkg -i --force-confold`,
 # an .rpm (RHEL/CentOS 7 and later: where rpm exists and dpkg does not) with `rpm -U
@@ -94,10 +94,13 @@ run() {
   step "$(printf '%q ' "$@")"
   [ "$dry_run" = 1 ] || "$@"
 }
-# Stops unless this is a dry run, which only notes the problem.
+# Stops unless this is a dry run, which notes the problem, shows the rest, and fails at
+# the end as the real run would have at once.
+refused=
 refuse() {
   [ "$dry_run" = 1 ] || die "$*"
   note "note: $*"
+  refused=$*
 }
 package_installed() {
   if [ "$have_dpkg" = 1 ]; then
@@ -125,7 +128,8 @@ if [ "$kind" = binary ]; then
   [ -x "$file" ] ||
     die "no executable worker at $file (build it: cargo build --release, or name one)"
   remove="dpkg -r $PACKAGE"
-  [ "$have_rpm" = 1 ] && remove="rpm -e $PACKAGE"
+  # The package manager package_installed asked (dpkg where it exists).
+  [ "$have_dpkg" = 0 ] && [ "$have_rpm" = 1 ] && remove="rpm -e $PACKAGE"
   ! package_installed ||
     refuse "$PACKAGE is installed as a package (/usr/bin/worker): install a newer package, or remove it first ($remove)"
 else
@@ -223,4 +227,5 @@ else
     echo "    systemctl enable --now $UNIT_NAME"
   fi
 fi
+[ -z "$refused" ] || die "a real run would stop here: $refused"
 note "done"

@@ -306,16 +306,42 @@ pub fn run(
             writeln!(out, "        note: {n}")?;
         }
     }
+    let files = |n: usize| if n == 1 { "file" } else { "files" };
     let failed = checked.iter().filter(|c| c.problem.is_some()).count();
     if failed == 0 {
-        writeln!(out, "{} handler files ok", checked.len())?;
-        Ok(ExitCode::SUCCESS)
-    } else {
-        writeln!(
-            out,
-            "{failed} of {} handler files cannot run: a worker holds their events' jobs until they do",
-            checked.len()
-        )?;
-        Ok(ExitCode::from(2))
+        writeln!(out, "{} handler {} ok", checked.len(), files(checked.len()))?;
+        return Ok(ExitCode::SUCCESS);
     }
+    // A file that cannot be read or parsed stops the service at its start (and a reload
+    // keeps the old set); one that parses but does not prepare has its event's jobs held.
+    let stops = checked
+        .iter()
+        .filter(|c| {
+            c.problem
+                .as_deref()
+                .is_some_and(|p| c.event.is_none() || p.contains("the service would stop"))
+        })
+        .count();
+    let held = failed - stops;
+    let mut why = Vec::new();
+    if stops > 0 {
+        why.push(format!(
+            "{stops} would stop the service at its start (a reload keeps the handlers it has)"
+        ));
+    }
+    if held > 0 && stops > 0 {
+        why.push(format!(
+            "a worker holds the jobs of the other {held} until they prepare"
+        ));
+    } else if held > 0 {
+        why.push("a worker holds their events' jobs until they prepare".to_string());
+    }
+    writeln!(
+        out,
+        "{failed} of {} handler {} cannot run: {}",
+        checked.len(),
+        files(checked.len()),
+        why.join("; ")
+    )?;
+    Ok(ExitCode::from(2))
 }

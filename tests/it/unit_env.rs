@@ -363,3 +363,33 @@ fn install_dry_run_fails_when_its_input_is_missing() {
         assert!(!text(&out.stdout).contains("done"), "{}", text(&out.stdout));
     }
 }
+
+#[test]
+fn install_dry_run_fails_where_a_real_run_would_refuse() {
+    // A binary install on a host where the package is installed: the real run refuses at
+    // once; the dry run notes it, shows the rest, and fails at the end the same way.
+    let bin = std::env::temp_dir().join(format!("dw-dpkg-says-installed-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&bin);
+    std::fs::create_dir_all(&bin).unwrap();
+    let query = bin.join("dpkg-query");
+    std::fs::write(&query, "#!/bin/sh\nprintf 'install ok installed'\n").unwrap();
+    std::fs::set_permissions(&query, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap());
+    let out = Command::new("bash")
+        .arg(format!("{ROOT}/scripts/install.sh"))
+        .args(["--dry-run", env!("CARGO_BIN_EXE_worker")])
+        .env("PATH", path)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&bin);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stdout));
+    let err = text(&out.stderr);
+    assert!(
+        err.trim_end().ends_with(
+            "install: a real run would stop here: delay-worker is installed as a package \
+             (/usr/bin/worker): install a newer package, or remove it first (dpkg -r delay-worker)"
+        ),
+        "{err}"
+    );
+    assert!(!text(&out.stdout).contains("done"), "{}", text(&out.stdout));
+}
