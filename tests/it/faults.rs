@@ -506,7 +506,8 @@ fn a_worker_killed_mid_transaction_and_restarted_runs_its_jobs_once_the_orphans_
     // pending entries back at once; each job's inbox insert meets its orphan's row. It waits
     // the orphan out and runs the job (the orphan rolls back: its client is gone), instead
     // of leaving the entry for --claim-idle (here 5 minutes) or sending it round the pool.
-    let env = Env::new();
+    let mut env = Env::new();
+    env.config.threads = 1;
     let dir = HandlerDir::new(&[(
         "order.timeout.sql",
         order_timeout_with(
@@ -525,8 +526,8 @@ fn a_worker_killed_mid_transaction_and_restarted_runs_its_jobs_once_the_orphans_
     ];
     let mut p = Proc::start(&env.config, &args);
     push_timeouts(&env, &orders, 0);
-    // A worker runs the jobs of one read one after another (no set form): kill it with
-    // two of them committed and the third inside its transaction.
+    // One worker runs the jobs one after another (no set form): kill it with two of them
+    // committed and the third inside its transaction.
     wait_until(WAIT, "a job inside its transaction after two done", || {
         inbox_count(&env.db) >= 2 && sleeping(&env.db) == 1
     });

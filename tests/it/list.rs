@@ -450,7 +450,8 @@ fn a_consumer_killed_mid_transaction_and_restarted_loses_no_job_to_its_orphans()
     // while its orphaned transaction still runs: the copy waits the orphan out and runs
     // (the orphan rolls back: its client is gone). Taken for a duplicate and removed, it
     // would be lost with the rollback.
-    let env = list_env(&[("normal", None)]);
+    let mut env = list_env(&[("normal", None)]);
+    env.config.threads = 1;
     let dir = HandlerDir::new(&[(
         "order.timeout.sql",
         order_timeout_with(
@@ -479,8 +480,8 @@ fn a_consumer_killed_mid_transaction_and_restarted_loses_no_job_to_its_orphans()
             .unwrap()
             .get(0)
     };
-    // A worker runs the jobs of one read one after another (no set form): kill it with
-    // two of them committed and the third inside its transaction.
+    // One worker runs the jobs one after another (no set form): kill it with two of them
+    // committed and the third inside its transaction.
     wait_until(WAIT, "a job inside its transaction after two done", || {
         inbox_count(&env.db) >= 2 && sleeping() == 1
     });
