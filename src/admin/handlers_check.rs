@@ -32,6 +32,9 @@ pub struct Checked {
     pub event: Option<String>,
     /// Why it cannot run, `None` when it can.
     pub problem: Option<String>,
+    /// The problem stops the service at its start (a file it cannot read or parse), where
+    /// one that only does not prepare has its event's jobs held.
+    pub stops_service: bool,
     /// What works but is worth knowing (a set form left out, a built-in replaced).
     pub notes: Vec<String>,
 }
@@ -204,6 +207,7 @@ pub fn check(
                     file,
                     event: None,
                     problem: Some(format!("does not parse: {e}")),
+                    stops_service: true,
                     notes: Vec::new(),
                 });
                 continue;
@@ -221,6 +225,7 @@ pub fn check(
         }
         notes.extend(hidden.clone());
         let mut problem = user.and_then(|u| u.refused(&path, 4, "read"));
+        let stops_service = problem.is_some();
         if let Some(why) = &mut problem {
             why.push_str(": the service would stop at it (make it readable, e.g. chmod 0644)");
         } else {
@@ -230,6 +235,7 @@ pub fn check(
             file,
             event: Some(event),
             problem,
+            stops_service,
             notes,
         });
     }
@@ -314,14 +320,7 @@ pub fn run(
     }
     // A file that cannot be read or parsed stops the service at its start (and a reload
     // keeps the old set); one that parses but does not prepare has its event's jobs held.
-    let stops = checked
-        .iter()
-        .filter(|c| {
-            c.problem
-                .as_deref()
-                .is_some_and(|p| c.event.is_none() || p.contains("the service would stop"))
-        })
-        .count();
+    let stops = checked.iter().filter(|c| c.stops_service).count();
     let held = failed - stops;
     let mut why = Vec::new();
     if stops > 0 {

@@ -69,6 +69,11 @@ pub trait Handler: Send + Sync {
         None
     }
 
+    /// Whether it has a set form ([`Handler::set_statement`]), asked without building it.
+    fn has_set_form(&self) -> bool {
+        self.set_statement().is_some()
+    }
+
     /// Does the work inside `tx`. A transient database error (see `db::is_transient`)
     /// retries the job; any other error dead-letters it. The caller commits.
     fn handle(

@@ -237,6 +237,10 @@ impl Handler for SqlHandler {
         self.set_sql.clone()
     }
 
+    fn has_set_form(&self) -> bool {
+        self.set_sql.is_some()
+    }
+
     fn handle(
         &self,
         tx: &mut Transaction<'_>,

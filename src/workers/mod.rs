@@ -168,8 +168,6 @@ pub struct Worker<'a> {
     held_tried: Option<std::time::Instant>,
     db_backoff: Backoff,
     redis_backoff: Backoff,
-    /// Whether each handler of `registry` (by index) runs jobs in sets here.
-    in_sets: Vec<Option<bool>>,
 }
 
 impl<'a> Worker<'a> {
@@ -190,7 +188,6 @@ impl<'a> Worker<'a> {
             redis: None,
             held: Vec::new(),
             held_tried: None,
-            in_sets: Vec::new(),
         }
     }
 
@@ -452,7 +449,6 @@ impl<'a> Worker<'a> {
             // A reload: the new handlers, prepared on the same connection (its commits
             // not yet flushed stay this session's).
             (self.registry, self.generation) = self.ctx.handlers.current();
-            self.in_sets.clear();
             if let Some(s) = self.session.as_mut() {
                 if let Err(e) = s.reprepare(&self.registry) {
                     log::warn!("{}: preparing the reloaded handlers: {e}", self.name);
@@ -494,11 +490,12 @@ impl<'a> Worker<'a> {
         if jobs.len() <= alone_max || self.ctx.shutdown.is_set() {
             return jobs;
         }
+        let sets = self.ctx.jobs.set_size > 1;
         let mut kept = Vec::with_capacity(jobs.len());
         let mut back = Vec::new();
         let mut alone = 0;
         for job in jobs {
-            if self.runs_in_sets(&job) {
+            if sets && job.handler.has_set_form() {
                 kept.push(job);
             } else if alone < alone_max {
                 alone += 1;
@@ -511,17 +508,6 @@ impl<'a> Worker<'a> {
             pool.give_back(back, alone_max);
         }
         kept
-    }
-
-    /// Whether `job`'s handler runs jobs in sets (it has a set form and `--set-size` is
-    /// above 1), known once per handler of the current registry.
-    fn runs_in_sets(&mut self, job: &Job<'_>) -> bool {
-        if self.in_sets.len() <= job.index {
-            self.in_sets.resize(job.index + 1, None);
-        }
-        let set_size = self.ctx.jobs.set_size;
-        *self.in_sets[job.index]
-            .get_or_insert_with(|| set_size > 1 && job.handler.set_statement().is_some())
     }
 
     /// A second delivery of a job whose transaction is running in a live worker's session

@@ -577,13 +577,7 @@ fn sigterm_under_load_drains_exits_0_and_leaves_nothing_pending() {
 fn a_second_signal_exits_at_once_and_the_next_start_recovers() {
     let env = Env::new();
     // Slow jobs, so that the drain after the first signal takes seconds.
-    let slow = HandlerDir::new(&[(
-        "order.timeout.sql",
-        order_timeout_with(
-            "slow AS (SELECT pg_sleep(0.5) AS s)",
-            "(SELECT true FROM slow)",
-        ),
-    )]);
+    let slow = slow_order_timeout("0.5");
     let orders = seed_orders(&env.db, 60);
     push_timeouts(&env, &orders, 0);
     let dir = ["--handlers-dir".to_string(), slow.0.display().to_string()];

@@ -254,13 +254,7 @@ fn retry_storm(mut env: Env) {
 #[test]
 fn a_handler_slower_than_claim_idle_is_reclaimed_by_a_second_worker() {
     let mut env = Env::new();
-    let dir = HandlerDir::new(&[(
-        "order.timeout.sql",
-        order_timeout_with(
-            "slow AS (SELECT pg_sleep(CASE WHEN $1 ->> 'order_no' LIKE '%7' THEN 2.5 ELSE 0 END) AS s)",
-            "(SELECT true FROM slow)",
-        ),
-    )]);
+    let dir = slow_order_timeout("CASE WHEN $1 ->> 'order_no' LIKE '%7' THEN 2.5 ELSE 0 END");
     env.config.handlers_dir = Some(dir.0.clone());
     env.config.reader.claim_idle = Duration::from_secs(1);
     env.config.jobs.statement_timeout = Duration::from_secs(10);
@@ -300,13 +294,7 @@ fn a_second_delivery_of_a_running_job_leaves_it_to_the_running_one() {
     // row. Were it sent back to the pool as contention, its retry would meet the newer
     // push and become a dead letter of a job that the running copy then commits.
     let mut env = Env::new();
-    let dir = HandlerDir::new(&[(
-        "order.timeout.sql",
-        order_timeout_with(
-            "slow AS (SELECT pg_sleep(CASE WHEN $1 ->> 'order_no' LIKE '%7' THEN 3 ELSE 0 END) AS s)",
-            "(SELECT true FROM slow)",
-        ),
-    )]);
+    let dir = slow_order_timeout("CASE WHEN $1 ->> 'order_no' LIKE '%7' THEN 3 ELSE 0 END");
     env.config.handlers_dir = Some(dir.0.clone());
     env.config.reader.claim_idle = Duration::from_secs(1);
     env.config.jobs.statement_timeout = Duration::from_secs(10);
@@ -323,18 +311,7 @@ fn a_second_delivery_of_a_running_job_leaves_it_to_the_running_one() {
     let da = Daemon::start(&a);
     let db_ = Daemon::start(&b);
     push_timeouts(&env, &orders, 0);
-    let mut pg = env.db.client();
-    wait_until(WAIT, "the slow job running", || {
-        let n: i64 = pg
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity \
-                 WHERE wait_event = 'PgSleep' AND datname = current_database()",
-                &[],
-            )
-            .unwrap()
-            .get(0);
-        n > 0
-    });
+    wait_until(WAIT, "the slow job running", || sleeping(&env.db) > 0);
     // The producer pushes the slow order's key again while its job runs: a new job, due
     // in 4 s (after the slow one has committed).
     push_timeouts(
@@ -487,18 +464,6 @@ fn a_commit_whose_durability_was_in_doubt_is_looked_up_not_sent_round_again() {
     assert_eq!(inbox_count(&env.db), 1);
 }
 
-/// Backends of `db` sleeping in a slow handler's `pg_sleep`.
-fn sleeping(db: &TestDb) -> i64 {
-    db.client()
-        .query_one(
-            "SELECT count(*) FROM pg_stat_activity \
-             WHERE wait_event = 'PgSleep' AND datname = current_database()",
-            &[],
-        )
-        .unwrap()
-        .get(0)
-}
-
 #[test]
 fn a_worker_killed_mid_transaction_and_restarted_runs_its_jobs_once_the_orphans_end() {
     // kill -9 while a slow job (2 s) is inside its transaction: their
@@ -508,13 +473,7 @@ fn a_worker_killed_mid_transaction_and_restarted_runs_its_jobs_once_the_orphans_
     // of leaving the entry for --claim-idle (here 5 minutes) or sending it round the pool.
     let mut env = Env::new();
     env.config.threads = 1;
-    let dir = HandlerDir::new(&[(
-        "order.timeout.sql",
-        order_timeout_with(
-            "slow AS (SELECT pg_sleep(2) AS s)",
-            "(SELECT true FROM slow)",
-        ),
-    )]);
+    let dir = slow_order_timeout("2");
     let orders = seed_orders(&env.db, 8);
     let args = [
         "--handlers-dir".to_string(),

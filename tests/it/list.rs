@@ -452,13 +452,7 @@ fn a_consumer_killed_mid_transaction_and_restarted_loses_no_job_to_its_orphans()
     // would be lost with the rollback.
     let mut env = list_env(&[("normal", None)]);
     env.config.threads = 1;
-    let dir = HandlerDir::new(&[(
-        "order.timeout.sql",
-        order_timeout_with(
-            "slow AS (SELECT pg_sleep(2) AS s)",
-            "(SELECT true FROM slow)",
-        ),
-    )]);
+    let dir = slow_order_timeout("2");
     let orders = seed_orders(&env.db, 8);
     let mut args = list_args(&env);
     args.extend([
@@ -469,21 +463,10 @@ fn a_consumer_killed_mid_transaction_and_restarted_loses_no_job_to_its_orphans()
     ]);
     let mut p = Proc::start(&env.config, &args);
     push_timeouts(&env, &orders, 0);
-    let sleeping = || -> i64 {
-        env.db
-            .client()
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity \
-                 WHERE wait_event = 'PgSleep' AND datname = current_database()",
-                &[],
-            )
-            .unwrap()
-            .get(0)
-    };
     // One worker runs the jobs one after another (no set form): kill it with two of them
     // committed and the third inside its transaction.
     wait_until(WAIT, "a job inside its transaction after two done", || {
-        inbox_count(&env.db) >= 2 && sleeping() == 1
+        inbox_count(&env.db) >= 2 && sleeping(&env.db) == 1
     });
     p.kill9();
     let mut p = Proc::start(&env.config, &args);

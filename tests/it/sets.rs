@@ -362,31 +362,16 @@ fn jobs_of_a_handler_without_a_set_form_that_come_together_run_side_by_side() {
     // the four workers run them side by side: before, one worker ran all twelve, one after
     // another, while the other three idled (and no ack went out until the last).
     let mut env = Env::new();
-    let dir = HandlerDir::new(&[(
-        "order.timeout.sql",
-        order_timeout_with(
-            "slow AS (SELECT pg_sleep(0.5) AS s)",
-            "(SELECT true FROM slow)",
-        ),
-    )]);
+    let dir = slow_order_timeout("0.5");
     env.config.handlers_dir = Some(dir.0.clone());
     env.config.threads = 4;
     env.config.jobs.statement_timeout = Duration::from_secs(10);
     let orders = seed_orders(&env.db, 12);
     let daemon = Daemon::start(&env.config);
     push_timeouts(&env, &orders, 0);
-    let mut pg = env.db.client();
     let mut most = 0;
     wait_until(WAIT, "every job", || {
-        let running: i64 = pg
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity \
-                 WHERE wait_event = 'PgSleep' AND datname = current_database()",
-                &[],
-            )
-            .unwrap()
-            .get(0);
-        most = most.max(running);
+        most = most.max(sleeping(&env.db));
         let b = books(&env);
         inbox_count(&env.db) == 12 && b.pool == 0 && b.stream_pending == 0
     });

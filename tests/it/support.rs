@@ -904,6 +904,31 @@ pub fn order_timeout_with(cte: &str, condition: &str) -> String {
     one
 }
 
+/// A handler directory whose order.timeout (the one-job form alone: every job runs by
+/// itself) sleeps `seconds` (an SQL expression, which may read the payload `$1`) before
+/// it cancels: a slow handler.
+pub fn slow_order_timeout(seconds: &str) -> HandlerDir {
+    HandlerDir::new(&[(
+        "order.timeout.sql",
+        order_timeout_with(
+            &format!("slow AS (SELECT pg_sleep({seconds}) AS s)"),
+            "(SELECT true FROM slow)",
+        ),
+    )])
+}
+
+/// Backends of `db` sleeping in a slow handler's `pg_sleep`.
+pub fn sleeping(db: &TestDb) -> i64 {
+    db.client()
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE wait_event = 'PgSleep' AND datname = current_database()",
+            &[],
+        )
+        .unwrap()
+        .get(0)
+}
+
 /// [`order_timeout_with`] and the built-in set form with the same CTE spliced in front,
 /// which its `locked` CTE references (the condition must not use `$1`: in the set form it
 /// is the array of jobs).

@@ -141,26 +141,29 @@ fn client(
         if due > now {
             std::thread::sleep(due - now);
         }
-        let roll = rng.u32(0..100);
-        let kind = match roll {
+        let kind = match rng.u32(0..100) {
             0..50 => Kind::Payment,
             50..80 => Kind::Checkout,
             _ => Kind::Browse,
         };
-        let r = if roll < 50 {
-            let (lo, hi) = if rng.u32(0..10) == 0 {
-                plan.backlog_orders
-            } else {
-                plan.shop_orders
-            };
-            pay(&mut c, rng.i64(lo..=hi))
-        } else if roll < 80 {
-            let a = rng.i64(1..=plan.skus as i64);
-            let b = rng.i64(1..=plan.skus as i64);
-            checkout(&mut c, a, b, rng.i32(1..=3))
-        } else {
-            let (lo, hi) = plan.shop_orders;
-            browse(&mut c, rng.i64(lo..=hi))
+        let r = match kind {
+            Kind::Payment => {
+                let (lo, hi) = if rng.u32(0..10) == 0 {
+                    plan.backlog_orders
+                } else {
+                    plan.shop_orders
+                };
+                pay(&mut c, rng.i64(lo..=hi))
+            }
+            Kind::Checkout => {
+                let a = rng.i64(1..=plan.skus as i64);
+                let b = rng.i64(1..=plan.skus as i64);
+                checkout(&mut c, a, b, rng.i32(1..=3))
+            }
+            Kind::Browse => {
+                let (lo, hi) = plan.shop_orders;
+                browse(&mut c, rng.i64(lo..=hi))
+            }
         };
         let ok = match r {
             Ok(()) => true,
