@@ -40,7 +40,9 @@ pub struct Envelope {
     /// sends back to the pool (a retry, a job held): lateness and the contention horizon
     /// count from it. `None` for a message never sent back.
     pub first_due: Option<i64>,
-    /// The whole object as received, unknown fields included.
+    /// The object as received, unknown fields included, but for `payload` (held above, so
+    /// a job's payload is not copied on its way to the handler; [`Envelope::whole`] puts
+    /// it back for a message sent on).
     raw: Map<String, Value>,
 }
 
@@ -111,15 +113,15 @@ fn parse_object(bytes: &[u8], limit: usize) -> Result<Map<String, Value>, Reject
 impl Envelope {
     /// Decodes and checks the envelope. `limit` is the size limit in bytes.
     pub fn decode(bytes: &[u8], limit: usize) -> Result<Envelope, Rejection> {
-        let raw = parse_object(bytes, limit)?;
+        let mut raw = parse_object(bytes, limit)?;
         let event = match raw.get("event") {
             None | Some(Value::Null) => return Err(Rejection::MissingEvent),
             Some(Value::String(s)) if !s.trim().is_empty() => s.clone(),
             Some(_) => return Err(Rejection::BadEvent),
         };
-        let payload = match raw.get("payload") {
+        let payload = match raw.remove("payload") {
             None | Some(Value::Null) => return Err(Rejection::MissingPayload),
-            Some(p @ Value::Object(_)) => p.clone(),
+            Some(p @ Value::Object(_)) => p,
             Some(_) => return Err(Rejection::BadPayload),
         };
         let retry = match raw.get("retry") {
@@ -155,7 +157,6 @@ impl Envelope {
         let mut raw = Map::new();
         raw.insert("event".into(), Value::String(event.to_string()));
         let payload = Value::Object(payload);
-        raw.insert("payload".into(), payload.clone());
         raw.insert("retry".into(), Value::from(0));
         raw.insert("ts".into(), Value::from(ts));
         Envelope {
@@ -173,7 +174,7 @@ impl Envelope {
     /// fields kept, `retry` raised by one.
     /// `job_id` stays the first field, as the mover checks it there.
     pub fn next_retry(&self) -> String {
-        let mut raw = self.raw.clone();
+        let mut raw = self.whole();
         raw.insert("retry".into(), Value::from(self.retry.saturating_add(1)));
         to_wire(raw, self.job_id.as_deref())
     }
@@ -181,7 +182,7 @@ impl Envelope {
     /// The message to send back to the pool: the same object, unknown fields kept, with
     /// `retry` and `first_due` as given (`first_due` already there is kept).
     pub fn requeued(&self, retry: u32, first_due: i64) -> String {
-        let mut raw = self.raw.clone();
+        let mut raw = self.whole();
         raw.insert("retry".into(), Value::from(retry));
         raw.insert(
             FIRST_DUE.into(),
@@ -195,7 +196,7 @@ impl Envelope {
     /// outgrow `limit` (the mover would bury it).
     pub fn requeued_after(&self, retry: u32, first_due: i64, error: &str, limit: usize) -> String {
         let plain = self.requeued(retry, first_due);
-        let mut raw = self.raw.clone();
+        let mut raw = self.whole();
         raw.insert("retry".into(), Value::from(retry));
         raw.insert(
             FIRST_DUE.into(),
@@ -211,8 +212,15 @@ impl Envelope {
         }
     }
 
+    /// The whole object: what was received (or made), `payload` included.
+    fn whole(&self) -> Map<String, Value> {
+        let mut raw = self.raw.clone();
+        raw.insert("payload".into(), self.payload.clone());
+        raw
+    }
+
     pub fn to_json(&self) -> String {
-        to_wire(self.raw.clone(), self.job_id.as_deref())
+        to_wire(self.whole(), self.job_id.as_deref())
     }
 
     /// Checks that the payload names each group of `required` fields: every group is a

@@ -276,10 +276,14 @@ fn parse_entries(v: Value, out: &mut Vec<Delivery>) {
                 Value::BulkString(b) => b,
                 other => value_to_string(&other).into_bytes(),
             };
-            match value_to_string(&f).as_str() {
-                "msg" => msg = bytes,
-                "key" => key = Some(bytes),
-                "due" => {
+            let name: &[u8] = match &f {
+                Value::BulkString(b) => b,
+                _ => &[],
+            };
+            match name {
+                b"msg" => msg = bytes,
+                b"key" => key = Some(bytes),
+                b"due" => {
                     due_ms = std::str::from_utf8(&bytes)
                         .ok()
                         .and_then(|s| s.parse().ok())

@@ -730,6 +730,14 @@ fn db_err(e: postgres::Error) -> SetError {
     SetError::Db(e.into())
 }
 
+/// One job of a set as its statement reads it: `{"i": <index in the set>, "payload": ...}`,
+/// the payload borrowed, not copied.
+#[derive(Debug, serde::Serialize)]
+struct Work<'a> {
+    i: usize,
+    payload: &'a serde_json::Value,
+}
+
 /// The statements of a set inside its open transaction: the inbox rows, then the set
 /// form for the jobs whose rows were new. Returns each job's result and the ctids of the
 /// rows of the jobs that changed nothing (for [`commit_sql`]).
@@ -748,41 +756,43 @@ fn set_body(
         .collect();
     let late: Vec<Option<i64>> = jobs.iter().map(|j| j.late_ms()).collect();
     let consumer = jobs[0].consumer;
-    let inserted: HashMap<(String, i64, String), String> = conn
+    let rows = conn
         .query(inbox_set, &[&keys, &ts, &events, &ids, &late, &consumer])
-        .map_err(db_err)?
-        .iter()
-        .map(|row| {
-            Ok((
-                (row.try_get(0)?, row.try_get(1)?, row.try_get(2)?),
-                row.try_get(3)?,
-            ))
-        })
-        .collect::<Result<_, postgres::Error>>()
         .map_err(db_err)?;
     // A job is new if its row was inserted now; of two copies of one job in the set, the
-    // first is new and the second a redelivery.
-    let mut results: Vec<JobResult> = Vec::with_capacity(jobs.len());
+    // first is new and the second a redelivery. Matched by borrowed keys: nothing is
+    // copied per job.
+    let mut first: HashMap<(&str, i64, &str), usize> = HashMap::with_capacity(jobs.len());
+    for i in 0..jobs.len() {
+        first.entry((keys[i], ts[i], ids[i])).or_insert(i);
+    }
     // The ctid of each new job's row (by index), while it counts as a no-op.
-    let mut tids: Vec<Option<&String>> = Vec::with_capacity(jobs.len());
-    let mut work = Vec::new();
-    let mut seen = HashSet::new();
-    for (i, job) in jobs.iter().enumerate() {
-        let id = (keys[i].to_string(), ts[i], ids[i].to_string());
-        match inserted.get(&id) {
-            Some(tid) if seen.insert(id) => {
-                results.push(JobResult::Committed(Effect::NoOp));
-                tids.push(Some(tid));
-                work.push(serde_json::json!({"i": i, "payload": job.env.payload}));
-            }
-            _ => {
-                results.push(JobResult::Duplicate);
-                tids.push(None);
-            }
+    let mut tids: Vec<Option<&str>> = vec![None; jobs.len()];
+    for row in &rows {
+        let id: (&str, i64, &str) = (
+            row.try_get(0).map_err(db_err)?,
+            row.try_get(1).map_err(db_err)?,
+            row.try_get(2).map_err(db_err)?,
+        );
+        if let Some(&i) = first.get(&id) {
+            tids[i] = Some(row.try_get(3).map_err(db_err)?);
+        }
+    }
+    let mut results: Vec<JobResult> = Vec::with_capacity(jobs.len());
+    let mut work: Vec<Work<'_>> = Vec::new();
+    for (i, (job, tid)) in jobs.iter().zip(&tids).enumerate() {
+        if tid.is_some() {
+            results.push(JobResult::Committed(Effect::NoOp));
+            work.push(Work {
+                i,
+                payload: &job.env.payload,
+            });
+        } else {
+            results.push(JobResult::Duplicate);
         }
     }
     if !work.is_empty() {
-        let work = serde_json::Value::Array(work);
+        let work = postgres::types::Json(&work);
         for row in conn.query(statement, &[&work]).map_err(db_err)? {
             let i: i32 = row.try_get(0).map_err(db_err)?;
             match usize::try_from(i).ok().and_then(|i| results.get_mut(i)) {
@@ -794,6 +804,6 @@ fn set_body(
             }
         }
     }
-    let noops = tids.into_iter().flatten().cloned().collect();
+    let noops = tids.into_iter().flatten().map(str::to_string).collect();
     Ok((results, noops))
 }
