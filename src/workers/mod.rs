@@ -329,6 +329,14 @@ impl<'a> Worker<'a> {
 
     /// The thread body. `space` wakes the reader when a slot frees up.
     pub fn run(mut self, rx: &Take, space: &Sender<()>) {
+        // The session (a connection, every statement prepared) is opened now, not for the
+        // first job: a worker just started that meets a backlog would otherwise fork and
+        // prepare all its backends at once, in the backlog's first half second, beside the
+        // shop's own transactions (docs/performance.md, "The shop beside a drain"). One
+        // that cannot be opened now is opened for the first job, as after an outage.
+        if let Ok(s) = Session::open(self.ctx.db, &self.registry, self.ctx.jobs.lock_timeout) {
+            self.session = Some(s);
+        }
         let mut outcomes: Vec<Settlement> = Vec::with_capacity(ACK_BATCH);
         let gather = self.ctx.jobs.take_size();
         // When the oldest unsettled outcome must be settled.

@@ -624,3 +624,31 @@ fn every_sqlstate_class_has_an_owner() {
         assert_eq!(classify_code(code, message), fault, "{code} {message}");
     }
 }
+
+/// A worker just started holds its sessions before its first job, so a backlog that meets
+/// it does not start with every worker's backend forking and preparing at once beside the
+/// shop's transactions.
+#[test]
+fn a_started_worker_opens_its_sessions_before_its_first_job() {
+    let mut env = Env::new();
+    env.config.threads = 4;
+    let d = Daemon::start(&env.config);
+    let backends = || -> i64 {
+        env.db
+            .client()
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE application_name = 'delay-worker' AND datname = current_database()",
+                &[],
+            )
+            .unwrap()
+            .get(0)
+    };
+    // Four workers' sessions and the PostgreSQL watch's connection; nothing was pushed.
+    wait_until(Duration::from_secs(10), "every worker's session", || {
+        backends() >= 5
+    });
+    let b = books(&env);
+    assert_eq!((b.pool, b.stream_pending, b.dead), (0, 0, 0));
+    d.stop();
+}
