@@ -223,6 +223,10 @@ pub struct MoverConfig {
     /// How long past its due time a member without data is left alone (a PHP producer
     /// may ZADD before HSET) before it is removed as an orphan.
     pub orphan_grace: Duration,
+    /// How many moved entries may wait unread in the stream (its group's lag) before the
+    /// mover moves more; 0: no bound (list mode is not bounded). A backlog then leaves the pool as
+    /// fast as the readers of every host take it, not in one burst of Redis's core.
+    pub ahead: usize,
     /// List mode: index in `keys.queues` of the queue due messages go to.
     pub queue: usize,
     /// Older producers' pools, moved as well.
@@ -403,6 +407,10 @@ pub fn parse_delay(s: &str) -> Result<Duration, String> {
     Ok(d)
 }
 
+/// `--move-ahead` by default: ten of `--batch-size`'s default batches, a third of a second
+/// of the fastest drain measured on one host, refilled every few milliseconds.
+pub const DEFAULT_MOVE_AHEAD: usize = 5000;
+
 /// `--max-message-bytes` by default.
 pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 64 * 1024;
 
@@ -413,6 +421,7 @@ impl Default for MoverConfig {
             poll: Duration::from_millis(100),
             window: DEFAULT_MOVE_WINDOW,
             orphan_grace: Duration::from_secs(60),
+            ahead: DEFAULT_MOVE_AHEAD,
             queue: 0,
             cluster: false,
             legacy: Vec::new(),

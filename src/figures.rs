@@ -94,6 +94,7 @@ impl StatsReport {
             t.pool.due += s.pool.due;
             t.pool.due_seconds += s.pool.due_seconds;
             t.pool.due_ms += s.pool.due_ms;
+            t.pool.readers_backlog_ms = t.pool.readers_backlog_ms.max(s.pool.readers_backlog_ms);
             if s.pool.mover_lag_ms > t.pool.mover_lag_ms {
                 t.pool.mover_lag_ms = s.pool.mover_lag_ms;
                 t.pool.oldest_due_key = s.pool.oldest_due_key.clone();
@@ -243,8 +244,14 @@ pub struct PoolFigures {
     /// The member that has been due longest, and its due time (unix ms).
     pub oldest_due_key: Option<String>,
     pub oldest_due_at_ms: Option<i64>,
-    /// How overdue that member is: the mover lag (0 when nothing is due).
+    /// How overdue that member is: the mover lag (0 when nothing is due, and while the
+    /// readers hold the mover back: see `readers_backlog_ms`).
     pub mover_lag_ms: i64,
+    /// How overdue that member is while the stream holds at least half of `--move-ahead`
+    /// entries no reader has taken yet (its group's lag): due members then wait in the pool
+    /// by design (the mover moves no further ahead), the readers' backlog and not the
+    /// mover's lag. 0 otherwise. `stats --check` holds it against the `oldest` thresholds.
+    pub readers_backlog_ms: i64,
     /// Whether that member's message is in the data hash. A member without data is a
     /// producer that wrote ZADD before HSET (or never wrote HSET); the mover leaves it
     /// alone for `--orphan-grace`, so it counts in the lag until then.
@@ -432,15 +439,17 @@ pub fn gather(
         }
     }
 
+    let overdue_ms = oldest_due
+        .as_ref()
+        .map_or(0, |(_, at)| (now_ms - at).max(0));
     let pool = PoolFigures {
         key: keys.pool.clone(),
         size: pool_size.unwrap_or(0),
         due: due_seconds + due_ms,
         due_seconds,
         due_ms,
-        mover_lag_ms: oldest_due
-            .as_ref()
-            .map_or(0, |(_, at)| (now_ms - at).max(0)),
+        mover_lag_ms: overdue_ms,
+        readers_backlog_ms: 0,
         oldest_due_at_ms: oldest_due.as_ref().map(|(_, at)| *at),
         oldest_due_key: oldest_due.map(|(k, _)| k),
         oldest_due_has_data,
@@ -524,6 +533,23 @@ pub fn redis_now_ms(con: &mut dyn redis::ConnectionLike, config: &Config) -> Red
 /// [`gather`], and every `--legacy-pool` of `config` (one more pipelined round trip when
 /// there are any): their mover lag counts in the report's, so a mover that stopped shows
 /// whichever pool it leaves behind.
+/// Whether a stream whose group has `lag` entries no reader has taken holds its mover back
+/// (`--move-ahead`, `ahead`): the mover moves a whole batch whenever one fits under the
+/// bound, so from half of it on the due members in the pool wait for the readers.
+fn readers_behind(lag: Option<u64>, ahead: usize) -> bool {
+    ahead > 0 && lag.is_some_and(|l| l > 0 && l as usize >= ahead.div_ceil(2))
+}
+
+/// A shard's report with its due members counted as the readers' backlog instead of the
+/// mover's lag while its stream holds the mover back ([`readers_behind`]).
+fn held_for_readers(mut r: StatsReport, ahead: usize) -> StatsReport {
+    if readers_behind(r.group.lag, ahead) {
+        r.pool.readers_backlog_ms = r.pool.mover_lag_ms;
+        r.pool.mover_lag_ms = 0;
+    }
+    r
+}
+
 pub fn gather_all(
     con: &mut dyn redis::ConnectionLike,
     config: &Config,
@@ -531,14 +557,15 @@ pub fn gather_all(
     dead_window: Duration,
 ) -> RedisResult<StatsReport> {
     let shards = &config.derived.shards;
+    let ahead = config.mover.ahead;
     let mut report = if shards.len() > 1 {
         let each = shards
             .iter()
-            .map(|k| gather(con, k, now_ms, dead_window))
+            .map(|k| gather(con, k, now_ms, dead_window).map(|r| held_for_readers(r, ahead)))
             .collect::<RedisResult<Vec<_>>>()?;
         StatsReport::total(each)
     } else {
-        gather(con, &config.keys, now_ms, dead_window)?
+        held_for_readers(gather(con, &config.keys, now_ms, dead_window)?, ahead)
     };
     let pools = &config.mover.legacy;
     if pools.is_empty() {
@@ -591,7 +618,11 @@ pub fn gather_all(
             .max()
             .unwrap_or(0)
             .max(0);
-        report.pool.mover_lag_ms = report.pool.mover_lag_ms.max(lag);
+        if readers_behind(report.group.lag, ahead) {
+            report.pool.readers_backlog_ms = report.pool.readers_backlog_ms.max(lag);
+        } else {
+            report.pool.mover_lag_ms = report.pool.mover_lag_ms.max(lag);
+        }
         report.legacy.push(LegacyFigures {
             key: l.key.clone(),
             size: n(&r[0]),

@@ -7,7 +7,10 @@
 //! type or that Redis refuses to read, no data past the grace) is dead-lettered by the
 //! same script and the rest move on. After moving anything it rings the reader's
 //! doorbell. A full batch loops at once; otherwise it sleeps until the next due score or
-//! the poll interval, whichever comes first. Stops within one poll interval of shutdown
+//! the poll interval, whichever comes first. It moves no further ahead of the readers
+//! than `--move-ahead` unread stream entries (`MoverConfig::ahead`; list mode is not bounded): a backlog leaves the pool
+//! as the readers of every host take it, instead of all at once, which took Redis's core
+//! from the shop's own work for the backlog's first second (docs/performance.md). Stops within one poll interval of shutdown
 //! (the sleep is woken at once).
 //!
 //! Each pool is moved on its own: a call that fails for one pool (a key of the wrong type,
@@ -35,6 +38,10 @@ use std::time::Duration;
 
 /// The longest a pool waits before trying again while its hash slot is moving.
 pub const MOVING_BACKOFF: Duration = Duration::from_secs(1);
+
+/// How soon the mover looks again after a call that `--move-ahead` cut short: the readers
+/// of one host take a batch in about this long when they drain fastest.
+pub const AHEAD_WAIT: Duration = Duration::from_millis(10);
 
 pub struct Mover<'a> {
     keys: &'a Keys,
@@ -161,6 +168,7 @@ impl<'a> Mover<'a> {
                 self.cfg.batch,
                 grace,
                 self.cfg.max_message_bytes,
+                self.cfg.ahead,
             ) {
                 Ok(report) => {
                     sleep = sleep.min(self.next_sleep(&report, report.now_ms));
@@ -265,6 +273,11 @@ impl<'a> Mover<'a> {
         if r.moved + r.buried.len() >= self.cfg.batch {
             return Duration::ZERO;
         }
+        // The stream holds as many unread entries as it may: look again when the readers
+        // have taken some.
+        if r.cut {
+            return AHEAD_WAIT.min(self.cfg.poll);
+        }
         // Members waiting for their data are due already; re-looking at once would spin
         // until the grace period ends, so they are retried at the poll interval.
         if r.skipped > 0 {
@@ -346,4 +359,5 @@ fn absorb(total: &mut MoveReport, r: MoveReport) {
     total.buried.extend(r.buried);
     total.blocked = total.blocked.take().or(r.blocked);
     total.undeleted.extend(r.undeleted);
+    total.cut |= r.cut;
 }

@@ -407,7 +407,13 @@ fn figures(r: &StatsReport, t: &Thresholds) -> (Vec<Figure>, String) {
         );
         return (figures, extra);
     }
-    let oldest_ms = r.group.oldest_pending_age_ms.unwrap_or(0);
+    // The oldest job waiting for the readers: delivered and not acknowledged, or due and
+    // held in the pool while the stream holds entries no reader has taken yet.
+    let oldest_ms = r
+        .group
+        .oldest_pending_age_ms
+        .unwrap_or(0)
+        .max(r.pool.readers_backlog_ms);
     let mut figures = vec![
         figure(
             "pending",
@@ -561,6 +567,7 @@ mod tests {
                 oldest_due_key: None,
                 oldest_due_at_ms: None,
                 mover_lag_ms: lag_ms,
+                readers_backlog_ms: 0,
                 oldest_due_has_data: None,
             },
             dead: DeadFigures {
@@ -627,6 +634,23 @@ mod tests {
         assert!(v.line.contains(" workers=1;2:;1: "), "{}", v.line);
         r.workers.clear();
         assert_eq!(evaluate(&r, &queue_only()).status, Status::Ok);
+    }
+
+    #[test]
+    fn due_members_held_for_busy_readers_count_as_the_oldest_job_not_the_mover_lag() {
+        use crate::figures::WorkerHealth;
+        let mut r = report(0, 2_000, 0, 0);
+        r.workers = vec![WorkerHealth {
+            name: "c1".into(),
+            record: None,
+        }];
+        r.pool.readers_backlog_ms = 700_000;
+        let v = evaluate(&r, &Thresholds::default());
+        assert_eq!(v.status, Status::Warning, "{}", v.line);
+        assert!(v.line.contains("oldest=700s;600;3600"), "{}", v.line);
+        assert!(v.line.contains("mover_lag=0.000s"), "{}", v.line);
+        r.pool.readers_backlog_ms = 3_000;
+        assert_eq!(evaluate(&r, &Thresholds::default()).status, Status::Ok);
     }
 
     #[test]

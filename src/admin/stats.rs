@@ -83,6 +83,14 @@ pub fn render(r: &StatsReport, rates: Option<&Rates>, out: &mut dyn Write) -> st
         r.pool.due_ms,
         r.pool.mover_lag_ms as f64 / 1000.0,
     )?;
+    if r.pool.readers_backlog_ms > 0 {
+        writeln!(
+            out,
+            "        {:w$}  due members held while the readers are behind (--move-ahead): oldest due {:.1}s ago",
+            "",
+            r.pool.readers_backlog_ms as f64 / 1000.0,
+        )?;
+    }
     for l in &r.legacy {
         writeln!(
             out,

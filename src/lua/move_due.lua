@@ -19,8 +19,16 @@
 --         On a Redis Cluster (ARGV[7] = 'declared') the caller reads the due members first
 --         and declares their keys in KEYS[8..] (this script checks that each is still a due
 --         member); members whose key is in another hash slot than the pool come in
---         ARGV[8..] instead: they can only be dead-lettered.
+--         ARGV[10..] instead: they can only be dead-lettered.
 -- ARGV[6] the largest message in bytes (--max-message-bytes)
+-- ARGV[7] 'declared' (see ARGV[5]) or ''
+-- ARGV[8] how many entries the stream may hold that no reader has taken yet before this
+--         call moves no more (--move-ahead; 0: no bound; list mode is not bounded),
+--         ARGV[9] the consumer group whose unread entries (XINFO GROUPS `lag`) count.
+--         Moving further ahead of the readers than they can use starts no job sooner: it
+--         only takes Redis's core in one burst (a backlog moved whole in its first
+--         second) from everything else on the host. A stream whose lag Redis cannot say
+--         (a group that does not exist, a Redis before 7.0) is not bounded.
 --
 -- One clock: a member is due when its score is at or before Redis's TIME, whatever the
 -- clock of the worker host that calls this. The `ts` of dead letters is that time too; a
@@ -67,7 +75,8 @@
 --
 -- Returns {moved, skipped, next_due_ms or -1, {key, reason, ...} of the buried,
 -- {key, found, wanted} or {}, {key, error, ...} of legacy keys Redis refused to delete,
--- the time (unix ms) it decided by}.
+-- the time (unix ms) it decided by, 1 if ARGV[8] cut this call short (the stream holds
+-- as many unread entries as it may) else 0}.
 -- `skipped` counts due members left in the pool: data not arrived yet (inside the
 -- grace), or a burial blocked by a dead-letter key of another type (reported in the
 -- fifth element). A legacy key that cannot be deleted stays as it is; its member has
@@ -97,6 +106,28 @@ if w then return wrongtype_reply(w) end
 -- The dead letters are needed only for members that cannot be moved: while that key
 -- holds another type, such a member stays in the pool (reported) and the rest moves.
 local dead_bad = wrong_type(KEYS[4], dead_type)
+
+-- How many more the target may take now (ARGV[8]).
+local ahead = tonumber(ARGV[8]) or 0
+local cut = 0
+if ahead > 0 then
+  local unread
+  if mode == 'stream' and redis.call('EXISTS', KEYS[3]) == 1 then
+    for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[3])) do
+      local name, lag
+      for j = 1, #g, 2 do
+        if g[j] == 'name' then name = g[j + 1] elseif g[j] == 'lag' then lag = g[j + 1] end
+      end
+      if name == ARGV[9] and type(lag) == 'number' then unread = lag end
+    end
+  end
+  -- Whole batches only, so the readers still take (and the workers run) whole sets: none
+  -- until a batch fits under the bound (a bound below one batch: what fits).
+  if unread and unread + limit > ahead then
+    if limit <= ahead then limit = 0 else limit = math.max(ahead - unread, 0) end
+    cut = 1
+  end
+end
 local blocked = {}
 
 local moved, skipped = 0, 0
@@ -364,7 +395,7 @@ if ARGV[7] ~= 'declared' then
   drain('-inf', now_s_bound, 1000)
   drain('1e11', now_ms_bound, 1)
 else
-  for i = 8, #ARGV do
+  for i = 10, #ARGV do
     local key = ARGV[i]
     if redis.call('ZSCORE', KEYS[1], key) then
       local reason = 'legacy key ' .. key .. ' is in another hash slot than its pool ' ..
@@ -399,4 +430,4 @@ end
 -- Lua numbers become integers in the reply; keep absurd scores (1e300, inf) in range.
 if next_due > 9e15 then next_due = 9e15 end
 
-return {moved, skipped, next_due, buried, blocked, undeleted, now_ms}
+return {moved, skipped, next_due, buried, blocked, undeleted, now_ms, cut}

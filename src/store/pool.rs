@@ -113,6 +113,9 @@ pub struct MoveReport {
     /// delete (key, Redis's error): an ACL user allowed to read them but not to write.
     /// They stay as they are; nothing schedules them again.
     pub undeleted: Vec<(String, String)>,
+    /// The call moved less than it could have because the stream holds `ahead` entries
+    /// no reader has taken yet (its group's lag).
+    pub cut: bool,
 }
 
 /// Where the mover puts due messages, and where the members it cannot move go.
@@ -175,7 +178,10 @@ fn legacy_candidates(
 /// Moves up to `limit` members of `pool` due at `at` (Redis's clock, or an injected time)
 /// to `target`, in one atomic script. `ours` are our pool's keys: its jobs HASH (retries
 /// keep their job id through it) and the `moved` and `letters` indexes `worker trace`
-/// reads (a legacy pool's jobs are indexed under ours too).
+/// reads (a legacy pool's jobs are indexed under ours too). `ahead` (0: no bound) is how
+/// many entries the stream may hold that no reader of `ours.group` has taken yet: the
+/// call moves no more than fills it to that (`--move-ahead`; a list queue is not
+/// bounded).
 #[allow(clippy::too_many_arguments)]
 pub fn move_due(
     con: &mut dyn ConnectionLike,
@@ -186,6 +192,7 @@ pub fn move_due(
     limit: usize,
     orphan_grace_ms: i64,
     max_bytes: usize,
+    ahead: usize,
 ) -> StoreResult<MoveReport> {
     let (zset, data, legacy) = match pool {
         Pool::Enveloped { pool, data } => (pool, data, ""),
@@ -242,9 +249,11 @@ pub fn move_due(
         .arg(orphan_grace_ms)
         .arg(mode)
         .arg(legacy)
-        .arg(max_bytes);
+        .arg(max_bytes)
+        .arg(if declares { "declared" } else { "" })
+        .arg(ahead)
+        .arg(&ours.group);
     if declares {
-        inv.arg("declared");
         for m in &declared {
             inv.key(m);
         }
@@ -264,5 +273,6 @@ pub fn move_due(
         buried: pairs(reply.get(3)),
         blocked: WrongType::from_reply(reply.get(4)),
         undeleted: pairs(reply.get(5)),
+        cut: int(reply.get(7)) == 1,
     })
 }

@@ -383,6 +383,7 @@ fn a_commit_whose_durability_was_in_doubt_is_looked_up_not_sent_round_again() {
         10,
         60_000,
         65_536,
+        0,
     )
     .unwrap();
     assert_eq!(moved.moved, 1);

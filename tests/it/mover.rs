@@ -8,7 +8,7 @@ use delay_worker::mover::Mover;
 use delay_worker::stats::Stats;
 use delay_worker::Shutdown;
 use redis::Connection;
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
@@ -356,4 +356,159 @@ fn the_mover_sleeps_until_the_next_due_member_not_the_poll_interval() {
     add(&mut con, &keys, "soon", (NOW + 40) as f64, true);
     let (_, sleep) = Mover::new(&keys, &c, &stats).tick(&mut con, NOW).unwrap();
     assert_eq!(sleep, Duration::from_millis(40));
+}
+
+/// Entries of the stream no reader of the group has taken yet (XINFO GROUPS `lag`).
+fn unread(con: &mut Connection, keys: &Keys) -> i64 {
+    let groups: Vec<HashMap<String, redis::Value>> = redis::cmd("XINFO")
+        .arg("GROUPS")
+        .arg(&keys.stream)
+        .query(con)
+        .unwrap();
+    let g = groups
+        .iter()
+        .find(|g| {
+            g.get("name").map(delay_worker::store::value_to_string) == Some(keys.group.clone())
+        })
+        .unwrap();
+    redis::from_redis_value(g["lag"].clone()).unwrap()
+}
+
+/// A reader taking `n` entries of the group (XREADGROUP, no ack: only the lag matters).
+fn take(con: &mut Connection, keys: &Keys, n: usize) -> usize {
+    let v: redis::Value = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg(&keys.group)
+        .arg("r")
+        .arg("COUNT")
+        .arg(n)
+        .arg("STREAMS")
+        .arg(&keys.stream)
+        .arg(">")
+        .query(con)
+        .unwrap();
+    match v {
+        redis::Value::Array(streams) => streams
+            .iter()
+            .map(|s| match s {
+                redis::Value::Array(pair) => match &pair[1] {
+                    redis::Value::Array(entries) => entries.len(),
+                    _ => 0,
+                },
+                _ => 0,
+            })
+            .sum(),
+        _ => 0,
+    }
+}
+
+#[test]
+fn the_mover_moves_no_further_ahead_of_the_readers_than_move_ahead() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let keys = Keys::default();
+    redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg(&keys.stream)
+        .arg(&keys.group)
+        .arg("$")
+        .arg("MKSTREAM")
+        .query::<()>(&mut con)
+        .unwrap();
+    for i in 0..100 {
+        add(&mut con, &keys, &format!("k{i}"), (NOW - 5) as f64, true);
+    }
+    let stats = Stats::default();
+    let c = MoverConfig {
+        ahead: 30,
+        ..cfg(10)
+    };
+    let mover = Mover::new(&keys, &c, &stats);
+    // Whole batches up to the bound, then nothing while it is full.
+    let moved: Vec<usize> = (0..4)
+        .map(|_| mover.tick(&mut con, NOW).unwrap().0.moved)
+        .collect();
+    assert_eq!(moved, [10, 10, 10, 0]);
+    let (report, sleep) = mover.tick(&mut con, NOW).unwrap();
+    assert!(report.cut, "{report:?}");
+    assert_eq!(sleep, delay_worker::mover::AHEAD_WAIT);
+    assert_eq!(unread(&mut con, &keys), 30);
+    // The members held back are the readers' backlog, not the mover's lag: stats shows
+    // them as such (stats --check holds them against its `oldest` thresholds).
+    let mut config = delay_worker::config::Config::new(&r.url(), "postgres://unused/db");
+    config.mover.ahead = 30;
+    let at = NOW + 10_000;
+    let window = Duration::from_secs(300);
+    let f = delay_worker::figures::gather_all(&mut con, &config, at, window).unwrap();
+    assert_eq!(
+        (f.pool.mover_lag_ms, f.pool.readers_backlog_ms),
+        (0, 10_005)
+    );
+    // Below half of the bound the mover is not held back: the lag is the mover's.
+    config.mover.ahead = 61;
+    let f = delay_worker::figures::gather_all(&mut con, &config, at, window).unwrap();
+    assert_eq!(
+        (f.pool.mover_lag_ms, f.pool.readers_backlog_ms),
+        (10_005, 0)
+    );
+    // A whole batch once one fits: 21 unread, nothing; 20, a batch.
+    assert_eq!(take(&mut con, &keys, 9), 9);
+    assert_eq!(mover.tick(&mut con, NOW).unwrap().0.moved, 0);
+    assert_eq!(take(&mut con, &keys, 1), 1);
+    assert_eq!(mover.tick(&mut con, NOW).unwrap().0.moved, 10);
+    // Readers and mover to the end: the bound always held, every member moved once.
+    let mut read = 10;
+    for _ in 0..200 {
+        mover.tick(&mut con, NOW).unwrap();
+        assert!(unread(&mut con, &keys) <= 30);
+        read += take(&mut con, &keys, 7);
+        if read == 100 {
+            break;
+        }
+    }
+    assert_eq!(read, 100);
+    let entries = stream(&mut con, &keys);
+    let keys_moved: HashSet<&str> = entries.iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!((entries.len(), keys_moved.len()), (100, 100));
+    let left: i64 = redis::cmd("ZCARD").arg(&keys.pool).query(&mut con).unwrap();
+    assert_eq!(left, 0);
+}
+
+#[test]
+fn without_a_bound_or_a_group_the_mover_moves_every_due_member() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let keys = Keys::default();
+    for i in 0..100 {
+        add(&mut con, &keys, &format!("k{i}"), (NOW - 5) as f64, true);
+    }
+    let stats = Stats::default();
+    // No group yet (nothing has read the stream): the mover does not wait for one.
+    let c = MoverConfig {
+        ahead: 30,
+        ..cfg(50)
+    };
+    let mover = Mover::new(&keys, &c, &stats);
+    assert_eq!(mover.tick(&mut con, NOW).unwrap().0.moved, 50);
+    assert_eq!(mover.tick(&mut con, NOW).unwrap().0.moved, 50);
+    // With a group and --move-ahead 0: no bound either.
+    let keys2 = Keys::with_prefix("other");
+    redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg(&keys2.stream)
+        .arg(&keys2.group)
+        .arg("$")
+        .arg("MKSTREAM")
+        .query::<()>(&mut con)
+        .unwrap();
+    for i in 0..100 {
+        add(&mut con, &keys2, &format!("k{i}"), (NOW - 5) as f64, true);
+    }
+    let c = MoverConfig {
+        ahead: 0,
+        ..cfg(100)
+    };
+    let mover = Mover::new(&keys2, &c, &stats);
+    assert_eq!(mover.tick(&mut con, NOW).unwrap().0.moved, 100);
+    assert_eq!(unread(&mut con, &keys2), 100);
 }

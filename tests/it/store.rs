@@ -79,7 +79,7 @@ fn move_from(
         stream: &k.stream,
         dead: &k.dead,
     };
-    store::move_due(con, pool, k, target, now.into(), limit, 60_000, MAX)
+    store::move_due(con, pool, k, target, now.into(), limit, 60_000, MAX, 0)
 }
 
 /// [`move_at_most`] at another time.

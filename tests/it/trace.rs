@@ -69,6 +69,7 @@ fn move_due(env: &Env, keys: &Keys) -> store::MoveReport {
         100,
         60_000,
         MAX,
+        0,
     )
     .unwrap()
 }
@@ -574,6 +575,7 @@ fn list_mode_queued_and_processing() {
         100,
         60_000,
         MAX,
+        0,
     )
     .unwrap();
     let (code, t) = trace(&env, &[&list[..], &["order.timeout:L2"]].concat());

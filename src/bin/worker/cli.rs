@@ -353,6 +353,11 @@ pub struct RunArgs {
     /// A due member without data is removed as an orphan this long after its due time.
     #[arg(long, default_value = "60s", value_parser = parse_duration)]
     pub orphan_grace: Duration,
+    /// The mover moves no more while this many moved entries wait unread in the stream
+    /// (its group's lag): a backlog leaves the pool as fast as the readers take it. 0: no
+    /// bound. List mode is not bounded.
+    #[arg(long, default_value_t = delay_worker::config::DEFAULT_MOVE_AHEAD)]
+    pub move_ahead: usize,
     /// Do not run a mover in this process (another process moves).
     #[arg(long)]
     pub no_mover: bool,
@@ -911,6 +916,7 @@ impl Cli {
             poll: r.poll_interval,
             window: r.move_window,
             orphan_grace: r.orphan_grace,
+            ahead: r.move_ahead,
             queue: mover_queue,
             cluster: delay_worker::store::Topology::of(&self.conn.redis_url)
                 == delay_worker::store::Topology::Cluster,
