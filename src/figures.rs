@@ -530,9 +530,6 @@ pub fn redis_now_ms(con: &mut dyn redis::ConnectionLike, config: &Config) -> Red
         })
 }
 
-/// [`gather`], and every `--legacy-pool` of `config` (one more pipelined round trip when
-/// there are any): their mover lag counts in the report's, so a mover that stopped shows
-/// whichever pool it leaves behind.
 /// Whether a stream whose group has `lag` entries no reader has taken holds its mover back
 /// (`--move-ahead`, `ahead`): the mover moves a whole batch whenever one fits under the
 /// bound, so from half of it on the due members in the pool wait for the readers.
@@ -550,6 +547,9 @@ fn held_for_readers(mut r: StatsReport, ahead: usize) -> StatsReport {
     r
 }
 
+/// [`gather`], and every `--legacy-pool` of `config` (one more pipelined round trip when
+/// there are any): their mover lag counts in the report's, so a mover that stopped shows
+/// whichever pool it leaves behind.
 pub fn gather_all(
     con: &mut dyn redis::ConnectionLike,
     config: &Config,

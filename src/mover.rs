@@ -8,10 +8,11 @@
 //! same script and the rest move on. After moving anything it rings the reader's
 //! doorbell. A full batch loops at once; otherwise it sleeps until the next due score or
 //! the poll interval, whichever comes first. It moves no further ahead of the readers
-//! than `--move-ahead` unread stream entries (`MoverConfig::ahead`; list mode is not bounded): a backlog leaves the pool
-//! as the readers of every host take it, instead of all at once, which took Redis's core
-//! from the shop's own work for the backlog's first second (docs/performance.md). Stops within one poll interval of shutdown
-//! (the sleep is woken at once).
+//! than `--move-ahead` unread stream entries (`MoverConfig::ahead`; list mode is not
+//! bounded): a backlog leaves the pool as the readers of every host take it, instead of
+//! all at once, which took Redis's core from the shop's own work for the backlog's first
+//! second (docs/performance.md). Stops within one poll interval of shutdown (the sleep
+//! is woken at once).
 //!
 //! Each pool is moved on its own: a call that fails for one pool (a key of the wrong type,
 //! a command Redis refuses) is reported to the health checks under that pool's name, and
