@@ -411,6 +411,11 @@ pub fn parse_delay(s: &str) -> Result<Duration, String> {
 /// of the fastest drain measured on one host, refilled every few milliseconds.
 pub const DEFAULT_MOVE_AHEAD: usize = 5000;
 
+/// `--move-ahead` is 0 or at least this many `--batch-size` batches: the mover refills a
+/// whole batch once one fits and looks again every 10 ms, so a bound of a batch or two
+/// left the readers idle between its looks (100 jobs a second at `--move-ahead 1`).
+pub const MOVE_AHEAD_BATCHES: usize = 4;
+
 /// `--max-message-bytes` by default.
 pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 64 * 1024;
 

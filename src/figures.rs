@@ -421,7 +421,10 @@ pub fn gather(
             p.cmd("GET").arg(keys.heartbeat(&c.name));
         }
         if let Some((key, _)) = &oldest_due {
+            // Whether it still is a member, asked after: a mover may move it (its data
+            // with it) between the two round trips.
             p.cmd("HEXISTS").arg(&keys.data).arg(key);
+            p.cmd("ZSCORE").arg(&keys.pool).arg(key);
         }
         let r: Vec<Value> = p.query(con)?;
         let mut r = r.iter();
@@ -435,7 +438,9 @@ pub fn gather(
             }
         }
         if oldest_due.is_some() {
-            oldest_due_has_data = Some(uint(r.next()).unwrap_or(0) > 0);
+            let has_data = uint(r.next()).unwrap_or(0) > 0;
+            let still_member = !matches!(r.next(), None | Some(Value::Nil));
+            oldest_due_has_data = data_flag(has_data, still_member);
         }
     }
 
@@ -528,6 +533,12 @@ pub fn redis_now_ms(con: &mut dyn redis::ConnectionLike, config: &Config) -> Red
             | crate::store::StoreError::Refused { source, .. } => source,
             other => RedisError::from((redis::ErrorKind::Client, "TIME", other.to_string())),
         })
+}
+
+/// Whether the oldest due member has its data, from `HEXISTS` and then `ZSCORE`: a member
+/// no longer in the pool was moved (with its data) in between, and says nothing.
+fn data_flag(has_data: bool, still_member: bool) -> Option<bool> {
+    (has_data || still_member).then_some(has_data)
 }
 
 /// Whether a stream whose group has `lag` entries no reader has taken holds its mover back
@@ -869,5 +880,29 @@ fn uint(v: Option<&Value>) -> Option<u64> {
         Value::BulkString(b) => std::str::from_utf8(b).ok()?.parse().ok(),
         Value::SimpleString(s) => s.parse().ok(),
         _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_member_moved_between_the_two_reads_is_not_flagged_as_without_data() {
+        // HEXISTS, then ZSCORE.
+        assert_eq!(data_flag(true, true), Some(true));
+        assert_eq!(data_flag(false, true), Some(false));
+        // Gone from the pool by the second read: moved with its data, not an orphan.
+        assert_eq!(data_flag(false, false), None);
+        assert_eq!(data_flag(true, false), Some(true));
+    }
+
+    #[test]
+    fn the_readers_hold_the_mover_back_from_half_of_the_bound() {
+        assert!(!readers_behind(Some(2_499), 5_000));
+        assert!(readers_behind(Some(2_500), 5_000));
+        assert!(!readers_behind(Some(5_000), 0));
+        assert!(!readers_behind(None, 5_000));
+        assert!(!readers_behind(Some(0), 1));
     }
 }

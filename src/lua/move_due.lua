@@ -27,8 +27,11 @@
 --         ARGV[9] the consumer group whose unread entries (XINFO GROUPS `lag`) count.
 --         Moving further ahead of the readers than they can use starts no job sooner: it
 --         only takes Redis's core in one burst (a backlog moved whole in its first
---         second) from everything else on the host. A stream whose lag Redis cannot say
---         (a group that does not exist, a Redis before 7.0) is not bounded.
+--         second) from everything else on the host. A stream without the group (not
+--         created yet), on a Redis before 7.0, or whose group's lag Redis cannot say for
+--         now (an unread entry deleted by hand, until the readers have read past the
+--         stream's end and a new entry) is not bounded: counting it as full would hold
+--         the mover for good when the entry deleted was the last one.
 --
 -- One clock: a member is due when its score is at or before Redis's TIME, whatever the
 -- clock of the worker host that calls this. The `ts` of dead letters is that time too; a

@@ -93,6 +93,14 @@ fn bad_flags_and_unreachable_servers_give_one_readable_line() {
 
     let out = worker(&["--threads", "0"], &redis_down, &db_down);
     assert_one_line(&out, 2, "--threads");
+    // A bound under four batches left the readers idle between the mover's looks.
+    let out = worker(&["--move-ahead", "100"], &redis_down, &db_down);
+    assert_one_line(&out, 2, "--move-ahead");
+    assert!(
+        text(&out.stderr).contains("(2000)"),
+        "{}",
+        text(&out.stderr)
+    );
     let out = worker(&["--poll-interval", "soon"], &redis_down, &db_down);
     assert_eq!(out.status.code(), Some(2));
     assert!(text(&out.stderr).contains("--poll-interval"));

@@ -512,3 +512,65 @@ fn without_a_bound_or_a_group_the_mover_moves_every_due_member() {
     assert_eq!(mover.tick(&mut con, NOW).unwrap().0.moved, 100);
     assert_eq!(unread(&mut con, &keys2), 100);
 }
+
+#[test]
+fn a_lag_redis_cannot_say_leaves_the_mover_unbounded_not_stuck() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let keys = Keys::default();
+    redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg(&keys.stream)
+        .arg(&keys.group)
+        .arg("$")
+        .arg("MKSTREAM")
+        .query::<()>(&mut con)
+        .unwrap();
+    for i in 0..50 {
+        add(&mut con, &keys, &format!("k{i}"), (NOW - 5) as f64, true);
+    }
+    let stats = Stats::default();
+    let c = MoverConfig {
+        ahead: 40,
+        ..cfg(10)
+    };
+    let mover = Mover::new(&keys, &c, &stats);
+    assert_eq!(mover.tick(&mut con, NOW).unwrap().0.moved, 10);
+    // An unread entry deleted by hand: Redis cannot say the group's lag any more.
+    let last: redis::Value = redis::cmd("XREVRANGE")
+        .arg(&keys.stream)
+        .arg("+")
+        .arg("-")
+        .arg("COUNT")
+        .arg(1)
+        .query(&mut con)
+        .unwrap();
+    let id = match last {
+        redis::Value::Array(e) => match &e[0] {
+            redis::Value::Array(pair) => delay_worker::store::value_to_string(&pair[0]),
+            _ => unreachable!(),
+        },
+        _ => unreachable!(),
+    };
+    redis::cmd("XDEL")
+        .arg(&keys.stream)
+        .arg(&id)
+        .query::<()>(&mut con)
+        .unwrap();
+    // Redis cannot say how many are unread: the mover is not bounded then (held as if
+    // full, it would wait for good, the lag coming back only with a new entry read), and
+    // nothing stalls.
+    assert!(redis::cmd("XINFO")
+        .arg("GROUPS")
+        .arg(&keys.stream)
+        .query::<Vec<HashMap<String, redis::Value>>>(&mut con)
+        .unwrap()[0]["lag"]
+        .eq(&redis::Value::Nil));
+    let mut moved = 0;
+    for _ in 0..10 {
+        moved += mover.tick(&mut con, NOW).unwrap().0.moved;
+    }
+    assert_eq!(moved, 40);
+    let left: i64 = redis::cmd("ZCARD").arg(&keys.pool).query(&mut con).unwrap();
+    assert_eq!(left, 0);
+}

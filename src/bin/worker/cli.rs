@@ -15,6 +15,7 @@ use clap::{Args, Parser, Subcommand};
 use delay_worker::config::{parse_delay, parse_duration};
 use delay_worker::config::{
     Config, JobConfig, LegacyPool, MoverConfig, PruneConfig, ReaderConfig, RedisTls, Source,
+    DEFAULT_MOVE_AHEAD, MOVE_AHEAD_BATCHES,
 };
 use delay_worker::keys::{KeyOverrides, Keys, Queue};
 use std::path::PathBuf;
@@ -355,9 +356,10 @@ pub struct RunArgs {
     pub orphan_grace: Duration,
     /// The mover moves no more while this many moved entries wait unread in the stream
     /// (its group's lag): a backlog leaves the pool as fast as the readers take it. 0: no
-    /// bound. List mode is not bounded.
-    #[arg(long, default_value_t = delay_worker::config::DEFAULT_MOVE_AHEAD)]
-    pub move_ahead: usize,
+    /// bound; else at least 4 x --batch-size. List mode is not bounded. [default: 5000,
+    /// or 4 x --batch-size when that is more]
+    #[arg(long)]
+    pub move_ahead: Option<usize>,
     /// Do not run a mover in this process (another process moves).
     #[arg(long)]
     pub no_mover: bool,
@@ -740,6 +742,16 @@ impl Cli {
             "--poll-interval",
             "must be at least 1ms",
         )?;
+        let least = MOVE_AHEAD_BATCHES.saturating_mul(r.batch_size);
+        check(
+            r.move_ahead.is_none_or(|a| a == 0 || a >= least),
+            "--move-ahead",
+            &format!(
+                "must be 0 (no bound) or at least {MOVE_AHEAD_BATCHES} x --batch-size \
+                 ({least}): a smaller bound leaves the readers idle while the mover waits \
+                 for room"
+            ),
+        )?;
         check(
             r.move_window <= r.poll_interval,
             "--move-window",
@@ -916,7 +928,9 @@ impl Cli {
             poll: r.poll_interval,
             window: r.move_window,
             orphan_grace: r.orphan_grace,
-            ahead: r.move_ahead,
+            ahead: r
+                .move_ahead
+                .unwrap_or(DEFAULT_MOVE_AHEAD.max(MOVE_AHEAD_BATCHES.saturating_mul(r.batch_size))),
             queue: mover_queue,
             cluster: delay_worker::store::Topology::of(&self.conn.redis_url)
                 == delay_worker::store::Topology::Cluster,
