@@ -407,8 +407,9 @@ pub fn parse_delay(s: &str) -> Result<Duration, String> {
     Ok(d)
 }
 
-/// `--move-ahead` by default: ten of `--batch-size`'s default batches, a third of a second
-/// of the fastest drain measured on one host, refilled every few milliseconds.
+/// `--move-ahead` by default (or [`MOVE_AHEAD_BATCHES`] of `--batch-size`, when more): ten
+/// of the default batches, a third of a second of the fastest drain measured on one host,
+/// looked at every 10 ms.
 pub const DEFAULT_MOVE_AHEAD: usize = 5000;
 
 /// `--move-ahead` is 0 or at least this many `--batch-size` batches: the mover refills a

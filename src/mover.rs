@@ -40,8 +40,9 @@ use std::time::Duration;
 /// The longest a pool waits before trying again while its hash slot is moving.
 pub const MOVING_BACKOFF: Duration = Duration::from_secs(1);
 
-/// How soon the mover looks again after a call that `--move-ahead` cut short: the readers
-/// of one host take a batch in about this long when they drain fastest.
+/// How soon the mover looks again after a call that `--move-ahead` cut short: short
+/// against the time the readers take to empty the bound (the default's 5,000 entries: a
+/// third of a second at the fastest drain measured on one host).
 pub const AHEAD_WAIT: Duration = Duration::from_millis(10);
 
 pub struct Mover<'a> {
