@@ -7,7 +7,7 @@ use delay_worker::admin::gather;
 use delay_worker::dead::{self, Filter};
 use delay_worker::keys::Keys;
 use delay_worker::now_ms;
-use redis::{Connection, Value};
+use redis::Connection;
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
@@ -53,35 +53,6 @@ fn add_dead(
             ("id", b"1-1"),
         ],
     )
-}
-
-fn xreadgroup(con: &mut Connection, keys: &Keys, consumer: &str, count: usize) -> Vec<String> {
-    let reply: Value = redis::cmd("XREADGROUP")
-        .arg("GROUP")
-        .arg(&keys.group)
-        .arg(consumer)
-        .arg("COUNT")
-        .arg(count)
-        .arg("STREAMS")
-        .arg(&keys.stream)
-        .arg(">")
-        .query(con)
-        .unwrap();
-    let mut ids = Vec::new();
-    if let Value::Array(streams) = reply {
-        for s in streams {
-            if let Value::Array(parts) = s {
-                if let Some(Value::Array(entries)) = parts.get(1) {
-                    for e in entries {
-                        if let Value::Array(pair) = e {
-                            ids.push(delay_worker::store::value_to_string(&pair[0]));
-                        }
-                    }
-                }
-            }
-        }
-    }
-    ids
 }
 
 fn zadd(con: &mut Connection, keys: &Keys, score: i64, key: &str, with_data: bool) {

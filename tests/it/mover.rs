@@ -8,7 +8,7 @@ use delay_worker::mover::Mover;
 use delay_worker::stats::Stats;
 use delay_worker::Shutdown;
 use redis::Connection;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
@@ -358,47 +358,33 @@ fn the_mover_sleeps_until_the_next_due_member_not_the_poll_interval() {
     assert_eq!(sleep, Duration::from_millis(40));
 }
 
-/// Entries of the stream no reader of the group has taken yet (XINFO GROUPS `lag`).
+/// Entries of the stream no reader of the group has taken yet (its lag, as stats reads it).
 fn unread(con: &mut Connection, keys: &Keys) -> i64 {
-    let groups: Vec<HashMap<String, redis::Value>> = redis::cmd("XINFO")
-        .arg("GROUPS")
-        .arg(&keys.stream)
-        .query(con)
-        .unwrap();
-    let g = groups
-        .iter()
-        .find(|g| {
-            g.get("name").map(delay_worker::store::value_to_string) == Some(keys.group.clone())
-        })
-        .unwrap();
-    redis::from_redis_value(g["lag"].clone()).unwrap()
+    let f = delay_worker::figures::gather(con, keys, NOW, Duration::from_secs(300)).unwrap();
+    f.group.lag.unwrap() as i64
 }
 
-/// A reader taking `n` entries of the group (XREADGROUP, no ack: only the lag matters).
+/// A reader taking `n` entries of the group (no ack: only the lag matters).
 fn take(con: &mut Connection, keys: &Keys, n: usize) -> usize {
-    let v: redis::Value = redis::cmd("XREADGROUP")
-        .arg("GROUP")
-        .arg(&keys.group)
-        .arg("r")
-        .arg("COUNT")
-        .arg(n)
-        .arg("STREAMS")
+    xreadgroup(con, keys, "r", n).len()
+}
+
+/// The consumer group, created as the reader creates it, and `n` members due now.
+fn group_and_due(con: &mut Connection, keys: &Keys, n: usize) {
+    redis::cmd("XGROUP")
+        .arg("CREATE")
         .arg(&keys.stream)
-        .arg(">")
-        .query(con)
+        .arg(&keys.group)
+        .arg("$")
+        .arg("MKSTREAM")
+        .query::<()>(con)
         .unwrap();
-    match v {
-        redis::Value::Array(streams) => streams
-            .iter()
-            .map(|s| match s {
-                redis::Value::Array(pair) => match &pair[1] {
-                    redis::Value::Array(entries) => entries.len(),
-                    _ => 0,
-                },
-                _ => 0,
-            })
-            .sum(),
-        _ => 0,
+    add_due(con, keys, n);
+}
+
+fn add_due(con: &mut Connection, keys: &Keys, n: usize) {
+    for i in 0..n {
+        add(con, keys, &format!("k{i}"), (NOW - 5) as f64, true);
     }
 }
 
@@ -407,17 +393,7 @@ fn the_mover_moves_no_further_ahead_of_the_readers_than_move_ahead() {
     let r = RedisServer::start();
     let mut con = r.con();
     let keys = Keys::default();
-    redis::cmd("XGROUP")
-        .arg("CREATE")
-        .arg(&keys.stream)
-        .arg(&keys.group)
-        .arg("$")
-        .arg("MKSTREAM")
-        .query::<()>(&mut con)
-        .unwrap();
-    for i in 0..100 {
-        add(&mut con, &keys, &format!("k{i}"), (NOW - 5) as f64, true);
-    }
+    group_and_due(&mut con, &keys, 100);
     let stats = Stats::default();
     let c = MoverConfig {
         ahead: 30,
@@ -479,9 +455,7 @@ fn without_a_bound_or_a_group_the_mover_moves_every_due_member() {
     let r = RedisServer::start();
     let mut con = r.con();
     let keys = Keys::default();
-    for i in 0..100 {
-        add(&mut con, &keys, &format!("k{i}"), (NOW - 5) as f64, true);
-    }
+    add_due(&mut con, &keys, 100);
     let stats = Stats::default();
     // No group yet (nothing has read the stream): the mover does not wait for one.
     let c = MoverConfig {
@@ -493,17 +467,7 @@ fn without_a_bound_or_a_group_the_mover_moves_every_due_member() {
     assert_eq!(mover.tick(&mut con, NOW).unwrap().0.moved, 50);
     // With a group and --move-ahead 0: no bound either.
     let keys2 = Keys::with_prefix("other");
-    redis::cmd("XGROUP")
-        .arg("CREATE")
-        .arg(&keys2.stream)
-        .arg(&keys2.group)
-        .arg("$")
-        .arg("MKSTREAM")
-        .query::<()>(&mut con)
-        .unwrap();
-    for i in 0..100 {
-        add(&mut con, &keys2, &format!("k{i}"), (NOW - 5) as f64, true);
-    }
+    group_and_due(&mut con, &keys2, 100);
     let c = MoverConfig {
         ahead: 0,
         ..cfg(100)
@@ -518,17 +482,7 @@ fn a_lag_redis_cannot_say_leaves_the_mover_unbounded_not_stuck() {
     let r = RedisServer::start();
     let mut con = r.con();
     let keys = Keys::default();
-    redis::cmd("XGROUP")
-        .arg("CREATE")
-        .arg(&keys.stream)
-        .arg(&keys.group)
-        .arg("$")
-        .arg("MKSTREAM")
-        .query::<()>(&mut con)
-        .unwrap();
-    for i in 0..50 {
-        add(&mut con, &keys, &format!("k{i}"), (NOW - 5) as f64, true);
-    }
+    group_and_due(&mut con, &keys, 50);
     let stats = Stats::default();
     let c = MoverConfig {
         ahead: 40,
@@ -537,7 +491,7 @@ fn a_lag_redis_cannot_say_leaves_the_mover_unbounded_not_stuck() {
     let mover = Mover::new(&keys, &c, &stats);
     assert_eq!(mover.tick(&mut con, NOW).unwrap().0.moved, 10);
     // An unread entry deleted by hand: Redis cannot say the group's lag any more.
-    let last: redis::Value = redis::cmd("XREVRANGE")
+    let last: Vec<(String, Vec<String>)> = redis::cmd("XREVRANGE")
         .arg(&keys.stream)
         .arg("+")
         .arg("-")
@@ -545,27 +499,20 @@ fn a_lag_redis_cannot_say_leaves_the_mover_unbounded_not_stuck() {
         .arg(1)
         .query(&mut con)
         .unwrap();
-    let id = match last {
-        redis::Value::Array(e) => match &e[0] {
-            redis::Value::Array(pair) => delay_worker::store::value_to_string(&pair[0]),
-            _ => unreachable!(),
-        },
-        _ => unreachable!(),
-    };
+    let id = &last[0].0;
     redis::cmd("XDEL")
         .arg(&keys.stream)
-        .arg(&id)
+        .arg(id)
         .query::<()>(&mut con)
         .unwrap();
     // Redis cannot say how many are unread: the mover is not bounded then (held as if
     // full, it would wait for good, the lag coming back only with a new entry read), and
     // nothing stalls.
-    assert!(redis::cmd("XINFO")
-        .arg("GROUPS")
-        .arg(&keys.stream)
-        .query::<Vec<HashMap<String, redis::Value>>>(&mut con)
-        .unwrap()[0]["lag"]
-        .eq(&redis::Value::Nil));
+    let lag = delay_worker::figures::gather(&mut con, &keys, NOW, Duration::from_secs(300))
+        .unwrap()
+        .group
+        .lag;
+    assert_eq!(lag, None);
     let mut moved = 0;
     for _ in 0..10 {
         moved += mover.tick(&mut con, NOW).unwrap().0.moved;

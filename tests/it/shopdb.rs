@@ -633,20 +633,9 @@ fn a_started_worker_opens_its_sessions_before_its_first_job() {
     let mut env = Env::new();
     env.config.threads = 4;
     let d = Daemon::start(&env.config);
-    let backends = || -> i64 {
-        env.db
-            .client()
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity \
-                 WHERE application_name = 'delay-worker' AND datname = current_database()",
-                &[],
-            )
-            .unwrap()
-            .get(0)
-    };
     // Four workers' sessions and the PostgreSQL watch's connection; nothing was pushed.
     wait_until(Duration::from_secs(10), "every worker's session", || {
-        backends() >= 5
+        worker_backends(&env.db) >= 5
     });
     let b = books(&env);
     assert_eq!((b.pool, b.stream_pending, b.dead), (0, 0, 0));

@@ -917,16 +917,28 @@ pub fn slow_order_timeout(seconds: &str) -> HandlerDir {
     )])
 }
 
-/// Backends of `db` sleeping in a slow handler's `pg_sleep`.
-pub fn sleeping(db: &TestDb) -> i64 {
+/// Backends of `db` matching `condition` (on `pg_stat_activity`).
+fn backends(db: &TestDb, condition: &str) -> i64 {
     db.client()
         .query_one(
-            "SELECT count(*) FROM pg_stat_activity \
-             WHERE wait_event = 'PgSleep' AND datname = current_database()",
+            &format!(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE {condition} AND datname = current_database()"
+            ),
             &[],
         )
         .unwrap()
         .get(0)
+}
+
+/// Backends of `db` sleeping in a slow handler's `pg_sleep`.
+pub fn sleeping(db: &TestDb) -> i64 {
+    backends(db, "wait_event = 'PgSleep'")
+}
+
+/// The worker's backends on `db` (its sessions and the PostgreSQL watch's connection).
+pub fn worker_backends(db: &TestDb) -> i64 {
+    backends(db, "application_name = 'delay-worker'")
 }
 
 /// [`order_timeout_with`] and the built-in set form with the same CTE spliced in front,
@@ -1100,4 +1112,40 @@ pub fn http_get(port: u16, path: &str) -> std::io::Result<(u16, String, String)>
         .and_then(|c| c.parse().ok())
         .unwrap_or(0);
     Ok((code, head.to_string(), body.to_string()))
+}
+
+/// Reads up to `count` new entries of the group as `consumer`, without acknowledging them;
+/// their ids.
+pub fn xreadgroup(
+    con: &mut redis::Connection,
+    keys: &delay_worker::keys::Keys,
+    consumer: &str,
+    count: usize,
+) -> Vec<String> {
+    let reply: redis::Value = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg(&keys.group)
+        .arg(consumer)
+        .arg("COUNT")
+        .arg(count)
+        .arg("STREAMS")
+        .arg(&keys.stream)
+        .arg(">")
+        .query(con)
+        .unwrap();
+    let mut ids = Vec::new();
+    if let redis::Value::Array(streams) = reply {
+        for s in streams {
+            if let redis::Value::Array(parts) = s {
+                if let Some(redis::Value::Array(entries)) = parts.get(1) {
+                    for e in entries {
+                        if let redis::Value::Array(pair) = e {
+                            ids.push(delay_worker::store::value_to_string(&pair[0]));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    ids
 }
