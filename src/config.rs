@@ -288,6 +288,12 @@ pub struct JobConfig {
     pub group_commit: bool,
 }
 
+/// A set's lock timeout in ms, from `--lock-timeout`: a fifth of it, so a set that meets
+/// the shop's locks gives way soon and is split.
+pub fn set_lock_ms(lock_timeout: Duration) -> u128 {
+    (lock_timeout.as_millis() / 5).max(1)
+}
+
 impl JobConfig {
     /// Most jobs a worker takes from the channel at once: a set, or a transaction's batch.
     pub fn take_size(&self) -> usize {

@@ -224,7 +224,7 @@ impl Session {
             }
             handlers.push(prepared);
         }
-        let set_lock_ms = (lock_timeout.as_millis() / 5).max(1);
+        let set_lock_ms = crate::config::set_lock_ms(lock_timeout);
         Ok(Session {
             conn,
             inbox,

@@ -287,18 +287,15 @@ pub fn pgbench_script() -> String {
 }
 
 /// The set-based pgbench script: the template with the handler's set form, its `$1` the
-/// array of the 8 jobs from `:id`.
+/// array of the `:size` jobs from `:id` (`-D size=N`).
 pub fn pgbench_set_script() -> String {
     let set = order_timeout()
         .set_sql()
         .map(without_comments)
         .expect("order.timeout has a set form");
-    let jobs = format!(
-        "(SELECT jsonb_agg(jsonb_build_object('i', g - :id::bigint, 'payload', jsonb_build_object('order_id', g))) \
-         FROM generate_series(:id::bigint, :id::bigint + {}) g)",
-        SET_ORDERS - 1
-    );
-    PGBENCH_SET_TEMPLATE.replace("@ORDER_TIMEOUT_SET@", &set.replace("$1", &jobs))
+    let jobs = "(SELECT jsonb_agg(jsonb_build_object('i', g - :id::bigint, 'payload', jsonb_build_object('order_id', g))) \
+         FROM generate_series(:id::bigint, :id::bigint + :size::bigint - 1) g)";
+    PGBENCH_SET_TEMPLATE.replace("@ORDER_TIMEOUT_SET@", &set.replace("$1", jobs))
 }
 
 fn pgbench(
@@ -331,13 +328,19 @@ fn pgbench(
     // Warm-up, discarded: the first write load on a fresh cluster pays for creating WAL
     // segments and for cold caches (we saw 3,800 tps cold against 6,700 warm on the same
     // machine). The ceiling is the steady state, as the scenarios after it see it.
+    let load = Load {
+        clients: config.threads,
+        size: SET_ORDERS,
+        rate: None,
+        retry_deadlocks: false,
+    };
     shop::reset(db)?;
     shop::seed(db, orders, args.skus)?;
-    let warmup = run_pgbench(&tool, config, &script, WARMUP_SECS.min(secs))?;
+    let warmup = run_pgbench(&tool, config, &script, WARMUP_SECS.min(secs), load)?;
 
     shop::reset(db)?;
     shop::seed(db, orders, args.skus)?;
-    let mut f = run_pgbench(&tool, config, &script, secs)?;
+    let mut f = run_pgbench(&tool, config, &script, secs, load)?;
     f.warmup_tps = Some(warmup.tps);
     f.cancelled = shop::cancelled_count(db)?;
     Ok(f)
@@ -346,10 +349,58 @@ fn pgbench(
 /// Seconds of the discarded warm-up run.
 const WARMUP_SECS: u64 = 5;
 
-/// One pgbench run of the script at `--threads` clients.
-fn run_pgbench(tool: &Path, config: &Config, script: &Path, secs: u64) -> Result<PgbenchFigures> {
+/// How a pgbench run loads the database.
+#[derive(Clone, Copy)]
+pub struct Load {
+    pub clients: usize,
+    /// Orders per transaction of the set script (`-D size`; the one-order script has none).
+    pub size: u64,
+    /// Transactions a second, all clients together (`-R`); `None`: as fast as it can.
+    pub rate: Option<f64>,
+    /// A transaction that deadlocks is run again (`--max-tries`) rather than stopping
+    /// its client.
+    pub retry_deadlocks: bool,
+}
+
+/// The set-based script as the shop scenario runs it beside the shop, written into
+/// `out_dir`, and pgbench. A set of the worker that meets the shop's locks gives up within
+/// its short lock timeout (`wait_ms`) and is tried again; so does this one: a deadlock
+/// with a payment (which locks in the opposite order) is found after `wait_ms`
+/// (`deadlock_timeout`, which needs a superuser, as the bench's own cluster has), and
+/// pgbench runs the transaction again (`--max-tries`, [`Load::retry_deadlocks`]) instead
+/// of stopping. Without it the shop's payment waited the server's whole second.
+pub fn shop_set_script_at(out_dir: &Path, wait_ms: u128) -> Result<(PathBuf, PathBuf)> {
+    let tool = find_tool("pgbench").context(
+        "pgbench not found (Debian: postgresql-contrib or the postgresql server package)",
+    )?;
+    let script = out_dir.join("order_timeout_set_beside_shop.pgbench");
+    std::fs::write(&script, pgbench_shop_set_script(wait_ms))
+        .with_context(|| format!("cannot write {}", script.display()))?;
+    Ok((tool, script))
+}
+
+/// The set-based script with `deadlock_timeout` at `wait_ms` (see [`shop_set_script_at`]).
+fn pgbench_shop_set_script(wait_ms: u128) -> String {
+    pgbench_set_script().replacen(
+        "\nBEGIN;\n",
+        &format!(
+            "\nBEGIN;\nSET LOCAL deadlock_timeout = '{}ms';\n",
+            wait_ms.max(1)
+        ),
+        1,
+    )
+}
+
+/// One pgbench run of the script.
+pub fn run_pgbench(
+    tool: &Path,
+    config: &Config,
+    script: &Path,
+    secs: u64,
+    load: Load,
+) -> Result<PgbenchFigures> {
     let pg: postgres::Config = config.database_url.parse()?;
-    let clients = config.threads;
+    let clients = load.clients;
     let jobs = clients.min(2);
     let mut cmd = Command::new(tool);
     for h in pg.get_hosts().iter().take(1) {
@@ -370,7 +421,7 @@ fn run_pgbench(tool: &Path, config: &Config, script: &Path, secs: u64) -> Result
     if let Some(d) = pg.get_dbname() {
         cmd.env("PGDATABASE", d);
     }
-    let argv = vec![
+    let mut argv = vec![
         "-n".to_string(),
         "-M".into(),
         "prepared".into(),
@@ -384,9 +435,17 @@ fn run_pgbench(tool: &Path, config: &Config, script: &Path, secs: u64) -> Result
         format!("clients={clients}"),
         "-D".into(),
         "n=0".into(),
+        "-D".into(),
+        format!("size={}", load.size),
         "-f".into(),
         script.display().to_string(),
     ];
+    if let Some(r) = load.rate {
+        argv.extend(["-R".into(), format!("{r:.1}")]);
+    }
+    if load.retry_deadlocks {
+        argv.extend(["--max-tries".into(), "1000".into()]);
+    }
     let out = cmd.args(&argv).output().context("cannot run pgbench")?;
     let stdout = String::from_utf8_lossy(&out.stdout);
     if !out.status.success() {
@@ -437,6 +496,17 @@ mod tests {
         let s = super::pgbench_set_script();
         assert!(!s.contains('@') && !s.contains("$1"));
         assert!(s.contains("FROM jsonb_array_elements((SELECT jsonb_agg("));
+        assert!(s.contains(":id::bigint + :size::bigint - 1) g"));
         assert!(s.trim_end().ends_with("COMMIT;"));
+        let shop = super::pgbench_shop_set_script(20);
+        assert_eq!(
+            shop,
+            s.replacen(
+                "\nBEGIN;\n",
+                "\nBEGIN;\nSET LOCAL deadlock_timeout = '20ms';\n",
+                1
+            )
+        );
+        assert_ne!(shop, s, "the BEGIN line is found");
     }
 }

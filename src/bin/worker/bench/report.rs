@@ -858,6 +858,28 @@ pub struct ShopFigures {
     pub drain_ratio: Option<f64>,
     /// The first errors of the shop's failed transactions.
     pub errors: Vec<String>,
+    /// The shop beside the drain's database work alone, the machine's own figure.
+    pub pgbench: Option<ShopPgbench>,
+    pub pgbench_error: Option<String>,
+}
+
+/// The shop beside pgbench running the worker's set transaction at the drain's rate from
+/// one client (`scenario.rs`, `shop_beside_pgbench`), in a run of its own.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ShopPgbench {
+    /// Orders pgbench cancelled a second, `size` a transaction, for `seconds`.
+    pub orders_per_s: f64,
+    pub size: u64,
+    pub seconds: u64,
+    /// The shop before pgbench started (its own alone figure) and while it ran.
+    pub alone: super::traffic::Figures,
+    pub during: super::traffic::Figures,
+    pub p99_ratio: f64,
+    /// PostgreSQL's CPU seconds and the machine's busy share while pgbench ran.
+    pub postgres_s: Option<f64>,
+    pub machine_busy_pct: Option<f64>,
+    pub errors: Vec<String>,
+    pub command: String,
 }
 
 impl ShopFigures {
@@ -926,6 +948,32 @@ impl ShopFigures {
         }
         for e in self.errors.iter().take(3) {
             out.push(format!("a failed shop transaction: {e}"));
+        }
+        if let Some(p) = &self.pgbench {
+            out.push(format!(
+                "the machine's own: the shop beside the same database work without the worker (pgbench, 1 client, sets of {}, {} orders/s for {} s), in a run of its own:",
+                p.size,
+                n0(p.orders_per_s),
+                p.seconds
+            ));
+            out.push(format!("  shop alone: {}", f(&p.alone)));
+            out.push(format!("  shop beside pgbench: {}", f(&p.during)));
+            out.push(format!(
+                "  p99 {:.2}x alone; the worker's {:.2}x is {:.2}x of it. CPU s: postgres {}; machine busy {} %",
+                p.p99_ratio,
+                self.p99_ratio,
+                self.p99_ratio / p.p99_ratio.max(1e-9),
+                p.postgres_s.map_or("-".into(), |s| format!("{s:.2}")),
+                p.machine_busy_pct.map_or("-".into(), |s| format!("{s:.0}"))
+            ));
+            for e in p.errors.iter().take(3) {
+                out.push(format!("  a failed shop transaction: {e}"));
+            }
+        }
+        if let Some(e) = &self.pgbench_error {
+            out.push(format!(
+                "the machine's own figure (pgbench beside the shop) failed: {e}"
+            ));
         }
         out
     }

@@ -645,6 +645,7 @@ fn shop_drain(
     shop::record(db, &dues, &moved, &[])?;
     let lateness = shop::lateness(db)?;
     let books = shop::books(db)?;
+    let (transactions, rows) = shop::inbox_transactions(db)?;
     let mut problems = queue_problems(&drain.state, drain.done.is_none(), args.timeout);
     problems.extend(books.problems(n));
     let jobs_per_s = lateness.as_ref().and_then(|l| {
@@ -672,21 +673,101 @@ fn shop_drain(
             seed_s: Some(seed_s.as_secs_f64()),
             pass: problems.is_empty(),
             problems,
-            notes: vec![format!(
-                "lateness counted from the backlog's due time: it is the drain (pushed in {:.1} s, {:.0} s before it fell due{})",
-                push_s.as_secs_f64(),
-                SHOP_BACKLOG_LEAD.as_secs_f64(),
-                if push_s > SHOP_BACKLOG_LEAD {
-                    ": the push was not done in time, and part of it is in the window"
-                } else {
-                    ""
-                }
-            )],
+            notes: vec![
+                format!(
+                    "lateness counted from the backlog's due time: it is the drain (pushed in {:.1} s, {:.0} s before it fell due{})",
+                    push_s.as_secs_f64(),
+                    SHOP_BACKLOG_LEAD.as_secs_f64(),
+                    if push_s > SHOP_BACKLOG_LEAD {
+                        ": the push was not done in time, and part of it is in the window"
+                    } else {
+                        ""
+                    }
+                ),
+                format!(
+                    "{transactions} transactions, {:.1} jobs each on average",
+                    rows as f64 / transactions.max(1) as f64
+                ),
+            ],
             ..Default::default()
         },
         window,
         samples,
         errors,
+    })
+}
+
+/// The shop beside the drain's database work alone: pgbench running the worker's set
+/// transaction (sql/bench/order_timeout_set.pgbench, `--set-size` orders each) from one
+/// client, as the worker runs one transaction at a time while the shop is busy, at the
+/// rate the worker drained beside the shop, for as long as that drain took. No worker and
+/// no Redis: the shop's p99 beside it is what the database's work at that rate costs the
+/// shop on this machine, the ceiling the worker's own figure is read against.
+fn shop_beside_pgbench(
+    ctx: &Ctx,
+    db: &mut postgres::Client,
+    plan: &super::traffic::Plan,
+    jobs_per_s: f64,
+    secs: f64,
+) -> Result<super::report::ShopPgbench> {
+    let args = ctx.args;
+    let size = ctx.config.jobs.set_size.max(1) as u64;
+    let secs = secs.round().max(3.0) as u64;
+    shop::reset(db)?;
+    // Every set of the run cancels orders of its own (client 0 walks 1, 1 + size, ...).
+    let orders = args
+        .shop_backlog
+        .max((jobs_per_s * secs as f64 * 1.2) as u64 + size);
+    shop::seed(db, orders + args.shop_orders, args.skus)?;
+    let wait_ms = delay_worker::config::set_lock_ms(ctx.config.jobs.lock_timeout);
+    let (tool, script) = super::ceiling::shop_set_script_at(ctx.out_dir, wait_ms)?;
+    let plan = super::traffic::Plan {
+        shop_orders: (orders as i64 + 1, (orders + args.shop_orders) as i64),
+        backlog_orders: (1, orders as i64),
+        ..plan.clone()
+    };
+    let traffic = super::traffic::start(&plan)?;
+    if ctx.stop.wait(args.shop_alone) {
+        bail!("interrupted");
+    }
+    let load = super::ceiling::Load {
+        clients: 1,
+        size,
+        rate: Some(jobs_per_s / size as f64),
+        retry_deadlocks: true,
+    };
+    let postmaster = child::postmaster_pid(db);
+    let (pg0, m0) = (
+        postmaster.and_then(child::postgres_ticks),
+        child::machine_ticks(),
+    );
+    let from = traffic.started().elapsed();
+    let run = super::ceiling::run_pgbench(&tool, ctx.config, &script, secs, load);
+    let to = traffic.started().elapsed();
+    let (pg1, m1) = (
+        postmaster.and_then(child::postgres_ticks),
+        child::machine_ticks(),
+    );
+    let (samples, errors) = traffic.stop();
+    let pgbench = run?;
+    let warm = Duration::from_secs(1).min(args.shop_alone / 2);
+    let alone = super::traffic::figures(&samples, warm, args.shop_alone, args.shop_rate);
+    let during = super::traffic::figures(&samples, from, to, args.shop_rate);
+    Ok(super::report::ShopPgbench {
+        orders_per_s: pgbench.tps * size as f64,
+        size,
+        seconds: secs,
+        p99_ratio: during.p99_ms / alone.p99_ms.max(1e-9),
+        postgres_s: pg0
+            .zip(pg1)
+            .map(|(a, b)| b.saturating_sub(a) as f64 / child::clk_tck()),
+        machine_busy_pct: m0
+            .zip(m1)
+            .map(|((b0, t0), (b1, t1))| 100.0 * (b1 - b0) as f64 / (t1 - t0).max(1) as f64),
+        alone,
+        during,
+        errors,
+        command: pgbench.command,
     })
 }
 
@@ -736,6 +817,12 @@ fn shop_scenario(ctx: &Ctx, db: &mut postgres::Client) -> Result<Vec<ScenarioRes
             .result
             .problems
             .push("the drain did not end: no figures of the shop during it".into()),
+    }
+    if let (Some(rate), Some(secs)) = (beside.result.jobs_per_s, beside.result.drain_s) {
+        match shop_beside_pgbench(ctx, db, &plan, rate, secs) {
+            Ok(p) => figures.pgbench = Some(p),
+            Err(e) => figures.pgbench_error = Some(format!("{e:#}")),
+        }
     }
     beside.result.shop = Some(figures);
     beside.result.pass = beside.result.problems.is_empty();

@@ -337,3 +337,13 @@ pub fn inbox_count(db: &mut Client) -> Result<i64> {
         .query_one("SELECT count(*) FROM worker_inbox", &[])?
         .get(0))
 }
+
+/// The transactions the inbox rows came in (each transaction stamps its rows with its
+/// own start, `processed_at`), and the rows.
+pub fn inbox_transactions(db: &mut Client) -> Result<(i64, i64)> {
+    let row = db.query_one(
+        "SELECT count(DISTINCT processed_at), count(*) FROM worker_inbox",
+        &[],
+    )?;
+    Ok((row.get(0), row.get(1)))
+}
