@@ -126,6 +126,7 @@ fn describe(pid: i32, query: Option<&str>, state: Option<&str>, on: &str) -> Str
             "its query is hidden from this role: grant it pg_read_all_stats".to_string()
         }
         Some(q) => {
+            let q = without_literals(q);
             let flat = q.split_whitespace().collect::<Vec<_>>().join(" ");
             let mut short: String = flat.chars().take(QUERY_CHARS).collect();
             if short.len() < flat.len() {
@@ -139,6 +140,96 @@ fn describe(pid: i32, query: Option<&str>, state: Option<&str>, on: &str) -> Str
         _ => String::new(),
     };
     format!("waited for a lock held by pid {pid} ({query}{state}) {on}")
+}
+
+/// A query with its data taken out, for a reason that lands in Redis, the dead letters and
+/// the log: each string literal (`'...'`, `E'...'`, `$tag$...$tag$`) and each number
+/// becomes `?`, and comments go. What is left is the statement's shape, its tables and
+/// columns: `UPDATE orders SET note = ? WHERE id = ?`. A literal or a quoted name left open
+/// (PostgreSQL cuts a long query's text at `track_activity_query_size`) runs to the end,
+/// which is then `?` too: never printed half.
+fn without_literals(q: &str) -> String {
+    let b = q.as_bytes();
+    let mut out = String::with_capacity(q.len());
+    let ident = |c: u8| c.is_ascii_alphanumeric() || c == b'_' || c == b'$' || c >= 0x80;
+    let mut i = 0;
+    // Where the text not yet copied starts.
+    let mut from = 0;
+    while i < b.len() {
+        let c = b[i];
+        let prev_ident = i > 0 && ident(b[i - 1]);
+        // The start and end (exclusive) of a literal or comment at i, and what replaces it.
+        let cut: Option<(usize, usize, &str)> = if c == b'\'' {
+            // E'...' has backslash escapes; the E is part of the literal.
+            let escapes = i > 0 && matches!(b[i - 1], b'E' | b'e') && !(i > 1 && ident(b[i - 2]));
+            let start = if escapes { i - 1 } else { i };
+            let mut j = i + 1;
+            loop {
+                match b.get(j) {
+                    None => break,
+                    Some(b'\\') if escapes => j += 2,
+                    Some(b'\'') if b.get(j + 1) == Some(&b'\'') => j += 2,
+                    Some(b'\'') => {
+                        j += 1;
+                        break;
+                    }
+                    Some(_) => j += 1,
+                }
+            }
+            Some((start, j.min(b.len()), "?"))
+        } else if c == b'$' && !prev_ident {
+            // $tag$ ... $tag$ (a parameter $1 is not one: no closing $ after digits).
+            let tag_end = q[i + 1..].find('$').map(|k| i + 1 + k).filter(|&e| {
+                b[i + 1..e]
+                    .iter()
+                    .all(|&t| t.is_ascii_alphabetic() || t == b'_')
+            });
+            tag_end.map(|e| {
+                let tag = &q[i..=e];
+                let end = q[e + 1..]
+                    .find(tag)
+                    .map_or(b.len(), |k| e + 1 + k + tag.len());
+                (i, end, "?")
+            })
+        } else if c.is_ascii_digit() && !prev_ident {
+            let mut j = i;
+            while j < b.len() && (b[j].is_ascii_digit() || b[j] == b'.') {
+                j += 1;
+            }
+            Some((i, j, "?"))
+        } else if c == b'-' && b.get(i + 1) == Some(&b'-') {
+            Some((i, q[i..].find('\n').map_or(b.len(), |k| i + k), " "))
+        } else if c == b'/' && b.get(i + 1) == Some(&b'*') {
+            Some((
+                i,
+                q[i + 2..].find("*/").map_or(b.len(), |k| i + 2 + k + 2),
+                " ",
+            ))
+        } else if c == b'"' {
+            // A quoted identifier is kept as it is; one left open (pg_stat_activity cuts
+            // a long query short) is not told from data, and goes.
+            match q[i + 1..].find('"') {
+                Some(k) => {
+                    i += k + 2;
+                    continue;
+                }
+                None => Some((i, b.len(), "?")),
+            }
+        } else {
+            None
+        };
+        match cut {
+            Some((start, end, with)) => {
+                out.push_str(&q[from..start]);
+                out.push_str(with);
+                i = end;
+                from = end;
+            }
+            None => i += 1,
+        }
+    }
+    out.push_str(&q[from.min(q.len())..]);
+    out
 }
 
 /// A name as PostgreSQL printed it, quoted as an identifier (it may be `schema.table`
@@ -164,6 +255,60 @@ mod tests {
             Some(("sku".into(), "(12,3)".into()))
         );
         assert_eq!(row_of_context("PL/pgSQL function f() line 3"), None);
+    }
+
+    #[test]
+    fn a_holder_s_query_is_quoted_without_its_data() {
+        let cases = [
+            (
+                "UPDATE users SET email = 'ann@example.com', age = 42 WHERE id = 7",
+                "UPDATE users SET email = ?, age = ? WHERE id = ?",
+            ),
+            (
+                "SELECT 'it''s', E'a\\'b', x1 FROM t",
+                "SELECT ?, ?, x1 FROM t",
+            ),
+            (
+                "SELECT $1, $body$secret 'x'$body$, $$card 4111$$ FROM \"t 9\"",
+                "SELECT $1, ?, ? FROM \"t 9\"",
+            ),
+            (
+                "SELECT 1.5 -- card 4111\nFROM t /* ssn 078-05-1120 */ WHERE a=3",
+                "SELECT ?  \nFROM t   WHERE a=?",
+            ),
+            (
+                "INSERT INTO t VALUES ('unterminated secret",
+                "INSERT INTO t VALUES (?",
+            ),
+            ("SELECT e'x', be'y' FROM t", "SELECT ?, be? FROM t"),
+            ("SELECT 'é ü', 'ok' FROM t2", "SELECT ?, ? FROM t2"),
+        ];
+        for (q, want) in cases {
+            assert_eq!(without_literals(q), want, "{q}");
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2000))]
+
+        /// Any text (quotes, dollars, backslashes, comments and multi-byte characters
+        /// mixed) is cut without a panic.
+        #[test]
+        fn any_text_is_cut_without_panic(q in "[a-zE '$\\\\/*\n\"0-9é-]{0,80}") {
+            let _ = without_literals(&q);
+        }
+
+        /// After any plain text, a literal's content never comes through.
+        #[test]
+        fn literals_never_come_through(q in "[a-zA-Z0-9_ ,=()*.é\n]{0,60}") {
+            let secret = format!("{q} WHERE x = 'k3y' OR y = $s$p4ss$s$ OR z = E'\\'s3cr3t'");
+            let out = without_literals(&secret);
+            proptest::prop_assert!(
+                !out.contains("k3y") && !out.contains("p4ss") && !out.contains("s3cr3t"),
+                "{}",
+                out
+            );
+        }
     }
 
     #[test]
