@@ -459,6 +459,7 @@ impl<'a> Crew<'a> {
 
     /// The mover: one a shard, each ringing the reader's doorbell after a move.
     fn spawn_mover<'s>(&'s self, s: &'s Scope<'s, '_>) -> Spawned<'s> {
+        let _ = self.stats.mover_ahead.set(self.config.mover.ahead);
         let shard_keys = &self.config.derived.shards;
         let (client, bell) = (&self.ready.client, self.doorbell.clone());
         spawn_role(s, self.shutdown, "mover".into(), move || {

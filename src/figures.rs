@@ -548,9 +548,26 @@ fn readers_behind(lag: Option<u64>, ahead: usize) -> bool {
     ahead > 0 && lag.is_some_and(|l| l > 0 && l as usize >= ahead.div_ceil(2))
 }
 
+/// The `--move-ahead` the live movers published (`health::Record::move_ahead`), else
+/// `own` (this command's flag): unbounded (0) if any mover is, else the largest bound, up
+/// to which some mover still moves.
+fn movers_ahead(workers: &[WorkerHealth], own: usize) -> usize {
+    let published: Vec<usize> = workers
+        .iter()
+        .filter_map(|w| w.record.as_ref()?.move_ahead)
+        .collect();
+    if published.contains(&0) {
+        0
+    } else {
+        published.into_iter().max().unwrap_or(own)
+    }
+}
+
 /// A shard's report with its due members counted as the readers' backlog instead of the
-/// mover's lag while its stream holds the mover back ([`readers_behind`]).
-fn held_for_readers(mut r: StatsReport, ahead: usize) -> StatsReport {
+/// mover's lag while its stream holds the mover back ([`readers_behind`]), against the
+/// live movers' bound ([`movers_ahead`]).
+fn held_for_readers(mut r: StatsReport, own: usize) -> StatsReport {
+    let ahead = movers_ahead(&r.workers, own);
     if readers_behind(r.group.lag, ahead) {
         r.pool.readers_backlog_ms = r.pool.mover_lag_ms;
         r.pool.mover_lag_ms = 0;
@@ -629,7 +646,7 @@ pub fn gather_all(
             .max()
             .unwrap_or(0)
             .max(0);
-        if readers_behind(report.group.lag, ahead) {
+        if readers_behind(report.group.lag, movers_ahead(&report.workers, ahead)) {
             report.pool.readers_backlog_ms = report.pool.readers_backlog_ms.max(lag);
         } else {
             report.pool.mover_lag_ms = report.pool.mover_lag_ms.max(lag);
@@ -899,6 +916,34 @@ mod tests {
 
     #[test]
     fn the_readers_hold_the_mover_back_from_half_of_the_bound() {
+        // The bound the live movers published wins over this command's own: unbounded if
+        // any mover is, else the largest; the command's own without any record of one.
+        let w = |name: &str, ahead: Option<usize>| {
+            WorkerHealth {
+            name: name.into(),
+            record: Some(crate::health::Record {
+                move_ahead: ahead,
+                ..crate::health::Record::parse(
+                    br#"{"at_ms":0,"host":"h","pid":1,"version":"0","clock_offset_ms":null,"clock_error_ms":null,"producer_ahead":0,"producer_lead_max_ms":0,"problems":[]}"#,
+                )
+                .unwrap()
+            }),
+        }
+        };
+        let old = WorkerHealth {
+            name: "old".into(),
+            record: None,
+        };
+        assert_eq!(movers_ahead(&[], 5_000), 5_000);
+        assert_eq!(movers_ahead(&[old.clone(), w("a", None)], 5_000), 5_000);
+        assert_eq!(
+            movers_ahead(&[w("a", Some(20_000)), w("b", Some(8_000)), old], 5_000),
+            20_000
+        );
+        assert_eq!(
+            movers_ahead(&[w("a", Some(20_000)), w("b", Some(0))], 5_000),
+            0
+        );
         assert!(!readers_behind(Some(2_499), 5_000));
         assert!(readers_behind(Some(2_500), 5_000));
         assert!(!readers_behind(Some(5_000), 0));

@@ -76,6 +76,10 @@ pub struct Record {
     /// `worker dead requeue` on another host knows them without the handler files.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub events: Vec<String>,
+    /// Its mover's `--move-ahead` (absent: it runs no mover, or is older), which `worker
+    /// stats` reads the pool against (`figures::gather_all`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub move_ahead: Option<usize>,
 }
 
 impl Record {
@@ -108,6 +112,7 @@ impl Record {
                 .take(MAX_EVENTS)
                 .map(truncate)
                 .collect(),
+            move_ahead: stats.mover_ahead.get().copied(),
         }
     }
 

@@ -65,6 +65,10 @@ pub struct Stats {
     /// Jobs this process sent back to the pool because they met contention, by job key:
     /// written by workers, read by `/metrics` and the status page.
     pub contention: Contention,
+    /// This process's `--move-ahead`, set once when it starts a mover (unset without
+    /// one): published in its health record, so that `worker stats` on any host reads a
+    /// held-back pool against the bound the movers really have, not its own flag's.
+    pub mover_ahead: std::sync::OnceLock<usize>,
 }
 
 /// How far a problem reaches.

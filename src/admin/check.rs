@@ -704,6 +704,7 @@ mod tests {
             producer_ahead: 0,
             producer_lead_max_ms: 0,
             problems,
+            move_ahead: None,
         };
         let mut r = report(0, 0, 0, 0);
         r.workers = vec![

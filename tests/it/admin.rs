@@ -1067,3 +1067,81 @@ fn shards_are_refused_while_the_unsharded_stream_holds_work() {
     let recorded: Option<String> = redis::cmd("GET").arg("mq:shards").query(&mut con).unwrap();
     assert_eq!(recorded, None);
 }
+
+/// `worker stats` on another host reads a pool held back for the readers against the
+/// `--move-ahead` the live movers published in their health records, not its own flag's:
+/// a daemon with a bound of 20,000 publishes it, and with that record in place the same
+/// state (3,000 unread entries, due members a minute old) is the mover's lag; without it,
+/// against the default 5,000 (held back from 2,500 on), the readers' backlog.
+#[test]
+fn stats_reads_a_held_pool_against_the_bound_the_movers_published() {
+    let mut env = Env::new();
+    env.config.mover.ahead = 20_000;
+    let daemon = Daemon::start(&env.config);
+    let beat = env.config.keys.heartbeat(&env.config.consumer);
+    let mut con = env.con();
+    let mut record = None;
+    wait_until(WAIT, "the daemon's health record", || {
+        record = redis::cmd("GET")
+            .arg(&beat)
+            .query::<Option<String>>(&mut con)
+            .unwrap();
+        record.is_some()
+    });
+    daemon.stop();
+    let record = record.unwrap();
+    let parsed = delay_worker::health::Record::parse(record.as_bytes()).unwrap();
+    assert_eq!(parsed.move_ahead, Some(20_000), "{record}");
+
+    let keys = Keys::with_prefix("ahead");
+    delay_worker::store::stream::ensure_group(&mut con, &keys).unwrap();
+    let now = now_ms();
+    let mut p = redis::pipe();
+    for _ in 0..3_001 {
+        p.cmd("XADD")
+            .arg(&keys.stream)
+            .arg("*")
+            .arg("msg")
+            .arg("{}")
+            .ignore();
+    }
+    p.query::<()>(&mut con).unwrap();
+    // The live consumer took one; 3,000 wait for the readers.
+    assert_eq!(xreadgroup(&mut con, &keys, "c-live", 1).len(), 1);
+    for i in 0..5 {
+        zadd(&mut con, &keys, now - 60_000, &format!("due-{i}"), true);
+    }
+    let figures = || -> (i64, i64) {
+        let out = worker(
+            &env.redis.url(),
+            &["stats", "--json", "--key-prefix", "ahead"],
+        );
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(j["group"]["lag"], 3_000, "{j}");
+        (
+            j["pool"]["mover_lag_ms"].as_i64().unwrap(),
+            j["pool"]["readers_backlog_ms"].as_i64().unwrap(),
+        )
+    };
+    // A live consumer of an older version (no record): the command's own bound.
+    redis::cmd("SET")
+        .arg(keys.heartbeat("c-live"))
+        .arg(1)
+        .arg("EX")
+        .arg(60)
+        .query::<()>(&mut con)
+        .unwrap();
+    let (lag, backlog) = figures();
+    assert!(lag == 0 && backlog >= 60_000, "{lag} {backlog}");
+    // The daemon's record: its bound of 20,000 is not near, so the mover is late.
+    redis::cmd("SET")
+        .arg(keys.heartbeat("c-live"))
+        .arg(&record)
+        .arg("EX")
+        .arg(60)
+        .query::<()>(&mut con)
+        .unwrap();
+    let (lag, backlog) = figures();
+    assert!(lag >= 60_000 && backlog == 0, "{lag} {backlog}");
+}
