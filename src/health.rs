@@ -19,8 +19,9 @@
 //! (`SET <prefix>:consumer:<name>:alive <record> PX <ttl>`, `store::heartbeat`); its value
 //! is this process's [`Record`], a small JSON object: when it was written, the host,
 //! the version, the measured offset of the host's clock to Redis, the producers seen
-//! ahead of it, and its current problems from [`Stats::problems`] (whatever any role
-//! reports, PostgreSQL's included). Peers only ask whether the key exists (their takeover
+//! ahead of it, its current problems from [`Stats::problems`] (whatever any role
+//! reports, PostgreSQL's included), its events, and its mover's `--move-ahead` when it runs
+//! one. Peers only ask whether the key exists (their takeover
 //! of a dead consumer's work, `lua/take_over.lua`, `lua/requeue_processing.lua`); `worker
 //! stats` and `stats --check`, often on another host, read the record, so every worker's
 //! view shows in one place.
