@@ -761,9 +761,9 @@ fn shop_beside_pgbench(
         postgres_s: pg0
             .zip(pg1)
             .map(|(a, b)| b.saturating_sub(a) as f64 / child::clk_tck()),
-        machine_busy_pct: m0
-            .zip(m1)
-            .map(|((b0, t0), (b1, t1))| 100.0 * (b1 - b0) as f64 / (t1 - t0).max(1) as f64),
+        machine_busy_pct: m0.zip(m1).map(|((b0, t0), (b1, t1))| {
+            100.0 * b1.saturating_sub(b0) as f64 / t1.saturating_sub(t0).max(1) as f64
+        }),
         alone,
         during,
         errors,
