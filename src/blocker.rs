@@ -108,24 +108,48 @@ fn look(client: &mut postgres::Client, wait: &LockWait) -> Option<String> {
                         &[],
                     )
                     .ok()??;
-            let relation: Option<String> = r.get(3);
+            let relation: Option<String> = r.try_get(3).ok().flatten();
             let on = format!("on the table {}", relation.unwrap_or_else(|| "?".into()));
             (r, on)
         }
     };
-    let pid: i32 = row.get(0);
-    let query: Option<String> = row.get(1);
-    let state: Option<String> = row.get(2);
-    Some(describe(pid, query.as_deref(), state.as_deref(), &on))
+    // A prepared transaction (two-phase commit) holds its locks without a backend: no
+    // pid, no query. A query that is not UTF-8 (a SQL_ASCII database) is not quoted.
+    let pid: Option<i32> = row.try_get(0).ok().flatten();
+    let query: Result<Option<String>, _> = row.try_get(1);
+    let state: Option<String> = row.try_get(2).ok().flatten();
+    let query = match &query {
+        Ok(Some(q)) => Query::Text(q),
+        Ok(None) => Query::Hidden,
+        Err(_) => Query::NotText,
+    };
+    Some(describe(pid, query, state.as_deref(), &on))
 }
 
-/// `waited for a lock held by pid N (`query`, idle in transaction) on ...`.
-fn describe(pid: i32, query: Option<&str>, state: Option<&str>, on: &str) -> String {
+/// What `pg_stat_activity` gave of the holder's query.
+#[derive(Debug, Clone, Copy)]
+enum Query<'a> {
+    Text(&'a str),
+    /// NULL: another role's session, seen without `pg_read_all_stats`.
+    Hidden,
+    /// Bytes that are not UTF-8.
+    NotText,
+}
+
+/// `waited for a lock held by pid N (`query`, idle in transaction) on ...`; without a pid,
+/// a prepared transaction's.
+fn describe(pid: Option<i32>, query: Query<'_>, state: Option<&str>, on: &str) -> String {
+    let Some(pid) = pid else {
+        return format!(
+            "waited for a lock held by a prepared transaction (two-phase commit: pg_prepared_xacts names it, COMMIT PREPARED or ROLLBACK PREPARED ends it) {on}"
+        );
+    };
     let query = match query {
-        None | Some("<insufficient privilege>") => {
+        Query::Hidden | Query::Text("<insufficient privilege>") => {
             "its query is hidden from this role: grant it pg_read_all_stats".to_string()
         }
-        Some(q) => {
+        Query::NotText => "its query is not UTF-8 text".to_string(),
+        Query::Text(q) => {
             let q = without_literals(q);
             let flat = q.split_whitespace().collect::<Vec<_>>().join(" ");
             let mut short: String = flat.chars().take(QUERY_CHARS).collect();
@@ -143,93 +167,157 @@ fn describe(pid: i32, query: Option<&str>, state: Option<&str>, on: &str) -> Str
 }
 
 /// A query with its data taken out, for a reason that lands in Redis, the dead letters and
-/// the log: each string literal (`'...'`, `E'...'`, `$tag$...$tag$`) and each number
-/// becomes `?`, and comments go. What is left is the statement's shape, its tables and
-/// columns: `UPDATE orders SET note = ? WHERE id = ?`. A literal or a quoted name left open
-/// (PostgreSQL cuts a long query's text at `track_activity_query_size`) runs to the end,
-/// which is then `?` too: never printed half.
+/// the log: each string literal (`'...'`, `E'...'`, `U&'...'`, `B'...'`, `$tag$...$tag$`)
+/// and each number (`42`, `1e10`, `0x1F`, `1_000`) becomes `?`, and comments (`--`, nested
+/// `/* */`) go. What is left is the statement's shape: its words, tables, columns, quoted
+/// names and `$1` parameters (`UPDATE orders SET note = ? WHERE id = ?`). Read as
+/// PostgreSQL's lexer reads it, token by token, and never printed half:
+///
+/// - a literal, comment or quoted name left open (PostgreSQL cuts a long query's text at
+///   `track_activity_query_size`) runs to the end, which is then `?`;
+/// - a backslash inside a plain `'...'` ends the text there too: whether it escapes the
+///   quote after it depends on the holder's `standard_conforming_strings`, which another
+///   session cannot see (`'O\'Brien, 12 Main St'` under `off`, PHP's `addslashes`).
 fn without_literals(q: &str) -> String {
     let b = q.as_bytes();
-    let mut out = String::with_capacity(q.len());
-    let ident = |c: u8| c.is_ascii_alphanumeric() || c == b'_' || c == b'$' || c >= 0x80;
-    let mut i = 0;
+    let n = b.len();
+    let word_start = |c: u8| c.is_ascii_alphabetic() || c == b'_' || c >= 0x80;
+    let word_part = |c: u8| c.is_ascii_alphanumeric() || c == b'_' || c >= 0x80;
+    let mut out = String::with_capacity(n);
     // Where the text not yet copied starts.
     let mut from = 0;
-    while i < b.len() {
+    let cut = |out: &mut String, from: &mut usize, start: usize, end: usize, with: &str| {
+        out.push_str(&q[*from..start]);
+        out.push_str(with);
+        *from = end;
+    };
+    let mut i = 0;
+    while i < n {
         let c = b[i];
-        let prev_ident = i > 0 && ident(b[i - 1]);
-        // The start and end (exclusive) of a literal or comment at i, and what replaces it.
-        let cut: Option<(usize, usize, &str)> = if c == b'\'' {
-            // E'...' has backslash escapes; the E is part of the literal.
-            let escapes = i > 0 && matches!(b[i - 1], b'E' | b'e') && !(i > 1 && ident(b[i - 2]));
-            let start = if escapes { i - 1 } else { i };
-            let mut j = i + 1;
-            loop {
-                match b.get(j) {
-                    None => break,
-                    Some(b'\\') if escapes => j += 2,
-                    Some(b'\'') if b.get(j + 1) == Some(&b'\'') => j += 2,
-                    Some(b'\'') => {
+        if word_start(c) {
+            // A word (a `$` inside is part of it), whole.
+            let start = i;
+            while i < n && (word_part(b[i]) || b[i] == b'$') {
+                i += 1;
+            }
+            // E'...': the E is part of the literal, which has backslash escapes.
+            if i < n && b[i] == b'\'' && i - start == 1 && matches!(b[start], b'E' | b'e') {
+                let end = quoted_end(b, i, true);
+                cut(&mut out, &mut from, start, end, "?");
+                i = end;
+            }
+            continue;
+        }
+        let next = b.get(i + 1).copied();
+        match c {
+            b'\'' => {
+                let end = quoted_end(b, i, false);
+                cut(&mut out, &mut from, i, end, "?");
+                i = end;
+            }
+            b'"' => {
+                // A quoted name is kept as it is ("" inside is a quote); one left open goes.
+                let mut j = i + 1;
+                loop {
+                    match b.get(j) {
+                        Some(b'"') if b.get(j + 1) == Some(&b'"') => j += 2,
+                        Some(b'"') => break,
+                        Some(_) => j += 1,
+                        None => break,
+                    }
+                }
+                if j < n {
+                    i = j + 1;
+                } else {
+                    cut(&mut out, &mut from, i, n, "?");
+                    i = n;
+                }
+            }
+            // A parameter, $1: kept.
+            b'$' if next.is_some_and(|d| d.is_ascii_digit()) => {
+                i += 1;
+                while i < n && b[i].is_ascii_digit() {
+                    i += 1;
+                }
+            }
+            b'$' => {
+                // $tag$ ... $tag$: the tag is empty or a name without `$`.
+                let mut j = i + 1;
+                if j < n && word_start(b[j]) {
+                    while j < n && word_part(b[j]) {
                         j += 1;
+                    }
+                }
+                if j < n && b[j] == b'$' {
+                    let tag = &q[i..=j];
+                    let end = q[j + 1..].find(tag).map_or(n, |k| j + 1 + k + tag.len());
+                    cut(&mut out, &mut from, i, end, "?");
+                    i = end;
+                } else {
+                    i += 1;
+                }
+            }
+            b'0'..=b'9' | b'.' if c != b'.' || next.is_some_and(|d| d.is_ascii_digit()) => {
+                // A number in any of its forms: digits, letters (0x1F, 1e10), `_`, `.`, and
+                // the sign of an exponent.
+                let mut j = i;
+                while j < n {
+                    let d = b[j];
+                    let sign = matches!(d, b'+' | b'-') && matches!(b[j - 1], b'e' | b'E');
+                    if d.is_ascii_alphanumeric() || d == b'_' || d == b'.' || sign {
+                        j += 1;
+                    } else {
                         break;
                     }
-                    Some(_) => j += 1,
                 }
+                cut(&mut out, &mut from, i, j, "?");
+                i = j;
             }
-            Some((start, j.min(b.len()), "?"))
-        } else if c == b'$' && !prev_ident {
-            // $tag$ ... $tag$ (a parameter $1 is not one: no closing $ after digits).
-            let tag_end = q[i + 1..].find('$').map(|k| i + 1 + k).filter(|&e| {
-                b[i + 1..e]
-                    .iter()
-                    .all(|&t| t.is_ascii_alphabetic() || t == b'_')
-            });
-            tag_end.map(|e| {
-                let tag = &q[i..=e];
-                let end = q[e + 1..]
-                    .find(tag)
-                    .map_or(b.len(), |k| e + 1 + k + tag.len());
-                (i, end, "?")
-            })
-        } else if c.is_ascii_digit() && !prev_ident {
-            let mut j = i;
-            while j < b.len() && (b[j].is_ascii_digit() || b[j] == b'.') {
-                j += 1;
-            }
-            Some((i, j, "?"))
-        } else if c == b'-' && b.get(i + 1) == Some(&b'-') {
-            Some((i, q[i..].find('\n').map_or(b.len(), |k| i + k), " "))
-        } else if c == b'/' && b.get(i + 1) == Some(&b'*') {
-            Some((
-                i,
-                q[i + 2..].find("*/").map_or(b.len(), |k| i + 2 + k + 2),
-                " ",
-            ))
-        } else if c == b'"' {
-            // A quoted identifier is kept as it is; one left open (pg_stat_activity cuts
-            // a long query short) is not told from data, and goes.
-            match q[i + 1..].find('"') {
-                Some(k) => {
-                    i += k + 2;
-                    continue;
-                }
-                None => Some((i, b.len(), "?")),
-            }
-        } else {
-            None
-        };
-        match cut {
-            Some((start, end, with)) => {
-                out.push_str(&q[from..start]);
-                out.push_str(with);
+            b'-' if next == Some(b'-') => {
+                let end = q[i..].find(['\n', '\r']).map_or(n, |k| i + k);
+                cut(&mut out, &mut from, i, end, " ");
                 i = end;
-                from = end;
             }
-            None => i += 1,
+            b'/' if next == Some(b'*') => {
+                // Comments nest.
+                let (mut j, mut depth) = (i + 2, 1);
+                while j < n && depth > 0 {
+                    if b[j] == b'/' && b.get(j + 1) == Some(&b'*') {
+                        depth += 1;
+                        j += 2;
+                    } else if b[j] == b'*' && b.get(j + 1) == Some(&b'/') {
+                        depth -= 1;
+                        j += 2;
+                    } else {
+                        j += 1;
+                    }
+                }
+                let end = if depth == 0 { j } else { n };
+                cut(&mut out, &mut from, i, end, " ");
+                i = end;
+            }
+            _ => i += 1,
         }
     }
-    out.push_str(&q[from.min(q.len())..]);
+    out.push_str(&q[from..]);
     out
+}
+
+/// Where the `'...'` literal opening at `open` ends (after its closing quote), or the end
+/// of the text: when it is left open, and for a backslash in a plain literal (see
+/// [`without_literals`]). `escapes`: an `E'...'`, where a backslash escapes what follows.
+fn quoted_end(b: &[u8], open: usize, escapes: bool) -> usize {
+    let mut j = open + 1;
+    while j < b.len() {
+        match b[j] {
+            b'\\' if escapes => j += 2,
+            b'\\' => return b.len(),
+            b'\'' if b.get(j + 1) == Some(&b'\'') => j += 2,
+            b'\'' => return j + 1,
+            _ => j += 1,
+        }
+    }
+    b.len()
 }
 
 /// A name as PostgreSQL printed it, quoted as an identifier (it may be `schema.table`
@@ -282,6 +370,44 @@ mod tests {
             ),
             ("SELECT e'x', be'y' FROM t", "SELECT ?, be? FROM t"),
             ("SELECT 'é ü', 'ok' FROM t2", "SELECT ?, ? FROM t2"),
+            // The outside pass's findings. standard_conforming_strings off (PHP's
+            // addslashes): a backslash in a plain literal ends the text; so it does with
+            // the setting on, where it cannot be told apart.
+            (
+                "UPDATE orders SET cancel_reason = 'customer O\\'Brien, 12 Main St, phone 555-0199' WHERE id = 96;",
+                "UPDATE orders SET cancel_reason = ?",
+            ),
+            (
+                "SELECT 1 FROM orders WHERE order_no NOT IN ('C:\\', 'SECB1') FOR UPDATE",
+                "SELECT ? FROM orders WHERE order_no NOT IN (?",
+            ),
+            // Dollar tags with digits, non-ASCII letters, underscores; after a number or a
+            // parameter.
+            (
+                "SELECT $x1$SECP1$x1$, $é$SECQ1$é$, $_$SECR1$_$, a$b FROM t",
+                "SELECT ?, ?, ?, a$b FROM t",
+            ),
+            ("WHERE id = 1$$SECGG1$$ AND x = $2$tag$SECII2$tag$", "WHERE id = ?? AND x = $2?"),
+            // Comments nest; a line comment ends at \r too.
+            (
+                "SELECT 1 FROM orders /* outer /* inner */ SECJ1 alice */ WHERE id = 12",
+                "SELECT ? FROM orders   WHERE id = ?",
+            ),
+            ("WHERE id = 64 -- note\r AND no <> 'S'", "WHERE id = ?  \r AND no <> ?"),
+            // Numbers in every form.
+            (
+                "WHERE a <> 4111e15 AND 1e10 > .5 AND -42 < 1.5e-3 AND 7E+2 = x",
+                "WHERE a <> ? AND ? > ? AND -? < ? AND ? = x",
+            ),
+            (
+                "IN (0x5EC7E7, 0o777123, 0b101101, 1_234_567, 0X_BEEF)",
+                "IN (?, ?, ?, ?, ?)",
+            ),
+            // Quoted names are kept, doubled quotes inside them too.
+            (
+                "SELECT 1 AS \"it's\", 'SECO1' AS \"a\"\"b\" FROM \"My Orders\"",
+                "SELECT ? AS \"it's\", ? AS \"a\"\"b\" FROM \"My Orders\"",
+            ),
         ];
         for (q, want) in cases {
             assert_eq!(without_literals(q), want, "{q}");
@@ -301,13 +427,13 @@ mod tests {
         /// After any plain text, a literal's content never comes through.
         #[test]
         fn literals_never_come_through(q in "[a-zA-Z0-9_ ,=()*.é\n]{0,60}") {
-            let secret = format!("{q} WHERE x = 'k3y' OR y = $s$p4ss$s$ OR z = E'\\'s3cr3t'");
-            let out = without_literals(&secret);
-            proptest::prop_assert!(
-                !out.contains("k3y") && !out.contains("p4ss") && !out.contains("s3cr3t"),
-                "{}",
-                out
+            let secret = format!(
+                "{q} WHERE x = 'k3y' OR y = $s1$p4ss$s1$ OR z = E'\\'s3cr3t' /* c /* 4c */ 0x5EC */ OR n = 4111e15 OR w = 'O\\'Br13n, 12 Main'"
             );
+            let out = without_literals(&secret);
+            for data in ["k3y", "p4ss", "s3cr3t", "5EC", "4111", "e15", "Br13n", "12 Main"] {
+                proptest::prop_assert!(!out.contains(data), "{} in {}", data, out);
+            }
         }
     }
 
@@ -315,16 +441,27 @@ mod tests {
     fn the_holder_reads_as_a_sentence() {
         assert_eq!(
             describe(
-                42,
-                Some("SELECT  *\n FROM orders FOR UPDATE"),
+                Some(42),
+                Query::Text("SELECT  *\n FROM orders FOR UPDATE"),
                 Some("idle in transaction"),
                 "on the row (0,1) of orders"
             ),
             "waited for a lock held by pid 42 (`SELECT * FROM orders FOR UPDATE`, idle in transaction) on the row (0,1) of orders"
         );
-        assert!(
-            describe(7, Some("<insufficient privilege>"), None, "on the table t")
-                .contains("grant it pg_read_all_stats")
+        assert!(describe(
+            Some(7),
+            Query::Text("<insufficient privilege>"),
+            None,
+            "on the table t"
+        )
+        .contains("grant it pg_read_all_stats"));
+        assert!(describe(Some(7), Query::Hidden, None, "on the table t")
+            .contains("grant it pg_read_all_stats"));
+        assert!(describe(Some(7), Query::NotText, None, "on the table t")
+            .contains("(its query is not UTF-8 text) on the table t"));
+        assert_eq!(
+            describe(None, Query::Hidden, None, "on the row (0,1) of orders"),
+            "waited for a lock held by a prepared transaction (two-phase commit: pg_prepared_xacts names it, COMMIT PREPARED or ROLLBACK PREPARED ends it) on the row (0,1) of orders"
         );
     }
 }

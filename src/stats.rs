@@ -92,6 +92,9 @@ struct Problem {
     /// Last logged (unix ms): a role meets it at every step, the log hears it twice a
     /// minute.
     logged: i64,
+    /// What must change for it to be logged before its time ([`Stats::report_trouble_about`]);
+    /// `None`: `what` itself.
+    gist: Option<String>,
     severity: Severity,
 }
 
@@ -182,7 +185,7 @@ impl Stats {
     /// Records a problem only an operator can fix, met by `role`. Returns whether to log
     /// it: when it is new or changed, and every 30 s while it persists.
     pub fn report_problem(&self, role: &str, what: String) -> bool {
-        self.report(role, what, Severity::Blocking)
+        self.report(role, what, None, Severity::Blocking)
     }
 
     /// Like [`Stats::report_problem`] (logged as rarely, cleared the same way, or by
@@ -191,7 +194,7 @@ impl Stats {
     /// `worker stats --check` CRITICAL, but the watchdog keeps pinging, so systemd does
     /// not restart a daemon that is doing all it can.
     pub fn report_critical(&self, role: &str, what: String) -> bool {
-        self.report(role, what, Severity::Critical)
+        self.report(role, what, None, Severity::Critical)
     }
 
     /// Like [`Stats::report_problem`] (logged as rarely, cleared the same way), for a
@@ -199,10 +202,17 @@ impl Stats {
     /// `/healthz` or the watchdog red, since a restart would not fix it and would only
     /// interrupt the jobs.
     pub fn report_trouble(&self, role: &str, what: String) -> bool {
-        self.report(role, what, Severity::Warning)
+        self.report(role, what, None, Severity::Warning)
     }
 
-    fn report(&self, role: &str, what: String, severity: Severity) -> bool {
+    /// Like [`Stats::report_trouble`], for a text that carries figures which change at
+    /// every step (how many jobs wait, for how long): it is logged again early only when
+    /// `gist` changes, not its figures; the health record shows the text as it is now.
+    pub fn report_trouble_about(&self, role: &str, what: String, gist: String) -> bool {
+        self.report(role, what, Some(gist), Severity::Warning)
+    }
+
+    fn report(&self, role: &str, what: String, gist: Option<String>, severity: Severity) -> bool {
         let now = crate::now_ms();
         let Ok(mut ps) = self.problems.lock() else {
             return true;
@@ -211,11 +221,16 @@ impl Stats {
             Some(p) => {
                 p.at = now;
                 p.severity = severity;
-                let log = p.what != what || now - p.logged >= PROBLEM_LOG_EVERY_MS;
+                let changed = match &gist {
+                    Some(g) => p.gist.as_ref() != Some(g),
+                    None => p.what != what,
+                };
+                let log = changed || now - p.logged >= PROBLEM_LOG_EVERY_MS;
                 if log {
                     p.logged = now;
                 }
                 p.what = what;
+                p.gist = gist;
                 log
             }
             None => {
@@ -224,6 +239,7 @@ impl Stats {
                     at: now,
                     what,
                     logged: now,
+                    gist,
                     severity,
                 });
                 self.problem_count.store(ps.len() as u64, Relaxed);
@@ -1010,6 +1026,33 @@ mod tests {
         assert!(!s.report_trouble("inbox pruner", "no DELETE privilege".into()));
         assert_eq!(s.problem(now), None, "a trouble never turns health red");
         assert!(s.clear_problem("inbox pruner", now + 1));
+    }
+
+    #[test]
+    fn a_trouble_whose_figures_change_is_logged_when_its_gist_does() {
+        let s = Stats::default();
+        let gist = || "order.timeout k1: lock timeout".to_string();
+        let what = |n: u32, ms: u32| format!("{n} job(s) wait; the longest, k1, for {ms} ms");
+        assert!(s.report_trouble_about("contention", what(1, 10), gist()));
+        // The count and the time change at every retry: not logged for that ...
+        assert!(!s.report_trouble_about("contention", what(2, 428), gist()));
+        assert!(!s.report_trouble_about("contention", what(3, 923), gist()));
+        // ... but the record shows the text as it is now.
+        let now = crate::now_ms();
+        let shown = s.problems(now);
+        assert_eq!(shown.len(), 1);
+        assert!(shown[0].what.contains("3 job(s) wait"), "{shown:?}");
+        // Another longest waiter, or another reason, is logged at once.
+        assert!(s.report_trouble_about(
+            "contention",
+            what(3, 5),
+            "order.timeout k2: lock timeout".into()
+        ));
+        assert!(!s.report_trouble_about(
+            "contention",
+            what(4, 9),
+            "order.timeout k2: lock timeout".into()
+        ));
     }
 
     #[test]

@@ -762,7 +762,10 @@ impl<'a> Worker<'a> {
                 crate::human_ms(now - w.since_ms),
                 w.reason
             );
-            if stats.report_trouble("contention", what.clone()) {
+            // Logged when the longest waiter or its reason changes, else every 30 s: the
+            // count and the time change at every retry.
+            let gist = format!("{} {}: {}", w.event, w.key, w.reason);
+            if stats.report_trouble_about("contention", what.clone(), gist) {
                 log::warn!("{what}");
             }
         }

@@ -84,3 +84,42 @@ fn a_table_lock_timeout_names_the_session_that_holds_the_table() {
         "{reason}"
     );
 }
+
+/// A row locked by a prepared transaction (two-phase commit), which holds its locks with
+/// no backend, no pid and no query: the reason says so, the other jobs run on, and the
+/// daemon stops cleanly (it once read the missing pid as a number and stopped the daemon,
+/// at every restart, until the transaction was ended by hand).
+#[test]
+fn a_row_held_by_a_prepared_transaction_is_named_as_one_and_stops_nothing() {
+    let mut env = Env::new();
+    let pg = PgServer::start(&["-c max_prepared_transactions=4"]);
+    env.db = pg.db();
+    env.config.database_url = pg.url.clone();
+    env.config.jobs.lock_timeout = Duration::from_millis(50);
+    env.config.jobs.max_retries = 2;
+    env.config.jobs.retry_base = Duration::from_millis(50);
+    env.config.jobs.retry_cap = Duration::from_millis(200);
+    env.config.jobs.retry_for = Duration::from_millis(800);
+    let orders = seed_orders(&env.db, 2);
+    let mut shop = postgres::Client::connect(&pg.url, postgres::NoTls).unwrap();
+    shop.batch_execute(&format!(
+        "BEGIN; SELECT 1 FROM orders WHERE id = {} FOR UPDATE; PREPARE TRANSACTION 'refund-alice@example.com'",
+        orders[0].id
+    ))
+    .unwrap();
+    push_timeouts(&env, &orders, 0);
+    let daemon = Daemon::start(&env.config);
+    wait_until(WAIT, "the held order's dead letter, the other done", || {
+        dead_letters(&env).len() == 1 && inbox_count(&env.db) == 1
+    });
+    daemon.stop();
+    let reason = dead_letters(&env)[0]["reason"].clone();
+    assert!(
+        reason.contains("(55P03): waited for a lock held by a prepared transaction (two-phase commit: pg_prepared_xacts names it, COMMIT PREPARED or ROLLBACK PREPARED ends it) on the row ("),
+        "{reason}"
+    );
+    assert!(!reason.contains("alice"), "{reason}");
+    shop.batch_execute("ROLLBACK PREPARED 'refund-alice@example.com'")
+        .unwrap();
+    assert_accounting(&env.db, &orders, &[&orders[1]]);
+}
