@@ -123,3 +123,60 @@ fn a_row_held_by_a_prepared_transaction_is_named_as_one_and_stops_nothing() {
         .unwrap();
     assert_accounting(&env.db, &orders, &[&orders[1]]);
 }
+
+/// A holder in a SQL_ASCII database, whose query carries a shop's Latin-1 bytes (not
+/// UTF-8): it is still named, its query read as well as it goes and its literal cut (the
+/// holder was dropped from the reason before).
+#[test]
+fn a_holder_in_a_sql_ascii_database_is_named_with_its_query_cut() {
+    use std::io::Write;
+    let mut env = Env::new();
+    env.db = TestDb::sql_ascii();
+    env.config.database_url = env.db.url.clone();
+    env.config.jobs.lock_timeout = Duration::from_millis(50);
+    env.config.jobs.max_retries = 2;
+    env.config.jobs.retry_base = Duration::from_millis(50);
+    env.config.jobs.retry_cap = Duration::from_millis(200);
+    env.config.jobs.retry_for = Duration::from_millis(800);
+    let orders = seed_orders(&env.db, 1);
+    let mut holder = env.db.psql();
+    let mut sql = format!(
+        "BEGIN;\nSELECT 1 FROM orders WHERE id = {} AND order_no <> 'Jos",
+        orders[0].id
+    )
+    .into_bytes();
+    sql.extend_from_slice(b"\xe9 alice' FOR UPDATE;\n");
+    let stdin = holder.stdin.as_mut().unwrap();
+    stdin.write_all(&sql).unwrap();
+    stdin.flush().unwrap();
+    let mut c = env.db.client();
+    wait_until(WAIT, "the holder's row lock", || {
+        let n: i64 = c
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+                 AND state = 'idle in transaction'",
+                &[],
+            )
+            .unwrap()
+            .get(0);
+        n == 1
+    });
+    push_timeouts(&env, &orders, 0);
+    let daemon = Daemon::start(&env.config);
+    wait_until(WAIT, "the dead letter", || dead_letters(&env).len() == 1);
+    daemon.stop();
+    let reason = dead_letters(&env)[0]["reason"].clone();
+    assert!(
+        reason.contains(
+            "waited for a lock held by pid "
+        ) && reason.contains(
+            " (`SELECT ? FROM orders WHERE id = ? AND order_no <> ? FOR UPDATE;`, idle in transaction) on the row ("
+        ),
+        "{reason}"
+    );
+    assert!(!reason.contains("alice"), "{reason}");
+    let stdin = holder.stdin.as_mut().unwrap();
+    stdin.write_all(b"ROLLBACK;\n").unwrap();
+    drop(holder.stdin.take());
+    holder.wait().unwrap();
+}

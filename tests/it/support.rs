@@ -234,6 +234,37 @@ impl TestDb {
         }
     }
 
+    /// A migrated database in `SQL_ASCII`, as older shops have them: text is stored as
+    /// the client's bytes, whatever their encoding.
+    pub fn sql_ascii() -> TestDb {
+        let name = unique("dwa");
+        admin()
+            .batch_execute(&format!(
+                "CREATE DATABASE {name} ENCODING 'SQL_ASCII' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0"
+            ))
+            .unwrap();
+        let db = TestDb {
+            url: db_url(&name),
+            name,
+            owned: true,
+        };
+        db::migrate(&mut db.client()).unwrap();
+        db
+    }
+
+    /// `psql` on this database, as a child with its stdin piped: what it is sent runs in
+    /// one session (bytes as they are: `PGCLIENTENCODING=SQL_ASCII`).
+    pub fn psql(&self) -> std::process::Child {
+        Command::new(pg_bin().join("psql"))
+            .args(["-X", "-q", "-v", "ON_ERROR_STOP=1", &self.url])
+            .env("PGCLIENTENCODING", "SQL_ASCII")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("psql")
+    }
+
     /// A database with nothing in it (for migration tests).
     pub fn empty() -> TestDb {
         let name = unique("dwe");
