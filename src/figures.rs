@@ -918,17 +918,21 @@ mod tests {
     fn the_readers_hold_the_mover_back_from_half_of_the_bound() {
         // The bound the live movers published wins over this command's own: unbounded if
         // any mover is, else the largest; the command's own without any record of one.
-        let w = |name: &str, ahead: Option<usize>| {
-            WorkerHealth {
+        let w = |name: &str, ahead: Option<usize>| WorkerHealth {
             name: name.into(),
             record: Some(crate::health::Record {
+                at_ms: 0,
+                host: "h".into(),
+                pid: 1,
+                version: "0".into(),
+                clock_offset_ms: None,
+                clock_error_ms: None,
+                producer_ahead: 0,
+                producer_lead_max_ms: 0,
+                problems: Vec::new(),
+                events: Vec::new(),
                 move_ahead: ahead,
-                ..crate::health::Record::parse(
-                    br#"{"at_ms":0,"host":"h","pid":1,"version":"0","clock_offset_ms":null,"clock_error_ms":null,"producer_ahead":0,"producer_lead_max_ms":0,"problems":[]}"#,
-                )
-                .unwrap()
             }),
-        }
         };
         let old = WorkerHealth {
             name: "old".into(),
