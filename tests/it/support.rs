@@ -27,12 +27,23 @@ fn unique(prefix: &str) -> String {
     )
 }
 
+/// A loopback port free now, below the kernel's ephemeral range: a port the kernel hands
+/// out (port 0) may be taken, before the server that was to have it binds it, by the
+/// outgoing connection of another test's server (a replica to its master), and that
+/// server then exits at start ("Address already in use"). Drawn at random, so tests
+/// starting at once rarely draw the same one.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .expect("bind a free port")
-        .local_addr()
-        .unwrap()
-        .port()
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768)
+        .max(12_000);
+    loop {
+        let port = fastrand::u16(10_000..low);
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
 }
 
 /// Polls `f` every 20 ms until it holds; panics with `what` after `timeout`.
