@@ -116,13 +116,7 @@ fn stats_report_the_figures_of_a_known_state() {
     delay_worker::store::stream::ensure_group(&mut con, &keys).unwrap();
     // A dead host holding three entries, a live consumer that acked its one.
     assert_eq!(xreadgroup(&mut con, &keys, "c-dead", 3).len(), 3);
-    redis::cmd("SET")
-        .arg(keys.heartbeat("c-live"))
-        .arg(1)
-        .arg("EX")
-        .arg(60)
-        .query::<()>(&mut con)
-        .unwrap();
+    live_heartbeat(&mut con, &keys, "c-live", "1");
     let live = xreadgroup(&mut con, &keys, "c-live", 1);
     redis::cmd("XACK")
         .arg(&keys.stream)
@@ -184,6 +178,18 @@ fn stats_report_the_figures_of_a_known_state() {
     assert_eq!(j["pool"]["due"], 3);
     assert_eq!(j["consumers"][0]["heartbeat"], false);
     assert_eq!(j["dead"]["new"], 2);
+}
+
+/// A live consumer's heartbeat key as a worker writes it (for a minute), with `value`: a
+/// health record, or what an older worker wrote.
+fn live_heartbeat(con: &mut Connection, keys: &Keys, consumer: &str, value: &str) {
+    redis::cmd("SET")
+        .arg(keys.heartbeat(consumer))
+        .arg(value)
+        .arg("EX")
+        .arg(60)
+        .query::<()>(con)
+        .unwrap();
 }
 
 /// Runs `worker stats --check` with these keys and flags: (exit code, the line).
@@ -1125,23 +1131,11 @@ fn stats_reads_a_held_pool_against_the_bound_the_movers_published() {
         )
     };
     // A live consumer of an older version (no record): the command's own bound.
-    redis::cmd("SET")
-        .arg(keys.heartbeat("c-live"))
-        .arg(1)
-        .arg("EX")
-        .arg(60)
-        .query::<()>(&mut con)
-        .unwrap();
+    live_heartbeat(&mut con, &keys, "c-live", "1");
     let (lag, backlog) = figures();
     assert!(lag == 0 && backlog >= 60_000, "{lag} {backlog}");
     // The daemon's record: its bound of 20,000 is not near, so the mover is late.
-    redis::cmd("SET")
-        .arg(keys.heartbeat("c-live"))
-        .arg(&record)
-        .arg("EX")
-        .arg(60)
-        .query::<()>(&mut con)
-        .unwrap();
+    live_heartbeat(&mut con, &keys, "c-live", &record);
     let (lag, backlog) = figures();
     assert!(lag >= 60_000 && backlog == 0, "{lag} {backlog}");
 }

@@ -34,13 +34,19 @@ fn hold(
     (pid, tx, h)
 }
 
-fn dead_reason_with(env: &mut Env, sql: &'static str) -> (i32, String) {
-    env.config.jobs.statement_timeout = Duration::from_millis(200);
+/// A job waiting on a lock is a dead letter within about a second: short lock waits,
+/// two quick retries, `--retry-for` 800 ms.
+fn dead_letter_soon(env: &mut Env) {
     env.config.jobs.lock_timeout = Duration::from_millis(50);
     env.config.jobs.max_retries = 2;
     env.config.jobs.retry_base = Duration::from_millis(50);
     env.config.jobs.retry_cap = Duration::from_millis(200);
     env.config.jobs.retry_for = Duration::from_millis(800);
+}
+
+fn dead_reason_with(env: &mut Env, sql: &'static str) -> (i32, String) {
+    env.config.jobs.statement_timeout = Duration::from_millis(200);
+    dead_letter_soon(env);
     let orders = seed_orders(&env.db, 1);
     let (pid, release, h) = hold(env, sql);
     push_timeouts(env, &orders, 0);
@@ -95,11 +101,7 @@ fn a_row_held_by_a_prepared_transaction_is_named_as_one_and_stops_nothing() {
     let pg = PgServer::start(&["-c max_prepared_transactions=4"]);
     env.db = pg.db();
     env.config.database_url = pg.url.clone();
-    env.config.jobs.lock_timeout = Duration::from_millis(50);
-    env.config.jobs.max_retries = 2;
-    env.config.jobs.retry_base = Duration::from_millis(50);
-    env.config.jobs.retry_cap = Duration::from_millis(200);
-    env.config.jobs.retry_for = Duration::from_millis(800);
+    dead_letter_soon(&mut env);
     let orders = seed_orders(&env.db, 2);
     let mut shop = postgres::Client::connect(&pg.url, postgres::NoTls).unwrap();
     shop.batch_execute(&format!(
@@ -133,11 +135,7 @@ fn a_holder_in_a_sql_ascii_database_is_named_with_its_query_cut() {
     let mut env = Env::new();
     env.db = TestDb::sql_ascii();
     env.config.database_url = env.db.url.clone();
-    env.config.jobs.lock_timeout = Duration::from_millis(50);
-    env.config.jobs.max_retries = 2;
-    env.config.jobs.retry_base = Duration::from_millis(50);
-    env.config.jobs.retry_cap = Duration::from_millis(200);
-    env.config.jobs.retry_for = Duration::from_millis(800);
+    dead_letter_soon(&mut env);
     let orders = seed_orders(&env.db, 1);
     let mut holder = env.db.psql();
     let mut sql = format!(

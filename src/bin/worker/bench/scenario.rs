@@ -62,6 +62,21 @@ impl Marks {
     }
 }
 
+/// CPU seconds between two readings of ticks.
+fn ticks_s(a: Option<u64>, b: Option<u64>) -> Option<f64> {
+    Some((b? as f64 - a? as f64) / child::clk_tck())
+}
+
+/// The machine's busy share (%) between two readings of `child::machine_ticks`.
+fn busy_pct(a: Option<(u64, u64)>, b: Option<(u64, u64)>) -> Option<f64> {
+    match (a, b) {
+        (Some((b0, t0)), Some((b1, t1))) if t1 > t0 => {
+            Some(b1.saturating_sub(b0) as f64 * 100.0 / (t1 - t0) as f64)
+        }
+        _ => None,
+    }
+}
+
 /// The figures read from the worker while it still runs, and around it.
 struct Measured {
     cpu: CpuUse,
@@ -79,10 +94,8 @@ fn finish(
     postmaster: Option<u32>,
 ) -> Measured {
     let after = Marks::take(con, postmaster);
-    let tck = child::clk_tck();
-    let ticks_s = |a: Option<u64>, b: Option<u64>| Some((b? as f64 - a? as f64) / tck);
     let cpu = CpuUse {
-        worker_s: child::cpu_ticks(worker.pid).unwrap_or(0) as f64 / tck,
+        worker_s: child::cpu_ticks(worker.pid).unwrap_or(0) as f64 / child::clk_tck(),
         worker_threads_s: child::thread_cpu(worker.pid),
         bench_s: ticks_s(before.bench, after.bench),
         redis_by_node_s: match (&before.redis, &after.redis) {
@@ -99,12 +112,7 @@ fn finish(
             _ => None,
         },
         postgres_s: ticks_s(before.postgres, after.postgres),
-        machine_busy_pct: match (before.machine, after.machine) {
-            (Some((b0, t0)), Some((b1, t1))) if t1 > t0 => {
-                Some((b1 - b0) as f64 * 100.0 / (t1 - t0) as f64)
-            }
-            _ => None,
-        },
+        machine_busy_pct: busy_pct(before.machine, after.machine),
     };
     let rss_hwm_kb = child::status_kb(worker.pid, "VmHWM");
     let rss_per_s_kb = rss.finish();
@@ -758,12 +766,8 @@ fn shop_beside_pgbench(
         size,
         seconds: secs,
         p99_ratio: during.p99_ms / alone.p99_ms.max(1e-9),
-        postgres_s: pg0
-            .zip(pg1)
-            .map(|(a, b)| b.saturating_sub(a) as f64 / child::clk_tck()),
-        machine_busy_pct: m0.zip(m1).map(|((b0, t0), (b1, t1))| {
-            100.0 * b1.saturating_sub(b0) as f64 / t1.saturating_sub(t0).max(1) as f64
-        }),
+        postgres_s: ticks_s(pg0, pg1),
+        machine_busy_pct: busy_pct(m0, m1),
         alone,
         during,
         errors,
