@@ -3236,13 +3236,22 @@ fn oracle(
                 due_orders.insert(e.order);
                 // A retry whose key was pushed again before it ran is superseded by the
                 // newer push (a push reschedules its key): a dead letter that says so, and
-                // only for a key pushed more than once.
+                // only for a key pushed more than once, counting a push sent again after
+                // a lost reply (the first copy may have landed, moved and failed before
+                // the resend scheduled the key again).
+                let pushed_twice =
+                    e.pushes.len() >= 2 || e.pushes.iter().any(|&p| recs[p].uncertain);
                 for &i in letters {
                     let superseded = books.dead[i].reason.contains("pushed again");
-                    if !superseded || e.pushes.len() < 2 {
+                    if !superseded || !pushed_twice {
                         f.add(
                             "good messages dead-lettered",
-                            format!("{key}: {} ({})", books.dead[i].reason, books.dead[i].place),
+                            format!(
+                                "{key}: {} ({}) {}",
+                                books.dead[i].reason,
+                                books.dead[i].place,
+                                describe_pushes(e)
+                            ),
                         );
                     }
                 }
