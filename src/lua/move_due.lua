@@ -156,22 +156,26 @@ local replaced
 -- tonumber of ZSCORE's) and whichever Redis version formats it: whole numbers in full,
 -- others with 17 significant digits.
 local function score_text(score)
+  -- A reply's whole number in plain digits (below 2^53) is already that text.
+  if type(score) == 'string' and #score < 16 and string.find(score, '^[1-9]%d*$') then
+    return score
+  end
   local x = tonumber(score)
   if x == math.floor(x) and math.abs(x) < 2^53 then return string.format('%d', x) end
   return string.format('%.17g', x)
 end
 
+-- What every identity of this pool starts with (see `identity`).
+local identity_head = 'dw-job-1\n' .. #KEYS[1] .. ':' .. KEYS[1] .. '\n'
+
 -- The identity of the job the producer wrote: pool, member, score and data, each but the
 -- last with its length in front so that no two of them run together.
 local function identity(key, score, data, due)
-  local h = redis.sha1hex('dw-job-1\n' .. #KEYS[1] .. ':' .. KEYS[1] .. '\n' .. #key .. ':' ..
-    key .. '\n' .. score_text(score) .. '\n' .. data)
+  local h = redis.sha1hex(identity_head .. #key .. ':' .. key .. '\n' .. score_text(score) ..
+    '\n' .. data)
   local due_us = math.max(0, math.min(math.floor(due), 9e12)) * 1000
-  local id = string.format('%d', due_us)
-  for i = 1, 16, 8 do
-    id = id .. '-' .. string.format('%d', tonumber(string.sub(h, i, i + 7), 16))
-  end
-  return id
+  return string.format('%d-%d-%d', due_us, tonumber(string.sub(h, 1, 8), 16),
+    tonumber(string.sub(h, 9, 16), 16))
 end
 
 -- The job id for the message of `key` (`data`: what its identity is computed from): its
@@ -180,11 +184,10 @@ end
 -- A retry record that does not match the data means a producer pushed the key again
 -- before the retry ran (a push reschedules its key): that retry is reported as a dead
 -- letter (its message is gone; the letter names its job).
-local function job_id_for(msg, key, score, data, due)
+local function job_id_for(msg, key, score, data, due, rec)
   -- A legacy pool's members are always fresh messages; their retries wait in our pool,
   -- under our records, which a legacy member of the same key must not touch.
   if legacy ~= '' then return identity(key, score, data, due) end
-  local rec = redis.call('HGET', KEYS[5], key)
   if rec then
     local at = string.find(rec, ' ', 1, true)
     if at and string.sub(rec, at + 1) == redis.sha1hex(msg) then return string.sub(rec, 1, at - 1) end
@@ -227,12 +230,10 @@ end
 -- then what its identity is computed from (the message itself, or a legacy key's value).
 -- A legacy message is built from the member's due time (its `ts`, in unix seconds), so
 -- that moving it again after the move was undone builds the same message.
-local function fetch(key, due)
+local function fetch(key, due, msg)
   if legacy == '' then
-    local len = redis.call('HSTRLEN', KEYS[2], key)
-    if len > max_bytes then return nil, oversize_reason(len, max_bytes), len end
-    local msg = redis.call('HGET', KEYS[2], key)
     if not msg then return nil, 'missing' end
+    if #msg > max_bytes then return nil, oversize_reason(#msg, max_bytes), #msg end
     return msg, nil, nil, msg
   end
   local kt, err = on_member('TYPE', key)
@@ -259,16 +260,20 @@ local function fetch(key, due)
     '},"retry":0,"ts":' .. ts .. '}', nil, nil, id
 end
 
+-- Keys of our pool whose message has left (moved or buried), to forget and unschedule
+-- once per page (`forget_page`).
+local gone = {}
+
 local function forget(key)
   if legacy == '' then
-    redis.call('HDEL', KEYS[2], key)
-    redis.call('HDEL', KEYS[5], key)
+    gone[#gone + 1] = key
   else
     local _, err = on_member('DEL', key)
     if err then
       undeleted[#undeleted + 1] = key
       undeleted[#undeleted + 1] = err
     end
+    redis.call('ZREM', KEYS[1], key)
   end
 end
 
@@ -329,13 +334,43 @@ replaced = function(key, job_id)
   buried[#buried + 1] = reason
 end
 
+-- Values of `hash` under the keys at the odd places of `items` (`false` where none), a
+-- chunk of keys per command.
+local function values_of(hash, items)
+  local keys, out = {}, {}
+  for i = 1, #items, 2 do keys[#keys + 1] = items[i] end
+  for i = 1, #keys, INDEX_CHUNK do
+    local got = redis.call('HMGET', hash, unpack(keys, i, math.min(i + INDEX_CHUNK - 1, #keys)))
+    for j = 1, #got do out[#out + 1] = got[j] end
+  end
+  return out
+end
+
+-- The data and retry records of the moved and buried members of our pool go, and they
+-- leave the pool: one command each per chunk of keys.
+local function forget_page()
+  for i = 1, #gone, INDEX_CHUNK do
+    local last = math.min(i + INDEX_CHUNK - 1, #gone)
+    redis.call('HDEL', KEYS[2], unpack(gone, i, last))
+    redis.call('HDEL', KEYS[5], unpack(gone, i, last))
+    redis.call('ZREM', KEYS[1], unpack(gone, i, last))
+  end
+  gone = {}
+end
+
 local function handle(items, scale)
+  -- Our pool's messages and retry records, read a page at a time.
+  local msgs, recs = {}, {}
+  if legacy == '' then
+    msgs = values_of(KEYS[2], items)
+    recs = values_of(KEYS[5], items)
+  end
   for i = 1, #items, 2 do
     local key = items[i]
     local due = tonumber(items[i + 1]) * scale
-    local msg, why, len, data = fetch(key, due)
+    local msg, why, len, data = fetch(key, due, msgs[(i + 1) / 2] or nil)
     if msg then
-      local id = job_id_for(msg, key, items[i + 1], data, due)
+      local id = job_id_for(msg, key, items[i + 1], data, due, recs[(i + 1) / 2] or nil)
       local body = unstamped(msg)
       if mode == 'list' then
         -- job_key inside, the stamp in front of everything.
@@ -347,14 +382,12 @@ local function handle(items, scale)
         index[#index + 1] = entry
       end
       forget(key)
-      redis.call('ZREM', KEYS[1], key)
       moved = moved + 1
     elseif why ~= 'missing' then
       if bury(key, why, len) then
         -- A legacy key of another type is the producer's, and one that cannot be read
         -- cannot be deleted either: left alone, only unscheduled.
-        if len then forget(key) end
-        redis.call('ZREM', KEYS[1], key)
+        if len then forget(key) else redis.call('ZREM', KEYS[1], key) end
       else
         skipped = skipped + 1
       end
@@ -375,6 +408,7 @@ local function handle(items, scale)
       skipped = skipped + 1
     end
   end
+  forget_page()
 end
 
 -- Due members page by page, from the front; those left in the pool (skipped) stay at the

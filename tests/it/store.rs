@@ -869,6 +869,108 @@ fn undo_move(
         .unwrap();
 }
 
+/// The move script reads and forgets its page's members a chunk of keys per command: a
+/// call larger than a chunk (500) moves each member once and leaves nothing behind.
+#[test]
+fn a_move_larger_than_a_chunk_moves_each_member_once_and_forgets_them() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let k = keys();
+    let n = 1201;
+    let mut pipe = redis::pipe();
+    for i in 0..n {
+        let key = format!("job-{i}");
+        pipe.cmd("HSET")
+            .arg(&k.data)
+            .arg(&key)
+            .arg(format!(
+                r#"{{"event":"e","payload":{{"i":{i}}},"retry":0}}"#
+            ))
+            .cmd("ZADD")
+            .arg(&k.pool)
+            .arg(NOW - 1000 + i as i64 % 7)
+            .arg(&key);
+    }
+    pipe.query::<()>(&mut con).unwrap();
+    assert_eq!(move_at_most(&mut con, &k, 2000).unwrap().moved, n);
+    assert_eq!(zcard(&mut con, &k.pool), 0);
+    let left: usize = redis::cmd("HLEN").arg(&k.data).query(&mut con).unwrap();
+    assert_eq!(left, 0, "every moved member's data is forgotten");
+    let keys: std::collections::HashSet<String> = xrange(&mut con, &k.stream)
+        .into_iter()
+        .map(|e| e["key"].clone())
+        .collect();
+    assert_eq!(keys.len(), n, "each member moved once");
+}
+
+/// A job's identity is a contract between mover versions: a move undone by a failover and
+/// done again by another version's mover must stamp the same id, or the inbox takes the
+/// job for a new one. Pinned here, as the first identity mover stamped them, for each form
+/// of score (milliseconds and seconds, whole and fractional) and of data (a stamp already
+/// in it, non-ASCII, an empty object).
+#[test]
+fn every_mover_version_stamps_the_same_identity() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let k = keys();
+    let m = r#"{"event":"order.timeout","payload":{"order_id":1},"retry":0,"ts":1800000000}"#;
+    let members = [
+        ("order:1", "1800000000123", m),
+        ("order:2", "1800000000", m),
+        ("order:3", "1800000000.5", m),
+        ("order:4", "1800000000123.25", m),
+        ("order:5", "100000000000", m),
+        ("order:6", "0.001", m),
+        (
+            "заказ:7",
+            "1800000000124",
+            r#"{"job_id":"1-2-3","event":"order.timeout","payload":{"order_id":"é"},"retry":0}"#,
+        ),
+        ("order:8", "1800000000125", "{}"),
+    ];
+    for (key, score, data) in members {
+        redis::pipe()
+            .cmd("HSET")
+            .arg(&k.data)
+            .arg(key)
+            .arg(data)
+            .cmd("ZADD")
+            .arg(&k.pool)
+            .arg(score)
+            .arg(key)
+            .query::<()>(&mut con)
+            .unwrap();
+    }
+    assert_eq!(
+        move_at_most_at(&mut con, &k, NOW + 1000, 100)
+            .unwrap()
+            .moved,
+        members.len()
+    );
+    let stamps: Vec<(String, String)> = xrange(&mut con, &k.stream)
+        .into_iter()
+        .map(|e| {
+            let id = delay_worker::message::stamp_of(e["msg"].as_bytes()).unwrap();
+            (e["key"].clone(), id)
+        })
+        .collect();
+    let pinned = [
+        ("order:6", "1000-378187411-1148351012"),
+        ("order:2", "1800000000000000-2009577876-2784676445"),
+        ("order:3", "1800000000500000-3695721502-898702894"),
+        ("order:5", "100000000000000-2194261265-911581870"),
+        ("order:1", "1800000000123000-2700014361-2779182286"),
+        ("order:4", "1800000000123000-3143464949-3002844368"),
+        ("заказ:7", "1800000000124000-2149458393-2378938818"),
+        ("order:8", "1800000000125000-3832632631-1177586303"),
+    ];
+    let pinned: Vec<(String, String)> = pinned
+        .iter()
+        .map(|(k, id)| (k.to_string(), id.to_string()))
+        .collect();
+    assert_eq!(stamps, pinned);
+}
+
 #[test]
 fn a_move_undone_and_done_again_is_the_same_job_and_another_push_is_not() {
     let r = RedisServer::start();
