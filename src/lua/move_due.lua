@@ -228,6 +228,7 @@ end
 
 -- The member's message, or nil and why not: 'missing' (no data yet) or a reason to bury;
 -- then what its identity is computed from (the message itself, or a legacy key's value).
+-- For our pool `msg` is its data as the page's HMGET read it (nil: none).
 -- A legacy message is built from the member's due time (its `ts`, in unix seconds), so
 -- that moving it again after the move was undone builds the same message.
 local function fetch(key, due, msg)
