@@ -228,7 +228,7 @@ end
 
 -- The member's message, or nil and why not: 'missing' (no data yet) or a reason to bury;
 -- then what its identity is computed from (the message itself, or a legacy key's value).
--- For our pool `msg` is its data as the page's HMGET read it (nil: none).
+-- For our pool `msg` is its data as the page's HMGET read it (`false` or nil: none).
 -- A legacy message is built from the member's due time (its `ts`, in unix seconds), so
 -- that moving it again after the move was undone builds the same message.
 local function fetch(key, due, msg)
@@ -335,43 +335,41 @@ replaced = function(key, job_id)
   buried[#buried + 1] = reason
 end
 
--- Values of `hash` under the keys at the odd places of `items` (`false` where none), a
--- chunk of keys per command.
-local function values_of(hash, items)
-  local keys, out = {}, {}
-  for i = 1, #items, 2 do keys[#keys + 1] = items[i] end
-  for i = 1, #keys, INDEX_CHUNK do
-    local got = redis.call('HMGET', hash, unpack(keys, i, math.min(i + INDEX_CHUNK - 1, #keys)))
-    for j = 1, #got do out[#out + 1] = got[j] end
-  end
+-- Values of `hash` under `keys` (`false` where none), a chunk of keys per command.
+local function values_of(hash, keys)
+  local out = {}
+  in_chunks(keys, INDEX_CHUNK, function(...)
+    for _, v in ipairs(redis.call('HMGET', hash, ...)) do out[#out + 1] = v end
+  end)
   return out
 end
 
 -- The data and retry records of the moved and buried members of our pool go, and they
 -- leave the pool: one command each per chunk of keys.
 local function forget_page()
-  for i = 1, #gone, INDEX_CHUNK do
-    local last = math.min(i + INDEX_CHUNK - 1, #gone)
-    redis.call('HDEL', KEYS[2], unpack(gone, i, last))
-    redis.call('HDEL', KEYS[5], unpack(gone, i, last))
-    redis.call('ZREM', KEYS[1], unpack(gone, i, last))
-  end
+  in_chunks(gone, INDEX_CHUNK, function(...)
+    redis.call('HDEL', KEYS[2], ...)
+    redis.call('HDEL', KEYS[5], ...)
+    redis.call('ZREM', KEYS[1], ...)
+  end)
   gone = {}
 end
 
 local function handle(items, scale)
-  -- Our pool's messages and retry records, read a page at a time.
+  -- Our pool's messages and retry records (`false`: none), read a page at a time.
   local msgs, recs = {}, {}
   if legacy == '' then
-    msgs = values_of(KEYS[2], items)
-    recs = values_of(KEYS[5], items)
+    local keys = {}
+    for i = 1, #items, 2 do keys[#keys + 1] = items[i] end
+    msgs = values_of(KEYS[2], keys)
+    recs = values_of(KEYS[5], keys)
   end
   for i = 1, #items, 2 do
     local key = items[i]
     local due = tonumber(items[i + 1]) * scale
-    local msg, why, len, data = fetch(key, due, msgs[(i + 1) / 2] or nil)
+    local msg, why, len, data = fetch(key, due, msgs[(i + 1) / 2])
     if msg then
-      local id = job_id_for(msg, key, items[i + 1], data, due, recs[(i + 1) / 2] or nil)
+      local id = job_id_for(msg, key, items[i + 1], data, due, recs[(i + 1) / 2])
       local body = unstamped(msg)
       if mode == 'list' then
         -- job_key inside, the stamp in front of everything.

@@ -71,10 +71,14 @@ local LETTERS_KEPT = 8
 -- one HDEL, instead of a command or two per message.
 local INDEX_CHUNK = 500
 
+-- Calls `f` with the items of `list`, `size` of them at a time: a command's arguments
+-- stay within what `unpack` can pass however long the list.
+local function in_chunks(list, size, f)
+  for i = 1, #list, size do f(unpack(list, i, math.min(i + size - 1, #list))) end
+end
+
 local function index_moves(moved, pairs)
-  for i = 1, #pairs, 2 * INDEX_CHUNK do
-    redis.pcall('HSET', moved, unpack(pairs, i, math.min(i + 2 * INDEX_CHUNK - 1, #pairs)))
-  end
+  in_chunks(pairs, 2 * INDEX_CHUNK, function(...) redis.pcall('HSET', moved, ...) end)
 end
 
 -- Only the entries the index names: a newer move of a key keeps its own. `pairs` is

@@ -877,21 +877,10 @@ fn a_move_larger_than_a_chunk_moves_each_member_once_and_forgets_them() {
     let mut con = r.con();
     let k = keys();
     let n = 1201;
-    let mut pipe = redis::pipe();
     for i in 0..n {
-        let key = format!("job-{i}");
-        pipe.cmd("HSET")
-            .arg(&k.data)
-            .arg(&key)
-            .arg(format!(
-                r#"{{"event":"e","payload":{{"i":{i}}},"retry":0}}"#
-            ))
-            .cmd("ZADD")
-            .arg(&k.pool)
-            .arg(NOW - 1000 + i as i64 % 7)
-            .arg(&key);
+        let msg = format!(r#"{{"event":"e","payload":{{"i":{i}}},"retry":0}}"#);
+        schedule(&mut con, &k, &format!("job-{i}"), &msg);
     }
-    pipe.query::<()>(&mut con).unwrap();
     assert_eq!(move_at_most(&mut con, &k, 2000).unwrap().moved, n);
     assert_eq!(zcard(&mut con, &k.pool), 0);
     let left: usize = redis::cmd("HLEN").arg(&k.data).query(&mut con).unwrap();
