@@ -84,6 +84,10 @@ pub struct Config {
     /// `/healthz` is 503 while this process wrote more dead letters than this in the last
     /// minute (`--dead-rate-crit`); 0 turns it off.
     pub dead_rate_crit: u64,
+    /// `/healthz` is 503 while the pool's oldest due member waits unmoved longer than
+    /// this, the readers' backlog apart (`--mover-lag-crit`, the same figure and default
+    /// as `worker stats --check`); zero turns it off.
+    pub mover_lag_crit: Duration,
     /// What the users of the configuration need computed from the fields above, computed
     /// once ([`Config::settled`]).
     pub derived: Derived,
@@ -322,6 +326,10 @@ pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_millis(100);
 /// minute is a producer or a handler gone wrong, to look at now rather than tomorrow.
 pub const DEFAULT_DEAD_RATE_CRIT: u64 = 10;
 
+/// Default of `--mover-lag-crit`, as `worker stats --check`'s: a due job that no mover
+/// has taken for five seconds means no mover runs or the movers cannot keep up.
+pub const DEFAULT_MOVER_LAG_CRIT: Duration = Duration::from_secs(5);
+
 /// Default of `--retry-for`: an hour of a shop's lock, a long migration or a stuck
 /// transaction, before a job that meets contention is given up on.
 pub const DEFAULT_RETRY_FOR: Duration = Duration::from_secs(3600);
@@ -514,6 +522,7 @@ impl Config {
             metrics_addr: None,
             status_hosts: Vec::new(),
             dead_rate_crit: DEFAULT_DEAD_RATE_CRIT,
+            mover_lag_crit: DEFAULT_MOVER_LAG_CRIT,
             prune: PruneConfig::default(),
             admin_token: None,
             derived: Derived::default(),

@@ -212,6 +212,12 @@ impl Stats {
         self.report(role, what, Some(gist), Severity::Warning)
     }
 
+    /// [`Stats::report_critical`] for a text whose figures change at every step, logged
+    /// again early only when `gist` changes (as [`Stats::report_trouble_about`]).
+    pub fn report_critical_about(&self, role: &str, what: String, gist: String) -> bool {
+        self.report(role, what, Some(gist), Severity::Critical)
+    }
+
     fn report(&self, role: &str, what: String, gist: Option<String>, severity: Severity) -> bool {
         let now = crate::now_ms();
         let Ok(mut ps) = self.problems.lock() else {

@@ -12,7 +12,12 @@
 //!   the worker's keys (`allkeys-*`) is a critical problem (`/healthz` 503, `stats
 //!   --check` CRITICAL; a warning only with `--allow-eviction`), memory above
 //!   [`NEAR_FULL`] of `maxmemory` a warning: Redis refuses writes (OOM) when it is full;
-//! - logs the largest lead of a producer's clock the workers saw since the last pass.
+//! - logs the largest lead of a producer's clock the workers saw since the last pass;
+//! - from its second pass on, reads the queue's figures as `worker stats` does
+//!   ([`figures::gather_all`]): a due job that waits in the pool unmoved longer than
+//!   `--mover-lag-crit` (the readers' backlog apart) is a critical problem, whether or not
+//!   this process runs a mover: no process runs one (each started with `--no-mover`), or
+//!   the movers cannot keep up. Cleared at the first pass that finds the lag under it.
 //!
 //! [`refuse_eviction`] is the same policy check at start, where an evicting policy stops
 //! the daemon with one line. A Redis that cannot be reached is the other roles' outage to
@@ -21,6 +26,7 @@
 
 use crate::clock::{self, Offset, SKEW_WARN};
 use crate::config::Config;
+use crate::figures;
 use crate::shutdown::Shutdown;
 use crate::stats::Stats;
 use crate::store::{self, Memory, StoreError};
@@ -35,6 +41,7 @@ pub const NEAR_FULL: f64 = 0.9;
 /// The role its problems are reported under.
 const REDIS: &str = "redis";
 const MEMORY: &str = "redis memory";
+const POOL: &str = "pool";
 
 pub struct Watch<'a> {
     config: &'a Config,
@@ -45,6 +52,9 @@ pub struct Watch<'a> {
     logged: Option<(Instant, i64)>,
     /// `INFO memory` was refused (an ACL user without `+info|memory`): said once.
     info_refused: bool,
+    /// Passes run: the first, at start, does not judge the mover lag (this process's own
+    /// mover has not moved yet).
+    passes: u64,
 }
 
 impl<'a> Watch<'a> {
@@ -60,6 +70,7 @@ impl<'a> Watch<'a> {
                 .collect(),
             logged: None,
             info_refused: false,
+            passes: 0,
         }
     }
 
@@ -72,6 +83,10 @@ impl<'a> Watch<'a> {
     pub fn step(&mut self, con: &mut dyn redis::ConnectionLike) -> Result<(), StoreError> {
         self.measure(con)?;
         self.memory(con)?;
+        if self.passes > 0 {
+            self.mover_lag(con);
+        }
+        self.passes += 1;
         if let Some(lead) = self.stats.clock.take_producer_lead() {
             log::warn!(
                 "clock: messages arrived with a ts up to {:.1}s later than their arrival on \
@@ -186,6 +201,48 @@ impl<'a> Watch<'a> {
             }
         }
         Ok(())
+    }
+
+    /// Reports the pool's mover lag beyond `--mover-lag-crit` as critical, and clears it
+    /// once under. Figures that cannot be read leave the verdict as it was (an
+    /// unreachable Redis is the other roles' to report).
+    fn mover_lag(&mut self, con: &mut dyn redis::ConnectionLike) {
+        let limit = self.config.mover_lag_crit;
+        if limit.is_zero() {
+            return;
+        }
+        let report = figures::redis_now_ms(con, self.config)
+            .and_then(|now| figures::gather_all(con, self.config, now, Duration::ZERO));
+        let pool = match report {
+            Ok(r) => r.pool,
+            Err(e) => {
+                log::debug!("watch: the queue's figures: {e}");
+                return;
+            }
+        };
+        let lag = Duration::from_millis(pool.mover_lag_ms.max(0) as u64);
+        if lag > limit {
+            let what = format!(
+                "due jobs wait unmoved: the oldest due member{} is {:.1}s overdue (over \
+                 --mover-lag-crit {}s): no process runs a mover (each started with \
+                 --no-mover?) or the movers cannot keep up; `worker stats` shows the pool",
+                pool.oldest_due_key
+                    .as_deref()
+                    .map(|k| format!(" ({k:?})"))
+                    .unwrap_or_default(),
+                lag.as_secs_f64(),
+                limit.as_secs_f64()
+            );
+            let gist = pool.oldest_due_key.clone().unwrap_or_default();
+            if self.stats.report_critical_about(POOL, what.clone(), gist) {
+                log::error!("{POOL}: {what}");
+            }
+        } else if self.stats.clear_problem(POOL, i64::MAX) {
+            log::info!(
+                "{POOL}: due jobs are moved again (mover lag {:.1}s)",
+                lag.as_secs_f64()
+            );
+        }
     }
 
     /// The thread body: a pass at once, then one every [`Watch::every`] until shutdown.

@@ -569,6 +569,56 @@ fn dead_letters_faster_than_the_threshold_turn_healthz_red() {
     stop(w);
 }
 
+/// Due jobs that no mover takes (every process started with `--no-mover`): `/healthz` is
+/// red naming the pool, and `stats --check` CRITICAL, until a process with a mover starts;
+/// that process is not red for the lag it found at its start, and the jobs run once.
+#[test]
+fn due_jobs_no_mover_takes_turn_healthz_red_until_a_mover_runs() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 20);
+    let (a, port) = start_with_health(&env, &["--no-mover", "--mover-lag-crit", "2s"]);
+    wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
+    push_timeouts(&env, &orders, 0);
+    wait_until(WAIT, "/healthz red naming the pool", || {
+        let (code, body) = healthz(port);
+        code == 503 && body.contains("due jobs wait unmoved") && body.contains("--no-mover")
+    });
+    wait_check_critical(&env, "mover lag");
+    assert_eq!(inbox_count(&env.db), 0, "nothing moved, nothing done");
+    assert_eq!(books(&env).pool, 20);
+
+    // A process with a mover: it moves the overdue jobs at once and is not red for them.
+    let mut with_mover = env.config.clone();
+    with_mover.consumer = format!("{}-mover", env.config.consumer);
+    let mover_port = free_port();
+    let b = Proc::start(
+        &with_mover,
+        &args(&[
+            "--metrics-addr",
+            &format!("127.0.0.1:{mover_port}"),
+            "--mover-lag-crit",
+            "2s",
+        ]),
+    );
+    wait_until(WAIT, "every job done", || {
+        let (_, body) = healthz(mover_port);
+        assert!(
+            !body.contains("due jobs wait unmoved"),
+            "the process with the mover is red for the lag it found: {body}"
+        );
+        inbox_count(&env.db) == 20 && books(&env).pool == 0
+    });
+    wait_until(WAIT, "/healthz green again", || healthz(port).0 == 200);
+    wait_until(WAIT, "/healthz of the mover's process green", || {
+        healthz(mover_port).0 == 200
+    });
+    wait_until(WAIT, "stats --check OK again", || check(&env).0 == 0);
+    stop(b);
+    stop(a);
+    assert_accounting(&env.db, &orders, &all(&orders));
+    assert_eq!(books(&env).dead, 0);
+}
+
 #[test]
 fn every_sqlstate_class_has_an_owner() {
     use delay_worker::db::{classify_code, Fault};

@@ -450,6 +450,11 @@ pub struct RunArgs {
     /// last minute (0: never).
     #[arg(long, default_value_t = delay_worker::config::DEFAULT_DEAD_RATE_CRIT)]
     pub dead_rate_crit: u64,
+    /// /healthz answers 503 while a due job waits in the pool unmoved longer than this
+    /// (not counting jobs held back for busy readers): no process runs a mover, or the
+    /// movers cannot keep up. The same figure as `stats --check`'s mover lag (0: never).
+    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    pub mover_lag_crit: Duration,
     /// Serve Prometheus metrics on /metrics and a health check on /healthz at this
     /// address, e.g. 127.0.0.1:9187 [default: off].
     #[arg(long)]
@@ -964,6 +969,7 @@ impl Cli {
         config.noop_events = r.noop_event.clone();
         config.stats_interval = r.stats_interval.max(Duration::from_secs(1));
         config.dead_rate_crit = r.dead_rate_crit;
+        config.mover_lag_crit = r.mover_lag_crit;
         if let Some(a) = r.metrics_addr {
             check(
                 a.port() != 0,
