@@ -6,8 +6,11 @@
 # (scripts/fuzz.sh) and the long chaos soak (scripts/chaos.sh) are separate.
 #
 # The glibc 2.17 release build (scripts/release.sh with the quick glibc-check profile,
-# minutes of CPU) runs in the background from the start at a low CPU priority (nice 10), so
-# it mostly takes what the build and the tests leave idle; tests/it/release.rs waits for it
+# minutes of CPU) runs in the background from the start at a low CPU priority (nice 10, set
+# on its session's scheduler autogroup too: setsid gives it a group of its own, and with
+# autogroups a process's nice counts only inside its group, so the group would otherwise
+# take half of the cores beside the build), so it mostly takes what the build and the tests
+# leave idle; tests/it/release.rs waits for it
 # (DW_RELEASE_CHECK names its directory: log, then rc). promtool is fetched first, for
 # tests/it/monitoring.rs.
 #
@@ -27,6 +30,7 @@ export DW_RELEASE_CHECK=$PWD/target/release-check
 mkdir -p "$DW_RELEASE_CHECK"
 rm -f "$DW_RELEASE_CHECK/rc"
 setsid nice -n 10 bash -c '
+  echo 10 >/proc/self/autogroup 2>/dev/null || true
   scripts/monitoring/promtool.sh >/dev/null 2>&1 || true
   rc=0
   CARGO_TARGET_DIR=$DW_RELEASE_CHECK/build scripts/release.sh --profile glibc-check \
