@@ -5,7 +5,9 @@
 //! PostgreSQL names the row a statement waited on in the error's context ("while updating
 //! tuple (0,5) in relation \"orders\""). Once the job's transaction is rolled back, one
 //! statement on the same connection asks who holds it: the row's `xmax` is the locking
-//! transaction, `pg_locks` gives the backend holding that transaction id, and
+//! transaction (or, for a row several transactions share-lock, a MultiXactId whose members
+//! `pg_get_multixact_members` lists: the one that began first is named, with how many share
+//! it), `pg_locks` gives the backend holding that transaction id, and
 //! `pg_stat_activity` its query and state. A wait without a row (a table lock) is matched
 //! against the other sessions holding a table lock that blocks writes. The lookup runs
 //! only on that failure, at most once per [`LOOK_EVERY`] per worker connection, under the
@@ -77,23 +79,44 @@ impl Looker {
     }
 }
 
-/// One look-up: one statement.
+/// One look-up: one statement (two for a row whose xmax names no lone holder).
 fn look(client: &mut postgres::Client, wait: &LockWait) -> Option<String> {
     let row = match &wait.row {
         Some((relation, tid)) => {
-            let sql = format!(
-                "SELECT l.pid, convert_to(a.query, 'SQL_ASCII'), a.state FROM pg_locks l \
-                     LEFT JOIN pg_stat_activity a ON a.pid = l.pid \
-                     WHERE l.locktype = 'transactionid' AND l.granted \
-                     AND l.transactionid = (SELECT xmax FROM {} WHERE ctid = $1::text::tid) LIMIT 1",
+            let xmax = format!(
+                "(SELECT xmax FROM {} WHERE ctid = $1::text::tid)",
                 quote_ident(relation)
             );
-            client.query_opt(&sql, &[tid]).ok().flatten()
+            let holders = |xids: &str| {
+                format!(
+                    "SELECT l.pid, convert_to(a.query, 'SQL_ASCII'), a.state, count(*) OVER () \
+                     FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid \
+                     WHERE l.locktype = 'transactionid' AND l.granted AND l.transactionid IN ({xids}) \
+                     ORDER BY a.xact_start NULLS LAST LIMIT 1"
+                )
+            };
+            // One transaction's lock: its xid in the row's xmax. A row share-locked by
+            // several (FOR SHARE, FOR KEY SHARE) has a MultiXactId there instead, whose
+            // members hold it; for a plain xid that statement fails or finds no holder.
+            let members = format!("SELECT m.xid FROM pg_get_multixact_members({xmax}) m");
+            client
+                .query_opt(&holders(&xmax), &[tid])
+                .ok()
+                .flatten()
+                .or_else(|| client.query_opt(&holders(&members), &[tid]).ok().flatten())
         }
         None => None,
     };
     let (row, on) = match (row, &wait.row) {
-        (Some(r), Some((relation, tid))) => (r, format!("on the row {tid} of {relation}")),
+        (Some(r), Some((relation, tid))) => {
+            let sharers: i64 = r.try_get(3).unwrap_or(1);
+            let shared = if sharers > 1 {
+                format!(", which {sharers} transactions share: this one began first")
+            } else {
+                String::new()
+            };
+            (r, format!("on the row {tid} of {relation}{shared}"))
+        }
         (None, Some(_)) => return None,
         (_, None) => {
             let r = client

@@ -78,6 +78,39 @@ fn a_row_lock_timeout_names_the_session_that_holds_the_row() {
     assert!(reason.ends_with(") of orders"), "{reason}");
 }
 
+/// A row two shop sessions hold `FOR SHARE` (its xmax a MultiXactId, not a transaction):
+/// the reason names the one that began first and says the row is shared.
+#[test]
+fn a_row_share_locked_by_two_sessions_names_the_first_and_says_it_is_shared() {
+    let mut env = Env::new();
+    env.config.jobs.statement_timeout = Duration::from_millis(200);
+    dead_letter_soon(&mut env);
+    let orders = seed_orders(&env.db, 1);
+    let (first, release_first, h1) = hold(&env, "SELECT 1 FROM orders FOR SHARE");
+    let (second, release_second, h2) = hold(&env, "SELECT 1 FROM orders FOR SHARE");
+    push_timeouts(&env, &orders, 0);
+    let daemon = Daemon::start(&env.config);
+    wait_until(WAIT, "the dead letter", || dead_letters(&env).len() == 1);
+    daemon.stop();
+    for (release, h) in [(release_first, h1), (release_second, h2)] {
+        release.send(()).unwrap();
+        h.join().unwrap();
+    }
+    let reason = dead_letters(&env)[0]["reason"].clone();
+    assert!(reason.contains("(55P03)"), "{reason}");
+    assert!(
+        reason.contains(&format!(
+            "waited for a lock held by pid {first} (`SELECT ? FROM orders FOR SHARE`, idle in transaction) on the row ("
+        )),
+        "{reason}"
+    );
+    assert!(
+        reason.ends_with(") of orders, which 2 transactions share: this one began first"),
+        "{reason}"
+    );
+    assert!(!reason.contains(&format!("pid {second}")), "{reason}");
+}
+
 #[test]
 fn a_table_lock_timeout_names_the_session_that_holds_the_table() {
     let mut env = Env::new();
