@@ -124,7 +124,7 @@ fn look(client: &mut postgres::Client, wait: &LockWait) -> Option<String> {
                         "SELECT l.pid, convert_to(a.query, 'SQL_ASCII'), a.state, c.relname::text FROM pg_locks l \
                          LEFT JOIN pg_stat_activity a ON a.pid = l.pid \
                          LEFT JOIN pg_class c ON c.oid = l.relation \
-                         WHERE l.locktype = 'relation' AND l.granted AND l.pid <> pg_backend_pid() \
+                         WHERE l.locktype = 'relation' AND l.granted AND l.pid IS DISTINCT FROM pg_backend_pid() \
                          AND l.mode IN ('ShareLock', 'ShareRowExclusiveLock', 'ExclusiveLock', 'AccessExclusiveLock') \
                          AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
                          ORDER BY a.xact_start NULLS LAST LIMIT 1",

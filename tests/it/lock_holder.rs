@@ -159,6 +159,35 @@ fn a_row_held_by_a_prepared_transaction_is_named_as_one_and_stops_nothing() {
     assert_accounting(&env.db, &orders, &[&orders[1]]);
 }
 
+/// A table locked by a prepared transaction: named as one too (its lock has no pid, which
+/// the look-up once took for no holder at all).
+#[test]
+fn a_table_held_by_a_prepared_transaction_is_named_as_one() {
+    let mut env = Env::new();
+    let pg = PgServer::start(&["-c max_prepared_transactions=4"]);
+    env.db = pg.db();
+    env.config.database_url = pg.url.clone();
+    env.config.jobs.statement_timeout = Duration::from_millis(200);
+    dead_letter_soon(&mut env);
+    let orders = seed_orders(&env.db, 1);
+    let mut shop = postgres::Client::connect(&pg.url, postgres::NoTls).unwrap();
+    shop.batch_execute(
+        "BEGIN; LOCK TABLE orders IN EXCLUSIVE MODE; PREPARE TRANSACTION 'nightly-import'",
+    )
+    .unwrap();
+    push_timeouts(&env, &orders, 0);
+    let daemon = Daemon::start(&env.config);
+    wait_until(WAIT, "the dead letter", || dead_letters(&env).len() == 1);
+    daemon.stop();
+    shop.batch_execute("ROLLBACK PREPARED 'nightly-import'")
+        .unwrap();
+    let reason = dead_letters(&env)[0]["reason"].clone();
+    assert!(
+        reason.contains("waited for a lock held by a prepared transaction (two-phase commit: pg_prepared_xacts names it, COMMIT PREPARED or ROLLBACK PREPARED ends it) on the table orders"),
+        "{reason}"
+    );
+}
+
 /// A holder in a SQL_ASCII database, whose query carries a shop's Latin-1 bytes (not
 /// UTF-8): it is still named, its query read as well as it goes and its literal cut (the
 /// holder was dropped from the reason before).
