@@ -124,19 +124,27 @@ fn a_table_lock_timeout_names_the_session_that_holds_the_table() {
     );
 }
 
+/// A private server that allows prepared transactions, the worker's config on it (with
+/// `statement_timeout` and [`dead_letter_soon`]), and a shop session of it.
+fn with_prepared_transactions(statement_timeout: Duration) -> (Env, PgServer, postgres::Client) {
+    let mut env = Env::new();
+    let pg = PgServer::start(&["-c max_prepared_transactions=4"]);
+    env.db = pg.db();
+    env.config.database_url = pg.url.clone();
+    env.config.jobs.statement_timeout = statement_timeout;
+    dead_letter_soon(&mut env);
+    let shop = postgres::Client::connect(&pg.url, postgres::NoTls).unwrap();
+    (env, pg, shop)
+}
+
 /// A row locked by a prepared transaction (two-phase commit), which holds its locks with
 /// no backend, no pid and no query: the reason says so, the other jobs run on, and the
 /// daemon stops cleanly (it once read the missing pid as a number and stopped the daemon,
 /// at every restart, until the transaction was ended by hand).
 #[test]
 fn a_row_held_by_a_prepared_transaction_is_named_as_one_and_stops_nothing() {
-    let mut env = Env::new();
-    let pg = PgServer::start(&["-c max_prepared_transactions=4"]);
-    env.db = pg.db();
-    env.config.database_url = pg.url.clone();
-    dead_letter_soon(&mut env);
+    let (env, _pg, mut shop) = with_prepared_transactions(Duration::from_secs(5));
     let orders = seed_orders(&env.db, 2);
-    let mut shop = postgres::Client::connect(&pg.url, postgres::NoTls).unwrap();
     shop.batch_execute(&format!(
         "BEGIN; SELECT 1 FROM orders WHERE id = {} FOR UPDATE; PREPARE TRANSACTION 'refund-alice@example.com'",
         orders[0].id
@@ -163,14 +171,8 @@ fn a_row_held_by_a_prepared_transaction_is_named_as_one_and_stops_nothing() {
 /// the look-up once took for no holder at all).
 #[test]
 fn a_table_held_by_a_prepared_transaction_is_named_as_one() {
-    let mut env = Env::new();
-    let pg = PgServer::start(&["-c max_prepared_transactions=4"]);
-    env.db = pg.db();
-    env.config.database_url = pg.url.clone();
-    env.config.jobs.statement_timeout = Duration::from_millis(200);
-    dead_letter_soon(&mut env);
+    let (env, _pg, mut shop) = with_prepared_transactions(Duration::from_millis(200));
     let orders = seed_orders(&env.db, 1);
-    let mut shop = postgres::Client::connect(&pg.url, postgres::NoTls).unwrap();
     shop.batch_execute(
         "BEGIN; LOCK TABLE orders IN EXCLUSIVE MODE; PREPARE TRANSACTION 'nightly-import'",
     )
