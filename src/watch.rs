@@ -222,14 +222,27 @@ impl<'a> Watch<'a> {
         };
         let lag = Duration::from_millis(pool.mover_lag_ms.max(0) as u64);
         if lag > limit {
+            let member = pool
+                .oldest_due_key
+                .as_deref()
+                .map(|k| format!(" ({k:?})"))
+                .unwrap_or_default();
+            let why = if pool.oldest_due_has_data == Some(false) {
+                // A member whose data is missing waits out the orphan grace, then the mover
+                // buries it as lost data: the movers may be fine.
+                format!(
+                    "it has no data (the mover waits --orphan-grace {}s for it, then buries it \
+                     as lost)",
+                    self.config.mover.orphan_grace.as_secs()
+                )
+            } else {
+                "no process runs a mover (each started with --no-mover?) or the movers \
+                 cannot keep up"
+                    .to_string()
+            };
             let what = format!(
-                "due jobs wait unmoved: the oldest due member{} is {:.1}s overdue (over \
-                 --mover-lag-crit {}s): no process runs a mover (each started with \
-                 --no-mover?) or the movers cannot keep up; `worker stats` shows the pool",
-                pool.oldest_due_key
-                    .as_deref()
-                    .map(|k| format!(" ({k:?})"))
-                    .unwrap_or_default(),
+                "due jobs wait unmoved: the oldest due member{member} is {:.1}s overdue (over \
+                 --mover-lag-crit {}s): {why}; `worker stats` shows the pool",
                 lag.as_secs_f64(),
                 limit.as_secs_f64()
             );

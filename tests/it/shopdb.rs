@@ -619,6 +619,33 @@ fn due_jobs_no_mover_takes_turn_healthz_red_until_a_mover_runs() {
     assert_eq!(books(&env).dead, 0);
 }
 
+/// A due member whose data is missing (a legacy producer's ZADD without its HSET) is the
+/// pool's oldest: `/healthz` says it has no data and the mover waits out its grace, rather
+/// than blaming the movers, which go on moving the other jobs.
+#[test]
+fn an_overdue_member_without_data_is_named_as_such_not_as_a_missing_mover() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 5);
+    let (w, port) = start_with_health(&env, &["--mover-lag-crit", "1s", "--orphan-grace", "1h"]);
+    wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
+    let due = delay_worker::now_ms() - 1_000;
+    redis::cmd("ZADD")
+        .arg(&env.config.keys.pool)
+        .arg(due)
+        .arg("order.timeout:no-data")
+        .query::<()>(&mut env.con())
+        .unwrap();
+    push_timeouts(&env, &orders, 0);
+    wait_until(WAIT, "/healthz red naming the member without data", || {
+        let (code, body) = healthz(port);
+        code == 503 && body.contains("\"order.timeout:no-data\"") && body.contains("it has no data")
+    });
+    wait_until(WAIT, "the other jobs done", || inbox_count(&env.db) == 5);
+    stop(w);
+    assert_accounting(&env.db, &orders, &all(&orders));
+    assert_eq!(books(&env).dead, 0);
+}
+
 #[test]
 fn every_sqlstate_class_has_an_owner() {
     use delay_worker::db::{classify_code, Fault};
