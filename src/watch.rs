@@ -246,8 +246,8 @@ impl<'a> Watch<'a> {
                 lag.as_secs_f64(),
                 limit.as_secs_f64()
             );
-            let gist = pool.oldest_due_key.clone().unwrap_or_default();
-            if self.stats.report_critical_about(POOL, what.clone(), gist) {
+            // Logged again early when the cause changes, not at each new oldest member.
+            if self.stats.report_critical_about(POOL, what.clone(), why) {
                 log::error!("{POOL}: {what}");
             }
         } else if self.stats.clear_problem(POOL, i64::MAX) {
