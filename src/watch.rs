@@ -213,8 +213,8 @@ impl<'a> Watch<'a> {
         }
         let report = figures::redis_now_ms(con, self.config)
             .and_then(|now| figures::gather_all(con, self.config, now, Duration::ZERO));
-        let pool = match report {
-            Ok(r) => r.pool,
+        let (pool, workers) = match report {
+            Ok(r) => (r.pool, r.workers),
             Err(e) => {
                 log::debug!("watch: the queue's figures: {e}");
                 return;
@@ -227,27 +227,31 @@ impl<'a> Watch<'a> {
                 .as_deref()
                 .map(|k| format!(" ({k:?})"))
                 .unwrap_or_default();
-            let why = if pool.oldest_due_has_data == Some(false) {
-                // A member whose data is missing waits out the orphan grace, then the mover
+            // The live processes that run a mover publish their `--move-ahead`.
+            let movers = self.config.run_mover
+                || workers
+                    .iter()
+                    .any(|w| w.record.as_ref().is_some_and(|r| r.move_ahead.is_some()));
+            let why = if !movers {
+                "no live process runs a mover (each started with --no-mover?): start one"
+            } else if pool.oldest_due_has_data == Some(false) {
+                // A member whose data is missing waits out the orphan grace, then a mover
                 // buries it as lost data: the movers may be fine.
-                format!(
-                    "it has no data (the mover waits --orphan-grace {}s for it, then buries it \
-                     as lost)",
-                    self.config.mover.orphan_grace.as_secs()
-                )
+                "it has no data: a mover buries it as lost once its --orphan-grace has passed"
             } else {
-                "no process runs a mover (each started with --no-mover?) or the movers \
-                 cannot keep up"
-                    .to_string()
+                "the movers cannot keep up, or are stuck (see their /healthz)"
             };
             let what = format!(
-                "due jobs wait unmoved: the oldest due member{member} is {:.1}s overdue (over \
-                 --mover-lag-crit {}s): {why}; `worker stats` shows the pool",
+                "due jobs wait unmoved: the oldest due member{member} was {:.1}s overdue at \
+                 the last look (over --mover-lag-crit {}s): {why}; `worker stats` shows the pool",
                 lag.as_secs_f64(),
                 limit.as_secs_f64()
             );
             // Logged again early when the cause changes, not at each new oldest member.
-            if self.stats.report_critical_about(POOL, what.clone(), why) {
+            if self
+                .stats
+                .report_critical_about(POOL, what.clone(), why.to_string())
+            {
                 log::error!("{POOL}: {what}");
             }
         } else if self.stats.clear_problem(POOL, i64::MAX) {

@@ -620,13 +620,15 @@ fn due_jobs_no_mover_takes_turn_healthz_red_until_a_mover_runs() {
 }
 
 /// A due member whose data is missing (a legacy producer's ZADD without its HSET) is the
-/// pool's oldest: `/healthz` says it has no data and the mover waits out its grace, rather
-/// than blaming the movers, which go on moving the other jobs.
+/// pool's oldest. While no process runs a mover, `/healthz` says so (the member without
+/// data must not hide that nothing moves the jobs behind it); once a mover runs, it says
+/// the member has no data and waits out its grace, rather than blaming the movers, which
+/// move the other jobs.
 #[test]
 fn an_overdue_member_without_data_is_named_as_such_not_as_a_missing_mover() {
     let env = Env::new();
     let orders = seed_orders(&env.db, 5);
-    let (w, port) = start_with_health(&env, &["--mover-lag-crit", "1s", "--orphan-grace", "1h"]);
+    let (a, port) = start_with_health(&env, &["--no-mover", "--mover-lag-crit", "1s"]);
     wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
     let due = delay_worker::now_ms() - 1_000;
     redis::cmd("ZADD")
@@ -636,12 +638,23 @@ fn an_overdue_member_without_data_is_named_as_such_not_as_a_missing_mover() {
         .query::<()>(&mut env.con())
         .unwrap();
     push_timeouts(&env, &orders, 0);
+    wait_until(WAIT, "/healthz red: no mover runs", || {
+        let (code, body) = healthz(port);
+        code == 503
+            && body.contains("\"order.timeout:no-data\"")
+            && body.contains("no live process runs a mover")
+    });
+
+    let mut with_mover = env.config.clone();
+    with_mover.consumer = format!("{}-mover", env.config.consumer);
+    let b = Proc::start(&with_mover, &args(&["--orphan-grace", "1h"]));
+    wait_until(WAIT, "the other jobs done", || inbox_count(&env.db) == 5);
     wait_until(WAIT, "/healthz red naming the member without data", || {
         let (code, body) = healthz(port);
         code == 503 && body.contains("\"order.timeout:no-data\"") && body.contains("it has no data")
     });
-    wait_until(WAIT, "the other jobs done", || inbox_count(&env.db) == 5);
-    stop(w);
+    stop(b);
+    stop(a);
     assert_accounting(&env.db, &orders, &all(&orders));
     assert_eq!(books(&env).dead, 0);
 }
