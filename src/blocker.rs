@@ -6,8 +6,8 @@
 //! tuple (0,5) in relation \"orders\""). Once the job's transaction is rolled back, one
 //! statement on the same connection asks who holds it: the row's `xmax` is the locking
 //! transaction (or, for a row several transactions share-lock, a MultiXactId whose members
-//! `pg_get_multixact_members` lists: the one that began first is named, with how many share
-//! it), `pg_locks` gives the backend holding that transaction id, and
+//! `pg_get_multixact_members` lists: of those whose lock blocks an update, the one that
+//! began first is named, with how many share it), `pg_locks` gives the backend holding that transaction id, and
 //! `pg_stat_activity` its query and state. A wait without a row (a table lock) is matched
 //! against the other sessions holding a table lock that blocks writes. The lookup runs
 //! only on that failure, at most once per [`LOOK_EVERY`] per worker connection, under the
@@ -87,23 +87,31 @@ fn look(client: &mut postgres::Client, wait: &LockWait) -> Option<String> {
                 "(SELECT xmax FROM {} WHERE ctid = $1::text::tid)",
                 quote_ident(relation)
             );
-            let holders = |xids: &str| {
-                format!(
-                    "SELECT l.pid, convert_to(a.query, 'SQL_ASCII'), a.state, count(*) OVER () \
-                     FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid \
-                     WHERE l.locktype = 'transactionid' AND l.granted AND l.transactionid IN ({xids}) \
-                     ORDER BY a.xact_start NULLS LAST LIMIT 1"
-                )
-            };
-            // One transaction's lock: its xid in the row's xmax. A row share-locked by
-            // several (FOR SHARE, FOR KEY SHARE) has a MultiXactId there instead, whose
-            // members hold it; for a plain xid that statement fails or finds no holder.
-            let members = format!("SELECT m.xid FROM pg_get_multixact_members({xmax}) m");
+            // One transaction's lock: its xid in the row's xmax.
+            let lone = format!(
+                "SELECT l.pid, convert_to(a.query, 'SQL_ASCII'), a.state, 1::bigint \
+                 FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid \
+                 WHERE l.locktype = 'transactionid' AND l.granted AND l.transactionid = {xmax} \
+                 LIMIT 1"
+            );
+            // A row share-locked by several (FOR SHARE, FOR KEY SHARE) has a MultiXactId
+            // there instead, whose members hold it; for a plain xid this statement fails or
+            // finds no holder. A handler's UPDATE (of no key column) waits for every lock
+            // but FOR KEY SHARE ('keysh'): those members are named, the first to begin, and
+            // counted; key-share members only when there are no others.
+            let shared = format!(
+                "SELECT l.pid, convert_to(a.query, 'SQL_ASCII'), a.state, \
+                   count(*) FILTER (WHERE m.mode <> 'keysh') OVER () \
+                 FROM pg_get_multixact_members({xmax}) m \
+                 JOIN pg_locks l ON l.locktype = 'transactionid' AND l.granted AND l.transactionid = m.xid \
+                 LEFT JOIN pg_stat_activity a ON a.pid = l.pid \
+                 ORDER BY m.mode = 'keysh', a.xact_start NULLS LAST LIMIT 1"
+            );
             client
-                .query_opt(&holders(&xmax), &[tid])
+                .query_opt(&lone, &[tid])
                 .ok()
                 .flatten()
-                .or_else(|| client.query_opt(&holders(&members), &[tid]).ok().flatten())
+                .or_else(|| client.query_opt(&shared, &[tid]).ok().flatten())
         }
         None => None,
     };

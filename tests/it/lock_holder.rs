@@ -111,6 +111,35 @@ fn a_row_share_locked_by_two_sessions_names_the_first_and_says_it_is_shared() {
     assert!(!reason.contains(&format!("pid {second}")), "{reason}");
 }
 
+/// A row held FOR KEY SHARE by one session (which does not block the handler's update) and
+/// FOR SHARE by a later one (which does): the reason names the one that blocks.
+#[test]
+fn a_row_share_locked_and_key_share_locked_names_the_session_that_blocks() {
+    let mut env = Env::new();
+    env.config.jobs.statement_timeout = Duration::from_millis(200);
+    dead_letter_soon(&mut env);
+    let orders = seed_orders(&env.db, 1);
+    let (key_share, release_first, h1) = hold(&env, "SELECT 1 FROM orders FOR KEY SHARE");
+    let (share, release_second, h2) = hold(&env, "SELECT 2 FROM orders FOR SHARE");
+    push_timeouts(&env, &orders, 0);
+    let daemon = Daemon::start(&env.config);
+    wait_until(WAIT, "the dead letter", || dead_letters(&env).len() == 1);
+    daemon.stop();
+    for (release, h) in [(release_first, h1), (release_second, h2)] {
+        release.send(()).unwrap();
+        h.join().unwrap();
+    }
+    let reason = dead_letters(&env)[0]["reason"].clone();
+    assert!(
+        reason.contains(&format!(
+            "waited for a lock held by pid {share} (`SELECT ? FROM orders FOR SHARE`, idle in transaction) on the row ("
+        )),
+        "{reason}"
+    );
+    assert!(reason.ends_with(") of orders"), "{reason}");
+    assert!(!reason.contains(&format!("pid {key_share}")), "{reason}");
+}
+
 #[test]
 fn a_table_lock_timeout_names_the_session_that_holds_the_table() {
     let mut env = Env::new();
