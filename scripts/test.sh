@@ -9,10 +9,9 @@
 # minutes of CPU) runs in the background from the start at a low CPU priority (nice 10, set
 # on its session's scheduler autogroup too: setsid gives it a group of its own, and with
 # autogroups a process's nice counts only inside its group, so the group would otherwise
-# take half of the cores beside the build), so it mostly takes what the build leaves idle;
-# once the build is done its group goes back to nice 0 (as root), an equal share beside the
-# tests. tests/it/release.rs waits for it (DW_RELEASE_CHECK names its directory: log, then
-# rc). promtool is fetched first, for
+# take half of the cores beside the build), so it mostly takes what the build and the tests
+# leave idle; tests/it/release.rs waits for it
+# (DW_RELEASE_CHECK names its directory: log, then rc). promtool is fetched first, for
 # tests/it/monitoring.rs.
 #
 # Debian packages some tests need are installed (as root, with apt-get) in the background
@@ -77,9 +76,6 @@ setup_pid=$!
 phase "building the tests (a first build takes about 2-3 minutes on 2 cores)"
 cargo build --all-targets --quiet
 phase "built"
-# The build no longer needs the cores: the background build (which the release tests wait
-# for) gets an equal share beside the tests from here.
-echo 0 >"/proc/$release_pid/autogroup" 2>/dev/null || true
 setup_rc=0
 wait "$setup_pid" || setup_rc=$?
 cat "$services_log"
