@@ -78,25 +78,34 @@ fn a_row_lock_timeout_names_the_session_that_holds_the_row() {
     assert!(reason.ends_with(") of orders"), "{reason}");
 }
 
-/// A row two shop sessions hold `FOR SHARE` (its xmax a MultiXactId, not a transaction):
-/// the reason names the one that began first and says the row is shared.
-#[test]
-fn a_row_share_locked_by_two_sessions_names_the_first_and_says_it_is_shared() {
+/// [`dead_reason_with`] for two shop sessions holding what `first`, then `second`, lock:
+/// their pids, in that order, and the dead letter's reason.
+fn dead_reason_with_two(first: &'static str, second: &'static str) -> (i32, i32, String) {
     let mut env = Env::new();
     env.config.jobs.statement_timeout = Duration::from_millis(200);
     dead_letter_soon(&mut env);
     let orders = seed_orders(&env.db, 1);
-    let (first, release_first, h1) = hold(&env, "SELECT 1 FROM orders FOR SHARE");
-    let (second, release_second, h2) = hold(&env, "SELECT 1 FROM orders FOR SHARE");
+    let held = [hold(&env, first), hold(&env, second)];
     push_timeouts(&env, &orders, 0);
     let daemon = Daemon::start(&env.config);
     wait_until(WAIT, "the dead letter", || dead_letters(&env).len() == 1);
     daemon.stop();
-    for (release, h) in [(release_first, h1), (release_second, h2)] {
+    let pids = (held[0].0, held[1].0);
+    for (_, release, h) in held {
         release.send(()).unwrap();
         h.join().unwrap();
     }
-    let reason = dead_letters(&env)[0]["reason"].clone();
+    (pids.0, pids.1, dead_letters(&env)[0]["reason"].clone())
+}
+
+/// A row two shop sessions hold `FOR SHARE` (its xmax a MultiXactId, not a transaction):
+/// the reason names the one that began first and says the row is shared.
+#[test]
+fn a_row_share_locked_by_two_sessions_names_the_first_and_says_it_is_shared() {
+    let (first, second, reason) = dead_reason_with_two(
+        "SELECT 1 FROM orders FOR SHARE",
+        "SELECT 1 FROM orders FOR SHARE",
+    );
     assert!(reason.contains("(55P03)"), "{reason}");
     assert!(
         reason.contains(&format!(
@@ -115,21 +124,10 @@ fn a_row_share_locked_by_two_sessions_names_the_first_and_says_it_is_shared() {
 /// FOR SHARE by a later one (which does): the reason names the one that blocks.
 #[test]
 fn a_row_share_locked_and_key_share_locked_names_the_session_that_blocks() {
-    let mut env = Env::new();
-    env.config.jobs.statement_timeout = Duration::from_millis(200);
-    dead_letter_soon(&mut env);
-    let orders = seed_orders(&env.db, 1);
-    let (key_share, release_first, h1) = hold(&env, "SELECT 1 FROM orders FOR KEY SHARE");
-    let (share, release_second, h2) = hold(&env, "SELECT 2 FROM orders FOR SHARE");
-    push_timeouts(&env, &orders, 0);
-    let daemon = Daemon::start(&env.config);
-    wait_until(WAIT, "the dead letter", || dead_letters(&env).len() == 1);
-    daemon.stop();
-    for (release, h) in [(release_first, h1), (release_second, h2)] {
-        release.send(()).unwrap();
-        h.join().unwrap();
-    }
-    let reason = dead_letters(&env)[0]["reason"].clone();
+    let (key_share, share, reason) = dead_reason_with_two(
+        "SELECT 1 FROM orders FOR KEY SHARE",
+        "SELECT 2 FROM orders FOR SHARE",
+    );
     assert!(
         reason.contains(&format!(
             "waited for a lock held by pid {share} (`SELECT ? FROM orders FOR SHARE`, idle in transaction) on the row ("
