@@ -213,8 +213,8 @@ impl<'a> Watch<'a> {
         }
         let report = figures::redis_now_ms(con, self.config)
             .and_then(|now| figures::gather_all(con, self.config, now, Duration::ZERO));
-        let (pool, workers) = match report {
-            Ok(r) => (r.pool, r.workers),
+        let (pool, workers, legacy) = match report {
+            Ok(r) => (r.pool, r.workers, r.legacy),
             Err(e) => {
                 log::debug!("watch: the queue's figures: {e}");
                 return;
@@ -222,11 +222,15 @@ impl<'a> Watch<'a> {
         };
         let lag = Duration::from_millis(pool.mover_lag_ms.max(0) as u64);
         if lag > limit {
-            let member = pool
-                .oldest_due_key
-                .as_deref()
-                .map(|k| format!(" ({k:?})"))
-                .unwrap_or_default();
+            // The lag is a legacy pool's when one of them holds the oldest due member.
+            let legacy = legacy
+                .into_iter()
+                .find(|l| l.mover_lag_ms == pool.mover_lag_ms);
+            let member = match (&legacy, pool.oldest_due_key.as_deref()) {
+                (Some(l), _) => format!(" of the legacy pool {:?}", l.key),
+                (None, Some(k)) => format!(" ({k:?})"),
+                (None, None) => String::new(),
+            };
             // The live processes that run a mover publish their `--move-ahead`.
             let movers = self.config.run_mover
                 || workers
@@ -234,6 +238,9 @@ impl<'a> Watch<'a> {
                     .any(|w| w.record.as_ref().is_some_and(|r| r.move_ahead.is_some()));
             let why = if !movers {
                 "no live process runs a mover (each started with --no-mover?): start one"
+            } else if legacy.is_some() {
+                "no live mover moves that pool (a mover moves a legacy pool only when started \
+                 with --legacy-pool for it), or the movers are stuck (see their /healthz)"
             } else if pool.oldest_due_has_data == Some(false) {
                 // A member whose data is missing waits out the orphan grace, then a mover
                 // buries it as lost data: the movers may be fine.

@@ -659,6 +659,60 @@ fn an_overdue_member_without_data_is_named_as_such_not_as_a_missing_mover() {
     assert_eq!(books(&env).dead, 0);
 }
 
+/// An older producer's pool (`--legacy-pool`) that only a `--no-mover` process knows of,
+/// while a mover runs without it: `/healthz` names the pool and says no live mover moves
+/// it (not that the movers are stuck); once a mover takes it, its order is cancelled once.
+#[test]
+fn a_legacy_pool_no_mover_serves_is_named_with_its_flag() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 1);
+    let legacy = "delay:order_close=order.timeout";
+    let mover_only = |name: &str, extra: &[&str]| {
+        let mut c = env.config.clone();
+        c.consumer = format!("{}-{name}", env.config.consumer);
+        Proc::start(&c, &args(extra))
+    };
+    let plain_mover = mover_only("plain", &[]);
+    let (a, port) = start_with_health(
+        &env,
+        &[
+            "--no-mover",
+            "--mover-lag-crit",
+            "1s",
+            "--legacy-pool",
+            legacy,
+        ],
+    );
+    wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
+    let member = format!("close_order_{}", orders[0].id);
+    let mut con = env.con();
+    redis::cmd("SET")
+        .arg(&member)
+        .arg(orders[0].id)
+        .query::<()>(&mut con)
+        .unwrap();
+    redis::cmd("ZADD")
+        .arg("delay:order_close")
+        .arg(delay_worker::now_ms())
+        .arg(&member)
+        .query::<()>(&mut con)
+        .unwrap();
+    wait_until(WAIT, "/healthz red naming the legacy pool", || {
+        let (code, body) = healthz(port);
+        code == 503
+            && body.contains("of the legacy pool \"delay:order_close\"")
+            && body.contains("no live mover moves that pool")
+    });
+    stop(plain_mover);
+    let legacy_mover = mover_only("legacy", &["--legacy-pool", legacy]);
+    wait_until(WAIT, "the legacy order done", || inbox_count(&env.db) == 1);
+    wait_until(WAIT, "/healthz green again", || healthz(port).0 == 200);
+    stop(legacy_mover);
+    stop(a);
+    assert_accounting(&env.db, &orders, &all(&orders));
+    assert_eq!(books(&env).dead, 0);
+}
+
 #[test]
 fn every_sqlstate_class_has_an_owner() {
     use delay_worker::db::{classify_code, Fault};
