@@ -54,7 +54,7 @@ fn cfg(batch: usize, poll: Duration, legacy: &[&str]) -> MoverConfig {
 }
 
 /// The legacy producer: the STRING key holding the order id, then the pool member.
-fn legacy_push(con: &mut Connection, pool: &str, member: &str, id: &str, score: i64) {
+pub(crate) fn legacy_push(con: &mut Connection, pool: &str, member: &str, id: &str, score: i64) {
     redis::cmd("SET")
         .arg(member)
         .arg(id)

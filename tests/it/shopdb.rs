@@ -684,19 +684,13 @@ fn a_legacy_pool_no_mover_serves_is_named_with_its_flag() {
         ],
     );
     wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
-    let member = format!("close_order_{}", orders[0].id);
-    let mut con = env.con();
-    redis::cmd("SET")
-        .arg(&member)
-        .arg(orders[0].id)
-        .query::<()>(&mut con)
-        .unwrap();
-    redis::cmd("ZADD")
-        .arg("delay:order_close")
-        .arg(delay_worker::now_ms())
-        .arg(&member)
-        .query::<()>(&mut con)
-        .unwrap();
+    crate::legacy_stall::legacy_push(
+        &mut env.con(),
+        "delay:order_close",
+        &format!("close_order_{}", orders[0].id),
+        &orders[0].id.to_string(),
+        delay_worker::now_ms(),
+    );
     wait_until(WAIT, "/healthz red naming the legacy pool", || {
         let (code, body) = healthz(port);
         code == 503
