@@ -52,9 +52,9 @@ pub struct Watch<'a> {
     logged: Option<(Instant, i64)>,
     /// `INFO memory` was refused (an ACL user without `+info|memory`): said once.
     info_refused: bool,
-    /// Passes run: the first, at start, does not judge the mover lag (this process's own
-    /// mover has not moved yet).
-    passes: u64,
+    /// A pass has run: the first, at start, does not judge the mover lag (this process's
+    /// own mover has not moved yet).
+    passed: bool,
 }
 
 impl<'a> Watch<'a> {
@@ -70,7 +70,7 @@ impl<'a> Watch<'a> {
                 .collect(),
             logged: None,
             info_refused: false,
-            passes: 0,
+            passed: false,
         }
     }
 
@@ -83,10 +83,10 @@ impl<'a> Watch<'a> {
     pub fn step(&mut self, con: &mut dyn redis::ConnectionLike) -> Result<(), StoreError> {
         self.measure(con)?;
         self.memory(con)?;
-        if self.passes > 0 {
+        if self.passed {
             self.mover_lag(con);
         }
-        self.passes += 1;
+        self.passed = true;
         if let Some(lead) = self.stats.clock.take_producer_lead() {
             log::warn!(
                 "clock: messages arrived with a ts up to {:.1}s later than their arrival on \
@@ -211,8 +211,9 @@ impl<'a> Watch<'a> {
         if limit.is_zero() {
             return;
         }
-        let report = figures::redis_now_ms(con, self.config)
-            .and_then(|now| figures::gather_all(con, self.config, now, Duration::ZERO));
+        // Redis's clock through the offset this pass has just measured: no TIME of its own.
+        let now = self.stats.clock.now_ms();
+        let report = figures::gather_all(con, self.config, now, Duration::ZERO);
         let (pool, workers, legacy) = match report {
             Ok(r) => (r.pool, r.workers, r.legacy),
             Err(e) => {
