@@ -47,7 +47,7 @@ fn chromium() -> PathBuf {
 /// Runs headless Chromium on `url` with `args` and a fresh profile; fails the test if it
 /// does not finish within a minute or exits with an error.
 fn browser(args: &[String], url: &str) -> Output {
-    let profile = std::env::temp_dir().join(format!(
+    let profile = crate::support::scratch_dir().join(format!(
         "dw-chromium-{}-{}",
         std::process::id(),
         crate::support::free_port()

@@ -23,7 +23,7 @@ const UP: Duration = Duration::from_secs(60);
 static COUNTER: AtomicU32 = AtomicU32::new(0);
 
 fn temp_dir(prefix: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!(
+    let dir = scratch_dir().join(format!(
         "{prefix}_{}_{}",
         std::process::id(),
         COUNTER.fetch_add(1, Ordering::SeqCst)
