@@ -368,6 +368,11 @@ fn jobs_of_a_handler_without_a_set_form_that_come_together_run_side_by_side() {
     env.config.jobs.statement_timeout = Duration::from_secs(10);
     let orders = seed_orders(&env.db, 12);
     let daemon = Daemon::start(&env.config);
+    // Four idle workers: their sessions and the PostgreSQL watch's connection open (on a
+    // busy machine a worker still connecting takes no job, and the others run them all).
+    wait_until(WAIT, "every worker's session", || {
+        worker_backends(&env.db) >= 5
+    });
     push_timeouts(&env, &orders, 0);
     let mut most = 0;
     wait_until(WAIT, "every job", || {

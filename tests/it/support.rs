@@ -1055,16 +1055,11 @@ pub fn slow_order_timeout(seconds: &str) -> HandlerDir {
 
 /// Backends of `db` matching `condition` (on `pg_stat_activity`).
 fn backends(db: &TestDb, condition: &str) -> i64 {
-    db.client()
-        .query_one(
-            &format!(
-                "SELECT count(*) FROM pg_stat_activity \
-                 WHERE {condition} AND datname = current_database()"
-            ),
-            &[],
-        )
-        .unwrap()
-        .get(0)
+    let sql = format!(
+        "SELECT count(*) FROM pg_stat_activity \
+         WHERE {condition} AND datname = current_database()"
+    );
+    db.probe(|c| c.query_one(&sql, &[])).get(0)
 }
 
 /// Backends of `db` sleeping in a slow handler's `pg_sleep`.
