@@ -1750,6 +1750,8 @@ struct Workers<'a> {
     /// Starts refused with exit 1 and one line (a server unreachable at start): systemd
     /// restarts those, and so do we.
     refused: Vec<String>,
+    /// The workers started under libfaketime, whose leftovers go at the end.
+    faked: Vec<u32>,
 }
 
 impl<'a> Workers<'a> {
@@ -1779,6 +1781,7 @@ impl<'a> Workers<'a> {
             args,
             anomalies: Vec::new(),
             refused: Vec::new(),
+            faked: Vec::new(),
         }
     }
 
@@ -1820,6 +1823,9 @@ impl<'a> Workers<'a> {
             .stderr(log)
             .spawn()
             .expect("start the worker binary");
+        if cmd.get_envs().any(|(k, _)| k == "LD_PRELOAD") {
+            self.faked.push(child.id());
+        }
         slot.starts += 1;
         slot.spawned = Instant::now();
         self.ctx
@@ -2143,6 +2149,9 @@ impl Drop for Workers<'_> {
                 }
                 State::Down { .. } => {}
             }
+        }
+        for &pid in &self.faked {
+            forget_faketime(pid);
         }
     }
 }

@@ -544,7 +544,16 @@ impl Drop for Proc {
             );
         }
         let _ = std::fs::remove_file(&self.log);
+        forget_faketime(self.child.id());
     }
+}
+
+/// Removes what libfaketime leaves in `/dev/shm` for the process `pid` once it has ended:
+/// a process under it made a semaphore and a shared memory object of its own, removed
+/// only by a normal exit, so each worker the tests killed left two behind.
+pub fn forget_faketime(pid: u32) {
+    let _ = std::fs::remove_file(format!("/dev/shm/faketime_shm_{pid}"));
+    let _ = std::fs::remove_file(format!("/dev/shm/sem.faketime_sem_{pid}"));
 }
 
 // ---- the shop ---------------------------------------------------------------------------
