@@ -1,4 +1,4 @@
-//! Who held the lock a job waited for: "waited for a lock held by pid N (`query`)", added
+//! Who held the lock a job waited for: "waited for a lock held by pid N (running `query`)", added
 //! to the reason of a job that failed on a lock timeout (SQLSTATE 55P03) or a statement
 //! timeout (57014), so that the operator reads whose transaction to look at.
 //!
@@ -155,9 +155,11 @@ fn look(client: &mut postgres::Client, wait: &LockWait) -> Option<String> {
     Some(describe(pid, query.as_deref(), state.as_deref(), &on))
 }
 
-/// `waited for a lock held by pid N (`query`, idle in transaction) on ...`; without a pid,
-/// a prepared transaction's. `query` is `None` for another role's session seen without
-/// `pg_read_all_stats`.
+/// `waited for a lock held by pid N (idle in transaction, its last statement `query`) on
+/// ...`, or `(running `query`)` for a holder at work: `pg_stat_activity` shows a session's
+/// current or last statement, which need not be the one that took the lock. Without a
+/// pid, a prepared transaction's. `query` is `None` for another role's session seen
+/// without `pg_read_all_stats`.
 fn describe(pid: Option<i32>, query: Option<&str>, state: Option<&str>, on: &str) -> String {
     let Some(pid) = pid else {
         return format!(
@@ -165,9 +167,7 @@ fn describe(pid: Option<i32>, query: Option<&str>, state: Option<&str>, on: &str
         );
     };
     let query = match query {
-        None | Some("<insufficient privilege>") => {
-            "its query is hidden from this role: grant it pg_read_all_stats".to_string()
-        }
+        None | Some("<insufficient privilege>") => None,
         Some(q) => {
             let q = without_literals(q);
             let flat = q.split_whitespace().collect::<Vec<_>>().join(" ");
@@ -175,14 +175,17 @@ fn describe(pid: Option<i32>, query: Option<&str>, state: Option<&str>, on: &str
             if short.len() < flat.len() {
                 short.push_str("...");
             }
-            format!("`{short}`")
+            Some(short)
         }
     };
-    let state = match state {
-        Some(s) if !s.is_empty() && s != "active" => format!(", {s}"),
-        _ => String::new(),
+    const HIDDEN: &str = "its query is hidden from this role: grant it pg_read_all_stats";
+    let what = match (state.filter(|s| !s.is_empty() && *s != "active"), query) {
+        (None, Some(q)) => format!("running `{q}`"),
+        (Some(s), Some(q)) => format!("{s}, its last statement `{q}`"),
+        (None, None) => HIDDEN.to_string(),
+        (Some(s), None) => format!("{s}, {HIDDEN}"),
     };
-    format!("waited for a lock held by pid {pid} ({query}{state}) {on}")
+    format!("waited for a lock held by pid {pid} ({what}) {on}")
 }
 
 /// A query with its data taken out, for a reason that lands in Redis, the dead letters and
@@ -470,7 +473,16 @@ mod tests {
                 Some("idle in transaction"),
                 "on the row (0,1) of orders"
             ),
-            "waited for a lock held by pid 42 (`SELECT * FROM orders FOR UPDATE`, idle in transaction) on the row (0,1) of orders"
+            "waited for a lock held by pid 42 (idle in transaction, its last statement `SELECT * FROM orders FOR UPDATE`) on the row (0,1) of orders"
+        );
+        assert_eq!(
+            describe(
+                Some(42),
+                Some("UPDATE sku SET stock = stock - 1"),
+                Some("active"),
+                "on the row (0,1) of sku"
+            ),
+            "waited for a lock held by pid 42 (running `UPDATE sku SET stock = stock - ?`) on the row (0,1) of sku"
         );
         assert!(describe(
             Some(7),

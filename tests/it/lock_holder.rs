@@ -1,7 +1,7 @@
 //! A job that times out on a lock the shop holds says whose: "waited for a lock held by
-//! pid N (`query`, state) on ...", for a row lock (the row named by PostgreSQL's error
-//! context, its holder found through the row's xmax) and a table lock; the look-up runs
-//! after the failed transaction, on the failure path alone.
+//! pid N (idle in transaction, its last statement `query`) on ...", for a row lock (the
+//! row named by PostgreSQL's error context, its holder found through the row's xmax) and
+//! a table lock; the look-up runs after the failed transaction, on the failure path alone.
 
 use crate::support::*;
 use std::time::Duration;
@@ -70,7 +70,7 @@ fn a_row_lock_timeout_names_the_session_that_holds_the_row() {
     assert!(reason.contains("(55P03)"), "{reason}");
     assert!(
         reason.contains(&format!(
-            "waited for a lock held by pid {pid} (`SELECT ? FROM orders WHERE order_no <> ? FOR UPDATE`, idle in transaction) on the row ("
+            "waited for a lock held by pid {pid} (idle in transaction, its last statement `SELECT ? FROM orders WHERE order_no <> ? FOR UPDATE`) on the row ("
         )),
         "{reason}"
     );
@@ -109,7 +109,7 @@ fn a_row_share_locked_by_two_sessions_names_the_first_and_says_it_is_shared() {
     assert!(reason.contains("(55P03)"), "{reason}");
     assert!(
         reason.contains(&format!(
-            "waited for a lock held by pid {first} (`SELECT ? FROM orders FOR SHARE`, idle in transaction) on the row ("
+            "waited for a lock held by pid {first} (idle in transaction, its last statement `SELECT ? FROM orders FOR SHARE`) on the row ("
         )),
         "{reason}"
     );
@@ -130,7 +130,7 @@ fn a_row_share_locked_and_key_share_locked_names_the_session_that_blocks() {
     );
     assert!(
         reason.contains(&format!(
-            "waited for a lock held by pid {share} (`SELECT ? FROM orders FOR SHARE`, idle in transaction) on the row ("
+            "waited for a lock held by pid {share} (idle in transaction, its last statement `SELECT ? FROM orders FOR SHARE`) on the row ("
         )),
         "{reason}"
     );
@@ -145,7 +145,7 @@ fn a_table_lock_timeout_names_the_session_that_holds_the_table() {
     assert!(reason.contains("(55P03)"), "{reason}");
     assert!(
         reason.contains(&format!(
-            "waited for a lock held by pid {pid} (`LOCK TABLE orders IN EXCLUSIVE MODE`, idle in transaction) on the table orders"
+            "waited for a lock held by pid {pid} (idle in transaction, its last statement `LOCK TABLE orders IN EXCLUSIVE MODE`) on the table orders"
         )),
         "{reason}"
     );
@@ -259,7 +259,7 @@ fn a_holder_in_a_sql_ascii_database_is_named_with_its_query_cut() {
         reason.contains(
             "waited for a lock held by pid "
         ) && reason.contains(
-            " (`SELECT ? FROM orders WHERE id = ? AND order_no <> ? FOR UPDATE;`, idle in transaction) on the row ("
+            " (idle in transaction, its last statement `SELECT ? FROM orders WHERE id = ? AND order_no <> ? FOR UPDATE;`) on the row ("
         ),
         "{reason}"
     );
