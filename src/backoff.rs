@@ -19,6 +19,12 @@ pub struct Backoff {
 /// Ceiling of every infrastructure backoff (the consumer issue asks for at most 60 s).
 pub const MAX_BACKOFF: Duration = Duration::from_secs(30);
 
+/// Ceiling of the backoff while a key of the wrong type holds a loop back: the operator's
+/// fix (a `DEL` or a `RENAME`) is taken up within this, where [`MAX_BACKOFF`] left every
+/// job waiting up to half a minute more after it. A failed read of a wrong-typed key costs
+/// Redis next to nothing.
+pub const FIX_BACKOFF: Duration = Duration::from_secs(5);
+
 impl Backoff {
     pub fn new(role: &str) -> Backoff {
         Backoff::with_cap(role, MAX_BACKOFF)
@@ -47,13 +53,24 @@ impl Backoff {
 
     /// Records a failure and sleeps (woken by shutdown). Returns `true` if shutdown is set.
     pub fn fail(&mut self, what: &str, err: &dyn std::fmt::Display, shutdown: &Shutdown) -> bool {
+        self.fail_within(what, err, shutdown, self.cap)
+    }
+
+    /// [`Backoff::fail`], sleeping at most `cap` this time.
+    pub fn fail_within(
+        &mut self,
+        what: &str,
+        err: &dyn std::fmt::Display,
+        shutdown: &Shutdown,
+        cap: Duration,
+    ) -> bool {
         if self.outage_since.is_none() {
             self.outage_since = Some(Instant::now());
             log::warn!("{}: {what}: {err}; retrying with backoff", self.role);
         } else {
             log::debug!("{}: {what} still failing: {err}", self.role);
         }
-        let d = self.next_delay();
+        let d = self.next_delay().min(cap);
         shutdown.wait(d)
     }
 

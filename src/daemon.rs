@@ -48,6 +48,10 @@ pub enum DaemonError {
     Connect(#[from] ConnectError),
     #[error("cannot reach Redis at {url}: {reason}")]
     RedisUnreachable { url: String, reason: String },
+    /// A key of the worker's holds another type (the stream): Redis answers, the key is
+    /// the operator's to rename or remove.
+    #[error("Redis at {url}: {reason}")]
+    RedisKey { url: String, reason: String },
     #[error(transparent)]
     Db(#[from] DbError),
     #[error("the database schema is not current (missing {missing}): run `worker migrate`")]
@@ -230,11 +234,15 @@ fn check_redis(
     }
     if config.source == Source::Stream {
         for keys in &config.derived.shards {
-            store::stream::ensure_group(&mut con, keys).map_err(|e| {
-                DaemonError::RedisUnreachable {
+            store::stream::ensure_group(&mut con, keys).map_err(|e| match e {
+                store::StoreError::WrongType { .. } => DaemonError::RedisKey {
                     url: url(),
                     reason: e.to_string(),
-                }
+                },
+                _ => DaemonError::RedisUnreachable {
+                    url: url(),
+                    reason: e.to_string(),
+                },
             })?;
         }
     }

@@ -255,6 +255,9 @@ impl<'a> Mover<'a> {
             // A reshard or a failover ends by itself: try again soon, and do not withhold
             // the watchdog (a restart would not help; the other pools go on).
             wait = wait.min(MOVING_BACKOFF);
+        } else if e.operator_problem().is_some() {
+            // A key of the wrong type: take up the operator's fix soon.
+            wait = wait.min(crate::backoff::FIX_BACKOFF);
         }
         state.retry_at_ms = Some(now_ms.saturating_add(wait.as_millis() as i64));
         let role = &state.role;

@@ -194,9 +194,14 @@ pub fn run(
             }
             Err(StepError::PoolGone) => break,
             Err(StepError::Store(e)) => {
+                let mut cap = crate::backoff::MAX_BACKOFF;
                 if let Some(p) = e.operator_problem() {
                     stats.report_problem(role, p);
                     failed_on_problem = true;
+                    cap = crate::backoff::FIX_BACKOFF;
+                } else if e.is_group_missing() {
+                    // The start that follows creates the group: no outage to wait out.
+                    cap = std::time::Duration::from_millis(100);
                 }
                 if e.is_connection() {
                     con = None;
@@ -207,7 +212,7 @@ pub fn run(
                     // settle scripts make that harmless.
                     started = false;
                 }
-                backoff.fail("read failed", &e, shutdown);
+                backoff.fail_within("read failed", &e, shutdown, cap);
             }
         }
     }

@@ -134,12 +134,22 @@ impl StoreError {
         matches!(self, StoreError::Moving { .. })
     }
 
-    /// The problem an operator must act on, for health checks; `None` for outages.
+    /// The problem an operator must act on, for health checks; `None` for outages. A key
+    /// of the wrong type, as a script names it or as Redis refuses a plain command on it.
     pub fn operator_problem(&self) -> Option<String> {
         match self {
             StoreError::WrongType { .. } => Some(self.to_string()),
+            StoreError::Refused { source, .. } if source.code() == Some("WRONGTYPE") => {
+                Some(format!("{self}; rename or remove the key"))
+            }
             _ => None,
         }
+    }
+
+    /// The consumer group is gone (the stream's key was removed, or a promoted replica
+    /// never had it): a new start creates it, so there is no outage to wait out.
+    pub fn is_group_missing(&self) -> bool {
+        matches!(self, StoreError::Connection { source, .. } if source.code() == Some("NOGROUP"))
     }
 }
 

@@ -83,6 +83,19 @@ pub fn ensure_group(con: &mut dyn ConnectionLike, keys: &Keys) -> StoreResult<()
     match query::<Value>("create the consumer group", &cmd, con) {
         Ok(_) => Ok(()),
         Err(StoreError::Refused { source, .. }) if source.code() == Some("BUSYGROUP") => Ok(()),
+        // The stream's key holds something else: the operator's to rename or remove.
+        Err(StoreError::Refused { source, .. }) if source.code() == Some("WRONGTYPE") => {
+            let found = redis::cmd("TYPE")
+                .arg(&keys.stream)
+                .query::<String>(con)
+                .unwrap_or_else(|_| "value of another type".into());
+            Err(StoreError::WrongType {
+                what: "create the consumer group",
+                key: keys.stream.clone(),
+                found,
+                wanted: "stream".into(),
+            })
+        }
         Err(e) => Err(e),
     }
 }

@@ -72,6 +72,88 @@ fn a_dead_letter_key_of_the_wrong_type_loses_nothing_and_turns_health_red() {
     assert_eq!(books(&env).pool, 0);
 }
 
+/// `SET mq:events x`: a stream key of the wrong type. At start the worker refuses with one
+/// line naming the key (not "cannot reach Redis"). Made wrong while it runs, the key holds
+/// every job back (the mover's moves and the reader's reads fail on it) while the health
+/// checks name it; once the operator removes it, the jobs run within the short wait of an
+/// operator's fix (`FIX_BACKOFF`, 5 s), not the half minute an outage's backoff grows to:
+/// after 15 s of failures that backoff waits 6-26 s, and every job with it. The group the
+/// removed key took with it is made again at once (`NOGROUP` is no outage).
+#[test]
+fn a_stream_key_of_the_wrong_type_is_named_and_taken_up_soon_after_the_fix() {
+    let mut env = Env::new();
+    let port = free_port();
+    env.config.metrics_addr = Some(format!("127.0.0.1:{port}").parse().unwrap());
+    let orders = seed_orders(&env.db, 20);
+    let mut con = env.con();
+    let k = env.config.keys.clone();
+    let wrong = |con: &mut redis::Connection| {
+        redis::pipe()
+            .atomic()
+            .cmd("DEL")
+            .arg(&k.stream)
+            .cmd("SET")
+            .arg(&k.stream)
+            .arg("x")
+            .query::<()>(con)
+            .unwrap()
+    };
+    wrong(&mut con);
+    let refused = run_worker(&["--consumer", "c1"], &env.redis.url(), &env.db.url);
+    assert_eq!(refused.status.code(), Some(1));
+    let line = text(&refused.stderr);
+    assert!(
+        line.contains(&format!(
+            "key \"{}\" holds a string, not a stream",
+            k.stream
+        )) && !line.contains("cannot reach"),
+        "{line}"
+    );
+    redis::cmd("DEL")
+        .arg(&k.stream)
+        .query::<()>(&mut con)
+        .unwrap();
+
+    let daemon = Daemon::start(&env.config);
+    wait_until(WAIT, "/healthz green", || {
+        http_get(port, "/healthz")
+            .map(|(code, _, _)| code == 200)
+            .unwrap_or(false)
+    });
+    wrong(&mut con);
+    push_timeouts(&env, &orders, 0);
+    wait_until(WAIT, "/healthz to name the key", || {
+        http_get(port, "/healthz")
+            .map(|(code, _, body)| code == 503 && body.contains(&k.stream))
+            .unwrap_or(false)
+    });
+    std::thread::sleep(Duration::from_secs(15));
+    assert_eq!(
+        inbox_count(&env.db),
+        0,
+        "nothing runs while the key is wrong"
+    );
+    assert_eq!(books(&env).pool, 20);
+    redis::cmd("DEL")
+        .arg(&k.stream)
+        .query::<()>(&mut con)
+        .unwrap();
+    wait_until(
+        Duration::from_secs(10),
+        "every job done within 10 s of the fix",
+        || inbox_count(&env.db) == 20,
+    );
+    wait_until(WAIT, "/healthz green again", || {
+        http_get(port, "/healthz")
+            .map(|(code, _, _)| code == 200)
+            .unwrap_or(false)
+    });
+    daemon.stop();
+    assert_accounting(&env.db, &orders, &orders.iter().collect::<Vec<_>>());
+    let b = books(&env);
+    assert_eq!((b.pool, b.stream_pending, b.dead), (0, 0, 0));
+}
+
 /// Defect 2: A dead host's pending entries are taken over in one maintenance pass, however small
 /// the survivor's channel.
 #[test]
