@@ -35,6 +35,10 @@ const OTHER_TOOLS: &[(&str, &str)] = &[
         "chromium --headless --dump-dom (the status page's test)",
     ),
     (
+        "--fast",
+        "scripts/services.sh start --fast (the tests' servers)",
+    ),
+    (
         "--force-confold",
         "dpkg -i --force-confold (install.sh keeps worker.env)",
     ),
