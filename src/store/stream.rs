@@ -335,8 +335,11 @@ pub fn trim_acknowledged(
     let mut bound = StreamId::ms(now_ms - retention.as_millis() as i64);
     let mut cmd = redis::cmd("XINFO");
     cmd.arg("GROUPS").arg(&keys.stream);
-    let Value::Array(groups) = query::<Value>("trim: groups", &cmd, con)? else {
-        return Ok(0);
+    let groups = match query::<Value>("trim: groups", &cmd, con) {
+        Ok(Value::Array(groups)) => groups,
+        Err(e) if no_such_key(&e) => return Ok(0),
+        Ok(_) => return Ok(0),
+        Err(e) => return Err(e),
     };
     for g in groups {
         let fields = kv_fields(g);
@@ -409,12 +412,23 @@ pub struct ConsumerInfo {
     pub idle_ms: u64,
 }
 
+/// `XINFO`'s answer for a stream whose key does not exist.
+fn no_such_key(e: &StoreError) -> bool {
+    matches!(e, StoreError::Refused { source, .. }
+        if source.detail().is_some_and(|d| d.contains("no such key")))
+}
+
 /// The group's consumers (read only).
 pub fn consumers(con: &mut dyn ConnectionLike, keys: &Keys) -> StoreResult<Vec<ConsumerInfo>> {
     let mut cmd = redis::cmd("XINFO");
     cmd.arg("CONSUMERS").arg(&keys.stream).arg(&keys.group);
-    let Value::Array(list) = query::<Value>("list consumers", &cmd, con)? else {
-        return Ok(Vec::new());
+    // No stream (its key removed, not yet written again): no consumers. The read that
+    // follows meets NOGROUP, and the reader's start makes the stream and the group again.
+    let list = match query::<Value>("list consumers", &cmd, con) {
+        Ok(Value::Array(list)) => list,
+        Err(e) if no_such_key(&e) => return Ok(Vec::new()),
+        Ok(_) => return Ok(Vec::new()),
+        Err(e) => return Err(e),
     };
     let mut out = Vec::new();
     for c in list {
