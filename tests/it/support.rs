@@ -77,6 +77,43 @@ pub fn wait_until(timeout: Duration, what: &str, mut f: impl FnMut() -> bool) {
     }
 }
 
+/// A connection kept for a test's polls, opened again once when a call on it fails (the
+/// server killed, restarted or failed over since).
+pub struct Kept<C>(Mutex<Option<C>>);
+
+impl<C> Default for Kept<C> {
+    fn default() -> Self {
+        Kept(Mutex::new(None))
+    }
+}
+
+impl<C> Kept<C> {
+    /// `f` on the kept connection, or on one `open` makes when there is none or `f`
+    /// failed on it; panics when `f` fails on a new one too.
+    fn with<T, E: std::fmt::Debug>(
+        &self,
+        open: impl FnOnce() -> C,
+        f: impl Fn(&mut C) -> Result<T, E>,
+    ) -> T {
+        let mut kept = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(c) = kept.as_mut() {
+            if let Ok(v) = f(c) {
+                return v;
+            }
+        }
+        *kept = None;
+        let mut c = open();
+        let v = f(&mut c).expect("a probe of the test's server");
+        *kept = Some(c);
+        v
+    }
+
+    /// Closes the kept connection, if any.
+    fn forget(&mut self) {
+        drop(self.0.get_mut().map(Option::take));
+    }
+}
+
 /// A redis-server of this test's own, on a free loopback port, killed on drop.
 pub struct RedisServer {
     pub port: u16,
@@ -84,7 +121,7 @@ pub struct RedisServer {
     child: Option<Child>,
     extra: Vec<String>,
     /// The connection [`RedisServer::probe`] keeps for the test's polls.
-    probe: Mutex<Option<redis::Connection>>,
+    probe: Kept<redis::Connection>,
 }
 
 impl RedisServer {
@@ -108,7 +145,7 @@ impl RedisServer {
             dir,
             child: None,
             extra: extra.iter().map(|s| s.to_string()).collect(),
-            probe: Mutex::new(None),
+            probe: Kept::default(),
         }
     }
 
@@ -164,21 +201,10 @@ impl RedisServer {
         format!("redis://127.0.0.1:{}/", self.port)
     }
 
-    /// `f` on one connection kept for the test's polls (the books, every 20 ms), opened
-    /// again once when it fails (the server killed or restarted since): a connection of
-    /// its own per poll was most of what a waiting test cost.
+    /// `f` on one connection kept for the test's polls (the books, every 20 ms): a
+    /// connection of its own per poll was most of what a waiting test cost.
     pub fn probe<T>(&self, f: impl Fn(&mut redis::Connection) -> redis::RedisResult<T>) -> T {
-        let mut kept = self.probe.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(con) = kept.as_mut() {
-            if let Ok(v) = f(con) {
-                return v;
-            }
-        }
-        *kept = None;
-        let mut con = self.con();
-        let v = f(&mut con).expect("a probe of the test redis");
-        *kept = Some(con);
-        v
+        self.probe.with(|| self.con(), f)
     }
 
     pub fn con(&self) -> redis::Connection {
@@ -283,7 +309,7 @@ pub struct TestDb {
     /// Dropped on drop (false for a private server's default database).
     owned: bool,
     /// The session [`TestDb::probe`] keeps for the test's polls.
-    probe: Mutex<Option<postgres::Client>>,
+    probe: Kept<postgres::Client>,
 }
 
 impl TestDb {
@@ -310,26 +336,15 @@ impl TestDb {
             url: db_url(&name),
             name,
             owned,
-            probe: Mutex::new(None),
+            probe: Kept::default(),
         }
     }
 
-    /// `f` on one session kept for the test's polls (the inbox's rows, every 20 ms),
-    /// opened again once when it fails (the server restarted or failed over since): a
+    /// `f` on one session kept for the test's polls (the inbox's rows, every 20 ms): a
     /// session of its own per poll cost PostgreSQL about 5 ms of CPU each, a quarter of a
     /// core for a test that waits.
     pub fn probe<T>(&self, f: impl Fn(&mut postgres::Client) -> Result<T, postgres::Error>) -> T {
-        let mut kept = self.probe.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(c) = kept.as_mut() {
-            if let Ok(v) = f(c) {
-                return v;
-            }
-        }
-        *kept = None;
-        let mut c = self.client();
-        let v = f(&mut c).expect("a probe of the test database");
-        *kept = Some(c);
-        v
+        self.probe.with(|| self.client(), f)
     }
 
     /// A migrated database in `SQL_ASCII`, as older shops have them: text is stored as
@@ -376,7 +391,7 @@ impl TestDb {
 impl Drop for TestDb {
     fn drop(&mut self) {
         // The probe's session ends first: no session of ours is left for DROP to end.
-        drop(self.probe.get_mut().map(Option::take));
+        self.probe.forget();
         if !self.owned {
             return;
         }
@@ -992,7 +1007,7 @@ impl PgServer {
             name: "postgres".into(),
             url: self.url.clone(),
             owned: false,
-            probe: Mutex::new(None),
+            probe: Kept::default(),
         }
     }
 }
