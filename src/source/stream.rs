@@ -367,7 +367,8 @@ impl Source for Reader<'_> {
 /// when every shard's read emptied its stream.
 ///
 /// A shard whose hash slot is moving or unserved (`StoreError::Moving`: `TRYAGAIN` while
-/// it is resharded, `CLUSTERDOWN`) holds back only itself: it is reported under its own
+/// it is resharded, `CLUSTERDOWN`), or one of whose keys holds the wrong type, holds back
+/// only itself (a shard whose group is gone starts again): it is reported under its own
 /// name (`reader (shard i)`, naming the code), skipped for a short backoff (at most
 /// [`crate::mover::MOVING_BACKOFF`]) and tried again; its start is retried the same way.
 /// The other shards keep being read.
@@ -384,10 +385,14 @@ pub struct Shards<'a> {
 }
 
 impl Shards<'_> {
-    /// Shard `i`'s step failed because its slot is moving: reported, and skipped a while.
+    /// Shard `i`'s step failed because its slot is moving or one of its keys holds the
+    /// wrong type: reported, and skipped a while.
     fn hold(&mut self, i: usize, e: &store::StoreError) {
         let r = &self.readers[i];
-        let problem = format!("its messages wait: {e}");
+        let problem = format!(
+            "its messages wait: {}",
+            e.operator_problem().unwrap_or_else(|| e.to_string())
+        );
         if r.stats.report_critical(&r.name, problem.clone()) {
             log::warn!("{}: {problem}; the other shards go on", r.name);
         }
@@ -425,8 +430,17 @@ impl Shards<'_> {
                 self.release(i);
                 Ok(n)
             }
-            Err(StepError::Store(e)) if e.is_moving() => {
+            // A slot moving, or a key of this shard of the wrong type: only this shard
+            // waits, the others are read on.
+            Err(StepError::Store(e)) if e.is_moving() || e.operator_problem().is_some() => {
                 self.hold(i, &e);
+                self.readers[i].drained = true;
+                Ok(0)
+            }
+            // This shard's group is gone (its stream's key removed): its start makes it
+            // again at the next step; the connection and the other shards are fine.
+            Err(StepError::Store(e)) if e.is_group_missing() => {
+                self.started[i] = false;
                 self.readers[i].drained = true;
                 Ok(0)
             }

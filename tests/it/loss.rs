@@ -154,6 +154,77 @@ fn a_stream_key_of_the_wrong_type_is_named_and_taken_up_soon_after_the_fix() {
     assert_eq!((b.pool, b.stream_pending, b.dead), (0, 0, 0));
 }
 
+/// With `--shards 3`, shard 1's stream key made the wrong type while the worker runs holds
+/// back only shard 1's jobs: the other shards' are read and done meanwhile (found from
+/// outside: the whole reader backed off, and no shard's job ran until the fix). Once the
+/// key is removed, shard 1's group is made again and its jobs run.
+#[test]
+fn a_shards_stream_key_of_the_wrong_type_holds_back_only_that_shard() {
+    let env = Env::new();
+    let mut config = env.config.clone();
+    config.shards = 3;
+    let port = free_port();
+    config.metrics_addr = Some(format!("127.0.0.1:{port}").parse().unwrap());
+    let shards = config.shard_keys();
+    let orders = seed_orders(&env.db, 30);
+    let daemon = Daemon::start(&config);
+    let healthz = || http_get(port, "/healthz").unwrap_or((0, String::new(), String::new()));
+    wait_until(WAIT, "/healthz green", || healthz().0 == 200);
+    let mut con = env.con();
+    redis::pipe()
+        .atomic()
+        .cmd("DEL")
+        .arg(&shards[1].stream)
+        .cmd("SET")
+        .arg(&shards[1].stream)
+        .arg("x")
+        .query::<()>(&mut con)
+        .unwrap();
+    let now = delay_worker::now_ms();
+    let mut in_shard = [0i64; 3];
+    for o in &orders {
+        let key = format!("order.timeout:{}", o.order_no);
+        in_shard[delay_worker::keys::shard_of(key.as_bytes(), 3)] += 1;
+        let job = delay_worker::producer::NewJob {
+            event: "order.timeout".into(),
+            payload: serde_json::json!({ "order_no": o.order_no }),
+            due_ms: now,
+            key: Some(key.clone()),
+        };
+        delay_worker::producer::push(&mut con, &config.keys_for(key.as_bytes()), &job, now)
+            .unwrap();
+    }
+    assert!(in_shard.iter().all(|&n| n > 0), "{in_shard:?}");
+    wait_until(
+        WAIT,
+        "shards 0 and 2 done, /healthz naming shard 1's key",
+        || {
+            let (code, _, body) = healthz();
+            inbox_count(&env.db) == in_shard[0] + in_shard[2]
+                && code == 503
+                && body.contains(&shards[1].stream)
+        },
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(
+        inbox_count(&env.db),
+        in_shard[0] + in_shard[2],
+        "shard 1's jobs wait"
+    );
+    redis::cmd("DEL")
+        .arg(&shards[1].stream)
+        .query::<()>(&mut con)
+        .unwrap();
+    wait_until(WAIT, "every job done", || inbox_count(&env.db) == 30);
+    wait_until(WAIT, "/healthz green again", || healthz().0 == 200);
+    daemon.stop();
+    assert_accounting(&env.db, &orders, &orders.iter().collect::<Vec<_>>());
+    for keys in &shards {
+        let b = books_on(&mut con, keys);
+        assert_eq!((b.pool, b.stream_pending, b.dead), (0, 0, 0));
+    }
+}
+
 /// Defect 2: A dead host's pending entries are taken over in one maintenance pass, however small
 /// the survivor's channel.
 #[test]
