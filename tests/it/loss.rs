@@ -180,20 +180,7 @@ fn a_shards_stream_key_of_the_wrong_type_holds_back_only_that_shard() {
         .arg("x")
         .query::<()>(&mut con)
         .unwrap();
-    let now = delay_worker::now_ms();
-    let mut in_shard = [0i64; 3];
-    for o in &orders {
-        let key = format!("order.timeout:{}", o.order_no);
-        in_shard[delay_worker::keys::shard_of(key.as_bytes(), 3)] += 1;
-        let job = delay_worker::producer::NewJob {
-            event: "order.timeout".into(),
-            payload: serde_json::json!({ "order_no": o.order_no }),
-            due_ms: now,
-            key: Some(key.clone()),
-        };
-        delay_worker::producer::push(&mut con, &config.keys_for(key.as_bytes()), &job, now)
-            .unwrap();
-    }
+    let in_shard = push_due_in_shards(&mut con, &config, &orders);
     assert!(in_shard.iter().all(|&n| n > 0), "{in_shard:?}");
     wait_until(
         WAIT,
@@ -563,19 +550,7 @@ fn a_shards_dead_letter_key_of_the_wrong_type_is_named_and_held_until_fixed() {
         .unwrap();
     let orders = seed_orders(&env.db, 9);
     let now = delay_worker::now_ms();
-    let mut in_shard = [0; 3];
-    for o in &orders {
-        let key = format!("order.timeout:{}", o.order_no);
-        in_shard[delay_worker::keys::shard_of(key.as_bytes(), 3)] += 1;
-        let job = delay_worker::producer::NewJob {
-            event: "order.timeout".into(),
-            payload: serde_json::json!({ "order_no": o.order_no }),
-            due_ms: now,
-            key: Some(key.clone()),
-        };
-        delay_worker::producer::push(&mut con, &config.keys_for(key.as_bytes()), &job, now)
-            .unwrap();
-    }
+    let in_shard = push_due_in_shards(&mut con, &config, &orders);
     assert!(
         in_shard[1] > 0,
         "a good job in the broken shard: {in_shard:?}"
@@ -702,4 +677,28 @@ fn a_shards_dead_letter_key_of_the_wrong_type_is_named_and_held_until_fixed() {
     }
     assert_eq!(inbox_count(&env.db), orders.len() as i64);
     assert_accounting(&env.db, &orders, &orders.iter().collect::<Vec<_>>());
+}
+
+/// An `order.timeout` due now for each order, each to its shard's keys (`config.shards`
+/// of them); how many went to each shard.
+fn push_due_in_shards(
+    con: &mut redis::Connection,
+    config: &delay_worker::Config,
+    orders: &[SeedOrder],
+) -> Vec<i64> {
+    let now = delay_worker::now_ms();
+    let mut in_shard = vec![0i64; config.shards];
+    for o in orders {
+        let key = format!("order.timeout:{}", o.order_no);
+        in_shard[delay_worker::keys::shard_of(key.as_bytes(), config.shards)] += 1;
+        let keys = config.keys_for(key.as_bytes());
+        let job = delay_worker::producer::NewJob {
+            event: "order.timeout".into(),
+            payload: serde_json::json!({ "order_no": o.order_no }),
+            due_ms: now,
+            key: Some(key),
+        };
+        delay_worker::producer::push(con, &keys, &job, now).unwrap();
+    }
+    in_shard
 }
