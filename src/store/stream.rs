@@ -335,13 +335,7 @@ pub fn trim_acknowledged(
     let mut bound = StreamId::ms(now_ms - retention.as_millis() as i64);
     let mut cmd = redis::cmd("XINFO");
     cmd.arg("GROUPS").arg(&keys.stream);
-    let groups = match query::<Value>("trim: groups", &cmd, con) {
-        Ok(Value::Array(groups)) => groups,
-        Err(e) if no_such_key(&e) => return Ok(0),
-        Ok(_) => return Ok(0),
-        Err(e) => return Err(e),
-    };
-    for g in groups {
+    for g in xinfo("trim: groups", &cmd, con)? {
         let fields = kv_fields(g);
         let get = |name: &str| fields.iter().find(|(k, _)| k == name).map(|(_, v)| v);
         let name = get("name").map(value_to_string).unwrap_or_default();
@@ -412,26 +406,33 @@ pub struct ConsumerInfo {
     pub idle_ms: u64,
 }
 
-/// `XINFO`'s answer for a stream whose key does not exist.
-fn no_such_key(e: &StoreError) -> bool {
-    matches!(e, StoreError::Refused { source, .. }
-        if source.detail().is_some_and(|d| d.contains("no such key")))
+/// An `XINFO` listing; empty for a stream whose key does not exist (removed, not yet
+/// written again): it has no groups and no consumers.
+fn xinfo(
+    what: &'static str,
+    cmd: &redis::Cmd,
+    con: &mut dyn ConnectionLike,
+) -> StoreResult<Vec<Value>> {
+    match query::<Value>(what, cmd, con) {
+        Ok(Value::Array(list)) => Ok(list),
+        Ok(_) => Ok(Vec::new()),
+        Err(StoreError::Refused { source, .. })
+            if source.detail().is_some_and(|d| d.contains("no such key")) =>
+        {
+            Ok(Vec::new())
+        }
+        Err(e) => Err(e),
+    }
 }
 
 /// The group's consumers (read only).
 pub fn consumers(con: &mut dyn ConnectionLike, keys: &Keys) -> StoreResult<Vec<ConsumerInfo>> {
     let mut cmd = redis::cmd("XINFO");
     cmd.arg("CONSUMERS").arg(&keys.stream).arg(&keys.group);
-    // No stream (its key removed, not yet written again): no consumers. The read that
-    // follows meets NOGROUP, and the reader's start makes the stream and the group again.
-    let list = match query::<Value>("list consumers", &cmd, con) {
-        Ok(Value::Array(list)) => list,
-        Err(e) if no_such_key(&e) => return Ok(Vec::new()),
-        Ok(_) => return Ok(Vec::new()),
-        Err(e) => return Err(e),
-    };
+    // No stream: no consumers. The read that follows meets NOGROUP, and the reader's
+    // start makes the stream and the group again.
     let mut out = Vec::new();
-    for c in list {
+    for c in xinfo("list consumers", &cmd, con)? {
         let fields = kv_fields(c);
         if fields.is_empty() {
             continue;
