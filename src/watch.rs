@@ -1,7 +1,8 @@
 //! The watch role: what the worker's guarantees need of its surroundings, looked at.
 //!
 //! One thread of the daemon. At start and every [`clock::MEASURE_EVERY`] (or
-//! `--stats-interval` when shorter; every second until the clock has been measured once)
+//! `--stats-interval` when shorter; every second until the clock has been measured once,
+//! and every second while a critical problem of its own stands, so a fix shows at once)
 //! it
 //! - measures this host's clock against Redis's ([`offset`]: a few `TIME` round trips on
 //!   the server of shard 0, the quickest wins; the daemon measures it the same way once
@@ -55,6 +56,10 @@ pub struct Watch<'a> {
     /// A pass has run: the first, at start, does not judge the mover lag (this process's
     /// own mover has not moved yet).
     passed: bool,
+    /// A critical problem of this role stands (an evicting policy, due jobs unmoved): the
+    /// passes come every [`RAISED_RETRY`] until it clears, so the operator's fix turns
+    /// `/healthz` green within a second or so, not at the next ordinary pass.
+    raised: [bool; 2],
 }
 
 impl<'a> Watch<'a> {
@@ -71,6 +76,7 @@ impl<'a> Watch<'a> {
             logged: None,
             info_refused: false,
             passed: false,
+            raised: [false; 2],
         }
     }
 
@@ -159,6 +165,7 @@ impl<'a> Watch<'a> {
                 full = Some((key.clone(), m));
             }
         }
+        self.raised[0] = evicting.is_some() && !self.config.allow_eviction;
         match evicting {
             Some((key, m)) => {
                 let what = evicting_text(&m, &key, self.keys.len() > 1);
@@ -222,6 +229,7 @@ impl<'a> Watch<'a> {
             }
         };
         let lag = Duration::from_millis(pool.mover_lag_ms.max(0) as u64);
+        self.raised[1] = lag > limit;
         if lag > limit {
             // The lag is a legacy pool's when one of them holds the oldest due member.
             let legacy = legacy
@@ -296,18 +304,22 @@ impl<'a> Watch<'a> {
         log::debug!("watch: stopped");
     }
 
-    /// How long until the next pass: [`Watch::every`], or [`UNMEASURED_RETRY`] while the
-    /// clock has never been measured (every role reads it through the offset).
+    /// How long until the next pass: [`Watch::every`], or [`RAISED_RETRY`] while the clock
+    /// has never been measured (every role reads it through the offset) or while a critical
+    /// problem of this role stands.
     fn next_pass(&self) -> Duration {
-        match self.stats.clock.offset() {
-            Some(_) => self.every(),
-            None => self.every().min(UNMEASURED_RETRY),
+        let unmeasured = self.stats.clock.offset().is_none();
+        if unmeasured || self.raised.iter().any(|r| *r) {
+            self.every().min(RAISED_RETRY)
+        } else {
+            self.every()
         }
     }
 }
 
-/// How soon a pass is tried again while the clock has never been measured.
-const UNMEASURED_RETRY: Duration = Duration::from_secs(1);
+/// How soon a pass comes again while the clock has never been measured, or while a
+/// critical problem of this role stands.
+const RAISED_RETRY: Duration = Duration::from_secs(1);
 
 /// This host's offset to Redis, read on the server that holds `key`: [`SAMPLES`] `TIME`
 /// round trips, the quickest wins. The daemon measures it once before its roles start

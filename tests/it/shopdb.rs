@@ -571,12 +571,26 @@ fn dead_letters_faster_than_the_threshold_turn_healthz_red() {
 
 /// Due jobs that no mover takes (every process started with `--no-mover`): `/healthz` is
 /// red naming the pool, and `stats --check` CRITICAL, until a process with a mover starts;
-/// that process is not red for the lag it found at its start, and the jobs run once.
+/// that process is not red for the lag it found at its start, and the jobs run once; the
+/// red process turns green within seconds of the jobs being moved.
 #[test]
 fn due_jobs_no_mover_takes_turn_healthz_red_until_a_mover_runs() {
     let env = Env::new();
     let orders = seed_orders(&env.db, 20);
-    let (a, port) = start_with_health(&env, &["--no-mover", "--mover-lag-crit", "2s"]);
+    // Its watch's ordinary passes 10 s apart, as by default.
+    let mut quiet = env.config.clone();
+    quiet.stats_interval = Duration::from_secs(10);
+    let port = free_port();
+    let a = Proc::start(
+        &quiet,
+        &args(&[
+            "--metrics-addr",
+            &format!("127.0.0.1:{port}"),
+            "--no-mover",
+            "--mover-lag-crit",
+            "2s",
+        ]),
+    );
     wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
     push_timeouts(&env, &orders, 0);
     wait_until(WAIT, "/healthz red naming the pool", || {
@@ -608,7 +622,10 @@ fn due_jobs_no_mover_takes_turn_healthz_red_until_a_mover_runs() {
         );
         inbox_count(&env.db) == 20 && books(&env).pool == 0
     });
-    wait_until(WAIT, "/healthz green again", || healthz(port).0 == 200);
+    // Looked at again every second while red, not at the next ordinary pass (10 s).
+    wait_until(Duration::from_secs(4), "/healthz green again soon", || {
+        healthz(port).0 == 200
+    });
     wait_until(WAIT, "/healthz of the mover's process green", || {
         healthz(mover_port).0 == 200
     });

@@ -502,7 +502,11 @@ impl Proc {
                 "--heartbeat-ttl",
                 "2s",
             ])
-            .args(["--retry-base", "100ms", "--stats-interval", "1s"])
+            .args(["--retry-base", "100ms"])
+            .args([
+                "--stats-interval",
+                &format!("{}ms", config.stats_interval.as_millis()),
+            ])
             .args(extra)
             .stdin(Stdio::null());
         Proc::spawn(cmd)
