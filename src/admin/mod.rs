@@ -37,26 +37,27 @@ use std::process::ExitCode;
 pub fn stats(config: &Config, args: &StatsArgs) -> anyhow::Result<ExitCode> {
     let config = &config.settled();
     let out = &mut io::stdout().lock();
-    quiet_on_broken_pipe(if args.check {
+    let r = if args.check {
         check::run(config, args, out)
     } else if args.watch {
         stats::watch(config, args, out)
     } else {
         stats::run(config, args, out)
-    })
+    };
+    quiet_on_broken_pipe(name_wrong_keys(config, r))
 }
 
 /// `worker trace KEY` / `--order ORDER`.
 pub fn trace(config: &Config, args: &trace::TraceArgs) -> anyhow::Result<ExitCode> {
     let out = &mut io::stdout().lock();
-    quiet_on_broken_pipe(trace::run(config, args, out))
+    quiet_on_broken_pipe(name_wrong_keys(config, trace::run(config, args, out)))
 }
 
 /// `worker dead ...`.
 pub fn dead(config: &Config, args: &DeadArgs) -> anyhow::Result<ExitCode> {
     let config = &config.settled();
     let out = &mut io::stdout().lock();
-    quiet_on_broken_pipe(dead::run(config, args, out))
+    quiet_on_broken_pipe(name_wrong_keys(config, dead::run(config, args, out)))
 }
 
 /// `worker dead list | head` closes our stdout early: that is the reader being done,
@@ -71,6 +72,37 @@ fn quiet_on_broken_pipe(r: anyhow::Result<ExitCode>) -> anyhow::Result<ExitCode>
         }
         r => r,
     }
+}
+
+/// Redis's `WRONGTYPE` does not say which key: a command that met it says, from a look
+/// at the worker's keys' types (`figures::wrong_types`), which of them holds the wrong
+/// type, e.g. `cannot read the queue figures: key "mq:events" holds a string, not a
+/// stream; rename or remove it`. Any other error, or none found, as it was.
+fn name_wrong_keys(config: &Config, r: anyhow::Result<ExitCode>) -> anyhow::Result<ExitCode> {
+    let Err(e) = r else { return r };
+    let wrongtype = e.chain().any(|c| {
+        c.downcast_ref::<redis::RedisError>()
+            .is_some_and(|r| r.code() == Some("WRONGTYPE"))
+    });
+    if !wrongtype {
+        return Err(e);
+    }
+    let bad = connect(config)
+        .ok()
+        .and_then(|mut con| crate::figures::wrong_types(&mut con, config).ok())
+        .unwrap_or_default();
+    if bad.is_empty() {
+        return Err(e);
+    }
+    // Without a context of its own the error is Redis's refusal, which says nothing more.
+    let what = match e.to_string() {
+        s if s.contains("WRONGTYPE") => "Redis refused a read".to_string(),
+        s => s,
+    };
+    Err(anyhow::anyhow!(
+        "{what}: {}; rename or remove it",
+        bad.join(", ")
+    ))
 }
 
 /// One connection, checked with a PING, its errors showing the URL without password.

@@ -55,7 +55,7 @@ pub enum StoreError {
     /// The connection broke, timed out or was refused, the server is still loading, or a
     /// failover is under way (`READONLY`, `MASTERDOWN`, a group missing on a promoted
     /// replica): reconnect, start again and back off.
-    #[error("{what}: connection lost: {source}")]
+    #[error("{what}: {}", lost(.source))]
     Connection {
         what: &'static str,
         source: RedisError,
@@ -146,10 +146,43 @@ impl StoreError {
         }
     }
 
+    /// A plain command's `WRONGTYPE` on `key` as [`StoreError::WrongType`], which names the
+    /// key (Redis's refusal does not) and the type it holds (read with `TYPE`); any other
+    /// error as it was.
+    pub fn naming(self, con: &mut dyn ConnectionLike, key: &str, wanted: &str) -> StoreError {
+        match self {
+            StoreError::Refused { what, source } if source.code() == Some("WRONGTYPE") => {
+                let found = redis::cmd("TYPE")
+                    .arg(key)
+                    .query::<String>(con)
+                    .unwrap_or_else(|_| "value of another type".into());
+                StoreError::WrongType {
+                    what,
+                    key: key.to_string(),
+                    found,
+                    wanted: wanted.to_string(),
+                }
+            }
+            e => e,
+        }
+    }
+
     /// The consumer group is gone (the stream's key was removed, or a promoted replica
     /// never had it): a new start creates it, so there is no outage to wait out.
     pub fn is_group_missing(&self) -> bool {
         matches!(self, StoreError::Connection { source, .. } if source.code() == Some("NOGROUP"))
+    }
+}
+
+/// Why a connection-class error sent the role back to connect and start again.
+fn lost(source: &RedisError) -> String {
+    if source.code() == Some("NOGROUP") {
+        format!(
+            "the consumer group is missing (its stream's key was removed, or a promoted \
+             replica never had it); starting again makes it: {source}"
+        )
+    } else {
+        format!("connection lost: {source}")
     }
 }
 

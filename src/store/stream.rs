@@ -84,19 +84,7 @@ pub fn ensure_group(con: &mut dyn ConnectionLike, keys: &Keys) -> StoreResult<()
         Ok(_) => Ok(()),
         Err(StoreError::Refused { source, .. }) if source.code() == Some("BUSYGROUP") => Ok(()),
         // The stream's key holds something else: the operator's to rename or remove.
-        Err(StoreError::Refused { source, .. }) if source.code() == Some("WRONGTYPE") => {
-            let found = redis::cmd("TYPE")
-                .arg(&keys.stream)
-                .query::<String>(con)
-                .unwrap_or_else(|_| "value of another type".into());
-            Err(StoreError::WrongType {
-                what: "create the consumer group",
-                key: keys.stream.clone(),
-                found,
-                wanted: "stream".into(),
-            })
-        }
-        Err(e) => Err(e),
+        Err(e) => Err(e.naming(con, &keys.stream, "stream")),
     }
 }
 
@@ -335,7 +323,7 @@ pub fn trim_acknowledged(
     let mut bound = StreamId::ms(now_ms - retention.as_millis() as i64);
     let mut cmd = redis::cmd("XINFO");
     cmd.arg("GROUPS").arg(&keys.stream);
-    for g in xinfo("trim: groups", &cmd, con)? {
+    for g in xinfo("trim: groups", &cmd, &keys.stream, con)? {
         let fields = kv_fields(g);
         let get = |name: &str| fields.iter().find(|(k, _)| k == name).map(|(_, v)| v);
         let name = get("name").map(value_to_string).unwrap_or_default();
@@ -411,6 +399,7 @@ pub struct ConsumerInfo {
 fn xinfo(
     what: &'static str,
     cmd: &redis::Cmd,
+    stream: &str,
     con: &mut dyn ConnectionLike,
 ) -> StoreResult<Vec<Value>> {
     match query::<Value>(what, cmd, con) {
@@ -421,7 +410,7 @@ fn xinfo(
         {
             Ok(Vec::new())
         }
-        Err(e) => Err(e),
+        Err(e) => Err(e.naming(con, stream, "stream")),
     }
 }
 
@@ -432,7 +421,7 @@ pub fn consumers(con: &mut dyn ConnectionLike, keys: &Keys) -> StoreResult<Vec<C
     // No stream: no consumers. The read that follows meets NOGROUP, and the reader's
     // start makes the stream and the group again.
     let mut out = Vec::new();
-    for c in xinfo("list consumers", &cmd, con)? {
+    for c in xinfo("list consumers", &cmd, &keys.stream, con)? {
         let fields = kv_fields(c);
         if fields.is_empty() {
             continue;
@@ -477,7 +466,8 @@ pub fn pending(
     if let Some(c) = consumer {
         cmd.arg(c);
     }
-    let Value::Array(list) = query::<Value>("list pending entries", &cmd, con)? else {
+    let reply = query::<Value>("list pending entries", &cmd, con);
+    let Value::Array(list) = reply.map_err(|e| e.naming(con, &keys.stream, "stream"))? else {
         return Ok(Vec::new());
     };
     Ok(list

@@ -1139,3 +1139,38 @@ fn stats_reads_a_held_pool_against_the_bound_the_movers_published() {
     let (lag, backlog) = figures();
     assert!(lag >= 60_000 && backlog == 0, "{lag} {backlog}");
 }
+
+/// A worker's key holding another type: `stats`, `dead list` and `trace` each end with
+/// one line that names the key and the type it holds (Redis's `WRONGTYPE` names neither),
+/// exit 1, no backtrace.
+#[test]
+fn the_tools_name_a_key_of_the_wrong_type() {
+    let r = RedisServer::start();
+    // `trace` reads the inbox too.
+    let db = TestDb::new();
+    let mut con = r.con();
+    let k = Keys::default();
+    let cases: [(&str, &str, &[&str]); 3] = [
+        (&k.stream, "stream", &["stats"]),
+        (&k.dead, "stream", &["dead", "list"]),
+        (&k.pool, "zset", &["trace", "--order", "5"]),
+    ];
+    for (key, wanted, args) in cases {
+        redis::cmd("SET")
+            .arg(key)
+            .arg("x")
+            .query::<()>(&mut con)
+            .unwrap();
+        let out = run_worker(args, &r.url(), &db.url);
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(
+            err.contains(&format!(
+                "key {key:?} holds a string, not a {wanted}; rename or remove it"
+            )) && !err.contains("WRONGTYPE")
+                && err.lines().count() == 1,
+            "{args:?}: {err}"
+        );
+        redis::cmd("DEL").arg(key).query::<()>(&mut con).unwrap();
+    }
+}

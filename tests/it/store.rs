@@ -144,6 +144,33 @@ fn push_and_cancel_write_nothing_when_a_key_has_the_wrong_type() {
     assert_eq!(zcard(&mut con, &k.pool), 1, "still scheduled");
 }
 
+/// The plain commands on the stream (the reader's consumer listing, the trim's, the
+/// pruner's pending look, the group's creation) name the key Redis's `WRONGTYPE` does not,
+/// with the type it holds; a group removed with its stream says so, not "connection lost".
+#[test]
+fn plain_commands_on_a_stream_of_the_wrong_type_name_the_key() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let k = keys();
+    set_string(&mut con, &k.stream);
+    is_wrong_type(&stream::consumers(&mut con, &k), &k.stream);
+    is_wrong_type(&stream::pending(&mut con, &k, 0, 1, None), &k.stream);
+    is_wrong_type(&stream::ensure_group(&mut con, &k), &k.stream);
+    let e = stream::consumers(&mut con, &k).unwrap_err().to_string();
+    assert!(
+        e.contains(&format!("key {:?} holds a string, not a stream", k.stream)),
+        "{e}"
+    );
+    del(&mut con, &k.stream);
+    let e = stream::pending(&mut con, &k, 0, 1, None).unwrap_err();
+    assert!(e.is_group_missing(), "{e:?}");
+    let text = e.to_string();
+    assert!(
+        text.contains("the consumer group is missing") && !text.contains("connection lost"),
+        "{text}"
+    );
+}
+
 #[test]
 fn move_due_leaves_the_pool_alone_when_the_stream_is_the_wrong_type() {
     let r = RedisServer::start();
