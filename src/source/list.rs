@@ -112,6 +112,10 @@ impl Source for ListReader<'_> {
         self.cfg.block
     }
 
+    fn heartbeat_ttl(&self) -> Duration {
+        self.cfg.heartbeat_ttl
+    }
+
     /// Registers this consumer, then pushes its own leftovers (from a previous run under
     /// the same name) back onto their queues, oldest at the tail, to be fetched again.
     fn start(

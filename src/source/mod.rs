@@ -138,6 +138,10 @@ pub trait Source {
     }
     /// The maintenance period (`--block`).
     fn block(&self) -> Duration;
+    /// How long this consumer's heartbeat lives (`--heartbeat-ttl`): a wait between tries
+    /// on a Redis that answers stays under half of it, so that peers do not take over the
+    /// pending work of a reader that only waits for an operator's fix.
+    fn heartbeat_ttl(&self) -> Duration;
     /// Start-up (and after a lost connection): take back this consumer's own pending work.
     fn start(
         &mut self,
@@ -198,7 +202,7 @@ pub fn run(
                 if let Some(p) = e.operator_problem() {
                     stats.report_problem(role, p);
                     failed_on_problem = true;
-                    cap = crate::backoff::FIX_BACKOFF;
+                    cap = crate::backoff::FIX_BACKOFF.min(source.heartbeat_ttl() / 2);
                 } else if e.is_group_missing() {
                     // The start that follows creates the group: no outage to wait out.
                     cap = std::time::Duration::from_millis(100);

@@ -145,15 +145,17 @@ impl<'a> Reader<'a> {
         self.feed.send(read.deliveries)
     }
 
-    /// Start-up: group, heartbeat, then this consumer's own pending entries (left by a
-    /// previous run of the same name), re-delivered before anything new.
+    /// Start-up: heartbeat, group, then this consumer's own pending entries (left by a
+    /// previous run of the same name), re-delivered before anything new. The heartbeat
+    /// comes first: a start that fails on the stream's key (of the wrong type until an
+    /// operator's fix) keeps it alive, and no peer takes over the entries our workers hold.
     pub fn start(
         &mut self,
         con: &mut dyn redis::ConnectionLike,
         shutdown: &Shutdown,
     ) -> Result<usize, StepError> {
-        stream::ensure_group(con, self.keys)?;
         self.heartbeat(con)?;
+        stream::ensure_group(con, self.keys)?;
         self.bury_overdelivered(con, Some(self.consumer), Duration::ZERO)?;
         // Whatever was taken over before a reconnect is in our own pending now.
         self.taken.clear();
@@ -349,6 +351,9 @@ impl Source for Reader<'_> {
     fn block(&self) -> Duration {
         self.cfg.block
     }
+    fn heartbeat_ttl(&self) -> Duration {
+        self.cfg.heartbeat_ttl
+    }
     fn start(
         &mut self,
         con: &mut dyn redis::ConnectionLike,
@@ -483,6 +488,11 @@ impl Source for Shards<'_> {
         self.readers
             .first()
             .map_or(Duration::from_secs(1), |r| r.cfg.block)
+    }
+    fn heartbeat_ttl(&self) -> Duration {
+        self.readers
+            .first()
+            .map_or(Duration::from_secs(10), |r| r.cfg.heartbeat_ttl)
     }
     fn start(
         &mut self,

@@ -8,7 +8,7 @@ use delay_worker::config::LegacyPool;
 use delay_worker::source::{stream::Reader, Feed};
 use delay_worker::stats::Stats;
 use delay_worker::store;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -78,7 +78,9 @@ fn a_dead_letter_key_of_the_wrong_type_loses_nothing_and_turns_health_red() {
 /// checks name it; once the operator removes it, the jobs run within the short wait of an
 /// operator's fix (`FIX_BACKOFF`, 5 s), not the half minute an outage's backoff grows to:
 /// after 15 s of failures that backoff waits 6-26 s, and every job with it. The group the
-/// removed key took with it is made again at once (`NOGROUP` is no outage).
+/// removed key took with it is made again at once (`NOGROUP` is no outage). The reader
+/// keeps its heartbeat meanwhile (found from outside: it lapsed, and a peer took over the
+/// entries this worker's pool held).
 #[test]
 fn a_stream_key_of_the_wrong_type_is_named_and_taken_up_soon_after_the_fix() {
     let mut env = Env::new();
@@ -127,7 +129,18 @@ fn a_stream_key_of_the_wrong_type_is_named_and_taken_up_soon_after_the_fix() {
             .map(|(code, _, body)| code == 503 && body.contains(&k.stream))
             .unwrap_or(false)
     });
-    std::thread::sleep(Duration::from_secs(15));
+    // The reader backs off on the key but keeps its heartbeat (2 s here): a peer must not
+    // take over its pending entries as a dead consumer's.
+    let heartbeat = k.heartbeat(&env.config.consumer);
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(15) {
+        let alive: bool = redis::cmd("EXISTS")
+            .arg(&heartbeat)
+            .query(&mut con)
+            .unwrap();
+        assert!(alive, "the heartbeat lapsed while the reader backed off");
+        std::thread::sleep(Duration::from_millis(200));
+    }
     assert_eq!(
         inbox_count(&env.db),
         0,
