@@ -139,8 +139,9 @@ pub trait Source {
     /// The maintenance period (`--block`).
     fn block(&self) -> Duration;
     /// How long this consumer's heartbeat lives (`--heartbeat-ttl`): a wait between tries
-    /// on a Redis that answers stays under half of it, so that peers do not take over the
-    /// pending work of a reader that only waits for an operator's fix.
+    /// on a Redis that answers stays within a quarter of it (each try refreshes the
+    /// heartbeat first), so that peers do not take over the pending work of a reader that
+    /// only waits for an operator's fix, even on a host slow to schedule it.
     fn heartbeat_ttl(&self) -> Duration;
     /// Start-up (and after a lost connection): take back this consumer's own pending work.
     fn start(
@@ -202,7 +203,7 @@ pub fn run(
                 if let Some(p) = e.operator_problem() {
                     stats.report_problem(role, p);
                     failed_on_problem = true;
-                    cap = crate::backoff::FIX_BACKOFF.min(source.heartbeat_ttl() / 2);
+                    cap = crate::backoff::FIX_BACKOFF.min(source.heartbeat_ttl() / 4);
                 } else if e.is_group_missing() {
                     // The start that follows creates the group: no outage to wait out.
                     cap = std::time::Duration::from_millis(100);
