@@ -56,10 +56,11 @@ pub struct Watch<'a> {
     /// A pass has run: the first, at start, does not judge the mover lag (this process's
     /// own mover has not moved yet).
     passed: bool,
-    /// A critical problem of this role stands (an evicting policy, due jobs unmoved): the
-    /// passes come every [`RAISED_RETRY`] until it clears, so the operator's fix turns
+    /// A critical problem of this role stands, an evicting policy or due jobs unmoved:
+    /// the passes come every [`RAISED_RETRY`] until it clears, so the operator's fix turns
     /// `/healthz` green within a second or so, not at the next ordinary pass.
-    raised: [bool; 2],
+    evicting: bool,
+    unmoved: bool,
 }
 
 impl<'a> Watch<'a> {
@@ -76,7 +77,8 @@ impl<'a> Watch<'a> {
             logged: None,
             info_refused: false,
             passed: false,
-            raised: [false; 2],
+            evicting: false,
+            unmoved: false,
         }
     }
 
@@ -165,7 +167,7 @@ impl<'a> Watch<'a> {
                 full = Some((key.clone(), m));
             }
         }
-        self.raised[0] = evicting.is_some() && !self.config.allow_eviction;
+        self.evicting = evicting.is_some() && !self.config.allow_eviction;
         match evicting {
             Some((key, m)) => {
                 let what = evicting_text(&m, &key, self.keys.len() > 1);
@@ -229,7 +231,7 @@ impl<'a> Watch<'a> {
             }
         };
         let lag = Duration::from_millis(pool.mover_lag_ms.max(0) as u64);
-        self.raised[1] = lag > limit;
+        self.unmoved = lag > limit;
         if lag > limit {
             // The lag is a legacy pool's when one of them holds the oldest due member.
             let legacy = legacy
@@ -309,7 +311,7 @@ impl<'a> Watch<'a> {
     /// problem of this role stands.
     fn next_pass(&self) -> Duration {
         let unmeasured = self.stats.clock.offset().is_none();
-        if unmeasured || self.raised.iter().any(|r| *r) {
+        if unmeasured || self.evicting || self.unmoved {
             self.every().min(RAISED_RETRY)
         } else {
             self.every()
