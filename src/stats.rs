@@ -418,14 +418,16 @@ impl Contention {
         self.len.store(w.len() as u64, Relaxed);
     }
 
-    /// A job finished (committed, a duplicate, or a dead letter): it waits no more.
-    pub fn finished(&self, key: &str) {
+    /// A job finished (committed, a duplicate, or a dead letter): it waits no more. True
+    /// when it was the last job waiting.
+    pub fn finished(&self, key: &str) -> bool {
         if self.len.load(Relaxed) == 0 {
-            return;
+            return false;
         }
         let mut w = self.lock();
-        w.remove(key);
+        let was = w.remove(key).is_some();
         self.len.store(w.len() as u64, Relaxed);
+        was && w.is_empty()
     }
 
     /// How many jobs wait on contention as of `now_ms`, and the one waiting longest.

@@ -82,6 +82,9 @@ pub const SCHEMA_HOLD: Duration = Duration::from_secs(5);
 /// if shorter): once the shop's lock is gone the job runs within this.
 pub const CONTENTION_CAP: Duration = Duration::from_secs(30);
 
+/// The role jobs waiting on contention are reported under (a warning, not red).
+const CONTENTION: &str = "contention";
+
 /// What every worker shares. Read-only except the counters.
 pub struct PoolContext<'a> {
     pub keys: &'a Keys,
@@ -661,9 +664,18 @@ impl<'a> Worker<'a> {
     /// no more, and its event is no longer held by a schema fault.
     fn went_through(&self, key: &str, event: &str) {
         let stats = self.ctx.stats;
-        stats.contention.finished(key);
+        self.no_longer_waits(key);
         if stats.clear_problem(&held_role(event), i64::MAX) {
             log::info!("jobs of {event} run again: the schema fault is gone");
+        }
+    }
+
+    /// A job that waited on contention finished: the warning goes with the last one, not
+    /// a [`crate::stats::PROBLEM_WINDOW`] after the last retry.
+    fn no_longer_waits(&self, key: &str) {
+        let stats = self.ctx.stats;
+        if stats.contention.finished(key) && stats.clear_problem(CONTENTION, i64::MAX) {
+            log::info!("{CONTENTION}: no job waits on other transactions' locks any more");
         }
     }
 
@@ -732,7 +744,7 @@ impl<'a> Worker<'a> {
         let since = first_due.unwrap_or(now);
         let waited = Duration::from_millis((now - since).max(0) as u64);
         if env.retry >= jobs.max_retries && waited >= jobs.retry_for {
-            stats.contention.finished(key);
+            self.no_longer_waits(key);
             let reason = format!(
                 "transient failure after {} retries, {} after its due time (contention: --retry-for {}): {}",
                 env.retry,
@@ -765,7 +777,7 @@ impl<'a> Worker<'a> {
             // Logged when the longest waiter or its reason changes, else every 30 s: the
             // count and the time change at every retry.
             let gist = format!("{} {}: {}", w.event, w.key, w.reason);
-            if stats.report_trouble_about("contention", what.clone(), gist) {
+            if stats.report_trouble_about(CONTENTION, what.clone(), gist) {
                 log::warn!("{what}");
             }
         }

@@ -306,6 +306,10 @@ fn hold_lock(
     (tx, h)
 }
 
+/// Shop locks on an order and on a sku several orders share: those jobs wait (no dead
+/// letter), counted and shown, `stats --check` warns of it while it lasts and no longer
+/// once the last waiting job has gone through (found from outside: the warning outlived
+/// it by a minute); then each is cancelled once.
 #[test]
 fn a_shop_lock_holds_its_order_and_the_orders_sharing_a_sku_then_they_are_cancelled_once() {
     let env = Env::new();
@@ -344,6 +348,8 @@ fn a_shop_lock_holds_its_order_and_the_orders_sharing_a_sku_then_they_are_cancel
     assert_eq!(books(&env).dead, 0, "a shop lock is no fault of the job");
     let (_, _, page) = http_get(port, "/").unwrap();
     assert!(page.contains("wait on other transactions"), "{page}");
+    let (code, line) = check(&env);
+    assert!(code == 1 && line.contains("contention"), "{code} {line}");
     release_order.send(()).unwrap();
     release_sku.send(()).unwrap();
     h1.join().unwrap();
@@ -351,6 +357,10 @@ fn a_shop_lock_holds_its_order_and_the_orders_sharing_a_sku_then_they_are_cancel
     wait_done(&env, &env.db, orders.len() as i64);
     wait_until(WAIT, "no job waiting", || {
         metric(port, "delay_worker_jobs_waiting_on_contention") == 0.0
+    });
+    // The warning goes with the last waiting job (it stayed a minute after the last retry).
+    wait_until(Duration::from_secs(5), "stats --check without contention", || {
+        !check(&env).1.contains("contention")
     });
     stop(w);
     assert_accounting(&env.db, &orders, &all(&orders));
