@@ -46,7 +46,10 @@ GRANT SELECT (slot, flushes), INSERT (slot), UPDATE (flushes, flushed_at)
 
 -- order.timeout: a pending order -> cancelled; payment.paid: a pending order -> paid.
 -- Both find the order by id or order_no and lock its row (FOR UPDATE needs UPDATE).
-GRANT SELECT (id, order_no, status, cancel_reason, coupon_id),
+-- On every table whose rows a handler locks, the system columns ctid and xmax: after a
+-- lock timeout the worker reads the row's xmax (by the ctid PostgreSQL named) to say
+-- whose transaction held it. Transaction ids, no data.
+GRANT SELECT (ctid, xmax, id, order_no, status, cancel_reason, coupon_id),
       UPDATE (status, cancel_reason, cancelled_at, paid_at, updated_at)
    ON orders TO :"role";
 
@@ -54,14 +57,15 @@ GRANT SELECT (id, order_no, status, cancel_reason, coupon_id),
 GRANT SELECT (order_id, sku_id, qty) ON order_items TO :"role";
 
 -- order.timeout: stock back, sku rows locked in id order.
-GRANT SELECT (id, stock), UPDATE (stock, updated_at) ON sku TO :"role";
+GRANT SELECT (ctid, xmax, id, stock), UPDATE (stock, updated_at) ON sku TO :"role";
 
 -- order.timeout: the order's coupon back to unused; coupon.expire: unused -> expired.
-GRANT SELECT (id, status, expire_at), UPDATE (status, used_at, updated_at)
+GRANT SELECT (ctid, xmax, id, status, expire_at), UPDATE (status, used_at, updated_at)
    ON coupon_user TO :"role";
 
 -- aftersale.timeout: a pending request past its deadline -> approved.
-GRANT SELECT (id, status, deadline_at), UPDATE (status, resolved_at, resolve_reason)
+GRANT SELECT (ctid, xmax, id, status, deadline_at),
+      UPDATE (status, resolved_at, resolve_reason)
    ON aftersale TO :"role";
 
 -- payment.paid for a cancelled or missing order: one review row. The id comes from the

@@ -107,11 +107,20 @@ fn look(client: &mut postgres::Client, wait: &LockWait) -> Option<String> {
                  LEFT JOIN pg_stat_activity a ON a.pid = l.pid \
                  ORDER BY m.mode = 'keysh', a.xact_start NULLS LAST LIMIT 1"
             );
-            client
-                .query_opt(&lone, &[tid])
-                .ok()
-                .flatten()
-                .or_else(|| client.query_opt(&shared, &[tid]).ok().flatten())
+            match client.query_opt(&lone, &[tid]) {
+                // A role with column grants reads a system column only when granted it.
+                Err(e) if e.code() == Some(&postgres::error::SqlState::INSUFFICIENT_PRIVILEGE) => {
+                    return Some(format!(
+                        "whose lock it waited for is not known: this role may not read the \
+                         row's xmax; grant SELECT (ctid, xmax) ON {relation}, as \
+                         sql/grants.sql does"
+                    ));
+                }
+                r => r
+                    .ok()
+                    .flatten()
+                    .or_else(|| client.query_opt(&shared, &[tid]).ok().flatten()),
+            }
         }
         None => None,
     };

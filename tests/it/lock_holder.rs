@@ -10,7 +10,7 @@ const WAIT: Duration = Duration::from_secs(60);
 
 /// A shop session that runs `sql` in an open transaction and holds what it locked until
 /// told; its backend pid.
-fn hold(
+pub(crate) fn hold(
     env: &Env,
     sql: &'static str,
 ) -> (
@@ -36,7 +36,7 @@ fn hold(
 
 /// A job waiting on a lock is a dead letter within about a second: short lock waits,
 /// two quick retries, `--retry-for` 800 ms.
-fn dead_letter_soon(env: &mut Env) {
+pub(crate) fn dead_letter_soon(env: &mut Env) {
     env.config.jobs.lock_timeout = Duration::from_millis(50);
     env.config.jobs.max_retries = 2;
     env.config.jobs.retry_base = Duration::from_millis(50);

@@ -1026,3 +1026,53 @@ fn every_command_the_code_sends_is_granted() {
         .collect();
     assert!(missing.is_empty(), "not in worker.acl: {missing:?}");
 }
+
+/// A job that times out on a shop's row lock names the holder under the runtime role of
+/// `sql/grants.sql` with `pg_read_all_stats` (the row's `xmax` is read through the grant of
+/// the system columns; found from outside: with the column grants alone it never said
+/// whose lock), and without that grant says which to give.
+#[test]
+fn a_lock_holder_is_named_under_the_runtime_role() {
+    let mut l = Locked::new(&[]);
+    let mut admin = postgres::Client::connect(&admin_url(), NoTls).unwrap();
+    admin
+        .batch_execute(&format!("GRANT pg_read_all_stats TO {}", l.runtime_role))
+        .unwrap();
+    l.env.config.jobs.statement_timeout = Duration::from_millis(200);
+    crate::lock_holder::dead_letter_soon(&mut l.env);
+    let orders = seed_orders(&l.env.db, 2);
+    let daemon = Daemon::start(&l.env.config);
+    let sql = "SELECT 1 FROM orders WHERE id > 0 FOR UPDATE";
+    for (n, grant) in [(1, true), (2, false)] {
+        if !grant {
+            l.env
+                .db
+                .client()
+                .batch_execute(&format!(
+                    "REVOKE SELECT (ctid, xmax) ON orders FROM {}",
+                    l.runtime_role
+                ))
+                .unwrap();
+        }
+        let (pid, release, h) = crate::lock_holder::hold(&l.env, sql);
+        push_timeouts(&l.env, &orders[n - 1..n], 0);
+        wait_until(WAIT, "the dead letter", || dead_letters(&l.env).len() == n);
+        release.send(()).unwrap();
+        h.join().unwrap();
+        let reason = dead_letters(&l.env)
+            .into_iter()
+            .find(|d| d["key"] == format!("order.timeout:{}", orders[n - 1].order_no))
+            .expect("the order's letter")["reason"]
+            .clone();
+        let wanted = if grant {
+            format!(
+                "(55P03): waited for a lock held by pid {pid} (idle in transaction, its last \
+                 statement `SELECT ? FROM orders WHERE id > ? FOR UPDATE`) on the row ("
+            )
+        } else {
+            "grant SELECT (ctid, xmax) ON orders, as sql/grants.sql does".to_string()
+        };
+        assert!(reason.contains(&wanted), "{reason}");
+    }
+    daemon.stop();
+}

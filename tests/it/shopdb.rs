@@ -359,9 +359,11 @@ fn a_shop_lock_holds_its_order_and_the_orders_sharing_a_sku_then_they_are_cancel
         metric(port, "delay_worker_jobs_waiting_on_contention") == 0.0
     });
     // The warning goes with the last waiting job (it stayed a minute after the last retry).
-    wait_until(Duration::from_secs(5), "stats --check without contention", || {
-        !check(&env).1.contains("contention")
-    });
+    wait_until(
+        Duration::from_secs(5),
+        "stats --check without contention",
+        || !check(&env).1.contains("contention"),
+    );
     stop(w);
     assert_accounting(&env.db, &orders, &all(&orders));
     assert_eq!(books(&env).dead, 0);
