@@ -23,7 +23,7 @@ pub const MAX_BACKOFF: Duration = Duration::from_secs(30);
 /// fix (a `DEL` or a `RENAME`) is taken up within this, where [`MAX_BACKOFF`] left every
 /// job waiting up to half a minute more after it. A failed read of a wrong-typed key costs
 /// Redis next to nothing.
-pub const FIX_BACKOFF: Duration = Duration::from_secs(5);
+pub const FIX_BACKOFF: Duration = Duration::from_secs(2);
 
 impl Backoff {
     pub fn new(role: &str) -> Backoff {

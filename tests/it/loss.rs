@@ -76,7 +76,7 @@ fn a_dead_letter_key_of_the_wrong_type_loses_nothing_and_turns_health_red() {
 /// line naming the key (not "cannot reach Redis"). Made wrong while it runs, the key holds
 /// every job back (the mover's moves and the reader's reads fail on it) while the health
 /// checks name it; once the operator removes it, the jobs run within the short wait of an
-/// operator's fix (`FIX_BACKOFF`, 5 s), not the half minute an outage's backoff grows to:
+/// operator's fix (`FIX_BACKOFF`, 2 s), not the half minute an outage's backoff grows to:
 /// after 15 s of failures that backoff waits 6-26 s, and every job with it. The group the
 /// removed key took with it is made again at once (`NOGROUP` is no outage). The reader
 /// keeps its heartbeat meanwhile (found from outside: it lapsed, and a peer took over the
