@@ -674,7 +674,9 @@ impl<'a> Worker<'a> {
     /// a [`crate::stats::PROBLEM_WINDOW`] after the last retry.
     fn no_longer_waits(&self, key: &str) {
         let stats = self.ctx.stats;
-        if stats.contention.finished(key) && stats.clear_problem(CONTENTION, i64::MAX) {
+        // A job another worker sends back meanwhile reports it again: that report stays.
+        let since = crate::now_ms();
+        if stats.contention.finished(key) && stats.clear_problem(CONTENTION, since) {
             log::info!("{CONTENTION}: no job waits on other transactions' locks any more");
         }
     }
