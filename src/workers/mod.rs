@@ -85,6 +85,10 @@ pub const CONTENTION_CAP: Duration = Duration::from_secs(30);
 /// The role jobs waiting on contention are reported under (a warning, not red).
 const CONTENTION: &str = "contention";
 
+/// The role a group commit that cannot be confirmed for the operator's reason (a refused
+/// privilege on `worker_flush`) is reported under: critical.
+const GROUP_COMMIT: &str = "group commit";
+
 /// What every worker shares. Read-only except the counters.
 pub struct PoolContext<'a> {
     pub keys: &'a Keys,
@@ -214,11 +218,32 @@ impl<'a> Worker<'a> {
         if self.unflushed {
             let flushed = match self.session.as_mut() {
                 Some(session) => db::flush_wal(session.client(), &self.flush_slot)
-                    .map_err(|e| db::error_text(&e)),
-                None => Err("no session".to_string()),
+                    .map_err(|e| (db::error_text(&e), db::classify(&e))),
+                None => Err(("no session".to_string(), db::Fault::Server)),
             };
             self.unflushed = false;
-            if let Err(e) = flushed {
+            let stats = self.ctx.stats;
+            match &flushed {
+                // A refused privilege or a missing table: every job's ack waits for the
+                // operator, so health is red naming it (the jobs run again meanwhile, and
+                // their inbox rows make the second runs no-ops).
+                Err((e, db::Fault::Schema)) => {
+                    let what = format!(
+                        "cannot confirm that commits are durable: {e}: every job runs again \
+                         until worker_flush is writable (run sql/grants.sql)"
+                    );
+                    if stats.report_critical(GROUP_COMMIT, what.clone()) {
+                        log::error!("{GROUP_COMMIT}: {what}");
+                    }
+                }
+                Ok(()) => {
+                    if stats.clear_problem(GROUP_COMMIT, i64::MAX) {
+                        log::info!("{GROUP_COMMIT}: commits are confirmed durable again");
+                    }
+                }
+                Err(_) => {}
+            }
+            if let Err((e, _)) = flushed {
                 log::warn!(
                     "{}: cannot confirm that commits are durable: {e}",
                     self.name

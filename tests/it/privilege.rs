@@ -1076,3 +1076,37 @@ fn a_lock_holder_is_named_under_the_runtime_role() {
     }
     daemon.stop();
 }
+
+/// The runtime role refused `worker_flush` (a grant lost in a migration): no commit can be
+/// confirmed durable, so every job goes back and runs again. `/healthz` is red naming the
+/// table while it lasts (found from outside: it stayed green, with every job looping), and
+/// once the grant is back the jobs are done once and health is green.
+#[test]
+fn a_refused_group_commit_table_turns_health_red_until_granted() {
+    let mut l = Locked::new(&[]);
+    let port = free_port();
+    l.env.config.metrics_addr = Some(format!("127.0.0.1:{port}").parse().unwrap());
+    let rights = "UPDATE (flushes, flushed_at), INSERT (slot) ON worker_flush";
+    let role = l.runtime_role.clone();
+    let owner = |sql: String| l.env.db.client().batch_execute(&sql).unwrap();
+    owner(format!("REVOKE {rights} FROM {role}"));
+    let orders = seed_orders(&l.env.db, 5);
+    let daemon = Daemon::start(&l.env.config);
+    push_timeouts(&l.env, &orders, 0);
+    wait_until(WAIT, "/healthz red naming worker_flush", || {
+        http_get(port, "/healthz")
+            .map(|(code, _, body)| code == 503 && body.contains("worker_flush"))
+            .unwrap_or(false)
+    });
+    owner(format!("GRANT {rights} TO {role}"));
+    wait_until(WAIT, "/healthz green", || {
+        http_get(port, "/healthz")
+            .map(|(code, _, _)| code == 200)
+            .unwrap_or(false)
+    });
+    wait_until(WAIT, "every job done", || inbox_count(&l.env.db) == 5);
+    daemon.stop();
+    assert_accounting(&l.env.db, &orders, &orders.iter().collect::<Vec<_>>());
+    let b = books(&l.env);
+    assert_eq!((b.pool, b.stream_pending, b.dead), (0, 0, 0));
+}
