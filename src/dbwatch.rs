@@ -22,6 +22,8 @@
 //!   (and drops them): a handler that does not prepare (its table not there yet, a column
 //!   renamed, SQL that does not parse) is reported as critical, naming its file and the
 //!   error, until it does; its jobs are held meanwhile (`workers.rs`), the other events run.
+//!   A prepare waits at most [`PREPARE_LOCK_WAIT`] for another session's lock on a table,
+//!   and one that gives up there changes nothing: the check answers on time.
 //! - With the prepare, it reads the `--handlers-dir` files again: one that cannot be read
 //!   or parsed (a file the service's user may not read) is a warning until it can: the
 //!   running handlers stay, but a reload would keep them and the next start would stop.
@@ -42,6 +44,9 @@ use crate::stats::Stats;
 use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+/// The longest a handler's prepare waits for a lock another session holds on its table.
+const PREPARE_LOCK_WAIT: Duration = Duration::from_millis(500);
 
 /// How often the watch asks.
 pub const EVERY: Duration = Duration::from_millis(250);
@@ -314,12 +319,23 @@ fn check(
 ) -> Result<Seen, String> {
     let c = match client {
         Some(c) => c,
-        None => client.insert(target.connect_within(db::HANDSHAKE_DEADLINE).map_err(
-            |e| match e {
-                DbError::Unreachable { reason, .. } => reason,
-                other => other.to_string(),
-            },
-        )?),
+        None => {
+            let mut c = target
+                .connect_within(db::HANDSHAKE_DEADLINE)
+                .map_err(|e| match e {
+                    DbError::Unreachable { reason, .. } => reason,
+                    other => other.to_string(),
+                })?;
+            // A prepare takes a lock on each table it names: behind a shop's lock (an
+            // ALTER TABLE, a LOCK TABLE) it gives up at once rather than keeping this
+            // check from answering, which would read as a server that takes no writes.
+            c.batch_execute(&format!(
+                "SET lock_timeout = {}",
+                PREPARE_LOCK_WAIT.as_millis()
+            ))
+            .map_err(|e| db::error_text(&e))?;
+            client.insert(c)
+        }
     };
     let answer = c
         .query_one(ASK, &[])
@@ -344,6 +360,9 @@ fn check(
                     Ok(()) => None,
                     // The connection failed meanwhile: the next check says so.
                     Err(f) if f.fault == db::Fault::Server => return Err(f.reason),
+                    // Another session's lock on its table: it says nothing of the handler,
+                    // whose state stays as it was until a prepare gets through.
+                    Err(f) if f.fault == db::Fault::Contention => continue,
                     Err(f) => Some(f.reason),
                 };
                 seen.prepared.push((

@@ -808,3 +808,32 @@ fn a_started_worker_opens_its_sessions_before_its_first_job() {
     assert_eq!((b.pool, b.stream_pending, b.dead), (0, 0, 0));
     d.stop();
 }
+
+/// A shop's lock on a table no due job needs (a migration's `ACCESS EXCLUSIVE` on
+/// `aftersale`), held past two of the watch's handler prepares: those give up behind it,
+/// so `/healthz` stays green and the orders' jobs run (found from outside: the watch's
+/// check waited on the lock, which read as a server that takes no writes: 503, and under
+/// systemd a watchdog restart).
+#[test]
+fn a_table_lock_no_job_needs_leaves_health_green() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 5);
+    let (w, port) = start_with_health(&env, &[]);
+    wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
+    let (_, release, h) =
+        crate::lock_holder::hold(&env, "LOCK TABLE aftersale IN ACCESS EXCLUSIVE MODE");
+    push_timeouts(&env, &orders, 0);
+    // The watch prepares every handler every 10 s.
+    let until = Instant::now() + Duration::from_secs(25);
+    while Instant::now() < until {
+        let (code, body) = healthz(port);
+        assert_eq!(code, 200, "while aftersale is locked: {body}");
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    assert_eq!(inbox_count(&env.db), 5, "the orders' jobs ran meanwhile");
+    release.send(()).unwrap();
+    h.join().unwrap();
+    stop(w);
+    assert_accounting(&env.db, &orders, &all(&orders));
+    assert_eq!(books(&env).dead, 0);
+}
