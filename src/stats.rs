@@ -295,12 +295,15 @@ impl Stats {
     /// Every problem met within [`PROBLEM_WINDOW`] of `now_ms`, the worst first: for the
     /// heartbeat record and the state report.
     pub fn problems(&self, now_ms: i64) -> Vec<Reported> {
+        // Contention is told while a job waits: one another process ran is forgotten.
+        let contended = self.contention.summary(now_ms).0 > 0;
         let Ok(ps) = self.problems.lock() else {
             return Vec::new();
         };
         let mut out: Vec<(&Problem, Reported)> = ps
             .iter()
             .filter(|p| now_ms - p.at <= PROBLEM_WINDOW.as_millis() as i64)
+            .filter(|p| contended || p.role != CONTENTION_ROLE)
             .map(|p| {
                 let severity = match p.severity {
                     Severity::Warning => "warning",
@@ -364,8 +367,13 @@ impl std::fmt::Display for Snapshot {
 /// Most jobs [`Contention`] keeps track of; past it, new ones are counted but not named.
 const CONTENTION_KEEP: usize = 10_000;
 
-/// An entry not seen again for this long is forgotten: another process finished its job.
-pub const CONTENTION_FORGET: Duration = Duration::from_secs(120);
+/// An entry not seen again this long after its retry fell due is forgotten: another
+/// process ran the job (and counts it itself if it met the lock again).
+pub const CONTENTION_FORGET: Duration = Duration::from_secs(15);
+
+/// The role jobs waiting on contention are reported under (a warning, not red): shown
+/// only while this process counts a job waiting.
+pub const CONTENTION_ROLE: &str = "contention";
 
 /// Jobs this process sent back to the pool because they met contention (another
 /// transaction's lock, a deadlock), by job key: how many wait, and which has waited
@@ -387,8 +395,8 @@ pub struct Waiter {
     pub since_ms: i64,
     /// The last failure, as PostgreSQL said it.
     pub reason: String,
-    /// When it was last sent back (unix ms).
-    pub seen_ms: i64,
+    /// When the retry it was last sent back with falls due (unix ms).
+    pub due_ms: i64,
 }
 
 impl Contention {
@@ -396,11 +404,11 @@ impl Contention {
         self.waiting.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A job went back to the pool after contention.
-    pub fn waiting(&self, key: &str, event: &str, since_ms: i64, reason: &str, now_ms: i64) {
+    /// A job went back to the pool after contention, its retry due at `due_ms`.
+    pub fn waiting(&self, key: &str, event: &str, since_ms: i64, reason: &str, due_ms: i64) {
         let mut w = self.lock();
         if w.len() >= CONTENTION_KEEP && !w.contains_key(key) {
-            w.retain(|_, v| now_ms - v.seen_ms < CONTENTION_FORGET.as_millis() as i64);
+            w.retain(|_, v| forgotten_after(v) > due_ms);
             if w.len() >= CONTENTION_KEEP {
                 return;
             }
@@ -412,7 +420,7 @@ impl Contention {
                 event: event.to_string(),
                 since_ms,
                 reason: reason.to_string(),
-                seen_ms: now_ms,
+                due_ms,
             },
         );
         self.len.store(w.len() as u64, Relaxed);
@@ -436,11 +444,17 @@ impl Contention {
             return (0, None);
         }
         let mut w = self.lock();
-        w.retain(|_, v| now_ms - v.seen_ms < CONTENTION_FORGET.as_millis() as i64);
+        w.retain(|_, v| forgotten_after(v) > now_ms);
         self.len.store(w.len() as u64, Relaxed);
         let longest = w.values().min_by_key(|v| v.since_ms).cloned();
         (w.len(), longest)
     }
+}
+
+/// When an entry is forgotten unless this process meets its job again.
+fn forgotten_after(w: &Waiter) -> i64 {
+    w.due_ms
+        .saturating_add(CONTENTION_FORGET.as_millis() as i64)
 }
 
 // ---- per-job counters by event, and the histograms -------------------------------------
@@ -1043,8 +1057,30 @@ mod tests {
     }
 
     #[test]
+    fn contention_is_told_while_a_job_of_this_process_waits() {
+        let s = Stats::default();
+        let now = crate::now_ms();
+        s.contention
+            .waiting("k1", "order.timeout", now, "lock timeout", now + 500);
+        s.contention
+            .waiting("k2", "order.timeout", now, "lock timeout", now + 500);
+        assert!(s.report_trouble_about(CONTENTION_ROLE, "2 job(s) wait".into(), "k1".into()));
+        assert_eq!(s.problems(now).len(), 1);
+        assert!(!s.contention.finished("k1"), "k2 still waits");
+        assert_eq!(s.problems(now).len(), 1);
+        // k2 was run by another process: forgotten once its retry is well past due.
+        let later = now + 500 + CONTENTION_FORGET.as_millis() as i64;
+        assert_eq!(s.contention.summary(later - 1).0, 1);
+        assert!(s.problems(later).is_empty(), "{:?}", s.problems(later));
+        assert_eq!(s.contention.summary(later).0, 0);
+    }
+
+    #[test]
     fn a_trouble_whose_figures_change_is_logged_when_its_gist_does() {
         let s = Stats::default();
+        let due = crate::now_ms() + 1_000;
+        s.contention
+            .waiting("k1", "order.timeout", due - 2_000, "lock timeout", due);
         let gist = || "order.timeout k1: lock timeout".to_string();
         let what = |n: u32, ms: u32| format!("{n} job(s) wait; the longest, k1, for {ms} ms");
         assert!(s.report_trouble_about("contention", what(1, 10), gist()));

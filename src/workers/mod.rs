@@ -47,7 +47,7 @@ use crate::keys::Keys;
 use crate::manners::Manners;
 use crate::message::{event_of, Envelope, Rejection};
 use crate::shutdown::Shutdown;
-use crate::stats::{JobOutcome, Stats};
+use crate::stats::{JobOutcome, Stats, CONTENTION_ROLE as CONTENTION};
 use crate::store::{self, Settled, StoreError};
 use crossbeam_channel::{RecvTimeoutError, Sender, TryRecvError};
 use session::{Failure, InboxId, Job, JobResult, Session};
@@ -81,9 +81,6 @@ pub const SCHEMA_HOLD: Duration = Duration::from_secs(5);
 /// The longest delay between two tries of a job that meets contention (or `--retry-cap`,
 /// if shorter): once the shop's lock is gone the job runs within this.
 pub const CONTENTION_CAP: Duration = Duration::from_secs(30);
-
-/// The role jobs waiting on contention are reported under (a warning, not red).
-const CONTENTION: &str = "contention";
 
 /// The role a group commit that cannot be confirmed for the operator's reason (a refused
 /// privilege on `worker_flush`) is reported under: critical.
@@ -789,9 +786,10 @@ impl<'a> Worker<'a> {
             crate::human_ms(delay.as_millis() as i64),
             f.reason
         );
+        let due_ms = now + delay.as_millis() as i64;
         stats
             .contention
-            .waiting(key, &env.event, since, &f.reason, now);
+            .waiting(key, &env.event, since, &f.reason, due_ms);
         let (waiting, longest) = stats.contention.summary(now);
         if let Some(w) = longest {
             let what = format!(
@@ -819,7 +817,7 @@ impl<'a> Worker<'a> {
                         jobs.max_message_bytes,
                     )
                     .into_bytes(),
-                due_ms: now + delay.as_millis() as i64,
+                due_ms,
             },
         )
         .with_event(&env.event)

@@ -837,3 +837,57 @@ fn a_table_lock_no_job_needs_leaves_health_green() {
     assert_accounting(&env.db, &orders, &all(&orders));
     assert_eq!(books(&env).dead, 0);
 }
+
+/// Two worker processes and a shop's lock on several orders: each process counts the jobs
+/// it sent back, and once every job is done, whichever process ran it, neither still
+/// counts or warns of one (found from outside: a job the other process committed stayed
+/// counted, and warned of, for a minute or two).
+#[test]
+fn waiting_jobs_another_process_ran_are_not_counted_for_long() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 8);
+    let flags = [
+        "--lock-timeout",
+        "50ms",
+        "--max-retries",
+        "1",
+        "--retry-cap",
+        "1s",
+    ];
+    let (a, port_a) = start_with_health(&env, &flags);
+    let mut other = env.config.clone();
+    other.consumer = format!("{}-b", env.config.consumer);
+    let port_b = free_port();
+    let mut b_flags = args(&["--metrics-addr", &format!("127.0.0.1:{port_b}")]);
+    b_flags.extend(args(&flags));
+    let b = Proc::start(&other, &b_flags);
+    let locks: Vec<_> = orders[..5]
+        .iter()
+        .map(|o| hold_lock(&env.db, "orders", o.id))
+        .collect();
+    push_timeouts(&env, &orders, 0);
+    let waiting = |port| metric(port, "delay_worker_jobs_waiting_on_contention");
+    wait_until(WAIT, "both processes count waiting jobs", || {
+        waiting(port_a) >= 1.0 && waiting(port_b) >= 1.0
+    });
+    std::thread::sleep(Duration::from_secs(3));
+    for (release, h) in locks {
+        release.send(()).unwrap();
+        h.join().unwrap();
+    }
+    wait_done(&env, &env.db, orders.len() as i64);
+    // Forgotten at most 15 s after its last retry fell due (1 s apart at most here).
+    wait_until(
+        Duration::from_secs(25),
+        "no waiting job counted, no warning",
+        || {
+            waiting(port_a) == 0.0
+                && waiting(port_b) == 0.0
+                && !check(&env).1.contains("contention")
+        },
+    );
+    stop(b);
+    stop(a);
+    assert_accounting(&env.db, &orders, &all(&orders));
+    assert_eq!(books(&env).dead, 0);
+}
