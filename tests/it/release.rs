@@ -778,7 +778,17 @@ fn rpm_release_2() -> &'static Path {
     static RPM: OnceLock<PathBuf> = OnceLock::new();
     RPM.get_or_init(|| {
         let r = release();
-        let dir = std::env::temp_dir().join(format!("dw-rpm-release-2-{}", std::process::id()));
+        // Under the target directory, one per test process (a static is never dropped):
+        // the packages of processes that have ended are removed here.
+        let tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
+        for old in std::fs::read_dir(tmp).into_iter().flatten().flatten() {
+            let name = old.file_name().to_string_lossy().into_owned();
+            let pid = name.strip_prefix("dw-rpm-release-2-");
+            if pid.is_some_and(|p| !Path::new("/proc").join(p).exists()) {
+                let _ = std::fs::remove_dir_all(old.path());
+            }
+        }
+        let dir = tmp.join(format!("dw-rpm-release-2-{}", std::process::id()));
         let stage = dir.join("stage");
         std::fs::create_dir_all(&stage).unwrap();
         std::fs::copy(r.dir.join("worker"), stage.join("worker")).unwrap();
@@ -796,6 +806,8 @@ fn rpm_release_2() -> &'static Path {
             rpm.file_name().unwrap().to_str().unwrap(),
             format!("delay-worker-{}-2.x86_64.rpm", env!("CARGO_PKG_VERSION"))
         );
+        // The staged binary's copy is packed: only the package is kept.
+        let _ = std::fs::remove_dir_all(&stage);
         rpm
     })
 }
