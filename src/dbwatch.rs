@@ -116,13 +116,21 @@ pub struct DbWatch<'a> {
 
 impl<'a> DbWatch<'a> {
     pub fn new(
-        target: db::Target,
+        mut target: db::Target,
         stats: &'a Stats,
         manners: &'a Manners,
         handlers: &'a Handlers,
         handlers_dir: Option<std::path::PathBuf>,
         dead_rate_crit: u64,
     ) -> DbWatch<'a> {
+        // A prepare takes a lock on each table it names: behind a shop's lock (an ALTER
+        // TABLE, a LOCK TABLE) it gives up soon rather than keeping the check from
+        // answering, which would read as a server that takes no writes. A session option,
+        // as the workers' pool sets its timeouts.
+        target.config.options(&format!(
+            "-c lock_timeout={}",
+            PREPARE_LOCK_WAIT.as_millis()
+        ));
         DbWatch {
             target,
             stats,
@@ -319,23 +327,12 @@ fn check(
 ) -> Result<Seen, String> {
     let c = match client {
         Some(c) => c,
-        None => {
-            let mut c = target
-                .connect_within(db::HANDSHAKE_DEADLINE)
-                .map_err(|e| match e {
-                    DbError::Unreachable { reason, .. } => reason,
-                    other => other.to_string(),
-                })?;
-            // A prepare takes a lock on each table it names: behind a shop's lock (an
-            // ALTER TABLE, a LOCK TABLE) it gives up at once rather than keeping this
-            // check from answering, which would read as a server that takes no writes.
-            c.batch_execute(&format!(
-                "SET lock_timeout = {}",
-                PREPARE_LOCK_WAIT.as_millis()
-            ))
-            .map_err(|e| db::error_text(&e))?;
-            client.insert(c)
-        }
+        None => client.insert(target.connect_within(db::HANDSHAKE_DEADLINE).map_err(
+            |e| match e {
+                DbError::Unreachable { reason, .. } => reason,
+                other => other.to_string(),
+            },
+        )?),
     };
     let answer = c
         .query_one(ASK, &[])
