@@ -220,35 +220,34 @@ impl<'a> Worker<'a> {
             };
             self.unflushed = false;
             let stats = self.ctx.stats;
-            match &flushed {
-                // A refused privilege or a missing table: every job's ack waits for the
-                // operator, so health is red naming it (the jobs run again meanwhile, and
-                // their inbox rows make the second runs no-ops).
-                Err((e, db::Fault::Schema)) => {
-                    let what = format!(
-                        "cannot confirm that commits are durable: {e}: every job runs again \
-                         until worker_flush is writable (run sql/grants.sql)"
-                    );
-                    if stats.report_critical(GROUP_COMMIT, what.clone()) {
-                        log::error!("{GROUP_COMMIT}: {what}");
-                    }
-                }
+            match flushed {
                 Ok(()) => {
                     if stats.clear_problem(GROUP_COMMIT, i64::MAX) {
                         log::info!("{GROUP_COMMIT}: commits are confirmed durable again");
                     }
                 }
-                Err(_) => {}
-            }
-            if let Err((e, _)) = flushed {
-                log::warn!(
-                    "{}: cannot confirm that commits are durable: {e}",
-                    self.name
-                );
-                if let Some(s) = self.session.take() {
-                    s.discard();
+                Err((e, fault)) => {
+                    // A refused privilege or a missing table: every job's ack waits for the
+                    // operator, so health is red naming it (the jobs run again meanwhile,
+                    // and their inbox rows make the second runs no-ops).
+                    if fault == db::Fault::Schema {
+                        let what = format!(
+                            "cannot confirm that commits are durable: {e}: every job runs \
+                             again until worker_flush is writable (run sql/grants.sql)"
+                        );
+                        if stats.report_critical(GROUP_COMMIT, what.clone()) {
+                            log::error!("{GROUP_COMMIT}: {what}");
+                        }
+                    }
+                    log::warn!(
+                        "{}: cannot confirm that commits are durable: {e}",
+                        self.name
+                    );
+                    if let Some(s) = self.session.take() {
+                        s.discard();
+                    }
+                    self.durability_lost = true;
                 }
-                self.durability_lost = true;
             }
         }
         if !self.durability_lost {
