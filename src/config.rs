@@ -404,7 +404,41 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
             "{s:?}: units are ms, s, m (minutes), h and d (examples: 100ms, 2s, 5m, 24h, 7d)"
         ));
     }
-    humantime::parse_duration(s).map_err(|e| format!("{e} (examples: 100ms, 2s, 5m, 24h, 7d)"))
+    humantime::parse_duration(s)
+        .or_else(|e| humantime::parse_duration(&to_nanoseconds(s)).map_err(|_| e))
+        .map_err(|e| format!("{e} (examples: 100ms, 2s, 5m, 24h, 7d)"))
+}
+
+/// Each term's fraction cut to the digits its unit carries down to a nanosecond
+/// (`1.1818181818181819s` is `1.181818181s`): humantime refuses a fraction finer than a
+/// nanosecond, which a delay computed by a program (a PHP float printed whole) often is.
+fn to_nanoseconds(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut rest = s;
+    while let Some(dot) = rest.find('.') {
+        out.push_str(&rest[..=dot]);
+        rest = &rest[dot + 1..];
+        let digits = rest
+            .find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(rest.len());
+        let unit = rest[digits..].trim_start();
+        let unit = &unit[..unit
+            .find(|c: char| !c.is_ascii_alphabetic())
+            .unwrap_or(unit.len())];
+        let keep = match unit {
+            "ns" => 0,
+            "us" => 3,
+            "ms" => 6,
+            "m" | "min" | "mins" => 10,
+            "h" | "hr" | "hrs" | "hour" | "hours" => 12,
+            "d" | "day" | "days" => 13,
+            _ => 9,
+        };
+        out.push_str(&rest[..digits.min(keep)]);
+        rest = &rest[digits..];
+    }
+    out.push_str(rest);
+    out
 }
 
 /// A delay: a duration with units (`900ms`, `15m`) or a bare number of seconds (`1.5`),
@@ -663,6 +697,24 @@ pub fn redact_url(url: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_fraction_finer_than_a_nanosecond_is_cut_to_one() {
+        assert_eq!(
+            parse_delay("1.1818181818181819s"),
+            Ok(Duration::from_nanos(1_181_818_181))
+        );
+        assert_eq!(
+            parse_duration("2.1234567891ms"),
+            Ok(Duration::from_nanos(2_123_456))
+        );
+        assert_eq!(
+            parse_duration("1.00000000001m 0.5000000000001s"),
+            Ok(Duration::from_nanos(60_000_000_000 + 500_000_000))
+        );
+        assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
+        assert!(parse_duration("1.5x").is_err());
+    }
 
     #[test]
     fn the_admin_token_file_is_private_and_one_line() {
