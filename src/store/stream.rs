@@ -58,11 +58,13 @@ impl Reading<'_> {
 }
 
 fn screened(reply: Value) -> Read {
-    let Value::Array(parts) = reply else {
+    let Value::Array(mut parts) = reply else {
         return Read::default();
     };
     let mut deliveries = Vec::new();
-    parse_entries(parts.get(1).cloned().unwrap_or(Value::Nil), &mut deliveries);
+    // Taken, not cloned: the entries are most of the reply.
+    let entries = parts.get_mut(1).map(|v| std::mem::replace(v, Value::Nil));
+    parse_entries(entries.unwrap_or(Value::Nil), &mut deliveries);
     Read {
         deliveries,
         gone: int(parts.first()) as usize,
