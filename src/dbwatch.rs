@@ -29,7 +29,8 @@
 //!   running handlers stay, but a reload would keep them and the next start would stop.
 //! - This process's dead letters of the last minute are held against `--dead-rate-crit`:
 //!   more is reported as critical too (under [`DEAD_RATE`]), so the published health
-//!   record, and with it `worker stats --check`, says so.
+//!   record, and with it `worker stats --check`, says so; it is cleared at the first look
+//!   that counts no more.
 //!
 //! Each check runs on a short-lived thread with the kept connection, so that a server that
 //! stops answering costs [`ANSWER_WITHIN`], not a watch stuck in a read (and a shutdown
@@ -313,6 +314,11 @@ impl<'a> DbWatch<'a> {
             if self.stats.report_critical(DEAD_RATE, what.clone()) {
                 log::error!("{what}");
             }
+        } else if self.stats.clear_problem(DEAD_RATE, i64::MAX) {
+            log::info!(
+                "dead letters back to {n} in the last minute (--dead-rate-crit {})",
+                self.dead_rate_crit
+            );
         }
     }
 }

@@ -559,6 +559,8 @@ fn a_handler_whose_table_is_missing_holds_only_its_own_jobs_until_the_table_come
     assert_eq!(books(&env).dead, 0);
 }
 
+/// Dead letters over `--dead-rate-crit` in a minute: `/healthz` red and `stats --check`
+/// CRITICAL naming the rate, green again once the minute has passed.
 #[test]
 fn dead_letters_faster_than_the_threshold_turn_healthz_red() {
     let env = Env::new();
@@ -578,6 +580,13 @@ fn dead_letters_faster_than_the_threshold_turn_healthz_red() {
         code == 503 && body.contains("dead letters in the last minute")
     });
     wait_check_critical(&env, "dead letters in the last minute");
+    // Green once the last minute holds no more than the threshold: about a minute after
+    // the letters, not a minute after the watch last counted too many (two minutes).
+    wait_until(
+        Duration::from_secs(90),
+        "/healthz green once the letters are over a minute old",
+        || healthz(port).0 == 200,
+    );
     stop(w);
 }
 
