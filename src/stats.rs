@@ -12,7 +12,7 @@
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering::Relaxed};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -150,10 +150,12 @@ pub struct Snapshot {
 impl Stats {
     /// Counters with one event slot per name (the registry's events), plus `_other`.
     pub fn new<S: Into<String>>(events: impl IntoIterator<Item = S>) -> Stats {
-        Stats {
+        let stats = Stats {
             jobs: Metrics::new(events),
             ..Default::default()
-        }
+        };
+        stats.contention.went_through(crate::now_ms());
+        stats
     }
 
     pub fn add(counter: &AtomicU64, n: u64) {
@@ -256,6 +258,16 @@ impl Stats {
 
     /// Forgets `role`'s problem unless it was met at or after `since_ms` (the start of the
     /// step that just went cleanly). Returns whether one was cleared.
+    /// Lowers `role`'s problem to a warning, if it has one: what held jobs back has let
+    /// them through, but something of it may remain.
+    pub fn ease(&self, role: &str) {
+        if let Ok(mut ps) = self.problems.lock() {
+            for p in ps.iter_mut().filter(|p| p.role == role) {
+                p.severity = p.severity.min(Severity::Warning);
+            }
+        }
+    }
+
     pub fn clear_problem(&self, role: &str, since_ms: i64) -> bool {
         if self.problem_count.load(Relaxed) == 0 {
             return false;
@@ -283,11 +295,13 @@ impl Stats {
     }
 
     fn worst(&self, now_ms: i64, at_least: Severity) -> Option<String> {
+        let contended = self.contention.summary(now_ms).0 > 0;
         let ps = self.problems.lock().ok()?;
         ps.iter()
             .filter(|p| {
                 p.severity >= at_least && now_ms - p.at <= PROBLEM_WINDOW.as_millis() as i64
             })
+            .filter(|p| contended || p.role != CONTENTION_ROLE)
             .max_by_key(|p| p.severity)
             .map(|p| format!("{}: {}", p.role, p.what))
     }
@@ -371,8 +385,14 @@ const CONTENTION_KEEP: usize = 10_000;
 /// process ran the job (and counts it itself if it met the lock again).
 pub const CONTENTION_FORGET: Duration = Duration::from_secs(15);
 
-/// The role jobs waiting on contention are reported under (a warning, not red): shown
-/// only while this process counts a job waiting.
+/// Jobs that wait on other transactions' locks while no job of this process has gone
+/// through for this long have stopped the queue (a `LOCK TABLE`, a long migration, an
+/// idle transaction holding the rows every job needs): the warning becomes critical.
+pub const CONTENTION_STALL: Duration = Duration::from_secs(30);
+
+/// The role jobs waiting on contention are reported under (a warning; critical while the
+/// queue stands still, [`CONTENTION_STALL`]): shown only while this process counts a job
+/// waiting.
 pub const CONTENTION_ROLE: &str = "contention";
 
 /// Jobs this process sent back to the pool because they met contention (another
@@ -384,6 +404,12 @@ pub struct Contention {
     waiting: Mutex<HashMap<String, Waiter>>,
     /// `waiting.len()`, so a commit skips the lock when nothing waits.
     len: AtomicU64,
+    /// When a job of this process last went through (unix ms; the process's start before
+    /// the first): jobs waiting on locks while none goes through for [`CONTENTION_STALL`]
+    /// mean the queue stands still.
+    went_through_ms: AtomicI64,
+    /// Whether the contention problem stands as critical (a standstill) now.
+    pub standstill: AtomicBool,
 }
 
 /// One job waiting on contention.
@@ -402,6 +428,18 @@ pub struct Waiter {
 impl Contention {
     fn lock(&self) -> MutexGuard<'_, HashMap<String, Waiter>> {
         self.waiting.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A job of this process went through (committed, or found already done).
+    pub fn went_through(&self, now_ms: i64) {
+        self.went_through_ms.store(now_ms, Relaxed);
+    }
+
+    /// How long no job of this process has gone through, when that is
+    /// [`CONTENTION_STALL`] or more.
+    pub fn standing_still(&self, now_ms: i64) -> Option<Duration> {
+        let idle = now_ms - self.went_through_ms.load(Relaxed);
+        (idle >= CONTENTION_STALL.as_millis() as i64).then(|| Duration::from_millis(idle as u64))
     }
 
     /// A job went back to the pool after contention, its retry due at `due_ms`.

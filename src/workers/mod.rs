@@ -685,6 +685,13 @@ impl<'a> Worker<'a> {
     /// no more, and its event is no longer held by a schema fault.
     fn went_through(&self, key: &str, event: &str) {
         let stats = self.ctx.stats;
+        stats.contention.went_through(crate::now_ms());
+        if stats.contention.standstill.load(Ordering::Relaxed)
+            && stats.contention.standstill.swap(false, Ordering::Relaxed)
+        {
+            stats.ease(CONTENTION);
+            log::info!("{CONTENTION}: jobs go through again");
+        }
         self.no_longer_waits(key);
         if stats.clear_problem(&held_role(event), i64::MAX) {
             log::info!("jobs of {event} run again: the schema fault is gone");
@@ -801,8 +808,22 @@ impl<'a> Worker<'a> {
             // Logged when the longest waiter or its reason changes, else every 30 s: the
             // count and the time change at every retry.
             let gist = format!("{} {}: {}", w.event, w.key, w.reason);
-            if stats.report_trouble_about(CONTENTION, what.clone(), gist) {
-                log::warn!("{what}");
+            match stats.contention.standing_still(crate::now_ms()) {
+                Some(idle) => {
+                    let what = format!(
+                        "no job has gone through for {}: {what}",
+                        crate::human_ms(idle.as_millis() as i64)
+                    );
+                    stats.contention.standstill.store(true, Ordering::Relaxed);
+                    if stats.report_critical_about(CONTENTION, what.clone(), gist + " (still)") {
+                        log::error!("{what}");
+                    }
+                }
+                None => {
+                    if stats.report_trouble_about(CONTENTION, what.clone(), gist) {
+                        log::warn!("{what}");
+                    }
+                }
             }
         }
         Settlement::new(

@@ -847,6 +847,38 @@ fn a_table_lock_no_job_needs_leaves_health_green() {
     assert_eq!(books(&env).dead, 0);
 }
 
+/// A table lock every job needs (`LOCK TABLE orders`, held past
+/// `CONTENTION_STALL`): the jobs wait, none dead-lettered; once no job has gone through
+/// for 30 s `/healthz` is red and `stats --check` CRITICAL, naming the standstill; both
+/// green again soon after the lock ends, and every job runs once (found from outside:
+/// `/healthz` stayed 200 through a 30 s lock that stopped every job).
+#[test]
+fn a_table_lock_that_stops_every_job_turns_health_red_until_jobs_go_through() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 10);
+    let (w, port) = start_with_health(&env, &[]);
+    wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
+    let (_, release, h) =
+        crate::lock_holder::hold(&env, "LOCK TABLE orders IN ACCESS EXCLUSIVE MODE");
+    push_timeouts(&env, &orders, 0);
+    wait_until(WAIT, "/healthz red naming the standstill", || {
+        let (code, body) = healthz(port);
+        code == 503 && body.contains("no job has gone through")
+    });
+    wait_check_critical(&env, "no job has gone through");
+    assert_eq!(inbox_count(&env.db), 0, "nothing ran under the lock");
+    assert_eq!(books(&env).dead, 0, "none dead-lettered for a lock");
+    release.send(()).unwrap();
+    h.join().unwrap();
+    wait_done(&env, &env.db, 10);
+    wait_until(Duration::from_secs(10), "/healthz green again", || {
+        healthz(port).0 == 200
+    });
+    stop(w);
+    assert_accounting(&env.db, &orders, &all(&orders));
+    assert_eq!(books(&env).dead, 0);
+}
+
 /// Two worker processes and a shop's lock on several orders: each process counts the jobs
 /// it sent back, and once every job is done, whichever process ran it, neither still
 /// counts or warns of one (found from outside: a job the other process committed stayed
