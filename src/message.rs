@@ -212,6 +212,12 @@ impl Envelope {
         }
     }
 
+    /// The failure a worker wrote when it last sent the message back (cut to
+    /// `LAST_ERROR_CHARS`), if any.
+    pub fn last_error(&self) -> Option<&str> {
+        self.raw.get(LAST_ERROR).and_then(Value::as_str)
+    }
+
     /// The whole object: what was received (or made), `payload` included.
     fn whole(&self) -> Map<String, Value> {
         let mut raw = self.raw.clone();

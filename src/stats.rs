@@ -10,7 +10,7 @@
 //! outcome, a lateness histogram per minute) in a ring of fixed size, which the status
 //! page draws: its memory does not grow with uptime.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering::Relaxed};
 use std::sync::{Mutex, MutexGuard};
@@ -65,6 +65,9 @@ pub struct Stats {
     /// Jobs this process sent back to the pool because they met contention, by job key:
     /// written by workers, read by `/metrics` and the status page.
     pub contention: Contention,
+    /// Faults PostgreSQL gives to the job that every job of an event meets at once, by
+    /// event: written by workers when a job fails so and when one goes through.
+    pub systemic: Systemic,
     /// This process's `--move-ahead`, set once when it starts a mover (unset without
     /// one): published in its health record, so that `worker stats` on any host reads a
     /// held-back pool against the bound the movers really have, not its own flag's.
@@ -493,6 +496,60 @@ impl Contention {
 fn forgotten_after(w: &Waiter) -> i64 {
     w.due_ms
         .saturating_add(CONTENTION_FORGET.as_millis() as i64)
+}
+
+// ---- one fault for every job of an event ------------------------------------------------
+
+/// Distinct jobs of one event failing for the same reason, the SQLSTATE giving it to the
+/// job (its data, a `RAISE`), with none of the event going through in between: past this
+/// many the reason is taken for the surroundings' (a trigger, a constraint or a function
+/// the shop is changing), not each job's.
+pub const SYSTEMIC_JOBS: usize = 5;
+
+/// Per event, the jobs that failed for one reason since the event last went through.
+#[derive(Default)]
+pub struct Systemic {
+    streaks: Mutex<HashMap<String, Streak>>,
+    /// `streaks.len()`, so a commit skips the lock when no event has one.
+    len: AtomicU64,
+}
+
+struct Streak {
+    reason: String,
+    keys: HashSet<String>,
+}
+
+impl Systemic {
+    /// A job of `event` failed for `reason`, a fault of the job's own by its SQLSTATE.
+    /// Returns whether every job of the event fails so now ([`SYSTEMIC_JOBS`] of them
+    /// with none going through).
+    pub fn failed(&self, event: &str, key: &str, reason: &str) -> bool {
+        let mut streaks = self.streaks.lock().unwrap_or_else(|p| p.into_inner());
+        let s = streaks.entry(event.to_string()).or_insert_with(|| Streak {
+            reason: reason.to_string(),
+            keys: HashSet::new(),
+        });
+        if s.reason != reason {
+            s.reason = reason.to_string();
+            s.keys.clear();
+        }
+        if s.keys.len() < SYSTEMIC_JOBS {
+            s.keys.insert(key.to_string());
+        }
+        let every = s.keys.len() >= SYSTEMIC_JOBS;
+        self.len.store(streaks.len() as u64, Relaxed);
+        every
+    }
+
+    /// A job of `event` went through: whatever failed its jobs does not fail them all.
+    pub fn went_through(&self, event: &str) {
+        if self.len.load(Relaxed) == 0 {
+            return;
+        }
+        let mut streaks = self.streaks.lock().unwrap_or_else(|p| p.into_inner());
+        streaks.remove(event);
+        self.len.store(streaks.len() as u64, Relaxed);
+    }
 }
 
 // ---- per-job counters by event, and the histograms -------------------------------------

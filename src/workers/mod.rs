@@ -78,6 +78,10 @@ pub const DB_BACKOFF_CAP: Duration = Duration::from_secs(2);
 /// How long a job held by a schema fault waits in the pool before it is tried again.
 pub const SCHEMA_HOLD: Duration = Duration::from_secs(5);
 
+/// How long a job whose own fault it seems to be (its data, a `RAISE`) waits in the pool
+/// before its second look: time for the same fault in its event's other jobs to show.
+pub const SECOND_LOOK: Duration = Duration::from_secs(2);
+
 /// The longest delay between two tries of a job that meets contention (or `--retry-cap`,
 /// if shorter): once the shop's lock is gone the job runs within this.
 pub const CONTENTION_CAP: Duration = Duration::from_secs(30);
@@ -660,10 +664,7 @@ impl<'a> Worker<'a> {
                 Settlement::ack(d, &env.event, JobOutcome::Duplicate)
             }
             JobResult::Failed(f) => match f.fault {
-                Fault::Job => {
-                    let reason = format!("handler failed: {}", f.reason);
-                    self.dead(d, reason, env.event.clone(), env.retry as u64 + 1)
-                }
+                Fault::Job => self.own_fault(d, &env, &key, first_due, &f, handler.source()),
                 Fault::Contention => self.contended(d, &env, &key, first_due, &f),
                 // Server faults come here only if shutdown cut the wait for a new
                 // connection short; they are held like the schema's.
@@ -693,6 +694,7 @@ impl<'a> Worker<'a> {
             log::info!("{CONTENTION}: jobs go through again");
         }
         self.no_longer_waits(key);
+        stats.systemic.went_through(event);
         if stats.clear_problem(&held_role(event), i64::MAX) {
             log::info!("jobs of {event} run again: the schema fault is gone");
         }
@@ -754,6 +756,72 @@ impl<'a> Worker<'a> {
         .with_event(&env.event);
         s.counts_as = Some(JobOutcome::Held);
         s
+    }
+
+    /// A fault PostgreSQL gives to the job (its data, a `RAISE`): a dead letter, at its
+    /// second look. The first failure sends it back for [`SECOND_LOOK`] without spending
+    /// a retry, so that one cause failing every job of its event at once (a trigger, a
+    /// constraint or a function the shop is changing) shows before any is dead-lettered:
+    /// once [`SYSTEMIC_JOBS`] jobs of the event fail for the same reason with none going
+    /// through, they are held as for a schema fault (health red, naming it), and
+    /// dead-lettered only once `--retry-for` has passed since they fell due.
+    fn own_fault(
+        &self,
+        d: Delivery,
+        env: &Envelope,
+        key: &str,
+        first_due: Option<i64>,
+        f: &Failure,
+        file: Option<&str>,
+    ) -> Settlement {
+        let stats = self.ctx.stats;
+        let jobs = self.ctx.jobs;
+        let now = stats.clock.now_ms();
+        let since = first_due.unwrap_or(now);
+        let waited = Duration::from_millis((now - since).max(0) as u64);
+        let every = stats.systemic.failed(&env.event, key, &f.reason);
+        if every && waited < jobs.retry_for {
+            let held = Failure {
+                reason: format!(
+                    "every job fails the same way, taken for the surroundings' fault (a trigger, a constraint or a function being changed), not each job's, until --retry-for {} has passed: {}",
+                    crate::human_ms(jobs.retry_for.as_millis() as i64),
+                    f.reason
+                ),
+                ..f.clone()
+            };
+            return self.hold(d, env, key, first_due, &held, file);
+        }
+        let looked = env.last_error().is_some_and(|e| f.reason.starts_with(e));
+        if !every && !looked {
+            log::debug!(
+                "job {key} {} failed, a second look in {}s: {}",
+                env.event,
+                SECOND_LOOK.as_secs(),
+                f.reason
+            );
+            let msg = env.requeued_after(env.retry, since, &f.reason, jobs.max_message_bytes);
+            let mut s = Settlement::new(
+                d,
+                Outcome::Retry {
+                    msg: msg.into_bytes(),
+                    due_ms: now + SECOND_LOOK.as_millis() as i64,
+                },
+            )
+            .with_event(&env.event);
+            s.counts_as = Some(JobOutcome::Held);
+            return s;
+        }
+        let reason = if every {
+            format!(
+                "handler failed: {} (every job of {} failed so for --retry-for {})",
+                f.reason,
+                env.event,
+                crate::human_ms(jobs.retry_for.as_millis() as i64)
+            )
+        } else {
+            format!("handler failed: {}", f.reason)
+        };
+        self.dead(d, reason, env.event.clone(), env.retry as u64 + 1)
     }
 
     /// Contention (another transaction's lock past the lock timeout, a deadlock): back

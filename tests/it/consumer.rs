@@ -145,6 +145,16 @@ fn permanent_failures_go_to_the_dead_letters_at_once_with_the_reason() {
             assert_eq!(d["length"], msg.len().to_string());
             assert_eq!(d["sha1"], sha1_hex(msg));
             assert_eq!(d["msg"].as_bytes(), &msg[..4096]);
+        } else if *k == "k-badid" {
+            // A handler's refusal is looked at twice: the message is the one sent back
+            // for the second look, the producer's fields kept, the failure beside them.
+            let sent: serde_json::Value = serde_json::from_slice(msg).unwrap();
+            let kept: serde_json::Value = serde_json::from_str(&d["msg"]).unwrap();
+            assert_eq!(kept["event"], sent["event"], "{k}");
+            assert_eq!(kept["payload"], sent["payload"], "{k}");
+            assert!(kept["last_error"]
+                .as_str()
+                .is_some_and(|e| e.contains("invalid input syntax")));
         } else if msg.is_ascii() {
             assert_eq!(
                 d["msg"].as_bytes(),
