@@ -309,8 +309,14 @@ impl<'a> Worker<'a> {
                 }
             },
         };
-        let found = db::flush_wal(session.client(), &self.flush_slot)
-            .and_then(|()| session::inbox_rows(session.client(), ids.iter().map(|(_, id)| id)));
+        let found = db::flush_wal(session.client(), &self.flush_slot).and_then(|()| {
+            // A flush went through: commits are confirmed durable again, though no job
+            // may be left to commit and flush on the way of `make_durable`.
+            if self.ctx.stats.clear_problem(GROUP_COMMIT, i64::MAX) {
+                log::info!("{GROUP_COMMIT}: commits are confirmed durable again");
+            }
+            session::inbox_rows(session.client(), ids.iter().map(|(_, id)| id))
+        });
         match found {
             Ok(found) => ids
                 .into_iter()
