@@ -746,17 +746,31 @@ impl<'a> Worker<'a> {
             log::error!("{what}");
         }
         log::debug!("job {key} {} held: {}", env.event, f.reason);
+        self.sent_back_unspent(d, env, first_due.unwrap_or(now), &f.reason, SCHEMA_HOLD)
+    }
+
+    /// The job back to the pool for `after`, its retries unspent, with the failure and
+    /// when it first fell due written into it; counted as held.
+    fn sent_back_unspent(
+        &self,
+        d: Delivery,
+        env: &Envelope,
+        first_due: i64,
+        reason: &str,
+        after: Duration,
+    ) -> Settlement {
+        let now = self.ctx.stats.clock.now_ms();
         let msg = env.requeued_after(
             env.retry,
-            first_due.unwrap_or(now),
-            &f.reason,
+            first_due,
+            reason,
             self.ctx.jobs.max_message_bytes,
         );
         let mut s = Settlement::new(
             d,
             Outcome::Retry {
                 msg: msg.into_bytes(),
-                due_ms: now + SCHEMA_HOLD.as_millis() as i64,
+                due_ms: now + after.as_millis() as i64,
             },
         )
         .with_event(&env.event);
@@ -805,17 +819,7 @@ impl<'a> Worker<'a> {
                 SECOND_LOOK.as_secs(),
                 f.reason
             );
-            let msg = env.requeued_after(env.retry, since, &f.reason, jobs.max_message_bytes);
-            let mut s = Settlement::new(
-                d,
-                Outcome::Retry {
-                    msg: msg.into_bytes(),
-                    due_ms: now + SECOND_LOOK.as_millis() as i64,
-                },
-            )
-            .with_event(&env.event);
-            s.counts_as = Some(JobOutcome::Held);
-            return s;
+            return self.sent_back_unspent(d, env, since, &f.reason, SECOND_LOOK);
         }
         let reason = if every {
             format!(
