@@ -259,8 +259,6 @@ impl Stats {
         }
     }
 
-    /// Forgets `role`'s problem unless it was met at or after `since_ms` (the start of the
-    /// step that just went cleanly). Returns whether one was cleared.
     /// Lowers `role`'s problem to a warning, if it has one: what held jobs back has let
     /// them through, but something of it may remain.
     pub fn ease(&self, role: &str) {
@@ -271,6 +269,8 @@ impl Stats {
         }
     }
 
+    /// Forgets `role`'s problem unless it was met at or after `since_ms` (the start of the
+    /// step that just went cleanly). Returns whether one was cleared.
     pub fn clear_problem(&self, role: &str, since_ms: i64) -> bool {
         if self.problem_count.load(Relaxed) == 0 {
             return false;
