@@ -10,7 +10,7 @@
 //! outcome, a lateness histogram per minute) in a ring of fixed size, which the status
 //! page draws: its memory does not grow with uptime.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering::Relaxed};
 use std::sync::{Mutex, MutexGuard};
@@ -65,9 +65,6 @@ pub struct Stats {
     /// Jobs this process sent back to the pool because they met contention, by job key:
     /// written by workers, read by `/metrics` and the status page.
     pub contention: Contention,
-    /// Faults PostgreSQL gives to the job that every job of an event meets at once, by
-    /// event: written by workers when a job fails so and when one goes through.
-    pub systemic: Systemic,
     /// This process's `--move-ahead`, set once when it starts a mover (unset without
     /// one): published in its health record, so that `worker stats` on any host reads a
     /// held-back pool against the bound the movers really have, not its own flag's.
@@ -133,6 +130,23 @@ const PROBLEM_LOG_EVERY_MS: i64 = 30_000;
 /// roles meet it again at every retry, and their backoff is capped well below this.
 pub const PROBLEM_WINDOW: Duration = Duration::from_secs(60);
 
+/// The role of an event's held jobs begins so (`handler order.timeout`).
+pub const HELD_ROLE_PREFIX: &str = "handler ";
+
+/// How long a report of held jobs keeps health red: each held job reports again at each
+/// try (every 5 s), so this is a few tries; then the jobs have gone through here or in
+/// another process.
+pub const HELD_WINDOW: Duration = Duration::from_secs(15);
+
+/// How long a role's problem lasts after it was last met.
+fn window_ms(role: &str) -> i64 {
+    if role.starts_with(HELD_ROLE_PREFIX) {
+        HELD_WINDOW.as_millis() as i64
+    } else {
+        PROBLEM_WINDOW.as_millis() as i64
+    }
+}
+
 /// A copy of the counters at one moment.
 #[derive(Default, Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Snapshot {
@@ -153,12 +167,10 @@ pub struct Snapshot {
 impl Stats {
     /// Counters with one event slot per name (the registry's events), plus `_other`.
     pub fn new<S: Into<String>>(events: impl IntoIterator<Item = S>) -> Stats {
-        let stats = Stats {
+        Stats {
             jobs: Metrics::new(events),
             ..Default::default()
-        };
-        stats.contention.went_through(crate::now_ms());
-        stats
+        }
     }
 
     pub fn add(counter: &AtomicU64, n: u64) {
@@ -301,9 +313,7 @@ impl Stats {
         let contended = self.contention.summary(now_ms).0 > 0;
         let ps = self.problems.lock().ok()?;
         ps.iter()
-            .filter(|p| {
-                p.severity >= at_least && now_ms - p.at <= PROBLEM_WINDOW.as_millis() as i64
-            })
+            .filter(|p| p.severity >= at_least && now_ms - p.at <= window_ms(&p.role))
             .filter(|p| contended || p.role != CONTENTION_ROLE)
             .max_by_key(|p| p.severity)
             .map(|p| format!("{}: {}", p.role, p.what))
@@ -319,7 +329,7 @@ impl Stats {
         };
         let mut out: Vec<(&Problem, Reported)> = ps
             .iter()
-            .filter(|p| now_ms - p.at <= PROBLEM_WINDOW.as_millis() as i64)
+            .filter(|p| now_ms - p.at <= window_ms(&p.role))
             .filter(|p| contended || p.role != CONTENTION_ROLE)
             .map(|p| {
                 let severity = match p.severity {
@@ -407,10 +417,9 @@ pub struct Contention {
     waiting: Mutex<HashMap<String, Waiter>>,
     /// `waiting.len()`, so a commit skips the lock when nothing waits.
     len: AtomicU64,
-    /// When a job of this process last went through (unix ms; the process's start before
-    /// the first): jobs waiting on locks while none goes through for [`CONTENTION_STALL`]
-    /// mean the queue stands still.
-    went_through_ms: AtomicI64,
+    /// When the jobs waiting now began to (unix ms): the first was sent back while none
+    /// waited.
+    began_ms: AtomicI64,
     /// Whether the contention problem stands as critical (a standstill) now.
     pub standstill: AtomicBool,
 }
@@ -433,21 +442,20 @@ impl Contention {
         self.waiting.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A job of this process went through (committed, or found already done).
-    pub fn went_through(&self, now_ms: i64) {
-        self.went_through_ms.store(now_ms, Relaxed);
-    }
-
-    /// How long no job of this process has gone through, when that is
-    /// [`CONTENTION_STALL`] or more.
-    pub fn standing_still(&self, now_ms: i64) -> Option<Duration> {
-        let idle = now_ms - self.went_through_ms.load(Relaxed);
+    /// How long jobs have waited while none of their event went through (`through_ms`,
+    /// [`Metrics::through_ms`]), when that is [`CONTENTION_STALL`] or more: the event's
+    /// queue stands still.
+    pub fn standing_still(&self, through_ms: i64, now_ms: i64) -> Option<Duration> {
+        let idle = now_ms - through_ms.max(self.began_ms.load(Relaxed));
         (idle >= CONTENTION_STALL.as_millis() as i64).then(|| Duration::from_millis(idle as u64))
     }
 
     /// A job went back to the pool after contention, its retry due at `due_ms`.
     pub fn waiting(&self, key: &str, event: &str, since_ms: i64, reason: &str, due_ms: i64) {
         let mut w = self.lock();
+        if w.is_empty() {
+            self.began_ms.store(crate::now_ms(), Relaxed);
+        }
         if w.len() >= CONTENTION_KEEP && !w.contains_key(key) {
             w.retain(|_, v| forgotten_after(v) > due_ms);
             if w.len() >= CONTENTION_KEEP {
@@ -496,60 +504,6 @@ impl Contention {
 fn forgotten_after(w: &Waiter) -> i64 {
     w.due_ms
         .saturating_add(CONTENTION_FORGET.as_millis() as i64)
-}
-
-// ---- one fault for every job of an event ------------------------------------------------
-
-/// Distinct jobs of one event failing for the same reason, the SQLSTATE giving it to the
-/// job (its data, a `RAISE`), with none of the event going through in between: past this
-/// many the reason is taken for the surroundings' (a trigger, a constraint or a function
-/// the shop is changing), not each job's.
-pub const SYSTEMIC_JOBS: usize = 5;
-
-/// Per event, the jobs that failed for one reason since the event last went through.
-#[derive(Default)]
-pub struct Systemic {
-    streaks: Mutex<HashMap<String, Streak>>,
-    /// `streaks.len()`, so a commit skips the lock when no event has one.
-    len: AtomicU64,
-}
-
-struct Streak {
-    reason: String,
-    keys: HashSet<String>,
-}
-
-impl Systemic {
-    /// A job of `event` failed for `reason`, a fault of the job's own by its SQLSTATE.
-    /// Returns whether every job of the event fails so now ([`SYSTEMIC_JOBS`] of them
-    /// with none going through).
-    pub fn failed(&self, event: &str, key: &str, reason: &str) -> bool {
-        let mut streaks = self.streaks.lock().unwrap_or_else(|p| p.into_inner());
-        let s = streaks.entry(event.to_string()).or_insert_with(|| Streak {
-            reason: reason.to_string(),
-            keys: HashSet::new(),
-        });
-        if s.reason != reason {
-            s.reason = reason.to_string();
-            s.keys.clear();
-        }
-        if s.keys.len() < SYSTEMIC_JOBS {
-            s.keys.insert(key.to_string());
-        }
-        let every = s.keys.len() >= SYSTEMIC_JOBS;
-        self.len.store(streaks.len() as u64, Relaxed);
-        every
-    }
-
-    /// A job of `event` went through: whatever failed its jobs does not fail them all.
-    pub fn went_through(&self, event: &str) {
-        if self.len.load(Relaxed) == 0 {
-            return;
-        }
-        let mut streaks = self.streaks.lock().unwrap_or_else(|p| p.into_inner());
-        streaks.remove(event);
-        self.len.store(streaks.len() as u64, Relaxed);
-    }
 }
 
 // ---- per-job counters by event, and the histograms -------------------------------------
@@ -657,6 +611,10 @@ struct EventMetrics {
     /// Indexed like [`OUTCOMES`].
     outcomes: [AtomicU64; 6],
     handler: Histogram,
+    /// When a job of the event last went through (committed, or found done), and last
+    /// changed something (applied), unix ms.
+    through_ms: AtomicI64,
+    applied_ms: AtomicI64,
 }
 
 /// The per-job figures. Written by every worker (atomics only), read by the metrics
@@ -705,6 +663,8 @@ impl Metrics {
                 name,
                 outcomes: Default::default(),
                 handler: Histogram::new(HANDLER_BOUNDS),
+                through_ms: AtomicI64::new(crate::now_ms()),
+                applied_ms: AtomicI64::new(0),
             })
             .collect();
         Metrics {
@@ -722,6 +682,25 @@ impl Metrics {
             .copied()
             .unwrap_or(self.events.len() - 1);
         &self.events[i]
+    }
+
+    /// A job of `event` went through at `now_ms`; `applied`: it changed something.
+    pub fn went_through(&self, event: &str, applied: bool, now_ms: i64) {
+        let slot = self.slot(event);
+        slot.through_ms.store(now_ms, Relaxed);
+        if applied {
+            slot.applied_ms.store(now_ms, Relaxed);
+        }
+    }
+
+    /// When a job of `event` last went through (the process's start before the first).
+    pub fn through_ms(&self, event: &str) -> i64 {
+        self.slot(event).through_ms.load(Relaxed)
+    }
+
+    /// When a job of `event` last changed something (0: none yet).
+    pub fn applied_ms(&self, event: &str) -> i64 {
+        self.slot(event).applied_ms.load(Relaxed)
     }
 
     /// Counts one finished job.

@@ -47,7 +47,7 @@ use crate::keys::Keys;
 use crate::manners::Manners;
 use crate::message::{event_of, Envelope, Rejection};
 use crate::shutdown::Shutdown;
-use crate::stats::{JobOutcome, Stats, CONTENTION_ROLE as CONTENTION};
+use crate::stats::{JobOutcome, Stats, CONTENTION_ROLE as CONTENTION, HELD_ROLE_PREFIX};
 use crate::store::{self, Settled, StoreError};
 use crossbeam_channel::{RecvTimeoutError, Sender, TryRecvError};
 use session::{Failure, InboxId, Job, JobResult, Session};
@@ -112,7 +112,12 @@ pub struct PoolContext<'a> {
 
 /// The role a schema fault of `event` is reported under.
 fn held_role(event: &str) -> String {
-    format!("handler {event}")
+    format!("{HELD_ROLE_PREFIX}{event}")
+}
+
+/// The role under which a refusal of every job of `event` is reported.
+fn refused_role(event: &str) -> String {
+    format!("{HELD_ROLE_PREFIX}{event} refused")
 }
 
 /// The inbox's text form of a job key: as is when it is text PostgreSQL can hold,
@@ -651,7 +656,7 @@ impl<'a> Worker<'a> {
                 };
                 let now = stats.clock.now_ms();
                 stats.jobs.lateness(first_due, now);
-                self.went_through(&key, &env.event);
+                self.went_through(&key, &env.event, effect == Effect::Applied);
                 if log::log_enabled!(log::Level::Debug) {
                     let what = match effect {
                         Effect::Applied => "done",
@@ -665,12 +670,12 @@ impl<'a> Worker<'a> {
                 Settlement::ack(d, &env.event, outcome)
             }
             JobResult::Duplicate => {
-                self.went_through(&key, &env.event);
+                self.went_through(&key, &env.event, false);
                 log::debug!("job {key} {}: duplicate (already in the inbox)", env.event);
                 Settlement::ack(d, &env.event, JobOutcome::Duplicate)
             }
             JobResult::Failed(f) => match f.fault {
-                Fault::Job => self.own_fault(d, &env, &key, first_due, &f, handler.source()),
+                Fault::Job => self.own_fault(d, &env, &key, first_due, &f),
                 Fault::Contention => self.contended(d, &env, &key, first_due, &f),
                 // Server faults come here only if shutdown cut the wait for a new
                 // connection short; they are held like the schema's.
@@ -688,11 +693,12 @@ impl<'a> Worker<'a> {
         })
     }
 
-    /// A job of `event` committed (or was already in the inbox): it waits on contention
-    /// no more, and its event is no longer held by a schema fault.
-    fn went_through(&self, key: &str, event: &str) {
+    /// A job of `event` committed (or was already in the inbox; `applied`: it changed
+    /// something): it waits on contention no more, and its event is no longer held by a
+    /// schema fault, nor, if it changed something, by a refusal of every job.
+    fn went_through(&self, key: &str, event: &str, applied: bool) {
         let stats = self.ctx.stats;
-        stats.contention.went_through(crate::now_ms());
+        stats.jobs.went_through(event, applied, crate::now_ms());
         if stats.contention.standstill.load(Ordering::Relaxed)
             && stats.contention.standstill.swap(false, Ordering::Relaxed)
         {
@@ -700,9 +706,11 @@ impl<'a> Worker<'a> {
             log::info!("{CONTENTION}: jobs go through again");
         }
         self.no_longer_waits(key);
-        stats.systemic.went_through(event);
         if stats.clear_problem(&held_role(event), i64::MAX) {
             log::info!("jobs of {event} run again: the schema fault is gone");
+        }
+        if applied && stats.clear_problem(&refused_role(event), i64::MAX) {
+            log::info!("jobs of {event} go through again: what refused them is gone");
         }
     }
 
@@ -778,13 +786,13 @@ impl<'a> Worker<'a> {
         s
     }
 
-    /// A fault PostgreSQL gives to the job (its data, a `RAISE`): a dead letter, at its
-    /// second look. The first failure sends it back for [`SECOND_LOOK`] without spending
-    /// a retry, so that one cause failing every job of its event at once (a trigger, a
-    /// constraint or a function the shop is changing) shows before any is dead-lettered:
-    /// once [`SYSTEMIC_JOBS`] jobs of the event fail for the same reason with none going
-    /// through, they are held as for a schema fault (health red, naming it), and
-    /// dead-lettered only once `--retry-for` has passed since they fell due.
+    /// A fault PostgreSQL gives to the job (its data, a `RAISE`): a dead letter once
+    /// another job of its event has changed something since this one failed, which
+    /// shows the fault is this job's. The first failure sends it back for [`SECOND_LOOK`]
+    /// (no retry spent). Without that proof (a trigger, a constraint or a function the
+    /// shop is changing refuses every job of the event) it is held: back every
+    /// [`SCHEMA_HOLD`], health red naming the error, until a job of the event changes
+    /// something, and a dead letter only once `--retry-for` has passed since it fell due.
     fn own_fault(
         &self,
         d: Delivery,
@@ -792,27 +800,14 @@ impl<'a> Worker<'a> {
         key: &str,
         first_due: Option<i64>,
         f: &Failure,
-        file: Option<&str>,
     ) -> Settlement {
         let stats = self.ctx.stats;
         let jobs = self.ctx.jobs;
         let now = stats.clock.now_ms();
         let since = first_due.unwrap_or(now);
-        let waited = Duration::from_millis((now - since).max(0) as u64);
-        let every = stats.systemic.failed(&env.event, key, &f.reason);
-        if every && waited < jobs.retry_for {
-            let held = Failure {
-                reason: format!(
-                    "every job fails the same way, taken for the surroundings' fault (a trigger, a constraint or a function being changed), not each job's, until --retry-for {} has passed: {}",
-                    crate::human_ms(jobs.retry_for.as_millis() as i64),
-                    f.reason
-                ),
-                ..f.clone()
-            };
-            return self.hold(d, env, key, first_due, &held, file);
-        }
-        let looked = env.last_error().is_some_and(|e| f.reason.starts_with(e));
-        if !every && !looked {
+        let gist: String = f.reason.chars().take(80).collect();
+        let seen = env.last_error().is_some_and(|e| e.contains(&gist));
+        if !seen {
             log::debug!(
                 "job {key} {} failed, a second look in {}s: {}",
                 env.event,
@@ -821,17 +816,37 @@ impl<'a> Worker<'a> {
             );
             return self.sent_back_unspent(d, env, since, &f.reason, SECOND_LOOK);
         }
-        let reason = if every {
-            format!(
-                "handler failed: {} (every job of {} failed so for --retry-for {})",
-                f.reason,
-                env.event,
-                crate::human_ms(jobs.retry_for.as_millis() as i64)
-            )
-        } else {
-            format!("handler failed: {}", f.reason)
-        };
-        self.dead(d, reason, env.event.clone(), env.retry as u64 + 1)
+        // Sent back at least SECOND_LOOK before this look fell due.
+        let failed_at = d.due_ms.unwrap_or(now) - SECOND_LOOK.as_millis() as i64;
+        let local = crate::now_ms() - (now - failed_at);
+        if stats.jobs.applied_ms(&env.event) > local {
+            return self.dead(
+                d,
+                format!("handler failed: {}", f.reason),
+                env.event.clone(),
+                env.retry as u64 + 1,
+            );
+        }
+        let waited = Duration::from_millis((now - since).max(0) as u64);
+        let horizon = crate::human_ms(jobs.retry_for.as_millis() as i64);
+        if waited >= jobs.retry_for {
+            let reason = format!(
+                "handler failed: {} (no job of {} changed anything for --retry-for {horizon})",
+                f.reason, env.event
+            );
+            return self.dead(d, reason, env.event.clone(), env.retry as u64 + 1);
+        }
+        let what = format!(
+            "jobs of {} are held: they fail ({}) and no job of {} has changed anything since, so it is taken for the surroundings' fault (a trigger, a constraint or a function being changed) until one does, or --retry-for {horizon} passes (tried again every {}s, no retry spent)",
+            env.event,
+            f.reason,
+            env.event,
+            SCHEMA_HOLD.as_secs()
+        );
+        if stats.report_critical(&refused_role(&env.event), what.clone()) {
+            log::error!("{what}");
+        }
+        self.sent_back_unspent(d, env, since, &f.reason, SCHEMA_HOLD)
     }
 
     /// Contention (another transaction's lock past the lock timeout, a deadlock): back
@@ -886,10 +901,12 @@ impl<'a> Worker<'a> {
             // Logged when the longest waiter or its reason changes, else every 30 s: the
             // count and the time change at every retry.
             let gist = format!("{} {}: {}", w.event, w.key, w.reason);
-            match stats.contention.standing_still(crate::now_ms()) {
+            let through = stats.jobs.through_ms(&env.event);
+            match stats.contention.standing_still(through, crate::now_ms()) {
                 Some(idle) => {
                     let what = format!(
-                        "no job has gone through for {}: {what}",
+                        "no job of {} has gone through for {}: {what}",
+                        env.event,
                         crate::human_ms(idle.as_millis() as i64)
                     );
                     stats.contention.standstill.store(true, Ordering::Relaxed);

@@ -122,11 +122,28 @@ fn permanent_failures_go_to_the_dead_letters_at_once_with_the_reason() {
         xadd(&env, k, msg);
     }
     let daemon = Daemon::start(&env.config);
+    // The handler's refusal is a dead letter once another order.timeout job has changed
+    // something after it failed: that job comes while the refused one waits in the pool
+    // for its second look.
+    wait_until(WAIT, "the refused job back in the pool", || {
+        books(&env).pool == 1
+    });
+    let order = seed_orders(&env.db, 1);
+    xadd(
+        &env,
+        "k-good",
+        format!(
+            r#"{{"event":"order.timeout","payload":{{"order_id":{}}}}}"#,
+            order[0].id
+        )
+        .as_bytes(),
+    );
     wait_until(WAIT, "all dead letters", || {
         dead_letters(&env).len() == cases.len()
     });
     let report = daemon.stop();
     assert_eq!(report.stats.dead, cases.len() as u64);
+    assert_accounting(&env.db, &order, &[&order[0]]);
     let dead = dead_letters(&env);
     for (k, msg, reason) in &cases {
         let d = dead
