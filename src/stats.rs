@@ -615,6 +615,10 @@ struct EventMetrics {
     /// changed something (applied), unix ms.
     through_ms: AtomicI64,
     applied_ms: AtomicI64,
+    /// Jobs of the event PostgreSQL refused since one last changed something (their
+    /// keys, a few kept), and how many are kept.
+    refused: Mutex<std::collections::HashSet<String>>,
+    refused_len: AtomicU64,
 }
 
 /// The per-job figures. Written by every worker (atomics only), read by the metrics
@@ -665,6 +669,8 @@ impl Metrics {
                 handler: Histogram::new(HANDLER_BOUNDS),
                 through_ms: AtomicI64::new(crate::now_ms()),
                 applied_ms: AtomicI64::new(0),
+                refused: Mutex::default(),
+                refused_len: AtomicU64::new(0),
             })
             .collect();
         Metrics {
@@ -690,7 +696,25 @@ impl Metrics {
         slot.through_ms.store(now_ms, Relaxed);
         if applied {
             slot.applied_ms.store(now_ms, Relaxed);
+            if slot.refused_len.load(Relaxed) > 0 {
+                let mut r = slot.refused.lock().unwrap_or_else(|p| p.into_inner());
+                r.clear();
+                slot.refused_len.store(0, Relaxed);
+            }
         }
+    }
+
+    /// A job of `event` was refused for a fault PostgreSQL gives to the job. Returns
+    /// whether other jobs of the event were refused too since one last changed something
+    /// (then one cause may be refusing them all).
+    pub fn refused(&self, event: &str, key: &str) -> bool {
+        let slot = self.slot(event);
+        let mut r = slot.refused.lock().unwrap_or_else(|p| p.into_inner());
+        if r.len() < 8 {
+            r.insert(key.to_string());
+        }
+        slot.refused_len.store(r.len() as u64, Relaxed);
+        r.len() > 1 || !r.contains(key)
     }
 
     /// When a job of `event` last went through (the process's start before the first).

@@ -788,9 +788,10 @@ impl<'a> Worker<'a> {
 
     /// A fault PostgreSQL gives to the job (its data, a `RAISE`): a dead letter once
     /// another job of its event has changed something since this one failed, which
-    /// shows the fault is this job's. The first failure sends it back for [`SECOND_LOOK`]
-    /// (no retry spent). Without that proof (a trigger, a constraint or a function the
-    /// shop is changing refuses every job of the event) it is held: back every
+    /// shows the fault is this job's, or when no other job of the event has been refused
+    /// since one last changed something (a lone refusal). The first failure sends it back
+    /// for [`SECOND_LOOK`] (no retry spent). Otherwise (a trigger, a constraint or a
+    /// function the shop is changing refuses every job of the event) it is held: back every
     /// [`SCHEMA_HOLD`], health red naming the error, until a job of the event changes
     /// something, and a dead letter only once `--retry-for` has passed since it fell due.
     fn own_fault(
@@ -805,6 +806,7 @@ impl<'a> Worker<'a> {
         let jobs = self.ctx.jobs;
         let now = stats.clock.now_ms();
         let since = first_due.unwrap_or(now);
+        let others = stats.jobs.refused(&env.event, key);
         let gist: String = f.reason.chars().take(80).collect();
         let seen = env.last_error().is_some_and(|e| e.contains(&gist));
         if !seen {
@@ -819,7 +821,7 @@ impl<'a> Worker<'a> {
         // Sent back at least SECOND_LOOK before this look fell due.
         let failed_at = d.due_ms.unwrap_or(now) - SECOND_LOOK.as_millis() as i64;
         let local = crate::now_ms() - (now - failed_at);
-        if stats.jobs.applied_ms(&env.event) > local {
+        if stats.jobs.applied_ms(&env.event) > local || !others {
             return self.dead(
                 d,
                 format!("handler failed: {}", f.reason),
