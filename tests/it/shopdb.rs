@@ -883,7 +883,8 @@ fn every_job_once_and_green_paid(
 fn a_table_lock_that_stops_every_job_turns_health_red_until_jobs_go_through() {
     let env = Env::new();
     let orders = seed_orders(&env.db, 10);
-    let (w, port) = start_with_health(&env, &[]);
+    // Retries 5 s apart at most, so the jobs run soon after the lock ends.
+    let (w, port) = start_with_health(&env, &["--retry-cap", "5s"]);
     wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
     let (_, release, h) =
         crate::lock_holder::hold(&env, "LOCK TABLE orders IN ACCESS EXCLUSIVE MODE");
