@@ -283,6 +283,12 @@ impl Stats {
 
     /// Forgets `role`'s problem unless it was met at or after `since_ms` (the start of the
     /// step that just went cleanly). Returns whether one was cleared.
+    /// Whether any role has a problem on record (cheap: a commit asks before it names
+    /// the roles it might clear).
+    pub fn has_problems(&self) -> bool {
+        self.problem_count.load(Relaxed) > 0
+    }
+
     pub fn clear_problem(&self, role: &str, since_ms: i64) -> bool {
         if self.problem_count.load(Relaxed) == 0 {
             return false;
@@ -309,12 +315,18 @@ impl Stats {
             .or_else(|| self.worst(now_ms, Severity::Critical))
     }
 
+    /// Whether `p` is still told at `now_ms`: met within its role's window, and for
+    /// contention only while this process counts a job waiting (`contended`), since one
+    /// another process ran is forgotten.
+    fn told(p: &Problem, now_ms: i64, contended: bool) -> bool {
+        now_ms - p.at <= window_ms(&p.role) && (contended || p.role != CONTENTION_ROLE)
+    }
+
     fn worst(&self, now_ms: i64, at_least: Severity) -> Option<String> {
         let contended = self.contention.summary(now_ms).0 > 0;
         let ps = self.problems.lock().ok()?;
         ps.iter()
-            .filter(|p| p.severity >= at_least && now_ms - p.at <= window_ms(&p.role))
-            .filter(|p| contended || p.role != CONTENTION_ROLE)
+            .filter(|p| p.severity >= at_least && Self::told(p, now_ms, contended))
             .max_by_key(|p| p.severity)
             .map(|p| format!("{}: {}", p.role, p.what))
     }
@@ -322,15 +334,13 @@ impl Stats {
     /// Every problem met within [`PROBLEM_WINDOW`] of `now_ms`, the worst first: for the
     /// heartbeat record and the state report.
     pub fn problems(&self, now_ms: i64) -> Vec<Reported> {
-        // Contention is told while a job waits: one another process ran is forgotten.
         let contended = self.contention.summary(now_ms).0 > 0;
         let Ok(ps) = self.problems.lock() else {
             return Vec::new();
         };
         let mut out: Vec<(&Problem, Reported)> = ps
             .iter()
-            .filter(|p| now_ms - p.at <= window_ms(&p.role))
-            .filter(|p| contended || p.role != CONTENTION_ROLE)
+            .filter(|p| Self::told(p, now_ms, contended))
             .map(|p| {
                 let severity = match p.severity {
                     Severity::Warning => "warning",

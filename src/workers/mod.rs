@@ -90,6 +90,13 @@ pub const CONTENTION_CAP: Duration = Duration::from_secs(30);
 /// privilege on `worker_flush`) is reported under: critical.
 const GROUP_COMMIT: &str = "group commit";
 
+/// A flush of the WAL went through: a refused group commit's alarm goes.
+fn durable_again(stats: &Stats) {
+    if stats.clear_problem(GROUP_COMMIT, i64::MAX) {
+        log::info!("{GROUP_COMMIT}: commits are confirmed durable again");
+    }
+}
+
 /// What every worker shares. Read-only except the counters.
 pub struct PoolContext<'a> {
     pub keys: &'a Keys,
@@ -230,11 +237,7 @@ impl<'a> Worker<'a> {
             self.unflushed = false;
             let stats = self.ctx.stats;
             match flushed {
-                Ok(()) => {
-                    if stats.clear_problem(GROUP_COMMIT, i64::MAX) {
-                        log::info!("{GROUP_COMMIT}: commits are confirmed durable again");
-                    }
-                }
+                Ok(()) => durable_again(stats),
                 Err((e, fault)) => {
                     // A refused privilege or a missing table: every job's ack waits for the
                     // operator, so health is red naming it (the jobs run again meanwhile,
@@ -315,11 +318,9 @@ impl<'a> Worker<'a> {
             },
         };
         let found = db::flush_wal(session.client(), &self.flush_slot).and_then(|()| {
-            // A flush went through: commits are confirmed durable again, though no job
-            // may be left to commit and flush on the way of `make_durable`.
-            if self.ctx.stats.clear_problem(GROUP_COMMIT, i64::MAX) {
-                log::info!("{GROUP_COMMIT}: commits are confirmed durable again");
-            }
+            // A flush went through, though no job may be left to commit and flush on
+            // the way of `make_durable`.
+            durable_again(self.ctx.stats);
             session::inbox_rows(session.client(), ids.iter().map(|(_, id)| id))
         });
         match found {
@@ -706,6 +707,10 @@ impl<'a> Worker<'a> {
             log::info!("{CONTENTION}: jobs go through again");
         }
         self.no_longer_waits(key);
+        // The roles' names are made only when some problem is on record: not per job.
+        if !stats.has_problems() {
+            return;
+        }
         if stats.clear_problem(&held_role(event), i64::MAX) {
             log::info!("jobs of {event} run again: the schema fault is gone");
         }
