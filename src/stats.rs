@@ -768,8 +768,8 @@ impl Metrics {
         self.history.last_hour(now_ms)
     }
 
-    /// Dead letters this process wrote in about the last minute: those of the current
-    /// minute, and of the one before in the share of it that falls within 60 s of `now_ms`.
+    /// Dead letters this process wrote in the last minute (the 60 seconds up to `now_ms`,
+    /// counted to the second).
     pub fn dead_last_minute(&self, now_ms: i64) -> u64 {
         self.history.dead_last_minute(now_ms)
     }
@@ -885,14 +885,23 @@ impl MinuteSlot {
 /// The last [`HISTORY_MINUTES`] minutes of job outcomes and lateness, in a ring of fixed
 /// size (about 25 KB): a slot is reused, zeroed, when its minute comes round again. One
 /// short lock per finished job (workers rarely finish within the same microsecond).
+/// Dead letters are also counted second by second over the last [`DEAD_WINDOW_S`]
+/// seconds, for `--dead-rate-crit`: the minute slots alone would say "the last minute"
+/// only to within a minute.
 pub struct History {
     ring: Mutex<Box<[MinuteSlot; HISTORY_MINUTES]>>,
+    /// `(unix second, dead letters in it)`, the slot of second `s` at `s % DEAD_WINDOW_S`.
+    dead_seconds: Mutex<[(i64, u32); DEAD_WINDOW_S]>,
 }
+
+/// The seconds the dead-letter rate looks back: one minute.
+const DEAD_WINDOW_S: usize = 60;
 
 impl Default for History {
     fn default() -> Self {
         History {
             ring: Mutex::new(Box::new([MinuteSlot::EMPTY; HISTORY_MINUTES])),
+            dead_seconds: Mutex::new([(i64::MIN, 0); DEAD_WINDOW_S]),
         }
     }
 }
@@ -967,28 +976,32 @@ impl History {
             .iter()
             .position(|(o, _)| *o == outcome)
             .unwrap_or(0);
-        let mut ring = self.lock();
-        let s = Self::slot(&mut ring, now_ms);
-        s.outcomes[i] = s.outcomes[i].saturating_add(1);
+        {
+            let mut ring = self.lock();
+            let s = Self::slot(&mut ring, now_ms);
+            s.outcomes[i] = s.outcomes[i].saturating_add(1);
+        }
+        if outcome == JobOutcome::Dead {
+            let second = now_ms.div_euclid(1000);
+            let mut dead = self.dead_seconds.lock().unwrap_or_else(|p| p.into_inner());
+            let slot = &mut dead[second.rem_euclid(DEAD_WINDOW_S as i64) as usize];
+            if slot.0 != second {
+                *slot = (second, 0);
+            }
+            slot.1 = slot.1.saturating_add(1);
+        }
     }
 
+    /// Dead letters written in the 60 seconds up to `now_ms` (to the second).
     fn dead_last_minute(&self, now_ms: i64) -> u64 {
-        let i = OUTCOMES
-            .iter()
-            .position(|(o, _)| *o == JobOutcome::Dead)
-            .unwrap_or(0);
-        let minute = now_ms.div_euclid(60_000);
-        let into = now_ms.rem_euclid(60_000) as f64 / 60_000.0;
-        let ring = self.lock();
-        let count = |m: i64| {
-            let s = &ring[m.rem_euclid(HISTORY_MINUTES as i64) as usize];
-            if s.minute == m {
-                s.outcomes[i] as f64
-            } else {
-                0.0
-            }
-        };
-        (count(minute) + count(minute - 1) * (1.0 - into)).round() as u64
+        let now = now_ms.div_euclid(1000);
+        let dead = self.dead_seconds.lock().unwrap_or_else(|p| p.into_inner());
+        dead.iter()
+            .filter(|(second, _)| {
+                *second <= now && now.saturating_sub(*second) < DEAD_WINDOW_S as i64
+            })
+            .map(|&(_, n)| n as u64)
+            .sum()
     }
 
     pub fn lateness(&self, now_ms: i64, late_ms: i64) {
@@ -1256,6 +1269,31 @@ mod tests {
             "nothing in the last hour"
         );
         assert!(hour.p50_ms.is_none());
+    }
+
+    #[test]
+    fn the_dead_letter_rate_counts_the_last_sixty_seconds() {
+        let h = History::default();
+        let t0 = 1_800_000_050_000i64; // 50 s into a minute
+        for _ in 0..12 {
+            h.job(t0, JobOutcome::Dead);
+        }
+        h.job(t0, JobOutcome::Done);
+        assert_eq!(h.dead_last_minute(t0), 12);
+        // Across the minute's turn, and up to the 60th second, all twelve count.
+        assert_eq!(h.dead_last_minute(t0 + 10_000), 12);
+        assert_eq!(h.dead_last_minute(t0 + 59_999), 12);
+        assert_eq!(h.dead_last_minute(t0 + 60_000), 0);
+        // One a second: a steady 60 a minute is 60 at every moment, never more.
+        let t1 = t0 + 3_600_000;
+        for k in 0..180 {
+            h.job(t1 + k * 1000 + 500, JobOutcome::Dead);
+            if k >= 59 {
+                assert_eq!(h.dead_last_minute(t1 + k * 1000 + 700), 60, "{k}");
+            }
+        }
+        // A clock that went back sees nothing of its future.
+        assert_eq!(h.dead_last_minute(t1 - 1_000), 0);
     }
 
     #[test]
