@@ -192,9 +192,17 @@ impl Envelope {
     }
 
     /// [`Envelope::requeued`] with why it goes back (`last_error`, cut at
-    /// [`LAST_ERROR_CHARS`]), for `worker trace`; without it when the message would
-    /// outgrow `limit` (the mover would bury it).
-    pub fn requeued_after(&self, retry: u32, first_due: i64, error: &str, limit: usize) -> String {
+    /// [`LAST_ERROR_CHARS`]), for `worker trace`, and when it failed (`failed_at`, unix
+    /// ms on Redis's clock); without them when the message would outgrow `limit` (the
+    /// mover would bury it).
+    pub fn requeued_after(
+        &self,
+        retry: u32,
+        first_due: i64,
+        error: &str,
+        failed_at: i64,
+        limit: usize,
+    ) -> String {
         let plain = self.requeued(retry, first_due);
         let mut raw = self.whole();
         raw.insert("retry".into(), Value::from(retry));
@@ -204,6 +212,7 @@ impl Envelope {
         );
         let cut: String = error.chars().take(LAST_ERROR_CHARS).collect();
         raw.insert(LAST_ERROR.into(), Value::from(cut));
+        raw.insert(FAILED_AT.into(), Value::from(failed_at));
         let with = to_wire(raw, self.job_id.as_deref());
         if with.len() > limit {
             plain
@@ -216,6 +225,12 @@ impl Envelope {
     /// `LAST_ERROR_CHARS`), if any.
     pub fn last_error(&self) -> Option<&str> {
         self.raw.get(LAST_ERROR).and_then(Value::as_str)
+    }
+
+    /// When the job last failed (unix ms on Redis's clock), as the worker that sent it
+    /// back wrote it, if it did.
+    pub fn failed_at(&self) -> Option<i64> {
+        self.raw.get(FAILED_AT).and_then(Value::as_i64)
     }
 
     /// The whole object: what was received (or made), `payload` included.
@@ -254,6 +269,10 @@ pub const FIRST_DUE: &str = "first_due";
 /// The field of a message sent back to the pool that says why (the failure's reason):
 /// what `worker trace` shows of a job waiting for a retry.
 pub const LAST_ERROR: &str = "last_error";
+
+/// The field of a message sent back to the pool that says when it failed (unix ms, Redis's
+/// clock): a refused job's proof is a job of its event that changed something after it.
+pub const FAILED_AT: &str = "failed_at";
 
 /// The longest `last_error` kept, in characters.
 pub const LAST_ERROR_CHARS: usize = 300;
@@ -386,16 +405,21 @@ mod tests {
     #[test]
     fn a_message_sent_back_says_why_while_it_fits() {
         let e = d(r#"{"job_id":"17-3","event":"e","payload":{},"retry":0}"#).unwrap();
-        let m = e.requeued_after(1, 5, &"x".repeat(400), 1000);
+        let m = e.requeued_after(1, 5, &"x".repeat(400), 7, 1000);
         assert!(m.starts_with(r#"{"job_id":"17-3","#), "{m}");
         let v: Value = serde_json::from_str(&m).unwrap();
         assert_eq!(v[LAST_ERROR].as_str().map(str::len), Some(LAST_ERROR_CHARS));
         assert_eq!(
-            (v["retry"].as_i64(), v[FIRST_DUE].as_i64()),
-            (Some(1), Some(5))
+            (
+                v["retry"].as_i64(),
+                v[FIRST_DUE].as_i64(),
+                v[FAILED_AT].as_i64()
+            ),
+            (Some(1), Some(5), Some(7))
         );
+        assert_eq!(d(&m).unwrap().failed_at(), Some(7));
         // Too large with the reason: sent back without it.
-        assert_eq!(e.requeued_after(1, 5, "boom", 60), e.requeued(1, 5));
+        assert_eq!(e.requeued_after(1, 5, "boom", 7, 60), e.requeued(1, 5));
     }
 
     #[test]

@@ -622,14 +622,18 @@ struct EventMetrics {
     outcomes: [AtomicU64; 6],
     handler: Histogram,
     /// When a job of the event last went through (committed, or found done), and last
-    /// changed something (applied), unix ms.
+    /// changed something (applied, in this process or, as the inbox said, in another),
+    /// unix ms.
     through_ms: AtomicI64,
     applied_ms: AtomicI64,
-    /// Jobs of the event PostgreSQL refused since one last changed something (their
-    /// keys, a few kept), and how many are kept.
-    refused: Mutex<std::collections::HashSet<String>>,
-    refused_len: AtomicU64,
+    /// When this process last asked the inbox whether a job of the event changed
+    /// something (local ms; [`Metrics::ask_inbox`]).
+    asked_ms: AtomicI64,
 }
+
+/// How often one process asks the inbox, per event, whether a job of it changed
+/// something ([`Metrics::ask_inbox`]).
+pub const ASK_INBOX_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// The per-job figures. Written by every worker (atomics only), read by the metrics
 /// thread; nothing to do at shutdown.
@@ -679,8 +683,7 @@ impl Metrics {
                 handler: Histogram::new(HANDLER_BOUNDS),
                 through_ms: AtomicI64::new(crate::now_ms()),
                 applied_ms: AtomicI64::new(0),
-                refused: Mutex::default(),
-                refused_len: AtomicU64::new(0),
+                asked_ms: AtomicI64::new(0),
             })
             .collect();
         Metrics {
@@ -705,26 +708,27 @@ impl Metrics {
         let slot = self.slot(event);
         slot.through_ms.store(now_ms, Relaxed);
         if applied {
-            slot.applied_ms.store(now_ms, Relaxed);
-            if slot.refused_len.load(Relaxed) > 0 {
-                let mut r = slot.refused.lock().unwrap_or_else(|p| p.into_inner());
-                r.clear();
-                slot.refused_len.store(0, Relaxed);
-            }
+            slot.applied_ms.fetch_max(now_ms, Relaxed);
         }
     }
 
-    /// A job of `event` was refused for a fault PostgreSQL gives to the job. Returns
-    /// whether other jobs of the event were refused too since one last changed something
-    /// (then one cause may be refusing them all).
-    pub fn refused(&self, event: &str, key: &str) -> bool {
+    /// A job of `event` changed something at `at_ms` (local ms) in some process, as the
+    /// inbox says.
+    pub fn applied_at(&self, event: &str, at_ms: i64) {
+        self.slot(event).applied_ms.fetch_max(at_ms, Relaxed);
+    }
+
+    /// Whether this process may ask the inbox now whether a job of `event` changed
+    /// something: at most once every [`ASK_INBOX_EVERY`] per event, however many jobs
+    /// of it are held.
+    pub fn ask_inbox(&self, event: &str, now_ms: i64) -> bool {
         let slot = self.slot(event);
-        let mut r = slot.refused.lock().unwrap_or_else(|p| p.into_inner());
-        if r.len() < 8 {
-            r.insert(key.to_string());
-        }
-        slot.refused_len.store(r.len() as u64, Relaxed);
-        r.len() > 1 || !r.contains(key)
+        let last = slot.asked_ms.load(Relaxed);
+        now_ms - last >= ASK_INBOX_EVERY.as_millis() as i64
+            && slot
+                .asked_ms
+                .compare_exchange(last, now_ms, Relaxed, Relaxed)
+                .is_ok()
     }
 
     /// When a job of `event` last went through (the process's start before the first).

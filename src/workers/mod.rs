@@ -22,8 +22,10 @@
 //! - the schema's (a missing column, a refused privilege, a handler that does not
 //!   prepare): held, back in the pool for [`SCHEMA_HOLD`] without spending a retry, and
 //!   health is red naming the error until a job of that event commits;
-//! - the job's own (its data, the handler's `RAISE`), and messages that cannot be decoded:
-//!   a dead letter at once, with the reason.
+//! - the job's own (its data, the handler's `RAISE`): a dead letter with the reason once
+//!   another job of its event has changed something since it failed (in any process: the
+//!   inbox is asked), held and red until then (`own_fault`); messages that cannot be
+//!   decoded: a dead letter at once, with the reason.
 //!
 //! A retried or held message carries `first_due`, when the job first fell due: lateness
 //! and the contention horizon count from there.
@@ -777,6 +779,7 @@ impl<'a> Worker<'a> {
             env.retry,
             first_due,
             reason,
+            now,
             self.ctx.jobs.max_message_bytes,
         );
         let mut s = Settlement::new(
@@ -792,15 +795,16 @@ impl<'a> Worker<'a> {
     }
 
     /// A fault PostgreSQL gives to the job (its data, a `RAISE`): a dead letter once
-    /// another job of its event has changed something since this one failed, which
-    /// shows the fault is this job's, or when no other job of the event has been refused
-    /// since one last changed something (a lone refusal). The first failure sends it back
-    /// for [`SECOND_LOOK`] (no retry spent). Otherwise (a trigger, a constraint or a
-    /// function the shop is changing refuses every job of the event) it is held: back every
-    /// [`SCHEMA_HOLD`], health red naming the error, until a job of the event changes
-    /// something, and a dead letter only once `--retry-for` has passed since it fell due.
+    /// another job of its event has changed something since this one failed, in this
+    /// process or in any other (the inbox says so: [`Worker::applied_since`]), which shows
+    /// the fault is this job's. The first failure sends it back for [`SECOND_LOOK`] (no
+    /// retry spent). Without that proof (a trigger, a constraint or a function the shop is
+    /// changing may be refusing every job of the event, and one refusal alone cannot tell
+    /// which) it is held: back every [`SCHEMA_HOLD`], health red naming the error, until a
+    /// job of the event changes something, and a dead letter only once `--retry-for` has
+    /// passed since it fell due.
     fn own_fault(
-        &self,
+        &mut self,
         d: Delivery,
         env: &Envelope,
         key: &str,
@@ -811,7 +815,6 @@ impl<'a> Worker<'a> {
         let jobs = self.ctx.jobs;
         let now = stats.clock.now_ms();
         let since = first_due.unwrap_or(now);
-        let others = stats.jobs.refused(&env.event, key);
         let gist: String = f.reason.chars().take(80).collect();
         let seen = env.last_error().is_some_and(|e| e.contains(&gist));
         if !seen {
@@ -823,10 +826,13 @@ impl<'a> Worker<'a> {
             );
             return self.sent_back_unspent(d, env, since, &f.reason, SECOND_LOOK);
         }
-        // Sent back at least SECOND_LOOK before this look fell due.
-        let failed_at = d.due_ms.unwrap_or(now) - SECOND_LOOK.as_millis() as i64;
-        let local = crate::now_ms() - (now - failed_at);
-        if stats.jobs.applied_ms(&env.event) > local || !others {
+        // As the message says; else (sent back by an older version) at least SECOND_LOOK
+        // before this look fell due.
+        let failed_at = env
+            .failed_at()
+            .unwrap_or_else(|| d.due_ms.unwrap_or(now) - SECOND_LOOK.as_millis() as i64);
+        let failed_ago = now - failed_at;
+        if self.applied_since(&env.event, failed_ago) {
             return self.dead(
                 d,
                 format!("handler failed: {}", f.reason),
@@ -854,6 +860,38 @@ impl<'a> Worker<'a> {
             log::error!("{what}");
         }
         self.sent_back_unspent(d, env, since, &f.reason, SCHEMA_HOLD)
+    }
+
+    /// Whether a job of `event` changed something in the last `ago_ms`: in this process,
+    /// or in any (the inbox, asked at most every [`crate::stats::ASK_INBOX_EVERY`] per
+    /// event; what it says is kept for the jobs that look meanwhile). A failed question
+    /// is no proof.
+    fn applied_since(&mut self, event: &str, ago_ms: i64) -> bool {
+        let jobs = &self.ctx.stats.jobs;
+        let local = crate::now_ms();
+        if jobs.applied_ms(event) > local - ago_ms {
+            return true;
+        }
+        if ago_ms <= 0 || !jobs.ask_inbox(event, local) {
+            return false;
+        }
+        let Some(session) = self.session.as_mut() else {
+            return false;
+        };
+        match session.applied_within(event, ago_ms) {
+            Ok(Some(age)) => {
+                jobs.applied_at(event, local - age);
+                true
+            }
+            Ok(None) => false,
+            Err(e) => {
+                log::debug!(
+                    "cannot ask the inbox whether a job of {event} changed something: {}",
+                    db::error_text(&e)
+                );
+                false
+            }
+        }
     }
 
     /// Contention (another transaction's lock past the lock timeout, a deadlock): back
@@ -936,6 +974,7 @@ impl<'a> Worker<'a> {
                         env.retry.saturating_add(1),
                         since,
                         &f.reason,
+                        now,
                         jobs.max_message_bytes,
                     )
                     .into_bytes(),

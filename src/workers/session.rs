@@ -269,6 +269,25 @@ impl Session {
     }
 
     /// The connection, for the WAL flush.
+    /// How long ago (ms) the newest job of `event` that changed something committed, in
+    /// any process, if one did within the last `within_ms`: the inbox rows' outcome
+    /// `done`, by their start time on the server's own clock (`processed_at`, indexed).
+    pub fn applied_within(
+        &mut self,
+        event: &str,
+        within_ms: i64,
+    ) -> Result<Option<i64>, postgres::Error> {
+        let row = self.conn.query_opt(
+            "SELECT (extract(epoch FROM now() - processed_at) * 1000)::bigint \
+             FROM worker_inbox \
+             WHERE processed_at > now() - $2::bigint * interval '1 millisecond' \
+             AND event = $1 AND outcome = 'done' \
+             ORDER BY processed_at DESC LIMIT 1",
+            &[&event, &within_ms],
+        )?;
+        Ok(row.map(|r| r.get::<_, i64>(0).max(0)))
+    }
+
     pub fn client(&mut self) -> &mut postgres::Client {
         &mut self.conn
     }

@@ -991,6 +991,98 @@ fn refused_jobs_among_good_traffic_are_dead_letters_within_seconds_in_every_proc
     }
 }
 
+/// The held count of `order.timeout` on a worker's `/metrics`.
+const HELD: &str = "delay_worker_jobs_total{event=\"order.timeout\",outcome=\"held\"}";
+
+/// A shop trigger refusing every job, met one job at a time (a slow event) and across a
+/// `kill -9` and restart: each job is held, red, none dead-lettered; once the trigger is
+/// dropped every job runs once (found from outside: the first job of a slow event, and one
+/// after each restart, was a dead letter within 3 s while `/healthz` said 200).
+#[test]
+fn a_trigger_met_one_job_at_a_time_and_across_a_restart_dead_letters_nothing() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 3);
+    env.db
+        .client()
+        .batch_execute(
+            "CREATE FUNCTION maintenance() RETURNS trigger LANGUAGE plpgsql AS \
+             $$ BEGIN RAISE EXCEPTION 'maintenance'; END $$; \
+             CREATE TRIGGER maintenance BEFORE UPDATE ON orders \
+             FOR EACH ROW EXECUTE FUNCTION maintenance()",
+        )
+        .unwrap();
+    let (mut w, port) = start_with_health(&env, &[]);
+    push_timeouts(&env, &orders[..1], 0);
+    wait_until(WAIT, "the lone job looked at twice, red", || {
+        let (code, body) = healthz(port);
+        metric(port, HELD) >= 2.0 && code == 503 && body.contains("are held: they fail")
+    });
+    assert_eq!(books(&env).dead, 0, "a lone refusal proves nothing");
+    w.kill9();
+    let (w, port) = start_with_health(&env, &[]);
+    push_timeouts(&env, &orders[1..2], 0);
+    wait_until(WAIT, "both jobs looked at again after the restart", || {
+        metric(port, HELD) >= 4.0
+    });
+    assert_eq!(healthz(port).0, 503, "red while the trigger refuses");
+    assert_eq!(books(&env).dead, 0, "none dead-lettered across the restart");
+    env.db
+        .client()
+        .batch_execute("DROP TRIGGER maintenance ON orders")
+        .unwrap();
+    push_timeouts(&env, &orders[2..], 0);
+    every_job_once_and_green(&env, w, port, &orders);
+}
+
+/// A job PostgreSQL refuses for its own data, alone: held and red, since one refusal
+/// cannot tell a bad job from a shop rule refusing every job; a dead letter with its
+/// reason once a job of its event changes something in another process (here one serving
+/// another key prefix on the same database), which only the inbox can tell this one.
+#[test]
+fn a_refused_job_alone_is_held_until_a_job_of_its_event_changes_something_in_another_process() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 2);
+    let (a, port) = start_with_health(&env, &[]);
+    wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
+    let msg = r#"{"event":"order.timeout","payload":{"order_id":"abc"}}"#;
+    xadd(&env, "order.timeout:abc", msg.as_bytes());
+    wait_until(WAIT, "the refused job looked at twice, red", || {
+        metric(port, HELD) >= 2.0 && healthz(port).0 == 503
+    });
+    assert_eq!(books(&env).dead, 0);
+    let mut other = env.config.clone();
+    other.consumer = "elsewhere".into();
+    let b = Proc::start(&other, &args(&["--key-prefix", "elsewhere"]));
+    let keys = delay_worker::keys::Keys::with_prefix("elsewhere");
+    let now = delay_worker::now_ms();
+    let job = delay_worker::producer::NewJob {
+        event: "order.timeout".into(),
+        payload: serde_json::json!({ "order_no": orders[0].order_no }),
+        due_ms: now,
+        key: Some(format!("order.timeout:{}", orders[0].order_no)),
+    };
+    delay_worker::producer::push(&mut env.con(), &keys, &job, now).unwrap();
+    wait_until(WAIT, "the other process's job done", || {
+        inbox_count(&env.db) == 1
+    });
+    wait_until(WAIT, "the refused job a dead letter", || {
+        books(&env).dead == 1
+    });
+    let dead = dead_letters(&env);
+    assert!(
+        dead[0]["reason"].contains("invalid input syntax"),
+        "{dead:?}"
+    );
+    stop(b);
+    push_timeouts(&env, &orders[1..], 0);
+    wait_until(WAIT, "the other order done", || inbox_count(&env.db) == 2);
+    wait_until(Duration::from_secs(20), "/healthz green again", || {
+        healthz(port).0 == 200
+    });
+    stop(a);
+    assert_accounting(&env.db, &orders, &all(&orders));
+}
+
 /// Two worker processes and a shop's lock on several orders: each process counts the jobs
 /// it sent back, and once every job is done, whichever process ran it, neither still
 /// counts or warns of one (found from outside: a job the other process committed stayed
