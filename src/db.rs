@@ -626,6 +626,15 @@ pub fn classify_code(code: &str, message: &str) -> Fault {
     }
 }
 
+/// A data exception (class `22`: a value that does not cast, an overflow, a division by
+/// zero) raised by the statement itself, with no function or trigger in its context: the
+/// statement a worker ran met the job's data, and no rule the shop adds (a trigger, a
+/// function, a constraint: those carry a context or another class) is behind it.
+pub fn own_data(e: &postgres::Error) -> bool {
+    e.as_db_error()
+        .is_some_and(|db| db.code().code().starts_with("22") && db.where_().is_none())
+}
+
 /// The server's message with its SQLSTATE, or the client error.
 pub fn error_text(e: &postgres::Error) -> String {
     match e.as_db_error() {

@@ -24,7 +24,9 @@
 //!   health is red naming the error until a job of that event commits;
 //! - the job's own (its data, the handler's `RAISE`): a dead letter with the reason once
 //!   another job of its event has changed something since it failed (in any process: the
-//!   inbox is asked), held and red until then (`own_fault`); messages that cannot be
+//!   inbox is asked), or at its second look when the handler's own statement met its data
+//!   (a class `22` error outside any function or trigger); held and red until then
+//!   (`own_fault`); messages that cannot be
 //!   decoded: a dead letter at once, with the reason.
 //!
 //! A retried or held message carries `first_due`, when the job first fell due: lateness
@@ -589,6 +591,7 @@ impl<'a> Worker<'a> {
                     fault: Fault::Contention,
                     reason: "its job is running in another session".into(),
                     wait: None,
+                    own_data: false,
                 };
                 Some(self.contended(d, env, key, first_due, &f))
             }
@@ -797,7 +800,8 @@ impl<'a> Worker<'a> {
     /// A fault PostgreSQL gives to the job (its data, a `RAISE`): a dead letter once
     /// another job of its event has changed something since this one failed, in this
     /// process or in any other (the inbox says so: [`Worker::applied_since`]), which shows
-    /// the fault is this job's. The first failure sends it back for [`SECOND_LOOK`] (no
+    /// the fault is this job's, or when the handler's own statement met the job's data
+    /// ([`Failure::own_data`]). The first failure sends it back for [`SECOND_LOOK`] (no
     /// retry spent). Without that proof (a trigger, a constraint or a function the shop is
     /// changing may be refusing every job of the event, and one refusal alone cannot tell
     /// which) it is held: back every [`SCHEMA_HOLD`], health red naming the error, until a
@@ -832,7 +836,7 @@ impl<'a> Worker<'a> {
             .failed_at()
             .unwrap_or_else(|| d.due_ms.unwrap_or(now) - SECOND_LOOK.as_millis() as i64);
         let failed_ago = now - failed_at;
-        if self.applied_since(&env.event, failed_ago) {
+        if f.own_data || self.applied_since(&env.event, failed_ago) {
             return self.dead(
                 d,
                 format!("handler failed: {}", f.reason),

@@ -37,6 +37,10 @@ pub struct Failure {
     pub reason: String,
     /// What a lock or statement timeout waited on, for the look-up of who held it.
     pub wait: Option<crate::blocker::LockWait>,
+    /// A data exception (class `22`: a cast, an overflow) raised by the handler's own
+    /// statement, not inside a function or a trigger: the job's data, whatever the shop
+    /// does (see [`db::own_data`]).
+    pub own_data: bool,
 }
 
 impl From<postgres::Error> for Failure {
@@ -45,6 +49,7 @@ impl From<postgres::Error> for Failure {
             fault: db::classify(&e),
             reason: db::error_text(&e),
             wait: crate::blocker::lock_wait(&e),
+            own_data: db::own_data(&e),
         }
     }
 }
@@ -553,6 +558,7 @@ impl Session {
                     fault: Fault::Server,
                     reason: db::error_text(&e),
                     wait: None,
+                    own_data: false,
                 }));
             }
         }
