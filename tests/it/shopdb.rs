@@ -901,6 +901,25 @@ fn a_table_lock_that_stops_every_job_turns_health_red_until_jobs_go_through() {
     every_job_once_and_green(&env, w, port, &orders);
 }
 
+/// A shop trigger that refuses every update of an order (P0001, "maintenance").
+fn refuse_every_order_update(db: &TestDb) {
+    db.client()
+        .batch_execute(
+            "CREATE FUNCTION maintenance() RETURNS trigger LANGUAGE plpgsql AS \
+             $$ BEGIN RAISE EXCEPTION 'maintenance'; END $$; \
+             CREATE TRIGGER maintenance BEFORE UPDATE ON orders \
+             FOR EACH ROW EXECUTE FUNCTION maintenance()",
+        )
+        .unwrap();
+}
+
+/// Drops [`refuse_every_order_update`]'s trigger.
+fn allow_order_updates(db: &TestDb) {
+    db.client()
+        .batch_execute("DROP TRIGGER maintenance ON orders")
+        .unwrap();
+}
+
 /// A trigger the shop adds for a while that refuses every update of `orders` (`RAISE`,
 /// P0001: the job's own fault by its SQLSTATE), while a quarter of the orders are paid
 /// (their jobs change nothing and commit): no job of the event changes anything, so the
@@ -917,15 +936,7 @@ fn a_trigger_refusing_every_job_holds_them_until_it_is_dropped() {
     pay(&env.db, &paid_orders);
     let (w, port) = start_with_health(&env, &[]);
     wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
-    env.db
-        .client()
-        .batch_execute(
-            "CREATE FUNCTION maintenance() RETURNS trigger LANGUAGE plpgsql AS \
-             $$ BEGIN RAISE EXCEPTION 'maintenance'; END $$; \
-             CREATE TRIGGER maintenance BEFORE UPDATE ON orders \
-             FOR EACH ROW EXECUTE FUNCTION maintenance()",
-        )
-        .unwrap();
+    refuse_every_order_update(&env.db);
     push_timeouts(&env, &orders, 0);
     wait_until(WAIT, "/healthz red naming the trigger's error", || {
         let (code, body) = healthz(port);
@@ -947,10 +958,7 @@ fn a_trigger_refusing_every_job_holds_them_until_it_is_dropped() {
         0,
         "none dead-lettered for the shop's trigger"
     );
-    env.db
-        .client()
-        .batch_execute("DROP TRIGGER maintenance ON orders")
-        .unwrap();
+    allow_order_updates(&env.db);
     every_job_once_and_green_paid(&env, w, port, &orders, &paid);
 }
 
@@ -1002,15 +1010,7 @@ const HELD: &str = "delay_worker_jobs_total{event=\"order.timeout\",outcome=\"he
 fn a_trigger_met_one_job_at_a_time_and_across_a_restart_dead_letters_nothing() {
     let env = Env::new();
     let orders = seed_orders(&env.db, 3);
-    env.db
-        .client()
-        .batch_execute(
-            "CREATE FUNCTION maintenance() RETURNS trigger LANGUAGE plpgsql AS \
-             $$ BEGIN RAISE EXCEPTION 'maintenance'; END $$; \
-             CREATE TRIGGER maintenance BEFORE UPDATE ON orders \
-             FOR EACH ROW EXECUTE FUNCTION maintenance()",
-        )
-        .unwrap();
+    refuse_every_order_update(&env.db);
     let (mut w, port) = start_with_health(&env, &[]);
     push_timeouts(&env, &orders[..1], 0);
     wait_until(WAIT, "the lone job looked at twice, red", || {
@@ -1026,10 +1026,7 @@ fn a_trigger_met_one_job_at_a_time_and_across_a_restart_dead_letters_nothing() {
     });
     assert_eq!(healthz(port).0, 503, "red while the trigger refuses");
     assert_eq!(books(&env).dead, 0, "none dead-lettered across the restart");
-    env.db
-        .client()
-        .batch_execute("DROP TRIGGER maintenance ON orders")
-        .unwrap();
+    allow_order_updates(&env.db);
     push_timeouts(&env, &orders[2..], 0);
     every_job_once_and_green(&env, w, port, &orders);
 }
