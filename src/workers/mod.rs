@@ -26,8 +26,8 @@
 //!   another job of its event has changed something since it failed (in any process: the
 //!   inbox is asked), or at its second look when the handler's own statement met its data
 //!   (a class `22` error outside any function or trigger); held and red until then
-//!   (`own_fault`); messages that cannot be
-//!   decoded: a dead letter at once, with the reason.
+//!   (`own_fault`);
+//! - messages that cannot be decoded: a dead letter at once, with the reason.
 //!
 //! A retried or held message carries `first_due`, when the job first fell due: lateness
 //! and the contention horizon count from there.
