@@ -708,7 +708,7 @@ impl Metrics {
         let slot = self.slot(event);
         slot.through_ms.store(now_ms, Relaxed);
         if applied {
-            slot.applied_ms.fetch_max(now_ms, Relaxed);
+            self.applied_at(event, now_ms);
         }
     }
 
