@@ -629,7 +629,16 @@ struct EventMetrics {
     /// When this process last asked the inbox whether a job of the event changed
     /// something (local ms; [`Metrics::ask_inbox`]).
     asked_ms: AtomicI64,
+    /// Jobs of the event PostgreSQL refused here and not yet decided: their keys and when
+    /// they were last refused (local ms; [`Metrics::refused`]). Touched only on a refusal.
+    refused: Mutex<HashMap<String, i64>>,
+    /// How many `refused` holds, read without the lock on every job that goes through.
+    refused_len: AtomicU64,
 }
+
+/// At most this many refused jobs remembered per event ([`Metrics::refused`]); past it the
+/// oldest is forgotten.
+const REFUSED_KEPT: usize = 1024;
 
 /// How often one process asks the inbox, per event, whether a job of it changed
 /// something ([`Metrics::ask_inbox`]).
@@ -684,6 +693,8 @@ impl Metrics {
                 through_ms: AtomicI64::new(crate::now_ms()),
                 applied_ms: AtomicI64::new(0),
                 asked_ms: AtomicI64::new(0),
+                refused: Mutex::new(HashMap::new()),
+                refused_len: AtomicU64::new(0),
             })
             .collect();
         Metrics {
@@ -729,6 +740,53 @@ impl Metrics {
                 .asked_ms
                 .compare_exchange(last, now_ms, Relaxed, Relaxed)
                 .is_ok()
+    }
+
+    /// PostgreSQL refused the job `key` of `event` at `at_ms` (local ms), not yet decided.
+    pub fn refused(&self, event: &str, key: &str, at_ms: i64) {
+        let slot = self.slot(event);
+        let applied = slot.applied_ms.load(Relaxed);
+        let mut refused = slot.refused.lock().unwrap_or_else(|p| p.into_inner());
+        if refused.len() >= REFUSED_KEPT && !refused.contains_key(key) {
+            refused.retain(|_, at| *at > applied);
+            if refused.len() >= REFUSED_KEPT {
+                let oldest = refused
+                    .iter()
+                    .min_by_key(|(_, at)| **at)
+                    .map(|(k, _)| k.clone());
+                if let Some(k) = oldest {
+                    refused.remove(&k);
+                }
+            }
+        }
+        refused.insert(key.to_string(), at_ms);
+        slot.refused_len.store(refused.len() as u64, Relaxed);
+    }
+
+    /// Job `key` of `event` is decided (it went through, or is a dead letter): a refusal
+    /// of it no longer says anything about the other jobs. One atomic load when none is
+    /// remembered.
+    pub fn refusal_decided(&self, event: &str, key: &str) {
+        let slot = self.slot(event);
+        if slot.refused_len.load(Relaxed) == 0 {
+            return;
+        }
+        let mut refused = slot.refused.lock().unwrap_or_else(|p| p.into_inner());
+        refused.remove(key);
+        slot.refused_len.store(refused.len() as u64, Relaxed);
+    }
+
+    /// When this process last saw PostgreSQL refuse a job of `event` other than `key`,
+    /// undecided, since a job of the event last changed something (local ms).
+    pub fn other_refused_ms(&self, event: &str, key: &str) -> Option<i64> {
+        let slot = self.slot(event);
+        let applied = slot.applied_ms.load(Relaxed);
+        let refused = slot.refused.lock().unwrap_or_else(|p| p.into_inner());
+        refused
+            .iter()
+            .filter(|(k, at)| k.as_str() != key && **at > applied)
+            .map(|(_, at)| *at)
+            .max()
     }
 
     /// When a job of `event` last went through (the process's start before the first).
@@ -1273,6 +1331,36 @@ mod tests {
             "nothing in the last hour"
         );
         assert!(hour.p50_ms.is_none());
+    }
+
+    #[test]
+    fn a_refusal_counts_against_other_jobs_until_decided_or_an_apply() {
+        let m = Metrics::new(["e"]);
+        assert_eq!(m.other_refused_ms("e", "a"), None);
+        m.refused("e", "a", 100);
+        assert_eq!(m.other_refused_ms("e", "a"), None, "not its own witness");
+        assert_eq!(m.other_refused_ms("e", "b"), Some(100));
+        m.refused("e", "c", 150);
+        assert_eq!(m.other_refused_ms("e", "b"), Some(150));
+        assert_eq!(m.other_refused_ms("e", "c"), Some(100));
+        m.refusal_decided("e", "c");
+        assert_eq!(m.other_refused_ms("e", "b"), Some(100));
+        // A job of the event changed something since: the refusals before say nothing.
+        m.applied_at("e", 120);
+        assert_eq!(m.other_refused_ms("e", "b"), None);
+        m.refused("e", "d", 130);
+        assert_eq!(m.other_refused_ms("e", "b"), Some(130));
+        // Per event.
+        assert_eq!(m.other_refused_ms("other", "b"), None);
+        // Bounded: the oldest is forgotten.
+        for i in 0..REFUSED_KEPT as i64 + 10 {
+            m.refused("e", &format!("k{i}"), 1_000 + i);
+        }
+        assert!(m.slot("e").refused.lock().unwrap().len() <= REFUSED_KEPT);
+        assert_eq!(
+            m.other_refused_ms("e", "b"),
+            Some(1_000 + REFUSED_KEPT as i64 + 9)
+        );
     }
 
     #[test]

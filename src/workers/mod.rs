@@ -705,6 +705,7 @@ impl<'a> Worker<'a> {
     fn went_through(&self, key: &str, event: &str, applied: bool) {
         let stats = self.ctx.stats;
         stats.jobs.went_through(event, applied, crate::now_ms());
+        stats.jobs.refusal_decided(event, key);
         if stats.contention.standstill.load(Ordering::Relaxed)
             && stats.contention.standstill.swap(false, Ordering::Relaxed)
         {
@@ -800,8 +801,11 @@ impl<'a> Worker<'a> {
     /// A fault PostgreSQL gives to the job (its data, a `RAISE`): a dead letter once
     /// another job of its event has changed something since this one failed, in this
     /// process or in any other (the inbox says so: [`Worker::applied_since`]), which shows
-    /// the fault is this job's, or when the handler's own statement met the job's data
-    /// ([`Failure::own_data`]). The first failure sends it back for [`SECOND_LOOK`] (no
+    /// the fault is this job's; or when the handler's own statement met the job's data
+    /// ([`Failure::own_data`]) and no other job of the event was refused here since one
+    /// last changed something (a shop constraint that casts refuses every job with the
+    /// same error, so a second refused job withdraws this shortcut until a job of the event
+    /// changes something). The first failure sends it back for [`SECOND_LOOK`] (no
     /// retry spent). Without that proof (a trigger, a constraint or a function the shop is
     /// changing may be refusing every job of the event, and one refusal alone cannot tell
     /// which) it is held: back every [`SCHEMA_HOLD`], health red naming the error, until a
@@ -821,6 +825,9 @@ impl<'a> Worker<'a> {
         let since = first_due.unwrap_or(now);
         let gist: String = f.reason.chars().take(80).collect();
         let seen = env.last_error().is_some_and(|e| e.contains(&gist));
+        // Asked before this refusal is on record, so that it is not its own witness.
+        let other_refused = stats.jobs.other_refused_ms(&env.event, key);
+        stats.jobs.refused(&env.event, key, crate::now_ms());
         if !seen {
             log::debug!(
                 "job {key} {} failed, a second look in {}s: {}",
@@ -836,7 +843,17 @@ impl<'a> Worker<'a> {
             .failed_at()
             .unwrap_or_else(|| d.due_ms.unwrap_or(now) - SECOND_LOOK.as_millis() as i64);
         let failed_ago = now - failed_at;
-        if f.own_data || self.applied_since(&env.event, failed_ago) {
+        // The handler's own statement meeting the job's data needs no proof from after
+        // the failure, only none against it: no other job of the event refused here since
+        // one last changed something, or one changed something since that refusal. A shop
+        // rule refusing every job (a constraint that casts) refuses the others too.
+        let proof_ago = match (f.own_data, other_refused) {
+            (true, None) => None,
+            (true, Some(at)) => Some(failed_ago.max(crate::now_ms() - at)),
+            (false, _) => Some(failed_ago),
+        };
+        if proof_ago.is_none_or(|ago| self.applied_since(&env.event, ago)) {
+            stats.jobs.refusal_decided(&env.event, key);
             return self.dead(
                 d,
                 format!("handler failed: {}", f.reason),
@@ -851,6 +868,7 @@ impl<'a> Worker<'a> {
                 "handler failed: {} (no job of {} changed anything for --retry-for {horizon})",
                 f.reason, env.event
             );
+            stats.jobs.refusal_decided(&env.event, key);
             return self.dead(d, reason, env.event.clone(), env.retry as u64 + 1);
         }
         let what = format!(

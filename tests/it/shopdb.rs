@@ -1128,6 +1128,46 @@ fn a_job_whose_data_the_handler_cannot_take_is_a_dead_letter_alone() {
     assert_accounting(&env.db, &orders, &[&orders[0]]);
 }
 
+/// A CHECK constraint the shop adds that casts (`cancel_reason::reason`, an enum without
+/// `timeout`) refuses every cancellation with 22P02 and no context, as the handler's own
+/// cast of a bad payload would: since other jobs of the event are refused too, none is
+/// taken for its own data. Held, red, none dead-lettered, and once the constraint is
+/// dropped every order is cancelled once (found from outside: every job a dead letter
+/// within 5 s, health green).
+#[test]
+fn a_constraint_that_casts_refusing_every_job_dead_letters_none() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 12);
+    let (w, port) = start_with_health(&env, &[]);
+    wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
+    env.db
+        .client()
+        .batch_execute(
+            "CREATE TYPE reason AS ENUM ('manual'); \
+             ALTER TABLE orders ADD CONSTRAINT reason_known \
+             CHECK (cancel_reason IS NULL OR cancel_reason::reason IS NOT NULL)",
+        )
+        .unwrap();
+    push_timeouts(&env, &orders, 0);
+    wait_until(WAIT, "/healthz red naming the cast's error", || {
+        let (code, body) = healthz(port);
+        code == 503 && body.contains("are held: they fail") && body.contains("22P02")
+    });
+    wait_until(WAIT, "every job looked at twice", || {
+        metric(port, HELD) >= 2.0 * orders.len() as f64
+    });
+    assert_eq!(
+        books(&env).dead,
+        0,
+        "none dead-lettered for the shop's constraint"
+    );
+    env.db
+        .client()
+        .batch_execute("ALTER TABLE orders DROP CONSTRAINT reason_known; DROP TYPE reason")
+        .unwrap();
+    every_job_once_and_green(&env, w, port, &orders);
+}
+
 /// Two worker processes and a shop's lock on several orders: each process counts the jobs
 /// it sent back, and once every job is done, whichever process ran it, neither still
 /// counts or warns of one (found from outside: a job the other process committed stayed
