@@ -634,7 +634,17 @@ struct EventMetrics {
     refused: Mutex<HashMap<String, i64>>,
     /// How many `refused` holds, read without the lock on every job that goes through.
     refused_len: AtomicU64,
+    /// When a job of the event was last held by a schema fault and by a refusal of every
+    /// job, and when a held job last ran as the event's probe (local ms;
+    /// [`Metrics::may_run_held`]).
+    held_ms: AtomicI64,
+    held_refused_ms: AtomicI64,
+    probed_ms: AtomicI64,
 }
+
+/// While an event's jobs are held, one process runs at most one held job of it this often
+/// (the probe); the others go back untried ([`Metrics::may_run_held`]).
+pub const HELD_PROBE_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// At most this many refused jobs remembered per event ([`Metrics::refused`]); past it the
 /// oldest is forgotten.
@@ -695,6 +705,9 @@ impl Metrics {
                 asked_ms: AtomicI64::new(0),
                 refused: Mutex::new(HashMap::new()),
                 refused_len: AtomicU64::new(0),
+                held_ms: AtomicI64::new(0),
+                held_refused_ms: AtomicI64::new(0),
+                probed_ms: AtomicI64::new(0),
             })
             .collect();
         Metrics {
@@ -787,6 +800,40 @@ impl Metrics {
             .filter(|(k, at)| k.as_str() != key && **at > applied)
             .map(|(_, at)| *at)
             .max()
+    }
+
+    /// A job of `event` was held at `now_ms` (local ms): by a schema fault (`refused`
+    /// false), or by a refusal no job of the event has shown to be its own.
+    pub fn held(&self, event: &str, refused: bool, now_ms: i64) {
+        let slot = self.slot(event);
+        let at = if refused {
+            &slot.held_refused_ms
+        } else {
+            &slot.held_ms
+        };
+        at.fetch_max(now_ms, Relaxed);
+    }
+
+    /// Whether a job of `event` that was held before may run now: yes when no job of the
+    /// event has been held by a schema fault since one last went through, nor by a
+    /// refusal since one last changed something (a no-op passes what refuses changes);
+    /// else only as the event's probe,
+    /// one every [`HELD_PROBE_EVERY`] in this process, so that a thousand held jobs cost
+    /// the shop's database ten failing transactions a second, not two hundred. The first
+    /// probe that goes through opens the way for the rest at their next look.
+    pub fn may_run_held(&self, event: &str, now_ms: i64) -> bool {
+        let slot = self.slot(event);
+        if slot.held_ms.load(Relaxed) <= slot.through_ms.load(Relaxed)
+            && slot.held_refused_ms.load(Relaxed) <= slot.applied_ms.load(Relaxed)
+        {
+            return true;
+        }
+        let last = slot.probed_ms.load(Relaxed);
+        now_ms - last >= HELD_PROBE_EVERY.as_millis() as i64
+            && slot
+                .probed_ms
+                .compare_exchange(last, now_ms, Relaxed, Relaxed)
+                .is_ok()
     }
 
     /// When a job of `event` last went through (the process's start before the first).
@@ -1361,6 +1408,32 @@ mod tests {
             m.other_refused_ms("e", "b"),
             Some(1_000 + REFUSED_KEPT as i64 + 9)
         );
+    }
+
+    #[test]
+    fn a_held_event_runs_one_probe_at_a_time_until_a_job_goes_through() {
+        let m = Metrics::new(["e"]);
+        let start = crate::now_ms();
+        let every = HELD_PROBE_EVERY.as_millis() as i64;
+        assert!(m.may_run_held("e", start), "nothing held");
+        m.held("e", true, start + 1);
+        assert!(m.may_run_held("e", start + 2), "the probe");
+        assert!(!m.may_run_held("e", start + 3), "the others wait");
+        assert!(m.may_run_held("e", start + 2 + every), "the next probe");
+        // A no-op passes what refuses changes: no proof.
+        m.went_through("e", false, start + 5);
+        assert!(!m.may_run_held("e", start + 3 + every));
+        m.went_through("e", true, start + 6);
+        assert!(m.may_run_held("e", start + 7) && m.may_run_held("e", start + 7));
+        // A schema fault: any job that goes through ends it.
+        m.held("e", false, start + 10);
+        assert!(
+            !m.may_run_held("e", start + 11 + every) || !m.may_run_held("e", start + 11 + every)
+        );
+        m.went_through("e", false, start + 12);
+        assert!(m.may_run_held("e", start + 13) && m.may_run_held("e", start + 13));
+        // Per event.
+        assert!(m.may_run_held("other", start + 13));
     }
 
     #[test]

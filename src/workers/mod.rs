@@ -512,6 +512,9 @@ impl<'a> Worker<'a> {
         let mut jobs = Vec::with_capacity(ds.len());
         for d in ds {
             match self.prepare(&registry, d) {
+                Ok(job) if job.handler.needs_database() && !self.may_run(&job) => {
+                    out.push(self.held_back(job))
+                }
                 Ok(job) if job.handler.needs_database() => jobs.push(job),
                 Ok(job) => out.extend(self.finish(job, JobResult::Committed(Effect::NoOp))),
                 Err(dead) => out.push(*dead),
@@ -529,6 +532,48 @@ impl<'a> Worker<'a> {
         for (job, result) in jobs.into_iter().zip(results) {
             out.extend(self.finish(job, result));
         }
+    }
+
+    /// Whether a job may go to the database now: a job that was sent back before (it
+    /// carries its last error) waits untried while its event is held, save one probe at a
+    /// time ([`crate::stats::Metrics::may_run_held`]) and one whose `--retry-for` has
+    /// passed (it is decided).
+    fn may_run(&self, job: &Job<'_>) -> bool {
+        let stats = self.ctx.stats;
+        if job.env.last_error().is_none()
+            || stats.jobs.may_run_held(&job.env.event, crate::now_ms())
+        {
+            return true;
+        }
+        let now = stats.clock.now_ms();
+        let waited = now - job.first_due.unwrap_or(now);
+        waited >= self.ctx.jobs.retry_for.as_millis() as i64
+    }
+
+    /// A job [`Worker::may_run`] keeps from the database: back for [`SCHEMA_HOLD`] as it
+    /// came (its last error, when it failed), no retry spent, counted as held.
+    fn held_back(&self, job: Job<'_>) -> Settlement {
+        let now = self.ctx.stats.clock.now_ms();
+        let Job {
+            d, env, first_due, ..
+        } = job;
+        let msg = env.requeued_after(
+            env.retry,
+            first_due.unwrap_or(now),
+            env.last_error().unwrap_or_default(),
+            env.failed_at().unwrap_or(now),
+            self.ctx.jobs.max_message_bytes,
+        );
+        let mut s = Settlement::new(
+            d,
+            Outcome::Retry {
+                msg: msg.into_bytes(),
+                due_ms: now + SCHEMA_HOLD.as_millis() as i64,
+            },
+        )
+        .with_event(&env.event);
+        s.counts_as = Some(JobOutcome::Held);
+        s
     }
 
     /// Keeps the jobs this worker runs together (sets, and one `--tx-batch` of the rest)
@@ -765,6 +810,7 @@ impl<'a> Worker<'a> {
             log::error!("{what}");
         }
         log::debug!("job {key} {} held: {}", env.event, f.reason);
+        self.ctx.stats.jobs.held(&env.event, false, crate::now_ms());
         self.sent_back_unspent(d, env, first_due.unwrap_or(now), &f.reason, SCHEMA_HOLD)
     }
 
@@ -881,6 +927,7 @@ impl<'a> Worker<'a> {
         if stats.report_critical(&refused_role(&env.event), what.clone()) {
             log::error!("{what}");
         }
+        stats.jobs.held(&env.event, true, crate::now_ms());
         self.sent_back_unspent(d, env, since, &f.reason, SCHEMA_HOLD)
     }
 
