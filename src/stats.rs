@@ -646,6 +646,14 @@ struct EventMetrics {
 /// (the probe); the others go back untried ([`Metrics::may_run_held`]).
 pub const HELD_PROBE_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
 
+/// Whether `now_ms` is at least `every` after the time in `last`, which it then becomes:
+/// for one caller only, however many threads ask at once.
+fn once_every(last: &AtomicI64, every: std::time::Duration, now_ms: i64) -> bool {
+    let was = last.load(Relaxed);
+    now_ms - was >= every.as_millis() as i64
+        && last.compare_exchange(was, now_ms, Relaxed, Relaxed).is_ok()
+}
+
 /// At most this many refused jobs remembered per event ([`Metrics::refused`]); past it the
 /// oldest is forgotten.
 const REFUSED_KEPT: usize = 1024;
@@ -746,13 +754,7 @@ impl Metrics {
     /// something: at most once every [`ASK_INBOX_EVERY`] per event, however many jobs
     /// of it are held.
     pub fn ask_inbox(&self, event: &str, now_ms: i64) -> bool {
-        let slot = self.slot(event);
-        let last = slot.asked_ms.load(Relaxed);
-        now_ms - last >= ASK_INBOX_EVERY.as_millis() as i64
-            && slot
-                .asked_ms
-                .compare_exchange(last, now_ms, Relaxed, Relaxed)
-                .is_ok()
+        once_every(&self.slot(event).asked_ms, ASK_INBOX_EVERY, now_ms)
     }
 
     /// PostgreSQL refused the job `key` of `event` at `at_ms` (local ms), not yet decided.
@@ -828,12 +830,7 @@ impl Metrics {
         {
             return true;
         }
-        let last = slot.probed_ms.load(Relaxed);
-        now_ms - last >= HELD_PROBE_EVERY.as_millis() as i64
-            && slot
-                .probed_ms
-                .compare_exchange(last, now_ms, Relaxed, Relaxed)
-                .is_ok()
+        once_every(&slot.probed_ms, HELD_PROBE_EVERY, now_ms)
     }
 
     /// When a job of `event` last went through (the process's start before the first).

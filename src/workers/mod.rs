@@ -557,23 +557,11 @@ impl<'a> Worker<'a> {
         let Job {
             d, env, first_due, ..
         } = job;
-        let msg = env.requeued_after(
-            env.retry,
-            first_due.unwrap_or(now),
+        let failed = (
             env.last_error().unwrap_or_default(),
             env.failed_at().unwrap_or(now),
-            self.ctx.jobs.max_message_bytes,
         );
-        let mut s = Settlement::new(
-            d,
-            Outcome::Retry {
-                msg: msg.into_bytes(),
-                due_ms: now + SCHEMA_HOLD.as_millis() as i64,
-            },
-        )
-        .with_event(&env.event);
-        s.counts_as = Some(JobOutcome::Held);
-        s
+        self.back_unspent(d, &env, first_due.unwrap_or(now), failed, SCHEMA_HOLD)
     }
 
     /// Keeps the jobs this worker runs together (sets, and one `--tx-batch` of the rest)
@@ -825,11 +813,25 @@ impl<'a> Worker<'a> {
         after: Duration,
     ) -> Settlement {
         let now = self.ctx.stats.clock.now_ms();
+        self.back_unspent(d, env, first_due, (reason, now), after)
+    }
+
+    /// [`Worker::sent_back_unspent`] with the failure and when it happened (Redis's clock)
+    /// given: `failed`.
+    fn back_unspent(
+        &self,
+        d: Delivery,
+        env: &Envelope,
+        first_due: i64,
+        failed: (&str, i64),
+        after: Duration,
+    ) -> Settlement {
+        let now = self.ctx.stats.clock.now_ms();
         let msg = env.requeued_after(
             env.retry,
             first_due,
-            reason,
-            now,
+            failed.0,
+            failed.1,
             self.ctx.jobs.max_message_bytes,
         );
         let mut s = Settlement::new(
