@@ -233,6 +233,20 @@ impl Envelope {
         self.raw.get(FAILED_AT).and_then(Value::as_i64)
     }
 
+    /// When a worker first held the job as the surroundings' fault (unix ms on Redis's
+    /// clock): a shop rule refused it and no job of its event had shown the fault to be
+    /// the job's own. Such a job is a dead letter only on proof.
+    pub fn held_at(&self) -> Option<i64> {
+        self.raw.get(HELD_AT).and_then(Value::as_i64)
+    }
+
+    /// Writes [`Envelope::held_at`], unless the message already says so.
+    pub fn mark_held(&mut self, at_ms: i64) {
+        self.raw
+            .entry(HELD_AT)
+            .or_insert_with(|| Value::from(at_ms));
+    }
+
     /// The whole object: what was received (or made), `payload` included.
     fn whole(&self) -> Map<String, Value> {
         let mut raw = self.raw.clone();
@@ -273,6 +287,10 @@ pub const LAST_ERROR: &str = "last_error";
 /// The field of a message sent back to the pool that says when it failed (unix ms, Redis's
 /// clock): a refused job's proof is a job of its event that changed something after it.
 pub const FAILED_AT: &str = "failed_at";
+
+/// The field of a message sent back to the pool that says when a worker first held its job
+/// as the surroundings' fault (unix ms, Redis's clock; [`Envelope::held_at`]).
+pub const HELD_AT: &str = "held_at";
 
 /// The longest `last_error` kept, in characters.
 pub const LAST_ERROR_CHARS: usize = 300;

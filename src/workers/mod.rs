@@ -540,9 +540,20 @@ impl<'a> Worker<'a> {
     /// passed (it is decided).
     fn may_run(&self, job: &Job<'_>) -> bool {
         let stats = self.ctx.stats;
-        if job.env.last_error().is_none()
-            || stats.jobs.may_run_held(&job.env.event, crate::now_ms())
-        {
+        if job.env.last_error().is_none() {
+            return true;
+        }
+        let local = crate::now_ms();
+        let event = &job.env.event;
+        // Held elsewhere or before a restart, and nothing here has changed anything since it
+        // failed: this process holds the event too, rather than learn it job by job.
+        if let Some(held_at) = job.env.held_at() {
+            let failed_at = job.env.failed_at().unwrap_or(held_at);
+            if stats.clock.at(stats.jobs.applied_ms(event)) < failed_at {
+                stats.jobs.held(event, true, local);
+            }
+        }
+        if stats.jobs.may_run_held(event, local) {
             return true;
         }
         let now = stats.clock.now_ms();
@@ -895,7 +906,10 @@ impl<'a> Worker<'a> {
         // the failure, only none against it: no other job of the event refused here since
         // one last changed something, or one changed something since that refusal. A shop
         // rule refusing every job (a constraint that casts) refuses the others too.
-        let proof_ago = match (f.own_data, other_refused) {
+        // A job held before (here or in another process, before a restart) was taken for
+        // the surroundings' fault: only proof undoes that.
+        let own_data = f.own_data && env.held_at().is_none();
+        let proof_ago = match (own_data, other_refused) {
             (true, None) => None,
             (true, Some(at)) => Some(failed_ago.max(crate::now_ms() - at)),
             (false, _) => Some(failed_ago),
@@ -930,6 +944,11 @@ impl<'a> Worker<'a> {
             log::error!("{what}");
         }
         stats.jobs.held(&env.event, true, crate::now_ms());
+        if env.held_at().is_none() {
+            let mut held = env.clone();
+            held.mark_held(now);
+            return self.sent_back_unspent(d, &held, since, &f.reason, SCHEMA_HOLD);
+        }
         self.sent_back_unspent(d, env, since, &f.reason, SCHEMA_HOLD)
     }
 
