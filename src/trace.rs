@@ -484,7 +484,15 @@ fn redis_part(
                 };
                 let first_due = env.get(crate::message::FIRST_DUE).and_then(Json::as_i64);
                 let event = env.get("event").and_then(Json::as_str).map(str::to_string);
-                job(event, job_id, Some(first_due.unwrap_or(due)), state, Vec::new())
+                let notes = match env.get(crate::message::HELD_AT).and_then(Json::as_i64) {
+                    Some(at) => vec![format!(
+                        "held since {} for the surroundings' fault: PostgreSQL refused it and no job of {} changed anything after; a dead letter only once one does, or after --retry-for",
+                        crate::text::fmt_time(at),
+                        event.as_deref().unwrap_or("its event")
+                    )],
+                    None => Vec::new(),
+                };
+                job(event, job_id, Some(first_due.unwrap_or(due)), state, notes)
             }
         };
         t.jobs.push(pushed);

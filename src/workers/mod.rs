@@ -566,8 +566,14 @@ impl<'a> Worker<'a> {
     fn held_back(&self, job: Job<'_>) -> Settlement {
         let now = self.ctx.stats.clock.now_ms();
         let Job {
-            d, env, first_due, ..
+            d,
+            mut env,
+            first_due,
+            ..
         } = job;
+        // Held with its event: the surroundings' fault until proof says otherwise, in this
+        // process or the next that meets it.
+        env.mark_held(now);
         let failed = (
             env.last_error().unwrap_or_default(),
             env.failed_at().unwrap_or(now),
@@ -909,13 +915,21 @@ impl<'a> Worker<'a> {
         // A job held before (here or in another process, before a restart) was taken for
         // the surroundings' fault: only proof undoes that.
         let own_data = f.own_data && env.held_at().is_none();
-        let proof_ago = match (own_data, other_refused) {
-            (true, None) => None,
-            (true, Some(at)) => Some(failed_ago.max(crate::now_ms() - at)),
-            (false, _) => Some(failed_ago),
+        let local = crate::now_ms();
+        let window = match (own_data, other_refused) {
+            (true, Some(at)) => failed_ago.max(local - at),
+            _ => failed_ago,
         };
-        if proof_ago.is_none_or(|ago| self.applied_since(&env.event, ago)) {
+        let applied = self.applied_since(&env.event, window);
+        // The newest change, which the question above kept: after this job failed, it is
+        // proof, and the refusal says nothing more of the others.
+        let proven = applied && stats.jobs.applied_ms(&env.event) > local - failed_ago;
+        if proven {
             stats.jobs.refusal_decided(&env.event, key);
+        }
+        // Taken for its data without proof, its refusal stays on record against the next
+        // such job, so that a rule refusing every job costs one letter, not a letter a job.
+        if proven || (own_data && (other_refused.is_none() || applied)) {
             return self.dead(
                 d,
                 format!("handler failed: {}", f.reason),

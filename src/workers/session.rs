@@ -273,7 +273,6 @@ impl Session {
             .collect()
     }
 
-    /// The connection, for the WAL flush.
     /// How long ago (ms) the newest job of `event` that changed something committed, in
     /// any process, if one did within the last `within_ms`: the inbox rows' outcome
     /// `done`, by their start time on the server's own clock (`processed_at`, indexed).
@@ -293,6 +292,7 @@ impl Session {
         Ok(row.map(|r| r.get::<_, i64>(0).max(0)))
     }
 
+    /// The connection, for the WAL flush.
     pub fn client(&mut self) -> &mut postgres::Client {
         &mut self.conn
     }

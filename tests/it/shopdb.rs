@@ -1209,6 +1209,18 @@ fn a_constraint_that_casts_refusing_every_job_dead_letters_none() {
         metric(port, HELD) >= 2.0 * orders.len() as f64
     });
     assert_eq!(books(&env).dead, 0, "none dead-lettered for the constraint");
+    // `worker trace` tells why a held job waits (while it waits in the pool).
+    let key = format!("order.timeout:{}", orders[0].order_no);
+    let q = delay_worker::trace::Query::key(&key, None);
+    wait_until(WAIT, "worker trace: held since", || {
+        let now = delay_worker::now_ms();
+        let trace = delay_worker::trace::gather(&mut env.con(), None, &env.config, &q, now);
+        trace
+            .unwrap()
+            .jobs
+            .iter()
+            .any(|j| j.notes.iter().any(|n| n.starts_with("held since")))
+    });
     stop(w);
     let (w, port) = start_with_health(&env, &[]);
     let mut other = env.config.clone();
