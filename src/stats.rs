@@ -816,6 +816,13 @@ impl Metrics {
         at.fetch_max(now_ms, Relaxed);
     }
 
+    /// Whether jobs of `event` are held by a refusal no job of the event has shown to be
+    /// its own (none changed anything since).
+    pub fn held_by_refusal(&self, event: &str) -> bool {
+        let slot = self.slot(event);
+        slot.held_refused_ms.load(Relaxed) > slot.applied_ms.load(Relaxed)
+    }
+
     /// Whether a job of `event` that was held before may run now: yes when no job of the
     /// event has been held by a schema fault since one last went through, nor by a
     /// refusal since one last changed something (a no-op passes what refuses changes);
@@ -826,7 +833,7 @@ impl Metrics {
     pub fn may_run_held(&self, event: &str, now_ms: i64) -> bool {
         let slot = self.slot(event);
         if slot.held_ms.load(Relaxed) <= slot.through_ms.load(Relaxed)
-            && slot.held_refused_ms.load(Relaxed) <= slot.applied_ms.load(Relaxed)
+            && !self.held_by_refusal(event)
         {
             return true;
         }
@@ -1414,6 +1421,7 @@ mod tests {
         let every = HELD_PROBE_EVERY.as_millis() as i64;
         assert!(m.may_run_held("e", start), "nothing held");
         m.held("e", true, start + 1);
+        assert!(m.held_by_refusal("e"));
         assert!(m.may_run_held("e", start + 2), "the probe");
         assert!(!m.may_run_held("e", start + 3), "the others wait");
         assert!(m.may_run_held("e", start + 2 + every), "the next probe");
@@ -1422,8 +1430,9 @@ mod tests {
         assert!(!m.may_run_held("e", start + 3 + every));
         m.went_through("e", true, start + 6);
         assert!(m.may_run_held("e", start + 7) && m.may_run_held("e", start + 7));
-        // A schema fault: any job that goes through ends it.
+        // A schema fault: any job that goes through ends it, and it is no refusal.
         m.held("e", false, start + 10);
+        assert!(!m.held_by_refusal("e"));
         let later = start + 10 + 2 * every;
         assert!(m.may_run_held("e", later), "the probe");
         assert!(!m.may_run_held("e", later), "the others wait");

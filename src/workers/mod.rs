@@ -571,9 +571,12 @@ impl<'a> Worker<'a> {
             first_due,
             ..
         } = job;
-        // Held with its event: the surroundings' fault until proof says otherwise, in this
-        // process or the next that meets it.
-        env.mark_held(now);
+        // Held with its event for a refusal of every job: the surroundings' fault until
+        // proof says otherwise, in this process or the next that meets it. (Held for a
+        // schema fault, it is not marked: any job that goes through ends that.)
+        if self.ctx.stats.jobs.held_by_refusal(&env.event) {
+            env.mark_held(now);
+        }
         let failed = (
             env.last_error().unwrap_or_default(),
             env.failed_at().unwrap_or(now),
