@@ -547,10 +547,11 @@ impl<'a> Worker<'a> {
         let event = &job.env.event;
         // Held elsewhere or before a restart, and nothing here has changed anything since it
         // failed: this process holds the event too, rather than learn it job by job.
+        // It says so at once, as the process that held it did (a restarted one too).
         if let Some(held_at) = job.env.held_at() {
             let failed_at = job.env.failed_at().unwrap_or(held_at);
             if stats.clock.at(stats.jobs.applied_ms(event)) < failed_at {
-                stats.jobs.held(event, true, local);
+                self.held_for_refusal(event, job.env.last_error().unwrap_or_default());
             }
         }
         if stats.jobs.may_run_held(event, local) {
@@ -903,6 +904,14 @@ impl<'a> Worker<'a> {
                 SECOND_LOOK.as_secs(),
                 f.reason
             );
+            // Refused while other jobs of its event are refused too, or held: the
+            // surroundings' fault is suspected, and only proof makes it the job's own, in
+            // whichever process looks next.
+            if other_refused.is_some() || stats.jobs.held_by_refusal(&env.event) {
+                let mut held = env.clone();
+                held.mark_held(now);
+                return self.sent_back_unspent(d, &held, since, &f.reason, SECOND_LOOK);
+            }
             return self.sent_back_unspent(d, env, since, &f.reason, SECOND_LOOK);
         }
         // As the message says; else (sent back by an older version) at least SECOND_LOOK
@@ -950,23 +959,28 @@ impl<'a> Worker<'a> {
             stats.jobs.refusal_decided(&env.event, key);
             return self.dead(d, reason, env.event.clone(), env.retry as u64 + 1);
         }
-        let what = format!(
-            "jobs of {} are held: they fail ({}) and no job of {} has changed anything since, so it is taken for the surroundings' fault (a trigger, a constraint or a function being changed) until one does, or --retry-for {horizon} passes (tried again every {}s, no retry spent)",
-            env.event,
-            f.reason,
-            env.event,
-            SCHEMA_HOLD.as_secs()
-        );
-        if stats.report_critical(&refused_role(&env.event), what.clone()) {
-            log::error!("{what}");
-        }
-        stats.jobs.held(&env.event, true, crate::now_ms());
+        self.held_for_refusal(&env.event, &f.reason);
         if env.held_at().is_none() {
             let mut held = env.clone();
             held.mark_held(now);
             return self.sent_back_unspent(d, &held, since, &f.reason, SCHEMA_HOLD);
         }
         self.sent_back_unspent(d, env, since, &f.reason, SCHEMA_HOLD)
+    }
+
+    /// Jobs of `event` are held for a refusal no job has shown to be its own (`reason`):
+    /// health red naming it, and held jobs of it wait for the probe here.
+    fn held_for_refusal(&self, event: &str, reason: &str) {
+        let stats = self.ctx.stats;
+        let horizon = crate::human_ms(self.ctx.jobs.retry_for.as_millis() as i64);
+        let what = format!(
+            "jobs of {event} are held: they fail ({reason}) and no job of {event} has changed anything since, so it is taken for the surroundings' fault (a trigger, a constraint or a function being changed) until one does, or --retry-for {horizon} passes (tried again every {}s, no retry spent)",
+            SCHEMA_HOLD.as_secs()
+        );
+        if stats.report_critical(&refused_role(event), what.clone()) {
+            log::error!("{what}");
+        }
+        stats.jobs.held(event, true, crate::now_ms());
     }
 
     /// Whether a job of `event` changed something in the last `ago_ms`: in this process,

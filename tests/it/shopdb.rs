@@ -1247,6 +1247,63 @@ fn a_constraint_that_casts_refusing_every_job_dead_letters_none() {
     every_job_once_and_green(&env, w, port, &orders);
 }
 
+/// A CHECK constraint that casts, with new jobs falling due every half second while it
+/// holds the others, and the worker restarted twice (SIGTERM, then kill -9): jobs refused
+/// on their first try while their event is held are marked held, so a restarted process,
+/// which has seen no refusal of its own, takes none of them for its data; none is
+/// dead-lettered and every order is cancelled once the constraint goes (found from
+/// outside: 18-19 dead letters per restart).
+#[test]
+fn new_jobs_refused_during_a_hold_survive_restarts() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 60);
+    let (mut w, mut port) = start_with_health(&env, &[]);
+    wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
+    env.db
+        .client()
+        .batch_execute(
+            "CREATE TYPE reason AS ENUM ('manual'); \
+             ALTER TABLE orders ADD CONSTRAINT reason_known \
+             CHECK (cancel_reason IS NULL OR cancel_reason::reason IS NOT NULL)",
+        )
+        .unwrap();
+    push_timeouts(&env, &orders[..20], 0);
+    let mut next = 20;
+    for restart in 0..2 {
+        for _ in 0..8 {
+            push_timeouts(&env, &orders[next..next + 2], 0);
+            next += 2;
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        wait_until(WAIT, "red while the constraint refuses", || {
+            healthz(port).0 == 503
+        });
+        if restart == 0 {
+            stop(w);
+        } else {
+            w.kill9();
+        }
+        (w, port) = start_with_health(&env, &[]);
+        for _ in 0..2 {
+            push_timeouts(&env, &orders[next..next + 2], 0);
+            next += 2;
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    }
+    assert_eq!(next, orders.len());
+    // Every job back in the restarted process at least once.
+    wait_until(WAIT, "the jobs held in the restarted process", || {
+        metric(port, HELD) >= orders.len() as f64 || books(&env).dead > 0
+    });
+    assert_eq!(healthz(port).0, 503, "red while the constraint refuses");
+    assert_eq!(books(&env).dead, 0, "none dead-lettered across restarts");
+    env.db
+        .client()
+        .batch_execute("ALTER TABLE orders DROP CONSTRAINT reason_known; DROP TYPE reason")
+        .unwrap();
+    every_job_once_and_green(&env, w, port, &orders);
+}
+
 /// Two worker processes and a shop's lock on several orders: each process counts the jobs
 /// it sent back, and once every job is done, whichever process ran it, neither still
 /// counts or warns of one (found from outside: a job the other process committed stayed
