@@ -1175,6 +1175,25 @@ fn a_job_whose_data_the_handler_cannot_take_is_a_dead_letter_alone() {
     assert_accounting(&env.db, &orders, &[&orders[0]]);
 }
 
+/// A CHECK constraint the shop adds that casts `cancel_reason` to an enum without
+/// `timeout`: every cancellation fails with 22P02 and no context.
+fn add_casting_constraint(db: &TestDb) {
+    db.client()
+        .batch_execute(
+            "CREATE TYPE reason AS ENUM ('manual'); \
+             ALTER TABLE orders ADD CONSTRAINT reason_known \
+             CHECK (cancel_reason IS NULL OR cancel_reason::reason IS NOT NULL)",
+        )
+        .unwrap();
+}
+
+/// Drops [`add_casting_constraint`]'s constraint and type.
+fn drop_casting_constraint(db: &TestDb) {
+    db.client()
+        .batch_execute("ALTER TABLE orders DROP CONSTRAINT reason_known; DROP TYPE reason")
+        .unwrap();
+}
+
 /// A CHECK constraint the shop adds that casts (`cancel_reason::reason`, an enum without
 /// `timeout`) refuses every cancellation with 22P02 and no context, as the handler's own
 /// cast of a bad payload would: since other jobs of the event are refused too, none is
@@ -1192,14 +1211,7 @@ fn a_constraint_that_casts_refusing_every_job_dead_letters_none() {
     let orders = seed_orders(&env.db, 40);
     let (w, port) = start_with_health(&env, &[]);
     wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
-    env.db
-        .client()
-        .batch_execute(
-            "CREATE TYPE reason AS ENUM ('manual'); \
-             ALTER TABLE orders ADD CONSTRAINT reason_known \
-             CHECK (cancel_reason IS NULL OR cancel_reason::reason IS NOT NULL)",
-        )
-        .unwrap();
+    add_casting_constraint(&env.db);
     push_timeouts(&env, &orders, 0);
     wait_until(WAIT, "/healthz red naming the cast's error", || {
         let (code, body) = healthz(port);
@@ -1238,10 +1250,7 @@ fn a_constraint_that_casts_refusing_every_job_dead_letters_none() {
         red_if_held(port) && red_if_held(port_b)
     });
     assert_eq!(books(&env).dead, 0, "none dead-lettered across a restart");
-    env.db
-        .client()
-        .batch_execute("ALTER TABLE orders DROP CONSTRAINT reason_known; DROP TYPE reason")
-        .unwrap();
+    drop_casting_constraint(&env.db);
     wait_done(&env, &env.db, orders.len() as i64);
     stop(b);
     every_job_once_and_green(&env, w, port, &orders);
@@ -1259,14 +1268,7 @@ fn new_jobs_refused_during_a_hold_survive_restarts() {
     let orders = seed_orders(&env.db, 60);
     let (mut w, mut port) = start_with_health(&env, &[]);
     wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
-    env.db
-        .client()
-        .batch_execute(
-            "CREATE TYPE reason AS ENUM ('manual'); \
-             ALTER TABLE orders ADD CONSTRAINT reason_known \
-             CHECK (cancel_reason IS NULL OR cancel_reason::reason IS NOT NULL)",
-        )
-        .unwrap();
+    add_casting_constraint(&env.db);
     push_timeouts(&env, &orders[..20], 0);
     let mut next = 20;
     for restart in 0..2 {
@@ -1297,10 +1299,7 @@ fn new_jobs_refused_during_a_hold_survive_restarts() {
     });
     assert_eq!(healthz(port).0, 503, "red while the constraint refuses");
     assert_eq!(books(&env).dead, 0, "none dead-lettered across restarts");
-    env.db
-        .client()
-        .batch_execute("ALTER TABLE orders DROP CONSTRAINT reason_known; DROP TYPE reason")
-        .unwrap();
+    drop_casting_constraint(&env.db);
     every_job_once_and_green(&env, w, port, &orders);
 }
 
