@@ -25,8 +25,9 @@
 //! - the job's own (its data, the handler's `RAISE`): a dead letter with the reason once
 //!   another job of its event has changed something since it failed (in any process: the
 //!   inbox is asked), or at its second look when the handler's own statement met its data
-//!   (a class `22` error outside any function or trigger); held and red until then
-//!   (`own_fault`);
+//!   (a class `22` error outside any function or trigger), the job was never held
+//!   (`held_at`) and no other job of its event is refused; held and red until then, the
+//!   held jobs of an event tried one at a time (`own_fault`, `may_run`);
 //! - messages that cannot be decoded: a dead letter at once, with the reason.
 //!
 //! A retried or held message carries `first_due`, when the job first fell due: lateness
@@ -871,10 +872,12 @@ impl<'a> Worker<'a> {
     /// another job of its event has changed something since this one failed, in this
     /// process or in any other (the inbox says so: [`Worker::applied_since`]), which shows
     /// the fault is this job's; or when the handler's own statement met the job's data
-    /// ([`Failure::own_data`]) and no other job of the event was refused here since one
-    /// last changed something (a shop constraint that casts refuses every job with the
-    /// same error, so a second refused job withdraws this shortcut until a job of the event
-    /// changes something). The first failure sends it back for [`SECOND_LOOK`] (no
+    /// ([`Failure::own_data`]), the job was never held ([`Envelope::held_at`]) and no
+    /// other job of the event was refused here since one last changed something (a shop
+    /// constraint that casts refuses every job with the same error, so a second refused
+    /// job withdraws this shortcut until a job of the event changes something). A job
+    /// refused first while others are refused or held is marked held at once. The first
+    /// failure sends it back for [`SECOND_LOOK`] (no
     /// retry spent). Without that proof (a trigger, a constraint or a function the shop is
     /// changing may be refusing every job of the event, and one refusal alone cannot tell
     /// which) it is held: back every [`SCHEMA_HOLD`], health red naming the error, until a
@@ -894,9 +897,10 @@ impl<'a> Worker<'a> {
         let since = first_due.unwrap_or(now);
         let gist: String = f.reason.chars().take(80).collect();
         let seen = env.last_error().is_some_and(|e| e.contains(&gist));
+        let local = crate::now_ms();
         // Asked before this refusal is on record, so that it is not its own witness.
         let other_refused = stats.jobs.other_refused_ms(&env.event, key);
-        stats.jobs.refused(&env.event, key, crate::now_ms());
+        stats.jobs.refused(&env.event, key, local);
         if !seen {
             log::debug!(
                 "job {key} {} failed, a second look in {}s: {}",
@@ -908,9 +912,7 @@ impl<'a> Worker<'a> {
             // surroundings' fault is suspected, and only proof makes it the job's own, in
             // whichever process looks next.
             if other_refused.is_some() || stats.jobs.held_by_refusal(&env.event) {
-                let mut held = env.clone();
-                held.mark_held(now);
-                return self.sent_back_unspent(d, &held, since, &f.reason, SECOND_LOOK);
+                return self.sent_back_held(d, env, since, &f.reason, SECOND_LOOK);
             }
             return self.sent_back_unspent(d, env, since, &f.reason, SECOND_LOOK);
         }
@@ -927,7 +929,6 @@ impl<'a> Worker<'a> {
         // A job held before (here or in another process, before a restart) was taken for
         // the surroundings' fault: only proof undoes that.
         let own_data = f.own_data && env.held_at().is_none();
-        let local = crate::now_ms();
         let window = match (own_data, other_refused) {
             (true, Some(at)) => failed_ago.max(local - at),
             _ => failed_ago,
@@ -960,12 +961,22 @@ impl<'a> Worker<'a> {
             return self.dead(d, reason, env.event.clone(), env.retry as u64 + 1);
         }
         self.held_for_refusal(&env.event, &f.reason);
-        if env.held_at().is_none() {
-            let mut held = env.clone();
-            held.mark_held(now);
-            return self.sent_back_unspent(d, &held, since, &f.reason, SCHEMA_HOLD);
-        }
-        self.sent_back_unspent(d, env, since, &f.reason, SCHEMA_HOLD)
+        self.sent_back_held(d, env, since, &f.reason, SCHEMA_HOLD)
+    }
+
+    /// [`Worker::sent_back_unspent`], the message marked held ([`Envelope::mark_held`])
+    /// unless it already is: a dead letter from now on only on proof.
+    fn sent_back_held(
+        &self,
+        d: Delivery,
+        env: &Envelope,
+        first_due: i64,
+        reason: &str,
+        after: Duration,
+    ) -> Settlement {
+        let mut held = env.clone();
+        held.mark_held(self.ctx.stats.clock.now_ms());
+        self.sent_back_unspent(d, &held, first_due, reason, after)
     }
 
     /// Jobs of `event` are held for a refusal no job has shown to be its own (`reason`):
