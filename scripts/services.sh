@@ -52,7 +52,7 @@ start_redis() {
   mkdir -p "$RUN_DIR/redis"
   redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --daemonize yes \
     --dir "$RUN_DIR/redis" --pidfile "$RUN_DIR/redis/redis.pid" \
-    --logfile "$RUN_DIR/redis/redis.log" --save "" --appendonly no
+    --logfile "$RUN_DIR/redis/redis.log" --save "" --appendonly no 9>&-
   for _ in $(seq 100); do redis_up && return 0; sleep 0.1; done
   die "redis-server did not answer on port $REDIS_PORT (see $RUN_DIR/redis/redis.log)"
 }
@@ -80,30 +80,42 @@ shm_roomy() {
     [ "$(df --output=avail -k /dev/shm | tail -n 1)" -ge $((2 * 1024 * 1024)) ]
 }
 
+# A new cluster at $RUN_DIR/pg. It is made aside and put in place only once initdb has
+# finished, so a $RUN_DIR/pg without PG_VERSION is what an init cut off (or a reboot that
+# emptied /dev/shm under the link) left: it holds nothing and goes.
+init_pg() {
+  local bin=$1 fast=$2 dir
+  if [ -L "$RUN_DIR/pg" ] || [ -e "$RUN_DIR/pg" ]; then
+    echo "services: $RUN_DIR/pg holds no finished cluster (an init cut off?): making a new one"
+    [ -L "$RUN_DIR/pg" ] && rm -rf "$(shm_pg_dir)"
+    rm -rf "$RUN_DIR/pg"
+  fi
+  if [ "$fast" = 1 ] && shm_roomy; then
+    # The tests' cluster in memory: each test clones a database of its own and drops
+    # it, and on ext4 creating and deleting those thousands of files cost the server
+    # more CPU than anything the tests ran in it.
+    dir=$(shm_pg_dir)
+  else
+    dir="$RUN_DIR/pg.new"
+  fi
+  rm -rf "$dir"
+  mkdir -p "$dir"
+  [ "$(id -u)" = 0 ] && chown postgres:postgres "$dir"
+  as_pg "$bin/initdb" -D "$dir" -U postgres -A trust --no-sync -E UTF8 >/dev/null
+  if [ "$dir" = "$RUN_DIR/pg.new" ]; then mv "$dir" "$RUN_DIR/pg"; else ln -s "$dir" "$RUN_DIR/pg"; fi
+}
+
 init_and_start_pg() {
   local bin=$1 fast=$2
   mkdir -p "$RUN_DIR"
   chmod 755 "$RUN_DIR"
-  if [ ! -f "$RUN_DIR/pg/PG_VERSION" ]; then
-    # A link left to a memory directory that a reboot emptied: a new cluster.
-    [ -L "$RUN_DIR/pg" ] && rm -f "$RUN_DIR/pg" && rm -rf "$(shm_pg_dir)"
-    if [ "$fast" = 1 ] && shm_roomy; then
-      # The tests' cluster in memory: each test clones a database of its own and drops
-      # it, and on ext4 creating and deleting those thousands of files cost the server
-      # more CPU than anything the tests ran in it.
-      mkdir -p "$(shm_pg_dir)"
-      ln -s "$(shm_pg_dir)" "$RUN_DIR/pg"
-    fi
-    mkdir -p "$RUN_DIR/pg"
-    [ "$(id -u)" = 0 ] && chown postgres:postgres "$RUN_DIR/pg"
-    as_pg "$bin/initdb" -D "$RUN_DIR/pg" -U postgres -A trust --no-sync -E UTF8 >/dev/null
-  fi
+  [ -f "$RUN_DIR/pg/PG_VERSION" ] || init_pg "$bin" "$fast"
   local opts="-c listen_addresses=127.0.0.1 -p $PG_PORT -k $RUN_DIR/pg -c max_connections=400"
   opts="$opts -c shared_buffers=256MB"
   if [ "$fast" = 1 ]; then
     opts="$opts -c fsync=off -c synchronous_commit=off -c full_page_writes=off"
   fi
-  as_pg "$bin/pg_ctl" -D "$RUN_DIR/pg" -l "$RUN_DIR/pg/server.log" -o "$opts" -w -t 60 start >/dev/null \
+  as_pg "$bin/pg_ctl" -D "$RUN_DIR/pg" -l "$RUN_DIR/pg/server.log" -o "$opts" -w -t 60 start >/dev/null 9>&- \
     || die "postgresql did not start (see $RUN_DIR/pg/server.log)"
 }
 
@@ -125,6 +137,13 @@ case "${1:-}" in
   install) install ;;
   start)
     install
+    # One start at a time per $DW_RUN_DIR: a second one (another checkout's tests, the demo)
+    # waits for the first and then finds the servers up, instead of meeting its half-made
+    # cluster. The servers are started without the lock's descriptor (9>&-), so the lock
+    # ends with this script.
+    mkdir -p "$RUN_DIR"
+    exec 9>"$RUN_DIR/.start.lock"
+    flock 9
     fast=0; [ "${2:-}" = "--fast" ] && fast=1
     start_redis
     start_pg "$fast"

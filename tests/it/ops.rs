@@ -1,6 +1,7 @@
 //! Operating the worker: systemd notifications (readiness, watchdog, status, stopping) of
 //! the real binary, the metrics and health endpoint during a run and a PostgreSQL outage,
-//! the systemd unit under `systemd-analyze verify`, and the install script's dry run.
+//! the systemd unit under `systemd-analyze verify`, the install script's dry run, and
+//! scripts/services.sh starting over what a cut-off start left behind.
 
 use crate::support::*;
 use std::collections::HashMap;
@@ -418,4 +419,117 @@ fn ops_install_dry_run_prints_the_steps_and_changes_nothing() {
         .unwrap();
     assert_eq!(bad.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown option --bogus"));
+}
+
+/// `scripts/services.sh` with a run directory and ports of the test's own.
+fn services(run_dir: &std::path::Path, redis: u16, pg: u16, args: &[&str]) -> Command {
+    let mut cmd = Command::new("bash");
+    cmd.arg(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/services.sh"))
+        .args(args)
+        .env("DW_RUN_DIR", run_dir)
+        .env("DW_REDIS_PORT", redis.to_string())
+        .env("DW_PG_PORT", pg.to_string())
+        .stdin(Stdio::null());
+    cmd
+}
+
+/// What a start cut off mid-initdb leaves (a data directory holding files but no
+/// PG_VERSION), and a memory directory of an earlier run that outlived its run directory,
+/// do not stop the next start: it makes a new cluster. Three starts at once serialize on a
+/// lock and all find the one pair of servers, which answer; stop ends both.
+#[test]
+fn ops_services_start_over_a_half_made_cluster_and_concurrent_starts_share_one() {
+    let run_dir = std::env::temp_dir().join(format!("dw-services-{}", free_port()));
+    let (redis, pg) = (free_port(), free_port());
+    let shm = std::path::PathBuf::from(format!("/dev/shm/delay-worker-pg-{pg}"));
+    struct Cleanup(Vec<std::path::PathBuf>);
+    impl Drop for Cleanup {
+        fn drop(&mut self) {
+            for d in &self.0 {
+                let _ = std::fs::remove_dir_all(d);
+            }
+        }
+    }
+    let _cleanup = Cleanup(vec![run_dir.clone(), shm.clone()]);
+    // An init cut off: files, no PG_VERSION.
+    std::fs::create_dir_all(run_dir.join("pg/base")).unwrap();
+    std::fs::write(run_dir.join("pg/postgresql.conf"), "# half written\n").unwrap();
+    let run = |args: &[&str]| {
+        let out = services(&run_dir, redis, pg, args).output().unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (out.status.success(), text)
+    };
+    let stop = || {
+        let _ = services(&run_dir, redis, pg, &["stop"]).output();
+    };
+    let starts: Vec<_> = (0..3)
+        .map(|_| {
+            services(&run_dir, redis, pg, &["start"])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let outs: Vec<_> = starts
+        .into_iter()
+        .map(|c| c.wait_with_output().unwrap())
+        .collect();
+    let texts: Vec<String> = outs
+        .iter()
+        .map(|o| {
+            format!(
+                "{}{}",
+                String::from_utf8_lossy(&o.stdout),
+                String::from_utf8_lossy(&o.stderr)
+            )
+        })
+        .collect();
+    let all_ok = outs.iter().all(|o| o.status.success());
+    if !all_ok {
+        stop();
+    }
+    assert!(all_ok, "a start failed:\n{}", texts.join("\n---\n"));
+    let all = texts.join("\n");
+    assert_eq!(
+        all.matches("holds no finished cluster").count(),
+        1,
+        "the half-made cluster is replaced once:\n{all}"
+    );
+    assert!(run_dir.join("pg/PG_VERSION").exists(), "{all}");
+    let (ok, status) = run(&["status"]);
+    let url = format!("host=127.0.0.1 port={pg} user=postgres dbname=delay_worker");
+    let answer = postgres::Client::connect(&url, postgres::NoTls)
+        .and_then(|mut c| c.query_one("SELECT 1 + 1", &[]))
+        .map(|row| row.get::<_, i32>(0));
+    stop();
+    assert!(
+        ok && status.contains(&format!("redis: up on {redis}"))
+            && status.contains(&format!("postgresql: up on {pg}")),
+        "{status}"
+    );
+    assert_eq!(answer.ok(), Some(2), "the new cluster's database answers");
+
+    // A --fast start whose run directory is new while /dev/shm kept an earlier run's files
+    // for the same port.
+    std::fs::remove_dir_all(&run_dir).unwrap();
+    std::fs::create_dir_all(shm.join("base")).unwrap();
+    std::fs::write(shm.join("PG_VERSION"), "15\n").unwrap();
+    let (ok, text) = run(&["start", "--fast"]);
+    let (_, status) = run(&["status"]);
+    stop();
+    assert!(ok, "{text}");
+    assert!(
+        status.contains(&format!("postgresql: up on {pg}")),
+        "{status}"
+    );
+    let (_, status) = run(&["status"]);
+    assert!(
+        status.contains("redis: down") && status.contains("postgresql: down"),
+        "stop left a server running:\n{status}"
+    );
 }
