@@ -82,7 +82,9 @@ shm_roomy() {
 
 # A new cluster at $RUN_DIR/pg. It is made aside and put in place only once initdb has
 # finished, so a $RUN_DIR/pg without PG_VERSION is what an init cut off (or a reboot that
-# emptied /dev/shm under the link) left: it holds nothing and goes.
+# emptied /dev/shm under the link) left: it holds nothing and goes. So does a memory
+# directory for this port that an earlier run directory left (no server answers on the
+# port, or this would not run).
 init_pg() {
   local bin=$1 fast=$2 dir
   if [ -L "$RUN_DIR/pg" ] || [ -e "$RUN_DIR/pg" ]; then
@@ -136,14 +138,14 @@ env_lines() {
 case "${1:-}" in
   install) install ;;
   start)
-    install
     # One start at a time per $DW_RUN_DIR: a second one (another checkout's tests, the demo)
-    # waits for the first and then finds the servers up, instead of meeting its half-made
-    # cluster. The servers are started without the lock's descriptor (9>&-), so the lock
-    # ends with this script.
+    # waits for the first and then finds the packages installed and the servers up, instead
+    # of meeting apt-get's lock or a half-made cluster. The servers are started without the
+    # lock's descriptor (9>&-), so the lock ends with this script.
     mkdir -p "$RUN_DIR"
     exec 9>"$RUN_DIR/.start.lock"
     flock 9
+    install
     fast=0; [ "${2:-}" = "--fast" ] && fast=1
     start_redis
     start_pg "$fast"
