@@ -635,6 +635,37 @@ pub fn own_data(e: &postgres::Error) -> bool {
         .is_some_and(|db| db.code().code().starts_with("22") && db.where_().is_none())
 }
 
+/// Whether the value a data exception's message quotes is the job's own: `reason` is
+/// [`error_text`]'s `message (SQLSTATE)`, and the value between its first and last double
+/// quote (`invalid input syntax for type bigint: "abc"`, `value "9e9" is out of range for
+/// type integer`) is found in `payload`, white space aside (PostgreSQL prints a JSON
+/// value with spaces the producer may not have written), in its JSON text or in one of its
+/// strings (unescaped). A message quoting no value (`integer out of range`) says nothing
+/// against the job. A value the payload does not hold (`invalid input value for enum
+/// reason: "timeout"`: the handler's own constant, met by a CHECK constraint the shop
+/// added that casts, or a column whose type a deploy changed) is not the job's data.
+pub fn quotes_payload(reason: &str, payload: &serde_json::Value) -> bool {
+    let (Some(first), Some(last)) = (reason.find('"'), reason.rfind('"')) else {
+        return true;
+    };
+    if last <= first {
+        return true;
+    }
+    let bare = |s: &str| s.split_whitespace().collect::<String>();
+    let value = bare(&reason[first + 1..last]);
+    fn strings(v: &serde_json::Value, out: &mut Vec<String>) {
+        match v {
+            serde_json::Value::String(s) => out.push(s.split_whitespace().collect()),
+            serde_json::Value::Array(a) => a.iter().for_each(|v| strings(v, out)),
+            serde_json::Value::Object(o) => o.values().for_each(|v| strings(v, out)),
+            _ => {}
+        }
+    }
+    let mut texts = vec![bare(&payload.to_string())];
+    strings(payload, &mut texts);
+    texts.iter().any(|t| t.contains(&value))
+}
+
 /// The server's message with its SQLSTATE, or the client error.
 pub fn error_text(e: &postgres::Error) -> String {
     match e.as_db_error() {
@@ -661,5 +692,39 @@ pub fn error_text(e: &postgres::Error) -> String {
             }
             text
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::quotes_payload;
+    use serde_json::json;
+
+    #[test]
+    fn a_quoted_value_is_the_job_s_only_when_its_payload_holds_it() {
+        let p = json!({"order_id": "abc", "note": "a \"b\" c"});
+        let syntax = "invalid input syntax for type bigint: \"abc\" (22P02)";
+        assert!(quotes_payload(syntax, &p));
+        let enum_ = "invalid input value for enum reason: \"timeout\" (22P02)";
+        assert!(!quotes_payload(enum_, &p));
+        // No value quoted: nothing against the job.
+        assert!(quotes_payload("integer out of range (22003)", &p));
+        // PostgreSQL's spacing of a JSON value, and a string's unescaped quotes.
+        let object = json!({"order_id": {"a": 1, "b": [2, 3]}});
+        let msg = "invalid input syntax for type bigint: \"{\"a\": 1, \"b\": [2, 3]}\" (22P02)";
+        assert!(quotes_payload(msg, &object));
+        assert!(quotes_payload(
+            "invalid input syntax for type bigint: \"a \"b\" c\" (22P02)",
+            &p
+        ));
+        let float = json!({"order_id": 1.5});
+        assert!(quotes_payload(
+            "invalid input syntax for type bigint: \"1.5\" (22P02)",
+            &float
+        ));
+        assert!(quotes_payload(
+            "value \"99999999999\" is out of range for type integer (22003)",
+            &json!({"qty": 99999999999u64})
+        ));
     }
 }

@@ -25,7 +25,8 @@
 //! - the job's own (its data, the handler's `RAISE`): a dead letter with the reason once
 //!   another job of its event has changed something since it failed (in any process: the
 //!   inbox is asked), or at its second look when the handler's own statement met its data
-//!   (a class `22` error outside any function or trigger), the job was never held
+//!   (a class `22` error outside any function or trigger, quoting no value or one its
+//!   payload holds), the job was never held
 //!   (`held_at`) and no other job of its event is refused; held and red until then, the
 //!   held jobs of an event tried one at a time (`own_fault`, `may_run`);
 //! - messages that cannot be decoded: a dead letter at once, with the reason.
@@ -872,7 +873,8 @@ impl<'a> Worker<'a> {
     /// another job of its event has changed something since this one failed, in this
     /// process or in any other (the inbox says so: [`Worker::applied_since`]), which shows
     /// the fault is this job's; or when the handler's own statement met the job's data
-    /// ([`Failure::own_data`]), the job was never held ([`Envelope::held_at`]) and no
+    /// ([`Failure::own_data`]) with a value the job's payload holds, if the error quotes
+    /// one ([`crate::db::quotes_payload`]), the job was never held ([`Envelope::held_at`]) and no
     /// other job of the event was refused here since one last changed something (a shop
     /// constraint that casts refuses every job with the same error, so a second refused
     /// job withdraws this shortcut until a job of the event changes something). A job
@@ -928,7 +930,12 @@ impl<'a> Worker<'a> {
         // rule refusing every job (a constraint that casts) refuses the others too.
         // A job held before (here or in another process, before a restart) was taken for
         // the surroundings' fault: only proof undoes that.
-        let own_data = f.own_data && env.held_at().is_none();
+        // The value the error quotes, if any, must be the job's too: a shop rule that
+        // casts the handler's own constant refuses every job with a value none of them
+        // holds, and is taken for the surroundings' fault from its first job on.
+        let own_data = f.own_data
+            && env.held_at().is_none()
+            && crate::db::quotes_payload(&f.reason, &env.payload);
         let window = match (own_data, other_refused) {
             (true, Some(at)) => failed_ago.max(local - at),
             _ => failed_ago,

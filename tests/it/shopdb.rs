@@ -1256,6 +1256,41 @@ fn a_constraint_that_casts_refusing_every_job_dead_letters_none() {
     every_job_once_and_green(&env, w, port, &orders);
 }
 
+/// A CHECK constraint that casts, met by one job alone (a slow event: no other job of it
+/// refused or going through): the error quotes `timeout`, the handler's own value, which
+/// the job's payload does not hold, so the job is not taken for its data. Held, red,
+/// not a dead letter, and its order cancelled once the constraint goes (before: a dead
+/// letter at its second look, health green).
+#[test]
+fn a_constraint_that_casts_met_by_a_lone_job_holds_it() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 1);
+    let (w, port) = start_with_health(&env, &[]);
+    wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
+    add_casting_constraint(&env.db);
+    push_timeouts(&env, &orders, 0);
+    wait_until(
+        WAIT,
+        "/healthz red naming the cast's error, or a dead letter",
+        || {
+            let (code, body) = healthz(port);
+            books(&env).dead > 0
+                || code == 503 && body.contains("are held: they fail") && body.contains("timeout")
+        },
+    );
+    // Its second look (2 s) is past, and a first hold's return (5 s) too.
+    wait_until(WAIT, "the job held twice, or a dead letter", || {
+        metric(port, HELD) >= 2.0 || books(&env).dead > 0
+    });
+    assert_eq!(
+        books(&env).dead,
+        0,
+        "the lone job dead-lettered for the constraint"
+    );
+    drop_casting_constraint(&env.db);
+    every_job_once_and_green(&env, w, port, &orders);
+}
+
 /// A CHECK constraint that casts, with new jobs falling due every half second while it
 /// holds the others, and the worker restarted twice (SIGTERM, then kill -9): jobs refused
 /// on their first try while their event is held are marked held, so a restarted process,
