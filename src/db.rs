@@ -638,32 +638,40 @@ pub fn own_data(e: &postgres::Error) -> bool {
 /// Whether the value a data exception's message quotes is the job's own: `reason` is
 /// [`error_text`]'s `message (SQLSTATE)`, and the value between its first and last double
 /// quote (`invalid input syntax for type bigint: "abc"`, `value "9e9" is out of range for
-/// type integer`) is found in `payload`, white space aside (PostgreSQL prints a JSON
-/// value with spaces the producer may not have written), in its JSON text or in one of its
-/// strings (unescaped). A message quoting no value (`integer out of range`) says nothing
-/// against the job. A value the payload does not hold (`invalid input value for enum
-/// reason: "timeout"`: the handler's own constant, met by a CHECK constraint the shop
-/// added that casts, or a column whose type a deploy changed) is not the job's data.
+/// type integer`) is one of `payload`'s values: one of its strings, whole; one of its
+/// numbers, as a number; or one of its objects or arrays, white space aside (PostgreSQL
+/// prints a JSON value with spaces the producer may not have written). A message quoting
+/// no value (`integer out of range`) says nothing against the job. A value the payload
+/// does not hold (`invalid input value for enum reason: "timeout"`: the handler's own
+/// constant, met by a CHECK constraint the shop added that casts, or a column whose type
+/// a deploy changed) is not the job's data, and neither is a part of one of its strings.
 pub fn quotes_payload(reason: &str, payload: &serde_json::Value) -> bool {
+    use serde_json::Value;
     let (Some(first), Some(last)) = (reason.find('"'), reason.rfind('"')) else {
         return true;
     };
     if last <= first {
         return true;
     }
+    let quoted = &reason[first + 1..last];
     let bare = |s: &str| s.split_whitespace().collect::<String>();
-    let value = bare(&reason[first + 1..last]);
-    fn strings(v: &serde_json::Value, out: &mut Vec<String>) {
-        match v {
-            serde_json::Value::String(s) => out.push(s.split_whitespace().collect()),
-            serde_json::Value::Array(a) => a.iter().for_each(|v| strings(v, out)),
-            serde_json::Value::Object(o) => o.values().for_each(|v| strings(v, out)),
-            _ => {}
+    let quoted_bare = bare(quoted);
+    let quoted_number = quoted.trim().parse::<f64>().ok();
+    fn holds(v: &Value, f: &mut dyn FnMut(&Value) -> bool) -> bool {
+        f(v) || match v {
+            Value::Array(a) => a.iter().any(|v| holds(v, f)),
+            Value::Object(o) => o.values().any(|v| holds(v, f)),
+            _ => false,
         }
     }
-    let mut texts = vec![bare(&payload.to_string())];
-    strings(payload, &mut texts);
-    texts.iter().any(|t| t.contains(&value))
+    holds(payload, &mut |v| match v {
+        Value::String(s) => s == quoted,
+        Value::Number(n) => {
+            n.to_string() == quoted.trim() || quoted_number.is_some() && n.as_f64() == quoted_number
+        }
+        Value::Array(_) | Value::Object(_) => bare(&v.to_string()) == quoted_bare,
+        _ => false,
+    })
 }
 
 /// The server's message with its SQLSTATE, or the client error.
@@ -702,11 +710,15 @@ mod tests {
 
     #[test]
     fn a_quoted_value_is_the_job_s_only_when_its_payload_holds_it() {
-        let p = json!({"order_id": "abc", "note": "a \"b\" c"});
+        let p = json!({"order_id": "abc", "note": "a \"b\" c", "tags": ["time out", "order_timeout_v2"]});
         let syntax = "invalid input syntax for type bigint: \"abc\" (22P02)";
         assert!(quotes_payload(syntax, &p));
+        // The handler's constant: not a value of the payload, nor are parts of its
+        // strings, nor its strings with their spaces taken out.
         let enum_ = "invalid input value for enum reason: \"timeout\" (22P02)";
         assert!(!quotes_payload(enum_, &p));
+        assert!(!quotes_payload(enum_, &json!({"timeout": 900})));
+        assert!(quotes_payload(enum_, &json!({"note": "timeout"})));
         // No value quoted: nothing against the job.
         assert!(quotes_payload("integer out of range (22003)", &p));
         // PostgreSQL's spacing of a JSON value, and a string's unescaped quotes.
@@ -717,14 +729,27 @@ mod tests {
             "invalid input syntax for type bigint: \"a \"b\" c\" (22P02)",
             &p
         ));
+        assert!(quotes_payload(
+            "invalid input syntax for type bigint: \" 12x \" (22P02)",
+            &json!({"order_id": " 12x "})
+        ));
+        // Numbers as numbers: PostgreSQL prints 1.50 and 1e2 as written or as 100.
         let float = json!({"order_id": 1.5});
         assert!(quotes_payload(
-            "invalid input syntax for type bigint: \"1.5\" (22P02)",
+            "invalid input syntax for type bigint: \"1.50\" (22P02)",
             &float
+        ));
+        assert!(quotes_payload(
+            "value \"100\" is out of range for type smallint (22003)",
+            &json!({"qty": 1e2})
         ));
         assert!(quotes_payload(
             "value \"99999999999\" is out of range for type integer (22003)",
             &json!({"qty": 99999999999u64})
+        ));
+        assert!(!quotes_payload(
+            "value \"7\" is out of range for type integer (22003)",
+            &json!({"qty": 8})
         ));
     }
 }

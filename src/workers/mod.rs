@@ -26,8 +26,9 @@
 //!   another job of its event has changed something since it failed (in any process: the
 //!   inbox is asked), or at its second look when the handler's own statement met its data
 //!   (a class `22` error outside any function or trigger, quoting no value or one its
-//!   payload holds), the job was never held
-//!   (`held_at`) and no other job of its event is refused; held and red until then, the
+//!   payload holds), the job was never held (`held_at`) and no other job of its event is
+//!   refused (here, or in any process as the dead letters say when none is on record
+//!   here: `letter_refused_ago`); held and red until then, the
 //!   held jobs of an event tried one at a time (`own_fault`, `may_run`);
 //! - messages that cannot be decoded: a dead letter at once, with the reason.
 //!
@@ -122,6 +123,10 @@ pub struct PoolContext<'a> {
     /// Jobs finished after shutdown was requested (the drain), for the exit log.
     pub drained: &'a AtomicU64,
 }
+
+/// How many of the newest dead letters (of each stream or list) a process with no refusal
+/// of an event on record looks through for one ([`Worker::letter_refused_ago`]).
+const LETTERS_LOOKED: usize = 100;
 
 /// The role a schema fault of `event` is reported under.
 fn held_role(event: &str) -> String {
@@ -875,7 +880,8 @@ impl<'a> Worker<'a> {
     /// the fault is this job's; or when the handler's own statement met the job's data
     /// ([`Failure::own_data`]) with a value the job's payload holds, if the error quotes
     /// one ([`crate::db::quotes_payload`]), the job was never held ([`Envelope::held_at`]) and no
-    /// other job of the event was refused here since one last changed something (a shop
+    /// other job of the event was refused since one last changed something, here or, when
+    /// none is on record here, as the dead letters say ([`Worker::letter_refused_ago`]) (a shop
     /// constraint that casts refuses every job with the same error, so a second refused
     /// job withdraws this shortcut until a job of the event changes something). A job
     /// refused first while others are refused or held is marked held at once. The first
@@ -936,6 +942,16 @@ impl<'a> Worker<'a> {
         let own_data = f.own_data
             && env.held_at().is_none()
             && crate::db::quotes_payload(&f.reason, &env.payload);
+        // No refusal on record here (a process just started, or another took the last
+        // one): the dead letters say whether one cost a letter already, in any process.
+        let other_refused = match other_refused {
+            None if own_data => match self.letter_refused_ago(&env.event, key) {
+                Ok(ago) => ago.map(|ago| local - ago),
+                // Redis cannot say: as if it had, so the job waits for proof.
+                Err(()) => Some(local),
+            },
+            known => known,
+        };
         let window = match (own_data, other_refused) {
             (true, Some(at)) => failed_ago.max(local - at),
             _ => failed_ago,
@@ -999,6 +1015,71 @@ impl<'a> Worker<'a> {
             log::error!("{what}");
         }
         stats.jobs.held(event, true, crate::now_ms());
+    }
+
+    /// How long ago a job of `event` other than `key` became a dead letter for a refusal
+    /// (`handler failed: ...`), in any process, within `--retry-for`: the newest such
+    /// letter among the last [`LETTERS_LOOKED`] of every shard's dead-letter stream (and,
+    /// in list mode, of every queue's dead list). Asked only before a job's class-22 error
+    /// is taken for its data while no refusal of the event is on record here, so that a
+    /// restart or another process knows the letter a shop rule refusing every job has
+    /// cost already (otherwise each process, and each restart, would take one more job
+    /// for its data). `Err` when Redis cannot say.
+    fn letter_refused_ago(&mut self, event: &str, key: &str) -> Result<Option<i64>, ()> {
+        let ctx = self.ctx;
+        let con = match self.redis.as_mut() {
+            Some(c) => c,
+            None => self
+                .redis
+                .insert(store::connect(ctx.redis).map_err(|_| ())?),
+        };
+        let filter = crate::dead::Filter {
+            event: Some(event.to_string()),
+            older_than: None,
+            newer_than: Some(ctx.jobs.retry_for),
+        };
+        let now = ctx.stats.clock.now_ms();
+        let refusal = |l: &dyn crate::dead::Letter| {
+            l.facts().reason.starts_with("handler failed") && l.facts().key != key.as_bytes()
+        };
+        let mut newest: Option<i64> = None;
+        let mut note = |age: Option<i64>| {
+            if let Some(age) = age {
+                newest = Some(newest.map_or(age, |n| n.min(age)));
+            }
+        };
+        for keys in ctx.shards {
+            let (letters, _) = crate::dead::stream::newest(
+                con,
+                keys,
+                &filter,
+                now,
+                None,
+                LETTERS_LOOKED,
+                LETTERS_LOOKED,
+            )
+            .map_err(|_| ())?;
+            note(letters.iter().find(|l| refusal(*l)).map(|l| l.age_ms));
+            for queue in &keys.queues {
+                let page = crate::dead::list::newest(
+                    con,
+                    queue,
+                    &filter,
+                    now,
+                    &crate::dead::list::Start::Head(0),
+                    LETTERS_LOOKED,
+                    LETTERS_LOOKED,
+                )
+                .map_err(|_| ())?;
+                note(
+                    page.letters
+                        .iter()
+                        .find(|(_, l)| refusal(l))
+                        .and_then(|(_, l)| crate::dead::Letter::age_ms(l)),
+                );
+            }
+        }
+        Ok(newest)
     }
 
     /// Whether a job of `event` changed something in the last `ago_ms`: in this process,
