@@ -1171,6 +1171,30 @@ fn a_job_whose_data_the_handler_cannot_take_is_a_dead_letter_alone() {
         .unwrap();
     push_timeouts(&env, &orders[..1], 0);
     wait_until(WAIT, "the other order done", || inbox_count(&env.db) == 1);
+    // An id no bigint holds reaches PostgreSQL as written (not as 1e23), so the error
+    // quotes the payload's own value: the job's data, a dead letter alone, health green.
+    let huge = "99999999999999999999999";
+    let job = delay_worker::producer::NewJob {
+        event: "order.timeout".into(),
+        payload: serde_json::json!({ "order_id": serde_json::from_str::<serde_json::Value>(huge).unwrap() }),
+        due_ms: delay_worker::now_ms(),
+        key: Some("order.timeout:huge".into()),
+    };
+    delay_worker::producer::push(&mut env.con(), &env.config.keys, &job, job.due_ms).unwrap();
+    wait_until(WAIT, "the huge id a dead letter", || {
+        codes.push(healthz(port).0);
+        books(&env).dead == 2
+    });
+    assert!(
+        codes.iter().all(|&c| c == 200),
+        "health red for a bad job: {codes:?}"
+    );
+    let dead = dead_letters(&env);
+    assert!(
+        dead.iter()
+            .any(|d| d["reason"].contains(&format!("\"{huge}\" is out of range"))),
+        "{dead:?}"
+    );
     stop(w);
     assert_accounting(&env.db, &orders, &[&orders[0]]);
 }
