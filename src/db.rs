@@ -639,12 +639,14 @@ pub fn own_data(e: &postgres::Error) -> bool {
 /// [`error_text`]'s `message (SQLSTATE)`, and the value between its first and last double
 /// quote (`invalid input syntax for type bigint: "abc"`, `value "9e9" is out of range for
 /// type integer`) is one of `payload`'s values: one of its strings, whole; one of its
-/// numbers, as a number; or one of its objects or arrays, white space aside (PostgreSQL
-/// prints a JSON value with spaces the producer may not have written). A message quoting
+/// numbers, of exactly the same value (PostgreSQL prints `1e2` as `100`, `1e400` with
+/// its 401 digits); or one of its objects or arrays, read as JSON and of the same values
+/// (PostgreSQL prints a JSON value with its own spacing and key order). A message quoting
 /// no value (`integer out of range`) says nothing against the job. A value the payload
 /// does not hold (`invalid input value for enum reason: "timeout"`: the handler's own
 /// constant, met by a CHECK constraint the shop added that casts, or a column whose type
-/// a deploy changed) is not the job's data, and neither is a part of one of its strings.
+/// a deploy changed) is not the job's data, and neither is a part of one of its strings
+/// or a number merely near one of its numbers.
 pub fn quotes_payload(reason: &str, payload: &serde_json::Value) -> bool {
     use serde_json::Value;
     let (Some(first), Some(last)) = (reason.find('"'), reason.rfind('"')) else {
@@ -654,9 +656,8 @@ pub fn quotes_payload(reason: &str, payload: &serde_json::Value) -> bool {
         return true;
     }
     let quoted = &reason[first + 1..last];
-    let bare = |s: &str| s.split_whitespace().collect::<String>();
-    let quoted_bare = bare(quoted);
-    let quoted_number = quoted.trim().parse::<f64>().ok();
+    let quoted_number = decimal(quoted.trim());
+    let quoted_json = serde_json::from_str::<Value>(quoted).ok();
     fn holds(v: &Value, f: &mut dyn FnMut(&Value) -> bool) -> bool {
         f(v) || match v {
             Value::Array(a) => a.iter().any(|v| holds(v, f)),
@@ -666,12 +667,63 @@ pub fn quotes_payload(reason: &str, payload: &serde_json::Value) -> bool {
     }
     holds(payload, &mut |v| match v {
         Value::String(s) => s == quoted,
-        Value::Number(n) => {
-            n.to_string() == quoted.trim() || quoted_number.is_some() && n.as_f64() == quoted_number
-        }
-        Value::Array(_) | Value::Object(_) => bare(&v.to_string()) == quoted_bare,
+        Value::Number(n) => quoted_number.is_some() && decimal(&n.to_string()) == quoted_number,
+        Value::Array(_) | Value::Object(_) => quoted_json.as_ref().is_some_and(|q| same_json(v, q)),
         _ => false,
     })
+}
+
+/// Two JSON values alike, numbers compared by their exact value ([`decimal`]).
+fn same_json(a: &serde_json::Value, b: &serde_json::Value) -> bool {
+    use serde_json::Value;
+    match (a, b) {
+        (Value::Number(x), Value::Number(y)) => {
+            let x = decimal(&x.to_string());
+            x.is_some() && x == decimal(&y.to_string())
+        }
+        (Value::Array(x), Value::Array(y)) => {
+            x.len() == y.len() && x.iter().zip(y).all(|(x, y)| same_json(x, y))
+        }
+        (Value::Object(x), Value::Object(y)) => {
+            x.len() == y.len()
+                && x.iter()
+                    .all(|(k, v)| y.get(k).is_some_and(|w| same_json(v, w)))
+        }
+        _ => a == b,
+    }
+}
+
+/// A decimal number's exact value as (negative, significant digits, exponent of the last
+/// digit): `1.50`, `15e-1` and `0.150e1` alike; zero is `(false, "", 0)` whatever its
+/// sign. `None` for anything else, or an exponent past `i64`.
+fn decimal(text: &str) -> Option<(bool, String, i64)> {
+    let (negative, rest) = match text.as_bytes().first()? {
+        b'-' => (true, &text[1..]),
+        b'+' => (false, &text[1..]),
+        _ => (false, text),
+    };
+    let (mantissa, exponent) = match rest.find(['e', 'E']) {
+        Some(i) => (&rest[..i], rest[i + 1..].parse::<i64>().ok()?),
+        None => (rest, 0),
+    };
+    let (whole, fraction) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    if whole.is_empty() && fraction.is_empty()
+        || !whole
+            .bytes()
+            .chain(fraction.bytes())
+            .all(|b| b.is_ascii_digit())
+    {
+        return None;
+    }
+    let digits = format!("{whole}{fraction}");
+    let exponent = exponent.checked_sub(i64::try_from(fraction.len()).ok()?)?;
+    let significant = digits.trim_start_matches('0');
+    let kept = significant.trim_end_matches('0');
+    if kept.is_empty() {
+        return Some((false, String::new(), 0));
+    }
+    let zeros = i64::try_from(significant.len() - kept.len()).ok()?;
+    Some((negative, kept.to_string(), exponent.checked_add(zeros)?))
 }
 
 /// The server's message with its SQLSTATE, or the client error.
@@ -721,10 +773,16 @@ mod tests {
         assert!(quotes_payload(enum_, &json!({"note": "timeout"})));
         // No value quoted: nothing against the job.
         assert!(quotes_payload("integer out of range (22003)", &p));
-        // PostgreSQL's spacing of a JSON value, and a string's unescaped quotes.
-        let object = json!({"order_id": {"a": 1, "b": [2, 3]}});
+        // PostgreSQL's spacing and key order of a JSON value, numbers in it by value,
+        // and a string's unescaped quotes.
+        let object = json!({"order_id": {"b": [2, 3], "a": 1}});
         let msg = "invalid input syntax for type bigint: \"{\"a\": 1, \"b\": [2, 3]}\" (22P02)";
         assert!(quotes_payload(msg, &object));
+        let array: serde_json::Value = serde_json::from_str(r#"{"order_id": [1e2]}"#).unwrap();
+        assert!(quotes_payload(
+            "invalid input syntax for type bigint: \"[100]\" (22P02)",
+            &array
+        ));
         assert!(quotes_payload(
             "invalid input syntax for type bigint: \"a \"b\" c\" (22P02)",
             &p
@@ -733,23 +791,35 @@ mod tests {
             "invalid input syntax for type bigint: \" 12x \" (22P02)",
             &json!({"order_id": " 12x "})
         ));
-        // Numbers as numbers: PostgreSQL prints 1.50 and 1e2 as written or as 100.
-        let float = json!({"order_id": 1.5});
+        // Numbers by their exact value.
+        let n = |text: &str| {
+            serde_json::from_str::<serde_json::Value>(&format!("{{\"n\": {text}}}")).unwrap()
+        };
+        let range = |v: &str| format!("value \"{v}\" is out of range for type bigint (22003)");
         assert!(quotes_payload(
             "invalid input syntax for type bigint: \"1.50\" (22P02)",
-            &float
+            &n("1.5")
+        ));
+        assert!(quotes_payload(&range("100"), &n("1e2")));
+        assert!(quotes_payload(
+            &range(&format!("1{}", "0".repeat(400))),
+            &n("1e400")
         ));
         assert!(quotes_payload(
-            "value \"100\" is out of range for type smallint (22003)",
-            &json!({"qty": 1e2})
-        ));
-        assert!(quotes_payload(
-            "value \"99999999999\" is out of range for type integer (22003)",
-            &json!({"qty": 99999999999u64})
+            &range("6100000000000000000000"),
+            &n("6.1e21")
         ));
         assert!(!quotes_payload(
-            "value \"7\" is out of range for type integer (22003)",
-            &json!({"qty": 8})
+            &range("6100000000000000000000"),
+            &n("6100000000000000000001")
         ));
+        assert!(!quotes_payload(
+            &range("6600000000000000000000"),
+            &n("6600000000000000000000.4")
+        ));
+        assert!(!quotes_payload(&range("7"), &n("8")));
+        assert!(quotes_payload(&range("0"), &n("-0.0")));
+        assert!(quotes_payload(&range("-12"), &n("-1.2e1")));
+        assert!(!quotes_payload(&range("12"), &n("-12")));
     }
 }

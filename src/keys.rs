@@ -23,6 +23,12 @@ pub struct Keys {
     /// (`<pool>:letters`; at most 8, kept by the scripts that write, requeue and purge
     /// dead letters), so `worker trace` finds them without reading the dead letters.
     pub letters: String,
+    /// HASH: event -> `<unix ms> <job key>`: when (Redis's clock) a refusal by PostgreSQL
+    /// last cost a job of it a dead letter, and which (`<pool>:refused`; written by the
+    /// worker that dead-letters it),
+    /// so that a process with no refusal of its own on record (restarted, another host)
+    /// does not take the next such job for its data while a shop rule refuses them all.
+    pub refused: String,
     /// STREAM the mover appends due messages to, fields `msg` and `key`.
     pub stream: String,
     /// Consumer group on `stream`.
@@ -97,6 +103,7 @@ impl Keys {
             jobs: format!("{pool}:jobs"),
             moved: format!("{pool}:moved"),
             letters: format!("{pool}:letters"),
+            refused: format!("{pool}:refused"),
             pool,
             stream: o
                 .stream

@@ -966,6 +966,7 @@ impl<'a> Worker<'a> {
         // Taken for its data without proof, its refusal stays on record against the next
         // such job, so that a rule refusing every job costs one letter, not a letter a job.
         if proven || (own_data && (other_refused.is_none() || applied)) {
+            self.record_refusal_letter(&env.event, key);
             return self.dead(
                 d,
                 format!("handler failed: {}", f.reason),
@@ -981,6 +982,7 @@ impl<'a> Worker<'a> {
                 f.reason, env.event
             );
             stats.jobs.refusal_decided(&env.event, key);
+            self.record_refusal_letter(&env.event, key);
             return self.dead(d, reason, env.event.clone(), env.retry as u64 + 1);
         }
         self.held_for_refusal(&env.event, &f.reason);
@@ -1017,14 +1019,40 @@ impl<'a> Worker<'a> {
         stats.jobs.held(event, true, crate::now_ms());
     }
 
-    /// How long ago a job of `event` other than `key` became a dead letter for a refusal
-    /// (`handler failed: ...`), in any process, within `--retry-for`: the newest such
-    /// letter among the last [`LETTERS_LOOKED`] of every shard's dead-letter stream (and,
-    /// in list mode, of every queue's dead list). Asked only before a job's class-22 error
-    /// is taken for its data while no refusal of the event is on record here, so that a
-    /// restart or another process knows the letter a shop rule refusing every job has
-    /// cost already (otherwise each process, and each restart, would take one more job
-    /// for its data). `Err` when Redis cannot say.
+    /// A refusal of `event` is about to cost job `key` a dead letter: on record for every
+    /// process in [`crate::keys::Keys::refused`] (one `HSET` of `<unix ms> <key>`, the ms
+    /// on Redis's clock), which
+    /// [`Worker::letter_refused_ago`] reads. Best effort: a record that cannot be written
+    /// leaves the dead letters themselves to say so.
+    fn record_refusal_letter(&mut self, event: &str, key: &str) {
+        let ctx = self.ctx;
+        let Some(con) = self.redis.as_mut() else {
+            return;
+        };
+        let now = ctx.stats.clock.now_ms();
+        let done: redis::RedisResult<()> = redis::cmd("HSET")
+            .arg(&ctx.keys.refused)
+            .arg(event)
+            .arg(format!("{now} {key}"))
+            .query(con);
+        if let Err(e) = done {
+            log::debug!(
+                "cannot record the refusal of {event} in {}: {e}",
+                ctx.keys.refused
+            );
+        }
+    }
+
+    /// How long ago a job of `event` became a dead letter for a refusal (`handler failed:
+    /// ...`), in any process, within `--retry-for`: the record of
+    /// [`Worker::record_refusal_letter`] unless it is `key`'s own, or a letter among the newest [`LETTERS_LOOKED`]
+    /// of every shard's dead-letter stream (and, in list mode, of every queue's dead list)
+    /// of a job other than `key` (one written before the record was kept), whichever is
+    /// newer. Asked only before a job's class-22 error is taken for its data while no
+    /// refusal of the event is on record here, so that a restart or another process knows
+    /// the letter a shop rule refusing every job has cost already (otherwise each process,
+    /// and each restart, would take one more job for its data; a flood of other letters
+    /// or a purge of them does not hide the record). `Err` when Redis cannot say.
     fn letter_refused_ago(&mut self, event: &str, key: &str) -> Result<Option<i64>, ()> {
         let ctx = self.ctx;
         let con = match self.redis.as_mut() {
@@ -1042,12 +1070,26 @@ impl<'a> Worker<'a> {
         let refusal = |l: &dyn crate::dead::Letter| {
             l.facts().reason.starts_with("handler failed") && l.facts().key != key.as_bytes()
         };
+        let horizon = crate::dead::millis(ctx.jobs.retry_for);
         let mut newest: Option<i64> = None;
         let mut note = |age: Option<i64>| {
-            if let Some(age) = age {
+            if let Some(age) = age.filter(|a| *a <= horizon) {
                 newest = Some(newest.map_or(age, |n| n.min(age)));
             }
         };
+        let recorded: Option<String> = redis::cmd("HGET")
+            .arg(&ctx.keys.refused)
+            .arg(event)
+            .query(con)
+            .map_err(|_| ())?;
+        // `<unix ms> <job key>`: a job's own letter, requeued, is no record against it.
+        if let Some(r) = recorded {
+            let (at, of) = r.split_once(' ').unwrap_or((&r, ""));
+            let at = at.parse::<i64>().map_err(|_| ())?;
+            if of != key {
+                note(Some((now - at).max(0)));
+            }
+        }
         for keys in ctx.shards {
             let (letters, _) = crate::dead::stream::newest(
                 con,
