@@ -23,9 +23,9 @@ pub struct Keys {
     /// (`<pool>:letters`; at most 8, kept by the scripts that write, requeue and purge
     /// dead letters), so `worker trace` finds them without reading the dead letters.
     pub letters: String,
-    /// HASH: event -> `<unix ms> <job key>`: when (Redis's clock) a refusal by PostgreSQL
-    /// last cost a job of it a dead letter, and which (`<pool>:refused`; written by the
-    /// worker that dead-letters it),
+    /// HASH: event -> `<unix ms> <job key>`: when (Redis's clock) a job of it was last
+    /// taken for its data without proof (a dead letter at its second look), and which
+    /// (`<pool>:refused`; written by the worker that dead-letters it),
     /// so that a process with no refusal of its own on record (restarted, another host)
     /// does not take the next such job for its data while a shop rule refuses them all.
     pub refused: String,

@@ -27,8 +27,8 @@
 //!   inbox is asked), or at its second look when the handler's own statement met its data
 //!   (a class `22` error outside any function or trigger, quoting no value or one its
 //!   payload holds), the job was never held (`held_at`) and no other job of its event is
-//!   refused (here, or in any process as the dead letters say when none is on record
-//!   here: `letter_refused_ago`); held and red until then, the
+//!   refused (here, or in any process as Redis's record says when none is on record
+//!   here: `refusal_on_record`); held and red until then, the
 //!   held jobs of an event tried one at a time (`own_fault`, `may_run`);
 //! - messages that cannot be decoded: a dead letter at once, with the reason.
 //!
@@ -123,10 +123,6 @@ pub struct PoolContext<'a> {
     /// Jobs finished after shutdown was requested (the drain), for the exit log.
     pub drained: &'a AtomicU64,
 }
-
-/// How many of the newest dead letters (of each stream or list) a process with no refusal
-/// of an event on record looks through for one ([`Worker::letter_refused_ago`]).
-const LETTERS_LOOKED: usize = 100;
 
 /// The role a schema fault of `event` is reported under.
 fn held_role(event: &str) -> String {
@@ -881,7 +877,7 @@ impl<'a> Worker<'a> {
     /// ([`Failure::own_data`]) with a value the job's payload holds, if the error quotes
     /// one ([`crate::db::quotes_payload`]), the job was never held ([`Envelope::held_at`]) and no
     /// other job of the event was refused since one last changed something, here or, when
-    /// none is on record here, as the dead letters say ([`Worker::letter_refused_ago`]) (a shop
+    /// none is on record here, as Redis's record says ([`Worker::refusal_on_record`]) (a shop
     /// constraint that casts refuses every job with the same error, so a second refused
     /// job withdraws this shortcut until a job of the event changes something). A job
     /// refused first while others are refused or held is marked held at once. The first
@@ -943,9 +939,10 @@ impl<'a> Worker<'a> {
             && env.held_at().is_none()
             && crate::db::quotes_payload(&f.reason, &env.payload);
         // No refusal on record here (a process just started, or another took the last
-        // one): the dead letters say whether one cost a letter already, in any process.
+        // one): the record in Redis says whether one cost a letter already, in any
+        // process.
         let other_refused = match other_refused {
-            None if own_data => match self.letter_refused_ago(&env.event, key) {
+            None if own_data => match self.refusal_on_record(&env.event, key) {
                 Ok(ago) => ago.map(|ago| local - ago),
                 // Redis cannot say: as if it had, so the job waits for proof.
                 Err(()) => Some(local),
@@ -966,7 +963,9 @@ impl<'a> Worker<'a> {
         // Taken for its data without proof, its refusal stays on record against the next
         // such job, so that a rule refusing every job costs one letter, not a letter a job.
         if proven || (own_data && (other_refused.is_none() || applied)) {
-            self.record_refusal_letter(&env.event, key);
+            if !proven {
+                self.record_refusal_letter(&env.event, key);
+            }
             return self.dead(
                 d,
                 format!("handler failed: {}", f.reason),
@@ -982,7 +981,6 @@ impl<'a> Worker<'a> {
                 f.reason, env.event
             );
             stats.jobs.refusal_decided(&env.event, key);
-            self.record_refusal_letter(&env.event, key);
             return self.dead(d, reason, env.event.clone(), env.retry as u64 + 1);
         }
         self.held_for_refusal(&env.event, &f.reason);
@@ -1019,11 +1017,13 @@ impl<'a> Worker<'a> {
         stats.jobs.held(event, true, crate::now_ms());
     }
 
-    /// A refusal of `event` is about to cost job `key` a dead letter: on record for every
-    /// process in [`crate::keys::Keys::refused`] (one `HSET` of `<unix ms> <key>`, the ms
-    /// on Redis's clock), which
-    /// [`Worker::letter_refused_ago`] reads. Best effort: a record that cannot be written
-    /// leaves the dead letters themselves to say so.
+    /// Job `key` of `event` is about to be a dead letter, its refusal taken for its data
+    /// without proof: on record against the next such job in every process, as it is in
+    /// this one ([`crate::stats::Metrics::refused`]), in [`crate::keys::Keys::refused`] (one
+    /// `HSET` of `<unix ms> <key>`, the ms on Redis's clock), which
+    /// [`Worker::refusal_on_record`] reads. A letter proven by another job's change is
+    /// decided and records nothing, as here. Best effort: a record that cannot be written
+    /// costs one more letter at most.
     fn record_refusal_letter(&mut self, event: &str, key: &str) {
         let ctx = self.ctx;
         let Some(con) = self.redis.as_mut() else {
@@ -1043,17 +1043,15 @@ impl<'a> Worker<'a> {
         }
     }
 
-    /// How long ago a job of `event` became a dead letter for a refusal (`handler failed:
-    /// ...`), in any process, within `--retry-for`: the record of
-    /// [`Worker::record_refusal_letter`] unless it is `key`'s own, or a letter among the newest [`LETTERS_LOOKED`]
-    /// of every shard's dead-letter stream (and, in list mode, of every queue's dead list)
-    /// of a job other than `key` (one written before the record was kept), whichever is
-    /// newer. Asked only before a job's class-22 error is taken for its data while no
-    /// refusal of the event is on record here, so that a restart or another process knows
-    /// the letter a shop rule refusing every job has cost already (otherwise each process,
-    /// and each restart, would take one more job for its data; a flood of other letters
-    /// or a purge of them does not hide the record). `Err` when Redis cannot say.
-    fn letter_refused_ago(&mut self, event: &str, key: &str) -> Result<Option<i64>, ()> {
+    /// How long ago (ms) a job of `event` other than `key` was last taken for its data
+    /// without proof, in any process, within `--retry-for` ([`Worker::record_refusal_letter`]).
+    /// Asked only before a job's class-22 error is taken for its data while no refusal of
+    /// the event is on record here, so that a restart or another process knows the letter
+    /// a shop rule refusing every job has cost already (otherwise each process, and each
+    /// restart, would take one more job for its data; the record is not among the dead
+    /// letters, so a purge or a flood of them does not hide it). `Err` when Redis cannot
+    /// say.
+    fn refusal_on_record(&mut self, event: &str, key: &str) -> Result<Option<i64>, ()> {
         let ctx = self.ctx;
         let con = match self.redis.as_mut() {
             Some(c) => c,
@@ -1061,67 +1059,19 @@ impl<'a> Worker<'a> {
                 .redis
                 .insert(store::connect(ctx.redis).map_err(|_| ())?),
         };
-        let filter = crate::dead::Filter {
-            event: Some(event.to_string()),
-            older_than: None,
-            newer_than: Some(ctx.jobs.retry_for),
-        };
-        let now = ctx.stats.clock.now_ms();
-        let refusal = |l: &dyn crate::dead::Letter| {
-            l.facts().reason.starts_with("handler failed") && l.facts().key != key.as_bytes()
-        };
-        let horizon = crate::dead::millis(ctx.jobs.retry_for);
-        let mut newest: Option<i64> = None;
-        let mut note = |age: Option<i64>| {
-            if let Some(age) = age.filter(|a| *a <= horizon) {
-                newest = Some(newest.map_or(age, |n| n.min(age)));
-            }
-        };
         let recorded: Option<String> = redis::cmd("HGET")
             .arg(&ctx.keys.refused)
             .arg(event)
             .query(con)
             .map_err(|_| ())?;
         // `<unix ms> <job key>`: a job's own letter, requeued, is no record against it.
-        if let Some(r) = recorded {
-            let (at, of) = r.split_once(' ').unwrap_or((&r, ""));
-            let at = at.parse::<i64>().map_err(|_| ())?;
-            if of != key {
-                note(Some((now - at).max(0)));
-            }
-        }
-        for keys in ctx.shards {
-            let (letters, _) = crate::dead::stream::newest(
-                con,
-                keys,
-                &filter,
-                now,
-                None,
-                LETTERS_LOOKED,
-                LETTERS_LOOKED,
-            )
-            .map_err(|_| ())?;
-            note(letters.iter().find(|l| refusal(*l)).map(|l| l.age_ms));
-            for queue in &keys.queues {
-                let page = crate::dead::list::newest(
-                    con,
-                    queue,
-                    &filter,
-                    now,
-                    &crate::dead::list::Start::Head(0),
-                    LETTERS_LOOKED,
-                    LETTERS_LOOKED,
-                )
-                .map_err(|_| ())?;
-                note(
-                    page.letters
-                        .iter()
-                        .find(|(_, l)| refusal(l))
-                        .and_then(|(_, l)| crate::dead::Letter::age_ms(l)),
-                );
-            }
-        }
-        Ok(newest)
+        let Some(r) = recorded else {
+            return Ok(None);
+        };
+        let (at, of) = r.split_once(' ').unwrap_or((&r, ""));
+        let at = at.parse::<i64>().map_err(|_| ())?;
+        let ago = (ctx.stats.clock.now_ms() - at).max(0);
+        Ok((of != key && ago <= crate::dead::millis(ctx.jobs.retry_for)).then_some(ago))
     }
 
     /// Whether a job of `event` changed something in the last `ago_ms`: in this process,

@@ -1199,6 +1199,51 @@ fn a_job_whose_data_the_handler_cannot_take_is_a_dead_letter_alone() {
     assert_accounting(&env.db, &orders, &[&orders[0]]);
 }
 
+/// Pushes a job of `order.timeout` with `payload` under `key`, due now.
+fn push_payload(env: &Env, key: &str, payload: serde_json::Value) {
+    let job = delay_worker::producer::NewJob {
+        event: "order.timeout".into(),
+        payload,
+        due_ms: delay_worker::now_ms(),
+        key: Some(key.into()),
+    };
+    delay_worker::producer::push(&mut env.con(), &env.config.keys, &job, job.due_ms).unwrap();
+}
+
+/// Bad jobs in a quiet shop, one at a time: the first is a dead letter alone; the second,
+/// with no job changing anything since, is held; a good job proves the handler works and
+/// the second goes; the third, alone again, is a dead letter without waiting for another
+/// good job (its letter proven by the good job's change says nothing of the others; found
+/// from outside: every lone bad job after a held one waited, red, for the next good job).
+#[test]
+fn bad_jobs_met_one_at_a_time_in_a_quiet_shop_are_dead_letters() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 1);
+    let (w, port) = start_with_health(&env, &[]);
+    wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
+    push_payload(&env, "bad:1", serde_json::json!({ "order_id": "abc1" }));
+    wait_until(WAIT, "the first bad job a dead letter", || {
+        books(&env).dead == 1
+    });
+    push_payload(&env, "bad:2", serde_json::json!({ "order_id": "abc2" }));
+    wait_until(WAIT, "the second held, red", || healthz(port).0 == 503);
+    assert_eq!(books(&env).dead, 1);
+    push_timeouts(&env, &orders, 0);
+    wait_until(
+        WAIT,
+        "the second a dead letter once a job went through",
+        || books(&env).dead == 2,
+    );
+    push_payload(&env, "bad:3", serde_json::json!({ "order_id": "abc3" }));
+    wait_until(
+        WAIT,
+        "the third a dead letter with no good job after it",
+        || books(&env).dead == 3,
+    );
+    stop(w);
+    assert_accounting(&env.db, &orders, &[&orders[0]]);
+}
+
 /// A CHECK constraint the shop adds that casts `cancel_reason` to an enum without
 /// `timeout`: every cancellation fails with 22P02 and no context.
 fn add_casting_constraint(db: &TestDb) {
