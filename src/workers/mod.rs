@@ -1026,8 +1026,12 @@ impl<'a> Worker<'a> {
     /// costs one more letter at most.
     fn record_refusal_letter(&mut self, event: &str, key: &str) {
         let ctx = self.ctx;
-        let Some(con) = self.redis.as_mut() else {
-            return;
+        let con = match self.redis.as_mut() {
+            Some(c) => c,
+            None => match store::connect(ctx.redis) {
+                Ok(c) => self.redis.insert(c),
+                Err(_) => return,
+            },
         };
         let now = ctx.stats.clock.now_ms();
         let done: redis::RedisResult<()> = redis::cmd("HSET")
