@@ -1017,6 +1017,15 @@ impl<'a> Worker<'a> {
         stats.jobs.held(event, true, crate::now_ms());
     }
 
+    /// The worker's Redis connection, connected now if it has none; `None` when Redis
+    /// cannot be reached (the caller goes on without it; the settle retries on its own).
+    fn redis_now(&mut self) -> Option<&mut crate::store::Con> {
+        if self.redis.is_none() {
+            self.redis = Some(store::connect(self.ctx.redis).ok()?);
+        }
+        self.redis.as_mut()
+    }
+
     /// Job `key` of `event` is about to be a dead letter, its refusal taken for its data
     /// without proof: on record against the next such job in every process, as it is in
     /// this one ([`crate::stats::Metrics::refused`]), in [`crate::keys::Keys::refused`] (one
@@ -1026,12 +1035,8 @@ impl<'a> Worker<'a> {
     /// costs one more letter at most.
     fn record_refusal_letter(&mut self, event: &str, key: &str) {
         let ctx = self.ctx;
-        let con = match self.redis.as_mut() {
-            Some(c) => c,
-            None => match store::connect(ctx.redis) {
-                Ok(c) => self.redis.insert(c),
-                Err(_) => return,
-            },
+        let Some(con) = self.redis_now() else {
+            return;
         };
         let now = ctx.stats.clock.now_ms();
         let done: redis::RedisResult<()> = redis::cmd("HSET")
@@ -1057,12 +1062,7 @@ impl<'a> Worker<'a> {
     /// say.
     fn refusal_on_record(&mut self, event: &str, key: &str) -> Result<Option<i64>, ()> {
         let ctx = self.ctx;
-        let con = match self.redis.as_mut() {
-            Some(c) => c,
-            None => self
-                .redis
-                .insert(store::connect(ctx.redis).map_err(|_| ())?),
-        };
+        let con = self.redis_now().ok_or(())?;
         let recorded: Option<String> = redis::cmd("HGET")
             .arg(&ctx.keys.refused)
             .arg(event)

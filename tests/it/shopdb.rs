@@ -1174,13 +1174,12 @@ fn a_job_whose_data_the_handler_cannot_take_is_a_dead_letter_alone() {
     // An id no bigint holds reaches PostgreSQL as written (not as 1e23), so the error
     // quotes the payload's own value: the job's data, a dead letter alone, health green.
     let huge = "99999999999999999999999";
-    let job = delay_worker::producer::NewJob {
-        event: "order.timeout".into(),
-        payload: serde_json::json!({ "order_id": serde_json::from_str::<serde_json::Value>(huge).unwrap() }),
-        due_ms: delay_worker::now_ms(),
-        key: Some("order.timeout:huge".into()),
-    };
-    delay_worker::producer::push(&mut env.con(), &env.config.keys, &job, job.due_ms).unwrap();
+    let id: serde_json::Value = serde_json::from_str(huge).unwrap();
+    push_payload(
+        &env,
+        "order.timeout:huge",
+        serde_json::json!({ "order_id": id }),
+    );
     wait_until(WAIT, "the huge id a dead letter", || {
         codes.push(healthz(port).0);
         books(&env).dead == 2
