@@ -4,7 +4,8 @@
 #   scripts/services.sh install        apt-get install redis-server postgresql systemd if missing
 #   scripts/services.sh start [--fast] start both (idempotent); --fast turns off fsync (tests),
 #                                      and a cluster it creates lives in /dev/shm when that
-#                                      is a tmpfs with room ($DW_RUN_DIR/pg links to it)
+#                                      is a tmpfs with room ($DW_RUN_DIR/pg links to it);
+#                                      it also makes the de_DE and fr_FR locales the tests use
 #   scripts/services.sh stop           stop both
 #   scripts/services.sh status         say what runs
 #   scripts/services.sh env            print REDIS_URL / DATABASE_URL exports
@@ -43,6 +44,26 @@ install() {
   apt-get update -qq
   apt-get install -y -qq redis-server postgresql systemd >/dev/null
   # The packages start their own servers where systemd runs; ours are separate.
+}
+
+# The tests (--fast) read a server whose messages are German or French (lc_messages), so
+# those locales must exist when it starts: made once where missing, from the `locales`
+# package's sources.
+test_locales() {
+  local l
+  for l in de_DE fr_FR; do
+    locale -a 2>/dev/null | grep -qix "$l.utf8" && continue
+    if [ "$(id -u)" != 0 ]; then
+      echo "services: the locale $l.UTF-8 is missing (the tests need it); run as root to make it" >&2
+      continue
+    fi
+    if [ ! -f "/usr/share/i18n/locales/$l" ]; then
+      export DEBIAN_FRONTEND=noninteractive
+      apt-get update -qq
+      apt-get install -y -qq locales >/dev/null
+    fi
+    localedef -i "$l" -f UTF-8 "$l.UTF-8" || die "localedef $l.UTF-8 failed"
+  done
 }
 
 redis_up() { redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1; }
@@ -148,6 +169,8 @@ case "${1:-}" in
     install
     fast=0; [ "${2:-}" = "--fast" ] && fast=1
     start_redis
+    # Before PostgreSQL starts: its processes see only the locales there at its start.
+    [ "$fast" = 0 ] || test_locales
     start_pg "$fast"
     echo "services: redis on 127.0.0.1:$REDIS_PORT, postgresql on 127.0.0.1:$PG_PORT (data in $RUN_DIR)"
     ;;

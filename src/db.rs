@@ -638,7 +638,8 @@ pub fn own_data(e: &postgres::Error) -> bool {
 /// Whether the value a data exception's message quotes is the job's own: `reason` is
 /// [`error_text`]'s `message (SQLSTATE)`, and the value between its first and last double
 /// quote (`invalid input syntax for type bigint: "abc"`, `value "9e9" is out of range for
-/// type integer`) is one of `payload`'s values: one of its strings, whole; one of its
+/// type integer`; a server whose `lc_messages` is German quotes `»abc«`, Spanish `«abc»`,
+/// French `« abc »`) is one of `payload`'s values: one of its strings, whole; one of its
 /// numbers, of exactly the same value (PostgreSQL prints `1e2` as `100`, `1e400` with
 /// its 401 digits); or one of its objects or arrays, read as JSON and of the same values
 /// (PostgreSQL prints a JSON value with its own spacing and key order). A message quoting
@@ -648,14 +649,36 @@ pub fn own_data(e: &postgres::Error) -> bool {
 /// a deploy changed) is not the job's data, and neither is a part of one of its strings
 /// or a number merely near one of its numbers.
 pub fn quotes_payload(reason: &str, payload: &serde_json::Value) -> bool {
-    use serde_json::Value;
-    let (Some(first), Some(last)) = (reason.find('"'), reason.rfind('"')) else {
+    let Some(quoted) = quoted_value(reason) else {
         return true;
     };
-    if last <= first {
-        return true;
-    }
-    let quoted = &reason[first + 1..last];
+    // French quotes with a space inside the guillemets (`« %s »`): the value is either.
+    let unspaced = quoted
+        .strip_prefix(' ')
+        .and_then(|q| q.strip_suffix(' '))
+        .filter(|_| reason.contains('«'));
+    std::iter::once(quoted)
+        .chain(unspaced)
+        .any(|q| payload_holds(payload, q))
+}
+
+/// The value a message quotes: between its first and last double quote (English and most
+/// translations), else between PostgreSQL's German `»…«` or its Spanish and French
+/// `«…»`. `None` when it quotes nothing.
+fn quoted_value(reason: &str) -> Option<&str> {
+    [('"', '"'), ('»', '«'), ('«', '»')]
+        .into_iter()
+        .find_map(|(open, close)| {
+            let first = reason.find(open)?;
+            let last = reason.rfind(close)?;
+            let start = first + open.len_utf8();
+            (last >= start).then(|| &reason[start..last])
+        })
+}
+
+/// Whether `quoted` is one of `payload`'s values (see [`quotes_payload`]).
+fn payload_holds(payload: &serde_json::Value, quoted: &str) -> bool {
+    use serde_json::Value;
     let quoted_number = decimal(quoted.trim());
     let quoted_json = serde_json::from_str::<Value>(quoted).ok();
     fn holds(v: &Value, f: &mut dyn FnMut(&Value) -> bool) -> bool {
@@ -821,5 +844,38 @@ mod tests {
         assert!(quotes_payload(&range("0"), &n("-0.0")));
         assert!(quotes_payload(&range("-12"), &n("-1.2e1")));
         assert!(!quotes_payload(&range("12"), &n("-12")));
+    }
+
+    #[test]
+    fn a_translated_message_s_quoted_value_is_read_as_the_english_one() {
+        // The messages as PostgreSQL 15's German, Spanish and French catalogues word them.
+        let p = json!({"order_id": "abc", "n": 9000000000u64, "note": " 12x "});
+        let own = [
+            "ungültige Eingabesyntax für Typ bigint: »abc« (22P02)",
+            "la sintaxis de entrada no es válida para tipo bigint: «abc» (22P02)",
+            "syntaxe en entrée invalide pour le type bigint : « abc » (22P02)",
+            "Wert »9000000000« ist außerhalb des gültigen Bereichs für Typ integer (22003)",
+            "el valor «9000000000» está fuera de rango para el tipo integer (22003)",
+            "la valeur « 9000000000 » est en dehors des limites pour le type integer (22003)",
+            "syntaxe en entrée invalide pour le type bigint : «  12x  » (22P02)",
+            "ungültige Eingabesyntax für Typ bigint: » 12x « (22P02)",
+        ];
+        for reason in own {
+            assert!(quotes_payload(reason, &p), "{reason}");
+        }
+        let not_own = [
+            "ungültiger Eingabewert für Enum reason: »timeout« (22P02)",
+            "la sintaxis de entrada no es válida para el enum reason: «timeout» (22P02)",
+            "valeur en entrée invalide pour le enum reason : « timeout » (22P02)",
+            "valeur en entrée invalide pour le enum reason : « ab » (22P02)",
+        ];
+        for reason in not_own {
+            assert!(!quotes_payload(reason, &p), "{reason}");
+        }
+        // Quoting nothing, in any language: nothing against the job.
+        assert!(quotes_payload(
+            "Integer außerhalb des gültigen Bereichs (22003)",
+            &p
+        ));
     }
 }

@@ -1331,7 +1331,35 @@ fn a_constraint_that_casts_refusing_every_job_dead_letters_none() {
 /// letter at its second look, health green).
 #[test]
 fn a_constraint_that_casts_met_by_a_lone_job_holds_it() {
+    lone_job_meets_a_casting_constraint(None, "\"timeout\"");
+}
+
+/// The same on a server whose messages are German, then French (`lc_messages`): the
+/// value is quoted `»timeout«` or `« timeout »`, not between double quotes, and is read
+/// all the same (before: a message with no double quote was taken for one quoting no
+/// value, and the lone job was a dead letter at its second look, health green).
+#[test]
+fn a_constraint_that_casts_met_by_a_lone_job_holds_it_in_german_and_french() {
+    lone_job_meets_a_casting_constraint(Some("de_DE.UTF-8"), "»timeout«");
+    lone_job_meets_a_casting_constraint(Some("fr_FR.UTF-8"), "« timeout »");
+}
+
+/// One job alone meets [`add_casting_constraint`], its database's sessions speaking
+/// `lc_messages` (the server's own when `None`), whose error quotes the value as
+/// `quoted`: held, red, never a dead letter, and cancelled once when the constraint goes.
+fn lone_job_meets_a_casting_constraint(lc_messages: Option<&str>, quoted: &str) {
     let env = Env::new();
+    if let Some(lc) = lc_messages {
+        env.db
+            .client()
+            .batch_execute(&format!(
+                "ALTER DATABASE {} SET lc_messages = '{lc}'",
+                env.db.name
+            ))
+            .unwrap_or_else(|e| {
+                panic!("{lc}: {e:?} (scripts/services.sh start --fast makes the locale before it starts PostgreSQL)")
+            });
+    }
     let orders = seed_orders(&env.db, 1);
     let (w, port) = start_with_health(&env, &[]);
     wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
@@ -1343,7 +1371,7 @@ fn a_constraint_that_casts_met_by_a_lone_job_holds_it() {
         || {
             let (code, body) = healthz(port);
             books(&env).dead > 0
-                || code == 503 && body.contains("are held: they fail") && body.contains("timeout")
+                || code == 503 && body.contains("are held: they fail") && body.contains(quoted)
         },
     );
     // Its second look (2 s) is past, and a first hold's return (5 s) too.
