@@ -194,6 +194,20 @@ fn never_pushed_scheduled_moved_and_in_flight_with_the_json_shape_and_exit_codes
         .unwrap();
     assert_eq!(j["entry"].as_str(), Some(entries[0].0.as_str()));
     assert!(j["moved_ms"].as_i64().unwrap() >= now - 1_000);
+    // Too late to cancel: said so, with the entry (before: "no scheduled job" alone, as
+    // for a key never pushed).
+    let out = run_worker(
+        &["cancel", "--key", "order.timeout:SO2"],
+        &env.redis.url(),
+        &env.db.url,
+    );
+    let said = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{said}");
+    assert!(
+        said.contains("it fell due and was moved to mq:events as entry")
+            && said.contains(&entries[0].0),
+        "{said}"
+    );
 
     // In flight: read by a consumer, not acknowledged.
     let _: redis::Value = redis::cmd("XREADGROUP")

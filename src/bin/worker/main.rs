@@ -251,13 +251,29 @@ fn check_job(config: &Config, event: &str, payload: &serde_json::Value) -> anyho
     Ok(())
 }
 
+/// Removes a scheduled job (one waiting for a retry or held is scheduled too). One that
+/// has fallen due and been moved is not, and still runs: that is said, with its entry (a
+/// handler finds an order paid meanwhile and leaves it).
 fn cancel(config: &Config, key: &str) -> anyhow::Result<ExitCode> {
     let mut con = redis(config)?;
-    if producer::cancel(&mut con, &config.keys_for(key.as_bytes()), key)? {
+    let keys = config.keys_for(key.as_bytes());
+    if producer::cancel(&mut con, &keys, key)? {
         println!("cancelled {key}");
-        Ok(ExitCode::SUCCESS)
-    } else {
-        println!("no scheduled job {key}");
-        Ok(ExitCode::FAILURE)
+        return Ok(ExitCode::SUCCESS);
     }
+    let moved: Option<String> = redis::cmd("HGET")
+        .arg(&keys.moved)
+        .arg(key)
+        .query(&mut con)
+        .ok()
+        .flatten();
+    match moved {
+        Some(entry) => println!(
+            "no scheduled job {key}: it fell due and was moved to {} as entry {entry}, so it \
+             runs now or soon (`worker trace {key}` says where it is)",
+            keys.stream
+        ),
+        None => println!("no scheduled job {key}"),
+    }
+    Ok(ExitCode::FAILURE)
 }
