@@ -452,11 +452,11 @@ impl Contention {
         self.waiting.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// How long jobs have waited while none of their event went through (`through_ms`,
-    /// [`Metrics::through_ms`]), when that is [`CONTENTION_STALL`] or more: the event's
-    /// queue stands still.
-    pub fn standing_still(&self, through_ms: i64, now_ms: i64) -> Option<Duration> {
-        let idle = now_ms - through_ms.max(self.began_ms.load(Relaxed));
+    /// How long jobs have waited while none of their event changed anything (`applied_ms`,
+    /// [`Metrics::applied_ms`]; a paid order's no-op does not count), when that is
+    /// [`CONTENTION_STALL`] or more: the event's queue stands still.
+    pub fn standing_still(&self, applied_ms: i64, now_ms: i64) -> Option<Duration> {
+        let idle = now_ms - applied_ms.max(self.began_ms.load(Relaxed));
         (idle >= CONTENTION_STALL.as_millis() as i64).then(|| Duration::from_millis(idle as u64))
     }
 
@@ -838,11 +838,6 @@ impl Metrics {
             return true;
         }
         once_every(&slot.probed_ms, HELD_PROBE_EVERY, now_ms)
-    }
-
-    /// When a job of `event` last went through (the process's start before the first).
-    pub fn through_ms(&self, event: &str) -> i64 {
-        self.slot(event).through_ms.load(Relaxed)
     }
 
     /// When a job of `event` last changed something (0: none yet).

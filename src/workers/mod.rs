@@ -649,6 +649,7 @@ impl<'a> Worker<'a> {
                     reason: "its job is running in another session".into(),
                     wait: None,
                     own_data: false,
+                    cancelled: false,
                 };
                 Some(self.contended(d, env, key, first_due, &f))
             }
@@ -763,7 +764,8 @@ impl<'a> Worker<'a> {
         let stats = self.ctx.stats;
         stats.jobs.went_through(event, applied, crate::now_ms());
         stats.jobs.refusal_decided(event, key);
-        if stats.contention.standstill.load(Ordering::Relaxed)
+        if applied
+            && stats.contention.standstill.load(Ordering::Relaxed)
             && stats.contention.standstill.swap(false, Ordering::Relaxed)
         {
             stats.ease(CONTENTION);
@@ -1162,11 +1164,13 @@ impl<'a> Worker<'a> {
             // Logged when the longest waiter or its reason changes, else every 30 s: the
             // count and the time change at every retry.
             let gist = format!("{} {}: {}", w.event, w.key, w.reason);
-            let through = stats.jobs.through_ms(&env.event);
-            match stats.contention.standing_still(through, crate::now_ms()) {
+            // Measured from the last job of the event that changed something: a rule that
+            // stops every cancellation while paid orders' no-ops pass is a standstill too.
+            let applied = stats.jobs.applied_ms(&env.event);
+            match stats.contention.standing_still(applied, crate::now_ms()) {
                 Some(idle) => {
                     let what = format!(
-                        "no job of {} has gone through for {}: {what}",
+                        "no job of {} has changed anything for {}: {what}",
                         env.event,
                         crate::human_ms(idle.as_millis() as i64)
                     );

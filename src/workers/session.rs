@@ -41,6 +41,10 @@ pub struct Failure {
     /// statement, not inside a function or a trigger: the job's data, whatever the shop
     /// does (see [`db::own_data`]).
     pub own_data: bool,
+    /// The statement was cancelled (57014): it ran out `--statement-timeout`, or an
+    /// operator cancelled it. A set that was is not split: each half would spend the
+    /// whole timeout again.
+    pub cancelled: bool,
 }
 
 impl From<postgres::Error> for Failure {
@@ -50,6 +54,7 @@ impl From<postgres::Error> for Failure {
             reason: db::error_text(&e),
             wait: crate::blocker::lock_wait(&e),
             own_data: db::own_data(&e),
+            cancelled: e.code() == Some(&postgres::error::SqlState::QUERY_CANCELED),
         }
     }
 }
@@ -443,6 +448,22 @@ impl Session {
                 .iter()
                 .map(|(k, _)| (*k, JobResult::Failed(f.clone())))
                 .collect(),
+            // A set that ran out the statement timeout (a slow trigger, a shop function
+            // waiting on something that is not a row lock): its halves would each spend
+            // it again, 2n - 1 timeouts before any job is settled. Every job of it waits
+            // for its retry instead, and the event's next sets are smaller.
+            Some(f) if f.fault == Fault::Contention && f.cancelled => {
+                manners.contended(event);
+                log::debug!(
+                    "a set of {} {} jobs ran out of time, so they retry: {}",
+                    set.len(),
+                    jobs[0].env.event,
+                    f.reason
+                );
+                set.iter()
+                    .map(|(k, _)| (*k, JobResult::Failed(f.clone())))
+                    .collect()
+            }
             Some(f) if f.fault == Fault::Contention => {
                 manners.contended(event);
                 log::debug!(
@@ -559,6 +580,7 @@ impl Session {
                     reason: db::error_text(&e),
                     wait: None,
                     own_data: false,
+                    cancelled: false,
                 }));
             }
         }

@@ -891,14 +891,95 @@ fn a_table_lock_that_stops_every_job_turns_health_red_until_jobs_go_through() {
     push_timeouts(&env, &orders, 0);
     wait_until(WAIT, "/healthz red naming the standstill", || {
         let (code, body) = healthz(port);
-        code == 503 && body.contains("no job of order.timeout has gone through")
+        code == 503 && body.contains("no job of order.timeout has changed anything")
     });
-    wait_check_critical(&env, "no job of order.timeout has gone through");
+    wait_check_critical(&env, "no job of order.timeout has changed anything");
     assert_eq!(inbox_count(&env.db), 0, "nothing ran under the lock");
     assert_eq!(books(&env).dead, 0, "none dead-lettered for a lock");
     release.send(()).unwrap();
     h.join().unwrap();
     every_job_once_and_green(&env, w, port, &orders);
+}
+
+/// A shop trigger that makes every update of an order outlast `--statement-timeout`
+/// (57014, contention by its SQLSTATE), held past `CONTENTION_STALL`, while paid orders'
+/// jobs keep falling due one a second (they change nothing, update no order and so
+/// commit): no job of the event changes anything, so `/healthz` turns red and `stats
+/// --check` CRITICAL, naming the standstill, and stays red; none dead-lettered; once the
+/// trigger goes every unpaid order is cancelled once. Found from outside: 50 s without a
+/// cancellation, `/healthz` 200 and the check a WARNING throughout, since a set that ran
+/// out of time was split in halves that each ran it out again (63 timeouts for a set of
+/// 32, no job settled for a minute), and since the paid orders' no-ops counted as jobs
+/// going through.
+#[test]
+fn a_trigger_slower_than_the_statement_timeout_turns_health_red_when_nothing_changes() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 90);
+    let paid: Vec<usize> = (30..orders.len()).collect();
+    let paid_orders: Vec<SeedOrder> = paid.iter().map(|&i| orders[i].clone()).collect();
+    pay(&env.db, &paid_orders);
+    // Retries 5 s apart at most, so the jobs run soon after the trigger goes.
+    let (w, port) = start_with_health(&env, &["--statement-timeout", "1s", "--retry-cap", "5s"]);
+    wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
+    env.db
+        .client()
+        .batch_execute(
+            "CREATE FUNCTION slow_order() RETURNS trigger LANGUAGE plpgsql AS \
+             $$ BEGIN PERFORM pg_sleep(2); RETURN NEW; END $$; \
+             CREATE TRIGGER slow_order BEFORE UPDATE ON orders \
+             FOR EACH ROW EXECUTE FUNCTION slow_order()",
+        )
+        .unwrap();
+    push_timeouts(&env, &orders[..30], 0);
+    // A paid order's job falls due every second, red or not, until they run out.
+    let mut pushed = 0;
+    let mut tick = || {
+        if let Some(o) = paid_orders.get(pushed) {
+            push_timeouts(&env, std::slice::from_ref(o), 0);
+            pushed += 1;
+        }
+        std::thread::sleep(Duration::from_secs(1));
+    };
+    let standstill = "no job of order.timeout has changed anything for";
+    let red = |port: u16| {
+        let (code, body) = healthz(port);
+        code == 503 && body.contains(standstill)
+    };
+    let began = Instant::now();
+    while !red(port) {
+        assert!(
+            began.elapsed() < WAIT,
+            "no standstill reported within {WAIT:?}: {:?}",
+            healthz(port)
+        );
+        tick();
+    }
+    assert!(
+        inbox_count(&env.db) > 0,
+        "the paid orders' no-ops went through meanwhile"
+    );
+    for _ in 0..3 {
+        assert!(red(port), "red while the trigger stops every cancellation");
+        tick();
+    }
+    wait_check_critical(&env, standstill);
+    let cancelled: i64 = env
+        .db
+        .probe(|c| {
+            c.query_one(
+                "SELECT count(*) FROM orders WHERE status = 'cancelled'",
+                &[],
+            )
+        })
+        .get(0);
+    assert_eq!(cancelled, 0, "no order cancelled past the trigger");
+    assert_eq!(books(&env).dead, 0, "none dead-lettered for a slow trigger");
+    env.db
+        .client()
+        .batch_execute("DROP TRIGGER slow_order ON orders")
+        .unwrap();
+    push_timeouts(&env, &paid_orders[pushed..], 0);
+    every_job_once_and_green_paid(&env, w, port, &orders, &paid);
 }
 
 /// A shop trigger that refuses every update of an order (P0001, "maintenance").
