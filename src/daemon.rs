@@ -270,7 +270,7 @@ fn preflight(config: &Config) -> Result<Ready, DaemonError> {
             statement: config.jobs.statement_timeout,
             lock: config.jobs.lock_timeout,
         },
-        std::time::Duration::from_secs(5),
+        db::CHECKOUT,
         config.jobs.group_commit,
     )?;
     // Prepares every handler once now, so that a handler that does not prepare (a table

@@ -27,6 +27,12 @@ pub const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(5);
 /// The TCP connect alone (per address tried), within [`HANDSHAKE_DEADLINE`].
 const TCP_CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 
+/// The longest a worker's checkout waits for a connection. r2d2 tries a connection that
+/// failed again after 0.2, 0.4, ... s, at most half this apart, whether or not anyone
+/// waits: so through an outage a missing connection is tried every 0.5 s, and jobs flow
+/// within about that once a standby is promoted (at 5 s, every 2.5 s: up to 2.5 s late).
+pub const CHECKOUT: Duration = Duration::from_secs(1);
+
 /// Connection attempts given up on that still wait for their server; past this many, a
 /// new attempt fails at once instead of adding one more waiting thread.
 const MAX_WAITING_ATTEMPTS: usize = 4;

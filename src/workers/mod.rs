@@ -77,10 +77,11 @@ pub const ACK_HOLD: Duration = Duration::from_millis(100);
 /// How often outcomes held back by a key of the wrong type are tried again.
 pub const HELD_RETRY: Duration = Duration::from_secs(1);
 
-/// The longest a worker waits between two tries for a PostgreSQL session: a failover
-/// promotes a standby within seconds, and a worker should be there when it does (each try
-/// is one connection attempt, cheap for the server).
-pub const DB_BACKOFF_CAP: Duration = Duration::from_secs(2);
+/// The longest a worker rests between two checkouts for a PostgreSQL session. Each
+/// checkout already waits up to [`db::CHECKOUT`] while the pool tries to connect in the
+/// background, so a longer rest would only leave a connection made meanwhile (a standby
+/// just promoted) idle in the pool.
+pub const DB_BACKOFF_CAP: Duration = Duration::from_millis(250);
 
 /// How long a job held by a schema fault waits in the pool before it is tried again.
 pub const SCHEMA_HOLD: Duration = Duration::from_secs(5);
