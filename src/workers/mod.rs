@@ -1206,8 +1206,26 @@ impl<'a> Worker<'a> {
     }
 
     /// Runs the jobs, waiting (with backoff) for a database session. `None` when shutdown
-    /// came while the database was unreachable.
+    /// came while the database was unreachable. Under a `--max-rate`, a share of them at a
+    /// time ([`Manners::share`]), each paced.
+    ///
+    /// [`Manners::share`]: crate::manners::Manners::share
     fn run_in_database(&mut self, jobs: &[Job<'_>]) -> Option<Vec<JobResult>> {
+        let share = self
+            .ctx
+            .manners
+            .share(jobs.iter().map(|j| j.env.event.as_str()))
+            .unwrap_or(jobs.len())
+            .max(1);
+        let mut results = Vec::with_capacity(jobs.len());
+        for part in jobs.chunks(share) {
+            results.extend(self.run_paced(part)?);
+        }
+        Some(results)
+    }
+
+    /// [`Worker::run_in_database`] for jobs paced at once.
+    fn run_paced(&mut self, jobs: &[Job<'_>]) -> Option<Vec<JobResult>> {
         self.ctx
             .manners
             .pace(jobs.iter().map(|j| j.env.event.as_str()), self.ctx.shutdown);
