@@ -122,6 +122,19 @@ fn a_server_turned_read_only_holds_every_job_and_health_is_red_until_it_takes_wr
     }
     assert_eq!(books(&env).dead, 0, "no dead letter for a read-only server");
     assert_eq!(inbox_count(&env.db), 100);
+    // A worker started now, with the one host: one line and exit 1 (its unit starts it
+    // again), not a worker at work on a read-only server.
+    let mut second = env.config.clone();
+    second.consumer = "second".into();
+    let mut late = Proc::start(&second, &[]);
+    assert_eq!(late.wait(WAIT).code(), Some(1), "{}", late.log());
+    assert!(
+        late.log().contains(
+            "the server is read-only (a standby, or default_transaction_read_only is on)"
+        ),
+        "{}",
+        late.log()
+    );
     assert_eq!(
         metric(
             port,
