@@ -662,7 +662,7 @@ pub fn quotes_payload(reason: &str, payload: &serde_json::Value) -> bool {
     let unspaced = quoted
         .strip_prefix(' ')
         .and_then(|q| q.strip_suffix(' '))
-        .filter(|_| reason.contains('«'));
+        .filter(|_| reason.contains("« ") && reason.contains(" »"));
     std::iter::once(quoted)
         .chain(unspaced)
         .any(|q| payload_holds(payload, q))
