@@ -651,6 +651,7 @@ impl<'a> Worker<'a> {
                     wait: None,
                     own_data: false,
                     cancelled: false,
+                    shared: false,
                 };
                 Some(self.contended(d, env, key, first_due, &f))
             }
@@ -1130,7 +1131,17 @@ impl<'a> Worker<'a> {
         let now = stats.clock.now_ms();
         let since = first_due.unwrap_or(now);
         let waited = Duration::from_millis((now - since).max(0) as u64);
-        if env.retry >= jobs.max_retries && waited >= jobs.retry_for {
+        // A whole set's failure (it ran out of time) says nothing of which of its jobs was
+        // slow: none is charged a retry for it. Each comes back after the backoff of the
+        // retries it has, into the event's smaller sets, where a slow job ends up alone
+        // and is charged.
+        let delay = contention_delay(jobs, env.retry);
+        let retry = if f.shared {
+            env.retry
+        } else {
+            env.retry.saturating_add(1)
+        };
+        if !f.shared && env.retry >= jobs.max_retries && waited >= jobs.retry_for {
             self.no_longer_waits(key);
             let reason = format!(
                 "transient failure after {} retries, {} after its due time (contention: --retry-for {}): {}",
@@ -1141,11 +1152,10 @@ impl<'a> Worker<'a> {
             );
             return self.dead(d, reason, env.event.clone(), env.retry as u64 + 1);
         }
-        let delay = contention_delay(jobs, env.retry);
         log::debug!(
             "job {key} {} will retry ({}) in {}: {}",
             env.event,
-            env.retry + 1,
+            retry,
             crate::human_ms(delay.as_millis() as i64),
             f.reason
         );
@@ -1191,13 +1201,7 @@ impl<'a> Worker<'a> {
             d,
             Outcome::Retry {
                 msg: env
-                    .requeued_after(
-                        env.retry.saturating_add(1),
-                        since,
-                        &f.reason,
-                        now,
-                        jobs.max_message_bytes,
-                    )
+                    .requeued_after(retry, since, &f.reason, now, jobs.max_message_bytes)
                     .into_bytes(),
                 due_ms,
             },

@@ -45,6 +45,9 @@ pub struct Failure {
     /// operator cancelled it. A set that was is not split: each half would spend the
     /// whole timeout again.
     pub cancelled: bool,
+    /// The failure was a whole set's, and which of its jobs caused it is not known (a set
+    /// that ran out of time): none of them is charged a retry for it.
+    pub shared: bool,
 }
 
 impl From<postgres::Error> for Failure {
@@ -55,6 +58,7 @@ impl From<postgres::Error> for Failure {
             wait: crate::blocker::lock_wait(&e),
             own_data: db::own_data(&e),
             cancelled: e.code() == Some(&postgres::error::SqlState::QUERY_CANCELED),
+            shared: false,
         }
     }
 }
@@ -450,16 +454,18 @@ impl Session {
                 .collect(),
             // A set that ran out the statement timeout (a slow trigger, a shop function
             // waiting on something that is not a row lock): its halves would each spend
-            // it again, 2n - 1 timeouts before any job is settled. Every job of it waits
-            // for its retry instead, and the event's next sets are smaller.
+            // it again, 2n - 1 timeouts before any job is settled. Every job of it goes
+            // back, charged nothing (which one was slow is not known), and the event's
+            // next sets are smaller, down to single jobs, where a slow one is charged.
             Some(f) if f.fault == Fault::Contention && f.cancelled => {
                 manners.contended(event);
                 log::debug!(
-                    "a set of {} {} jobs ran out of time, so they retry: {}",
+                    "a set of {} {} jobs ran out of time, so they go back: {}",
                     set.len(),
                     jobs[0].env.event,
                     f.reason
                 );
+                let f = Failure { shared: true, ..f };
                 set.iter()
                     .map(|(k, _)| (*k, JobResult::Failed(f.clone())))
                     .collect()
@@ -581,6 +587,7 @@ impl Session {
                     wait: None,
                     own_data: false,
                     cancelled: false,
+                    shared: false,
                 }));
             }
         }
