@@ -423,10 +423,12 @@ impl<'a> Worker<'a> {
             }
             // A full channel's reader waits for this; a token already there is enough.
             let _ = space.try_send(());
-            let draining = self.ctx.shutdown.is_set();
             let taken = batch.len() as u64;
             let before = outcomes.len();
             self.handle_batch_sharing(batch, &mut outcomes, Some(rx));
+            // Asked after the batch: one held for its `--max-rate` slots when the stop
+            // came ran in the drain (uncapped), and counts there.
+            let draining = self.ctx.shutdown.is_set();
             if outcomes.len() - before < taken as usize && draining {
                 log::info!("{}: jobs left pending for the next start", self.name);
             }
