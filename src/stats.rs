@@ -408,9 +408,10 @@ const CONTENTION_KEEP: usize = 10_000;
 /// process ran the job (and counts it itself if it met the lock again).
 pub const CONTENTION_FORGET: Duration = Duration::from_secs(15);
 
-/// Jobs that wait on other transactions' locks while no job of this process has gone
-/// through for this long have stopped the queue (a `LOCK TABLE`, a long migration, an
-/// idle transaction holding the rows every job needs): the warning becomes critical.
+/// Jobs that wait on contention (other transactions' locks, statement timeouts) while no
+/// job of their event has changed anything for this long have stopped the queue (a `LOCK
+/// TABLE`, a long migration, an idle transaction holding the rows every job needs, a
+/// trigger slower than the timeout): the warning becomes critical.
 pub const CONTENTION_STALL: Duration = Duration::from_secs(30);
 
 /// The role jobs waiting on contention are reported under (a warning; critical while the

@@ -144,7 +144,7 @@ pub fn overview(v: &Overview) -> Markup {
         }
         @if let (n, Some(w)) = &v.contention {
             p.box data-k="contention" {
-                (n) " job(s) wait on other transactions' locks (the shop's); the longest, "
+                (n) " job(s) wait on contention (the shop's locks, statement timeouts); the longest, "
                 (w.event) " " code { (clip(&w.key, 200)) } ", for "
                 (crate::human_ms(v.now_ms - w.since_ms)) ": " (clip(&w.reason, 300))
             }

@@ -795,7 +795,7 @@ impl<'a> Worker<'a> {
         // A job another worker sends back meanwhile reports it again: that report stays.
         let since = crate::now_ms();
         if stats.contention.finished(key) && stats.clear_problem(CONTENTION, since) {
-            log::info!("{CONTENTION}: no job waits on other transactions' locks any more");
+            log::info!("{CONTENTION}: no job waits on contention any more");
         }
     }
 
@@ -1168,7 +1168,7 @@ impl<'a> Worker<'a> {
         let (waiting, longest) = stats.contention.summary(now);
         if let Some(w) = longest {
             let what = format!(
-                "{waiting} job(s) wait on other transactions' locks; the longest, {} {}, for {}: {}",
+                "{waiting} job(s) wait on contention (other transactions' locks, statement timeouts); the longest, {} {}, for {}: {}",
                 w.event,
                 w.key,
                 crate::human_ms(now - w.since_ms),

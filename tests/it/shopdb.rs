@@ -362,7 +362,10 @@ fn a_shop_lock_holds_its_order_and_the_orders_sharing_a_sku_then_they_are_cancel
     std::thread::sleep(Duration::from_secs(3));
     assert_eq!(books(&env).dead, 0, "a shop lock is no fault of the job");
     let (_, _, page) = http_get(port, "/").unwrap();
-    assert!(page.contains("wait on other transactions"), "{page}");
+    assert!(
+        page.contains("wait on contention (the shop's locks, statement timeouts)"),
+        "{page}"
+    );
     let (code, line) = check(&env);
     assert!(code == 1 && line.contains("contention"), "{code} {line}");
     release_order.send(()).unwrap();
