@@ -1143,7 +1143,13 @@ impl<'a> Worker<'a> {
         } else {
             env.retry.saturating_add(1)
         };
-        if !f.shared && env.retry >= jobs.max_retries && waited >= jobs.retry_for {
+        // A lock timeout that names no row waited on a lock of a whole table (`LOCK
+        // TABLE`, a migration's `ALTER TABLE`): every job of the table meets it, so it is
+        // the surroundings', waited out however long, never a dead letter (the standstill
+        // turns health red meanwhile). A row lock only this job meets, a deadlock, a
+        // statement timeout: retried for `--retry-for`, then dead-lettered as configured.
+        let table_wide = !f.cancelled && f.wait.as_ref().is_some_and(|w| w.row.is_none());
+        if !f.shared && !table_wide && env.retry >= jobs.max_retries && waited >= jobs.retry_for {
             self.no_longer_waits(key);
             let reason = format!(
                 "transient failure after {} retries, {} after its due time (contention: --retry-for {}): {}",

@@ -400,7 +400,8 @@ impl Session {
         // this connection now, on this failure path alone (rate-limited, `blocker.rs`).
         for r in results.iter_mut() {
             if let Some(JobResult::Failed(f)) = r {
-                if let Some(wait) = f.wait.take() {
+                // Kept: a wait that names no row is a whole table's (`workers.rs`).
+                if let Some(wait) = f.wait.clone() {
                     if let Some(holder) = self.looker.holder(&mut self.conn, &wait) {
                         f.reason = format!("{}: {holder}", f.reason);
                     }
