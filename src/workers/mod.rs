@@ -427,13 +427,12 @@ impl<'a> Worker<'a> {
             let before = outcomes.len();
             self.handle_batch_sharing(batch, &mut outcomes, Some(rx));
             // Asked after the batch: one held for its `--max-rate` slots when the stop
-            // came ran in the drain (uncapped), and counts there.
+            // came ran in the drain (uncapped). What the drain ran is counted where the
+            // jobs run (`run_paced`), so a batch whose first shares ran before the stop
+            // counts only the rest.
             let draining = self.ctx.shutdown.is_set();
             if outcomes.len() - before < taken as usize && draining {
                 log::info!("{}: jobs left pending for the next start", self.name);
-            }
-            if draining {
-                self.ctx.drained.fetch_add(taken, Ordering::Relaxed);
             }
             // A lost session's doubtful acks are settled at once, before jobs committed
             // on the next session join them; so is everything while draining.
@@ -1241,6 +1240,12 @@ impl<'a> Worker<'a> {
         self.ctx
             .manners
             .pace(jobs.iter().map(|j| j.env.event.as_str()), self.ctx.shutdown);
+        // Run after the stop was asked for: the drain's.
+        if self.ctx.shutdown.is_set() {
+            self.ctx
+                .drained
+                .fetch_add(jobs.len() as u64, Ordering::Relaxed);
+        }
         loop {
             let session = match self.session.as_mut() {
                 Some(s) => s,

@@ -654,9 +654,11 @@ fn a_stop_during_a_capped_drain_counts_every_job_it_drained() {
         "{} jobs ran during the stop",
         after - before
     );
-    // A share (one job under 20/s) may commit between the count and the stop.
+    // A share (one job under 20/s) may commit between the count and the stop; the jobs
+    // that ran before the stop are not the drain's (found from outside once more: the
+    // count took in a batch's shares that ran before the stop).
     assert!(
-        report.drained as i64 + 4 >= after - before,
+        (report.drained as i64 - (after - before)).abs() <= 4,
         "the report says {} drained, {} ran after the stop was asked for",
         report.drained,
         after - before
