@@ -919,6 +919,20 @@ fn a_table_lock_that_stops_every_job_turns_health_red_until_jobs_go_through() {
     every_job_once_and_green(&env, w, port, &orders);
 }
 
+/// A shop trigger that sleeps 2 s in each update of an order for which `when` (SQL over
+/// `NEW`) holds: past a `--statement-timeout` of 1 s. Dropped with `DROP TRIGGER
+/// slow_order ON orders`.
+fn slow_order_updates(db: &TestDb, when: &str) {
+    db.client()
+        .batch_execute(&format!(
+            "CREATE FUNCTION slow_order() RETURNS trigger LANGUAGE plpgsql AS \
+             $$ BEGIN IF {when} THEN PERFORM pg_sleep(2); END IF; RETURN NEW; END $$; \
+             CREATE TRIGGER slow_order BEFORE UPDATE ON orders \
+             FOR EACH ROW EXECUTE FUNCTION slow_order()"
+        ))
+        .unwrap();
+}
+
 /// A shop trigger that makes every update of an order outlast `--statement-timeout`
 /// (57014, contention by its SQLSTATE), held past `CONTENTION_STALL`, while paid orders'
 /// jobs keep falling due one a second (they change nothing, update no order and so
@@ -939,15 +953,7 @@ fn a_trigger_slower_than_the_statement_timeout_turns_health_red_when_nothing_cha
     // Retries 5 s apart at most, so the jobs run soon after the trigger goes.
     let (w, port) = start_with_health(&env, &["--statement-timeout", "1s", "--retry-cap", "5s"]);
     wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
-    env.db
-        .client()
-        .batch_execute(
-            "CREATE FUNCTION slow_order() RETURNS trigger LANGUAGE plpgsql AS \
-             $$ BEGIN PERFORM pg_sleep(2); RETURN NEW; END $$; \
-             CREATE TRIGGER slow_order BEFORE UPDATE ON orders \
-             FOR EACH ROW EXECUTE FUNCTION slow_order()",
-        )
-        .unwrap();
+    slow_order_updates(&env.db, "true");
     push_timeouts(&env, &orders[..30], 0);
     // A paid order's job falls due every second, red or not, until they run out.
     let mut pushed = 0;
@@ -1258,15 +1264,19 @@ fn a_job_whose_data_the_handler_cannot_take_is_a_dead_letter_alone() {
     let (w, port) = start_with_health(&env, &[]);
     wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
     push_timeouts(&env, &orders[1..], 0);
-    let mut codes = Vec::new();
-    wait_until(WAIT, "a dead letter", || {
-        codes.push(healthz(port).0);
-        books(&env).dead == 1
-    });
-    assert!(
-        codes.iter().all(|&c| c == 200),
-        "health red for a bad job: {codes:?}"
-    );
+    // The `n`th dead letter comes, with health green at every look meanwhile.
+    let dead_letter_with_health_green = |n: usize, what: &str| {
+        let mut codes = Vec::new();
+        wait_until(WAIT, what, || {
+            codes.push(healthz(port).0);
+            books(&env).dead == n
+        });
+        assert!(
+            codes.iter().all(|&c| c == 200),
+            "health red for a bad job: {codes:?}"
+        );
+    };
+    dead_letter_with_health_green(1, "a dead letter");
     let dead = dead_letters(&env);
     assert!(dead[0]["reason"].contains("22003"), "{dead:?}");
     env.db
@@ -1284,14 +1294,7 @@ fn a_job_whose_data_the_handler_cannot_take_is_a_dead_letter_alone() {
         "order.timeout:huge",
         serde_json::json!({ "order_id": id }),
     );
-    wait_until(WAIT, "the huge id a dead letter", || {
-        codes.push(healthz(port).0);
-        books(&env).dead == 2
-    });
-    assert!(
-        codes.iter().all(|&c| c == 200),
-        "health red for a bad job: {codes:?}"
-    );
+    dead_letter_with_health_green(2, "the huge id a dead letter");
     let dead = dead_letters(&env);
     assert!(
         dead.iter()
@@ -1721,16 +1724,7 @@ fn jobs_sharing_a_set_with_a_slow_order_are_not_charged_for_it() {
     );
     wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
     let slow_ids: Vec<String> = slow.iter().map(|&i| orders[i].id.to_string()).collect();
-    env.db
-        .client()
-        .batch_execute(&format!(
-            "CREATE FUNCTION slow_order() RETURNS trigger LANGUAGE plpgsql AS \
-             $$ BEGIN IF NEW.id IN ({}) THEN PERFORM pg_sleep(2); END IF; RETURN NEW; END $$; \
-             CREATE TRIGGER slow_order BEFORE UPDATE ON orders \
-             FOR EACH ROW EXECUTE FUNCTION slow_order()",
-            slow_ids.join(",")
-        ))
-        .unwrap();
+    slow_order_updates(&env.db, &format!("NEW.id IN ({})", slow_ids.join(",")));
     push_timeouts(&env, &orders, 0);
     let others = orders.len() - slow.len();
     let done_others = || -> i64 {
