@@ -36,8 +36,8 @@ use crate::source::{self, list::ListReader, stream::Reader, stream::Shards, Door
 use crate::stats::{Snapshot, Stats};
 use crate::store;
 use crate::workers::session::{Session, SessionError};
-use crate::workers::{PoolContext, Worker};
-use std::sync::atomic::{AtomicU64, Ordering};
+use crate::workers::{Drain, PoolContext, Worker};
+use std::sync::atomic::Ordering;
 use std::thread::{Scope, ScopedJoinHandle};
 use std::time::{Duration, Instant};
 
@@ -75,6 +75,9 @@ pub struct Report {
     pub stats: Snapshot,
     /// Jobs finished after shutdown was requested.
     pub drained: u64,
+    /// Jobs the workers held when the stop came and left pending for the next start (a
+    /// `--max-rate` had not let them run yet, or the database was unreachable).
+    pub left: u64,
 }
 
 /// The built-in handlers plus those of `--handlers-dir`.
@@ -198,8 +201,12 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<Report, DaemonError> 
             let _ = store::forget_heartbeat(&mut con, keys, &config.consumer);
         }
     }
+    let left = match report.left {
+        0 => String::new(),
+        n => format!(", left {n} pending for the next start"),
+    };
     log::info!(
-        "stopped after {}: drained {} jobs; {}",
+        "stopped after {}: drained {} jobs{left}; {}",
         crate::human_ms(started.elapsed().as_millis() as i64),
         report.drained,
         report.stats
@@ -324,7 +331,8 @@ fn spawn_and_supervise(
     });
     let report = Report {
         stats: crew.stats.snapshot(),
-        drained: crew.drained.load(Ordering::Relaxed),
+        drained: crew.drain.ran.load(Ordering::Relaxed),
+        left: crew.drain.left.load(Ordering::Relaxed),
     };
     Ok((report, panicked))
 }
@@ -336,8 +344,8 @@ struct Crew<'a> {
     ready: &'a Ready,
     stats: Stats,
     doorbell: Doorbell,
-    /// Jobs finished after shutdown was requested.
-    drained: AtomicU64,
+    /// What the stop did with the jobs the workers held.
+    drain: Drain,
     manners: Manners,
     /// The watch's own connections ask for read-write as the pool's do (`db::Target`).
     pool_target: db::Target,
@@ -366,7 +374,7 @@ impl<'a> Crew<'a> {
             ready,
             stats,
             doorbell: Doorbell::default(),
-            drained: AtomicU64::new(0),
+            drain: Drain::default(),
             manners: Manners::new(&config.jobs.max_rates, config.jobs.set_size),
             pool_target: db::Target::parse(&config.database_url)?,
             shard_mover: MoverConfig {
@@ -390,7 +398,7 @@ impl<'a> Crew<'a> {
             db: &self.ready.pool,
             redis: &self.ready.client,
             shutdown: self.shutdown,
-            drained: &self.drained,
+            drain: &self.drain,
         }
     }
 

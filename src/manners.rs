@@ -7,7 +7,9 @@
 //!   reader waits: back-pressure, nothing lost). A set of k jobs takes k slots, and a
 //!   worker paces a tenth of a second's share of the tightest cap at a time
 //!   ([`Manners::share`]), so no second holds much more than the cap. The sleep is woken
-//!   by shutdown, and the drain at shutdown is not capped.
+//!   by shutdown, and the cap holds through it: jobs whose slots are not yet due when the
+//!   stop comes are left pending, for this consumer's next start or a peer (a restart on
+//!   sale day once ran 392 held jobs within 0.18 s against a cap of 20 a second).
 //! - **Set sizes.** Each event's sets start at `--set-size`. A set that meets contention
 //!   (a row lock held past the lock timeout, a deadlock) halves its event's size, down to
 //!   single jobs; each set that commits cleanly grows it by one again. So under the shop's
@@ -188,11 +190,14 @@ impl Manners {
         Manners::new(&[], set_size)
     }
 
-    /// Waits until the caps let jobs of these events run (one slot each). Returns at
-    /// once without caps, and when shutdown is set (the drain is not capped).
-    pub fn pace<'e>(&self, events: impl Iterator<Item = &'e str>, shutdown: &Shutdown) {
+    /// Waits until the caps let jobs of these events run (one slot each): `true` when they
+    /// may run now, at once without caps. `false` when shutdown came before their slots
+    /// (set before or during the wait): they must not run, and stay pending for the next
+    /// start, so that a stop does not run the jobs a cap held back in one burst.
+    #[must_use]
+    pub fn pace<'e>(&self, events: impl Iterator<Item = &'e str>, shutdown: &Shutdown) -> bool {
         if self.all.is_none() && self.by_event.is_empty() {
-            return;
+            return true;
         }
         let mut counts: HashMap<&str, usize> = HashMap::new();
         let mut total = 0;
@@ -227,9 +232,7 @@ impl Manners {
             }
             until
         };
-        if until > now && !shutdown.is_set() {
-            shutdown.wait(until - now);
-        }
+        until <= now || !shutdown.wait(until - now)
     }
 
     /// How many of a worker's jobs of these events run between two paces: a tenth of a
@@ -320,6 +323,28 @@ mod tests {
         assert_eq!(m.share(["aftersale.timeout"].into_iter()), None);
         let all = Manners::new(&[MaxRate::parse("9000/s").unwrap()], 32);
         assert_eq!(all.share(["aftersale.timeout"].into_iter()), Some(900));
+    }
+
+    #[test]
+    fn a_stop_leaves_the_jobs_whose_slots_are_not_due_and_runs_those_that_are() {
+        let m = Manners::new(&[MaxRate::parse("10/s").unwrap()], 32);
+        let stop = Shutdown::new();
+        let one = || ["order.timeout"].into_iter();
+        // The burst's one slot is free now, the next is 100 ms on.
+        assert!(m.pace(one(), &stop));
+        let waited = Instant::now();
+        assert!(m.pace(one(), &stop), "run once its slot is due");
+        assert!(waited.elapsed() >= Duration::from_millis(50));
+        stop.trigger();
+        let asked = Instant::now();
+        assert!(!m.pace(one(), &stop), "its slot is not due: left");
+        assert!(
+            asked.elapsed() < Duration::from_millis(50),
+            "not waited for"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+        assert!(m.pace(one(), &stop), "a slot due now runs in the drain too");
+        assert!(Manners::unlimited(32).pace(one(), &stop), "no cap: runs");
     }
 
     #[test]

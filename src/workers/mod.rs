@@ -121,8 +121,17 @@ pub struct PoolContext<'a> {
     pub db: &'a db::Pool,
     pub redis: &'a crate::store::Redis,
     pub shutdown: &'a Shutdown,
-    /// Jobs finished after shutdown was requested (the drain), for the exit log.
-    pub drained: &'a AtomicU64,
+    /// What the stop did with the jobs the workers held, for the exit log.
+    pub drain: &'a Drain,
+}
+
+/// What a stop did with the jobs the workers held when it came: ran them (`ran`, after
+/// the stop was asked for), or left them pending for the next start (`left`: a
+/// `--max-rate` had not let them run yet, or the database was unreachable).
+#[derive(Debug, Default)]
+pub struct Drain {
+    pub ran: AtomicU64,
+    pub left: AtomicU64,
 }
 
 /// The role a schema fault of `event` is reported under.
@@ -423,17 +432,11 @@ impl<'a> Worker<'a> {
             }
             // A full channel's reader waits for this; a token already there is enough.
             let _ = space.try_send(());
-            let taken = batch.len() as u64;
-            let before = outcomes.len();
-            self.handle_batch_sharing(batch, &mut outcomes, Some(rx));
-            // Asked after the batch: one held for its `--max-rate` slots when the stop
-            // came ran in the drain (uncapped). What the drain ran is counted where the
-            // jobs run (`run_paced`), so a batch whose first shares ran before the stop
+            // What the drain ran and left is counted where the jobs run
+            // (`run_in_database`), so a batch whose first shares ran before the stop
             // counts only the rest.
+            self.handle_batch_sharing(batch, &mut outcomes, Some(rx));
             let draining = self.ctx.shutdown.is_set();
-            if outcomes.len() - before < taken as usize && draining {
-                log::info!("{}: jobs left pending for the next start", self.name);
-            }
             // A lost session's doubtful acks are settled at once, before jobs committed
             // on the next session join them; so is everything while draining.
             let now = Instant::now();
@@ -531,9 +534,15 @@ impl<'a> Worker<'a> {
         if jobs.is_empty() {
             return;
         }
-        let Some(results) = self.run_in_database(&jobs) else {
-            return;
-        };
+        let results = self.run_in_database(&jobs);
+        let left = jobs.len() - results.len();
+        if left > 0 {
+            self.ctx
+                .drain
+                .left
+                .fetch_add(left as u64, Ordering::Relaxed);
+        }
+        // Those without a result stay pending: the next start delivers them again.
         for (job, result) in jobs.into_iter().zip(results) {
             out.extend(self.finish(job, result));
         }
@@ -1216,12 +1225,14 @@ impl<'a> Worker<'a> {
         .with_event(&env.event)
     }
 
-    /// Runs the jobs, waiting (with backoff) for a database session. `None` when shutdown
-    /// came while the database was unreachable. Under a `--max-rate`, a share of them at a
-    /// time ([`Manners::share`]), each paced.
+    /// Runs the jobs, waiting (with backoff) for a database session, and returns their
+    /// results in order. Under a `--max-rate`, a share of them at a time
+    /// ([`Manners::share`]), each paced. Fewer results than jobs when shutdown came first:
+    /// while the database was unreachable, or before the cap let the rest run (the cap
+    /// holds through a stop). The jobs without one stay pending for the next start.
     ///
     /// [`Manners::share`]: crate::manners::Manners::share
-    fn run_in_database(&mut self, jobs: &[Job<'_>]) -> Option<Vec<JobResult>> {
+    fn run_in_database(&mut self, jobs: &[Job<'_>]) -> Vec<JobResult> {
         let share = self
             .ctx
             .manners
@@ -1230,20 +1241,26 @@ impl<'a> Worker<'a> {
             .max(1);
         let mut results = Vec::with_capacity(jobs.len());
         for part in jobs.chunks(share) {
-            results.extend(self.run_paced(part)?);
+            let events = part.iter().map(|j| j.env.event.as_str());
+            if !self.ctx.manners.pace(events, self.ctx.shutdown) {
+                break;
+            }
+            match self.run_paced(part) {
+                Some(r) => results.extend(r),
+                None => break,
+            }
         }
-        Some(results)
+        results
     }
 
-    /// [`Worker::run_in_database`] for jobs paced at once.
+    /// [`Worker::run_in_database`] for jobs paced at once, their slots due. `None` when
+    /// shutdown came while the database was unreachable.
     fn run_paced(&mut self, jobs: &[Job<'_>]) -> Option<Vec<JobResult>> {
-        self.ctx
-            .manners
-            .pace(jobs.iter().map(|j| j.env.event.as_str()), self.ctx.shutdown);
         // Run after the stop was asked for: the drain's.
         if self.ctx.shutdown.is_set() {
             self.ctx
-                .drained
+                .drain
+                .ran
                 .fetch_add(jobs.len() as u64, Ordering::Relaxed);
         }
         loop {

@@ -415,7 +415,7 @@ fn a_commit_whose_durability_was_in_doubt_is_looked_up_not_sent_round_again() {
     let client = redis::Client::open(env.redis.url()).unwrap();
     let stats = delay_worker::stats::Stats::default();
     let shutdown = delay_worker::Shutdown::new();
-    let drained = std::sync::atomic::AtomicU64::new(0);
+    let drain = delay_worker::workers::Drain::default();
     assert!(env.config.jobs.group_commit, "group commit is the default");
     let ctx = PoolContext {
         keys: k,
@@ -428,7 +428,7 @@ fn a_commit_whose_durability_was_in_doubt_is_looked_up_not_sent_round_again() {
         db: &db,
         redis: &client.clone().into(),
         shutdown: &shutdown,
-        drained: &drained,
+        drain: &drain,
     };
     let mut w = Worker::new(0, &ctx);
     let s = w.handle(d).expect("an outcome");

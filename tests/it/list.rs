@@ -228,6 +228,18 @@ fn a_restarted_consumer_pushes_its_own_leftovers_back() {
     assert_lists_empty(&env, &["c1"]);
 }
 
+/// A stop under `--max-rate` in list mode: the jobs held for their slots stay in the
+/// consumer's processing list, and the next start runs each once and empties it.
+#[test]
+fn a_capped_stop_leaves_the_held_jobs_in_the_processing_list() {
+    let mut env = list_env(&[("normal", None)]);
+    let processing = env.config.keys.queues[0].processing("c1");
+    crate::consumer::a_capped_stop_leaves_the_held_jobs_pending(&mut env, |env| {
+        llen(env, &processing)
+    });
+    assert_lists_empty(&env, &["c1"]);
+}
+
 #[test]
 fn raw_payment_messages_pay_orders_and_late_ones_go_to_review() {
     let env = list_env(&[("normal", None), ("payment_queue", Some("payment.paid"))]);
