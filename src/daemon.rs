@@ -541,11 +541,19 @@ impl<'a> Crew<'a> {
         let (config, shutdown, stats) = (self.config, self.shutdown, &self.stats);
         let mut notifier = Notifier::from_env();
         notifier.ready(stats, depth());
-        let (mut logged, mut trimmed, mut ticked) =
-            (Instant::now(), Instant::now(), Instant::now());
+        let (mut logged, mut trimmed, mut ticked, mut watched) = (
+            Instant::now(),
+            Instant::now(),
+            Instant::now(),
+            Instant::now(),
+        );
         let (mut reloads, mut reports) = (shutdown.reloads(), shutdown.reports());
         let tick = notifier.tick_interval(config.stats_interval);
-        while !shutdown.wait_or_request(tick.saturating_sub(ticked.elapsed())) {
+        let next = |ticked: Instant, watched: Instant| {
+            let tick = tick.saturating_sub(ticked.elapsed());
+            tick.min(WATCH_CONTENTION_EVERY.saturating_sub(watched.elapsed()))
+        };
+        while !shutdown.wait_or_request(next(ticked, watched)) {
             if shutdown.reloads() != reloads {
                 reloads = shutdown.reloads();
                 reload(config, &self.ready.handlers, &self.pool_target, stats);
@@ -553,6 +561,10 @@ impl<'a> Crew<'a> {
             if shutdown.reports() != reports {
                 reports = shutdown.reports();
                 report(config, stats, depth(), started);
+            }
+            if watched.elapsed() >= WATCH_CONTENTION_EVERY {
+                watched = Instant::now();
+                crate::workers::watch_contention(stats, crate::now_ms());
             }
             if ticked.elapsed() < tick {
                 continue;
@@ -574,6 +586,10 @@ impl<'a> Crew<'a> {
         log::info!("shutdown requested; draining the jobs already read");
     }
 }
+
+/// How often the supervisor looks at the jobs waiting on contention
+/// ([`crate::workers::watch_contention`]).
+const WATCH_CONTENTION_EVERY: Duration = Duration::from_secs(1);
 
 /// The roles that started; a role that could not start stops the daemon.
 fn started_or_stop<'s>(

@@ -461,11 +461,20 @@ impl Contention {
         (idle >= CONTENTION_STALL.as_millis() as i64).then(|| Duration::from_millis(idle as u64))
     }
 
-    /// A job went back to the pool after contention, its retry due at `due_ms`.
-    pub fn waiting(&self, key: &str, event: &str, since_ms: i64, reason: &str, due_ms: i64) {
+    /// A job went back to the pool after contention it met at `met_ms` (local ms), its
+    /// retry due at `due_ms`.
+    pub fn waiting(
+        &self,
+        key: &str,
+        event: &str,
+        since_ms: i64,
+        reason: &str,
+        due_ms: i64,
+        met_ms: i64,
+    ) {
         let mut w = self.lock();
         if w.is_empty() {
-            self.began_ms.store(crate::now_ms(), Relaxed);
+            self.began_ms.store(met_ms, Relaxed);
         }
         if w.len() >= CONTENTION_KEEP && !w.contains_key(key) {
             w.retain(|_, v| forgotten_after(v) > due_ms);
@@ -496,6 +505,20 @@ impl Contention {
         let was = w.remove(key).is_some();
         self.len.store(w.len() as u64, Relaxed);
         was && w.is_empty()
+    }
+
+    /// The events of the jobs waiting on contention as of `now_ms`, each once.
+    pub fn events(&self, now_ms: i64) -> Vec<String> {
+        if self.len.load(Relaxed) == 0 {
+            return Vec::new();
+        }
+        let mut w = self.lock();
+        w.retain(|_, v| forgotten_after(v) > now_ms);
+        self.len.store(w.len() as u64, Relaxed);
+        let mut events: Vec<String> = w.values().map(|v| v.event.clone()).collect();
+        events.sort_unstable();
+        events.dedup();
+        events
     }
 
     /// How many jobs wait on contention as of `now_ms`, and the one waiting longest.
@@ -1291,9 +1314,9 @@ mod tests {
         let s = Stats::default();
         let now = crate::now_ms();
         s.contention
-            .waiting("k1", "order.timeout", now, "lock timeout", now + 500);
+            .waiting("k1", "order.timeout", now, "lock timeout", now + 500, now);
         s.contention
-            .waiting("k2", "order.timeout", now, "lock timeout", now + 500);
+            .waiting("k2", "order.timeout", now, "lock timeout", now + 500, now);
         assert!(s.report_trouble_about(CONTENTION_ROLE, "2 job(s) wait".into(), "k1".into()));
         assert_eq!(s.problems(now).len(), 1);
         assert!(!s.contention.finished("k1"), "k2 still waits");
@@ -1309,8 +1332,14 @@ mod tests {
     fn a_trouble_whose_figures_change_is_logged_when_its_gist_does() {
         let s = Stats::default();
         let due = crate::now_ms() + 1_000;
-        s.contention
-            .waiting("k1", "order.timeout", due - 2_000, "lock timeout", due);
+        s.contention.waiting(
+            "k1",
+            "order.timeout",
+            due - 2_000,
+            "lock timeout",
+            due,
+            due - 2_000,
+        );
         let gist = || "order.timeout k1: lock timeout".to_string();
         let what = |n: u32, ms: u32| format!("{n} job(s) wait; the longest, k1, for {ms} ms");
         assert!(s.report_trouble_about("contention", what(1, 10), gist()));

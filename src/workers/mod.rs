@@ -183,6 +183,69 @@ pub fn contention_delay(jobs: &JobConfig, retry: u32) -> Duration {
     d.mul_f64(0.75 + fastrand::f64() * 0.5)
 }
 
+/// Tells the operator of the jobs waiting on contention as of `now` (a warning naming the
+/// one that waited longest), critical while a queue of `events` stands still (no job of it
+/// has changed anything for [`crate::stats::CONTENTION_STALL`]). Called at each retry
+/// on contention with its job's event, and every second by [`watch_contention`]. `now` is
+/// on the Redis clock (as the waiters' times), `local` the same moment on this host's.
+fn report_contention<'e>(
+    stats: &Stats,
+    events: impl IntoIterator<Item = &'e str>,
+    now: i64,
+    local: i64,
+) {
+    let (waiting, longest) = stats.contention.summary(now);
+    let Some(w) = longest else {
+        return;
+    };
+    let what = format!(
+        "{waiting} job(s) wait on contention (other transactions' locks, statement timeouts); the longest, {} {}, for {}: {}",
+        w.event,
+        w.key,
+        crate::human_ms(now - w.since_ms),
+        w.reason
+    );
+    // Logged when the longest waiter or its reason changes, else every 30 s: the count and
+    // the time change at every retry.
+    let gist = format!("{} {}: {}", w.event, w.key, w.reason);
+    // Measured from the last job of the event that changed something: a rule that stops
+    // every cancellation while paid orders' no-ops pass is a standstill too.
+    let still = events.into_iter().find_map(|event| {
+        let applied = stats.jobs.applied_ms(event);
+        Some((event, stats.contention.standing_still(applied, local)?))
+    });
+    match still {
+        Some((event, idle)) => {
+            let what = format!(
+                "no job of {event} has changed anything for {}: {what}",
+                crate::human_ms(idle.as_millis() as i64)
+            );
+            stats.contention.standstill.store(true, Ordering::Relaxed);
+            if stats.report_critical_about(CONTENTION, what.clone(), gist + " (still)") {
+                log::error!("{what}");
+            }
+        }
+        None => {
+            if stats.report_trouble_about(CONTENTION, what.clone(), gist) {
+                log::warn!("{what}");
+            }
+        }
+    }
+}
+
+/// The contention report between retries, every second (the supervisor's): a standstill is
+/// told when it comes, not at the next retry, which the backoff (and a `--max-rate` that
+/// brings retries back late) may put a minute away (found from outside: `/healthz` stayed
+/// 200 for 52 s under a table lock that stopped every job of a capped drain). `local` is
+/// this host's time.
+pub fn watch_contention(stats: &Stats, local: i64) {
+    let now = stats.clock.at(local);
+    let events = stats.contention.events(now);
+    if !events.is_empty() {
+        report_contention(stats, events.iter().map(String::as_str), now, local);
+    }
+}
+
 pub struct Worker<'a> {
     name: String,
     ctx: &'a PoolContext<'a>,
@@ -524,7 +587,10 @@ impl<'a> Worker<'a> {
                     out.push(self.held_back(job))
                 }
                 Ok(job) if job.handler.needs_database() => jobs.push(job),
-                Ok(job) => out.extend(self.finish(job, JobResult::Committed(Effect::NoOp))),
+                Ok(job) => {
+                    let result = JobResult::Committed(Effect::NoOp);
+                    out.extend(self.finish(job, result, crate::now_ms()))
+                }
                 Err(dead) => out.push(*dead),
             }
         }
@@ -543,8 +609,8 @@ impl<'a> Worker<'a> {
                 .fetch_add(left as u64, Ordering::Relaxed);
         }
         // Those without a result stay pending: the next start delivers them again.
-        for (job, result) in jobs.into_iter().zip(results) {
-            out.extend(self.finish(job, result));
+        for (job, (result, at)) in jobs.into_iter().zip(results) {
+            out.extend(self.finish(job, result, at));
         }
     }
 
@@ -663,7 +729,7 @@ impl<'a> Worker<'a> {
                     cancelled: false,
                     shared: false,
                 };
-                Some(self.contended(d, env, key, first_due, &f))
+                Some(self.contended(d, env, key, first_due, &f, crate::now_ms()))
             }
         }
     }
@@ -711,10 +777,10 @@ impl<'a> Worker<'a> {
         })
     }
 
-    /// Turns a job's result into its settlement: ack, retry with backoff, hold, or dead
-    /// letter, by whose fault a failure is (see the module header); none for a stream
-    /// entry whose job is running in another session.
-    fn finish(&mut self, job: Job<'_>, result: JobResult) -> Option<Settlement> {
+    /// Turns a job's result, had at `at` (local ms), into its settlement: ack, retry with
+    /// backoff, hold, or dead letter, by whose fault a failure is (see the module header);
+    /// none for a stream entry whose job is running in another session.
+    fn finish(&mut self, job: Job<'_>, result: JobResult, at: i64) -> Option<Settlement> {
         let stats = self.ctx.stats;
         let Job {
             d,
@@ -730,9 +796,11 @@ impl<'a> Worker<'a> {
                     Effect::Applied => JobOutcome::Done,
                     Effect::NoOp => JobOutcome::NoOp,
                 };
-                let now = stats.clock.now_ms();
+                // When it committed: a batch under a `--max-rate` is finished seconds
+                // after its first shares ran.
+                let now = stats.clock.at(at);
                 stats.jobs.lateness(first_due, now);
-                self.went_through(&key, &env.event, effect == Effect::Applied);
+                self.went_through(&key, &env.event, effect == Effect::Applied, at);
                 if log::log_enabled!(log::Level::Debug) {
                     let what = match effect {
                         Effect::Applied => "done",
@@ -746,13 +814,13 @@ impl<'a> Worker<'a> {
                 Settlement::ack(d, &env.event, outcome)
             }
             JobResult::Duplicate => {
-                self.went_through(&key, &env.event, false);
+                self.went_through(&key, &env.event, false, at);
                 log::debug!("job {key} {}: duplicate (already in the inbox)", env.event);
                 Settlement::ack(d, &env.event, JobOutcome::Duplicate)
             }
             JobResult::Failed(f) => match f.fault {
                 Fault::Job => self.own_fault(d, &env, &key, first_due, &f),
-                Fault::Contention => self.contended(d, &env, &key, first_due, &f),
+                Fault::Contention => self.contended(d, &env, &key, first_due, &f, at),
                 // Server faults come here only if shutdown cut the wait for a new
                 // connection short; they are held like the schema's.
                 Fault::Schema | Fault::Server => {
@@ -769,12 +837,13 @@ impl<'a> Worker<'a> {
         })
     }
 
-    /// A job of `event` committed (or was already in the inbox; `applied`: it changed
-    /// something): it waits on contention no more, and its event is no longer held by a
-    /// schema fault, nor, if it changed something, by a refusal of every job.
-    fn went_through(&self, key: &str, event: &str, applied: bool) {
+    /// A job of `event` committed at `at` (local ms; or was already in the inbox;
+    /// `applied`: it changed something): it waits on contention no more, and its event is
+    /// no longer held by a schema fault, nor, if it changed something, by a refusal of
+    /// every job.
+    fn went_through(&self, key: &str, event: &str, applied: bool, at: i64) {
         let stats = self.ctx.stats;
-        stats.jobs.went_through(event, applied, crate::now_ms());
+        stats.jobs.went_through(event, applied, at);
         stats.jobs.refusal_decided(event, key);
         if applied
             && stats.contention.standstill.load(Ordering::Relaxed)
@@ -1127,7 +1196,7 @@ impl<'a> Worker<'a> {
     /// Contention (another transaction's lock past the lock timeout, a deadlock): back
     /// to the pool with backoff ([`contention_delay`]); a dead letter only once
     /// `--max-retries` are spent and `--retry-for` has passed since the job first fell
-    /// due.
+    /// due. `failed_at`: when it met the contention (local ms).
     fn contended(
         &self,
         d: Delivery,
@@ -1135,6 +1204,7 @@ impl<'a> Worker<'a> {
         key: &str,
         first_due: Option<i64>,
         f: &Failure,
+        failed_at: i64,
     ) -> Settlement {
         let jobs = self.ctx.jobs;
         let stats = self.ctx.stats;
@@ -1178,41 +1248,8 @@ impl<'a> Worker<'a> {
         let due_ms = now + delay.as_millis() as i64;
         stats
             .contention
-            .waiting(key, &env.event, since, &f.reason, due_ms);
-        let (waiting, longest) = stats.contention.summary(now);
-        if let Some(w) = longest {
-            let what = format!(
-                "{waiting} job(s) wait on contention (other transactions' locks, statement timeouts); the longest, {} {}, for {}: {}",
-                w.event,
-                w.key,
-                crate::human_ms(now - w.since_ms),
-                w.reason
-            );
-            // Logged when the longest waiter or its reason changes, else every 30 s: the
-            // count and the time change at every retry.
-            let gist = format!("{} {}: {}", w.event, w.key, w.reason);
-            // Measured from the last job of the event that changed something: a rule that
-            // stops every cancellation while paid orders' no-ops pass is a standstill too.
-            let applied = stats.jobs.applied_ms(&env.event);
-            match stats.contention.standing_still(applied, crate::now_ms()) {
-                Some(idle) => {
-                    let what = format!(
-                        "no job of {} has changed anything for {}: {what}",
-                        env.event,
-                        crate::human_ms(idle.as_millis() as i64)
-                    );
-                    stats.contention.standstill.store(true, Ordering::Relaxed);
-                    if stats.report_critical_about(CONTENTION, what.clone(), gist + " (still)") {
-                        log::error!("{what}");
-                    }
-                }
-                None => {
-                    if stats.report_trouble_about(CONTENTION, what.clone(), gist) {
-                        log::warn!("{what}");
-                    }
-                }
-            }
-        }
+            .waiting(key, &env.event, since, &f.reason, due_ms, failed_at);
+        report_contention(stats, [env.event.as_str()], now, crate::now_ms());
         Settlement::new(
             d,
             Outcome::Retry {
@@ -1226,13 +1263,13 @@ impl<'a> Worker<'a> {
     }
 
     /// Runs the jobs, waiting (with backoff) for a database session, and returns their
-    /// results in order. Under a `--max-rate`, a share of them at a time
+    /// results in order, each with when it was had (local ms). Under a `--max-rate`, a share of them at a time
     /// ([`Manners::share`]), each paced. Fewer results than jobs when shutdown came first:
     /// while the database was unreachable, or before the cap let the rest run (the cap
     /// holds through a stop). The jobs without one stay pending for the next start.
     ///
     /// [`Manners::share`]: crate::manners::Manners::share
-    fn run_in_database(&mut self, jobs: &[Job<'_>]) -> Vec<JobResult> {
+    fn run_in_database(&mut self, jobs: &[Job<'_>]) -> Vec<(JobResult, i64)> {
         let share = self
             .ctx
             .manners
@@ -1246,7 +1283,10 @@ impl<'a> Worker<'a> {
                 break;
             }
             match self.run_paced(part) {
-                Some(r) => results.extend(r),
+                Some(r) => {
+                    let at = crate::now_ms();
+                    results.extend(r.into_iter().map(|r| (r, at)));
+                }
                 None => break,
             }
         }
@@ -1498,5 +1538,54 @@ impl<'a> Worker<'a> {
         );
         outcomes.clear();
         true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The jobs waiting on contention are told between retries: a warning at once, and
+    /// critical once the queue has stood still for `CONTENTION_STALL`, with no retry in
+    /// between (a retry a minute away once left `/healthz` at 200 for 52 s).
+    #[test]
+    fn a_standstill_is_told_between_retries() {
+        let stats = Stats::default();
+        let local = crate::now_ms();
+        let now = stats.clock.at(local);
+        let retry_due = now + 60_000;
+        let reason = "lock timeout (55P03)";
+        stats.contention.waiting(
+            "order.timeout:SO1",
+            "order.timeout",
+            now,
+            reason,
+            retry_due,
+            local,
+        );
+        watch_contention(&stats, local + 1_000);
+        let told = stats.problems(local + 1_000);
+        assert_eq!(told.len(), 1, "{told:?}");
+        assert_eq!(told[0].severity, "warning");
+        assert!(
+            told[0].what.contains("1 job(s) wait on contention"),
+            "{told:?}"
+        );
+        assert_eq!(stats.alarm(local + 1_000), None);
+        let stalled = crate::stats::CONTENTION_STALL.as_millis() as i64 + 1_000;
+        watch_contention(&stats, local + stalled);
+        let alarm = stats.alarm(local + stalled).expect("critical");
+        assert!(
+            alarm.contains("no job of order.timeout has changed anything for")
+                && alarm.contains(reason),
+            "{alarm}"
+        );
+        // A job of the event that changes something ends the standstill.
+        stats
+            .jobs
+            .went_through("order.timeout", true, local + stalled);
+        stats.ease(CONTENTION);
+        watch_contention(&stats, local + stalled + 1_000);
+        assert_eq!(stats.alarm(local + stalled + 1_000), None);
     }
 }

@@ -919,6 +919,55 @@ fn a_table_lock_that_stops_every_job_turns_health_red_until_jobs_go_through() {
     every_job_once_and_green(&env, w, port, &orders);
 }
 
+/// A table lock taken in the middle of a drain under `--max-rate`, held past
+/// `CONTENTION_STALL`: `/healthz` turns red naming the standstill, even though the cap
+/// brings the jobs back long after their retries fell due; none dead-lettered, with no
+/// retry budget at all; every job runs once after the lock. Found from outside: with
+/// `--max-rate 40/s` and `LOCK TABLE sku` taken 3 s into a drain of 400, `/healthz` stayed
+/// 200 for 52 s while no job changed anything.
+#[test]
+fn a_table_lock_taken_mid_drain_under_a_max_rate_turns_health_red() {
+    let mut env = Env::new();
+    // The default backoff: retries 1, 2, 4, 8 s … apart.
+    env.config.jobs.retry_base = Duration::from_secs(1);
+    env.config.threads = 8;
+    let orders = seed_orders(&env.db, 400);
+    let (w, port) = start_with_health(
+        &env,
+        &[
+            "--max-rate",
+            "40/s",
+            "--max-retries",
+            "0",
+            "--retry-for",
+            "0s",
+        ],
+    );
+    wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
+    push_timeouts(&env, &orders, 0);
+    wait_until(WAIT, "the drain under way", || inbox_count(&env.db) >= 80);
+    let (_, release, h) = crate::lock_holder::hold(&env, "LOCK TABLE sku IN EXCLUSIVE MODE");
+    let standstill = "no job of order.timeout has changed anything for";
+    let locked = Instant::now();
+    wait_until(WAIT, "/healthz red naming the standstill", || {
+        let (code, body) = healthz(port);
+        code == 503 && body.contains(standstill)
+    });
+    // Told when the standstill comes (30 s after the last commit, before the lock), not at
+    // a retry that the backoff and the cap put later, nor counted from when a capped
+    // batch's results were gone through (it was 40 s, 10 s of it that lag).
+    let red_after = locked.elapsed();
+    assert!(
+        red_after < delay_worker::stats::CONTENTION_STALL + Duration::from_secs(6),
+        "red {red_after:?} after the lock"
+    );
+    wait_check_critical(&env, standstill);
+    assert_eq!(books(&env).dead, 0, "none dead-lettered for a lock");
+    release.send(()).unwrap();
+    h.join().unwrap();
+    every_job_once_and_green(&env, w, port, &orders);
+}
+
 /// A shop trigger that sleeps 2 s in each update of an order for which `when` (SQL over
 /// `NEW`) holds: past a `--statement-timeout` of 1 s. Dropped with `DROP TRIGGER
 /// slow_order ON orders`.

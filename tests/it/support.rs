@@ -502,7 +502,10 @@ impl Proc {
                 "--heartbeat-ttl",
                 "2s",
             ])
-            .args(["--retry-base", "100ms"])
+            .args([
+                "--retry-base",
+                &format!("{}ms", config.jobs.retry_base.as_millis()),
+            ])
             .args([
                 "--stats-interval",
                 &format!("{}ms", config.stats_interval.as_millis()),
