@@ -309,7 +309,10 @@ fn spawn_and_supervise(
 ) -> Result<(Report, Vec<String>), DaemonError> {
     let started = Instant::now();
     let crew = Crew::new(config, shutdown, ready)?;
-    let (hand, rx) = crate::delivery::channel(config.channel_capacity(), config.jobs.take_size());
+    let (hand, rx) = crate::delivery::channel(
+        config.channel_capacity_under(&crew.manners),
+        config.jobs.take_size_under(&crew.manners),
+    );
     let (space_tx, space_rx) = crossbeam_channel::bounded::<()>(1);
     // Bound before any thread starts, so a port in use stops the start with one line.
     let server = crew.bind_metrics(&rx)?;
@@ -418,7 +421,7 @@ impl<'a> Crew<'a> {
                 let rx = rx.clone();
                 move || rx.len()
             }),
-            capacity: self.config.channel_capacity(),
+            capacity: self.config.channel_capacity_under(&self.manners),
         };
         Ok(Some(metrics::Server::bind(addr, sources)?))
     }

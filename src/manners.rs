@@ -253,6 +253,27 @@ impl Manners {
         share
     }
 
+    /// The share of the tightest cap ([`Manners::share`] for jobs of every capped event):
+    /// what a worker takes at a time under caps, so that it holds no jobs for seconds
+    /// while the reader reads more in their place. `None` without caps.
+    pub fn tightest_share(&self) -> Option<usize> {
+        self.runs_within(BURST)
+    }
+
+    /// How many jobs the tightest cap lets run in `horizon` (at least one); `None`
+    /// without caps. What a process may hold at once under a cap
+    /// ([`crate::config::Config::channel_capacity`]): more would wait for their slots
+    /// past `--claim-idle`, and be taken back as a stuck consumer's, by a peer or by its
+    /// own reader, and run twice (150 jobs under 3/s were 429 deliveries, 77 of them run
+    /// again as duplicates, each taking a slot).
+    pub fn runs_within(&self, horizon: Duration) -> Option<usize> {
+        self.all
+            .iter()
+            .chain(self.by_event.values())
+            .map(|s| ((horizon.as_secs_f64() / s.interval.as_secs_f64()).floor() as usize).max(1))
+            .min()
+    }
+
     /// The set size jobs of `event` run with now.
     pub fn set_size(&self, event: &str) -> usize {
         let sizes = self.set_sizes.read().unwrap_or_else(|p| p.into_inner());
@@ -323,6 +344,14 @@ mod tests {
         assert_eq!(m.share(["aftersale.timeout"].into_iter()), None);
         let all = Manners::new(&[MaxRate::parse("9000/s").unwrap()], 32);
         assert_eq!(all.share(["aftersale.timeout"].into_iter()), Some(900));
+        // What a process takes at a time and holds at once: by the tightest cap.
+        assert_eq!(m.tightest_share(), Some(1));
+        assert_eq!(m.runs_within(Duration::from_secs(15)), Some(45));
+        assert_eq!(all.runs_within(Duration::from_secs(15)), Some(135_000));
+        assert_eq!(
+            Manners::unlimited(32).runs_within(Duration::from_secs(15)),
+            None
+        );
     }
 
     #[test]

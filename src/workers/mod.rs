@@ -458,7 +458,7 @@ impl<'a> Worker<'a> {
             self.session = Some(s);
         }
         let mut outcomes: Vec<Settlement> = Vec::with_capacity(ACK_BATCH);
-        let gather = self.ctx.jobs.take_size();
+        let gather = self.ctx.jobs.take_size_under(self.ctx.manners);
         // When the oldest unsettled outcome must be settled.
         let mut settle_by: Option<Instant> = None;
         loop {
@@ -669,11 +669,20 @@ impl<'a> Worker<'a> {
     /// and gives the others back to the pool, so that jobs of a handler without a set form
     /// that came in one read run on the idle workers side by side rather than one after
     /// another here (16 slow jobs due together once took 16 times one job on one worker
-    /// while the others idled, and their acks waited for the last). Not while draining:
-    /// a worker that stops runs what it took.
+    /// while the others idled, and their acks waited for the last). Under a `--max-rate`,
+    /// one share of the cap ([`crate::manners::Manners::share`]): a worker that held a
+    /// whole batch paced it over many seconds, and its jobs' outcomes (the contention they
+    /// met, what they changed) were known only at its end (health red 42 s into a
+    /// standstill under 3/s, not 30). Not while draining: a worker that stops runs what
+    /// it took.
     fn share<'h>(&mut self, jobs: Vec<Job<'h>>, pool: &crate::delivery::Take) -> Vec<Job<'h>> {
+        let capped = self
+            .ctx
+            .manners
+            .share(jobs.iter().map(|j| j.env.event.as_str()));
         let alone_max = self.ctx.jobs.tx_batch.max(1);
-        if jobs.len() <= alone_max || self.ctx.shutdown.is_set() {
+        let fits = jobs.len() <= alone_max && capped.is_none_or(|n| jobs.len() <= n);
+        if fits || self.ctx.shutdown.is_set() {
             return jobs;
         }
         let sets = self.ctx.jobs.set_size > 1;
@@ -690,8 +699,11 @@ impl<'a> Worker<'a> {
                 back.push(job.d);
             }
         }
+        if let Some(n) = capped.filter(|n| kept.len() > *n) {
+            back.extend(kept.drain(n..).map(|j| j.d));
+        }
         if !back.is_empty() {
-            pool.give_back(back, alone_max);
+            pool.give_back(back, capped.unwrap_or(alone_max));
         }
         kept
     }
