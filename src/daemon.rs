@@ -282,15 +282,26 @@ fn preflight(config: &Config) -> Result<Ready, DaemonError> {
     )?;
     // Prepares every handler once now, so that a handler that does not prepare (a table
     // not there yet, SQL that does not parse) is named at once. It does not stop the start:
-    // its jobs are held, not dead-lettered, and the other events run.
-    let session = Session::open(&pool, &registry, config.jobs.lock_timeout)?;
-    for (event, failure) in session.unprepared(&registry) {
-        log::error!(
-            "the handler of {event:?} does not prepare, its jobs are held until it does: {}",
-            failure.reason
-        );
+    // its jobs are held, not dead-lettered, and the other events run. Nor does an inbox
+    // another transaction has locked (a migration, a `LOCK TABLE`): the workers wait for
+    // it as for a lock taken later, health red meanwhile (it stopped the start before).
+    match Session::open(&pool, &registry, config.jobs.lock_timeout) {
+        Ok(session) => {
+            for (event, failure) in session.unprepared(&registry) {
+                log::error!(
+                    "the handler of {event:?} does not prepare, its jobs are held until it does: {}",
+                    failure.reason
+                );
+            }
+        }
+        Err(SessionError::Inbox(f)) if f.fault == db::Fault::Contention => {
+            log::warn!(
+                "the inbox table is locked by another transaction, so the handlers are not checked now; every job waits until the lock ends: {}",
+                f.reason
+            );
+        }
+        Err(e) => return Err(e.into()),
     }
-    drop(session);
     Ok(Ready {
         client,
         handlers: Handlers::new(registry),

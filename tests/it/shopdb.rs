@@ -1000,6 +1000,30 @@ fn a_table_lock_met_by_a_tightly_capped_worker_turns_health_red_in_time() {
     every_job_once_and_green(&env, w, port, &orders);
 }
 
+/// A worker started while another transaction holds a lock on the inbox table (a
+/// migration, a `LOCK TABLE`): it starts and waits, health red, and runs every job once
+/// when the lock ends. Found from outside: it exited 1 with "cannot prepare the inbox
+/// statement: canceling statement due to lock timeout", where a lock taken after the
+/// start is waited out.
+#[test]
+fn a_worker_started_while_the_inbox_is_locked_waits_for_it() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 10);
+    let (_, release, h) =
+        crate::lock_holder::hold(&env, "LOCK TABLE worker_inbox IN ACCESS EXCLUSIVE MODE");
+    push_timeouts(&env, &orders, 0);
+    let (mut w, port) = start_with_health(&env, &[]);
+    wait_until(WAIT, "/healthz red while the inbox is locked", || {
+        let (code, body) = healthz(port);
+        code == 503 && body.contains("lock timeout")
+    });
+    assert!(w.exited().is_none(), "exited: {}", w.log());
+    assert_eq!(books(&env).dead, 0);
+    release.send(()).unwrap();
+    h.join().unwrap();
+    every_job_once_and_green(&env, w, port, &orders);
+}
+
 /// A shop trigger that sleeps 2 s in each update of an order for which `when` (SQL over
 /// `NEW`) holds: past a `--statement-timeout` of 1 s. Dropped with `DROP TRIGGER
 /// slow_order ON orders`.

@@ -539,6 +539,11 @@ impl Proc {
         }
     }
 
+    /// The exit status if the child has exited.
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().unwrap()
+    }
+
     /// Waits for exit; panics after `timeout`.
     pub fn wait(&mut self, timeout: Duration) -> std::process::ExitStatus {
         let start = Instant::now();
