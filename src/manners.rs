@@ -242,6 +242,9 @@ impl Manners {
     /// worker's; a tenth of a second's share at a time, no second holds much more than
     /// the cap.
     pub fn share<'e>(&self, events: impl Iterator<Item = &'e str>) -> Option<usize> {
+        if self.all.is_none() && self.by_event.is_empty() {
+            return None;
+        }
         let per_burst =
             |s: &Slots| ((BURST.as_secs_f64() / s.interval.as_secs_f64()).floor() as usize).max(1);
         let mut share = self.all.as_ref().map(per_burst);
