@@ -304,11 +304,11 @@ impl JobConfig {
         self.tx_batch.max(self.set_size).max(1)
     }
 
-    /// [`JobConfig::take_size`] under the caps of `manners`: no more than the tightest
-    /// cap's share ([`crate::manners::Manners::tightest_share`]).
+    /// [`JobConfig::take_size`] under the caps of `manners`: no more than the global
+    /// cap's share ([`crate::manners::Manners::global_share`]).
     pub fn take_size_under(&self, manners: &crate::manners::Manners) -> usize {
         let most = self.take_size();
-        manners.tightest_share().map_or(most, |n| most.min(n))
+        manners.global_share().map_or(most, |n| most.min(n))
     }
 }
 
@@ -594,15 +594,15 @@ impl Config {
         self.threads * (2 * self.jobs.tx_batch.max(1)).max(self.jobs.set_size)
     }
 
-    /// [`Config::channel_capacity`] under the caps of `manners`: no more than the tightest
-    /// cap runs in a quarter of `--claim-idle` (a worker per thread at least), so that no
-    /// job waits for its slot long enough to be taken back as a stuck consumer's
-    /// ([`crate::manners::Manners::runs_within`]).
+    /// [`Config::channel_capacity`] under the caps of `manners`: no more than the global
+    /// cap runs in a quarter of `--claim-idle`, so that no job waits for its slot long
+    /// enough to be taken back as a stuck consumer's
+    /// ([`crate::manners::Manners::global_runs_within`]).
     pub fn channel_capacity_under(&self, manners: &crate::manners::Manners) -> usize {
         let most = self.channel_capacity();
         manners
-            .runs_within(self.reader.claim_idle / 4)
-            .map_or(most, |n| most.min(n.max(self.threads)))
+            .global_runs_within(self.reader.claim_idle / 4)
+            .map_or(most, |n| most.min(n))
     }
 
     /// Size of the PostgreSQL pool: each worker holds one connection for its whole life
