@@ -403,6 +403,7 @@ impl<'a> Crew<'a> {
         let config = self.config;
         PoolContext {
             keys: &config.keys,
+            claim_idle: config.reader.claim_idle,
             shards: &config.derived.shards,
             jobs: &config.jobs,
             consumer: &config.consumer,

@@ -31,7 +31,8 @@ pub struct Delivery {
     pub msg: Vec<u8>,
     /// Due time (unix ms) when the mover recorded it.
     pub due_ms: Option<i64>,
-    /// When the reader got it.
+    /// When the reader got it, or this consumer last claimed it again while it waited
+    /// for a `--max-rate` slot (its idle time in Redis starts then).
     pub received: Instant,
     /// The shard (key set, `--shards`) it was read from; 0 when unsharded.
     pub shard: usize,

@@ -142,6 +142,25 @@ pub fn autoclaim(
     Ok((screened(reply), next.unwrap_or_else(|| "0-0".to_string())))
 }
 
+/// Starts the idle time of entries `consumer` holds again (XCLAIM to itself, JUSTID: no
+/// content read, no delivery counted): entries a worker keeps waiting for their
+/// `--max-rate` slots, so that no reader takes them back as a stuck consumer's.
+pub fn keep_claimed(
+    con: &mut dyn ConnectionLike,
+    keys: &Keys,
+    consumer: &str,
+    ids: &[&str],
+) -> StoreResult<()> {
+    let mut cmd = redis::cmd("XCLAIM");
+    cmd.arg(&keys.stream)
+        .arg(&keys.group)
+        .arg(consumer)
+        .arg(0)
+        .arg(ids)
+        .arg("JUSTID");
+    query::<Value>("keep held entries claimed", &cmd, con).map(|_| ())
+}
+
 /// Moves pending entries of `peer` to `consumer` if the peer's heartbeat is gone, at most
 /// [`TAKE_OVER_BATCH`] per call, without reading them. `None` if the peer is alive;
 /// otherwise the ids now owned by `consumer` (fewer than a batch: the peer owes nothing

@@ -108,6 +108,9 @@ fn durable_again(stats: &Stats) {
 /// What every worker shares. Read-only except the counters.
 pub struct PoolContext<'a> {
     pub keys: &'a Keys,
+    /// `--claim-idle`: entries held longer are claimed again before they look stuck
+    /// ([`Worker::keep_claimed`]).
+    pub claim_idle: Duration,
     /// Every shard's key set (`keys` alone when unsharded): settlements go to their own.
     pub shards: &'a [Keys],
     pub jobs: &'a JobConfig,
@@ -701,11 +704,65 @@ impl<'a> Worker<'a> {
         }
         if let Some(n) = capped.filter(|n| kept.len() > *n) {
             back.extend(kept.drain(n..).map(|j| j.d));
+            self.keep_claimed(&mut back);
         }
         if !back.is_empty() {
             pool.give_back(back, capped.unwrap_or(alone_max));
         }
         kept
+    }
+
+    /// Stream entries this worker gives back to wait for their `--max-rate` slots, held
+    /// for half of `--claim-idle` or more: their idle time starts again
+    /// ([`store::stream::keep_claimed`]), so that neither this process's reader nor a
+    /// peer takes them back as a stuck consumer's and runs them twice (jobs of an event
+    /// capped at 2/s fill the channel for a minute and more). Best effort: if Redis
+    /// does not answer, they may be delivered again, and the inbox stops the second run.
+    fn keep_claimed(&mut self, back: &mut [Delivery]) {
+        let due = self.ctx.claim_idle / 2;
+        let mut by_shard: Vec<Vec<&str>> = vec![Vec::new(); self.ctx.shards.len().max(1)];
+        let mut any = false;
+        for d in back.iter() {
+            if let Origin::Stream { id } = &d.origin {
+                if d.received.elapsed() >= due {
+                    if let Some(ids) = by_shard.get_mut(d.shard) {
+                        ids.push(id);
+                        any = true;
+                    }
+                }
+            }
+        }
+        if !any {
+            return;
+        }
+        let con = match self.redis.as_mut() {
+            Some(c) => c,
+            None => match store::connect(self.ctx.redis) {
+                Ok(c) => self.redis.insert(c),
+                Err(_) => return,
+            },
+        };
+        let mut kept = true;
+        for (shard, ids) in by_shard.iter().enumerate() {
+            if ids.is_empty() {
+                continue;
+            }
+            if let Err(e) =
+                store::stream::keep_claimed(con, &self.ctx.shards[shard], self.ctx.consumer, ids)
+            {
+                log::debug!("{}: keeping held entries claimed: {e}", self.name);
+                kept = false;
+                break;
+            }
+        }
+        if kept {
+            let now = Instant::now();
+            for d in back.iter_mut().filter(|d| d.received.elapsed() >= due) {
+                d.received = now;
+            }
+        } else {
+            self.redis = None;
+        }
     }
 
     /// A second delivery of a job whose transaction is running in a live worker's session

@@ -314,6 +314,7 @@ fn a_panicking_handler_is_dead_lettered_and_the_worker_goes_on() {
     let drain = delay_worker::workers::Drain::default();
     let ctx = PoolContext {
         keys: &env.config.keys,
+        claim_idle: env.config.reader.claim_idle,
         shards: std::slice::from_ref(&env.config.keys),
         jobs: &env.config.jobs,
         consumer: "c1",
@@ -652,8 +653,21 @@ fn a_stop_during_a_capped_drain_keeps_the_cap_and_leaves_the_held_jobs_pending()
 /// duplicates, each taking a slot of the cap.
 #[test]
 fn a_capped_drain_longer_than_claim_idle_takes_back_nothing_of_its_own() {
+    a_drain_capped_at_takes_back_nothing_of_its_own("10/s");
+}
+
+/// [`a_capped_drain_longer_than_claim_idle_takes_back_nothing_of_its_own`] under a cap on
+/// the event alone, which does not bound the read-ahead: the worker that gives back the
+/// jobs waiting for their slots claims them again before they look stuck (before, 100
+/// jobs under `order.timeout=10/s` with `--claim-idle 3s` were reclaimed and run twice).
+#[test]
+fn a_drain_under_an_event_s_cap_takes_back_nothing_of_its_own() {
+    a_drain_capped_at_takes_back_nothing_of_its_own("order.timeout=10/s");
+}
+
+fn a_drain_capped_at_takes_back_nothing_of_its_own(cap: &str) {
     let mut env = Env::new();
-    env.config.jobs.max_rates = vec![delay_worker::manners::MaxRate::parse("10/s").unwrap()];
+    env.config.jobs.max_rates = vec![delay_worker::manners::MaxRate::parse(cap).unwrap()];
     env.config.reader.claim_idle = Duration::from_secs(3);
     let orders = seed_orders(&env.db, 100);
     push_timeouts(&env, &orders, 0);

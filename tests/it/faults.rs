@@ -419,6 +419,7 @@ fn a_commit_whose_durability_was_in_doubt_is_looked_up_not_sent_round_again() {
     assert!(env.config.jobs.group_commit, "group commit is the default");
     let ctx = PoolContext {
         keys: k,
+        claim_idle: env.config.reader.claim_idle,
         shards: std::slice::from_ref(k),
         jobs: &env.config.jobs,
         consumer: "c1",
