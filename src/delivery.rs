@@ -245,6 +245,13 @@ impl Take {
         self.back_rx.try_recv().ok().map(|c| self.took(c))
     }
 
+    /// A chunk from the reader's queue only, not one given back: under a `--max-rate`,
+    /// where given-back jobs rotate among the workers, so that the reader's are taken
+    /// (and claimed again when they have waited long) rather than left behind them.
+    pub fn try_recv_read(&self) -> Result<Vec<Delivery>, TryRecvError> {
+        self.rx.try_recv().map(|c| self.took(c))
+    }
+
     pub fn try_recv(&self) -> Result<Vec<Delivery>, TryRecvError> {
         match self.given_back() {
             Some(c) => Ok(c),

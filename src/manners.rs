@@ -256,6 +256,11 @@ impl Manners {
         share
     }
 
+    /// Whether any cap is set.
+    pub fn capped(&self) -> bool {
+        self.all.is_some() || !self.by_event.is_empty()
+    }
+
     /// The global cap's share ([`Manners::share`]): what a worker takes at a time under
     /// it, so that it holds no jobs for seconds while the reader reads more in their
     /// place. `None` without a global cap.

@@ -462,6 +462,7 @@ impl<'a> Worker<'a> {
         }
         let mut outcomes: Vec<Settlement> = Vec::with_capacity(ACK_BATCH);
         let gather = self.ctx.jobs.take_size_under(self.ctx.manners);
+        let capped = self.ctx.manners.capped();
         // When the oldest unsettled outcome must be settled.
         let mut settle_by: Option<Instant> = None;
         loop {
@@ -491,7 +492,12 @@ impl<'a> Worker<'a> {
             // Only what is already waiting joins the batch: batching never delays a job.
             let mut batch = first;
             while batch.len() < gather {
-                match rx.try_recv() {
+                let more = if capped {
+                    rx.try_recv_read().or_else(|_| rx.try_recv())
+                } else {
+                    rx.try_recv()
+                };
+                match more {
                     Ok(more) => batch.extend(more),
                     Err(_) => break,
                 }
@@ -713,13 +719,14 @@ impl<'a> Worker<'a> {
     }
 
     /// Stream entries this worker gives back to wait for their `--max-rate` slots, held
-    /// for half of `--claim-idle` or more: their idle time starts again
+    /// for a quarter of `--claim-idle` or more: their idle time starts again
     /// ([`store::stream::keep_claimed`]), so that neither this process's reader nor a
     /// peer takes them back as a stuck consumer's and runs them twice (jobs of an event
     /// capped at 2/s fill the channel for a minute and more). Best effort: if Redis
     /// does not answer, they may be delivered again, and the inbox stops the second run.
     fn keep_claimed(&mut self, back: &mut [Delivery]) {
-        let due = self.ctx.claim_idle / 2;
+        // A quarter: the next look may come a rotation of the given-back jobs later.
+        let due = self.ctx.claim_idle / 4;
         let mut by_shard: Vec<Vec<&str>> = vec![Vec::new(); self.ctx.shards.len().max(1)];
         let mut any = false;
         for d in back.iter() {
