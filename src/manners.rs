@@ -93,6 +93,11 @@ impl Slots {
         end.max(now)
     }
 
+    /// How many slots fall in `horizon`, at least one.
+    fn within(&self, horizon: Duration) -> usize {
+        ((horizon.as_secs_f64() / self.interval.as_secs_f64()).floor() as usize).max(1)
+    }
+
     /// The jobs that took slots here run at `at` (another cap made them wait past their
     /// slots): this schedule goes on from there, not from the slots they did not use.
     fn ran_at(&self, at: Instant) {
@@ -196,7 +201,7 @@ impl Manners {
     /// start, so that a stop does not run the jobs a cap held back in one burst.
     #[must_use]
     pub fn pace<'e>(&self, events: impl Iterator<Item = &'e str>, shutdown: &Shutdown) -> bool {
-        if self.all.is_none() && self.by_event.is_empty() {
+        if !self.capped() {
             return true;
         }
         let mut counts: HashMap<&str, usize> = HashMap::new();
@@ -242,11 +247,10 @@ impl Manners {
     /// worker's; a tenth of a second's share at a time, no second holds much more than
     /// the cap.
     pub fn share<'e>(&self, events: impl Iterator<Item = &'e str>) -> Option<usize> {
-        if self.all.is_none() && self.by_event.is_empty() {
+        if !self.capped() {
             return None;
         }
-        let per_burst =
-            |s: &Slots| ((BURST.as_secs_f64() / s.interval.as_secs_f64()).floor() as usize).max(1);
+        let per_burst = |s: &Slots| s.within(BURST);
         let mut share = self.all.as_ref().map(per_burst);
         for e in events {
             if let Some(s) = self.by_event.get(e) {
@@ -278,9 +282,7 @@ impl Manners {
     /// made the others' drain five times slower (`coupon.expire=2/s` with no such job:
     /// 3,500 order timeouts a second against 20,000, and no sets).
     pub fn global_runs_within(&self, horizon: Duration) -> Option<usize> {
-        self.all
-            .as_ref()
-            .map(|s| ((horizon.as_secs_f64() / s.interval.as_secs_f64()).floor() as usize).max(1))
+        self.all.as_ref().map(|s| s.within(horizon))
     }
 
     /// The set size jobs of `event` run with now.

@@ -507,14 +507,20 @@ impl Contention {
         was && w.is_empty()
     }
 
+    /// The jobs waiting as of `now_ms`, those forgotten by then gone.
+    fn current(&self, now_ms: i64) -> MutexGuard<'_, HashMap<String, Waiter>> {
+        let mut w = self.lock();
+        w.retain(|_, v| forgotten_after(v) > now_ms);
+        self.len.store(w.len() as u64, Relaxed);
+        w
+    }
+
     /// The events of the jobs waiting on contention as of `now_ms`, each once.
     pub fn events(&self, now_ms: i64) -> Vec<String> {
         if self.len.load(Relaxed) == 0 {
             return Vec::new();
         }
-        let mut w = self.lock();
-        w.retain(|_, v| forgotten_after(v) > now_ms);
-        self.len.store(w.len() as u64, Relaxed);
+        let w = self.current(now_ms);
         let mut events: Vec<String> = w.values().map(|v| v.event.clone()).collect();
         events.sort_unstable();
         events.dedup();
@@ -526,9 +532,7 @@ impl Contention {
         if self.len.load(Relaxed) == 0 {
             return (0, None);
         }
-        let mut w = self.lock();
-        w.retain(|_, v| forgotten_after(v) > now_ms);
-        self.len.store(w.len() as u64, Relaxed);
+        let w = self.current(now_ms);
         let longest = w.values().min_by_key(|v| v.since_ms).cloned();
         (w.len(), longest)
     }

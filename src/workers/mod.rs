@@ -727,48 +727,39 @@ impl<'a> Worker<'a> {
     fn keep_claimed(&mut self, back: &mut [Delivery]) {
         // A quarter: the next look may come a rotation of the given-back jobs later.
         let due = self.ctx.claim_idle / 4;
-        let mut by_shard: Vec<Vec<&str>> = vec![Vec::new(); self.ctx.shards.len().max(1)];
-        let mut any = false;
-        for d in back.iter() {
-            if let Origin::Stream { id } = &d.origin {
-                if d.received.elapsed() >= due {
-                    if let Some(ids) = by_shard.get_mut(d.shard) {
-                        ids.push(id);
-                        any = true;
-                    }
-                }
-            }
-        }
-        if !any {
+        let stale: Vec<usize> = (0..back.len())
+            .filter(|&i| {
+                matches!(back[i].origin, Origin::Stream { .. }) && back[i].received.elapsed() >= due
+            })
+            .collect();
+        if stale.is_empty() {
             return;
         }
-        let con = match self.redis.as_mut() {
-            Some(c) => c,
-            None => match store::connect(self.ctx.redis) {
-                Ok(c) => self.redis.insert(c),
-                Err(_) => return,
-            },
+        let (shards, consumer) = (self.ctx.shards, self.ctx.consumer);
+        let Some(con) = self.redis_now() else {
+            return;
         };
-        let mut kept = true;
-        for (shard, ids) in by_shard.iter().enumerate() {
+        for (shard, keys) in shards.iter().enumerate() {
+            let ids: Vec<&str> = stale
+                .iter()
+                .filter(|&&i| back[i].shard == shard)
+                .filter_map(|&i| match &back[i].origin {
+                    Origin::Stream { id } => Some(id.as_str()),
+                    Origin::List { .. } => None,
+                })
+                .collect();
             if ids.is_empty() {
                 continue;
             }
-            if let Err(e) =
-                store::stream::keep_claimed(con, &self.ctx.shards[shard], self.ctx.consumer, ids)
-            {
+            if let Err(e) = store::stream::keep_claimed(con, keys, consumer, &ids) {
                 log::debug!("{}: keeping held entries claimed: {e}", self.name);
-                kept = false;
-                break;
+                self.redis = None;
+                return;
             }
         }
-        if kept {
-            let now = Instant::now();
-            for d in back.iter_mut().filter(|d| d.received.elapsed() >= due) {
-                d.received = now;
-            }
-        } else {
-            self.redis = None;
+        let now = Instant::now();
+        for i in stale {
+            back[i].received = now;
         }
     }
 

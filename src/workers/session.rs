@@ -447,12 +447,14 @@ impl Session {
             }
             Err(SetError::Db(f)) => Some(f),
         };
+        let each_failed = |f: Failure| {
+            set.iter()
+                .map(|(k, _)| (*k, JobResult::Failed(f.clone())))
+                .collect()
+        };
         match failure {
             // The connection is gone: every job waits for the next one.
-            Some(f) if f.fault == Fault::Server => set
-                .iter()
-                .map(|(k, _)| (*k, JobResult::Failed(f.clone())))
-                .collect(),
+            Some(f) if f.fault == Fault::Server => each_failed(f),
             // A set that ran out the statement timeout (a slow trigger, a shop function
             // waiting on something that is not a row lock): its halves would each spend
             // it again, 2n - 1 timeouts before any job is settled. Every job of it goes
@@ -466,10 +468,7 @@ impl Session {
                     jobs[0].env.event,
                     f.reason
                 );
-                let f = Failure { shared: true, ..f };
-                set.iter()
-                    .map(|(k, _)| (*k, JobResult::Failed(f.clone())))
-                    .collect()
+                each_failed(Failure { shared: true, ..f })
             }
             Some(f) if f.fault == Fault::Contention => {
                 manners.contended(event);
