@@ -68,6 +68,24 @@ impl MaxRate {
     }
 }
 
+impl std::fmt::Display for MaxRate {
+    /// `order.timeout=30/m`: in the first of `/s`, `/m`, `/h` that gives a whole number.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if let Some(e) = &self.event {
+            write!(f, "{e}=")?;
+        }
+        let whole = |n: f64| n >= 1.0 && (n - n.round()).abs() < 1e-6;
+        match [(1.0, "s"), (60.0, "m"), (3600.0, "h")]
+            .into_iter()
+            .map(|(k, unit)| (self.per_second * k, unit))
+            .find(|(n, _)| whole(*n))
+        {
+            Some((n, unit)) => write!(f, "{}/{unit}", n.round() as u64),
+            None => write!(f, "{}/s", self.per_second),
+        }
+    }
+}
+
 /// A schedule of slots `interval` apart: the time the next one is free.
 struct Slots {
     interval: Duration,
@@ -199,8 +217,19 @@ impl Manners {
     /// may run now, at once without caps. `false` when shutdown came before their slots
     /// (set before or during the wait): they must not run, and stay pending for the next
     /// start, so that a stop does not run the jobs a cap held back in one burst.
+    ///
+    /// While it waits, `keep` is called every `every`: the worker keeps the jobs it holds
+    /// claimed, since under a cap below a job per worker per quarter of `--claim-idle`
+    /// (8 workers under 60/h hold their jobs for up to 8 minutes) they would otherwise
+    /// look stuck and be delivered again, each delivery counted against the job.
     #[must_use]
-    pub fn pace<'e>(&self, events: impl Iterator<Item = &'e str>, shutdown: &Shutdown) -> bool {
+    pub fn pace<'e>(
+        &self,
+        events: impl Iterator<Item = &'e str>,
+        shutdown: &Shutdown,
+        every: Duration,
+        mut keep: impl FnMut(),
+    ) -> bool {
         if !self.capped() {
             return true;
         }
@@ -237,7 +266,19 @@ impl Manners {
             }
             until
         };
-        until <= now || !shutdown.wait(until - now)
+        let every = every.max(Duration::from_millis(10));
+        loop {
+            let now = Instant::now();
+            if until <= now {
+                return true;
+            }
+            if shutdown.wait((until - now).min(every)) {
+                return false;
+            }
+            if Instant::now() < until {
+                keep();
+            }
+        }
     }
 
     /// How many of a worker's jobs of these events run between two paces: a tenth of a
@@ -373,20 +414,61 @@ mod tests {
         let stop = Shutdown::new();
         let one = || ["order.timeout"].into_iter();
         // The burst's one slot is free now, the next is 100 ms on.
-        assert!(m.pace(one(), &stop));
+        assert!(m.pace(one(), &stop, Duration::MAX, || {}));
         let waited = Instant::now();
-        assert!(m.pace(one(), &stop), "run once its slot is due");
+        assert!(
+            m.pace(one(), &stop, Duration::MAX, || {}),
+            "run once its slot is due"
+        );
         assert!(waited.elapsed() >= Duration::from_millis(50));
         stop.trigger();
         let asked = Instant::now();
-        assert!(!m.pace(one(), &stop), "its slot is not due: left");
+        assert!(
+            !m.pace(one(), &stop, Duration::MAX, || {}),
+            "its slot is not due: left"
+        );
         assert!(
             asked.elapsed() < Duration::from_millis(50),
             "not waited for"
         );
         std::thread::sleep(Duration::from_millis(250));
-        assert!(m.pace(one(), &stop), "a slot due now runs in the drain too");
-        assert!(Manners::unlimited(32).pace(one(), &stop), "no cap: runs");
+        assert!(
+            m.pace(one(), &stop, Duration::MAX, || {}),
+            "a slot due now runs in the drain too"
+        );
+        assert!(
+            Manners::unlimited(32).pace(one(), &stop, Duration::MAX, || {}),
+            "no cap: runs"
+        );
+    }
+
+    #[test]
+    fn rates_are_told_as_given() {
+        for spec in ["200/s", "order.timeout=30/m", "1/s", "coupon.expire=7/h"] {
+            assert_eq!(MaxRate::parse(spec).unwrap().to_string(), spec);
+        }
+        assert_eq!(MaxRate::parse("120/m").unwrap().to_string(), "2/s");
+        assert_eq!(MaxRate::parse("60/h").unwrap().to_string(), "1/m");
+        assert_eq!(MaxRate::parse("0.5").unwrap().to_string(), "30/m");
+        assert_eq!(MaxRate::parse("2.5/s").unwrap().to_string(), "150/m");
+    }
+
+    #[test]
+    fn a_long_wait_for_a_slot_keeps_the_held_jobs_claimed_on_the_way() {
+        let m = Manners::new(&[MaxRate::parse("10/s").unwrap()], 32);
+        let stop = Shutdown::new();
+        let one = || ["order.timeout"].into_iter();
+        let every = Duration::from_millis(20);
+        let mut kept = 0;
+        assert!(m.pace(one(), &stop, every, || kept += 1));
+        assert_eq!(kept, 0, "the burst's slot: no wait");
+        assert!(m.pace(one(), &stop, every, || kept += 1));
+        // 100 ms for the slot: a keep every 20 ms on the way, none at its end.
+        assert!((2..=5).contains(&kept), "kept {kept} times");
+        stop.trigger();
+        let mut after_stop = 0;
+        assert!(!m.pace(one(), &stop, every, || after_stop += 1));
+        assert_eq!(after_stop, 0, "a stop leaves the jobs at once");
     }
 
     #[test]

@@ -510,11 +510,15 @@ impl<'a> Worker<'a> {
             self.handle_batch_sharing(batch, &mut outcomes, Some(rx));
             let draining = self.ctx.shutdown.is_set();
             // A lost session's doubtful acks are settled at once, before jobs committed
-            // on the next session join them; so is everything while draining.
+            // on the next session join them; so is everything while draining, and under
+            // a `--max-rate`, where the next batch may wait seconds for its slots (an
+            // outcome held unsettled meanwhile was taken back after `--claim-idle` and
+            // its job delivered again).
             let now = Instant::now();
             if outcomes.len() >= ACK_BATCH
                 || self.durability_lost
                 || draining
+                || capped
                 || settle_by.is_some_and(|at| now >= at)
             {
                 self.settle(&mut outcomes);
@@ -732,18 +736,28 @@ impl<'a> Worker<'a> {
                 matches!(back[i].origin, Origin::Stream { .. }) && back[i].received.elapsed() >= due
             })
             .collect();
-        if stale.is_empty() {
+        if stale.is_empty() || !self.claim_again(stale.iter().map(|&i| &back[i])) {
             return;
         }
+        let now = Instant::now();
+        for i in stale {
+            back[i].received = now;
+        }
+    }
+
+    /// Claims these stream entries to this consumer again, their idle time started anew
+    /// ([`store::stream::keep_claimed`]); list copies need nothing (a live consumer's
+    /// processing list is never taken back). `false` when Redis did not answer.
+    fn claim_again<'d>(&mut self, held: impl Iterator<Item = &'d Delivery> + Clone) -> bool {
         let (shards, consumer) = (self.ctx.shards, self.ctx.consumer);
         let Some(con) = self.redis_now() else {
-            return;
+            return false;
         };
         for (shard, keys) in shards.iter().enumerate() {
-            let ids: Vec<&str> = stale
-                .iter()
-                .filter(|&&i| back[i].shard == shard)
-                .filter_map(|&i| match &back[i].origin {
+            let ids: Vec<&str> = held
+                .clone()
+                .filter(|d| d.shard == shard)
+                .filter_map(|d| match &d.origin {
                     Origin::Stream { id } => Some(id.as_str()),
                     Origin::List { .. } => None,
                 })
@@ -754,13 +768,10 @@ impl<'a> Worker<'a> {
             if let Err(e) = store::stream::keep_claimed(con, keys, consumer, &ids) {
                 log::debug!("{}: keeping held entries claimed: {e}", self.name);
                 self.redis = None;
-                return;
+                return false;
             }
         }
-        let now = Instant::now();
-        for i in stale {
-            back[i].received = now;
-        }
+        true
     }
 
     /// A second delivery of a job whose transaction is running in a live worker's session
@@ -1343,10 +1354,17 @@ impl<'a> Worker<'a> {
             .share(jobs.iter().map(|j| j.env.event.as_str()))
             .unwrap_or(jobs.len())
             .max(1);
+        let (manners, shutdown) = (self.ctx.manners, self.ctx.shutdown);
+        // While a share waits for its slots, this worker's jobs are claimed again every
+        // quarter of `--claim-idle` ([`Manners::pace`]).
+        let every = self.ctx.claim_idle / 4;
         let mut results = Vec::with_capacity(jobs.len());
-        for part in jobs.chunks(share) {
+        for (i, part) in jobs.chunks(share).enumerate() {
             let events = part.iter().map(|j| j.env.event.as_str());
-            if !self.ctx.manners.pace(events, self.ctx.shutdown) {
+            let held = jobs[i * share..].iter().map(|j| &j.d);
+            if !manners.pace(events, shutdown, every, || {
+                self.claim_again(held.clone());
+            }) {
                 break;
             }
             match self.run_paced(part) {
