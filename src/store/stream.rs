@@ -19,6 +19,7 @@ static AUTOCLAIM: LazyLock<Script> = script!("autoclaim.lua");
 static TAKE_OVER: LazyLock<Script> = script!("take_over.lua");
 static BURY: LazyLock<Script> = script!("bury_overdelivered.lua");
 static SETTLE: LazyLock<Script> = script!("settle.lua");
+static KEEP_CLAIMED: LazyLock<Script> = script!("keep_claimed.lua");
 
 /// Most ids one takeover call moves (the caller loops until the peer owes nothing).
 pub const TAKE_OVER_BATCH: usize = 1000;
@@ -144,21 +145,25 @@ pub fn autoclaim(
 
 /// Starts the idle time of entries `consumer` holds again (XCLAIM to itself, JUSTID: no
 /// content read, no delivery counted): entries a worker keeps waiting for their
-/// `--max-rate` slots, so that no reader takes them back as a stuck consumer's.
+/// `--max-rate` slots, so that no reader takes them back as a stuck consumer's. Only those
+/// it still owns: one a peer took over meanwhile (this process was stopped past its
+/// heartbeat) stays the peer's. Returns how many were claimed again.
 pub fn keep_claimed(
     con: &mut dyn ConnectionLike,
     keys: &Keys,
     consumer: &str,
     ids: &[&str],
-) -> StoreResult<()> {
-    let mut cmd = redis::cmd("XCLAIM");
-    cmd.arg(&keys.stream)
-        .arg(&keys.group)
-        .arg(consumer)
-        .arg(0)
-        .arg(ids)
-        .arg("JUSTID");
-    query::<Value>("keep held entries claimed", &cmd, con).map(|_| ())
+) -> StoreResult<usize> {
+    if ids.is_empty() {
+        return Ok(0);
+    }
+    let mut inv = KEEP_CLAIMED.prepare_invoke();
+    inv.key(&keys.stream).arg(&keys.group).arg(consumer);
+    for id in ids {
+        inv.arg(*id);
+    }
+    let reply = run("keep held entries claimed", &inv, con)?;
+    Ok(int(Some(&reply)).max(0) as usize)
 }
 
 /// Moves pending entries of `peer` to `consumer` if the peer's heartbeat is gone, at most

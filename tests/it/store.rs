@@ -1264,3 +1264,60 @@ fn a_legacy_member_never_touches_the_retry_record_of_its_key() {
         Some("123-0")
     );
 }
+
+/// Keeping held entries claimed (a worker waiting for its `--max-rate` slots) starts the
+/// idle time of those the consumer still owns again and counts no delivery; an entry a
+/// peer took over meanwhile stays the peer's, and one settled meanwhile stays settled.
+#[test]
+fn keeping_entries_claimed_takes_none_from_a_peer() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let k = keys();
+    stream::ensure_group(&mut con, &k).unwrap();
+    for key in ["a", "b", "c"] {
+        schedule(&mut con, &k, key, r#"{"event":"e","payload":{}}"#);
+    }
+    assert_eq!(move_now(&mut con, &k).unwrap().moved, 3);
+    let read = stream::read(&mut con, reading(&k), 10, ">").unwrap();
+    let ids: Vec<String> = read
+        .deliveries
+        .iter()
+        .map(|d| match &d.origin {
+            Origin::Stream { id } => id.clone(),
+            Origin::List { .. } => unreachable!("a stream read"),
+        })
+        .collect();
+    assert_eq!(ids.len(), 3);
+    std::thread::sleep(Duration::from_millis(300));
+    redis::cmd("XCLAIM")
+        .arg(&k.stream)
+        .arg(&k.group)
+        .arg("c2")
+        .arg(0)
+        .arg(&ids[1])
+        .arg("JUSTID")
+        .query::<Value>(&mut con)
+        .unwrap();
+    redis::cmd("XACK")
+        .arg(&k.stream)
+        .arg(&k.group)
+        .arg(&ids[2])
+        .query::<i64>(&mut con)
+        .unwrap();
+    let all: Vec<&str> = ids.iter().map(String::as_str).collect();
+    assert_eq!(stream::keep_claimed(&mut con, &k, "c1", &all).unwrap(), 1);
+    let pending: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
+        .arg(&k.stream)
+        .arg(&k.group)
+        .arg("-")
+        .arg("+")
+        .arg(10)
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(pending.len(), 2, "{pending:?}");
+    let (id, owner, idle, deliveries) = &pending[0];
+    assert_eq!((id, owner.as_str(), *deliveries), (&ids[0], "c1", 1));
+    assert!(*idle < 300, "its idle time started again: {idle} ms");
+    assert_eq!((&pending[1].0, pending[1].1.as_str()), (&ids[1], "c2"));
+    assert!(stream::keep_claimed(&mut con, &k, "c1", &[]).unwrap() == 0);
+}
