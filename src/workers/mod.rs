@@ -510,15 +510,13 @@ impl<'a> Worker<'a> {
             self.handle_batch_sharing(batch, &mut outcomes, Some(rx));
             let draining = self.ctx.shutdown.is_set();
             // A lost session's doubtful acks are settled at once, before jobs committed
-            // on the next session join them; so is everything while draining, and under
-            // a `--max-rate`, where the next batch may wait seconds for its slots (an
-            // outcome held unsettled meanwhile was taken back after `--claim-idle` and
-            // its job delivered again).
+            // on the next session join them; so is everything while draining. (A batch
+            // that waits long for its `--max-rate` slots settles those in hand on the way:
+            // `run_in_database`.)
             let now = Instant::now();
             if outcomes.len() >= ACK_BATCH
                 || self.durability_lost
                 || draining
-                || capped
                 || settle_by.is_some_and(|at| now >= at)
             {
                 self.settle(&mut outcomes);
@@ -613,7 +611,7 @@ impl<'a> Worker<'a> {
         if jobs.is_empty() {
             return;
         }
-        let results = self.run_in_database(&jobs);
+        let results = self.run_in_database(&jobs, out);
         let left = jobs.len() - results.len();
         if left > 0 {
             self.ctx
@@ -1347,7 +1345,11 @@ impl<'a> Worker<'a> {
     /// holds through a stop). The jobs without one stay pending for the next start.
     ///
     /// [`Manners::share`]: crate::manners::Manners::share
-    fn run_in_database(&mut self, jobs: &[Job<'_>]) -> Vec<(JobResult, i64)> {
+    fn run_in_database(
+        &mut self,
+        jobs: &[Job<'_>],
+        outcomes: &mut Vec<Settlement>,
+    ) -> Vec<(JobResult, i64)> {
         let share = self
             .ctx
             .manners
@@ -1355,14 +1357,18 @@ impl<'a> Worker<'a> {
             .unwrap_or(jobs.len())
             .max(1);
         let (manners, shutdown) = (self.ctx.manners, self.ctx.shutdown);
-        // While a share waits for its slots, this worker's jobs are claimed again every
-        // quarter of `--claim-idle` ([`Manners::pace`]).
+        // While a share waits for its slots, every quarter of `--claim-idle`
+        // ([`Manners::pace`]), this worker's jobs are claimed again and the outcomes in
+        // hand settled: held back for the next acknowledgement, an outcome of a job run
+        // before a wait of seconds was taken back after `--claim-idle` and its job
+        // delivered again.
         let every = self.ctx.claim_idle / 4;
         let mut results = Vec::with_capacity(jobs.len());
         for (i, part) in jobs.chunks(share).enumerate() {
             let events = part.iter().map(|j| j.env.event.as_str());
             let held = jobs[i * share..].iter().map(|j| &j.d);
             if !manners.pace(events, shutdown, every, || {
+                self.settle(outcomes);
                 self.claim_again(held.clone());
             }) {
                 break;
