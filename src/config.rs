@@ -605,24 +605,6 @@ impl Config {
             .map_or(most, |n| most.min(n))
     }
 
-    /// The `--max-rate` caps whose slots are more than half of `--claim-idle` apart, each
-    /// with the `--claim-idle` it would want. The jobs a worker holds for their slots and
-    /// those it gives back are claimed again as they wait, but a job still in the
-    /// read-ahead waits up to a slot's interval for a worker to take it: nearer
-    /// `--claim-idle` than that, a reader may take it back and deliver it again (the inbox
-    /// stops the second run, but it takes a slot and counts as a delivery). Told at start.
-    pub fn caps_too_slow_for_claim_idle(&self) -> Vec<(&crate::manners::MaxRate, Duration)> {
-        self.jobs
-            .max_rates
-            .iter()
-            .filter_map(|r| {
-                let gap = Duration::from_secs_f64(1.0 / r.per_second);
-                (gap > self.reader.claim_idle / 2)
-                    .then(|| (r, (gap * 2).max(Duration::from_secs(1))))
-            })
-            .collect()
-    }
-
     /// Size of the PostgreSQL pool: each worker holds one connection for its whole life
     /// (its prepared statements live there) and nothing else in the daemon checks one out.
     pub fn db_pool_size(&self) -> u32 {
@@ -750,23 +732,6 @@ mod tests {
         );
         assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
         assert!(parse_duration("1.5x").is_err());
-    }
-
-    #[test]
-    fn caps_slower_than_half_of_claim_idle_are_told_with_the_claim_idle_they_want() {
-        let mut c = Config::new("redis://h/", "postgres://h/d");
-        c.jobs.max_rates = ["order.timeout=60/h", "2/m", "200/s"]
-            .iter()
-            .map(|r| crate::manners::MaxRate::parse(r).unwrap())
-            .collect();
-        let told: Vec<(String, u64)> = c
-            .caps_too_slow_for_claim_idle()
-            .into_iter()
-            .map(|(r, want)| (r.to_string(), want.as_secs()))
-            .collect();
-        assert_eq!(told, [("order.timeout=1/m".to_string(), 120)]);
-        c.reader.claim_idle = Duration::from_secs(20);
-        assert_eq!(c.caps_too_slow_for_claim_idle().len(), 2, "2/m: 30 s apart");
     }
 
     #[test]

@@ -188,14 +188,6 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<Report, DaemonError> 
         Err(e) => return Err(e),
     };
     log::info!("starting: {}", config.summary());
-    for (cap, wanted) in config.caps_too_slow_for_claim_idle() {
-        log::warn!(
-            "--max-rate {cap} leaves {:.1} s between jobs, more than half of --claim-idle ({} s): a job waiting for a worker may be taken back as stuck and delivered again (the inbox stops a second run, but it takes a slot); give --claim-idle {}s or more",
-            1.0 / cap.per_second,
-            config.reader.claim_idle.as_secs(),
-            wanted.as_secs().max(1),
-        );
-    }
     log::info!(
         "handlers: {}",
         ready.handlers.current().0.events().join(", ")

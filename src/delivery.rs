@@ -241,6 +241,29 @@ impl Take {
         }
     }
 
+    /// Every delivery waiting now, the given-back ones and the reader's, handed to `f`
+    /// and then put back ahead of the reader's in chunks of at most `chunk`. They count as
+    /// waiting throughout, so the reader's room does not open meanwhile.
+    pub fn rotate(&self, chunk: usize, f: impl FnOnce(&mut Vec<Delivery>)) {
+        let mut all: Vec<Delivery> = Vec::new();
+        while let Ok(c) = self.back_rx.try_recv() {
+            all.extend(c);
+        }
+        while let Ok(c) = self.rx.try_recv() {
+            all.extend(c);
+        }
+        if all.is_empty() {
+            return;
+        }
+        f(&mut all);
+        let mut all = all.into_iter().peekable();
+        while all.peek().is_some() {
+            let c: Vec<Delivery> = all.by_ref().take(chunk.max(1)).collect();
+            // Unbounded, and this end holds its receiver: the send cannot fail.
+            let _ = self.back_tx.send(c);
+        }
+    }
+
     fn given_back(&self) -> Option<Vec<Delivery>> {
         self.back_rx.try_recv().ok().map(|c| self.took(c))
     }
@@ -358,6 +381,32 @@ mod tests {
         drop(take);
         assert!(hand.send(vec![d(1)]).is_err());
         assert_eq!(hand.len(), 0);
+    }
+
+    #[test]
+    fn a_rotation_sees_every_waiting_delivery_and_keeps_them_counted() {
+        let (hand, take) = channel(10, 4);
+        hand.send((0..5).map(d).collect()).unwrap();
+        take.give_back(vec![d(7)], 1);
+        let mut seen = Vec::new();
+        take.rotate(2, |all| {
+            assert_eq!(
+                hand.len(),
+                6,
+                "counted while rotated: the reader's room stays shut"
+            );
+            seen = ids(all).iter().map(|s| s.to_string()).collect();
+        });
+        assert_eq!(seen, ["7-0", "0-0", "1-0", "2-0", "3-0", "4-0"]);
+        assert_eq!(take.len(), 6);
+        assert_eq!(
+            ids(&take.try_recv_read().unwrap_or_default()),
+            Vec::<&str>::new()
+        );
+        assert_eq!(ids(&take.try_recv().unwrap()), ["7-0", "0-0"]);
+        assert_eq!(take.try_iter().count(), 4);
+        assert!(hand.is_empty());
+        take.rotate(2, |_| panic!("nothing waits: not called"));
     }
 
     #[test]

@@ -269,6 +269,9 @@ pub struct Worker<'a> {
     /// pending (or in the processing list) for the next start.
     held: Vec<Settlement>,
     held_tried: Option<std::time::Instant>,
+    /// When this worker last kept up while pacing under a `--max-rate`
+    /// ([`Worker::keep_up`]).
+    kept_at: Instant,
     db_backoff: Backoff,
     redis_backoff: Backoff,
 }
@@ -291,6 +294,7 @@ impl<'a> Worker<'a> {
             redis: None,
             held: Vec::new(),
             held_tried: None,
+            kept_at: Instant::now(),
         }
     }
 
@@ -611,7 +615,7 @@ impl<'a> Worker<'a> {
         if jobs.is_empty() {
             return;
         }
-        let results = self.run_in_database(&jobs, out);
+        let results = self.run_in_database(&jobs, out, pool);
         let left = jobs.len() - results.len();
         if left > 0 {
             self.ctx
@@ -740,6 +744,31 @@ impl<'a> Worker<'a> {
         let now = Instant::now();
         for i in stale {
             back[i].received = now;
+        }
+    }
+
+    /// What a worker pacing under a `--max-rate` does every quarter of `--claim-idle`, so
+    /// that no wait for slots makes a job look stuck, however low the cap: it settles the
+    /// outcomes in hand (held back for the next acknowledgement, an outcome of a job run
+    /// before a wait of seconds was taken back after `--claim-idle` and its job delivered
+    /// again), claims the jobs it holds again, and so the deliveries waiting in `pool` for
+    /// a worker once they have waited a quarter of `--claim-idle` ([`Worker::keep_claimed`]),
+    /// the reader's and those given back (when every worker paces, nothing else takes them:
+    /// under a cap whose slots were seconds apart, the read-ahead waited past
+    /// `--claim-idle` and was delivered again). Those go back in chunks of `chunk`, ahead
+    /// of the reader's, still counted against its room.
+    fn keep_up<'d>(
+        &mut self,
+        outcomes: &mut Vec<Settlement>,
+        held: impl Iterator<Item = &'d Delivery> + Clone,
+        pool: Option<&crate::delivery::Take>,
+        chunk: usize,
+    ) {
+        self.kept_at = Instant::now();
+        self.settle(outcomes);
+        self.claim_again(held);
+        if let Some(pool) = pool {
+            pool.rotate(chunk, |waiting| self.keep_claimed(waiting));
         }
     }
 
@@ -1349,6 +1378,7 @@ impl<'a> Worker<'a> {
         &mut self,
         jobs: &[Job<'_>],
         outcomes: &mut Vec<Settlement>,
+        pool: Option<&crate::delivery::Take>,
     ) -> Vec<(JobResult, i64)> {
         let share = self
             .ctx
@@ -1357,19 +1387,20 @@ impl<'a> Worker<'a> {
             .unwrap_or(jobs.len())
             .max(1);
         let (manners, shutdown) = (self.ctx.manners, self.ctx.shutdown);
-        // While a share waits for its slots, every quarter of `--claim-idle`
-        // ([`Manners::pace`]), this worker's jobs are claimed again and the outcomes in
-        // hand settled: held back for the next acknowledgement, an outcome of a job run
-        // before a wait of seconds was taken back after `--claim-idle` and its job
-        // delivered again.
+        // While this worker paces, every quarter of `--claim-idle`, it keeps up
+        // ([`Worker::keep_up`]): between the waits (each may be shorter) and during a
+        // long one ([`Manners::pace`]).
         let every = self.ctx.claim_idle / 4;
+        let capped = manners.capped();
         let mut results = Vec::with_capacity(jobs.len());
         for (i, part) in jobs.chunks(share).enumerate() {
             let events = part.iter().map(|j| j.env.event.as_str());
             let held = jobs[i * share..].iter().map(|j| &j.d);
+            if capped && self.kept_at.elapsed() >= every {
+                self.keep_up(outcomes, held.clone(), pool, share);
+            }
             if !manners.pace(events, shutdown, every, || {
-                self.settle(outcomes);
-                self.claim_again(held.clone());
+                self.keep_up(outcomes, held.clone(), pool, share)
             }) {
                 break;
             }

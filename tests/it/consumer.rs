@@ -669,29 +669,43 @@ fn a_drain_under_an_event_s_cap_takes_back_nothing_of_its_own() {
 /// (4 workers holding one job each under 1/s wait up to 4 s, `--claim-idle` is 3 s; a
 /// cap of 60/h with 8 workers holds them for 8 minutes): the jobs a worker holds while
 /// it paces are claimed again too, not only those it gave back, and what it ran is
-/// acknowledged before it paces the next. Before, 4 of the 12 jobs were reclaimed and delivered again: the ones the workers held
-/// while they paced, and, with that mended, the ones that had run but whose
-/// acknowledgement a worker kept back for its next batch, seconds away under the cap (4
-/// run twice, stopped by the inbox).
+/// acknowledged on the way, not held for its next batch. Before, 4 of the 12 jobs were
+/// reclaimed and delivered again: the ones the workers held while they paced, and, with
+/// that mended, the ones that had run but whose acknowledgement a worker kept back for
+/// its next batch, seconds away under the cap (4 run twice, stopped by the inbox).
 #[test]
 fn a_cap_below_the_workers_share_takes_back_nothing_of_its_own() {
-    a_drain_capped_at_takes_back_nothing_of_its_own_n("1/s", 12);
+    a_drain_capped_at_takes_back_nothing_of_its_own_n("1/s", 12, 4, Duration::from_secs(3));
 }
 
-/// [`a_cap_below_the_workers_share_takes_back_nothing_of_its_own`] under an event's cap.
+/// [`a_cap_below_the_workers_share_takes_back_nothing_of_its_own`] under an event's cap
+/// whose slots are further apart than `--claim-idle` (1 s against 0.8 s), with 8 workers:
+/// the jobs read ahead, waiting for a worker while every worker paces, are claimed again
+/// by the pacing workers (before, one was reclaimed and delivered again).
 #[test]
 fn an_event_s_cap_below_the_workers_share_takes_back_nothing_of_its_own() {
-    a_drain_capped_at_takes_back_nothing_of_its_own_n("order.timeout=1/s", 12);
+    a_drain_capped_at_takes_back_nothing_of_its_own_n(
+        "order.timeout=1/s",
+        12,
+        8,
+        Duration::from_millis(800),
+    );
 }
 
 fn a_drain_capped_at_takes_back_nothing_of_its_own(cap: &str) {
-    a_drain_capped_at_takes_back_nothing_of_its_own_n(cap, 100);
+    a_drain_capped_at_takes_back_nothing_of_its_own_n(cap, 100, 4, Duration::from_secs(3));
 }
 
-fn a_drain_capped_at_takes_back_nothing_of_its_own_n(cap: &str, n: usize) {
+fn a_drain_capped_at_takes_back_nothing_of_its_own_n(
+    cap: &str,
+    n: usize,
+    threads: usize,
+    claim_idle: Duration,
+) {
     let mut env = Env::new();
     env.config.jobs.max_rates = vec![delay_worker::manners::MaxRate::parse(cap).unwrap()];
-    env.config.reader.claim_idle = Duration::from_secs(3);
+    env.config.reader.claim_idle = claim_idle;
+    env.config.threads = threads;
     let orders = seed_orders(&env.db, n);
     push_timeouts(&env, &orders, 0);
     let daemon = Daemon::start(&env.config);
