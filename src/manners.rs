@@ -1,10 +1,12 @@
 //! How the worker shares the shop's database with the shop: caps on its rate
 //! (`--max-rate`), and sets that shrink where they meet the shop's locks.
 //!
-//! - **Rates.** `--max-rate N/s` caps every job, `--max-rate EVENT=N/s` one event's. Each
-//!   cap is a schedule of free slots (GCRA): a job takes the next slot, and a worker whose
-//!   slot is in the future sleeps until then, holding its jobs (the channel fills, the
-//!   reader waits: back-pressure, nothing lost). A set of k jobs takes k slots, and a
+//! - **Rates.** `--max-rate N/s` caps every job, `--max-rate EVENT=N/s` one event's, for
+//!   the whole fleet: each cap is a schedule of free slots (GCRA) that every process of
+//!   the prefix takes from in Redis (`take_slots.lua`, on Redis's clock; the schedules
+//!   here are a process's own, kept while Redis's cannot be taken). A job takes the next
+//!   slot, and a worker whose slot is in the future sleeps until then, holding its jobs
+//!   (the channel fills, the reader waits: back-pressure, nothing lost). A set of k jobs takes k slots, and a
 //!   worker paces a tenth of a second's share of the tightest cap at a time
 //!   ([`Manners::share`]), so no second holds much more than the cap. The sleep is woken
 //!   by shutdown, and the cap holds through it: jobs whose slots are not yet due when the
@@ -40,6 +42,9 @@ impl MaxRate {
     /// `N/s`, `N/m` or `N/h` (a bare number is per second), optionally after `EVENT=`.
     pub fn parse(spec: &str) -> Result<MaxRate, String> {
         let (event, rate) = match spec.rsplit_once('=') {
+            Some((e, _)) if e.trim() == GLOBAL_CAP => {
+                return Err("no event is called *: a cap on every job is N/s alone".into())
+            }
             Some((e, r)) if !e.trim().is_empty() => (Some(e.trim().to_string()), r.trim()),
             Some(_) => return Err("the event before = is empty".into()),
             None => (None, spec.trim()),
@@ -68,6 +73,20 @@ impl MaxRate {
     }
 }
 
+/// The name of the cap on every job in the fleet's schedules ([`SlotTake::cap`]).
+pub const GLOBAL_CAP: &str = "*";
+
+/// The slots of one cap a share of jobs takes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SlotTake<'m> {
+    /// [`GLOBAL_CAP`], or the event of an event's cap.
+    pub cap: &'m str,
+    /// The time between two of its slots.
+    pub interval: Duration,
+    /// How many slots: the share's jobs it applies to.
+    pub n: usize,
+}
+
 /// A schedule of slots `interval` apart: the time the next one is free.
 struct Slots {
     interval: Duration,
@@ -76,7 +95,7 @@ struct Slots {
 
 /// The burst a cap lets through at once after a quiet spell, and the share of a worker's
 /// jobs paced at a time ([`Manners::share`]): a tenth of a second's slots.
-const BURST: Duration = Duration::from_millis(100);
+pub const BURST: Duration = Duration::from_millis(100);
 
 impl Slots {
     /// Takes `n` slots; returns when the last of them is due (now or later). A burst of
@@ -210,44 +229,84 @@ impl Manners {
         events: impl Iterator<Item = &'e str>,
         shutdown: &Shutdown,
         every: Duration,
-        mut keep: impl FnMut(),
+        keep: impl FnMut(),
     ) -> bool {
-        if !self.capped() {
+        let takes = self.takes(events);
+        if takes.is_empty() {
             return true;
         }
-        let mut counts: HashMap<&str, usize> = HashMap::new();
+        let until = self.take_here(&takes);
+        self.wait_for(until, shutdown, every, keep)
+    }
+
+    /// The slots jobs of these events take, one per job of each cap that applies to them;
+    /// empty without caps.
+    pub fn takes<'m, 'e>(&'m self, events: impl Iterator<Item = &'e str>) -> Vec<SlotTake<'m>> {
+        if !self.capped() {
+            return Vec::new();
+        }
+        let mut counts: HashMap<&'m str, usize> = HashMap::new();
         let mut total = 0;
         for e in events {
-            *counts.entry(e).or_default() += 1;
+            if let Some((name, _)) = self.by_event.get_key_value(e) {
+                *counts.entry(name.as_str()).or_default() += 1;
+            }
             total += 1;
         }
-        let caps: Vec<(&Slots, usize)> = self
-            .all
+        let take = |cap: &'m str, s: &Slots, n: usize| SlotTake {
+            cap,
+            interval: s.interval,
+            n,
+        };
+        self.all
             .iter()
-            .map(|all| (all, total))
+            .map(|all| take(GLOBAL_CAP, all, total))
             .chain(
                 counts
                     .into_iter()
-                    .filter_map(|(e, n)| self.by_event.get(e).map(|s| (s, n))),
+                    .map(|(e, n)| take(e, &self.by_event[e], n)),
             )
-            .collect();
+            .collect()
+    }
+
+    /// Takes these slots of this process's own schedules: when the jobs may run. The
+    /// fleet's schedules in Redis are taken instead while Redis answers
+    /// ([`crate::store::take_slots`]); these are what a process keeps when it does not.
+    pub fn take_here(&self, takes: &[SlotTake<'_>]) -> Instant {
+        let slots = |cap: &str| match cap {
+            GLOBAL_CAP => self.all.as_ref(),
+            e => self.by_event.get(e),
+        };
         // One worker takes its slots of every cap at a time, and every cap it took goes
         // on from when the jobs may run, the latest of their slots: a cap that let them
         // run earlier would otherwise count them at slots they did not use and let the
         // next jobs in early (`order.timeout=30/s` held 38 in a second under a global
         // `60/s`, `shopdb::event_caps_hold_under_a_global_cap`).
         let now = Instant::now();
-        let until = {
-            let _one_at_a_time = self.taking.lock().unwrap_or_else(|p| p.into_inner());
-            let until = caps
-                .iter()
-                .map(|(s, n)| s.take(*n, now))
-                .fold(now, Instant::max);
-            for (s, _) in &caps {
+        let _one_at_a_time = self.taking.lock().unwrap_or_else(|p| p.into_inner());
+        let until = takes
+            .iter()
+            .filter_map(|t| slots(t.cap).map(|s| s.take(t.n, now)))
+            .fold(now, Instant::max);
+        for t in takes {
+            if let Some(s) = slots(t.cap) {
                 s.ran_at(until);
             }
-            until
-        };
+        }
+        until
+    }
+
+    /// Waits until `until`: `true` then, `false` when shutdown comes first (set before or
+    /// during the wait; not when `until` has passed already). `keep` is called every
+    /// `every` on the way.
+    #[must_use]
+    pub fn wait_for(
+        &self,
+        until: Instant,
+        shutdown: &Shutdown,
+        every: Duration,
+        mut keep: impl FnMut(),
+    ) -> bool {
         let every = every.max(Duration::from_millis(10));
         loop {
             let now = Instant::now();
@@ -361,6 +420,10 @@ mod tests {
         assert!(MaxRate::parse("=5/s").is_err());
         assert!(MaxRate::parse("5/w").is_err());
         assert!(MaxRate::parse("x/s").is_err());
+        assert!(
+            MaxRate::parse("*=5/s").is_err(),
+            "* names the cap on every job"
+        );
     }
 
     #[test]
@@ -422,6 +485,34 @@ mod tests {
             Manners::unlimited(32).pace(one(), &stop, Duration::MAX, || {}),
             "no cap: runs"
         );
+    }
+
+    #[test]
+    fn a_share_takes_a_slot_per_job_of_every_cap_that_applies() {
+        let rates: Vec<MaxRate> = ["60/s", "order.timeout=30/s", "coupon.expire=5/s"]
+            .iter()
+            .map(|r| MaxRate::parse(r).unwrap())
+            .collect();
+        let m = Manners::new(&rates, 32);
+        let events = ["order.timeout", "refund.approve", "order.timeout"];
+        let takes = m.takes(events.into_iter());
+        let every = |n: f64| Duration::from_secs_f64(1.0 / n);
+        assert_eq!(
+            takes,
+            [
+                SlotTake {
+                    cap: GLOBAL_CAP,
+                    interval: every(60.0),
+                    n: 3
+                },
+                SlotTake {
+                    cap: "order.timeout",
+                    interval: every(30.0),
+                    n: 2
+                },
+            ]
+        );
+        assert!(Manners::unlimited(32).takes(events.into_iter()).is_empty());
     }
 
     #[test]

@@ -511,6 +511,27 @@ pub fn memory(con: &mut dyn ConnectionLike, key: &str) -> StoreResult<Memory> {
 
 /// The two read-only scripts of [`server_time_us`] and [`memory`]: keyed, so a Cluster
 /// sends them to the master of that key's slot.
+static TAKE_SLOTS: std::sync::LazyLock<redis::Script> = script!("take_slots.lua");
+
+/// Takes the slots of a share of jobs from the fleet's `--max-rate` schedules in `rates`
+/// (`take_slots.lua`, on Redis's clock): how long until the jobs may run.
+pub fn take_slots(
+    con: &mut dyn ConnectionLike,
+    rates: &str,
+    burst: Duration,
+    takes: &[crate::manners::SlotTake<'_>],
+) -> StoreResult<Duration> {
+    let mut inv = TAKE_SLOTS.prepare_invoke();
+    inv.key(rates).arg(burst.as_micros() as u64);
+    for t in takes {
+        inv.arg(t.cap)
+            .arg(t.interval.as_micros().max(1) as u64)
+            .arg(t.n);
+    }
+    let reply = run("take --max-rate slots", &inv, con)?;
+    Ok(Duration::from_micros(int(Some(&reply)).max(0) as u64))
+}
+
 static TIME: std::sync::LazyLock<redis::Script> =
     std::sync::LazyLock::new(|| redis::Script::new("return redis.call('TIME')"));
 static INFO_MEMORY: std::sync::LazyLock<redis::Script> =

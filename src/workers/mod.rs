@@ -272,6 +272,9 @@ pub struct Worker<'a> {
     /// When this worker last kept up while pacing under a `--max-rate`
     /// ([`Worker::keep_up`]).
     kept_at: Instant,
+    /// The fleet's `--max-rate` schedules in Redis could not be taken: this process's
+    /// own are ([`Worker::take_slots`]).
+    rates_alone: bool,
     db_backoff: Backoff,
     redis_backoff: Backoff,
 }
@@ -295,6 +298,7 @@ impl<'a> Worker<'a> {
             held: Vec::new(),
             held_tried: None,
             kept_at: Instant::now(),
+            rates_alone: false,
         }
     }
 
@@ -745,6 +749,36 @@ impl<'a> Worker<'a> {
         for i in stale {
             back[i].received = now;
         }
+    }
+
+    /// When jobs taking these slots may run: the slots are the fleet's, taken from the
+    /// schedules every process of the prefix shares in Redis ([`store::take_slots`], on
+    /// Redis's clock), so that a cap holds however many processes run; this process's own
+    /// schedules while Redis does not answer (each process then keeps the cap by itself,
+    /// and none runs anything it cannot acknowledge for long).
+    fn take_slots(&mut self, takes: &[crate::manners::SlotTake<'_>]) -> Instant {
+        let ctx = self.ctx;
+        let asked = Instant::now();
+        if let Some(con) = self.redis_now() {
+            match store::take_slots(con, &ctx.shards[0].rates, crate::manners::BURST, takes) {
+                Ok(wait) => {
+                    if std::mem::take(&mut self.rates_alone) {
+                        log::info!("{}: --max-rate is the fleet's again", self.name);
+                    }
+                    return asked + wait;
+                }
+                Err(e) => {
+                    if !std::mem::replace(&mut self.rates_alone, true) {
+                        log::warn!(
+                            "{}: --max-rate kept by this process alone until the fleet's schedules in Redis can be taken: {e}",
+                            self.name
+                        );
+                    }
+                    self.redis = None;
+                }
+            }
+        }
+        ctx.manners.take_here(takes)
     }
 
     /// What a worker pacing under a `--max-rate` does every quarter of `--claim-idle`, so
@@ -1399,10 +1433,14 @@ impl<'a> Worker<'a> {
             if capped && self.kept_at.elapsed() >= every {
                 self.keep_up(outcomes, held.clone(), pool, share);
             }
-            if !manners.pace(events, shutdown, every, || {
-                self.keep_up(outcomes, held.clone(), pool, share)
-            }) {
-                break;
+            let takes = manners.takes(events);
+            if !takes.is_empty() {
+                let until = self.take_slots(&takes);
+                if !manners.wait_for(until, shutdown, every, || {
+                    self.keep_up(outcomes, held.clone(), pool, share)
+                }) {
+                    break;
+                }
             }
             match self.run_paced(part) {
                 Some(r) => {

@@ -1777,27 +1777,109 @@ fn a_max_rate_holds_in_every_second_not_only_on_average() {
     wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
     push_timeouts(&env, &orders, 0);
     wait_done(&env, &env.db, orders.len() as i64);
-    let at: Vec<f64> = env
-        .db
-        .probe(|c| {
-            c.query(
-                "SELECT extract(epoch FROM processed_at)::float8 FROM worker_inbox ORDER BY 1",
-                &[],
-            )
-        })
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    // The most jobs whose transactions began within any one second.
-    let busiest = (0..at.len())
-        .map(|i| at[i..].iter().take_while(|&&t| t < at[i] + 1.0).count())
-        .max()
-        .unwrap();
+    let busiest = busiest_second(&env.db, None);
     assert!(
         busiest <= 20 + 2 + 2,
         "{busiest} jobs within one second against --max-rate 20/s"
     );
     every_job_once_and_green(&env, w, port, &orders);
+}
+
+/// A cap is the fleet's: three processes of one prefix started with `--max-rate
+/// order.timeout=20/s` take their slots from one schedule in Redis and together run no
+/// more than it in any second (before, each kept its own: 60 a second together).
+#[test]
+fn a_max_rate_is_the_fleet_s_however_many_processes_run() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 120);
+    let procs: Vec<(Proc, u16)> = ["a", "b", "c"]
+        .iter()
+        .map(|name| {
+            let mut c = env.config.clone();
+            c.consumer = format!("{}-{name}", env.config.consumer);
+            let port = free_port();
+            let addr = format!("127.0.0.1:{port}");
+            let p = Proc::start(
+                &c,
+                &args(&["--metrics-addr", &addr, "--max-rate", "order.timeout=20/s"]),
+            );
+            (p, port)
+        })
+        .collect();
+    for (_, port) in &procs {
+        wait_until(WAIT, "/healthz green", || healthz(*port).0 == 200);
+    }
+    push_timeouts(&env, &orders, 0);
+    let pushed = Instant::now();
+    wait_done(&env, &env.db, orders.len() as i64);
+    let took = pushed.elapsed();
+    let busiest = busiest_second(&env.db, None);
+    assert!(
+        busiest <= 20 + 2 + 2,
+        "{busiest} jobs within one second from three processes against --max-rate 20/s"
+    );
+    assert!(
+        took >= Duration::from_secs(5),
+        "120 jobs at 20/s took {took:?}"
+    );
+    let every: Vec<&SeedOrder> = orders.iter().collect();
+    assert_accounting(&env.db, &orders, &every);
+    for (mut p, _) in procs {
+        p.signal(libc::SIGTERM);
+        assert!(p.wait(WAIT).success(), "{}", p.log());
+        assert!(!p.log().contains("ERROR"), "{}", p.log());
+        assert!(
+            !p.log().contains("alone until Redis answers"),
+            "{}",
+            p.log()
+        );
+    }
+}
+
+/// While the fleet's schedules cannot be taken (here the rates key holds a string; the
+/// same when Redis does not answer) a process keeps its cap by itself, says so once, and
+/// takes the fleet's again once it can.
+#[test]
+fn a_max_rate_holds_in_each_process_while_the_fleet_s_schedules_cannot_be_taken() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 100);
+    let rates = env.config.keys.rates.clone();
+    let mut con = env.con();
+    redis::cmd("SET")
+        .arg(&rates)
+        .arg("x")
+        .query::<()>(&mut con)
+        .unwrap();
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut w = Proc::start_logging(
+        &env.config,
+        &args(&["--metrics-addr", &addr, "--max-rate", "order.timeout=20/s"]),
+        "info",
+    );
+    wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
+    push_timeouts(&env, &orders[..60], 0);
+    wait_done(&env, &env.db, 60);
+    let busiest = busiest_second(&env.db, None);
+    assert!(busiest <= 20 + 2 + 2, "{busiest} jobs within one second");
+    let alone =
+        "--max-rate kept by this process alone until the fleet's schedules in Redis can be taken";
+    assert!(w.log().contains(alone), "{}", w.log());
+    assert!(w.log().contains(&rates), "the key is named: {}", w.log());
+    redis::cmd("DEL").arg(&rates).query::<()>(&mut con).unwrap();
+    push_timeouts(&env, &orders[60..], 0);
+    wait_done(&env, &env.db, 100);
+    assert!(
+        w.log().contains("--max-rate is the fleet's again"),
+        "{}",
+        w.log()
+    );
+    let fields: i64 = redis::cmd("HLEN").arg(&rates).query(&mut con).unwrap();
+    assert_eq!(fields, 1, "the event's schedule is in Redis again");
+    w.signal(libc::SIGTERM);
+    assert!(w.wait(WAIT).success(), "{}", w.log());
+    let every: Vec<&SeedOrder> = orders.iter().collect();
+    assert_accounting(&env.db, &orders, &every);
 }
 
 /// A shop trigger that slows every tenth order past `--statement-timeout`, with a retry

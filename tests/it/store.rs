@@ -1321,3 +1321,54 @@ fn keeping_entries_claimed_takes_none_from_a_peer() {
     assert_eq!((&pending[1].0, pending[1].1.as_str()), (&ids[1], "c2"));
     assert!(stream::keep_claimed(&mut con, &k, "c1", &[]).unwrap() == 0);
 }
+
+/// The fleet's `--max-rate` schedules: one call takes a share's slots of every cap that
+/// applies, on Redis's clock; after a quiet spell a burst is free at once, then each slot
+/// waits its interval, and every cap taken goes on from the latest slot. A rates key of
+/// the wrong type is named and left as it is.
+#[test]
+fn slots_are_taken_from_one_schedule_per_cap_on_redis_s_clock() {
+    use delay_worker::manners::SlotTake;
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let k = keys();
+    let burst = Duration::from_millis(100);
+    let all = |n| SlotTake {
+        cap: "*",
+        interval: Duration::from_millis(100),
+        n,
+    };
+    let ms = |d: Duration| d.as_millis();
+    assert_eq!(
+        store::take_slots(&mut con, &k.rates, burst, &[all(1)]).unwrap(),
+        Duration::ZERO
+    );
+    let second = store::take_slots(&mut con, &k.rates, burst, &[all(1)]).unwrap();
+    assert!((90..=100).contains(&ms(second)), "{second:?}");
+    let event = SlotTake {
+        cap: "order.timeout",
+        interval: Duration::from_millis(500),
+        n: 1,
+    };
+    // Two more of the global cap (200 ms on) and one of the event's (400 ms on, after its
+    // burst): the later decides, and both go on from it.
+    let both = store::take_slots(&mut con, &k.rates, burst, &[all(2), event.clone()]).unwrap();
+    assert!((390..=400).contains(&ms(both)), "{both:?}");
+    let fields: Vec<String> = redis::cmd("HMGET")
+        .arg(&k.rates)
+        .arg("*")
+        .arg("order.timeout")
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(
+        fields[0], fields[1],
+        "every cap taken goes on from the latest slot"
+    );
+    let next = store::take_slots(&mut con, &k.rates, burst, &[all(1)]).unwrap();
+    assert!((480..=500).contains(&ms(next)), "{next:?}");
+    set_string(&mut con, &k.rates);
+    is_wrong_type(
+        &store::take_slots(&mut con, &k.rates, burst, &[event]),
+        &k.rates,
+    );
+}
