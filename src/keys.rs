@@ -29,9 +29,10 @@ pub struct Keys {
     /// so that a process with no refusal of its own on record (restarted, another host)
     /// does not take the next such job for its data while a shop rule refuses them all.
     pub refused: String,
-    /// HASH: `--max-rate` cap (`*` for every job, else an event) -> when its next slot is
-    /// free, unix microseconds on Redis's clock (`<pool>:rates`; shard 0's serves every
-    /// shard), so that every process of the prefix keeps one cap together.
+    /// HASH: `--max-rate` schedule (`<cap>@<interval µs>`, the cap `*` for every job, else
+    /// an event) -> when its next slot is free, unix microseconds on Redis's clock
+    /// (`<pool>:rates`; shard 0's serves every shard), so that every process of the prefix
+    /// keeps one cap together.
     pub rates: String,
     /// STREAM the mover appends due messages to, fields `msg` and `key`.
     pub stream: String,

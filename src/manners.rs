@@ -99,10 +99,11 @@ pub const BURST: Duration = Duration::from_millis(100);
 
 impl Slots {
     /// Takes `n` slots; returns when the last of them is due (now or later). A burst of
-    /// at most a tenth of a second's slots is let through at once after a quiet spell.
+    /// at most a tenth of a second's slots is let through at once after a quiet spell,
+    /// and at least one: the first job under `1/m` runs at once, not a minute on.
     fn take(&self, n: usize, now: Instant) -> Instant {
         let mut next = self.next.lock().unwrap_or_else(|p| p.into_inner());
-        let burst = BURST;
+        let burst = BURST.max(self.interval);
         let start = match *next {
             Some(t) if t + burst > now => t,
             _ => now.checked_sub(burst).unwrap_or(now),
@@ -549,6 +550,16 @@ mod tests {
         let b = s.take(5, t0);
         assert_eq!(a, t0 + Duration::from_millis(10));
         assert_eq!(b, t0 + Duration::from_millis(60));
+        // A cap slower than the burst: one slot free at once, the next an interval on.
+        let slow = Slots {
+            interval: Duration::from_secs(60),
+            next: Mutex::new(None),
+        };
+        assert!(
+            slow.take(1, t0) <= t0,
+            "the first job under 1/m runs at once"
+        );
+        assert_eq!(slow.take(1, t0), t0 + Duration::from_secs(60));
     }
 
     #[test]

@@ -514,7 +514,10 @@ pub fn memory(con: &mut dyn ConnectionLike, key: &str) -> StoreResult<Memory> {
 static TAKE_SLOTS: std::sync::LazyLock<redis::Script> = script!("take_slots.lua");
 
 /// Takes the slots of a share of jobs from the fleet's `--max-rate` schedules in `rates`
-/// (`take_slots.lua`, on Redis's clock): how long until the jobs may run.
+/// (`take_slots.lua`, on Redis's clock): how long until the jobs may run. A schedule is
+/// one cap at one rate (`order.timeout@50000`: its interval in microseconds), so a cap
+/// changed by a restart starts a schedule of its own rather than waiting out slots the
+/// old rate spaced (an hour apart under `1/h`).
 pub fn take_slots(
     con: &mut dyn ConnectionLike,
     rates: &str,
@@ -524,8 +527,9 @@ pub fn take_slots(
     let mut inv = TAKE_SLOTS.prepare_invoke();
     inv.key(rates).arg(burst.as_micros() as u64);
     for t in takes {
-        inv.arg(t.cap)
-            .arg(t.interval.as_micros().max(1) as u64)
+        let interval = t.interval.as_micros().max(1) as u64;
+        inv.arg(format!("{}@{interval}", t.cap))
+            .arg(interval)
             .arg(t.n);
     }
     let reply = run("take --max-rate slots", &inv, con)?;

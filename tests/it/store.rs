@@ -1350,22 +1350,43 @@ fn slots_are_taken_from_one_schedule_per_cap_on_redis_s_clock() {
         interval: Duration::from_millis(500),
         n: 1,
     };
-    // Two more of the global cap (200 ms on) and one of the event's (400 ms on, after its
-    // burst): the later decides, and both go on from it.
+    // Two more of the global cap (300 ms on) and one of the event's (its first, free at
+    // once: after a quiet spell a cap slower than the burst has one slot free): the later
+    // decides, and both go on from it.
     let both = store::take_slots(&mut con, &k.rates, burst, &[all(2), event.clone()]).unwrap();
-    assert!((390..=400).contains(&ms(both)), "{both:?}");
-    let fields: Vec<String> = redis::cmd("HMGET")
+    assert!((290..=300).contains(&ms(both)), "{both:?}");
+    let fields: Vec<Option<String>> = redis::cmd("HMGET")
         .arg(&k.rates)
-        .arg("*")
-        .arg("order.timeout")
+        .arg("*@100000")
+        .arg("order.timeout@500000")
         .query(&mut con)
         .unwrap();
+    assert!(fields[0].is_some(), "{fields:?}");
     assert_eq!(
         fields[0], fields[1],
         "every cap taken goes on from the latest slot"
     );
     let next = store::take_slots(&mut con, &k.rates, burst, &[all(1)]).unwrap();
-    assert!((480..=500).contains(&ms(next)), "{next:?}");
+    assert!((380..=400).contains(&ms(next)), "{next:?}");
+    let event_next = store::take_slots(&mut con, &k.rates, burst, &[event.clone()]).unwrap();
+    assert!((780..=800).contains(&ms(event_next)), "{event_next:?}");
+    // The cap on every job changed by a restart to 1 a minute, and back: each rate is a
+    // schedule of its own, so the next start does not wait out the minute's slot.
+    let slow = SlotTake {
+        interval: Duration::from_secs(60),
+        ..all(1)
+    };
+    assert_eq!(
+        store::take_slots(&mut con, &k.rates, burst, std::slice::from_ref(&slow)).unwrap(),
+        Duration::ZERO
+    );
+    let again = store::take_slots(&mut con, &k.rates, burst, &[slow]).unwrap();
+    assert!(
+        again > Duration::from_secs(59),
+        "the next a minute on: {again:?}"
+    );
+    let back = store::take_slots(&mut con, &k.rates, burst, &[all(1)]).unwrap();
+    assert!(ms(back) <= 600, "{back:?}");
     set_string(&mut con, &k.rates);
     is_wrong_type(
         &store::take_slots(&mut con, &k.rates, burst, &[event]),
