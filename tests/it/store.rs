@@ -1368,7 +1368,8 @@ fn slots_are_taken_from_one_schedule_per_cap_on_redis_s_clock() {
     );
     let next = store::take_slots(&mut con, &k.rates, burst, &[all(1)]).unwrap();
     assert!((380..=400).contains(&ms(next)), "{next:?}");
-    let event_next = store::take_slots(&mut con, &k.rates, burst, &[event.clone()]).unwrap();
+    let event_next =
+        store::take_slots(&mut con, &k.rates, burst, std::slice::from_ref(&event)).unwrap();
     assert!((780..=800).contains(&ms(event_next)), "{event_next:?}");
     // The cap on every job changed by a restart to 1 a minute, and back: each rate is a
     // schedule of its own, so the next start does not wait out the minute's slot.
