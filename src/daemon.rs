@@ -58,6 +58,9 @@ pub enum DaemonError {
     NotMigrated { missing: String },
     #[error(transparent)]
     Handler(#[from] SqlHandlerError),
+    /// A `--max-rate` names an event no handler serves (a typo would run uncapped).
+    #[error("--max-rate {event}=...: no handler serves {event:?} (handlers: {known})")]
+    UnknownCapEvent { event: String, known: String },
     #[error(transparent)]
     Session(#[from] SessionError),
     #[error("the {0} thread panicked; the daemon stopped")]
@@ -270,6 +273,18 @@ fn preflight(config: &Config) -> Result<Ready, DaemonError> {
     let offset = check_redis(config, &client)?;
     check_schema(&config.database_url)?;
     let registry = registry(config)?;
+    if let Some(event) = config
+        .jobs
+        .max_rates
+        .iter()
+        .filter_map(|r| r.event.as_deref())
+        .find(|e| !registry.events().contains(e))
+    {
+        return Err(DaemonError::UnknownCapEvent {
+            event: event.to_string(),
+            known: registry.events().join(", "),
+        });
+    }
     let pool = db::pool(
         &config.database_url,
         config.db_pool_size(),

@@ -127,6 +127,41 @@ fn bad_flags_and_unreachable_servers_give_one_readable_line() {
     assert_one_line(&out, 2, "REDIS_URL");
 }
 
+/// A `--max-rate` that caps one thing twice (the last one won, silently) or names an
+/// event no handler serves (a typo ran that event uncapped): one line, exit 2.
+#[test]
+fn a_max_rate_given_twice_or_for_no_handler_s_event_is_refused() {
+    let dead_port = free_port();
+    let redis_down = format!("redis://127.0.0.1:{dead_port}/");
+    let db_down = format!("postgres://shop@127.0.0.1:{dead_port}/shop");
+    let out = worker(&["--max-rate", "2/s,3/s"], &redis_down, &db_down);
+    assert_one_line(&out, 2, "--max-rate: the cap on every job given twice");
+    let out = worker(
+        &[
+            "--max-rate",
+            "order.timeout=2/s",
+            "--max-rate",
+            "order.timeout=1/s",
+        ],
+        &redis_down,
+        &db_down,
+    );
+    assert_one_line(&out, 2, "--max-rate: a cap on order.timeout given twice");
+    let r = RedisServer::start();
+    let db = TestDb::new();
+    assert_eq!(
+        worker(&["migrate"], &r.url(), &db.url).status.code(),
+        Some(0)
+    );
+    let out = worker(&["--max-rate", "order.timout=1/s"], &r.url(), &db.url);
+    assert_one_line(&out, 2, "no handler serves \"order.timout\" (handlers: ");
+    assert!(
+        text(&out.stderr).contains("order.timeout"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
 /// The README's exit-code table, row by row (the second signal's 130 is
 /// `consumer::a_second_signal_exits_at_once_and_the_next_start_recovers`, `stats --check`'s
 /// codes are in admin.rs, `handlers check`'s in handlers_check.rs).

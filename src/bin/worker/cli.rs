@@ -802,6 +802,23 @@ impl Cli {
                 })
             })
             .collect::<Result<Vec<_>, CliError>>()?;
+        if let Some((_, dup)) = max_rates
+            .iter()
+            .enumerate()
+            .find(|(i, r)| max_rates[..*i].iter().any(|o| o.event == r.event))
+        {
+            return Err(CliError {
+                flag: "--max-rate",
+                problem: format!(
+                    "{} given twice: give one",
+                    dup.event
+                        .as_deref()
+                        .map_or("the cap on every job".to_string(), |e| format!(
+                            "a cap on {e}"
+                        ))
+                ),
+            });
+        }
         check(
             (1..=256).contains(&r.tx_batch),
             "--tx-batch",

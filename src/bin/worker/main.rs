@@ -92,6 +92,7 @@ fn main() -> ExitCode {
 fn handlers_dir(e: daemon::DaemonError) -> anyhow::Error {
     match e {
         daemon::DaemonError::Handler(h) => BadInput(format!("--handlers-dir: {h}")).into(),
+        e @ daemon::DaemonError::UnknownCapEvent { .. } => BadInput(e.to_string()).into(),
         other => other.into(),
     }
 }
