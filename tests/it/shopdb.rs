@@ -1836,6 +1836,57 @@ fn a_max_rate_is_the_fleet_s_however_many_processes_run() {
     }
 }
 
+/// A cap holds through a PostgreSQL outage and a process stopped (SIGSTOP) while its
+/// workers wait: their slots went by meanwhile, and they take new ones rather than run
+/// every held share at once (before: 8 jobs within 0.1 s under 2/s when PostgreSQL came
+/// back, 9 within a second after a SIGCONT).
+#[test]
+fn a_max_rate_holds_after_an_outage_and_a_stop() {
+    let mut env = Env::new();
+    env.config.threads = 8;
+    let orders = seed_orders(&env.db, 60);
+    let (mut w, port) = start_with_health(&env, &["--max-rate", "4/s"]);
+    wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
+    push_timeouts(&env, &orders, 0);
+    wait_until(WAIT, "a capped start", || inbox_count(&env.db) >= 8);
+    let mut admin = postgres::Client::connect(&admin_url(), postgres::NoTls).unwrap();
+    let connections = |admin: &mut postgres::Client, on: bool| {
+        admin
+            .batch_execute(&format!(
+                "ALTER DATABASE {} WITH ALLOW_CONNECTIONS {on}",
+                env.db.name
+            ))
+            .unwrap()
+    };
+    connections(&mut admin, false);
+    admin
+        .execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+             WHERE datname = $1 AND pid <> pg_backend_pid()",
+            &[&env.db.name],
+        )
+        .unwrap();
+    std::thread::sleep(Duration::from_secs(4));
+    connections(&mut admin, true);
+    let before = inbox_count(&env.db);
+    wait_until(WAIT, "jobs after the outage", || {
+        inbox_count(&env.db) >= before + 8
+    });
+    w.signal(libc::SIGSTOP);
+    std::thread::sleep(Duration::from_secs(3));
+    w.signal(libc::SIGCONT);
+    wait_done(&env, &env.db, orders.len() as i64);
+    let busiest = busiest_second(&env.db, None);
+    assert!(
+        busiest <= 4 + 1 + 1,
+        "{busiest} jobs within one second against --max-rate 4/s"
+    );
+    w.signal(libc::SIGTERM);
+    assert!(w.wait(WAIT).success(), "{}", w.log());
+    let every: Vec<&SeedOrder> = orders.iter().collect();
+    assert_accounting(&env.db, &orders, &every);
+}
+
 /// While the fleet's schedules cannot be taken (here the rates key holds a string; the
 /// same when Redis does not answer) a process keeps its cap by itself, says so once, and
 /// takes the fleet's again once it can.
