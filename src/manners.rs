@@ -343,6 +343,16 @@ impl Manners {
         share
     }
 
+    /// The time between the slots of the slowest cap on jobs of `event` (the global cap or
+    /// its own); `None` when none applies.
+    pub fn slowest_slots(&self, event: &str) -> Option<Duration> {
+        self.all
+            .iter()
+            .chain(self.by_event.get(event))
+            .map(|s| s.interval)
+            .max()
+    }
+
     /// Whether any cap is set.
     pub fn capped(&self) -> bool {
         self.all.is_some() || !self.by_event.is_empty()

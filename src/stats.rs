@@ -444,7 +444,9 @@ pub struct Waiter {
     pub since_ms: i64,
     /// The last failure, as PostgreSQL said it.
     pub reason: String,
-    /// When the retry it was last sent back with falls due (unix ms).
+    /// When the retry it was last sent back with falls due (unix ms), later under a slow
+    /// `--max-rate` (two of its slots), or later still while this process holds the job
+    /// ([`Contention::held`]): it is forgotten [`CONTENTION_FORGET`] after.
     pub due_ms: i64,
 }
 
@@ -505,6 +507,24 @@ impl Contention {
         let was = w.remove(key).is_some();
         self.len.store(w.len() as u64, Relaxed);
         was && w.is_empty()
+    }
+
+    /// Jobs this process holds, by job key (waiting for their `--max-rate` slots, or for a
+    /// worker while every worker waits for slots): those waiting on contention are not
+    /// forgotten before `until_ms` (+ [`CONTENTION_FORGET`]). Under a cap whose slots are
+    /// seconds apart a job met the lock, went back, and waited for its next slot longer
+    /// than it takes to be forgotten as another process's: nothing was left waiting, and
+    /// health stayed green through a standstill under 2/m.
+    pub fn held<K: AsRef<str>>(&self, keys: impl Iterator<Item = K>, until_ms: i64) {
+        if self.len.load(Relaxed) == 0 {
+            return;
+        }
+        let mut w = self.lock();
+        for k in keys {
+            if let Some(v) = w.get_mut(k.as_ref()) {
+                v.due_ms = v.due_ms.max(until_ms);
+            }
+        }
     }
 
     /// The jobs waiting as of `now_ms`, those forgotten by then gone.

@@ -794,8 +794,18 @@ impl<'a> Worker<'a> {
         ctx.manners.take_here(takes)
     }
 
-    /// What a worker pacing under a `--max-rate` does every quarter of `--claim-idle`, so
-    /// that no wait for slots makes a job look stuck, however low the cap: it settles the
+    /// How often a pacing worker keeps up: a quarter of `--claim-idle` (so that no job it
+    /// or its process holds is taken back as stuck), and a third of
+    /// [`crate::stats::CONTENTION_FORGET`] (so that no job it holds that waits on
+    /// contention is forgotten as another process's).
+    fn keep_up_every(&self) -> Duration {
+        (self.ctx.claim_idle / 4).min(crate::stats::CONTENTION_FORGET / 3)
+    }
+
+    /// What a worker pacing under a `--max-rate` does every [`Worker::keep_up_every`], so
+    /// that no wait for slots makes a job look stuck, however low the cap (and no job
+    /// waiting on contention is forgotten while this process holds it,
+    /// [`crate::stats::Contention::held`]): it settles the
     /// outcomes in hand (held back for the next acknowledgement, an outcome of a job run
     /// before a wait of seconds was taken back after `--claim-idle` and its job delivered
     /// again), claims the jobs it holds again, and so the deliveries waiting in `pool` for
@@ -813,9 +823,15 @@ impl<'a> Worker<'a> {
     ) {
         self.kept_at = Instant::now();
         self.settle(outcomes);
+        let contention = &self.ctx.stats.contention;
+        let until = crate::now_ms() + self.keep_up_every().as_millis() as i64;
+        contention.held(held.clone().map(|d| key_text(&d.key)), until);
         self.claim_again(held);
         if let Some(pool) = pool {
-            pool.rotate(chunk, |waiting| self.keep_claimed(waiting));
+            pool.rotate(chunk, |waiting| {
+                contention.held(waiting.iter().map(|d| key_text(&d.key)), until);
+                self.keep_claimed(waiting)
+            });
         }
     }
 
@@ -1398,9 +1414,23 @@ impl<'a> Worker<'a> {
             f.reason
         );
         let due_ms = now + delay.as_millis() as i64;
-        stats
-            .contention
-            .waiting(key, &env.event, since, &f.reason, due_ms, failed_at);
+        // Remembered past its retry for two of the slowest cap's slots: under a cap whose
+        // slots are seconds apart the job (or the next one, which meets the lock in its
+        // place) comes back only at a slot, later than a job another process ran is
+        // forgotten, and a standstill under 2/m was never told (nothing stayed waiting).
+        let patience = self
+            .ctx
+            .manners
+            .slowest_slots(&env.event)
+            .map_or(0, |s| 2 * s.as_millis() as i64);
+        stats.contention.waiting(
+            key,
+            &env.event,
+            since,
+            &f.reason,
+            due_ms + patience,
+            failed_at,
+        );
         report_contention(stats, [env.event.as_str()], now, crate::now_ms());
         Settlement::new(
             d,
@@ -1434,10 +1464,10 @@ impl<'a> Worker<'a> {
             .unwrap_or(jobs.len())
             .max(1);
         let (manners, shutdown) = (self.ctx.manners, self.ctx.shutdown);
-        // While this worker paces, every quarter of `--claim-idle`, it keeps up
-        // ([`Worker::keep_up`]): between the waits (each may be shorter) and during a
-        // long one ([`Manners::pace`]).
-        let every = self.ctx.claim_idle / 4;
+        // While this worker paces it keeps up ([`Worker::keep_up`], every
+        // [`Worker::keep_up_every`]): between the waits (each may be shorter) and during
+        // a long one ([`Manners::wait_for`]).
+        let every = self.keep_up_every();
         let capped = manners.capped();
         let mut results = Vec::with_capacity(jobs.len());
         'parts: for (i, part) in jobs.chunks(share).enumerate() {
@@ -1447,8 +1477,20 @@ impl<'a> Worker<'a> {
                 if capped && self.kept_at.elapsed() >= every {
                     self.keep_up(outcomes, held.clone(), pool, share);
                 }
+                if !takes.is_empty() {
+                    // Still waiting here, not another process's to forget.
+                    let until = crate::now_ms() + every.as_millis() as i64;
+                    let keys = jobs[i * share..].iter().map(|j| j.key.as_str());
+                    self.ctx.stats.contention.held(keys, until);
+                }
                 let until = (!takes.is_empty()).then(|| self.take_slots(&takes));
                 if let Some(until) = until {
+                    // What it ran is settled before a wait longer than an ack is held:
+                    // a retry held back behind a wait of 30 s for a slot went back to
+                    // the pool that much later.
+                    if until.saturating_duration_since(Instant::now()) > ACK_HOLD {
+                        self.settle(outcomes);
+                    }
                     if !manners.wait_for(until, shutdown, every, || {
                         self.keep_up(outcomes, held.clone(), pool, share)
                     }) {
