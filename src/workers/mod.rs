@@ -731,9 +731,21 @@ impl<'a> Worker<'a> {
                 back.push(job.d);
             }
         }
-        if let Some(n) = capped.filter(|n| kept.len() > *n) {
-            back.extend(kept.drain(n..).map(|j| j.d));
-            self.keep_claimed(&mut back);
+        if let Some(n) = capped {
+            // Jobs no cap applies to run now, ahead of one share of the capped ones: an
+            // event's cap held the others behind it (coupons due with a backlog of
+            // timeouts under `order.timeout=1/s` ran up to 29 s late, one after each
+            // timeout).
+            let manners = self.ctx.manners;
+            let (free, mut paced): (Vec<Job<'h>>, Vec<Job<'h>>) = kept
+                .into_iter()
+                .partition(|j| manners.slowest_slots(&j.env.event).is_none());
+            if paced.len() > n {
+                back.extend(paced.drain(n..).map(|j| j.d));
+                self.keep_claimed(&mut back);
+            }
+            kept = free;
+            kept.append(&mut paced);
         }
         if !back.is_empty() {
             pool.give_back(back, capped.unwrap_or(alone_max));
@@ -1457,22 +1469,32 @@ impl<'a> Worker<'a> {
         outcomes: &mut Vec<Settlement>,
         pool: Option<&crate::delivery::Take>,
     ) -> Vec<(JobResult, i64)> {
-        let share = self
-            .ctx
-            .manners
-            .share(jobs.iter().map(|j| j.env.event.as_str()))
+        let (manners, shutdown) = (self.ctx.manners, self.ctx.shutdown);
+        // The jobs no cap applies to, first ([`Worker::share`]), run together unpaced;
+        // the rest a share at a time.
+        let free = jobs
+            .iter()
+            .take_while(|j| manners.slowest_slots(&j.env.event).is_none())
+            .count();
+        let share = manners
+            .share(jobs[free..].iter().map(|j| j.env.event.as_str()))
             .unwrap_or(jobs.len())
             .max(1);
-        let (manners, shutdown) = (self.ctx.manners, self.ctx.shutdown);
+        let parts = (free > 0).then_some((0, &jobs[..free])).into_iter().chain(
+            jobs[free..]
+                .chunks(share)
+                .enumerate()
+                .map(|(k, part)| (free + k * share, part)),
+        );
         // While this worker paces it keeps up ([`Worker::keep_up`], every
         // [`Worker::keep_up_every`]): between the waits (each may be shorter) and during
         // a long one ([`Manners::wait_for`]).
         let every = self.keep_up_every();
         let capped = manners.capped();
         let mut results = Vec::with_capacity(jobs.len());
-        'parts: for (i, part) in jobs.chunks(share).enumerate() {
+        'parts: for (start, part) in parts {
             let takes = manners.takes(part.iter().map(|j| j.env.event.as_str()));
-            let held = jobs[i * share..].iter().map(|j| &j.d);
+            let held = jobs[start..].iter().map(|j| &j.d);
             loop {
                 if capped && self.kept_at.elapsed() >= every {
                     self.keep_up(outcomes, held.clone(), pool, share);
@@ -1480,7 +1502,7 @@ impl<'a> Worker<'a> {
                 if !takes.is_empty() {
                     // Still waiting here, not another process's to forget.
                     let until = crate::now_ms() + every.as_millis() as i64;
-                    let keys = jobs[i * share..].iter().map(|j| j.key.as_str());
+                    let keys = jobs[start..].iter().map(|j| j.key.as_str());
                     self.ctx.stats.contention.held(keys, until);
                 }
                 let until = (!takes.is_empty()).then(|| self.take_slots(&takes));

@@ -1910,6 +1910,60 @@ fn a_max_rate_holds_after_an_outage_and_a_stop() {
     assert_accounting(&env.db, &orders, &every);
 }
 
+/// A cap on one event leaves the others on time: every worker holding a timeout while it
+/// waits for its slot under `order.timeout=1/s`, coupons that fall due meanwhile run
+/// within a slot or so, not after the timeouts (found from outside: up to 29 s late, one
+/// after each timeout; 50 s with two processes; here 20 s before).
+#[test]
+fn an_event_s_cap_does_not_hold_the_other_events_behind_it() {
+    let mut env = Env::new();
+    env.config.threads = 8;
+    let orders = seed_orders(&env.db, 40);
+    let (w, port) = start_with_health(&env, &["--max-rate", "order.timeout=1/s"]);
+    wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
+    push_timeouts(&env, &orders, 0);
+    wait_until(WAIT, "the capped drain under way", || {
+        inbox_count(&env.db) >= 5
+    });
+    let mut con = env.con();
+    let due = delay_worker::now_ms();
+    for i in 0..10 {
+        let job = delay_worker::producer::NewJob {
+            event: "coupon.expire".into(),
+            // Coupons that are not there: no-ops, each an inbox row.
+            payload: serde_json::json!({ "coupon_id": 900_000 + i }),
+            due_ms: due,
+            key: Some(format!("coupon.expire:{i}")),
+        };
+        delay_worker::producer::push(&mut con, &env.config.keys, &job, due).unwrap();
+    }
+    wait_until(WAIT, "every coupon", || {
+        env.db.probe(|c| {
+            c.query_one(
+                "SELECT count(*) FROM worker_inbox WHERE event = 'coupon.expire'",
+                &[],
+            )
+            .map(|r| r.get::<_, i64>(0))
+        }) == 10
+    });
+    let late_ms: f64 = env.db.probe(|c| {
+        c.query_one(
+            "SELECT (extract(epoch FROM max(processed_at)) * 1000)::float8 FROM worker_inbox \
+             WHERE event = 'coupon.expire'",
+            &[],
+        )
+        .map(|r| r.get::<_, f64>(0))
+    }) - due as f64;
+    assert!(
+        late_ms < 2_500.0,
+        "the last coupon ran {late_ms} ms after its due time"
+    );
+    wait_done(&env, &env.db, 50);
+    let _ = w;
+    let timeouts: Vec<&SeedOrder> = orders.iter().collect();
+    assert_accounting(&env.db, &orders, &timeouts);
+}
+
 /// While the fleet's schedules cannot be taken (here the rates key holds a string; the
 /// same when Redis does not answer) a process keeps its cap by itself, says so once, and
 /// takes the fleet's again once it can.
