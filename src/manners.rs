@@ -143,6 +143,8 @@ pub struct Manners {
     set_size: usize,
     /// Written by the PostgreSQL watch: the shop's sessions are busy now.
     yielding: AtomicBool,
+    /// The caps are kept here, the fleet's schedules in Redis not answering.
+    alone: AtomicBool,
     /// Workers inside a transaction, and the condition they wait on at the gate.
     inside: Mutex<usize>,
     gate: Condvar,
@@ -176,6 +178,7 @@ impl Manners {
             set_sizes: RwLock::new(HashMap::new()),
             set_size: set_size.max(1),
             yielding: AtomicBool::new(false),
+            alone: AtomicBool::new(false),
             inside: Mutex::new(0),
             gate: Condvar::new(),
         }
@@ -351,6 +354,17 @@ impl Manners {
             .chain(self.by_event.get(event))
             .map(|s| s.interval)
             .max()
+    }
+
+    /// The fleet's schedules in Redis could not be taken: `true` the first time since they
+    /// last could (so that it is said once per process, not per worker).
+    pub fn alone(&self) -> bool {
+        !self.alone.swap(true, Ordering::Relaxed)
+    }
+
+    /// The fleet's schedules could be taken: `true` the first time after [`Manners::alone`].
+    pub fn fleet_s_again(&self) -> bool {
+        self.alone.load(Ordering::Relaxed) && self.alone.swap(false, Ordering::Relaxed)
     }
 
     /// Whether any cap is set.

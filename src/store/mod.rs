@@ -522,10 +522,13 @@ pub fn take_slots(
     con: &mut dyn ConnectionLike,
     rates: &str,
     burst: Duration,
+    horizon: Duration,
     takes: &[crate::manners::SlotTake<'_>],
-) -> StoreResult<Duration> {
+) -> StoreResult<Slots> {
     let mut inv = TAKE_SLOTS.prepare_invoke();
-    inv.key(rates).arg(burst.as_micros() as u64);
+    inv.key(rates)
+        .arg(burst.as_micros() as u64)
+        .arg(horizon.as_micros() as u64);
     for t in takes {
         let interval = t.interval.as_micros().max(1) as u64;
         inv.arg(format!("{}@{interval}", t.cap))
@@ -533,7 +536,26 @@ pub fn take_slots(
             .arg(t.n);
     }
     let reply = run("take --max-rate slots", &inv, con)?;
-    Ok(Duration::from_micros(int(Some(&reply)).max(0) as u64))
+    // The script answers {booked, microseconds} (a key of the wrong type is an error).
+    let v = match reply {
+        Value::Array(v) => v,
+        _ => Vec::new(),
+    };
+    let micros = Duration::from_micros(int(v.get(1)).max(0) as u64);
+    Ok(if int(v.first()) == 1 {
+        Slots::Booked(micros)
+    } else {
+        Slots::NotYet(micros)
+    })
+}
+
+/// What [`take_slots`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Slots {
+    /// Booked: the jobs may run after this long (zero: now).
+    Booked(Duration),
+    /// Nothing booked, the slots being further off than the horizon: ask again after this.
+    NotYet(Duration),
 }
 
 static TIME: std::sync::LazyLock<redis::Script> =

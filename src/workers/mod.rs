@@ -272,9 +272,6 @@ pub struct Worker<'a> {
     /// When this worker last kept up while pacing under a `--max-rate`
     /// ([`Worker::keep_up`]).
     kept_at: Instant,
-    /// The fleet's `--max-rate` schedules in Redis could not be taken: this process's
-    /// own are ([`Worker::take_slots`]).
-    rates_alone: bool,
     db_backoff: Backoff,
     redis_backoff: Backoff,
 }
@@ -287,6 +284,12 @@ enum Paced {
     /// Shutdown came while the database was unreachable: left pending.
     Stopped,
 }
+
+/// How far ahead of now a worker books `--max-rate` slots in the fleet's schedules
+/// ([`store::take_slots`]): no further, so that a process stopped while its workers wait
+/// leaves no more of the cap unused (under 6/m, 8 workers that booked a slot each left the
+/// next start waiting 100 s).
+const BOOK_AHEAD: Duration = Duration::from_secs(1);
 
 /// How long after its slots a paced share may still run ([`Paced::Late`]): the burst a
 /// cap lets through at once.
@@ -311,7 +314,6 @@ impl<'a> Worker<'a> {
             held: Vec::new(),
             held_tried: None,
             kept_at: Instant::now(),
-            rates_alone: false,
         }
     }
 
@@ -781,29 +783,34 @@ impl<'a> Worker<'a> {
     /// Redis's clock), so that a cap holds however many processes run; this process's own
     /// schedules while Redis does not answer (each process then keeps the cap by itself,
     /// and none runs anything it cannot acknowledge for long).
-    fn take_slots(&mut self, takes: &[crate::manners::SlotTake<'_>]) -> Instant {
+    /// `Err(when)` when the slots are further off than [`BOOK_AHEAD`]: nothing was booked,
+    /// ask again then.
+    fn take_slots(&mut self, takes: &[crate::manners::SlotTake<'_>]) -> Result<Instant, Instant> {
         let ctx = self.ctx;
         let asked = Instant::now();
         if let Some(con) = self.redis_now() {
-            match store::take_slots(con, &ctx.shards[0].rates, crate::manners::BURST, takes) {
-                Ok(wait) => {
-                    if std::mem::take(&mut self.rates_alone) {
-                        log::info!("{}: --max-rate is the fleet's again", self.name);
+            let rates = &ctx.shards[0].rates;
+            match store::take_slots(con, rates, crate::manners::BURST, BOOK_AHEAD, takes) {
+                Ok(slots) => {
+                    if ctx.manners.fleet_s_again() {
+                        log::info!("--max-rate is the fleet's again");
                     }
-                    return asked + wait;
+                    return match slots {
+                        store::Slots::Booked(wait) => Ok(asked + wait),
+                        store::Slots::NotYet(wait) => Err(asked + wait),
+                    };
                 }
                 Err(e) => {
-                    if !std::mem::replace(&mut self.rates_alone, true) {
+                    if ctx.manners.alone() {
                         log::warn!(
-                            "{}: --max-rate kept by this process alone until the fleet's schedules in Redis can be taken: {e}",
-                            self.name
+                            "--max-rate kept by this process alone until the fleet's schedules in Redis can be taken: {e}"
                         );
                     }
                     self.redis = None;
                 }
             }
         }
-        ctx.manners.take_here(takes)
+        Ok(ctx.manners.take_here(takes))
     }
 
     /// How often a pacing worker keeps up: a quarter of `--claim-idle` (so that no job it
@@ -1505,7 +1512,22 @@ impl<'a> Worker<'a> {
                     let keys = jobs[start..].iter().map(|j| j.key.as_str());
                     self.ctx.stats.contention.held(keys, until);
                 }
-                let until = (!takes.is_empty()).then(|| self.take_slots(&takes));
+                let until = if takes.is_empty() {
+                    None
+                } else {
+                    match self.take_slots(&takes) {
+                        Ok(until) => Some(until),
+                        Err(again) => {
+                            // Not booked yet: ask again when the slots are near.
+                            if !manners.wait_for(again, shutdown, every, || {
+                                self.keep_up(outcomes, held.clone(), pool, share)
+                            }) {
+                                break 'parts;
+                            }
+                            continue;
+                        }
+                    }
+                };
                 if let Some(until) = until {
                     // What it ran is settled before a wait longer than an ack is held:
                     // a retry held back behind a wait of 30 s for a slot went back to

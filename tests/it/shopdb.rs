@@ -1964,6 +1964,38 @@ fn an_event_s_cap_does_not_hold_the_other_events_behind_it() {
     assert_accounting(&env.db, &orders, &timeouts);
 }
 
+/// Workers book the fleet's slots at most a second ahead: a process stopped while its
+/// workers wait for slots under a slow cap leaves next to none of them unused, and the
+/// next start runs a job at the cap's next slot (found from outside: under 6/m with 8
+/// workers each had booked a slot, and the next start ran nothing for 100 s).
+#[test]
+fn a_restart_under_a_slow_cap_is_not_held_by_the_slots_the_stop_left() {
+    let mut env = Env::new();
+    env.config.threads = 8;
+    let orders = seed_orders(&env.db, 20);
+    push_timeouts(&env, &orders, 0);
+    let (mut w, port) = start_with_health(&env, &["--max-rate", "6/m"]);
+    wait_until(WAIT, "the first job", || inbox_count(&env.db) >= 1);
+    std::thread::sleep(Duration::from_secs(3));
+    w.signal(libc::SIGTERM);
+    assert!(w.wait(WAIT).success(), "{}", w.log());
+    let before = inbox_count(&env.db);
+    drop(port);
+    let (w, port) = start_with_health(&env, &["--max-rate", "6/m"]);
+    let restarted = Instant::now();
+    wait_until(WAIT, "a job after the restart", || {
+        inbox_count(&env.db) > before
+    });
+    assert!(
+        restarted.elapsed() < Duration::from_secs(15),
+        "the next job ran {:?} after the restart, under 6/m",
+        restarted.elapsed()
+    );
+    drop((w, port));
+    let (w, port) = start_with_health(&env, &[]);
+    every_job_once_and_green(&env, w, port, &orders);
+}
+
 /// While the fleet's schedules cannot be taken (here the rates key holds a string; the
 /// same when Redis does not answer) a process keeps its cap by itself, says so once, and
 /// takes the fleet's again once it can.

@@ -1324,27 +1324,39 @@ fn keeping_entries_claimed_takes_none_from_a_peer() {
 
 /// The fleet's `--max-rate` schedules: one call takes a share's slots of every cap that
 /// applies, on Redis's clock; after a quiet spell a burst is free at once, then each slot
-/// waits its interval, and every cap taken goes on from the latest slot. A rates key of
-/// the wrong type is named and left as it is.
+/// waits its interval, and every cap taken goes on from the latest slot. Nothing is booked
+/// further ahead than the horizon (the caller is told when to ask again), and a schedule
+/// further ahead than that can be (a clock stepped back) starts again. A rates key of the
+/// wrong type is named and left as it is.
 #[test]
 fn slots_are_taken_from_one_schedule_per_cap_on_redis_s_clock() {
     use delay_worker::manners::SlotTake;
+    use delay_worker::store::Slots;
     let r = RedisServer::start();
     let mut con = r.con();
     let k = keys();
     let burst = Duration::from_millis(100);
+    let mut take = |horizon: u64, takes: &[SlotTake<'_>]| {
+        store::take_slots(
+            &mut con,
+            &k.rates,
+            burst,
+            Duration::from_secs(horizon),
+            takes,
+        )
+    };
+    let booked = |s: Result<Slots, StoreError>| match s.unwrap() {
+        Slots::Booked(d) => d.as_millis(),
+        other => panic!("not booked: {other:?}"),
+    };
     let all = |n| SlotTake {
         cap: "*",
         interval: Duration::from_millis(100),
         n,
     };
-    let ms = |d: Duration| d.as_millis();
-    assert_eq!(
-        store::take_slots(&mut con, &k.rates, burst, &[all(1)]).unwrap(),
-        Duration::ZERO
-    );
-    let second = store::take_slots(&mut con, &k.rates, burst, &[all(1)]).unwrap();
-    assert!((90..=100).contains(&ms(second)), "{second:?}");
+    assert_eq!(booked(take(10, &[all(1)])), 0);
+    let second = booked(take(10, &[all(1)]));
+    assert!((90..=100).contains(&second), "{second}");
     let event = SlotTake {
         cap: "order.timeout",
         interval: Duration::from_millis(500),
@@ -1353,44 +1365,51 @@ fn slots_are_taken_from_one_schedule_per_cap_on_redis_s_clock() {
     // Two more of the global cap (300 ms on) and one of the event's (its first, free at
     // once: after a quiet spell a cap slower than the burst has one slot free): the later
     // decides, and both go on from it.
-    let both = store::take_slots(&mut con, &k.rates, burst, &[all(2), event.clone()]).unwrap();
-    assert!((290..=300).contains(&ms(both)), "{both:?}");
+    let both = booked(take(10, &[all(2), event.clone()]));
+    assert!((290..=300).contains(&both), "{both}");
     let fields: Vec<Option<String>> = redis::cmd("HMGET")
         .arg(&k.rates)
         .arg("*@100000")
         .arg("order.timeout@500000")
-        .query(&mut con)
+        .query(&mut r.con())
         .unwrap();
     assert!(fields[0].is_some(), "{fields:?}");
     assert_eq!(
         fields[0], fields[1],
         "every cap taken goes on from the latest slot"
     );
-    let next = store::take_slots(&mut con, &k.rates, burst, &[all(1)]).unwrap();
-    assert!((380..=400).contains(&ms(next)), "{next:?}");
-    let event_next =
-        store::take_slots(&mut con, &k.rates, burst, std::slice::from_ref(&event)).unwrap();
-    assert!((780..=800).contains(&ms(event_next)), "{event_next:?}");
+    let next = booked(take(10, &[all(1)]));
+    assert!((380..=400).contains(&next), "{next}");
+    let event_next = booked(take(10, std::slice::from_ref(&event)));
+    assert!((780..=800).contains(&event_next), "{event_next}");
     // The cap on every job changed by a restart to 1 a minute, and back: each rate is a
     // schedule of its own, so the next start does not wait out the minute's slot.
     let slow = SlotTake {
         interval: Duration::from_secs(60),
         ..all(1)
     };
-    assert_eq!(
-        store::take_slots(&mut con, &k.rates, burst, std::slice::from_ref(&slow)).unwrap(),
-        Duration::ZERO
-    );
-    let again = store::take_slots(&mut con, &k.rates, burst, &[slow]).unwrap();
-    assert!(
-        again > Duration::from_secs(59),
-        "the next a minute on: {again:?}"
-    );
-    let back = store::take_slots(&mut con, &k.rates, burst, &[all(1)]).unwrap();
-    assert!(ms(back) <= 600, "{back:?}");
-    set_string(&mut con, &k.rates);
-    is_wrong_type(
-        &store::take_slots(&mut con, &k.rates, burst, &[event]),
-        &k.rates,
-    );
+    assert_eq!(booked(take(1, std::slice::from_ref(&slow))), 0);
+    // Its next slot is a minute off, further than the horizon of 1 s: nothing booked.
+    match take(1, std::slice::from_ref(&slow)).unwrap() {
+        Slots::NotYet(d) => assert!(d > Duration::from_secs(58), "{d:?}"),
+        other => panic!("booked a minute ahead: {other:?}"),
+    }
+    let stored: String = redis::cmd("HGET")
+        .arg(&k.rates)
+        .arg("*@60000000")
+        .query(&mut r.con())
+        .unwrap();
+    let back = booked(take(10, &[all(1)]));
+    assert!(back <= 600, "{back}");
+    // A schedule an hour ahead (a clock stepped back, a value written by hand) starts again.
+    let hour_on = stored.parse::<i64>().unwrap() + 3_600_000_000;
+    redis::cmd("HSET")
+        .arg(&k.rates)
+        .arg("*@60000000")
+        .arg(hour_on)
+        .query::<()>(&mut r.con())
+        .unwrap();
+    assert_eq!(booked(take(1, std::slice::from_ref(&slow))), 0);
+    set_string(&mut r.con(), &k.rates);
+    is_wrong_type(&take(10, &[event]), &k.rates);
 }
