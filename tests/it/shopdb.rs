@@ -1974,14 +1974,13 @@ fn a_restart_under_a_slow_cap_is_not_held_by_the_slots_the_stop_left() {
     env.config.threads = 8;
     let orders = seed_orders(&env.db, 20);
     push_timeouts(&env, &orders, 0);
-    let (mut w, port) = start_with_health(&env, &["--max-rate", "6/m"]);
+    let (mut w, _) = start_with_health(&env, &["--max-rate", "6/m"]);
     wait_until(WAIT, "the first job", || inbox_count(&env.db) >= 1);
     std::thread::sleep(Duration::from_secs(3));
     w.signal(libc::SIGTERM);
     assert!(w.wait(WAIT).success(), "{}", w.log());
     let before = inbox_count(&env.db);
-    drop(port);
-    let (w, port) = start_with_health(&env, &["--max-rate", "6/m"]);
+    let (w, _) = start_with_health(&env, &["--max-rate", "6/m"]);
     let restarted = Instant::now();
     wait_until(WAIT, "a job after the restart", || {
         inbox_count(&env.db) > before
@@ -1991,7 +1990,7 @@ fn a_restart_under_a_slow_cap_is_not_held_by_the_slots_the_stop_left() {
         "the next job ran {:?} after the restart, under 6/m",
         restarted.elapsed()
     );
-    drop((w, port));
+    drop(w);
     let (w, port) = start_with_health(&env, &[]);
     every_job_once_and_green(&env, w, port, &orders);
 }
