@@ -540,17 +540,20 @@ impl<'a> Crew<'a> {
             self.shutdown,
         );
         let (keys, cfg, consumer) = (&config.keys, &config.reader, config.consumer.as_str());
+        let capped = !config.jobs.max_rates.is_empty();
         let shard_keys = &config.derived.shards;
         spawn_role(s, shutdown, "reader".into(), move || match config.source {
             Source::Stream if shard_keys.len() > 1 => {
                 let readers = shard_keys
                     .iter()
-                    .map(|k| Reader::new(k, cfg, consumer, stats, feed.clone()))
+                    .map(|k| Reader::new(k, cfg, consumer, stats, feed.clone()).capped(capped))
                     .collect();
                 source::run(Shards::new(readers, bell), client, stats, shutdown)
             }
             Source::Stream => source::run(
-                Reader::new(keys, cfg, consumer, stats, feed).with_doorbell(bell),
+                Reader::new(keys, cfg, consumer, stats, feed)
+                    .with_doorbell(bell)
+                    .capped(capped),
                 client,
                 stats,
                 shutdown,

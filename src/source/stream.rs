@@ -61,6 +61,9 @@ pub struct Reader<'a> {
     /// The process's first start is done: own pending entries read after it (a
     /// reconnect) may be held by this very process's workers, not by a previous run.
     started_once: bool,
+    /// Under a `--max-rate` ([`Reader::capped`]): a reconnect re-delivers none of this
+    /// consumer's own pending entries.
+    capped: bool,
 }
 
 impl<'a> Reader<'a> {
@@ -88,6 +91,7 @@ impl<'a> Reader<'a> {
             name: "reader".to_string(),
             held: false,
             started_once: false,
+            capped: false,
         }
     }
 
@@ -102,6 +106,17 @@ impl<'a> Reader<'a> {
     /// Waits on this doorbell between empty reads (the daemon shares it with the mover).
     pub fn with_doorbell(mut self, doorbell: Doorbell) -> Self {
         self.doorbell = doorbell;
+        self
+    }
+
+    /// Under a `--max-rate` the workers hold many of this consumer's pending entries
+    /// while they wait for slots (claimed again as they wait): a reconnect (a dropped
+    /// connection, a Redis restart) re-delivers none of them, or each would run twice,
+    /// each copy taking a slot (a Redis restart under 20/s: 222 duplicates of 400 jobs,
+    /// and the exit line counting the copies as left pending). An entry whose read reply
+    /// the lost connection took is reclaimed after `--claim-idle` instead.
+    pub fn capped(mut self, capped: bool) -> Self {
+        self.capped = capped;
         self
     }
 
@@ -157,11 +172,14 @@ impl<'a> Reader<'a> {
         self.heartbeat(con)?;
         stream::ensure_group(con, self.keys)?;
         self.bury_overdelivered(con, Some(self.consumer), Duration::ZERO)?;
-        // Whatever was taken over before a reconnect is in our own pending now.
-        self.taken.clear();
+        let reread = !(self.capped && self.started_once);
+        if reread {
+            // Whatever was taken over before a reconnect is in our own pending now.
+            self.taken.clear();
+        }
         let mut cursor = "0".to_string();
         let mut total = 0;
-        while !shutdown.is_set() {
+        while reread && !shutdown.is_set() {
             let room = self.feed.room();
             if room == 0 {
                 self.feed.wait_for_room(self.cfg.block);
