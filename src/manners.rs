@@ -277,10 +277,7 @@ impl Manners {
     /// fleet's schedules in Redis are taken instead while Redis answers
     /// ([`crate::store::take_slots`]); these are what a process keeps when it does not.
     pub fn take_here(&self, takes: &[SlotTake<'_>]) -> Instant {
-        let slots = |cap: &str| match cap {
-            GLOBAL_CAP => self.all.as_ref(),
-            e => self.by_event.get(e),
-        };
+        let slots = |cap: &str| self.slots_of(cap);
         // One worker takes its slots of every cap at a time, and every cap it took goes
         // on from when the jobs may run, the latest of their slots: a cap that let them
         // run earlier would otherwise count them at slots they did not use and let the
@@ -298,6 +295,23 @@ impl Manners {
             }
         }
         until
+    }
+
+    /// Jobs whose slots this process took in the fleet's schedules and its own run at
+    /// `until`: its own go on from there ([`Manners::take_here`] is what it keeps alone,
+    /// Redis not answering).
+    pub fn booked_in_fleet(&self, takes: &[SlotTake<'_>], until: Instant) {
+        for s in takes.iter().filter_map(|t| self.slots_of(t.cap)) {
+            s.ran_at(until);
+        }
+    }
+
+    /// This process's own schedule of a cap: [`GLOBAL_CAP`] or an event's.
+    fn slots_of(&self, cap: &str) -> Option<&Slots> {
+        match cap {
+            GLOBAL_CAP => self.all.as_ref(),
+            e => self.by_event.get(e),
+        }
     }
 
     /// Waits until `until`: `true` then, `false` when shutdown comes first (set before or
