@@ -457,13 +457,9 @@ impl Contention {
 
     /// How long jobs have waited while none of their event changed anything (`applied_ms`,
     /// [`Metrics::applied_ms`]; a paid order's no-op does not count), when that is
-    /// [`CONTENTION_STALL`] or more: the event's queue stands still. Counted from the first
-    /// contention met, or one `slot` before it under a `--max-rate` whose slots are that
-    /// far apart: a job meets a lock only at its slot, up to a slot after the lock was
-    /// taken (under 2/m red came 60 s after a `LOCK TABLE` taken just after a job ran).
-    pub fn standing_still(&self, applied_ms: i64, now_ms: i64, slot: Duration) -> Option<Duration> {
-        let began = self.began_ms.load(Relaxed) - slot.as_millis() as i64;
-        let idle = now_ms - applied_ms.max(began);
+    /// [`CONTENTION_STALL`] or more: the event's queue stands still.
+    pub fn standing_still(&self, applied_ms: i64, now_ms: i64) -> Option<Duration> {
+        let idle = now_ms - applied_ms.max(self.began_ms.load(Relaxed));
         (idle >= CONTENTION_STALL.as_millis() as i64).then(|| Duration::from_millis(idle as u64))
     }
 

@@ -193,7 +193,6 @@ pub fn contention_delay(jobs: &JobConfig, retry: u32) -> Duration {
 /// on the Redis clock (as the waiters' times), `local` the same moment on this host's.
 fn report_contention<'e>(
     stats: &Stats,
-    manners: &Manners,
     events: impl IntoIterator<Item = &'e str>,
     now: i64,
     local: i64,
@@ -216,11 +215,7 @@ fn report_contention<'e>(
     // every cancellation while paid orders' no-ops pass is a standstill too.
     let still = events.into_iter().find_map(|event| {
         let applied = stats.jobs.applied_ms(event);
-        let slot = manners.slowest_slots(event).unwrap_or_default();
-        Some((
-            event,
-            stats.contention.standing_still(applied, local, slot)?,
-        ))
+        Some((event, stats.contention.standing_still(applied, local)?))
     });
     match still {
         Some((event, idle)) => {
@@ -246,17 +241,11 @@ fn report_contention<'e>(
 /// brings retries back late) may put a minute away (found from outside: `/healthz` stayed
 /// 200 for 52 s under a table lock that stopped every job of a capped drain). `local` is
 /// this host's time.
-pub fn watch_contention(stats: &Stats, manners: &Manners, local: i64) {
+pub fn watch_contention(stats: &Stats, local: i64) {
     let now = stats.clock.at(local);
     let events = stats.contention.events(now);
     if !events.is_empty() {
-        report_contention(
-            stats,
-            manners,
-            events.iter().map(String::as_str),
-            now,
-            local,
-        );
+        report_contention(stats, events.iter().map(String::as_str), now, local);
     }
 }
 
@@ -1469,13 +1458,7 @@ impl<'a> Worker<'a> {
             due_ms + patience,
             failed_at,
         );
-        report_contention(
-            stats,
-            self.ctx.manners,
-            [env.event.as_str()],
-            now,
-            crate::now_ms(),
-        );
+        report_contention(stats, [env.event.as_str()], now, crate::now_ms());
         Settlement::new(
             d,
             Outcome::Retry {
@@ -1858,7 +1841,7 @@ mod tests {
             retry_due,
             local,
         );
-        watch_contention(&stats, &Manners::unlimited(32), local + 1_000);
+        watch_contention(&stats, local + 1_000);
         let told = stats.problems(local + 1_000);
         assert_eq!(told.len(), 1, "{told:?}");
         assert_eq!(told[0].severity, "warning");
@@ -1868,7 +1851,7 @@ mod tests {
         );
         assert_eq!(stats.alarm(local + 1_000), None);
         let stalled = crate::stats::CONTENTION_STALL.as_millis() as i64 + 1_000;
-        watch_contention(&stats, &Manners::unlimited(32), local + stalled);
+        watch_contention(&stats, local + stalled);
         let alarm = stats.alarm(local + stalled).expect("critical");
         assert!(
             alarm.contains("no job of order.timeout has changed anything for")
@@ -1880,7 +1863,7 @@ mod tests {
             .jobs
             .went_through("order.timeout", true, local + stalled);
         stats.ease(CONTENTION);
-        watch_contention(&stats, &Manners::unlimited(32), local + stalled + 1_000);
+        watch_contention(&stats, local + stalled + 1_000);
         assert_eq!(stats.alarm(local + stalled + 1_000), None);
     }
 }

@@ -1004,19 +1004,16 @@ fn a_table_lock_met_by_a_tightly_capped_worker_turns_health_red_in_time() {
 /// whose slots are 30 s apart: each job that met the lock went back and then waited for
 /// its next slot longer than a job another process ran is remembered, so none was left
 /// waiting and `/healthz` stayed 200 through the whole standstill (found from outside
-/// under 2/m, 3/m and 120/h). A job this process holds is not another's. The lock is
-/// taken just after a job ran: the next job meets it only at its slot, 30 s on, and the
-/// standstill counts from a slot before that (before, red came 60 s after the lock). The
-/// stop leaves the held jobs pending, and an uncapped start runs each once.
+/// under 2/m, 3/m and 120/h). A job this process holds is not another's. The stop leaves
+/// the held jobs pending, and an uncapped start runs each once.
 #[test]
 fn a_table_lock_met_under_a_cap_of_two_a_minute_turns_health_red_in_time() {
     let env = Env::new();
     let orders = seed_orders(&env.db, 6);
-    push_timeouts(&env, &orders, 0);
-    let (mut w, port) = start_with_health(&env, &["--max-rate", "2/m", "--retry-cap", "5s"]);
-    wait_until(WAIT, "the first job", || inbox_count(&env.db) >= 1);
     let (_, release, h) = crate::lock_holder::hold(&env, "LOCK TABLE sku IN EXCLUSIVE MODE");
     let locked = Instant::now();
+    push_timeouts(&env, &orders, 0);
+    let (mut w, port) = start_with_health(&env, &["--max-rate", "2/m", "--retry-cap", "5s"]);
     red_soon_after(&env, port, locked);
     release.send(()).unwrap();
     h.join().unwrap();
