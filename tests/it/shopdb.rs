@@ -1868,7 +1868,7 @@ fn a_max_rate_holds_after_an_outage_and_a_stop() {
     let mut env = Env::new();
     env.config.threads = 8;
     let orders = seed_orders(&env.db, 60);
-    let (mut w, port) = start_with_health(&env, &["--max-rate", "4/s"]);
+    let (w, port) = start_with_health(&env, &["--max-rate", "4/s"]);
     wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
     push_timeouts(&env, &orders, 0);
     wait_until(WAIT, "a capped start", || inbox_count(&env.db) >= 8);
@@ -1904,10 +1904,7 @@ fn a_max_rate_holds_after_an_outage_and_a_stop() {
         busiest <= 4 + 1 + 1,
         "{busiest} jobs within one second against --max-rate 4/s"
     );
-    w.signal(libc::SIGTERM);
-    assert!(w.wait(WAIT).success(), "{}", w.log());
-    let every: Vec<&SeedOrder> = orders.iter().collect();
-    assert_accounting(&env.db, &orders, &every);
+    stop_then_every_order_once(&env, w, &orders);
 }
 
 /// A cap on one event leaves the others on time: every worker holding a timeout while it
@@ -2007,7 +2004,7 @@ fn a_max_rate_holds_in_each_process_while_the_fleet_s_schedules_cannot_be_taken(
     let mut con = env.con();
     let port = free_port();
     let addr = format!("127.0.0.1:{port}");
-    let mut w = Proc::start_logging(
+    let w = Proc::start_logging(
         &env.config,
         &args(&["--metrics-addr", &addr, "--max-rate", "order.timeout=20/s"]),
         "info",
@@ -2040,10 +2037,7 @@ fn a_max_rate_holds_in_each_process_while_the_fleet_s_schedules_cannot_be_taken(
     );
     let fields: i64 = redis::cmd("HLEN").arg(&rates).query(&mut con).unwrap();
     assert_eq!(fields, 1, "the event's schedule is in Redis again");
-    w.signal(libc::SIGTERM);
-    assert!(w.wait(WAIT).success(), "{}", w.log());
-    let every: Vec<&SeedOrder> = orders.iter().collect();
-    assert_accounting(&env.db, &orders, &every);
+    stop_then_every_order_once(&env, w, &orders);
 }
 
 /// A shop trigger that slows every tenth order past `--statement-timeout`, with a retry
@@ -2144,6 +2138,14 @@ fn jobs_sharing_a_set_with_a_slow_order_are_not_charged_for_it() {
         .filter(|o| !dead.contains(&format!("order.timeout:{}", o.order_no)))
         .collect();
     assert_accounting(&env.db, &orders, &cancelled);
+}
+
+/// Stops `w` as systemd does (SIGTERM, exit 0); then every order was cancelled once.
+fn stop_then_every_order_once(env: &Env, mut w: Proc, orders: &[SeedOrder]) {
+    w.signal(libc::SIGTERM);
+    assert!(w.wait(WAIT).success(), "{}", w.log());
+    let every: Vec<&SeedOrder> = orders.iter().collect();
+    assert_accounting(&env.db, orders, &every);
 }
 
 /// The most rows of `event` (every event: `None`) in the inbox whose transactions began
