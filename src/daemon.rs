@@ -540,7 +540,7 @@ impl<'a> Crew<'a> {
             self.shutdown,
         );
         let (keys, cfg, consumer) = (&config.keys, &config.reader, config.consumer.as_str());
-        let capped = !config.jobs.max_rates.is_empty();
+        let capped = self.manners.capped();
         let shard_keys = &config.derived.shards;
         spawn_role(s, shutdown, "reader".into(), move || match config.source {
             Source::Stream if shard_keys.len() > 1 => {

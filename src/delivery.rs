@@ -232,10 +232,15 @@ impl Take {
     /// Puts deliveries back for any worker to take, in chunks of at most `chunk`, ahead
     /// of the reader's. Never waits.
     pub fn give_back(&self, ds: Vec<Delivery>, chunk: usize) {
+        self.queued.fetch_add(ds.len(), Ordering::Relaxed);
+        self.put_back(ds, chunk);
+    }
+
+    /// Sends deliveries counted as waiting to the side queue, in chunks of at most `chunk`.
+    fn put_back(&self, ds: Vec<Delivery>, chunk: usize) {
         let mut ds = ds.into_iter().peekable();
         while ds.peek().is_some() {
             let c: Vec<Delivery> = ds.by_ref().take(chunk.max(1)).collect();
-            self.queued.fetch_add(c.len(), Ordering::Relaxed);
             // Unbounded, and this end holds its receiver: the send cannot fail.
             let _ = self.back_tx.send(c);
         }
@@ -256,12 +261,7 @@ impl Take {
             return;
         }
         f(&mut all);
-        let mut all = all.into_iter().peekable();
-        while all.peek().is_some() {
-            let c: Vec<Delivery> = all.by_ref().take(chunk.max(1)).collect();
-            // Unbounded, and this end holds its receiver: the send cannot fail.
-            let _ = self.back_tx.send(c);
-        }
+        self.put_back(all, chunk);
     }
 
     fn given_back(&self) -> Option<Vec<Delivery>> {

@@ -798,14 +798,9 @@ impl<'a> Worker<'a> {
                         log::info!("--max-rate is the fleet's again");
                     }
                     return match slots {
+                        // This process's own schedules are kept beside ([`Manners::take_here`]).
                         store::Slots::Booked(wait) => {
-                            // This process's own schedules are kept too, and the later
-                            // decides: a switch to them (Redis not answering) or back
-                            // then runs no burst beside what the other let this process
-                            // run (one process under 20/s ran 36 jobs in a second).
-                            let until = (asked + wait).max(ctx.manners.take_here(takes));
-                            ctx.manners.booked_in_fleet(takes, until);
-                            Ok(until)
+                            Ok(ctx.manners.take_here(takes, asked + wait))
                         }
                         store::Slots::NotYet(wait) => Err(asked + wait),
                     };
@@ -820,7 +815,7 @@ impl<'a> Worker<'a> {
                 }
             }
         }
-        Ok(ctx.manners.take_here(takes))
+        Ok(ctx.manners.take_here(takes, Instant::now()))
     }
 
     /// How often a pacing worker keeps up: a quarter of `--claim-idle` (so that no job it
@@ -843,10 +838,10 @@ impl<'a> Worker<'a> {
     /// under a cap whose slots were seconds apart, the read-ahead waited past
     /// `--claim-idle` and was delivered again). Those go back in chunks of `chunk`, ahead
     /// of the reader's, still counted against its room.
-    fn keep_up<'d>(
+    fn keep_up(
         &mut self,
         outcomes: &mut Vec<Settlement>,
-        held: impl Iterator<Item = &'d Delivery> + Clone,
+        held: &[Job<'_>],
         pool: Option<&crate::delivery::Take>,
         chunk: usize,
     ) {
@@ -854,8 +849,8 @@ impl<'a> Worker<'a> {
         self.settle(outcomes);
         let contention = &self.ctx.stats.contention;
         let until = crate::now_ms() + self.keep_up_every().as_millis() as i64;
-        contention.held(held.clone().map(|d| key_text(&d.key)), until);
-        self.claim_again(held);
+        contention.held(held.iter().map(|j| j.key.as_str()), until);
+        self.claim_again(held.iter().map(|j| &j.d));
         if let Some(pool) = pool {
             pool.rotate(chunk, |waiting| {
                 contention.held(waiting.iter().map(|d| key_text(&d.key)), until);
@@ -1511,15 +1506,15 @@ impl<'a> Worker<'a> {
         let mut results = Vec::with_capacity(jobs.len());
         'parts: for (start, part) in parts {
             let takes = manners.takes(part.iter().map(|j| j.env.event.as_str()));
-            let held = jobs[start..].iter().map(|j| &j.d);
+            let held = &jobs[start..];
             loop {
                 if capped && self.kept_at.elapsed() >= every {
-                    self.keep_up(outcomes, held.clone(), pool, share);
+                    self.keep_up(outcomes, held, pool, share);
                 }
                 if !takes.is_empty() {
                     // Still waiting here, not another process's to forget.
                     let until = crate::now_ms() + every.as_millis() as i64;
-                    let keys = jobs[start..].iter().map(|j| j.key.as_str());
+                    let keys = held.iter().map(|j| j.key.as_str());
                     self.ctx.stats.contention.held(keys, until);
                 }
                 let until = if takes.is_empty() {
@@ -1530,7 +1525,7 @@ impl<'a> Worker<'a> {
                         Err(again) => {
                             // Not booked yet: ask again when the slots are near.
                             if !manners.wait_for(again, shutdown, every, || {
-                                self.keep_up(outcomes, held.clone(), pool, share)
+                                self.keep_up(outcomes, held, pool, share)
                             }) {
                                 break 'parts;
                             }
@@ -1546,7 +1541,7 @@ impl<'a> Worker<'a> {
                         self.settle(outcomes);
                     }
                     if !manners.wait_for(until, shutdown, every, || {
-                        self.keep_up(outcomes, held.clone(), pool, share)
+                        self.keep_up(outcomes, held, pool, share)
                     }) {
                         break 'parts;
                     }

@@ -528,21 +528,7 @@ fn a_postgres_outage_holds_jobs_and_loses_none() {
 #[test]
 fn redis_restarted_under_load_and_the_worker_carries_on() {
     let mut env = Env::new();
-    // Persistence as we recommend it: AOF, fsync on every write.
-    env.redis = RedisServer::start_with(&["--appendonly", "yes", "--appendfsync", "always"]);
-    env.config.redis_url = env.redis.url();
-    let orders = seed_orders(&env.db, 600);
-    push_timeouts(&env, &orders, 0);
-    let daemon = Daemon::start(&env.config);
-    wait_until(WAIT, "some progress", || inbox_count(&env.db) > 50);
-    env.redis.restart();
-    wait_until(WAIT, "every order after the restart", || {
-        inbox_count(&env.db) == 600 && {
-            let b = books(&env);
-            b.pool == 0 && b.stream_pending == 0
-        }
-    });
-    let report = daemon.stop();
+    let (report, orders) = drain_across_a_redis_restart(&mut env, 600, 50);
     assert_eq!(report.stats.dead, 0, "{}", report.stats);
     assert_accounting(&env.db, &orders, &orders.iter().collect::<Vec<_>>());
 }
@@ -555,25 +541,36 @@ fn redis_restarted_under_load_and_the_worker_carries_on() {
 #[test]
 fn redis_restarted_under_a_cap_runs_nothing_twice() {
     let mut env = Env::new();
-    env.redis = RedisServer::start_with(&["--appendonly", "yes", "--appendfsync", "always"]);
-    env.config.redis_url = env.redis.url();
     env.config.jobs.max_rates = vec![delay_worker::manners::MaxRate::parse("40/s").unwrap()];
-    let orders = seed_orders(&env.db, 200);
-    push_timeouts(&env, &orders, 0);
-    let daemon = Daemon::start(&env.config);
-    wait_until(WAIT, "some progress", || inbox_count(&env.db) > 40);
-    env.redis.restart();
-    wait_until(WAIT, "every order after the restart", || {
-        inbox_count(&env.db) == 200 && {
-            let b = books(&env);
-            b.pool == 0 && b.stream_pending == 0
-        }
-    });
-    let report = daemon.stop();
+    let (report, orders) = drain_across_a_redis_restart(&mut env, 200, 40);
     let s = &report.stats;
     assert_eq!((s.dead, s.duplicate), (0, 0), "{s}");
     assert_eq!(report.left, 0, "nothing left: {s}");
     assert_accounting(&env.db, &orders, &orders.iter().collect::<Vec<_>>());
+}
+
+/// `n` timeouts drained by a daemon whose Redis (persisted as we recommend it: AOF, fsync
+/// on every write) restarts once `progress` of them are done; the daemon's report once
+/// every order is done and nothing is left in Redis.
+fn drain_across_a_redis_restart(
+    env: &mut Env,
+    n: usize,
+    progress: i64,
+) -> (delay_worker::daemon::Report, Vec<SeedOrder>) {
+    env.redis = RedisServer::start_with(&["--appendonly", "yes", "--appendfsync", "always"]);
+    env.config.redis_url = env.redis.url();
+    let orders = seed_orders(&env.db, n);
+    push_timeouts(env, &orders, 0);
+    let daemon = Daemon::start(&env.config);
+    wait_until(WAIT, "some progress", || inbox_count(&env.db) > progress);
+    env.redis.restart();
+    wait_until(WAIT, "every order after the restart", || {
+        inbox_count(&env.db) == n as i64 && {
+            let b = books(env);
+            b.pool == 0 && b.stream_pending == 0
+        }
+    });
+    (daemon.stop(), orders)
 }
 
 #[test]
