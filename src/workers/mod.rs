@@ -98,6 +98,11 @@ pub const CONTENTION_CAP: Duration = Duration::from_secs(30);
 /// privilege on `worker_flush`) is reported under: critical.
 const GROUP_COMMIT: &str = "group commit";
 
+/// The first and the longest pause between two tries of a group commit's WAL flush that
+/// met contention ([`Worker::flush`]).
+const FLUSH_RETRY_FIRST: Duration = Duration::from_millis(100);
+const FLUSH_RETRY_CAP: Duration = Duration::from_secs(1);
+
 /// A flush of the WAL went through: a refused group commit's alarm goes.
 fn durable_again(stats: &Stats) {
     if stats.clear_problem(GROUP_COMMIT, i64::MAX) {
@@ -337,11 +342,7 @@ impl<'a> Worker<'a> {
     /// survived, the inbox makes the second run a no-op; if not, the job runs again.
     fn make_durable(&mut self, outcomes: &mut [Settlement]) {
         if self.unflushed {
-            let flushed = match self.session.as_mut() {
-                Some(session) => db::flush_wal(session.client(), &self.flush_slot)
-                    .map_err(|e| (db::error_text(&e), db::classify(&e))),
-                None => Err(("no session".to_string(), db::Fault::Server)),
-            };
+            let flushed = self.flush();
             self.unflushed = false;
             let stats = self.ctx.stats;
             match flushed {
@@ -398,6 +399,51 @@ impl<'a> Worker<'a> {
                 self.name
             );
         }
+    }
+
+    /// The WAL flush of group commit, waited for while it meets contention. A lock on
+    /// `worker_flush` (a migration, an operator's `LOCK TABLE`) or a statement timeout
+    /// holds this worker's acknowledgements, and they wait with it, critical and naming
+    /// the holder, instead of going round the pool as re-queues of jobs that committed
+    /// (found from outside: about 900 deliveries a second while a lock lasted 40 s, health
+    /// green). Shutdown ends the wait: the acks then go back as re-queues, as after any
+    /// flush that was not confirmed.
+    fn flush(&mut self) -> Result<(), (String, db::Fault)> {
+        let Some(mut session) = self.session.take() else {
+            return Err(("no session".to_string(), db::Fault::Server));
+        };
+        let (stats, shutdown) = (self.ctx.stats, self.ctx.shutdown);
+        let mut pause = FLUSH_RETRY_FIRST;
+        let result = loop {
+            let e = match db::flush_wal(session.client(), &self.flush_slot) {
+                Ok(()) => break Ok(()),
+                Err(e) => e,
+            };
+            let fault = db::classify(&e);
+            if fault != db::Fault::Contention || shutdown.is_set() {
+                break Err((db::error_text(&e), fault));
+            }
+            if let Err(r) = session.client().batch_execute("ROLLBACK") {
+                break Err((db::error_text(&r), db::classify(&r)));
+            }
+            let mut what = format!(
+                "acknowledgements wait: the WAL flush of group commit on worker_flush meets {}",
+                db::error_text(&e)
+            );
+            if let Some(holder) = session.holder_of(&e) {
+                what = format!("{what}: {holder}");
+            }
+            let gist = "acknowledgements wait for the WAL flush on worker_flush".to_string();
+            if stats.report_critical_about(GROUP_COMMIT, what.clone(), gist) {
+                log::error!("{GROUP_COMMIT}: {what}");
+            }
+            if shutdown.wait(pause) {
+                break Err((db::error_text(&e), fault));
+            }
+            pause = (pause * 2).min(FLUSH_RETRY_CAP);
+        };
+        self.session = Some(session);
+        result
     }
 
     /// Which of the acks at `doubtful` (their commits' durability unconfirmed) stand for

@@ -306,6 +306,13 @@ impl Session {
         &mut self.conn
     }
 
+    /// Who holds what a failed statement of this session waited for (a lock or statement
+    /// timeout), in words ([`crate::blocker`]); its transaction must have ended.
+    pub fn holder_of(&mut self, e: &postgres::Error) -> Option<String> {
+        let wait = crate::blocker::lock_wait(e)?;
+        self.looker.holder(&mut self.conn, &wait)
+    }
+
     /// Closes the connection instead of handing it back to the pool (it failed, or may
     /// be mid-transaction).
     pub fn discard(mut self) {
