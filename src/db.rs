@@ -386,6 +386,14 @@ impl r2d2::ManageConnection for Manager {
 pub const READ_ONLY: &str =
     "the server is read-only (a standby, or default_transaction_read_only is on)";
 
+/// How long a worker's session may stay idle inside a transaction before PostgreSQL ends
+/// it. A worker never waits inside one (a transaction's statements follow each other at
+/// once), so this only bounds how long a process paused mid-transaction (SIGSTOP, a VM
+/// frozen, a debugger) holds the rows its set locked, which the shop's own transactions
+/// wait on: the session ends, its transaction rolls back, and its jobs run again once the
+/// worker is back, on a new connection.
+pub const IDLE_IN_TRANSACTION: Duration = Duration::from_secs(2);
+
 /// The statement and lock timeouts of the workers' connections.
 #[derive(Debug, Clone, Copy)]
 pub struct Timeouts {
@@ -412,11 +420,11 @@ pub fn pool(
     let mut target = Target::parse(url)?;
     let ms = timeouts.statement.as_millis();
     // Every handler statement runs under the statement and lock timeouts, and a
-    // transaction left idle by a stuck thread is ended by the server.
+    // transaction left idle by a stopped process is ended by the server.
     let mut options = format!(
         "-c statement_timeout={ms} -c lock_timeout={} -c idle_in_transaction_session_timeout={} -c client_min_messages=warning",
         timeouts.lock.as_millis().clamp(1, ms.max(1)),
-        ms * 4
+        IDLE_IN_TRANSACTION.as_millis()
     );
     if group_commit {
         options.push_str(" -c synchronous_commit=off");

@@ -2286,3 +2286,52 @@ fn event_caps_hold_under_a_global_cap() {
     assert_accounting(&env.db, &orders, &all(&orders));
     assert_eq!(books(&env).dead, 0);
 }
+
+/// A worker process paused inside a transaction (SIGSTOP, a VM frozen, a debugger) holds
+/// the rows its set locked only until PostgreSQL ends its idle session,
+/// `IDLE_IN_TRANSACTION` later, not four statement timeouts (20 s): the shop's own
+/// `FOR UPDATE` on those rows goes through within seconds, and once the worker runs again
+/// every job is done once. Found from outside: a shop transaction waited 19.88 s on a
+/// stopped worker.
+#[test]
+fn a_worker_paused_inside_a_transaction_holds_the_shop_s_rows_for_seconds_only() {
+    let mut env = Env::new();
+    env.config.threads = 4;
+    let orders = seed_orders(&env.db, 3000);
+    let (w, port) = start_with_health(&env, &["--set-size", "1"]);
+    wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
+    push_timeouts(&env, &orders, 0);
+    wait_until(WAIT, "the drain under way", || inbox_count(&env.db) >= 50);
+    let mut shop = env.db.client();
+    // Stopped until one of its sessions is seen idle inside a transaction that wrote.
+    let caught = (0..400).any(|_| {
+        w.signal(libc::SIGSTOP);
+        std::thread::sleep(Duration::from_millis(20));
+        let idle: i64 = shop
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+                 AND application_name = 'delay-worker' AND state = 'idle in transaction' \
+                 AND backend_xid IS NOT NULL",
+                &[],
+            )
+            .unwrap()
+            .get(0);
+        if idle == 0 {
+            w.signal(libc::SIGCONT);
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        idle > 0
+    });
+    assert!(caught, "no worker session caught inside a transaction");
+    let started = Instant::now();
+    shop.batch_execute("BEGIN; SELECT id FROM sku ORDER BY id FOR UPDATE; COMMIT")
+        .unwrap();
+    let waited = started.elapsed();
+    w.signal(libc::SIGCONT);
+    assert!(
+        waited < delay_worker::db::IDLE_IN_TRANSACTION + Duration::from_secs(3),
+        "the shop waited {waited:?} on a paused worker's rows"
+    );
+    wait_done(&env, &env.db, orders.len() as i64);
+    stop_then_every_order_once(&env, w, &orders);
+}
