@@ -91,6 +91,17 @@ pub struct Target {
 }
 
 impl Target {
+    /// Adds session options (`-c name=value ...`) after those the connection string
+    /// gives (`options=-c search_path=shop`), which are kept; where both set one, these
+    /// win (PostgreSQL applies them in order).
+    pub fn add_options(&mut self, extra: &str) {
+        let all = match self.config.get_options() {
+            Some(own) if !own.trim().is_empty() => format!("{own} {extra}"),
+            _ => extra.to_string(),
+        };
+        self.config.options(&all);
+    }
+
     /// Parses a URL or `key=value` connection string. Without `sslmode`, `prefer` (as
     /// libpq; `verify-full` with `sslrootcert=system`).
     pub fn parse(url: &str) -> Result<Target, DbError> {
@@ -429,7 +440,7 @@ pub fn pool(
     if group_commit {
         options.push_str(" -c synchronous_commit=off");
     }
-    target.config.options(&options);
+    target.add_options(&options);
     let shown = target.shown.clone();
     r2d2::Pool::builder()
         .max_size(size)
@@ -794,8 +805,29 @@ pub fn error_text(e: &postgres::Error) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::quotes_payload;
+    use super::{quotes_payload, Target};
     use serde_json::json;
+
+    /// The session options of a connection string are kept beside the worker's own, in
+    /// both forms of the string (they were replaced: a shop's `search_path` was lost).
+    #[test]
+    fn a_connection_string_s_own_options_are_kept_beside_the_worker_s() {
+        for url in [
+            "postgres://u@127.0.0.1/shop?options=-c%20search_path%3Dshop",
+            "host=127.0.0.1 user=u dbname=shop options='-c search_path=shop'",
+        ] {
+            let mut t = Target::parse(url).unwrap();
+            t.add_options("-c lock_timeout=100");
+            assert_eq!(
+                t.config.get_options(),
+                Some("-c search_path=shop -c lock_timeout=100"),
+                "{url}"
+            );
+        }
+        let mut t = Target::parse("postgres://u@127.0.0.1/shop").unwrap();
+        t.add_options("-c lock_timeout=100");
+        assert_eq!(t.config.get_options(), Some("-c lock_timeout=100"));
+    }
 
     #[test]
     fn a_quoted_value_is_the_job_s_only_when_its_payload_holds_it() {

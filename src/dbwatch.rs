@@ -49,6 +49,10 @@ use std::time::{Duration, Instant};
 /// The longest a handler's prepare waits for a lock another session holds on its table.
 const PREPARE_LOCK_WAIT: Duration = Duration::from_millis(500);
 
+/// How long one statement of a check may run (the watch's sessions set it themselves,
+/// whatever the role or the database says).
+const CHECK_STATEMENT_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// How often the watch asks.
 pub const EVERY: Duration = Duration::from_millis(250);
 
@@ -127,10 +131,13 @@ impl<'a> DbWatch<'a> {
         // A prepare takes a lock on each table it names: behind a shop's lock (an ALTER
         // TABLE, a LOCK TABLE) it gives up soon rather than keeping the check from
         // answering, which would read as a server that takes no writes. A session option,
-        // as the workers' pool sets its timeouts.
-        target.config.options(&format!(
-            "-c lock_timeout={}",
-            PREPARE_LOCK_WAIT.as_millis()
+        // as the workers' pool sets its timeouts. Its own statement timeout too: a
+        // role's or database's (`ALTER ROLE ... SET statement_timeout = '1ms'`) made
+        // every check fail, read as "no writable PostgreSQL" while jobs ran.
+        target.add_options(&format!(
+            "-c lock_timeout={} -c statement_timeout={}",
+            PREPARE_LOCK_WAIT.as_millis(),
+            CHECK_STATEMENT_TIMEOUT.as_millis()
         ));
         DbWatch {
             target,

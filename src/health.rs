@@ -267,7 +267,7 @@ impl Probe {
         let mut pg = db::Target::parse(database_url).map_err(|e| e.to_string())?;
         pg.config.connect_timeout(PROBE_IO_TIMEOUT);
         pg.config.application_name("delay-worker healthz");
-        pg.config.options(&format!(
+        pg.add_options(&format!(
             "-c statement_timeout={}",
             PROBE_IO_TIMEOUT.as_millis()
         ));

@@ -1110,3 +1110,33 @@ fn a_refused_group_commit_table_turns_health_red_until_granted() {
     let b = books(&l.env);
     assert_eq!((b.pool, b.stream_pending, b.dead), (0, 0, 0));
 }
+
+/// A statement timeout an operator set on the worker's role (`ALTER ROLE ... SET
+/// statement_timeout = '1ms'`) is not taken for a server that takes no writes: the jobs
+/// run under `--statement-timeout` and the database watch's statements under its own, so
+/// every job is done and `/healthz` stays green. Found from outside: red for the whole
+/// run, "no writable PostgreSQL: canceling statement due to statement timeout", while
+/// the jobs ran.
+#[test]
+fn a_statement_timeout_set_on_the_role_is_not_taken_for_an_unwritable_server() {
+    let mut l = Locked::new(&[]);
+    let port = free_port();
+    l.env.config.metrics_addr = Some(format!("127.0.0.1:{port}").parse().unwrap());
+    let role = l.runtime_role.clone();
+    let owner = |sql: String| l.env.db.client().batch_execute(&sql).unwrap();
+    owner(format!("ALTER ROLE {role} SET statement_timeout = '1ms'"));
+    let orders = seed_orders(&l.env.db, 20);
+    let daemon = Daemon::start(&l.env.config);
+    push_timeouts(&l.env, &orders, 0);
+    wait_until(WAIT, "every job done", || inbox_count(&l.env.db) == 20);
+    // The watch checks every 250 ms: a few seconds of them, each green.
+    for _ in 0..12 {
+        let (code, _, body) = http_get(port, "/healthz").unwrap();
+        assert_eq!(code, 200, "{body}");
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    daemon.stop();
+    owner(format!("ALTER ROLE {role} RESET statement_timeout"));
+    assert_accounting(&l.env.db, &orders, &orders.iter().collect::<Vec<_>>());
+    assert_eq!(books(&l.env).dead, 0);
+}
