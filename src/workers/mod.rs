@@ -342,7 +342,7 @@ impl<'a> Worker<'a> {
     /// survived, the inbox makes the second run a no-op; if not, the job runs again.
     fn make_durable(&mut self, outcomes: &mut [Settlement]) {
         if self.unflushed {
-            let flushed = self.flush();
+            let flushed = self.flush(outcomes);
             self.unflushed = false;
             let stats = self.ctx.stats;
             match flushed {
@@ -406,14 +406,17 @@ impl<'a> Worker<'a> {
     /// holds this worker's acknowledgements, and they wait with it, critical and naming
     /// the holder, instead of going round the pool as re-queues of jobs that committed
     /// (found from outside: about 900 deliveries a second while a lock lasted 40 s, health
-    /// green). Shutdown ends the wait: the acks then go back as re-queues, as after any
-    /// flush that was not confirmed.
-    fn flush(&mut self) -> Result<(), (String, db::Fault)> {
+    /// green). While it waits, the stream entries of `held` (the outcomes waiting for it)
+    /// are claimed again every [`Worker::keep_up_every`], so that no peer takes them for
+    /// stuck after `--claim-idle` and runs them again. Shutdown ends the wait: the acks
+    /// then go back as re-queues, as after any flush that was not confirmed.
+    fn flush(&mut self, held: &[Settlement]) -> Result<(), (String, db::Fault)> {
         let Some(mut session) = self.session.take() else {
             return Err(("no session".to_string(), db::Fault::Server));
         };
         let (stats, shutdown) = (self.ctx.stats, self.ctx.shutdown);
         let mut pause = FLUSH_RETRY_FIRST;
+        let mut claimed = Instant::now();
         let result = loop {
             let e = match db::flush_wal(session.client(), &self.flush_slot) {
                 Ok(()) => break Ok(()),
@@ -441,6 +444,10 @@ impl<'a> Worker<'a> {
                 break Err((db::error_text(&e), fault));
             }
             pause = (pause * 2).min(FLUSH_RETRY_CAP);
+            if claimed.elapsed() >= self.keep_up_every() {
+                claimed = Instant::now();
+                self.claim_entries(held.iter().map(|s| (s.shard, &s.origin)));
+            }
         };
         self.session = Some(session);
         result
@@ -458,10 +465,9 @@ impl<'a> Worker<'a> {
             .iter()
             .filter_map(|&i| Some((i, self.inbox_id(&outcomes[i])?)))
             .collect();
-        let session = match self.session.as_mut() {
-            Some(s) => s,
-            None => match Session::open(self.ctx.db, &self.registry, self.ctx.jobs.lock_timeout) {
-                Ok(s) => self.session.insert(s),
+        if self.session.is_none() {
+            match Session::open(self.ctx.db, &self.registry, self.ctx.jobs.lock_timeout) {
+                Ok(s) => self.session = Some(s),
                 Err(e) => {
                     log::warn!(
                         "{}: cannot look up whether commits survived: {e}",
@@ -469,13 +475,17 @@ impl<'a> Worker<'a> {
                     );
                     return HashSet::new();
                 }
-            },
-        };
-        let found = db::flush_wal(session.client(), &self.flush_slot).and_then(|()| {
+            }
+        }
+        // The flush waits out contention as `make_durable`'s does: a lock on worker_flush
+        // met here sent every job round again.
+        let found = self.flush(outcomes).map_err(|(e, _)| e).and_then(|()| {
             // A flush went through, though no job may be left to commit and flush on
             // the way of `make_durable`.
             durable_again(self.ctx.stats);
+            let session = self.session.as_mut().expect("the flush keeps its session");
             session::inbox_rows(session.client(), ids.iter().map(|(_, id)| id))
+                .map_err(|e| db::error_text(&e))
         });
         match found {
             Ok(found) => ids
@@ -485,9 +495,8 @@ impl<'a> Worker<'a> {
                 .collect(),
             Err(e) => {
                 log::warn!(
-                    "{}: cannot look up whether commits survived: {}",
-                    self.name,
-                    db::error_text(&e)
+                    "{}: cannot look up whether commits survived: {e}",
+                    self.name
                 );
                 self.drop_session();
                 HashSet::new()
@@ -909,6 +918,14 @@ impl<'a> Worker<'a> {
     /// ([`store::stream::keep_claimed`]); list copies need nothing (a live consumer's
     /// processing list is never taken back). `false` when Redis did not answer.
     fn claim_again<'d>(&mut self, held: impl Iterator<Item = &'d Delivery> + Clone) -> bool {
+        self.claim_entries(held.map(|d| (d.shard, &d.origin)))
+    }
+
+    /// [`Worker::claim_again`] of the entries at these origins, by shard.
+    fn claim_entries<'o>(
+        &mut self,
+        held: impl Iterator<Item = (usize, &'o Origin)> + Clone,
+    ) -> bool {
         let (shards, consumer) = (self.ctx.shards, self.ctx.consumer);
         let Some(con) = self.redis_now() else {
             return false;
@@ -916,8 +933,8 @@ impl<'a> Worker<'a> {
         for (shard, keys) in shards.iter().enumerate() {
             let ids: Vec<&str> = held
                 .clone()
-                .filter(|d| d.shard == shard)
-                .filter_map(|d| match &d.origin {
+                .filter(|(s, _)| *s == shard)
+                .filter_map(|(_, origin)| match origin {
                     Origin::Stream { id } => Some(id.as_str()),
                     Origin::List { .. } => None,
                 })

@@ -993,6 +993,87 @@ fn a_lock_on_the_group_commit_table_holds_the_acks_and_turns_health_red() {
     every_job_once_and_green(&env, w, port, &orders);
 }
 
+/// The acks waiting for a locked `worker_flush` stay this process's: its entries are
+/// claimed again while it waits, so that a second process does not take them for stuck
+/// after `--claim-idle` and run them again, and a session lost during the lock (its
+/// commits' durability in doubt) is answered by a flush on a new session that waits for
+/// the lock too, then the inbox, not by sending every job round. Found from outside: a
+/// 75 s lock beside a second process ran 80 of 80 jobs again there, and a
+/// `pg_terminate_backend` during a lock sent 60 of 60 back to the pool.
+#[test]
+fn acks_waiting_for_a_locked_flush_are_neither_taken_by_a_peer_nor_sent_round() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 60);
+    let procs: Vec<(Proc, u16)> = ["a", "b"]
+        .iter()
+        .map(|name| {
+            let mut c = env.config.clone();
+            c.consumer = format!("{}-{name}", env.config.consumer);
+            let port = free_port();
+            let addr = format!("127.0.0.1:{port}");
+            let a = args(&["--metrics-addr", &addr, "--claim-idle", "4s"]);
+            (Proc::start(&c, &a), port)
+        })
+        .collect();
+    for (_, port) in &procs {
+        wait_until(WAIT, "/healthz green", || healthz(*port).0 == 200);
+    }
+    let (_, release, h) = crate::lock_holder::hold(&env, "LOCK TABLE worker_flush IN SHARE MODE");
+    push_timeouts(&env, &orders, 0);
+    wait_until(WAIT, "every job committed", || inbox_count(&env.db) == 60);
+    // Red where acks wait (one process may have read every job).
+    wait_until(WAIT, "/healthz red naming worker_flush", || {
+        procs.iter().any(|(_, port)| {
+            let (code, body) = healthz(*port);
+            code == 503 && body.contains("worker_flush")
+        })
+    });
+    // The workers' sessions lost while their acks wait: the durability of their commits
+    // is in doubt.
+    env.db
+        .client()
+        .execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+             WHERE datname = current_database() AND application_name = 'delay-worker'",
+            &[],
+        )
+        .unwrap();
+    // Past two of `--claim-idle`: a peer would have taken the entries by now.
+    std::thread::sleep(Duration::from_secs(10));
+    let delivered: f64 = procs
+        .iter()
+        .map(|(_, port)| metric(*port, "delay_worker_delivered_total"))
+        .sum();
+    let retried: f64 = procs
+        .iter()
+        .map(|(_, port)| {
+            metric(
+                *port,
+                "delay_worker_jobs_total{event=\"order.timeout\",outcome=\"retry\"}",
+            )
+            .max(0.0)
+        })
+        .sum();
+    assert_eq!(
+        (delivered, retried),
+        (60.0, 0.0),
+        "deliveries and retries of 60 jobs under the lock"
+    );
+    release.send(()).unwrap();
+    h.join().unwrap();
+    wait_until(WAIT, "the stream settled", || {
+        books(&env).stream_pending == 0
+    });
+    for (mut w, _) in procs {
+        w.signal(libc::SIGTERM);
+        assert!(w.wait(WAIT).success(), "{}", w.log());
+    }
+    let every: Vec<&SeedOrder> = orders.iter().collect();
+    assert_accounting(&env.db, &orders, &every);
+    let b = books(&env);
+    assert_eq!((b.pool, b.dead), (0, 0));
+}
+
 /// `/healthz` red and `stats --check` CRITICAL naming the standstill within 6 s of the 30
 /// s standstill counted from `locked`, and no dead letter.
 fn red_soon_after(env: &Env, port: u16, locked: Instant) {
