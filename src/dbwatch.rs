@@ -85,12 +85,28 @@ const MAX_WAITING: usize = 2;
 
 /// Whether the server takes writes, the shop's sessions running a statement (of other
 /// roles only if this one may see their state: otherwise it is NULL, and not counted),
-/// and whether it may.
+/// whether it may, and whether a new session of this role in this database would start
+/// read-only: `default_transaction_read_only` set for the role or the database (`ALTER
+/// ROLE ... SET`) applies only to sessions opened after it, so the kept connection, and
+/// the workers' open ones, go on writing while every new one (the workers' next, the
+/// `/healthz` probe's) is refused (found from outside: `/healthz` red, `stats --check`
+/// only a warning). The most specific setting wins, as PostgreSQL applies them.
 const ASK: &str = "SELECT current_setting('transaction_read_only') = 'on', \
      (SELECT count(*) FROM pg_stat_activity \
        WHERE state = 'active' AND backend_type = 'client backend' AND datname = current_database() \
          AND pid <> pg_backend_pid() AND application_name NOT LIKE 'delay-worker%'), \
-     pg_has_role('pg_read_all_stats', 'USAGE')";
+     pg_has_role('pg_read_all_stats', 'USAGE'), \
+     coalesce((SELECT lower(split_part(c, '=', 2)) ~ '^(on|t|tr|tru|true|y|ye|yes|1)$' \
+       FROM pg_db_role_setting s, unnest(s.setconfig) c \
+       WHERE c LIKE 'default\\_transaction\\_read\\_only=%' \
+         AND s.setrole IN (0, (SELECT oid FROM pg_roles WHERE rolname = current_user)) \
+         AND s.setdatabase IN (0, (SELECT oid FROM pg_database WHERE datname = current_database())) \
+       ORDER BY s.setrole <> 0 DESC, s.setdatabase <> 0 DESC LIMIT 1), false)";
+
+/// What the watch says when new sessions of the worker's role would start read-only.
+const NEW_SESSIONS_READ_ONLY: &str = "new sessions of the worker's role are read-only: \
+     default_transaction_read_only is on for the role or the database (ALTER ROLE or ALTER \
+     DATABASE ... SET); the sessions open now still write, a new one would not";
 
 const RUNNING: u8 = 0;
 const DONE: u8 = 1;
@@ -354,6 +370,10 @@ fn check(
             let read_only: bool = row.try_get(0).map_err(|e| db::error_text(&e))?;
             let busy: i64 = row.try_get(1).map_err(|e| db::error_text(&e))?;
             let sees_all: bool = row.try_get(2).map_err(|e| db::error_text(&e))?;
+            let new_read_only: bool = row.try_get(3).map_err(|e| db::error_text(&e))?;
+            if new_read_only && !read_only {
+                return Err(NEW_SESSIONS_READ_ONLY.to_string());
+            }
             Ok((
                 read_only,
                 Seen {

@@ -1203,3 +1203,50 @@ fn a_privilege_only_some_jobs_need_keeps_health_red_while_it_is_refused() {
     assert_accounting(&l.env.db, &orders, &cancelled);
     assert_eq!(books(&l.env).dead, 0);
 }
+
+/// `default_transaction_read_only` set for the worker's role (`ALTER ROLE ... SET`)
+/// applies only to sessions opened after it: the sessions open now go on writing, every
+/// new one is refused. `/healthz` and `stats --check` agree on it, red naming it, and
+/// both are green again once it is reset; every job is done once. Found from outside:
+/// `/healthz` red (its probe opens a new session) while `stats --check` said only a
+/// warning (the watch's own session predates the setting).
+#[test]
+fn a_role_made_read_only_turns_healthz_and_check_red_alike() {
+    let mut l = Locked::new(&[]);
+    let port = free_port();
+    l.env.config.metrics_addr = Some(format!("127.0.0.1:{port}").parse().unwrap());
+    let role = l.runtime_role.clone();
+    let owner = |sql: String| l.env.db.client().batch_execute(&sql).unwrap();
+    let orders = seed_orders(&l.env.db, 20);
+    let daemon = Daemon::start(&l.env.config);
+    push_timeouts(&l.env, &orders[..10], 0);
+    wait_until(WAIT, "the first jobs done", || inbox_count(&l.env.db) == 10);
+    owner(format!(
+        "ALTER ROLE {role} SET default_transaction_read_only = on"
+    ));
+    wait_until(WAIT, "/healthz red naming read-only", || {
+        http_get(port, "/healthz")
+            .map(|(code, _, body)| code == 503 && body.contains("read-only"))
+            .unwrap_or(false)
+    });
+    wait_until(WAIT, "stats --check CRITICAL naming read-only", || {
+        let out = l.worker(true, &["stats", "--check"]);
+        out.status.code() == Some(2) && text(&out.stdout).contains("read-only")
+    });
+    owner(format!(
+        "ALTER ROLE {role} RESET default_transaction_read_only"
+    ));
+    push_timeouts(&l.env, &orders[10..], 0);
+    wait_until(WAIT, "every job done", || inbox_count(&l.env.db) == 20);
+    wait_until(WAIT, "/healthz green", || {
+        http_get(port, "/healthz")
+            .map(|(code, _, _)| code == 200)
+            .unwrap_or(false)
+    });
+    wait_until(WAIT, "stats --check not CRITICAL", || {
+        l.worker(true, &["stats", "--check"]).status.code() != Some(2)
+    });
+    daemon.stop();
+    assert_accounting(&l.env.db, &orders, &orders.iter().collect::<Vec<_>>());
+    assert_eq!(books(&l.env).dead, 0);
+}
