@@ -26,6 +26,27 @@ fn start_with_health(env: &Env, extra: &[&str]) -> (Proc, u16) {
     (Proc::start(&env.config, &a), port)
 }
 
+/// Processes of one prefix, consumers `<consumer>-<name>`, each with its `/healthz` port
+/// and these flags, started and green.
+fn start_named(env: &Env, names: &[&str], extra: &[&str]) -> Vec<(Proc, u16)> {
+    let procs: Vec<(Proc, u16)> = names
+        .iter()
+        .map(|name| {
+            let mut c = env.config.clone();
+            c.consumer = format!("{}-{name}", env.config.consumer);
+            let port = free_port();
+            let addr = format!("127.0.0.1:{port}");
+            let mut a = args(&["--metrics-addr", &addr]);
+            a.extend(args(extra));
+            (Proc::start(&c, &a), port)
+        })
+        .collect();
+    for (_, port) in &procs {
+        wait_until(WAIT, "/healthz green", || healthz(*port).0 == 200);
+    }
+    procs
+}
+
 /// `/healthz`: the status code and the body.
 fn healthz(port: u16) -> (u16, String) {
     match http_get(port, "/healthz") {
@@ -1004,20 +1025,7 @@ fn a_lock_on_the_group_commit_table_holds_the_acks_and_turns_health_red() {
 fn acks_waiting_for_a_locked_flush_are_neither_taken_by_a_peer_nor_sent_round() {
     let env = Env::new();
     let orders = seed_orders(&env.db, 60);
-    let procs: Vec<(Proc, u16)> = ["a", "b"]
-        .iter()
-        .map(|name| {
-            let mut c = env.config.clone();
-            c.consumer = format!("{}-{name}", env.config.consumer);
-            let port = free_port();
-            let addr = format!("127.0.0.1:{port}");
-            let a = args(&["--metrics-addr", &addr, "--claim-idle", "4s"]);
-            (Proc::start(&c, &a), port)
-        })
-        .collect();
-    for (_, port) in &procs {
-        wait_until(WAIT, "/healthz green", || healthz(*port).0 == 200);
-    }
+    let procs = start_named(&env, &["a", "b"], &["--claim-idle", "4s"]);
     let (_, release, h) = crate::lock_holder::hold(&env, "LOCK TABLE worker_flush IN SHARE MODE");
     push_timeouts(&env, &orders, 0);
     wait_until(WAIT, "every job committed", || inbox_count(&env.db) == 60);
@@ -1933,23 +1941,11 @@ fn a_max_rate_holds_in_every_second_not_only_on_average() {
 fn a_max_rate_is_the_fleet_s_however_many_processes_run() {
     let env = Env::new();
     let orders = seed_orders(&env.db, 120);
-    let procs: Vec<(Proc, u16)> = ["a", "b", "c"]
-        .iter()
-        .map(|name| {
-            let mut c = env.config.clone();
-            c.consumer = format!("{}-{name}", env.config.consumer);
-            let port = free_port();
-            let addr = format!("127.0.0.1:{port}");
-            let p = Proc::start(
-                &c,
-                &args(&["--metrics-addr", &addr, "--max-rate", "order.timeout=20/s"]),
-            );
-            (p, port)
-        })
-        .collect();
-    for (_, port) in &procs {
-        wait_until(WAIT, "/healthz green", || healthz(*port).0 == 200);
-    }
+    let procs = start_named(
+        &env,
+        &["a", "b", "c"],
+        &["--max-rate", "order.timeout=20/s"],
+    );
     push_timeouts(&env, &orders, 0);
     let pushed = Instant::now();
     wait_until(WAIT, "a third done", || inbox_count(&env.db) >= 40);
