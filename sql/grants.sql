@@ -40,8 +40,9 @@ GRANT SELECT (version) ON worker_migrations TO :"role";
 GRANT INSERT (job_key, enqueued_at, event, job_id, outcome, late_ms, consumer),
       UPDATE (outcome), SELECT, DELETE ON worker_inbox TO :"role";
 
--- Group commit: each worker thread upserts its own row (db::flush_wal).
-GRANT SELECT (slot, flushes), INSERT (slot), UPDATE (flushes, flushed_at)
+-- Group commit: each worker thread upserts its own row (db::flush_wal); ctid and xmax
+-- name the session holding a row lock on it.
+GRANT SELECT (ctid, xmax, slot, flushes), INSERT (slot), UPDATE (flushes, flushed_at)
    ON worker_flush TO :"role";
 
 -- order.timeout: a pending order -> cancelled; payment.paid: a pending order -> paid.

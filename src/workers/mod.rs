@@ -457,49 +457,63 @@ impl<'a> Worker<'a> {
     /// a job whose inbox row is there and durable: on a new session, one WAL flush (which
     /// makes every commit visible to it durable), then one look-up of their inbox rows.
     /// Those stay acks, so a job that committed is never also sent round again (where a
-    /// newer push of its key would turn it into a dead letter). Empty when PostgreSQL
-    /// cannot be reached or asked now: then every doubtful ack goes back to the pool, and
-    /// the inbox makes the second run of a job that had committed a no-op.
+    /// newer push of its key would turn it into a dead letter). While PostgreSQL cannot be
+    /// reached or asked, it waits, as a job does. Empty when a stop ends that wait, or the
+    /// look-up fails for another reason (a refused privilege): then every doubtful ack
+    /// goes back to the pool, and the inbox makes the second run of a job that had
+    /// committed a no-op.
     fn survived(&mut self, outcomes: &[Settlement], doubtful: &[usize]) -> HashSet<usize> {
         let ids: Vec<(usize, InboxId)> = doubtful
             .iter()
             .filter_map(|&i| Some((i, self.inbox_id(&outcomes[i])?)))
             .collect();
-        if self.session.is_none() {
-            match Session::open(self.ctx.db, &self.registry, self.ctx.jobs.lock_timeout) {
-                Ok(s) => self.session = Some(s),
-                Err(e) => {
-                    log::warn!(
-                        "{}: cannot look up whether commits survived: {e}",
-                        self.name
-                    );
+        let what = "cannot look up whether commits survived";
+        let mut claimed = Instant::now();
+        loop {
+            // A server that cannot be asked now (restarting, its sessions ended) is waited
+            // for, as a job waits for it, the entries kept claimed meanwhile: asked once,
+            // a restart or a second lost session sent every ack round (found from outside
+            // with worker_flush locked across them: 300 of 300 re-queued). A stop ends
+            // the wait.
+            if claimed.elapsed() >= self.keep_up_every() {
+                claimed = Instant::now();
+                self.claim_entries(outcomes.iter().map(|s| (s.shard, &s.origin)));
+            }
+            if let Err(e) = self.ensure_session() {
+                if self.wait_for_database(what, &e) {
                     return HashSet::new();
                 }
+                continue;
             }
-        }
-        // The flush waits out contention as `make_durable`'s does: a lock on worker_flush
-        // met here sent every job round again.
-        let found = self.flush(outcomes).map_err(|(e, _)| e).and_then(|()| {
-            // A flush went through, though no job may be left to commit and flush on
-            // the way of `make_durable`.
-            durable_again(self.ctx.stats);
-            let session = self.session.as_mut().expect("the flush keeps its session");
-            session::inbox_rows(session.client(), ids.iter().map(|(_, id)| id))
-                .map_err(|e| db::error_text(&e))
-        });
-        match found {
-            Ok(found) => ids
-                .into_iter()
-                .filter(|(_, id)| found.contains(id))
-                .map(|(i, _)| i)
-                .collect(),
-            Err(e) => {
-                log::warn!(
-                    "{}: cannot look up whether commits survived: {e}",
-                    self.name
-                );
-                self.drop_session();
-                HashSet::new()
+            // The flush waits out contention as `make_durable`'s does: a lock on
+            // worker_flush met here sent every job round again.
+            let found = self.flush(outcomes).and_then(|()| {
+                // A flush went through, though no job may be left to commit and flush on
+                // the way of `make_durable`.
+                durable_again(self.ctx.stats);
+                let session = self.session.as_mut().expect("the flush keeps its session");
+                session::inbox_rows(session.client(), ids.iter().map(|(_, id)| id))
+                    .map_err(|e| (db::error_text(&e), db::classify(&e)))
+            });
+            match found {
+                Ok(found) => {
+                    return ids
+                        .into_iter()
+                        .filter(|(_, id)| found.contains(id))
+                        .map(|(i, _)| i)
+                        .collect()
+                }
+                Err((e, fault)) => {
+                    self.drop_session();
+                    if fault == db::Fault::Server && !self.ctx.shutdown.is_set() {
+                        if self.wait_for_database(what, &e) {
+                            return HashSet::new();
+                        }
+                        continue;
+                    }
+                    log::warn!("{}: {what}: {e}", self.name);
+                    return HashSet::new();
+                }
             }
         }
     }
@@ -1647,29 +1661,13 @@ impl<'a> Worker<'a> {
         // under a SIGSTOP loop).
         let mut committed: Vec<Option<JobResult>> = Vec::new();
         loop {
-            let session = match self.session.as_mut() {
-                Some(s) => s,
-                None => {
-                    match Session::open(self.ctx.db, &self.registry, self.ctx.jobs.lock_timeout) {
-                        Ok(s) => {
-                            if self.db_backoff.in_outage() {
-                                self.ctx.stats.db_waiting.fetch_sub(1, Ordering::Relaxed);
-                                if self.ctx.stats.clear_problem(&self.db_role(), i64::MAX) {
-                                    log::info!("{}: a writable PostgreSQL is back", self.name);
-                                }
-                            }
-                            self.db_backoff.reset();
-                            self.session.insert(s)
-                        }
-                        Err(e) => {
-                            if self.wait_for_database("no database session", &e) {
-                                return Paced::Stopped;
-                            }
-                            continue;
-                        }
-                    }
+            if let Err(e) = self.ensure_session() {
+                if self.wait_for_database("no database session", &e) {
+                    return Paced::Stopped;
                 }
-            };
+                continue;
+            }
+            let session = self.session.as_mut().expect("a session was just ensured");
             if until.is_some_and(|u| u.elapsed() > LATE_FOR_SLOTS) {
                 return Paced::Late;
             }
@@ -1728,6 +1726,24 @@ impl<'a> Worker<'a> {
             }
             return Paced::Ran(results);
         }
+    }
+
+    /// Opens this worker's database session if it has none; a worker back from an outage
+    /// says so.
+    fn ensure_session(&mut self) -> Result<(), crate::workers::session::SessionError> {
+        if self.session.is_some() {
+            return Ok(());
+        }
+        let s = Session::open(self.ctx.db, &self.registry, self.ctx.jobs.lock_timeout)?;
+        if self.db_backoff.in_outage() {
+            self.ctx.stats.db_waiting.fetch_sub(1, Ordering::Relaxed);
+            if self.ctx.stats.clear_problem(&self.db_role(), i64::MAX) {
+                log::info!("{}: a writable PostgreSQL is back", self.name);
+            }
+        }
+        self.db_backoff.reset();
+        self.session = Some(s);
+        Ok(())
     }
 
     /// The role this worker reports PostgreSQL outages under.

@@ -1250,3 +1250,43 @@ fn a_role_made_read_only_turns_healthz_and_check_red_alike() {
     assert_accounting(&l.env.db, &orders, &orders.iter().collect::<Vec<_>>());
     assert_eq!(books(&l.env).dead, 0);
 }
+
+/// A row lock on the worker's own `worker_flush` row (`SELECT ... FOR NO KEY UPDATE`)
+/// holds the acks, red naming the session that holds it: `sql/grants.sql` lets the
+/// runtime role read the row's `ctid` and `xmax`. Found from outside: red told the
+/// operator to grant what `sql/grants.sql` was said to grant and did not.
+#[test]
+fn a_row_lock_on_the_group_commit_table_names_its_holder() {
+    let mut l = Locked::new(&[]);
+    l.env.config.threads = 1;
+    let port = free_port();
+    l.env.config.metrics_addr = Some(format!("127.0.0.1:{port}").parse().unwrap());
+    let orders = seed_orders(&l.env.db, 10);
+    let daemon = Daemon::start(&l.env.config);
+    // The first job writes the worker's row of worker_flush.
+    push_timeouts(&l.env, &orders[..1], 0);
+    wait_until(WAIT, "the first job done", || inbox_count(&l.env.db) == 1);
+    std::thread::sleep(Duration::from_millis(500));
+    let (pid, release, h) =
+        crate::lock_holder::hold(&l.env, "SELECT * FROM worker_flush FOR NO KEY UPDATE");
+    push_timeouts(&l.env, &orders[1..], 0);
+    let holder = format!("pid {pid}");
+    wait_until(WAIT, "/healthz red naming the row lock's holder", || {
+        http_get(port, "/healthz")
+            .map(|(code, _, body)| {
+                code == 503 && body.contains("worker_flush") && body.contains(&holder)
+            })
+            .unwrap_or(false)
+    });
+    release.send(()).unwrap();
+    h.join().unwrap();
+    wait_until(WAIT, "every job done", || inbox_count(&l.env.db) == 10);
+    wait_until(WAIT, "/healthz green", || {
+        http_get(port, "/healthz")
+            .map(|(code, _, _)| code == 200)
+            .unwrap_or(false)
+    });
+    daemon.stop();
+    assert_accounting(&l.env.db, &orders, &orders.iter().collect::<Vec<_>>());
+    assert_eq!(books(&l.env).dead, 0);
+}
