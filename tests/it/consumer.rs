@@ -497,26 +497,9 @@ fn a_postgres_outage_holds_jobs_and_loses_none() {
     push_timeouts(&env, &orders, 0);
     wait_until(WAIT, "a first batch", || inbox_count(&env.db) > 20);
     // Outage: no new connections, the existing ones cut.
-    let mut admin = postgres::Client::connect(&admin_url(), postgres::NoTls).unwrap();
-    admin
-        .batch_execute(&format!(
-            "ALTER DATABASE {} WITH ALLOW_CONNECTIONS false",
-            env.db.name
-        ))
-        .unwrap();
-    admin
-        .execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
-            &[&env.db.name],
-        )
-        .unwrap();
+    set_connections(&env, false);
     std::thread::sleep(Duration::from_millis(1500));
-    admin
-        .batch_execute(&format!(
-            "ALTER DATABASE {} WITH ALLOW_CONNECTIONS true",
-            env.db.name
-        ))
-        .unwrap();
+    set_connections(&env, true);
     wait_until(WAIT, "every order after the outage", || {
         inbox_count(&env.db) == 200 && books(&env).pool == 0 && books(&env).stream_pending == 0
     });

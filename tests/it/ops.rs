@@ -192,24 +192,6 @@ fn samples(text: &str) -> HashMap<String, f64> {
         .collect()
 }
 
-fn set_connections(env: &Env, allow: bool) {
-    let mut admin = postgres::Client::connect(&admin_url(), postgres::NoTls).unwrap();
-    admin
-        .batch_execute(&format!(
-            "ALTER DATABASE {} WITH ALLOW_CONNECTIONS {allow}",
-            env.db.name
-        ))
-        .unwrap();
-    if !allow {
-        admin
-            .execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
-                &[&env.db.name],
-            )
-            .unwrap();
-    }
-}
-
 #[test]
 fn ops_metrics_count_jobs_and_healthz_follows_postgres() {
     let env = Env::new();

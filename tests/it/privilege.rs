@@ -115,6 +115,13 @@ struct Locked {
 }
 
 impl Locked {
+    /// `/healthz` on a free port for the daemon this test starts: its port.
+    fn with_health(&mut self) -> u16 {
+        let port = free_port();
+        self.env.config.metrics_addr = Some(format!("127.0.0.1:{port}").parse().unwrap());
+        port
+    }
+
     /// `extra` are the key rules a deployment adds to the files' (list mode).
     fn new(extra: &[String]) -> Locked {
         let n = ROLES.fetch_add(1, Ordering::SeqCst);
@@ -1084,8 +1091,7 @@ fn a_lock_holder_is_named_under_the_runtime_role() {
 #[test]
 fn a_refused_group_commit_table_turns_health_red_until_granted() {
     let mut l = Locked::new(&[]);
-    let port = free_port();
-    l.env.config.metrics_addr = Some(format!("127.0.0.1:{port}").parse().unwrap());
+    let port = l.with_health();
     let rights = "UPDATE (flushes, flushed_at), INSERT (slot) ON worker_flush";
     let role = l.runtime_role.clone();
     let owner = |sql: String| l.env.db.client().batch_execute(&sql).unwrap();
@@ -1093,17 +1099,11 @@ fn a_refused_group_commit_table_turns_health_red_until_granted() {
     let orders = seed_orders(&l.env.db, 5);
     let daemon = Daemon::start(&l.env.config);
     push_timeouts(&l.env, &orders, 0);
-    wait_until(WAIT, "/healthz red naming worker_flush", || {
-        http_get(port, "/healthz")
-            .map(|(code, _, body)| code == 503 && body.contains("worker_flush"))
-            .unwrap_or(false)
+    wait_healthz(port, "/healthz red naming worker_flush", |code, body| {
+        code == 503 && body.contains("worker_flush")
     });
     owner(format!("GRANT {rights} TO {role}"));
-    wait_until(WAIT, "/healthz green", || {
-        http_get(port, "/healthz")
-            .map(|(code, _, _)| code == 200)
-            .unwrap_or(false)
-    });
+    wait_healthz(port, "/healthz green", |code, _| code == 200);
     wait_until(WAIT, "every job done", || inbox_count(&l.env.db) == 5);
     daemon.stop();
     assert_accounting(&l.env.db, &orders, &orders.iter().collect::<Vec<_>>());
@@ -1120,8 +1120,7 @@ fn a_refused_group_commit_table_turns_health_red_until_granted() {
 #[test]
 fn a_statement_timeout_set_on_the_role_is_not_taken_for_an_unwritable_server() {
     let mut l = Locked::new(&[]);
-    let port = free_port();
-    l.env.config.metrics_addr = Some(format!("127.0.0.1:{port}").parse().unwrap());
+    let port = l.with_health();
     let role = l.runtime_role.clone();
     let owner = |sql: String| l.env.db.client().batch_execute(&sql).unwrap();
     owner(format!("ALTER ROLE {role} SET statement_timeout = '1ms'"));
@@ -1151,8 +1150,7 @@ fn a_statement_timeout_set_on_the_role_is_not_taken_for_an_unwritable_server() {
 fn a_privilege_only_some_jobs_need_keeps_health_red_while_it_is_refused() {
     let mut l = Locked::new(&[]);
     l.env.config.threads = 2;
-    let port = free_port();
-    l.env.config.metrics_addr = Some(format!("127.0.0.1:{port}").parse().unwrap());
+    let port = l.with_health();
     let role = l.runtime_role.clone();
     let owner = |sql: String| l.env.db.client().batch_execute(&sql).unwrap();
     owner(format!(
@@ -1166,10 +1164,8 @@ fn a_privilege_only_some_jobs_need_keeps_health_red_while_it_is_refused() {
     for (i, chunk) in orders.chunks(25).enumerate() {
         push_timeouts(&l.env, chunk, 1000 * i as i64);
     }
-    wait_until(WAIT, "/healthz red naming worker_inbox", || {
-        http_get(port, "/healthz")
-            .map(|(code, _, body)| code == 503 && body.contains("worker_inbox"))
-            .unwrap_or(false)
+    wait_healthz(port, "/healthz red naming worker_inbox", |code, body| {
+        code == 503 && body.contains("worker_inbox")
     });
     // `stats --check` reads the worker's heartbeat, written every few seconds: from the
     // first CRITICAL on, it stays so.
@@ -1189,11 +1185,7 @@ fn a_privilege_only_some_jobs_need_keeps_health_red_while_it_is_refused() {
     );
     owner(format!("GRANT UPDATE (outcome) ON worker_inbox TO {role}"));
     wait_until(WAIT, "every job done", || inbox_count(&l.env.db) == 200);
-    wait_until(WAIT, "/healthz green", || {
-        http_get(port, "/healthz")
-            .map(|(code, _, _)| code == 200)
-            .unwrap_or(false)
-    });
+    wait_healthz(port, "/healthz green", |code, _| code == 200);
     daemon.stop();
     let paid_ids: Vec<i64> = paid.iter().map(|o| o.id).collect();
     let cancelled: Vec<&SeedOrder> = orders
@@ -1213,8 +1205,7 @@ fn a_privilege_only_some_jobs_need_keeps_health_red_while_it_is_refused() {
 #[test]
 fn a_role_made_read_only_turns_healthz_and_check_red_alike() {
     let mut l = Locked::new(&[]);
-    let port = free_port();
-    l.env.config.metrics_addr = Some(format!("127.0.0.1:{port}").parse().unwrap());
+    let port = l.with_health();
     let role = l.runtime_role.clone();
     let owner = |sql: String| l.env.db.client().batch_execute(&sql).unwrap();
     let orders = seed_orders(&l.env.db, 20);
@@ -1224,10 +1215,8 @@ fn a_role_made_read_only_turns_healthz_and_check_red_alike() {
     owner(format!(
         "ALTER ROLE {role} SET default_transaction_read_only = on"
     ));
-    wait_until(WAIT, "/healthz red naming read-only", || {
-        http_get(port, "/healthz")
-            .map(|(code, _, body)| code == 503 && body.contains("read-only"))
-            .unwrap_or(false)
+    wait_healthz(port, "/healthz red naming read-only", |code, body| {
+        code == 503 && body.contains("read-only")
     });
     wait_until(WAIT, "stats --check CRITICAL naming read-only", || {
         let out = l.worker(true, &["stats", "--check"]);
@@ -1238,11 +1227,7 @@ fn a_role_made_read_only_turns_healthz_and_check_red_alike() {
     ));
     push_timeouts(&l.env, &orders[10..], 0);
     wait_until(WAIT, "every job done", || inbox_count(&l.env.db) == 20);
-    wait_until(WAIT, "/healthz green", || {
-        http_get(port, "/healthz")
-            .map(|(code, _, _)| code == 200)
-            .unwrap_or(false)
-    });
+    wait_healthz(port, "/healthz green", |code, _| code == 200);
     wait_until(WAIT, "stats --check not CRITICAL", || {
         l.worker(true, &["stats", "--check"]).status.code() != Some(2)
     });
@@ -1259,8 +1244,7 @@ fn a_role_made_read_only_turns_healthz_and_check_red_alike() {
 fn a_row_lock_on_the_group_commit_table_names_its_holder() {
     let mut l = Locked::new(&[]);
     l.env.config.threads = 1;
-    let port = free_port();
-    l.env.config.metrics_addr = Some(format!("127.0.0.1:{port}").parse().unwrap());
+    let port = l.with_health();
     let orders = seed_orders(&l.env.db, 10);
     let daemon = Daemon::start(&l.env.config);
     // The first job writes the worker's row of worker_flush.
@@ -1271,22 +1255,25 @@ fn a_row_lock_on_the_group_commit_table_names_its_holder() {
         crate::lock_holder::hold(&l.env, "SELECT * FROM worker_flush FOR NO KEY UPDATE");
     push_timeouts(&l.env, &orders[1..], 0);
     let holder = format!("pid {pid}");
-    wait_until(WAIT, "/healthz red naming the row lock's holder", || {
-        http_get(port, "/healthz")
-            .map(|(code, _, body)| {
-                code == 503 && body.contains("worker_flush") && body.contains(&holder)
-            })
-            .unwrap_or(false)
-    });
+    wait_healthz(
+        port,
+        "/healthz red naming the row lock's holder",
+        |code, body| code == 503 && body.contains("worker_flush") && body.contains(&holder),
+    );
     release.send(()).unwrap();
     h.join().unwrap();
     wait_until(WAIT, "every job done", || inbox_count(&l.env.db) == 10);
-    wait_until(WAIT, "/healthz green", || {
-        http_get(port, "/healthz")
-            .map(|(code, _, _)| code == 200)
-            .unwrap_or(false)
-    });
+    wait_healthz(port, "/healthz green", |code, _| code == 200);
     daemon.stop();
     assert_accounting(&l.env.db, &orders, &orders.iter().collect::<Vec<_>>());
     assert_eq!(books(&l.env).dead, 0);
+}
+
+/// Waits until `/healthz` at `port` answers as `ok` says (its status code and body).
+fn wait_healthz(port: u16, what: &str, ok: impl Fn(u16, &str) -> bool) {
+    wait_until(WAIT, what, || {
+        http_get(port, "/healthz")
+            .map(|(code, _, body)| ok(code, &body))
+            .unwrap_or(false)
+    });
 }

@@ -1051,20 +1051,13 @@ fn acks_waiting_for_a_locked_flush_are_neither_taken_by_a_peer_nor_sent_round() 
             )
             .unwrap()
     };
-    let connections = |admin: &mut postgres::Client, on: bool| {
-        admin
-            .batch_execute(&format!(
-                "ALTER DATABASE {} WITH ALLOW_CONNECTIONS {on}",
-                env.db.name
-            ))
-            .unwrap()
-    };
     terminate(&mut admin);
     std::thread::sleep(Duration::from_secs(2));
-    connections(&mut admin, false);
+    // Not `set_connections`: the lock holder's session must stay.
+    allow_connections(&env, false);
     terminate(&mut admin);
     std::thread::sleep(Duration::from_secs(3));
-    connections(&mut admin, true);
+    allow_connections(&env, true);
     // Past two of `--claim-idle` in all: a peer would have taken the entries by now.
     std::thread::sleep(Duration::from_secs(5));
     let delivered: f64 = procs
@@ -2019,25 +2012,9 @@ fn a_max_rate_holds_after_an_outage_and_a_stop() {
     wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
     push_timeouts(&env, &orders, 0);
     wait_until(WAIT, "a capped start", || inbox_count(&env.db) >= 8);
-    let mut admin = postgres::Client::connect(&admin_url(), postgres::NoTls).unwrap();
-    let connections = |admin: &mut postgres::Client, on: bool| {
-        admin
-            .batch_execute(&format!(
-                "ALTER DATABASE {} WITH ALLOW_CONNECTIONS {on}",
-                env.db.name
-            ))
-            .unwrap()
-    };
-    connections(&mut admin, false);
-    admin
-        .execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
-             WHERE datname = $1 AND pid <> pg_backend_pid()",
-            &[&env.db.name],
-        )
-        .unwrap();
+    set_connections(&env, false);
     std::thread::sleep(Duration::from_secs(4));
-    connections(&mut admin, true);
+    set_connections(&env, true);
     let before = inbox_count(&env.db);
     wait_until(WAIT, "jobs after the outage", || {
         inbox_count(&env.db) >= before + 8

@@ -237,6 +237,33 @@ impl Drop for RedisServer {
 }
 
 /// The admin URL of the shared test PostgreSQL (scripts/services.sh starts it).
+/// New connections to this test's database allowed or refused (`ALTER DATABASE ...
+/// ALLOW_CONNECTIONS`); the open ones stay.
+pub fn allow_connections(env: &Env, allow: bool) {
+    let mut admin = postgres::Client::connect(&admin_url(), postgres::NoTls).unwrap();
+    admin
+        .batch_execute(&format!(
+            "ALTER DATABASE {} WITH ALLOW_CONNECTIONS {allow}",
+            env.db.name
+        ))
+        .unwrap();
+}
+
+/// A PostgreSQL outage for this test's database (`false`: no new connection, every open
+/// one cut), or its end (`true`).
+pub fn set_connections(env: &Env, allow: bool) {
+    allow_connections(env, allow);
+    if !allow {
+        let mut admin = postgres::Client::connect(&admin_url(), postgres::NoTls).unwrap();
+        admin
+            .execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
+                &[&env.db.name],
+            )
+            .unwrap();
+    }
+}
+
 pub fn admin_url() -> String {
     std::env::var("DW_TEST_DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5439/postgres".to_string())
