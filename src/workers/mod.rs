@@ -444,10 +444,7 @@ impl<'a> Worker<'a> {
                 break Err((db::error_text(&e), fault));
             }
             pause = (pause * 2).min(FLUSH_RETRY_CAP);
-            if claimed.elapsed() >= self.keep_up_every() {
-                claimed = Instant::now();
-                self.claim_entries(held.iter().map(|s| (s.shard, &s.origin)));
-            }
+            self.keep_settlements_claimed(held, &mut claimed);
         };
         self.session = Some(session);
         result
@@ -475,10 +472,7 @@ impl<'a> Worker<'a> {
             // a restart or a second lost session sent every ack round (found from outside
             // with worker_flush locked across them: 300 of 300 re-queued). A stop ends
             // the wait.
-            if claimed.elapsed() >= self.keep_up_every() {
-                claimed = Instant::now();
-                self.claim_entries(outcomes.iter().map(|s| (s.shard, &s.origin)));
-            }
+            self.keep_settlements_claimed(outcomes, &mut claimed);
             if let Err(e) = self.ensure_session() {
                 if self.wait_for_database(what, &e) {
                     return HashSet::new();
@@ -933,6 +927,16 @@ impl<'a> Worker<'a> {
     /// processing list is never taken back). `false` when Redis did not answer.
     fn claim_again<'d>(&mut self, held: impl Iterator<Item = &'d Delivery> + Clone) -> bool {
         self.claim_entries(held.map(|d| (d.shard, &d.origin)))
+    }
+
+    /// The stream entries of outcomes waiting for PostgreSQL (their acks, retries and
+    /// letters not yet settled) claimed again once [`Worker::keep_up_every`] has passed
+    /// since `claimed`, so that no peer takes them for stuck.
+    fn keep_settlements_claimed(&mut self, held: &[Settlement], claimed: &mut Instant) {
+        if claimed.elapsed() >= self.keep_up_every() {
+            *claimed = Instant::now();
+            self.claim_entries(held.iter().map(|s| (s.shard, &s.origin)));
+        }
     }
 
     /// [`Worker::claim_again`] of the entries at these origins, by shard.
