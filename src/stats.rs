@@ -547,6 +547,16 @@ impl Contention {
         events
     }
 
+    /// Whether a job of `event` other than `key` waits on contention as of `now_ms`.
+    pub fn others_wait(&self, event: &str, key: &str, now_ms: i64) -> bool {
+        if self.len.load(Relaxed) == 0 {
+            return false;
+        }
+        self.current(now_ms)
+            .values()
+            .any(|v| v.event == event && v.key != key)
+    }
+
     /// How many jobs wait on contention as of `now_ms`, and the one waiting longest.
     pub fn summary(&self, now_ms: i64) -> (usize, Option<Waiter>) {
         if self.len.load(Relaxed) == 0 {

@@ -417,6 +417,60 @@ fn a_shop_lock_holds_its_order_and_the_orders_sharing_a_sku_then_they_are_cancel
     assert_eq!(books(&env).dead, 0);
 }
 
+/// A row every due job needs, locked by the shop (a flash sale's sku held by a session
+/// idle in its transaction): no job of the event changes anything, so the queue stands
+/// still and the lock is the surroundings' as a whole table's is. Past `--retry-for` none
+/// is dead-lettered, health turns red, and once the lock goes each order is cancelled
+/// once. (From outside: with `--retry-for 15s`, 181 of 2,700 unpaid orders sharing a
+/// locked sku were dead letters, left uncancelled.)
+#[test]
+fn a_row_every_job_needs_locked_past_the_retry_horizon_dead_letters_none() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 100);
+    let sku = orders[0].items[0].0;
+    let sharing: Vec<&SeedOrder> = orders
+        .iter()
+        .filter(|o| o.items.iter().any(|i| i.0 == sku))
+        .collect();
+    let (release, holder) = hold_lock(&env.db, "sku", sku);
+    let (w, port) = start_with_health(
+        &env,
+        &[
+            "--max-retries",
+            "1",
+            "--retry-for",
+            "2s",
+            "--retry-cap",
+            "1s",
+        ],
+    );
+    let pushed: Vec<SeedOrder> = sharing.iter().map(|o| (*o).clone()).collect();
+    push_timeouts(&env, &pushed, 0);
+    // Red once no job of the event has changed anything for 30 s, many tries past the
+    // horizon.
+    wait_until(
+        Duration::from_secs(60),
+        "/healthz red for the standstill",
+        || {
+            assert_eq!(
+                books(&env).dead,
+                0,
+                "a row every job needs is no job's fault"
+            );
+            let (code, body) = healthz(port);
+            code == 503 && body.contains("has changed anything")
+        },
+    );
+    assert_eq!(inbox_count(&env.db), 0);
+    release.send(()).unwrap();
+    holder.join().unwrap();
+    wait_done(&env, &env.db, sharing.len() as i64);
+    wait_until(WAIT, "/healthz green again", || healthz(port).0 == 200);
+    stop(w);
+    assert_accounting(&env.db, &orders, &sharing);
+    assert_eq!(books(&env).dead, 0);
+}
+
 /// A session of the shop's that is always running a statement, so that the workers see the
 /// shop busy and yield, until the flag is set.
 fn keep_the_shop_busy(
