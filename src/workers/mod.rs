@@ -92,6 +92,12 @@ pub const SCHEMA_HOLD: Duration = Duration::from_secs(5);
 /// before its second look: time for the same fault in its event's other jobs to show.
 pub const SECOND_LOOK: Duration = Duration::from_secs(2);
 
+/// How long before a job's failure on contention a change by another job of its event
+/// must have been, to prove that the lock is the job's alone ([`Worker::stands_still`]):
+/// longer than a worker's batch of lock waits, so that the changes made once a lock
+/// every job met is let go do not count.
+pub const PROOF_BEFORE_FAILURE: Duration = Duration::from_secs(2);
+
 /// The longest delay between two tries of a job that meets contention (or `--retry-cap`,
 /// if shorter): once the shop's lock is gone the job runs within this.
 pub const CONTENTION_CAP: Duration = Duration::from_secs(30);
@@ -1511,16 +1517,18 @@ impl<'a> Worker<'a> {
         // the surroundings', waited out however long, never a dead letter (the standstill
         // turns health red meanwhile). A row lock only this job meets, a deadlock, a
         // statement timeout: retried for `--retry-for`, then dead-lettered as configured,
-        // unless the queue stands still: other jobs of its event wait on contention too
-        // and none has changed anything in the last [`CONTENTION_STALL`] since this one
-        // fell due (in any process: the inbox is asked). That is a lock every job meets
-        // (a row every job needs, a flash sale's sku held by a shop session; a slow
-        // trigger on every update): the surroundings', waited out however long as a
+        // unless the queue stands still ([`Worker::stands_still`]): a lock every job
+        // meets (a row every job needs, a flash sale's sku held by a shop session; a slow
+        // trigger on every update) is the surroundings', waited out however long as a
         // table's, red meanwhile (found from outside: with `--retry-for 15s`, 181 of 2,700
         // unpaid orders sharing a locked sku were dead letters, left uncancelled).
         let table_wide = !f.cancelled && f.wait.as_ref().is_some_and(|w| w.row.is_none());
         let spent = env.retry >= jobs.max_retries && waited >= jobs.retry_for;
-        if !f.shared && !table_wide && spent && !self.stands_still(&env.event, key, now - since) {
+        if !f.shared
+            && !table_wide
+            && spent
+            && !self.stands_still(&env.event, key, now - since, failed_at)
+        {
             self.no_longer_waits(key);
             let reason = format!(
                 "transient failure after {} retries, {} after its due time (contention: --retry-for {}): {}",
@@ -1570,15 +1578,47 @@ impl<'a> Worker<'a> {
     }
 
     /// Whether the queue of `event` stands still for the job `key`, which has waited
-    /// `waited_ms` since it fell due: other jobs of it wait on contention here, and none
-    /// changed anything in that time nor in the last [`CONTENTION_STALL`].
-    fn stands_still(&mut self, event: &str, key: &str, waited_ms: i64) -> bool {
-        let now = self.ctx.stats.clock.now_ms();
-        if !self.ctx.stats.contention.others_wait(event, key, now) {
+    /// `waited_ms` since it fell due and failed at `failed_at` (local ms): other jobs of
+    /// it wait on contention here, and none changed anything (in any process: the inbox
+    /// is asked, at most once every [`crate::stats::ASK_INBOX_EVERY`]) in that time, in
+    /// the last [`CONTENTION_STALL`], up to [`PROOF_BEFORE_FAILURE`] before the failure.
+    /// A change after that proves nothing of the lock: the jobs that go through the moment
+    /// a lock every job met is let go must not make the last waiters' failures their own
+    /// (found in the test, two dead letters at the release).
+    fn stands_still(&mut self, event: &str, key: &str, waited_ms: i64, failed_at: i64) -> bool {
+        let stats = self.ctx.stats;
+        if !stats
+            .contention
+            .others_wait(event, key, stats.clock.now_ms())
+        {
             return false;
         }
-        let window = waited_ms.clamp(1, CONTENTION_STALL.as_millis() as i64);
-        !self.applied_since(event, window)
+        let local = crate::now_ms();
+        let from = local - waited_ms.min(CONTENTION_STALL.as_millis() as i64);
+        let to = failed_at - PROOF_BEFORE_FAILURE.as_millis() as i64;
+        if to <= from {
+            return true;
+        }
+        let newest = stats.jobs.applied_ms(event);
+        if (from..=to).contains(&newest) {
+            return false;
+        }
+        if !stats.jobs.ask_inbox(event, local) {
+            return true;
+        }
+        let Some(session) = self.session.as_mut() else {
+            return true;
+        };
+        match session.applied_between(event, local - from, local - to) {
+            Ok(applied) => !applied,
+            Err(e) => {
+                log::debug!(
+                    "cannot ask the inbox whether a job of {event} changed something: {}",
+                    db::error_text(&e)
+                );
+                true
+            }
+        }
     }
 
     /// Runs the jobs, waiting (with backoff) for a database session, and returns their

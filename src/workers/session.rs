@@ -301,6 +301,25 @@ impl Session {
         Ok(row.map(|r| r.get::<_, i64>(0).max(0)))
     }
 
+    /// Whether a job of `event` that changed something began between `from_ms` and
+    /// `to_ms` ago (`from_ms` > `to_ms`), in any process, by the inbox rows' start time on
+    /// the server's own clock.
+    pub fn applied_between(
+        &mut self,
+        event: &str,
+        from_ms: i64,
+        to_ms: i64,
+    ) -> Result<bool, postgres::Error> {
+        let row = self.conn.query_opt(
+            "SELECT 1 FROM worker_inbox \
+             WHERE processed_at > now() - $2::bigint * interval '1 millisecond' \
+             AND processed_at <= now() - $3::bigint * interval '1 millisecond' \
+             AND event = $1 AND outcome = 'done' LIMIT 1",
+            &[&event, &from_ms, &to_ms],
+        )?;
+        Ok(row.is_some())
+    }
+
     /// The connection, for the WAL flush.
     pub fn client(&mut self) -> &mut postgres::Client {
         &mut self.conn
