@@ -301,23 +301,25 @@ impl Session {
         Ok(row.map(|r| r.get::<_, i64>(0).max(0)))
     }
 
-    /// Whether a job of `event` that changed something began between `from_ms` and
-    /// `to_ms` ago (`from_ms` > `to_ms`), in any process, by the inbox rows' start time on
-    /// the server's own clock.
-    pub fn applied_between(
+    /// Whether jobs of `event` changed something in each third of the span from `from_ms`
+    /// to `to_ms` ago (`from_ms` > `to_ms`), in any process, by the inbox rows' start time
+    /// on the server's own clock: jobs of it went through all along, not in one gap.
+    pub fn applied_throughout(
         &mut self,
         event: &str,
         from_ms: i64,
         to_ms: i64,
     ) -> Result<bool, postgres::Error> {
-        let row = self.conn.query_opt(
-            "SELECT 1 FROM worker_inbox \
-             WHERE processed_at > now() - $2::bigint * interval '1 millisecond' \
-             AND processed_at <= now() - $3::bigint * interval '1 millisecond' \
-             AND event = $1 AND outcome = 'done' LIMIT 1",
-            &[&event, &from_ms, &to_ms],
+        let third = (from_ms - to_ms) / 3;
+        let row = self.conn.query_one(
+            "SELECT bool_and(EXISTS (SELECT 1 FROM worker_inbox \
+                 WHERE processed_at > now() - (e + $3::bigint) * interval '1 millisecond' \
+                 AND processed_at <= now() - e * interval '1 millisecond' \
+                 AND event = $1 AND outcome = 'done')) \
+             FROM unnest(ARRAY[$2::bigint, $2::bigint + $3::bigint, $2::bigint + 2 * $3::bigint]) e",
+            &[&event, &to_ms, &third],
         )?;
-        Ok(row.is_some())
+        Ok(row.get::<_, Option<bool>>(0).unwrap_or(false))
     }
 
     /// The connection, for the WAL flush.

@@ -279,7 +279,7 @@ fn rows_only_some_waiting_jobs_meet_are_dead_letters_past_the_horizon_while_othe
     env.config.jobs.retry_base = Duration::from_millis(50);
     env.config.jobs.retry_cap = Duration::from_millis(300);
     env.config.jobs.retry_for = Duration::from_secs(3);
-    let orders = seed_orders(&env.db, 82);
+    let orders = seed_orders(&env.db, 122);
     let locks = [
         lock_order(&env, orders[0].id),
         lock_order(&env, orders[1].id),
