@@ -1583,11 +1583,13 @@ impl<'a> Worker<'a> {
     /// the failure (`--retry-for`, at least 6 s and at most [`CONTENTION_STALL`]): none
     /// changed anything (in any process: the inbox is asked, at most once every
     /// [`crate::stats::ASK_INBOX_EVERY`]) in some third of it, up to
-    /// [`PROOF_BEFORE_FAILURE`] before the failure, or the job has not waited that long. Changes in one stretch prove nothing of the lock: the jobs that go
-    /// through the moment a lock every job met is let go (found in the test: two dead
-    /// letters at the release), or in a gap of a second between two such locks (found
-    /// from outside: 260 of 900 unpaid orders were dead letters after a gap), must not
-    /// make the waiters' failures their own.
+    /// [`PROOF_BEFORE_FAILURE`] before the failure, or the job has not waited that long.
+    /// Changes in one stretch prove nothing of the lock: the jobs that go through the
+    /// moment a lock every job met is let go (found in the test: two dead letters at the
+    /// release), or in a gap of a second between two such locks (found from outside: 260
+    /// of 900 unpaid orders were dead letters after a gap), must not make the waiters'
+    /// failures their own. The inbox is asked once a second per event: a job that cannot
+    /// ask now waits for its next try.
     fn stands_still(&mut self, event: &str, key: &str, waited_ms: i64, failed_at: i64) -> bool {
         let stats = self.ctx.stats;
         if !stats
