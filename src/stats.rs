@@ -433,7 +433,14 @@ pub struct Contention {
     began_ms: AtomicI64,
     /// Whether the contention problem stands as critical (a standstill) now.
     pub standstill: AtomicBool,
+    /// When the waiters were last looked at or one was added (this host's unix ms; the
+    /// watch looks every second while any waits).
+    seen_ms: AtomicI64,
 }
+
+/// A gap between two looks at the waiters longer than this is a time the process did not
+/// run (SIGSTOP, a frozen VM): nothing is forgotten for it.
+const PAUSED_AFTER: Duration = Duration::from_secs(3);
 
 /// One job waiting on contention.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -475,6 +482,7 @@ impl Contention {
         met_ms: i64,
     ) {
         let mut w = self.lock();
+        self.seen_ms.store(crate::now_ms(), Relaxed);
         if w.is_empty() {
             self.began_ms.store(met_ms, Relaxed);
         }
@@ -527,9 +535,20 @@ impl Contention {
         }
     }
 
-    /// The jobs waiting as of `now_ms`, those forgotten by then gone.
+    /// The jobs waiting as of `now_ms`, those forgotten by then gone. A time the process
+    /// did not run forgets none: each waiter's retry is taken as that much later (found
+    /// from outside: a worker stopped for 35 s during a lock every job met forgot its
+    /// waiters and was green for 30 s more, counting the standstill afresh).
     fn current(&self, now_ms: i64) -> MutexGuard<'_, HashMap<String, Waiter>> {
         let mut w = self.lock();
+        let local = crate::now_ms();
+        let seen = self.seen_ms.swap(local, Relaxed);
+        let paused = local - seen;
+        if seen > 0 && paused > PAUSED_AFTER.as_millis() as i64 {
+            for v in w.values_mut() {
+                v.due_ms = v.due_ms.saturating_add(paused);
+            }
+        }
         w.retain(|_, v| forgotten_after(v) > now_ms);
         self.len.store(w.len() as u64, Relaxed);
         w

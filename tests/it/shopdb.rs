@@ -489,6 +489,49 @@ fn a_row_every_job_needs_locked_past_the_retry_horizon_dead_letters_none() {
     assert_eq!(books(&env).dead, 0);
 }
 
+/// A worker stopped (SIGSTOP, a frozen VM) while a lock stops every job of its event
+/// comes back red: it forgets none of its waiting jobs for the time it did not run, so
+/// the standstill is counted from before the pause. (From outside: green for 30 s more
+/// after a 35 s pause, the queue standing still all along.)
+#[test]
+fn a_worker_paused_during_a_standstill_comes_back_red() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 60);
+    let sku = orders[0].items[0].0;
+    let sharing: Vec<SeedOrder> = orders
+        .iter()
+        .filter(|o| o.items.iter().any(|i| i.0 == sku))
+        .cloned()
+        .collect();
+    let (release, holder) = hold_lock(&env.db, "sku", sku);
+    let (w, port) = start_with_health(&env, &["--retry-cap", "1s"]);
+    push_timeouts(&env, &sharing, 0);
+    wait_until(WAIT, "jobs waiting on the lock", || {
+        metric(port, "delay_worker_jobs_waiting_on_contention") >= 2.0
+    });
+    w.signal(libc::SIGSTOP);
+    std::thread::sleep(Duration::from_secs(32));
+    w.signal(libc::SIGCONT);
+    let back = Instant::now();
+    wait_until(WAIT, "/healthz red for the standstill", || {
+        let (code, body) = healthz(port);
+        code == 503 && body.contains("has changed anything")
+    });
+    assert!(
+        back.elapsed() < Duration::from_secs(10),
+        "red only {:?} after the pause",
+        back.elapsed()
+    );
+    release.send(()).unwrap();
+    holder.join().unwrap();
+    wait_done(&env, &env.db, sharing.len() as i64);
+    wait_until(WAIT, "/healthz green again", || healthz(port).0 == 200);
+    stop(w);
+    let cancelled: Vec<&SeedOrder> = sharing.iter().collect();
+    assert_accounting(&env.db, &orders, &cancelled);
+    assert_eq!(books(&env).dead, 0);
+}
+
 /// A session of the shop's that is always running a statement, so that the workers see the
 /// shop busy and yield, until the flag is set.
 fn keep_the_shop_busy(
