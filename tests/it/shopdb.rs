@@ -417,6 +417,17 @@ fn a_shop_lock_holds_its_order_and_the_orders_sharing_a_sku_then_they_are_cancel
     assert_eq!(books(&env).dead, 0);
 }
 
+/// The first order's first sku, and the orders that need it.
+fn sharing_a_sku(orders: &[SeedOrder]) -> (i64, Vec<SeedOrder>) {
+    let sku = orders[0].items[0].0;
+    let sharing = orders
+        .iter()
+        .filter(|o| o.items.iter().any(|i| i.0 == sku))
+        .cloned()
+        .collect();
+    (sku, sharing)
+}
+
 /// A row every due job needs, locked by the shop (a flash sale's sku held by a session
 /// idle in its transaction): no job of the event changes anything, so the queue stands
 /// still and the lock is the surroundings' as a whole table's is. Past `--retry-for` none
@@ -428,11 +439,7 @@ fn a_shop_lock_holds_its_order_and_the_orders_sharing_a_sku_then_they_are_cancel
 fn a_row_every_job_needs_locked_past_the_retry_horizon_dead_letters_none() {
     let env = Env::new();
     let orders = seed_orders(&env.db, 200);
-    let sku = orders[0].items[0].0;
-    let sharing: Vec<&SeedOrder> = orders
-        .iter()
-        .filter(|o| o.items.iter().any(|i| i.0 == sku))
-        .collect();
+    let (sku, sharing) = sharing_a_sku(&orders);
     let (release, holder) = hold_lock(&env.db, "sku", sku);
     let (w, port) = start_with_health(
         &env,
@@ -445,8 +452,7 @@ fn a_row_every_job_needs_locked_past_the_retry_horizon_dead_letters_none() {
             "1s",
         ],
     );
-    let pushed: Vec<SeedOrder> = sharing.iter().map(|o| (*o).clone()).collect();
-    push_timeouts(&env, &pushed, 0);
+    push_timeouts(&env, &sharing, 0);
     // Red once no job of the event has changed anything for 30 s, many tries past the
     // horizon.
     wait_until(
@@ -485,7 +491,7 @@ fn a_row_every_job_needs_locked_past_the_retry_horizon_dead_letters_none() {
     wait_done(&env, &env.db, sharing.len() as i64);
     wait_until(WAIT, "/healthz green again", || healthz(port).0 == 200);
     stop(w);
-    assert_accounting(&env.db, &orders, &sharing);
+    assert_accounting(&env.db, &orders, &all(&sharing));
     assert_eq!(books(&env).dead, 0);
 }
 
@@ -497,12 +503,7 @@ fn a_row_every_job_needs_locked_past_the_retry_horizon_dead_letters_none() {
 fn a_worker_paused_during_a_standstill_comes_back_red() {
     let env = Env::new();
     let orders = seed_orders(&env.db, 60);
-    let sku = orders[0].items[0].0;
-    let sharing: Vec<SeedOrder> = orders
-        .iter()
-        .filter(|o| o.items.iter().any(|i| i.0 == sku))
-        .cloned()
-        .collect();
+    let (sku, sharing) = sharing_a_sku(&orders);
     let (release, holder) = hold_lock(&env.db, "sku", sku);
     let (w, port) = start_with_health(&env, &["--retry-cap", "1s"]);
     push_timeouts(&env, &sharing, 0);
@@ -527,8 +528,7 @@ fn a_worker_paused_during_a_standstill_comes_back_red() {
     wait_done(&env, &env.db, sharing.len() as i64);
     wait_until(WAIT, "/healthz green again", || healthz(port).0 == 200);
     stop(w);
-    let cancelled: Vec<&SeedOrder> = sharing.iter().collect();
-    assert_accounting(&env.db, &orders, &cancelled);
+    assert_accounting(&env.db, &orders, &all(&sharing));
     assert_eq!(books(&env).dead, 0);
 }
 
