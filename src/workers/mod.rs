@@ -1462,26 +1462,38 @@ impl<'a> Worker<'a> {
         if jobs.applied_ms(event) > local - ago_ms {
             return true;
         }
-        if ago_ms <= 0 || !jobs.ask_inbox(event, local) {
+        if ago_ms <= 0 {
             return false;
         }
-        let Some(session) = self.session.as_mut() else {
-            return false;
-        };
-        match session.applied_within(event, ago_ms) {
-            Ok(Some(age)) => {
+        match self.ask_inbox(event, local, |s| s.applied_within(event, ago_ms)) {
+            Some(Some(age)) => {
                 jobs.applied_at(event, local - age);
                 true
             }
-            Ok(None) => false,
-            Err(e) => {
+            _ => false,
+        }
+    }
+
+    /// Asks the inbox on this worker's session whether jobs of `event` changed something,
+    /// at most once every [`crate::stats::ASK_INBOX_EVERY`] per event: `None` when it may
+    /// not now, has no session, or the question failed.
+    fn ask_inbox<T>(
+        &mut self,
+        event: &str,
+        local: i64,
+        ask: impl FnOnce(&mut Session) -> Result<T, postgres::Error>,
+    ) -> Option<T> {
+        if !self.ctx.stats.jobs.ask_inbox(event, local) {
+            return None;
+        }
+        ask(self.session.as_mut()?)
+            .map_err(|e| {
                 log::debug!(
                     "cannot ask the inbox whether a job of {event} changed something: {}",
                     db::error_text(&e)
-                );
-                false
-            }
-        }
+                )
+            })
+            .ok()
     }
 
     /// Contention (another transaction's lock past the lock timeout, a deadlock): back
@@ -1606,22 +1618,13 @@ impl<'a> Worker<'a> {
             .retry_for
             .clamp(PROOF_BEFORE_FAILURE * 3, CONTENTION_STALL);
         let from = failed_at - span.as_millis() as i64;
-        if local - waited_ms > from || !stats.jobs.ask_inbox(event, local) {
+        if local - waited_ms > from {
             return true;
         }
-        let Some(session) = self.session.as_mut() else {
-            return true;
-        };
-        match session.applied_throughout(event, local - from, local - to) {
-            Ok(applied) => !applied,
-            Err(e) => {
-                log::debug!(
-                    "cannot ask the inbox whether jobs of {event} changed something: {}",
-                    db::error_text(&e)
-                );
-                true
-            }
-        }
+        let applied = self.ask_inbox(event, local, |s| {
+            s.applied_throughout(event, local - from, local - to)
+        });
+        !applied.unwrap_or(false)
     }
 
     /// Runs the jobs, waiting (with backoff) for a database session, and returns their

@@ -96,6 +96,15 @@ fn stop(mut w: Proc) {
     assert!(status.success(), "exit {status:?}: {}", w.log());
 }
 
+/// `/healthz` green again, the worker stopped, these orders cancelled once and the
+/// rest left as they were, and no dead letter.
+fn green_then_books(env: &Env, w: Proc, port: u16, orders: &[SeedOrder], cancelled: &[&SeedOrder]) {
+    wait_until(WAIT, "/healthz green again", || healthz(port).0 == 200);
+    stop(w);
+    assert_accounting(&env.db, orders, cancelled);
+    assert_eq!(books(env).dead, 0);
+}
+
 fn wait_done(env: &Env, db: &TestDb, n: i64) {
     wait_until(WAIT, "every job done", || {
         let b = books(env);
@@ -196,10 +205,7 @@ fn a_single_host_url_to_a_server_restarted_as_a_standby_holds_until_it_is_promot
     assert_eq!(inbox_count(&env.db), 100);
     pg.promote();
     wait_done(&env, &env.db, 200);
-    wait_until(WAIT, "/healthz green again", || healthz(port).0 == 200);
-    stop(w);
-    assert_accounting(&env.db, &orders, &all(&orders));
-    assert_eq!(books(&env).dead, 0);
+    green_then_books(&env, w, port, &orders, &all(&orders));
 }
 
 /// A primary with a synchronous streaming standby, and a worker given both hosts.
@@ -489,10 +495,7 @@ fn a_row_every_job_needs_locked_past_the_retry_horizon_dead_letters_none() {
     release.send(()).unwrap();
     holder.join().unwrap();
     wait_done(&env, &env.db, sharing.len() as i64);
-    wait_until(WAIT, "/healthz green again", || healthz(port).0 == 200);
-    stop(w);
-    assert_accounting(&env.db, &orders, &all(&sharing));
-    assert_eq!(books(&env).dead, 0);
+    green_then_books(&env, w, port, &orders, &all(&sharing));
 }
 
 /// A worker stopped (SIGSTOP, a frozen VM) while a lock stops every job of its event
@@ -526,10 +529,7 @@ fn a_worker_paused_during_a_standstill_comes_back_red() {
     release.send(()).unwrap();
     holder.join().unwrap();
     wait_done(&env, &env.db, sharing.len() as i64);
-    wait_until(WAIT, "/healthz green again", || healthz(port).0 == 200);
-    stop(w);
-    assert_accounting(&env.db, &orders, &all(&sharing));
-    assert_eq!(books(&env).dead, 0);
+    green_then_books(&env, w, port, &orders, &all(&sharing));
 }
 
 /// A session of the shop's that is always running a statement, so that the workers see the
@@ -773,10 +773,7 @@ fn a_column_renamed_by_a_deploy_holds_the_jobs_names_the_error_and_they_run_once
     c.batch_execute("ALTER TABLE orders RENAME COLUMN cancel_reason_old TO cancel_reason")
         .unwrap();
     wait_done(&env, &env.db, 300);
-    wait_until(WAIT, "/healthz green again", || healthz(port).0 == 200);
-    stop(w);
-    assert_accounting(&env.db, &orders, &all(&orders));
-    assert_eq!(books(&env).dead, 0);
+    green_then_books(&env, w, port, &orders, &all(&orders));
 }
 
 #[test]
@@ -821,10 +818,7 @@ fn a_handler_whose_table_is_missing_holds_only_its_own_jobs_until_the_table_come
         .unwrap()
         .get(0);
     assert_eq!(points, 20, "each loyalty job once");
-    wait_until(WAIT, "/healthz green again", || healthz(port).0 == 200);
-    stop(w);
-    assert_accounting(&env.db, &orders, &all(&orders));
-    assert_eq!(books(&env).dead, 0);
+    green_then_books(&env, w, port, &orders, &all(&orders));
 }
 
 /// Dead letters over `--dead-rate-crit` in a minute: `/healthz` red and `stats --check`
@@ -2653,19 +2647,7 @@ fn jobs_committed_before_a_session_was_lost_count_as_done() {
     let last = orders.iter().map(|o| o.id).max().unwrap();
     let (w, port) = start_with_health(&env, &["--lock-timeout", "3s"]);
     wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
-    let url = env.db.url.clone();
-    let (locked_tx, locked_rx) = std::sync::mpsc::channel::<()>();
-    let (release, released) = std::sync::mpsc::channel::<()>();
-    let holder = std::thread::spawn(move || {
-        let mut c = postgres::Client::connect(&url, postgres::NoTls).unwrap();
-        let mut t = c.transaction().unwrap();
-        t.execute("SELECT 1 FROM orders WHERE id = $1 FOR UPDATE", &[&last])
-            .unwrap();
-        locked_tx.send(()).unwrap();
-        let _ = released.recv();
-        t.rollback().unwrap();
-    });
-    locked_rx.recv().unwrap();
+    let (release, holder) = lock_order(&env, last);
     push_timeouts(&env, &orders, 0);
     let mut admin = env.db.client();
     let waiting = |admin: &mut postgres::Client| -> i64 {
