@@ -3668,12 +3668,20 @@ fn run_seed(seed: u64, secs: f64) -> Result<String, String> {
     let (schedule_over, drain_began) = (ctx.now(), Instant::now());
     // What the drain still waited on 10 s in, if it did (said in the summary).
     let mut slow_drain = String::new();
+    // Quiescent twice in a row: one reading takes its keys one after another, so a job
+    // can pass between two of them unseen (settled from pending into the pool after the
+    // pool was read); the next reading finds it where it went.
+    let mut quiet = 0;
     let stuck = loop {
         workers.supervise();
         let busy = rcon(&ctx.redis_url)
             .and_then(|mut c| in_flight(ctx, &mut c))
             .unwrap_or_else(|e| vec![format!("redis: {e}")]);
-        if busy.is_empty() && workers.all_up() {
+        quiet = match busy.is_empty() && workers.all_up() {
+            true => quiet + 1,
+            false => 0,
+        };
+        if quiet == 2 {
             break None;
         }
         if slow_drain.is_empty() && drain_began.elapsed() > Duration::from_secs(10) {
