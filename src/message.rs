@@ -203,6 +203,20 @@ impl Envelope {
         failed_at: i64,
         limit: usize,
     ) -> String {
+        self.requeued_waiting(retry, first_due, (error, failed_at), false, limit)
+    }
+
+    /// [`Envelope::requeued_after`], saying whether the job waited in vain for a lock
+    /// another transaction held (`waited_lock`): its next try waits less long
+    /// ([`Envelope::waited_lock`]).
+    pub fn requeued_waiting(
+        &self,
+        retry: u32,
+        first_due: i64,
+        (error, failed_at): (&str, i64),
+        waited_lock: bool,
+        limit: usize,
+    ) -> String {
         let plain = self.requeued(retry, first_due);
         let mut raw = self.whole();
         raw.insert("retry".into(), Value::from(retry));
@@ -213,6 +227,10 @@ impl Envelope {
         let cut: String = error.chars().take(LAST_ERROR_CHARS).collect();
         raw.insert(LAST_ERROR.into(), Value::from(cut));
         raw.insert(FAILED_AT.into(), Value::from(failed_at));
+        match waited_lock {
+            true => raw.insert(WAITED_LOCK.into(), Value::from(true)),
+            false => raw.remove(WAITED_LOCK),
+        };
         let with = to_wire(raw, self.job_id.as_deref());
         if with.len() > limit {
             plain
@@ -225,6 +243,12 @@ impl Envelope {
     /// `LAST_ERROR_CHARS`), if any.
     pub fn last_error(&self) -> Option<&str> {
         self.raw.get(LAST_ERROR).and_then(Value::as_str)
+    }
+
+    /// Whether the job's last try waited in vain for a lock another transaction held (a
+    /// lock or statement timeout), as the worker that sent it back wrote it.
+    pub fn waited_lock(&self) -> bool {
+        self.raw.get(WAITED_LOCK).and_then(Value::as_bool) == Some(true)
     }
 
     /// When the job last failed (unix ms on Redis's clock), as the worker that sent it
@@ -287,6 +311,10 @@ pub const LAST_ERROR: &str = "last_error";
 /// The field of a message sent back to the pool that says when it failed (unix ms, Redis's
 /// clock): a refused job's proof is a job of its event that changed something after it.
 pub const FAILED_AT: &str = "failed_at";
+
+/// The field of a message sent back to the pool whose job waited in vain for a lock
+/// (`true`): [`Envelope::waited_lock`].
+pub const WAITED_LOCK: &str = "waited_lock";
 
 /// The field of a message sent back to the pool that says when a worker first held its job
 /// as the surroundings' fault (unix ms, Redis's clock; [`Envelope::held_at`]).
@@ -418,6 +446,16 @@ mod tests {
         assert_eq!(ts(r#""soon""#), 0);
         assert_eq!(ts("1e300"), 0);
         assert_eq!(ts("null"), 0);
+    }
+
+    #[test]
+    fn a_message_sent_back_says_it_waited_for_a_lock_until_a_try_waits_for_none() {
+        let e = d(r#"{"event":"e","payload":{}}"#).unwrap();
+        let m = e.requeued_waiting(1, 5, ("lock timeout", 7), true, 1000);
+        let back = d(&m).unwrap();
+        assert!(back.waited_lock(), "{m}");
+        let again = back.requeued_after(2, 5, "deadlock", 9, 1000);
+        assert!(!d(&again).unwrap().waited_lock(), "{again}");
     }
 
     #[test]

@@ -47,6 +47,10 @@ const OTHER_TOOLS: &[(&str, &str)] = &[
         "dpkg --root --force-script-chrootless (the .deb's test)",
     ),
     ("--headless", "chromium --headless (the status page's test)"),
+    (
+        "--ignored",
+        "cargo test -- --ignored (a measurement the test command leaves out)",
+    ),
     ("--info", "dpkg-deb --info/--contents (the .deb's test)"),
     ("--minutes", "scripts/chaos.sh --minutes N"),
     (

@@ -560,9 +560,10 @@ mod tests {
         assert_eq!(requeue_message(b"[1]"), (b"[1]".to_vec(), false));
         // The last try's error goes with the tries: `worker trace` shows no retry history.
         let (m, _) = requeue_message(
-            br#"{"event":"e","payload":{},"last_error":"lock","failed_at":17,"held_at":16}"#,
+            br#"{"event":"e","payload":{},"last_error":"lock","failed_at":17,"held_at":16,"waited_lock":true}"#,
         );
         let v: serde_json::Value = serde_json::from_slice(&m).unwrap();
+        assert!(v.get("waited_lock").is_none(), "{v}");
         assert!(v.get("last_error").is_none(), "{v}");
         assert!(v.get("failed_at").is_none(), "{v}");
         assert!(v.get("held_at").is_none(), "{v}");

@@ -1581,7 +1581,13 @@ impl<'a> Worker<'a> {
             d,
             Outcome::Retry {
                 msg: env
-                    .requeued_after(retry, since, &f.reason, now, jobs.max_message_bytes)
+                    .requeued_waiting(
+                        retry,
+                        since,
+                        (&f.reason, now),
+                        f.wait.is_some(),
+                        jobs.max_message_bytes,
+                    )
                     .into_bytes(),
                 due_ms,
             },

@@ -144,6 +144,9 @@ pub struct Session {
     /// `SET LOCAL` of the connection's own lock timeout, which a job's transaction that
     /// waited without one for its inbox row goes back to before its handler runs.
     lock_timeout_back: String,
+    /// `SET LOCAL` of a set's short lock timeout, which a job that waited in vain for a
+    /// lock at its last try runs under ([`Envelope::waited_lock`]).
+    short_lock: String,
     /// Who held the lock a job waited for, looked up after its timeout (rate-limited).
     looker: crate::blocker::Looker,
 }
@@ -249,6 +252,7 @@ impl Session {
                 "SET LOCAL lock_timeout = {}",
                 lock_timeout.as_millis().max(1)
             ),
+            short_lock: format!("SET LOCAL lock_timeout = {set_lock_ms}"),
             looker: crate::blocker::Looker::default(),
         })
     }
@@ -406,7 +410,7 @@ impl Session {
                     continue;
                 }
                 let set: Vec<(usize, &Job<'_>)> = chunk.iter().map(|&k| (k, &jobs[k])).collect();
-                for (k, r) in self.run_set_or_split(&set, manners, in_sets) {
+                for (k, r) in self.run_set_or_split(&set, manners, in_sets, &mut alone) {
                     results[k] = Some(r);
                 }
             }
@@ -450,12 +454,15 @@ impl Session {
     }
 
     /// One set, or, when it meets contention, its two halves (each a set again, or a
-    /// single job); a set that fails otherwise runs job by job.
+    /// single job); a set that fails otherwise runs job by job. The single jobs of halves
+    /// go to `alone`, to run after every set of the batch: each may wait out a lock
+    /// timeout, and the other sets' jobs, which met no lock, go first.
     fn run_set_or_split(
         &mut self,
         set: &[(usize, &Job<'_>)],
         manners: &Manners,
         in_sets: &AtomicU64,
+        alone: &mut Vec<usize>,
     ) -> Vec<(usize, JobResult)> {
         let event = set[0].1.env.event.as_str();
         let jobs: Vec<&Job<'_>> = set.iter().map(|(_, j)| *j).collect();
@@ -511,8 +518,8 @@ impl Session {
                 for half in [a, b] {
                     match half {
                         [] => {}
-                        [(k, job)] => out.push((*k, self.run_job(job))),
-                        _ => out.extend(self.run_set_or_split(half, manners, in_sets)),
+                        [(k, _)] => alone.push(*k),
+                        _ => out.extend(self.run_set_or_split(half, manners, in_sets, alone)),
                     }
                 }
                 out
@@ -565,12 +572,23 @@ impl Session {
             Err(e) => return JobResult::Failed(e.into()),
         };
         let mut noops = Vec::new();
-        let waits = wait_out.then_some(self.lock_timeout_back.as_str());
-        if waits.is_some() {
-            if let Err(e) = tx.batch_execute("SET LOCAL lock_timeout = 0") {
+        // A job that waited in vain for a lock at its last try waits as briefly as a set
+        // now: while the shop holds a row that many due jobs need, each try holds a worker
+        // (and the job's own locks, taken before, against the shop) for its whole wait.
+        let lock = match job.env.waited_lock() {
+            true => self.short_lock.as_str(),
+            false => self.lock_timeout_back.as_str(),
+        };
+        let first = match wait_out {
+            true => Some("SET LOCAL lock_timeout = 0"),
+            false => job.env.waited_lock().then_some(lock),
+        };
+        if let Some(sql) = first {
+            if let Err(e) = tx.batch_execute(sql) {
                 return JobResult::Failed(e.into());
             }
         }
+        let waits = wait_out.then_some(lock);
         let result = match apply(&mut tx, &self.inbox, one, job, waits) {
             Ok(Some((effect, tid))) => {
                 if effect == Effect::NoOp {
