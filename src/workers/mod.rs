@@ -1046,9 +1046,14 @@ impl<'a> Worker<'a> {
             let attempts = env.retry as u64 + 1;
             return Err(Box::new(self.dead(d, r.to_string(), env.event, attempts)));
         }
+        let first_due = env.first_due.or(d.due_ms);
+        let waited = first_due.map_or(0, |due| clock.now_ms() - due);
+        let brief_lock =
+            env.waited_lock() && waited < self.ctx.jobs.retry_for.as_millis() as i64 / 2;
         Ok(Job {
             key: key_text(&d.key),
-            first_due: env.first_due.or(d.due_ms),
+            first_due,
+            brief_lock,
             consumer: self.ctx.consumer,
             clock: &self.ctx.stats.clock,
             d,

@@ -97,6 +97,12 @@ pub struct Job<'h> {
     /// inbox row.
     pub consumer: &'h str,
     pub clock: &'h crate::clock::Clock,
+    /// Its try waits a fifth of `--lock-timeout` for a lock: its last try waited in vain
+    /// for one ([`Envelope::waited_lock`]), and it has waited less than half of
+    /// `--retry-for` since it fell due. Past that its tries wait the whole of it again,
+    /// so that a row the shop keeps busy, always locked a little longer than the brief
+    /// wait, does not make the job a dead letter.
+    pub brief_lock: bool,
 }
 
 impl Job<'_> {
@@ -145,7 +151,7 @@ pub struct Session {
     /// waited without one for its inbox row goes back to before its handler runs.
     lock_timeout_back: String,
     /// `SET LOCAL` of a set's short lock timeout, which a job that waited in vain for a
-    /// lock at its last try runs under ([`Envelope::waited_lock`]).
+    /// lock at its last try runs under ([`Job::brief_lock`]).
     short_lock: String,
     /// Who held the lock a job waited for, looked up after its timeout (rate-limited).
     looker: crate::blocker::Looker,
@@ -575,13 +581,13 @@ impl Session {
         // A job that waited in vain for a lock at its last try waits as briefly as a set
         // now: while the shop holds a row that many due jobs need, each try holds a worker
         // (and the job's own locks, taken before, against the shop) for its whole wait.
-        let lock = match job.env.waited_lock() {
+        let lock = match job.brief_lock {
             true => self.short_lock.as_str(),
             false => self.lock_timeout_back.as_str(),
         };
         let first = match wait_out {
             true => Some("SET LOCAL lock_timeout = 0"),
-            false => job.env.waited_lock().then_some(lock),
+            false => job.brief_lock.then_some(lock),
         };
         if let Some(sql) = first {
             if let Err(e) = tx.batch_execute(sql) {

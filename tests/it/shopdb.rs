@@ -715,6 +715,72 @@ fn the_retries_of_jobs_that_met_a_lock_wait_briefly_so_they_hold_no_worker_from_
     assert_eq!(books(&env).dead, 0, "a shop lock is no fault of the job");
 }
 
+/// A row the shop keeps busy without a pause, each of its transactions holding it briefly
+/// but a waiter always finding others queued before it: a try that waits a fifth of
+/// `--lock-timeout` never gets it, one that waits the whole of it does. So a job's brief
+/// waits end at half of `--retry-for`, and it is cancelled, not dead-lettered past the
+/// horizon for the shop's busy row.
+#[test]
+fn a_row_the_shop_keeps_busy_past_the_brief_wait_is_waited_for_in_full_after_half_the_horizon() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 1);
+    let order = orders[0].id;
+    // First one session holds the row past a whole lock timeout (the job's first try
+    // fails), then three take turns holding it 200 ms each, so that a waiter always has
+    // two or three before it: 400 ms and more.
+    let (release, holder) = hold_locks(&env.db, "orders", vec![order]);
+    let busy = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let shop: Vec<_> = (0..3)
+        .map(|_| {
+            let (url, busy) = (env.db.url.clone(), busy.clone());
+            std::thread::spawn(move || {
+                let mut c = postgres::Client::connect(&url, postgres::NoTls).unwrap();
+                while busy.load(std::sync::atomic::Ordering::Relaxed) {
+                    let mut t = c.transaction().unwrap();
+                    t.execute("SELECT 1 FROM orders WHERE id = $1 FOR UPDATE", &[&order])
+                        .unwrap();
+                    t.batch_execute("SELECT pg_sleep(0.2)").unwrap();
+                    t.commit().unwrap();
+                }
+            })
+        })
+        .collect();
+    let (w, port) = start_with_health(
+        &env,
+        &[
+            "--lock-timeout",
+            "1s",
+            "--retry-for",
+            "4s",
+            "--max-retries",
+            "1",
+            "--retry-cap",
+            "300ms",
+        ],
+    );
+    wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
+    push_timeouts(&env, &orders, 0);
+    std::thread::sleep(Duration::from_millis(1500));
+    release.send(()).unwrap();
+    holder.join().unwrap();
+    // Before, every try after the first waited 200 ms, and at 4 s the job was a dead letter.
+    wait_until(WAIT, "the order cancelled", || {
+        cancelled(&env.db, &orders.iter().collect::<Vec<_>>()) == 1
+    });
+    busy.store(false, std::sync::atomic::Ordering::Relaxed);
+    for t in shop {
+        t.join().unwrap();
+    }
+    wait_done(&env, &env.db, 1);
+    stop(w);
+    assert_accounting(&env.db, &orders, &all(&orders));
+    assert_eq!(
+        books(&env).dead,
+        0,
+        "the shop's busy row is no fault of the job"
+    );
+}
+
 /// Shop transactions that lock in another order than the worker's: a coupon, then the
 /// skus of an order in descending id, then the order itself (paying it). Returns the
 /// transactions done and those that failed.
