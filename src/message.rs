@@ -207,7 +207,7 @@ impl Envelope {
     }
 
     /// [`Envelope::requeued_after`], saying whether the job waited in vain for a lock
-    /// another transaction held (`waited_lock`): its next try waits less long
+    /// another transaction held (`waited_lock`): its next try may wait less long
     /// ([`Envelope::waited_lock`]).
     pub fn requeued_waiting(
         &self,

@@ -65,6 +65,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// How long after its due time a job that waited in vain for a lock waits only a fifth of
+/// `--lock-timeout` at its tries (at most half of `--retry-for`): [`Job::brief_lock`].
+/// Each try holds a worker for its whole wait, so while the shop holds for long rows that
+/// many due jobs need, their retries kept the workers from the others; a row the shop
+/// keeps busy without a pause, a waiter always finding others queued before it, is got
+/// only by a whole wait, which a job's tries go back to after this.
+pub const BRIEF_LOCKS_FOR: Duration = Duration::from_secs(60);
+
 /// Most outcomes settled in one script call.
 pub const ACK_BATCH: usize = 64;
 
@@ -1048,12 +1056,11 @@ impl<'a> Worker<'a> {
         }
         let first_due = env.first_due.or(d.due_ms);
         let waited = first_due.map_or(0, |due| clock.now_ms() - due);
-        let brief_lock =
-            env.waited_lock() && waited < self.ctx.jobs.retry_for.as_millis() as i64 / 2;
+        let brief_for = (self.ctx.jobs.retry_for / 2).min(BRIEF_LOCKS_FOR);
         Ok(Job {
             key: key_text(&d.key),
             first_due,
-            brief_lock,
+            brief_lock: env.waited_lock() && waited < brief_for.as_millis() as i64,
             consumer: self.ctx.consumer,
             clock: &self.ctx.stats.clock,
             d,

@@ -98,10 +98,10 @@ pub struct Job<'h> {
     pub consumer: &'h str,
     pub clock: &'h crate::clock::Clock,
     /// Its try waits a fifth of `--lock-timeout` for a lock: its last try waited in vain
-    /// for one ([`Envelope::waited_lock`]), and it has waited less than half of
-    /// `--retry-for` since it fell due. Past that its tries wait the whole of it again,
-    /// so that a row the shop keeps busy, always locked a little longer than the brief
-    /// wait, does not make the job a dead letter.
+    /// for one ([`Envelope::waited_lock`]), less than [`BRIEF_LOCKS_FOR`] (and half of
+    /// `--retry-for`) after its due time.
+    ///
+    /// [`BRIEF_LOCKS_FOR`]: crate::workers::BRIEF_LOCKS_FOR
     pub brief_lock: bool,
 }
 
