@@ -105,6 +105,15 @@ fn green_then_books(env: &Env, w: Proc, port: u16, orders: &[SeedOrder], cancell
     assert_eq!(books(env).dead, 0);
 }
 
+/// Every job done, the worker stopped, every order cancelled once with its stock and
+/// coupon back, and no dead letter: the shop's locks are no fault of the jobs.
+fn every_order_cancelled_once(env: &Env, w: Proc, orders: &[SeedOrder]) {
+    wait_done(env, &env.db, orders.len() as i64);
+    stop(w);
+    assert_accounting(&env.db, orders, &all(orders));
+    assert_eq!(books(env).dead, 0, "a shop lock is no fault of the job");
+}
+
 fn wait_done(env: &Env, db: &TestDb, n: i64) {
     wait_until(WAIT, "every job done", || {
         let b = books(env);
@@ -552,6 +561,42 @@ fn keep_the_shop_busy(
     (stop, h)
 }
 
+/// Pushes the orders' timeouts `per` at a time, each lot `every_ms` after the one before
+/// (the first due now): each order's due time (local ms), by id.
+fn push_due_in_turn(
+    env: &Env,
+    orders: &[SeedOrder],
+    per: usize,
+    every_ms: i64,
+) -> std::collections::HashMap<i64, i64> {
+    let pushed = delay_worker::now_ms();
+    let mut due = std::collections::HashMap::new();
+    for (i, chunk) in orders.chunks(per).enumerate() {
+        let delay = i as i64 * every_ms;
+        push_timeouts(env, chunk, delay);
+        due.extend(chunk.iter().map(|o| (o.id, pushed + delay)));
+    }
+    due
+}
+
+/// How late (ms) each of these cancelled orders was cancelled, against its due time.
+fn lateness(
+    db: &TestDb,
+    ids: impl Iterator<Item = i64>,
+    due: &std::collections::HashMap<i64, i64>,
+) -> Vec<i64> {
+    let ids: Vec<i64> = ids.collect();
+    db.client()
+        .query(
+            "SELECT id, (extract(epoch FROM cancelled_at) * 1000)::bigint FROM orders WHERE id = ANY($1)",
+            &[&ids],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| r.get::<_, i64>(1) - due[&r.get::<_, i64>(0)])
+        .collect()
+}
+
 /// How many of these orders are cancelled.
 fn cancelled(db: &TestDb, orders: &[&SeedOrder]) -> usize {
     let ids: Vec<i64> = orders.iter().map(|o| o.id).collect();
@@ -589,13 +634,7 @@ fn a_long_shop_lock_while_the_shop_is_busy_holds_up_only_the_orders_that_need_it
         metric(port, "delay_worker_yielding") == 1.0
     });
     // Due over 10 s, 100 a second, while the lock is held.
-    let pushed = delay_worker::now_ms();
-    let mut due = std::collections::HashMap::new();
-    for (i, chunk) in orders.chunks(50).enumerate() {
-        let delay = i as i64 * 500;
-        push_timeouts(&env, chunk, delay);
-        due.extend(chunk.iter().map(|o| (o.id, pushed + delay)));
-    }
+    let due = push_due_in_turn(&env, &orders, 50, 500);
     let (locked, free): (Vec<&SeedOrder>, Vec<&SeedOrder>) =
         orders.iter().partition(|o| held.contains(&o.id));
     wait_until(WAIT, "the orders needing no locked row cancelled", || {
@@ -605,18 +644,7 @@ fn a_long_shop_lock_while_the_shop_is_busy_holds_up_only_the_orders_that_need_it
     // Each one's lateness: when it was cancelled against when it was due (pushed a few
     // milliseconds after `pushed`). Before, the latest was 9 s late, half of them over
     // 1.8 s; now under 0.6 s.
-    let ids: Vec<i64> = free.iter().map(|o| o.id).collect();
-    let late: Vec<i64> = env
-        .db
-        .client()
-        .query(
-            "SELECT id, (extract(epoch FROM cancelled_at) * 1000)::bigint FROM orders WHERE id = ANY($1)",
-            &[&ids],
-        )
-        .unwrap()
-        .iter()
-        .map(|r| r.get::<_, i64>(1) - due[&r.get::<_, i64>(0)])
-        .collect();
+    let late = lateness(&env.db, free.iter().map(|o| o.id), &due);
     let latest = late.iter().max().copied().unwrap_or(0);
     assert!(
         latest < 3_000,
@@ -631,10 +659,7 @@ fn a_long_shop_lock_while_the_shop_is_busy_holds_up_only_the_orders_that_need_it
     holder.join().unwrap();
     quiet.store(true, std::sync::atomic::Ordering::Relaxed);
     shop.join().unwrap();
-    wait_done(&env, &env.db, orders.len() as i64);
-    stop(w);
-    assert_accounting(&env.db, &orders, &all(&orders));
-    assert_eq!(books(&env).dead, 0, "a shop lock is no fault of the job");
+    every_order_cancelled_once(&env, w, &orders);
 }
 
 /// A job that waited in vain for a lock waits a fifth of `--lock-timeout` at its next
@@ -671,29 +696,12 @@ fn the_retries_of_jobs_that_met_a_lock_wait_briefly_so_they_hold_no_worker_from_
         metric(port, "delay_worker_jobs_waiting_on_contention") == 4.0
     });
     // Five a second for 8 s while the locked orders' tries go on.
-    let pushed = delay_worker::now_ms();
-    let mut due = std::collections::HashMap::new();
-    for (i, chunk) in free.chunks(5).enumerate() {
-        let delay = i as i64 * 1000;
-        push_timeouts(&env, chunk, delay);
-        due.extend(chunk.iter().map(|o| (o.id, pushed + delay)));
-    }
+    let due = push_due_in_turn(&env, free, 5, 1000);
     let free_refs: Vec<&SeedOrder> = free.iter().collect();
     wait_until(WAIT, "the orders needing no locked row cancelled", || {
         cancelled(&env.db, &free_refs) == free.len()
     });
-    let ids: Vec<i64> = free.iter().map(|o| o.id).collect();
-    let late: Vec<i64> = env
-        .db
-        .client()
-        .query(
-            "SELECT id, (extract(epoch FROM cancelled_at) * 1000)::bigint FROM orders WHERE id = ANY($1)",
-            &[&ids],
-        )
-        .unwrap()
-        .iter()
-        .map(|r| r.get::<_, i64>(1) - due[&r.get::<_, i64>(0)])
-        .collect();
+    let late = lateness(&env.db, free.iter().map(|o| o.id), &due);
     let latest = late.iter().max().copied().unwrap_or(0);
     // Now a try of 200 ms at most; before, the worker fell further behind as the tries
     // came back, 2 s and more.
@@ -709,10 +717,7 @@ fn the_retries_of_jobs_that_met_a_lock_wait_briefly_so_they_hold_no_worker_from_
     );
     release.send(()).unwrap();
     holder.join().unwrap();
-    wait_done(&env, &env.db, orders.len() as i64);
-    stop(w);
-    assert_accounting(&env.db, &orders, &all(&orders));
-    assert_eq!(books(&env).dead, 0, "a shop lock is no fault of the job");
+    every_order_cancelled_once(&env, w, &orders);
 }
 
 /// A row the shop keeps busy without a pause, each of its transactions holding it briefly
@@ -771,14 +776,7 @@ fn a_row_the_shop_keeps_busy_past_the_brief_wait_is_waited_for_in_full_after_hal
     for t in shop {
         t.join().unwrap();
     }
-    wait_done(&env, &env.db, 1);
-    stop(w);
-    assert_accounting(&env.db, &orders, &all(&orders));
-    assert_eq!(
-        books(&env).dead,
-        0,
-        "the shop's busy row is no fault of the job"
-    );
+    every_order_cancelled_once(&env, w, &orders);
 }
 
 /// Shop transactions that lock in another order than the worker's: a coupon, then the
@@ -2855,30 +2853,13 @@ fn lateness_beside_a_locked_sku_measured() {
     let (release, holder) = hold_lock(&env.db, "sku", sku);
     let (w, port) = start_with_health(&env, &[]);
     wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
-    let pushed = delay_worker::now_ms();
-    let mut due = std::collections::HashMap::new();
-    for (i, chunk) in orders.chunks(50).enumerate() {
-        let delay = i as i64 * 500;
-        push_timeouts(&env, chunk, delay);
-        due.extend(chunk.iter().map(|o| (o.id, pushed + delay)));
-    }
+    let due = push_due_in_turn(&env, &orders, 50, 500);
     let free: Vec<&SeedOrder> = orders.iter().filter(|o| !held.contains(&o.id)).collect();
     wait_until(Duration::from_secs(300), "the others cancelled", || {
         cancelled(&env.db, &free) == free.len()
     });
-    let took = delay_worker::now_ms() - pushed;
-    let ids: Vec<i64> = free.iter().map(|o| o.id).collect();
-    let mut late: Vec<i64> = env
-        .db
-        .client()
-        .query(
-            "SELECT id, (extract(epoch FROM cancelled_at) * 1000)::bigint FROM orders WHERE id = ANY($1)",
-            &[&ids],
-        )
-        .unwrap()
-        .iter()
-        .map(|r| r.get::<_, i64>(1) - due[&r.get::<_, i64>(0)])
-        .collect();
+    let took = delay_worker::now_ms() - due.values().min().copied().unwrap_or_default();
+    let mut late = lateness(&env.db, free.iter().map(|o| o.id), &due);
     late.sort_unstable();
     let q = |p: f64| late[((late.len() - 1) as f64 * p) as usize];
     eprintln!(
@@ -2893,8 +2874,5 @@ fn lateness_beside_a_locked_sku_measured() {
     );
     release.send(()).unwrap();
     holder.join().unwrap();
-    wait_done(&env, &env.db, orders.len() as i64);
-    stop(w);
-    assert_accounting(&env.db, &orders, &all(&orders));
-    assert_eq!(books(&env).dead, 0, "a shop lock is no fault of the job");
+    every_order_cancelled_once(&env, w, &orders);
 }
