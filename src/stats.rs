@@ -451,6 +451,9 @@ pub struct Waiter {
     pub since_ms: i64,
     /// The last failure, as PostgreSQL said it.
     pub reason: String,
+    /// It waited for another transaction's lock (a lock timeout): never a dead letter,
+    /// however long, and critical past `--retry-for`.
+    pub lock: bool,
     /// When the retry it was last sent back with falls due (unix ms), later under a slow
     /// `--max-rate` (two of its slots), or later still while this process holds the job
     /// ([`Contention::held`]): it is forgotten [`CONTENTION_FORGET`] after.
@@ -471,13 +474,14 @@ impl Contention {
     }
 
     /// A job went back to the pool after contention it met at `met_ms` (local ms), its
-    /// retry due at `due_ms`.
+    /// retry due at `due_ms`; `lock`: the contention was another transaction's lock
+    /// ([`Waiter::lock`]).
     pub fn waiting(
         &self,
         key: &str,
         event: &str,
         since_ms: i64,
-        reason: &str,
+        (reason, lock): (&str, bool),
         due_ms: i64,
         met_ms: i64,
     ) {
@@ -499,6 +503,7 @@ impl Contention {
                 event: event.to_string(),
                 since_ms,
                 reason: reason.to_string(),
+                lock,
                 due_ms,
             },
         );
@@ -574,6 +579,19 @@ impl Contention {
         self.current(now_ms)
             .values()
             .any(|v| v.event == event && v.key != key)
+    }
+
+    /// Of the jobs waiting for another transaction's lock as of `now_ms`, the one waiting
+    /// longest.
+    pub fn longest_lock_wait(&self, now_ms: i64) -> Option<Waiter> {
+        if self.len.load(Relaxed) == 0 {
+            return None;
+        }
+        let w = self.current(now_ms);
+        w.values()
+            .filter(|v| v.lock)
+            .min_by_key(|v| v.since_ms)
+            .cloned()
     }
 
     /// How many jobs wait on contention as of `now_ms`, and the one waiting longest.
@@ -1366,10 +1384,22 @@ mod tests {
     fn contention_is_told_while_a_job_of_this_process_waits() {
         let s = Stats::default();
         let now = crate::now_ms();
-        s.contention
-            .waiting("k1", "order.timeout", now, "lock timeout", now + 500, now);
-        s.contention
-            .waiting("k2", "order.timeout", now, "lock timeout", now + 500, now);
+        s.contention.waiting(
+            "k1",
+            "order.timeout",
+            now,
+            ("lock timeout", true),
+            now + 500,
+            now,
+        );
+        s.contention.waiting(
+            "k2",
+            "order.timeout",
+            now,
+            ("lock timeout", true),
+            now + 500,
+            now,
+        );
         assert!(s.report_trouble_about(CONTENTION_ROLE, "2 job(s) wait".into(), "k1".into()));
         assert_eq!(s.problems(now).len(), 1);
         assert!(!s.contention.finished("k1"), "k2 still waits");
@@ -1389,7 +1419,7 @@ mod tests {
             "k1",
             "order.timeout",
             due - 2_000,
-            "lock timeout",
+            ("lock timeout", true),
             due,
             due - 2_000,
         );

@@ -16,9 +16,10 @@
 //!   throws the connection away, holds its jobs and runs them again on a new one, with
 //!   backoff and no retry spent; a job that did commit finds its inbox row then, so a
 //!   commit whose outcome was not reported is never also retried or dead-lettered;
-//! - contention (the shop's locks, deadlocks): back to the pool with backoff, a dead
-//!   letter only once `--max-retries` are spent *and* `--retry-for` has passed since the
-//!   job first fell due;
+//! - contention (the shop's locks, deadlocks): back to the pool with backoff; a lock
+//!   wait is never a dead letter (critical past `--retry-for`), anything else (a
+//!   deadlock, a slow statement) is one only once `--max-retries` are spent *and*
+//!   `--retry-for` has passed since the job first fell due;
 //! - the schema's (a missing column, a refused privilege, a handler that does not
 //!   prepare): held, back in the pool for [`SCHEMA_HOLD`] without spending a retry, and
 //!   health is red naming the error until a job of that event commits;
@@ -215,8 +216,8 @@ pub fn contention_delay(jobs: &JobConfig, retry: u32) -> Duration {
 fn report_contention<'e>(
     stats: &Stats,
     events: impl IntoIterator<Item = &'e str>,
-    now: i64,
-    local: i64,
+    (now, local): (i64, i64),
+    retry_for: Duration,
 ) {
     let (waiting, longest) = stats.contention.summary(now);
     let Some(w) = longest else {
@@ -249,11 +250,31 @@ fn report_contention<'e>(
                 log::error!("{what}");
             }
         }
-        None => {
-            if stats.report_trouble_about(CONTENTION, what.clone(), gist) {
-                log::warn!("{what}");
+        None => match stats.contention.longest_lock_wait(now) {
+            // A job waiting past `--retry-for` for a lock is told as critical, since it
+            // is never a dead letter: the operator ends the lock (or lets it end).
+            Some(l) if now - l.since_ms >= retry_for.as_millis() as i64 => {
+                let what = format!(
+                    "{} {} has waited {} for another transaction's lock, past --retry-for {} (it waits on, never a dead letter; {waiting} job(s) wait on contention): {}",
+                    l.event,
+                    l.key,
+                    crate::human_ms(now - l.since_ms),
+                    crate::human_ms(retry_for.as_millis() as i64),
+                    l.reason
+                );
+                // Logged again early only for another job: its reason names the holder
+                // at one retry and not at the next.
+                let gist = format!("{} {} (past --retry-for)", l.event, l.key);
+                if stats.report_critical_about(CONTENTION, what.clone(), gist) {
+                    log::error!("{what}");
+                }
             }
-        }
+            _ => {
+                if stats.report_trouble_about(CONTENTION, what.clone(), gist) {
+                    log::warn!("{what}");
+                }
+            }
+        },
     }
 }
 
@@ -262,11 +283,16 @@ fn report_contention<'e>(
 /// brings retries back late) may put a minute away (found from outside: `/healthz` stayed
 /// 200 for 52 s under a table lock that stopped every job of a capped drain). `local` is
 /// this host's time.
-pub fn watch_contention(stats: &Stats, local: i64) {
+pub fn watch_contention(stats: &Stats, local: i64, retry_for: Duration) {
     let now = stats.clock.at(local);
     let events = stats.contention.events(now);
     if !events.is_empty() {
-        report_contention(stats, events.iter().map(String::as_str), now, local);
+        report_contention(
+            stats,
+            events.iter().map(String::as_str),
+            (now, local),
+            retry_for,
+        );
     }
 }
 
@@ -1536,20 +1562,25 @@ impl<'a> Worker<'a> {
         } else {
             env.retry.saturating_add(1)
         };
-        // A lock timeout that names no row waited on a lock of a whole table (`LOCK
-        // TABLE`, a migration's `ALTER TABLE`): every job of the table meets it, so it is
-        // the surroundings', waited out however long, never a dead letter (the standstill
-        // turns health red meanwhile). A row lock only this job meets, a deadlock, a
-        // statement timeout: retried for `--retry-for`, then dead-lettered as configured,
-        // unless the queue stands still ([`Worker::stands_still`]): a lock every job
-        // meets (a row every job needs, a flash sale's sku held by a shop session; a slow
-        // trigger on every update) is the surroundings', waited out however long as a
-        // table's, red meanwhile (found from outside: with `--retry-for 15s`, 181 of 2,700
-        // unpaid orders sharing a locked sku were dead letters, left uncancelled).
-        let table_wide = !f.cancelled && f.wait.as_ref().is_some_and(|w| w.row.is_none());
+        // A lock timeout waited for another transaction's lock (a row's or a whole
+        // table's): the surroundings', however long it lasts, so it is waited out and
+        // never a dead letter; past `--retry-for` health turns red naming the job
+        // ([`report_contention`]). Found from outside: two skus the shop kept busy past
+        // `--retry-for 20s` turned 15 unpaid orders into dead letters, left uncancelled,
+        // while the orders queued behind the first waiter of each row (whose errors name
+        // no row) were waited out. A deadlock or a statement timeout (a handler slow on
+        // its own data, or a slow trigger): retried for `--retry-for`, then
+        // dead-lettered as configured, unless the queue stands still
+        // ([`Worker::stands_still`]): a trigger slower than the statement timeout on
+        // every update is the surroundings', waited out, red meanwhile.
+        // A statement timeout that names a row waited for its lock too.
+        let lock_wait = f
+            .wait
+            .as_ref()
+            .is_some_and(|w| !f.cancelled || w.row.is_some());
         let spent = env.retry >= jobs.max_retries && waited >= jobs.retry_for;
         if !f.shared
-            && !table_wide
+            && !lock_wait
             && spent
             && !self.stands_still(&env.event, key, now - since, failed_at)
         {
@@ -1584,11 +1615,12 @@ impl<'a> Worker<'a> {
             key,
             &env.event,
             since,
-            &f.reason,
+            (&f.reason, lock_wait),
             due_ms + patience,
             failed_at,
         );
-        report_contention(stats, [env.event.as_str()], now, crate::now_ms());
+        let local = crate::now_ms();
+        report_contention(stats, [env.event.as_str()], (now, local), jobs.retry_for);
         Settlement::new(
             d,
             Outcome::Retry {
@@ -2030,10 +2062,11 @@ mod tests {
             "order.timeout:SO1",
             "order.timeout",
             now,
-            reason,
+            (reason, true),
             retry_due,
             local,
         );
+        let watch_contention = |stats: &Stats, local| watch_contention(stats, local, HOUR);
         watch_contention(&stats, local + 1_000);
         let told = stats.problems(local + 1_000);
         assert_eq!(told.len(), 1, "{told:?}");
@@ -2058,5 +2091,45 @@ mod tests {
         stats.ease(CONTENTION);
         watch_contention(&stats, local + stalled + 1_000);
         assert_eq!(stats.alarm(local + stalled + 1_000), None);
+    }
+
+    const HOUR: Duration = Duration::from_secs(3600);
+
+    /// A job waiting for another transaction's lock is never a dead letter: past
+    /// `--retry-for` health is critical, naming it, while other jobs of its event go
+    /// through; a slow statement's waiter is not (it is decided at the horizon).
+    #[test]
+    fn a_lock_waited_for_past_the_retry_horizon_is_critical() {
+        let stats = Stats::default();
+        let local = crate::now_ms();
+        let now = stats.clock.at(local);
+        let retry_for = Duration::from_secs(20);
+        let waiting = |key, why| {
+            stats
+                .contention
+                .waiting(key, "order.timeout", now, why, now + 60_000, local)
+        };
+        waiting("order.timeout:SO1", ("statement timeout (57014)", false));
+        // Other jobs of the event change things all along: no standstill.
+        let went_through = |at| stats.jobs.went_through("order.timeout", true, at);
+        went_through(local + 19_000);
+        watch_contention(&stats, local + 19_500, retry_for);
+        assert_eq!(stats.alarm(local + 19_500), None);
+        went_through(local + 21_000);
+        watch_contention(&stats, local + 21_000, retry_for);
+        assert_eq!(
+            stats.alarm(local + 21_000),
+            None,
+            "a slow statement is decided"
+        );
+        waiting("order.timeout:SO2", ("lock timeout (55P03)", true));
+        watch_contention(&stats, local + 21_000, retry_for);
+        let alarm = stats.alarm(local + 21_000).expect("critical");
+        assert!(
+            alarm.contains("order.timeout order.timeout:SO2 has waited 21")
+                && alarm.contains("past --retry-for 20 s")
+                && alarm.contains("lock timeout (55P03)"),
+            "{alarm}"
+        );
     }
 }

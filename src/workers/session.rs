@@ -438,7 +438,7 @@ impl Session {
         // this connection now, on this failure path alone (rate-limited, `blocker.rs`).
         for r in results.iter_mut() {
             if let Some(JobResult::Failed(f)) = r {
-                // Kept: a wait that names no row is a whole table's (`workers.rs`).
+                // Kept: a wait that names no row is looked up as a whole table's.
                 if let Some(wait) = f.wait.clone() {
                     if let Some(holder) = self.looker.holder(&mut self.conn, &wait) {
                         f.reason = format!("{}: {holder}", f.reason);

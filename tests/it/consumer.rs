@@ -231,7 +231,7 @@ fn contention_dead_letters_only_once_retries_and_the_retry_horizon_are_spent() {
     env.config.jobs.retry_cap = Duration::from_millis(200);
     env.config.jobs.retry_for = Duration::from_millis(1500);
     let orders = seed_orders(&env.db, 1);
-    let (release, h) = lock_order(&env, orders[0].id);
+    let (release, h) = deadlock_order(&env, orders[0].id);
     push_timeouts(&env, &orders, 0);
     let daemon = Daemon::start(&env.config);
     wait_until(WAIT, "the dead letter", || dead_letters(&env).len() == 1);
@@ -245,7 +245,7 @@ fn contention_dead_letters_only_once_retries_and_the_retry_horizon_are_spent() {
         "{}",
         d["reason"]
     );
-    assert!(d["reason"].contains("55P03"), "{}", d["reason"]);
+    assert!(d["reason"].contains("40P01"), "{}", d["reason"]);
     // Its retries were spent long before: it went on until --retry-for had passed since
     // its due time, which the message carries from its first retry on.
     let msg: serde_json::Value = serde_json::from_str(&d["msg"]).unwrap();
@@ -264,53 +264,6 @@ fn contention_dead_letters_only_once_retries_and_the_retry_horizon_are_spent() {
     assert_accounting(&env.db, &orders, &[]);
     let b = books(&env);
     assert_eq!((b.pool, b.stream_pending), (0, 0));
-}
-
-/// Two orders locked by the shop while the others fall due and go through: both wait on
-/// contention at once, and the others' changes prove the locks theirs alone, so past
-/// `--retry-for` both are dead letters, as configured (a lock every waiting job meets,
-/// with none going through, is waited out instead: shopdb's
-/// `a_row_every_job_needs_locked_past_the_retry_horizon_dead_letters_none`).
-#[test]
-fn rows_only_some_waiting_jobs_meet_are_dead_letters_past_the_horizon_while_others_go_through() {
-    let mut env = Env::new();
-    env.config.jobs.lock_timeout = Duration::from_millis(50);
-    env.config.jobs.max_retries = 2;
-    env.config.jobs.retry_base = Duration::from_millis(50);
-    env.config.jobs.retry_cap = Duration::from_millis(300);
-    env.config.jobs.retry_for = Duration::from_secs(3);
-    let orders = seed_orders(&env.db, 122);
-    let locks = [
-        lock_order(&env, orders[0].id),
-        lock_order(&env, orders[1].id),
-    ];
-    push_timeouts(&env, &orders[..2], 0);
-    for (i, o) in orders[2..].iter().enumerate() {
-        push_timeouts(&env, std::slice::from_ref(o), 100 * i as i64);
-    }
-    let daemon = Daemon::start(&env.config);
-    wait_until(WAIT, "the two dead letters", || {
-        dead_letters(&env).len() == 2
-    });
-    wait_until(WAIT, "the other orders", || {
-        inbox_count(&env.db) == orders.len() as i64 - 2
-    });
-    daemon.stop();
-    for (release, h) in locks {
-        release.send(()).unwrap();
-        h.join().unwrap();
-    }
-    let mut keys: Vec<String> = dead_letters(&env)
-        .iter()
-        .map(|d| d["key"].clone())
-        .collect();
-    keys.sort();
-    assert_eq!(
-        keys,
-        [0, 1].map(|i| format!("order.timeout:{}", orders[i].order_no))
-    );
-    let others: Vec<&SeedOrder> = orders[2..].iter().collect();
-    assert_accounting(&env.db, &orders, &others);
 }
 
 /// A Rust handler that panics, to prove a panic is a failure and not a dead thread.

@@ -314,13 +314,13 @@ fn a_requeued_list_letter_is_done_once_by_the_daemon() {
     env.config.mover.queue = 0;
     env.config.jobs.statement_timeout = Duration::from_millis(150);
     env.config.jobs.max_retries = 1;
-    // A lock is contention, which dead-letters only once --retry-for has passed too.
+    // A deadlock is contention, which dead-letters only once --retry-for has passed too.
     env.config.jobs.retry_for = Duration::ZERO;
     env.config.jobs.retry_base = Duration::from_millis(50);
     let orders = seed_orders(&env.db, 2);
-    // The cause: a row lock that makes the first order's handler time out until its
+    // The cause: a shop trigger that fails the first order's handler as a deadlock until its
     // retries are used up.
-    let (release, h) = lock_order(&env, orders[0].id);
+    let (release, h) = deadlock_order(&env, orders[0].id);
     push_timeouts(&env, &orders, 0);
     let daemon = Daemon::start(&env.config);
     let mut con = env.con();

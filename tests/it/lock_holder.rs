@@ -34,9 +34,10 @@ pub(crate) fn hold(
     (pid, tx, h)
 }
 
-/// A job waiting on a lock is a dead letter within about a second: short lock waits,
-/// two quick retries, `--retry-for` 800 ms.
-pub(crate) fn dead_letter_soon(env: &mut Env) {
+/// A job waiting on a lock tries again within a fraction of a second: short lock waits,
+/// quick retries, `--retry-for` 800 ms (past which a lock wait is told as critical, and
+/// never dead-lettered).
+pub(crate) fn retry_soon(env: &mut Env) {
     env.config.jobs.lock_timeout = Duration::from_millis(50);
     env.config.jobs.max_retries = 2;
     env.config.jobs.retry_base = Duration::from_millis(50);
@@ -44,24 +45,10 @@ pub(crate) fn dead_letter_soon(env: &mut Env) {
     env.config.jobs.retry_for = Duration::from_millis(800);
 }
 
-fn dead_reason_with(env: &mut Env, sql: &'static str) -> (i32, String) {
-    env.config.jobs.statement_timeout = Duration::from_millis(200);
-    dead_letter_soon(env);
-    let orders = seed_orders(&env.db, 1);
-    let (pid, release, h) = hold(env, sql);
-    push_timeouts(env, &orders, 0);
-    let daemon = Daemon::start(&env.config);
-    wait_until(WAIT, "the dead letter", || dead_letters(env).len() == 1);
-    daemon.stop();
-    release.send(()).unwrap();
-    h.join().unwrap();
-    (pid, dead_letters(env)[0]["reason"].clone())
-}
-
-/// The last error a job waiting on a table lock carries into the pool between its
-/// retries, naming the holder: such a job is never a dead letter, however short its
-/// retries (`--max-retries 0 --retry-for 0`), since every job of the table meets the lock.
-fn retry_reason_of(env: &Env, order: &SeedOrder) -> String {
+/// The last error a job waiting on a lock carries into the pool between its retries, once
+/// it says `wanted` (the holder): a lock wait is never a dead letter, however short its
+/// retries (`--max-retries 0 --retry-for 0`).
+pub(crate) fn retry_reason_of(env: &Env, order: &SeedOrder, wanted: &str) -> String {
     let key = format!("order.timeout:{}", order.order_no);
     let mut said = String::new();
     wait_until(WAIT, "the retry naming the holder", || {
@@ -74,28 +61,27 @@ fn retry_reason_of(env: &Env, order: &SeedOrder) -> String {
             .and_then(|m| serde_json::from_str::<serde_json::Value>(&m).ok())
             .and_then(|v| v["last_error"].as_str().map(str::to_string))
             .unwrap_or_default();
-        said.contains("waited for a lock held by")
+        said.contains(wanted)
     });
-    assert_eq!(
-        dead_letters(env).len(),
-        0,
-        "a table lock is no job's own fault"
-    );
+    assert_eq!(dead_letters(env).len(), 0, "a lock is no job's own fault");
     said
 }
+
+/// What the retries of a job waiting on a lock say of its holder.
+const HOLDER: &str = "waited for a lock held by";
 
 /// [`retry_reason_of`] while a shop session holds what `sql` locks, with retries that
 /// would dead-letter a row lock's job at once; then the job runs once the lock ends.
 fn retry_reason_with(env: &mut Env, sql: &'static str) -> (i32, String) {
     env.config.jobs.statement_timeout = Duration::from_millis(200);
-    dead_letter_soon(env);
+    retry_soon(env);
     env.config.jobs.max_retries = 0;
     env.config.jobs.retry_for = Duration::ZERO;
     let orders = seed_orders(&env.db, 1);
     let (pid, release, h) = hold(env, sql);
     push_timeouts(env, &orders, 0);
     let daemon = Daemon::start(&env.config);
-    let reason = retry_reason_of(env, &orders[0]);
+    let reason = retry_reason_of(env, &orders[0], HOLDER);
     release.send(()).unwrap();
     h.join().unwrap();
     wait_until(WAIT, "the order cancelled", || inbox_count(&env.db) == 1);
@@ -109,7 +95,7 @@ fn a_row_lock_timeout_names_the_session_that_holds_the_row() {
     let mut env = Env::new();
     // The holder's query carries a customer's data: the reason (which lands in Redis, the
     // dead letters and the log) quotes its shape only.
-    let (pid, reason) = dead_reason_with(
+    let (pid, reason) = retry_reason_with(
         &mut env,
         "SELECT 1 FROM orders WHERE order_no <> 'ann@example.com' FOR UPDATE",
     );
@@ -124,31 +110,32 @@ fn a_row_lock_timeout_names_the_session_that_holds_the_row() {
     assert!(reason.ends_with(") of orders"), "{reason}");
 }
 
-/// [`dead_reason_with`] for two shop sessions holding what `first`, then `second`, lock:
-/// their pids, in that order, and the dead letter's reason.
-fn dead_reason_with_two(first: &'static str, second: &'static str) -> (i32, i32, String) {
+/// [`retry_reason_with`] for two shop sessions holding what `first`, then `second`, lock:
+/// their pids, in that order, and the reason.
+fn retry_reason_with_two(first: &'static str, second: &'static str) -> (i32, i32, String) {
     let mut env = Env::new();
     env.config.jobs.statement_timeout = Duration::from_millis(200);
-    dead_letter_soon(&mut env);
+    retry_soon(&mut env);
     let orders = seed_orders(&env.db, 1);
     let held = [hold(&env, first), hold(&env, second)];
     push_timeouts(&env, &orders, 0);
     let daemon = Daemon::start(&env.config);
-    wait_until(WAIT, "the dead letter", || dead_letters(&env).len() == 1);
-    daemon.stop();
+    let reason = retry_reason_of(&env, &orders[0], HOLDER);
     let pids = (held[0].0, held[1].0);
     for (_, release, h) in held {
         release.send(()).unwrap();
         h.join().unwrap();
     }
-    (pids.0, pids.1, dead_letters(&env)[0]["reason"].clone())
+    wait_until(WAIT, "the order cancelled", || inbox_count(&env.db) == 1);
+    daemon.stop();
+    (pids.0, pids.1, reason)
 }
 
 /// A row two shop sessions hold `FOR SHARE` (its xmax a MultiXactId, not a transaction):
 /// the reason names the one that began first and says the row is shared.
 #[test]
 fn a_row_share_locked_by_two_sessions_names_the_first_and_says_it_is_shared() {
-    let (first, second, reason) = dead_reason_with_two(
+    let (first, second, reason) = retry_reason_with_two(
         "SELECT 1 FROM orders FOR SHARE",
         "SELECT 1 FROM orders FOR SHARE",
     );
@@ -170,7 +157,7 @@ fn a_row_share_locked_by_two_sessions_names_the_first_and_says_it_is_shared() {
 /// FOR SHARE by a later one (which does): the reason names the one that blocks.
 #[test]
 fn a_row_share_locked_and_key_share_locked_names_the_session_that_blocks() {
-    let (key_share, share, reason) = dead_reason_with_two(
+    let (key_share, share, reason) = retry_reason_with_two(
         "SELECT 1 FROM orders FOR KEY SHARE",
         "SELECT 2 FROM orders FOR SHARE",
     );
@@ -198,14 +185,14 @@ fn a_table_lock_timeout_names_the_session_that_holds_the_table() {
 }
 
 /// A private server that allows prepared transactions, the worker's config on it (with
-/// `statement_timeout` and [`dead_letter_soon`]), and a shop session of it.
+/// `statement_timeout` and [`retry_soon`]), and a shop session of it.
 fn with_prepared_transactions(statement_timeout: Duration) -> (Env, PgServer, postgres::Client) {
     let mut env = Env::new();
     let pg = PgServer::start(&["-c max_prepared_transactions=4"]);
     env.db = pg.db();
     env.config.database_url = pg.url.clone();
     env.config.jobs.statement_timeout = statement_timeout;
-    dead_letter_soon(&mut env);
+    retry_soon(&mut env);
     let shop = postgres::Client::connect(&pg.url, postgres::NoTls).unwrap();
     (env, pg, shop)
 }
@@ -225,11 +212,8 @@ fn a_row_held_by_a_prepared_transaction_is_named_as_one_and_stops_nothing() {
     .unwrap();
     push_timeouts(&env, &orders, 0);
     let daemon = Daemon::start(&env.config);
-    wait_until(WAIT, "the held order's dead letter, the other done", || {
-        dead_letters(&env).len() == 1 && inbox_count(&env.db) == 1
-    });
-    daemon.stop();
-    let reason = dead_letters(&env)[0]["reason"].clone();
+    wait_until(WAIT, "the other order done", || inbox_count(&env.db) == 1);
+    let reason = retry_reason_of(&env, &orders[0], "prepared transaction");
     assert!(
         reason.contains("(55P03): waited for a lock held by a prepared transaction (two-phase commit: pg_prepared_xacts names it, COMMIT PREPARED or ROLLBACK PREPARED ends it) on the row ("),
         "{reason}"
@@ -237,7 +221,11 @@ fn a_row_held_by_a_prepared_transaction_is_named_as_one_and_stops_nothing() {
     assert!(!reason.contains("alice"), "{reason}");
     shop.batch_execute("ROLLBACK PREPARED 'refund-alice@example.com'")
         .unwrap();
-    assert_accounting(&env.db, &orders, &[&orders[1]]);
+    wait_until(WAIT, "the held order cancelled", || {
+        inbox_count(&env.db) == 2
+    });
+    daemon.stop();
+    assert_accounting(&env.db, &orders, &orders.iter().collect::<Vec<_>>());
 }
 
 /// A table locked by a prepared transaction: named as one too (its lock has no pid, which
@@ -252,7 +240,7 @@ fn a_table_held_by_a_prepared_transaction_is_named_as_one() {
     .unwrap();
     push_timeouts(&env, &orders, 0);
     let daemon = Daemon::start(&env.config);
-    let reason = retry_reason_of(&env, &orders[0]);
+    let reason = retry_reason_of(&env, &orders[0], HOLDER);
     shop.batch_execute("ROLLBACK PREPARED 'nightly-import'")
         .unwrap();
     wait_until(WAIT, "the order cancelled", || inbox_count(&env.db) == 1);
@@ -272,7 +260,7 @@ fn a_holder_in_a_sql_ascii_database_is_named_with_its_query_cut() {
     let mut env = Env::new();
     env.db = TestDb::sql_ascii();
     env.config.database_url = env.db.url.clone();
-    dead_letter_soon(&mut env);
+    retry_soon(&mut env);
     let orders = seed_orders(&env.db, 1);
     let mut holder = env.db.psql();
     let mut sql = format!(
@@ -298,9 +286,7 @@ fn a_holder_in_a_sql_ascii_database_is_named_with_its_query_cut() {
     });
     push_timeouts(&env, &orders, 0);
     let daemon = Daemon::start(&env.config);
-    wait_until(WAIT, "the dead letter", || dead_letters(&env).len() == 1);
-    daemon.stop();
-    let reason = dead_letters(&env)[0]["reason"].clone();
+    let reason = retry_reason_of(&env, &orders[0], HOLDER);
     assert!(
         reason.contains(
             "waited for a lock held by pid "
@@ -314,4 +300,6 @@ fn a_holder_in_a_sql_ascii_database_is_named_with_its_query_cut() {
     stdin.write_all(b"ROLLBACK;\n").unwrap();
     drop(holder.stdin.take());
     holder.wait().unwrap();
+    wait_until(WAIT, "the order cancelled", || inbox_count(&env.db) == 1);
+    daemon.stop();
 }

@@ -1046,7 +1046,7 @@ fn a_lock_holder_is_named_under_the_runtime_role() {
         .batch_execute(&format!("GRANT pg_read_all_stats TO {}", l.runtime_role))
         .unwrap();
     l.env.config.jobs.statement_timeout = Duration::from_millis(200);
-    crate::lock_holder::dead_letter_soon(&mut l.env);
+    crate::lock_holder::retry_soon(&mut l.env);
     let orders = seed_orders(&l.env.db, 2);
     let daemon = Daemon::start(&l.env.config);
     let sql = "SELECT 1 FROM orders WHERE id > 0 FOR UPDATE";
@@ -1063,14 +1063,6 @@ fn a_lock_holder_is_named_under_the_runtime_role() {
         }
         let (pid, release, h) = crate::lock_holder::hold(&l.env, sql);
         push_timeouts(&l.env, &orders[n - 1..n], 0);
-        wait_until(WAIT, "the dead letter", || dead_letters(&l.env).len() == n);
-        release.send(()).unwrap();
-        h.join().unwrap();
-        let reason = dead_letters(&l.env)
-            .into_iter()
-            .find(|d| d["key"] == format!("order.timeout:{}", orders[n - 1].order_no))
-            .expect("the order's letter")["reason"]
-            .clone();
         let wanted = if grant {
             format!(
                 "(55P03): waited for a lock held by pid {pid} (idle in transaction, its last \
@@ -1079,7 +1071,13 @@ fn a_lock_holder_is_named_under_the_runtime_role() {
         } else {
             "grant SELECT (ctid, xmax) ON orders, as sql/grants.sql does".to_string()
         };
+        let reason = crate::lock_holder::retry_reason_of(&l.env, &orders[n - 1], &wanted);
         assert!(reason.contains(&wanted), "{reason}");
+        release.send(()).unwrap();
+        h.join().unwrap();
+        wait_until(WAIT, "the order cancelled", || {
+            inbox_count(&l.env.db) == n as i64
+        });
     }
     daemon.stop();
 }

@@ -507,6 +507,58 @@ fn a_row_every_job_needs_locked_past_the_retry_horizon_dead_letters_none() {
     green_then_books(&env, w, port, &orders, &all(&sharing));
 }
 
+/// Two orders locked by the shop while the others fall due and go through: a lock wait is
+/// the surroundings' fault however long it lasts, so past `--retry-for` neither is a dead
+/// letter; `/healthz` turns red naming one, and once the locks go both are cancelled once.
+/// (Before, the others' changes proved the locks the two jobs' own, and both were dead
+/// letters; from outside, two skus the shop kept busy past `--retry-for 20s` left 15
+/// unpaid orders dead-lettered and uncancelled.)
+#[test]
+fn rows_only_some_waiting_jobs_meet_are_waited_out_past_the_horizon_red_while_others_go_through() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 122);
+    let locks = [
+        lock_order(&env, orders[0].id),
+        lock_order(&env, orders[1].id),
+    ];
+    let (w, port) = start_with_health(
+        &env,
+        &[
+            "--lock-timeout",
+            "50ms",
+            "--max-retries",
+            "2",
+            "--retry-cap",
+            "300ms",
+            "--retry-for",
+            "3s",
+        ],
+    );
+    wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
+    push_timeouts(&env, &orders[..2], 0);
+    for (i, o) in orders[2..].iter().enumerate() {
+        push_timeouts(&env, std::slice::from_ref(o), 100 * i as i64);
+    }
+    let others: Vec<&SeedOrder> = orders[2..].iter().collect();
+    wait_until(WAIT, "/healthz red past --retry-for", || {
+        let (code, body) = healthz(port);
+        code == 503 && body.contains("past --retry-for 3.0 s")
+    });
+    wait_until(WAIT, "the other orders", || {
+        cancelled(&env.db, &others) == others.len()
+    });
+    // Well past the horizon, while the others went through: still waiting.
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(books(&env).dead, 0, "a lock wait is never a dead letter");
+    assert_eq!(healthz(port).0, 503, "red while the locks last");
+    for (release, h) in locks {
+        release.send(()).unwrap();
+        h.join().unwrap();
+    }
+    wait_done(&env, &env.db, orders.len() as i64);
+    green_then_books(&env, w, port, &orders, &all(&orders));
+}
+
 /// A worker stopped (SIGSTOP, a frozen VM) while a lock stops every job of its event
 /// comes back red: it forgets none of its waiting jobs for the time it did not run, so
 /// the standstill is counted from before the pause. (From outside: green for 30 s more

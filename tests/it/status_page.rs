@@ -306,9 +306,9 @@ fn metric(port: u16, name: &str) -> u64 {
 fn status_page_in_a_browser_stream_mode() {
     let env = Env::new();
     let orders = seed_orders(&env.db, 12);
-    // One order's handler times out on a row lock until its retries are used up: a dead
-    // letter that goes through once the lock is gone.
-    let (release, locker) = lock_order(&env, orders[0].id);
+    // One order's handler fails as a deadlock (a shop trigger) until its retries are used
+    // up: a dead letter that goes through once the trigger is gone.
+    let (release, locker) = deadlock_order(&env, orders[0].id);
     push_timeouts(&env, &orders, 0);
     {
         let mut con = env.con();
@@ -1014,9 +1014,9 @@ fn status_page_dead_letters_of_shards() {
         }
         letter(&mut con, 2, &format!("{}-0", ms + 1), "paging.b");
     }
-    // Letters the worker makes: an order whose handler times out until its row lock goes
+    // Letters the worker makes: an order whose handler fails as a deadlock until a trigger goes
     // (shard 2), a message that is not JSON in shards 0 and 1, and one of HTML and script.
-    let (release, locker) = lock_order(&env, stuck.id);
+    let (release, locker) = deadlock_order(&env, stuck.id);
     let now = delay_worker::now_ms();
     for o in &orders {
         let job = delay_worker::producer::NewJob {

@@ -1246,6 +1246,33 @@ pub fn xadd(env: &Env, key: &str, msg: &[u8]) {
         .unwrap();
 }
 
+/// A shop trigger that fails every update of this order as a deadlock (SQLSTATE 40P01)
+/// until told, then is dropped: contention that is no lock wait, so its job is retried for
+/// `--retry-for` and then dead-lettered (a lock wait never is: [`lock_order`]).
+pub fn deadlock_order(
+    env: &Env,
+    id: i64,
+) -> (std::sync::mpsc::Sender<()>, std::thread::JoinHandle<()>) {
+    env.db
+        .client()
+        .batch_execute(&format!(
+            "CREATE OR REPLACE FUNCTION dw_test_deadlock() RETURNS trigger LANGUAGE plpgsql AS $$ \
+             BEGIN RAISE EXCEPTION 'deadlock detected (a test trigger)' USING ERRCODE = '40P01'; END $$; \
+             CREATE TRIGGER dw_test_deadlock_{id} BEFORE UPDATE ON orders FOR EACH ROW \
+             WHEN (OLD.id = {id}) EXECUTE FUNCTION dw_test_deadlock()"
+        ))
+        .unwrap();
+    let url = env.db.url.clone();
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let h = std::thread::spawn(move || {
+        let _ = rx.recv();
+        let mut c = postgres::Client::connect(&url, postgres::NoTls).unwrap();
+        c.batch_execute(&format!("DROP TRIGGER dw_test_deadlock_{id} ON orders"))
+            .unwrap();
+    });
+    (tx, h)
+}
+
 /// Holds a row lock on an order so the handler hits its lock timeout.
 pub fn lock_order(
     env: &Env,
