@@ -597,7 +597,7 @@ impl<'a> Crew<'a> {
             }
             if watched.elapsed() >= WATCH_CONTENTION_EVERY {
                 watched = Instant::now();
-                crate::workers::watch_contention(stats, crate::now_ms(), config.jobs.retry_for);
+                crate::workers::watch_contention(stats, crate::now_ms(), &config.jobs);
             }
             if ticked.elapsed() < tick {
                 continue;

@@ -452,8 +452,10 @@ pub struct Waiter {
     /// The last failure, as PostgreSQL said it.
     pub reason: String,
     /// It waited for another transaction's lock (a lock timeout): never a dead letter,
-    /// however long, and critical past `--retry-for`.
+    /// however long, and critical past `--retry-for` and `--max-retries`.
     pub lock: bool,
+    /// The retries it has been sent back with.
+    pub retries: u32,
     /// When the retry it was last sent back with falls due (unix ms), later under a slow
     /// `--max-rate` (two of its slots), or later still while this process holds the job
     /// ([`Contention::held`]): it is forgotten [`CONTENTION_FORGET`] after.
@@ -474,14 +476,14 @@ impl Contention {
     }
 
     /// A job went back to the pool after contention it met at `met_ms` (local ms), its
-    /// retry due at `due_ms`; `lock`: the contention was another transaction's lock
-    /// ([`Waiter::lock`]).
+    /// retry due at `due_ms`, with `retries`; `lock`: the contention was another
+    /// transaction's lock ([`Waiter::lock`]).
     pub fn waiting(
         &self,
         key: &str,
         event: &str,
         since_ms: i64,
-        (reason, lock): (&str, bool),
+        (reason, lock, retries): (&str, bool, u32),
         due_ms: i64,
         met_ms: i64,
     ) {
@@ -504,6 +506,7 @@ impl Contention {
                 since_ms,
                 reason: reason.to_string(),
                 lock,
+                retries,
                 due_ms,
             },
         );
@@ -581,15 +584,15 @@ impl Contention {
             .any(|v| v.event == event && v.key != key)
     }
 
-    /// Of the jobs waiting for another transaction's lock as of `now_ms`, the one waiting
-    /// longest.
-    pub fn longest_lock_wait(&self, now_ms: i64) -> Option<Waiter> {
+    /// Of the jobs waiting for another transaction's lock as of `now_ms`, sent back at
+    /// least `retries` times, the one waiting longest.
+    pub fn longest_lock_wait(&self, now_ms: i64, retries: u32) -> Option<Waiter> {
         if self.len.load(Relaxed) == 0 {
             return None;
         }
         let w = self.current(now_ms);
         w.values()
-            .filter(|v| v.lock)
+            .filter(|v| v.lock && v.retries >= retries)
             .min_by_key(|v| v.since_ms)
             .cloned()
     }
@@ -1388,7 +1391,7 @@ mod tests {
             "k1",
             "order.timeout",
             now,
-            ("lock timeout", true),
+            ("lock timeout", true, 1),
             now + 500,
             now,
         );
@@ -1396,7 +1399,7 @@ mod tests {
             "k2",
             "order.timeout",
             now,
-            ("lock timeout", true),
+            ("lock timeout", true, 1),
             now + 500,
             now,
         );
@@ -1419,7 +1422,7 @@ mod tests {
             "k1",
             "order.timeout",
             due - 2_000,
-            ("lock timeout", true),
+            ("lock timeout", true, 1),
             due,
             due - 2_000,
         );

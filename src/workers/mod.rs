@@ -217,8 +217,9 @@ fn report_contention<'e>(
     stats: &Stats,
     events: impl IntoIterator<Item = &'e str>,
     (now, local): (i64, i64),
-    retry_for: Duration,
+    jobs: &JobConfig,
 ) {
+    let retry_for = jobs.retry_for;
     let (waiting, longest) = stats.contention.summary(now);
     let Some(w) = longest else {
         return;
@@ -250,9 +251,11 @@ fn report_contention<'e>(
                 log::error!("{what}");
             }
         }
-        None => match stats.contention.longest_lock_wait(now) {
-            // A job waiting past `--retry-for` for a lock is told as critical, since it
-            // is never a dead letter: the operator ends the lock (or lets it end).
+        None => match stats.contention.longest_lock_wait(now, jobs.max_retries) {
+            // A job waiting for a lock past `--retry-for` (and `--max-retries`, so that a
+            // job of a backlog long overdue is not told at its first lock) is told as
+            // critical, since it is never a dead letter: the operator ends the lock (or
+            // lets it end).
             Some(l) if now - l.since_ms >= retry_for.as_millis() as i64 => {
                 let what = format!(
                     "{} {} has waited {} for another transaction's lock, past --retry-for {} (it waits on, never a dead letter; {waiting} job(s) wait on contention): {}",
@@ -283,16 +286,11 @@ fn report_contention<'e>(
 /// brings retries back late) may put a minute away (found from outside: `/healthz` stayed
 /// 200 for 52 s under a table lock that stopped every job of a capped drain). `local` is
 /// this host's time.
-pub fn watch_contention(stats: &Stats, local: i64, retry_for: Duration) {
+pub fn watch_contention(stats: &Stats, local: i64, jobs: &JobConfig) {
     let now = stats.clock.at(local);
     let events = stats.contention.events(now);
     if !events.is_empty() {
-        report_contention(
-            stats,
-            events.iter().map(String::as_str),
-            (now, local),
-            retry_for,
-        );
+        report_contention(stats, events.iter().map(String::as_str), (now, local), jobs);
     }
 }
 
@@ -1615,12 +1613,12 @@ impl<'a> Worker<'a> {
             key,
             &env.event,
             since,
-            (&f.reason, lock_wait),
+            (&f.reason, lock_wait, retry),
             due_ms + patience,
             failed_at,
         );
         let local = crate::now_ms();
-        report_contention(stats, [env.event.as_str()], (now, local), jobs.retry_for);
+        report_contention(stats, [env.event.as_str()], (now, local), jobs);
         Settlement::new(
             d,
             Outcome::Retry {
@@ -2062,11 +2060,12 @@ mod tests {
             "order.timeout:SO1",
             "order.timeout",
             now,
-            (reason, true),
+            (reason, true, 1),
             retry_due,
             local,
         );
-        let watch_contention = |stats: &Stats, local| watch_contention(stats, local, HOUR);
+        let jobs = JobConfig::default();
+        let watch_contention = |stats: &Stats, local| watch_contention(stats, local, &jobs);
         watch_contention(&stats, local + 1_000);
         let told = stats.problems(local + 1_000);
         assert_eq!(told.len(), 1, "{told:?}");
@@ -2093,37 +2092,44 @@ mod tests {
         assert_eq!(stats.alarm(local + stalled + 1_000), None);
     }
 
-    const HOUR: Duration = Duration::from_secs(3600);
-
     /// A job waiting for another transaction's lock is never a dead letter: past
-    /// `--retry-for` health is critical, naming it, while other jobs of its event go
-    /// through; a slow statement's waiter is not (it is decided at the horizon).
+    /// `--retry-for` and `--max-retries` health is critical, naming it, while other jobs
+    /// of its event go through; a slow statement's waiter is not (it is decided at the
+    /// horizon), nor a job long overdue at its first lock wait.
     #[test]
     fn a_lock_waited_for_past_the_retry_horizon_is_critical() {
         let stats = Stats::default();
         let local = crate::now_ms();
         let now = stats.clock.at(local);
-        let retry_for = Duration::from_secs(20);
+        let jobs = JobConfig {
+            retry_for: Duration::from_secs(20),
+            max_retries: 3,
+            ..JobConfig::default()
+        };
         let waiting = |key, why| {
             stats
                 .contention
                 .waiting(key, "order.timeout", now, why, now + 60_000, local)
         };
-        waiting("order.timeout:SO1", ("statement timeout (57014)", false));
+        waiting("order.timeout:SO1", ("statement timeout (57014)", false, 3));
         // Other jobs of the event change things all along: no standstill.
         let went_through = |at| stats.jobs.went_through("order.timeout", true, at);
         went_through(local + 19_000);
-        watch_contention(&stats, local + 19_500, retry_for);
+        watch_contention(&stats, local + 19_500, &jobs);
         assert_eq!(stats.alarm(local + 19_500), None);
         went_through(local + 21_000);
-        watch_contention(&stats, local + 21_000, retry_for);
+        watch_contention(&stats, local + 21_000, &jobs);
         assert_eq!(
             stats.alarm(local + 21_000),
             None,
             "a slow statement is decided"
         );
-        waiting("order.timeout:SO2", ("lock timeout (55P03)", true));
-        watch_contention(&stats, local + 21_000, retry_for);
+        // A job long overdue (a backlog after an outage) at its first lock: not yet.
+        waiting("order.timeout:SO2", ("lock timeout (55P03)", true, 1));
+        watch_contention(&stats, local + 21_000, &jobs);
+        assert_eq!(stats.alarm(local + 21_000), None, "a first lock wait");
+        waiting("order.timeout:SO2", ("lock timeout (55P03)", true, 3));
+        watch_contention(&stats, local + 21_000, &jobs);
         let alarm = stats.alarm(local + 21_000).expect("critical");
         assert!(
             alarm.contains("order.timeout order.timeout:SO2 has waited 21")
