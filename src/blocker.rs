@@ -19,6 +19,9 @@ use std::time::{Duration, Instant};
 /// Most often a worker connection looks up a holder.
 pub const LOOK_EVERY: Duration = Duration::from_secs(1);
 
+/// How a holder of a whole table's lock is told: "... on the table orders".
+pub const ON_THE_TABLE: &str = "on the table ";
+
 /// The longest query text quoted.
 const QUERY_CHARS: usize = 120;
 
@@ -27,6 +30,9 @@ const QUERY_CHARS: usize = 120;
 pub struct LockWait {
     /// The row, when PostgreSQL said: its relation (as PostgreSQL printed it) and ctid.
     pub row: Option<(String, String)>,
+    /// A wait without a row that the look-up found another session's table lock for:
+    /// a statement timeout that waited for a lock of a whole table, not a slow statement.
+    pub table: bool,
 }
 
 /// The wait of a lock or statement timeout, `None` for any other error. A statement
@@ -44,6 +50,7 @@ pub fn lock_wait(e: &postgres::Error) -> Option<LockWait> {
     }
     Some(LockWait {
         row: db.where_().and_then(row_of_context),
+        table: false,
     })
 }
 
@@ -149,7 +156,7 @@ fn look(client: &mut postgres::Client, wait: &LockWait) -> Option<String> {
                     )
                     .ok()??;
             let relation: Option<String> = r.try_get(3).ok().flatten();
-            let on = format!("on the table {}", relation.unwrap_or_else(|| "?".into()));
+            let on = format!("{ON_THE_TABLE}{}", relation.unwrap_or_else(|| "?".into()));
             (r, on)
         }
     };

@@ -441,6 +441,9 @@ impl Session {
                 // Kept: a wait that names no row is looked up as a whole table's.
                 if let Some(wait) = f.wait.clone() {
                     if let Some(holder) = self.looker.holder(&mut self.conn, &wait) {
+                        if let (None, Some(w)) = (&wait.row, f.wait.as_mut()) {
+                            w.table = holder.contains(crate::blocker::ON_THE_TABLE);
+                        }
                         f.reason = format!("{}: {holder}", f.reason);
                     }
                 }
