@@ -775,8 +775,9 @@ fn the_retries_of_jobs_that_met_a_lock_wait_briefly_so_they_hold_no_worker_from_
 /// A row the shop keeps busy without a pause, each of its transactions holding it briefly
 /// but a waiter always finding others queued before it: a try that waits a fifth of
 /// `--lock-timeout` never gets it, one that waits the whole of it does. So a job's brief
-/// waits end at half of `--retry-for`, and it is cancelled, not dead-lettered past the
-/// horizon for the shop's busy row.
+/// waits end at half of `--retry-for` (a minute at most), and it is cancelled while the
+/// shop keeps the row busy. (With brief waits to the end it was a dead letter at the
+/// horizon; since a lock wait is never one, it would wait on, red, for the rush to end.)
 #[test]
 fn a_row_the_shop_keeps_busy_past_the_brief_wait_is_waited_for_in_full_after_half_the_horizon() {
     let env = Env::new();
