@@ -1617,6 +1617,46 @@ fn slow_order_updates(db: &TestDb, when: &str) {
         .unwrap();
 }
 
+/// A shop trigger that makes every update of an order outlast `--statement-timeout`, held
+/// past a short `--retry-for`: statement timeouts are no lock wait, so a job alone would be
+/// a dead letter at the horizon, but every waiting job of the event meets it and none
+/// changes anything, so the queue stands still and none is dead-lettered; once the trigger
+/// goes every order is cancelled once.
+#[test]
+fn a_slow_trigger_every_job_meets_past_the_retry_horizon_dead_letters_none() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 30);
+    let (w, port) = start_with_health(
+        &env,
+        &[
+            "--statement-timeout",
+            "500ms",
+            "--retry-for",
+            "3s",
+            "--max-retries",
+            "1",
+            "--retry-cap",
+            "1s",
+        ],
+    );
+    wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
+    slow_order_updates(&env.db, "true");
+    push_timeouts(&env, &orders, 0);
+    // Past the horizon and the standstill's span (at least 6 s) with retries a second
+    // apart: a job charged alone would be a dead letter by now.
+    let began = Instant::now();
+    while began.elapsed() < Duration::from_secs(10) {
+        assert_eq!(books(&env).dead, 0, "a slow trigger every job meets");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    env.db
+        .client()
+        .batch_execute("DROP TRIGGER slow_order ON orders")
+        .unwrap();
+    wait_done(&env, &env.db, orders.len() as i64);
+    green_then_books(&env, w, port, &orders, &all(&orders));
+}
+
 /// A shop trigger that makes every update of an order outlast `--statement-timeout`
 /// (57014, contention by its SQLSTATE), held past `CONTENTION_STALL`, while paid orders'
 /// jobs keep falling due one a second (they change nothing, update no order and so
