@@ -19,9 +19,6 @@ use std::time::{Duration, Instant};
 /// Most often a worker connection looks up a holder.
 pub const LOOK_EVERY: Duration = Duration::from_secs(1);
 
-/// How a holder of a whole table's lock is told: "... on the table orders".
-pub const ON_THE_TABLE: &str = "on the table ";
-
 /// The longest query text quoted.
 const QUERY_CHARS: usize = 120;
 
@@ -156,7 +153,7 @@ fn look(client: &mut postgres::Client, wait: &LockWait) -> Option<String> {
                     )
                     .ok()??;
             let relation: Option<String> = r.try_get(3).ok().flatten();
-            let on = format!("{ON_THE_TABLE}{}", relation.unwrap_or_else(|| "?".into()));
+            let on = format!("on the table {}", relation.unwrap_or_else(|| "?".into()));
             (r, on)
         }
     };

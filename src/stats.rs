@@ -584,17 +584,24 @@ impl Contention {
             .any(|v| v.event == event && v.key != key)
     }
 
-    /// Of the jobs waiting for another transaction's lock as of `now_ms`, sent back at
-    /// least `retries` times, the one waiting longest.
-    pub fn longest_lock_wait(&self, now_ms: i64, retries: u32) -> Option<Waiter> {
+    /// [`Contention::summary`], and of the jobs waiting for another transaction's lock,
+    /// sent back at least `retries` times, the one waiting longest: one look for both.
+    pub fn summary_with_lock_wait(
+        &self,
+        now_ms: i64,
+        retries: u32,
+    ) -> (usize, Option<Waiter>, Option<Waiter>) {
         if self.len.load(Relaxed) == 0 {
-            return None;
+            return (0, None, None);
         }
         let w = self.current(now_ms);
-        w.values()
-            .filter(|v| v.lock && v.retries >= retries)
-            .min_by_key(|v| v.since_ms)
-            .cloned()
+        let longest = |lock_only: bool| {
+            w.values()
+                .filter(|v| !lock_only || (v.lock && v.retries >= retries))
+                .min_by_key(|v| v.since_ms)
+                .cloned()
+        };
+        (w.len(), longest(false), longest(true))
     }
 
     /// How many jobs wait on contention as of `now_ms`, and the one waiting longest.

@@ -220,7 +220,9 @@ fn report_contention<'e>(
     jobs: &JobConfig,
 ) {
     let retry_for = jobs.retry_for;
-    let (waiting, longest) = stats.contention.summary(now);
+    let (waiting, longest, lock_wait) = stats
+        .contention
+        .summary_with_lock_wait(now, jobs.max_retries);
     let Some(w) = longest else {
         return;
     };
@@ -251,7 +253,7 @@ fn report_contention<'e>(
                 log::error!("{what}");
             }
         }
-        None => match stats.contention.longest_lock_wait(now, jobs.max_retries) {
+        None => match lock_wait {
             // A job waiting for a lock past `--retry-for` (and `--max-retries`, so that a
             // job of a backlog long overdue is not told at its first lock) is told as
             // critical, since it is never a dead letter: the operator ends the lock (or
@@ -1560,9 +1562,8 @@ impl<'a> Worker<'a> {
         } else {
             env.retry.saturating_add(1)
         };
-        // A lock timeout waited for another transaction's lock (a row's or a whole
-        // table's): the surroundings', however long it lasts, so it is waited out and
-        // never a dead letter; past `--retry-for` health turns red naming the job
+        // A wait for another transaction's lock ([`Failure::waited_for_lock`]) is waited
+        // out and never a dead letter; past `--retry-for` health turns red naming the job
         // ([`report_contention`]). Found from outside: two skus the shop kept busy past
         // `--retry-for 20s` turned 15 unpaid orders into dead letters, left uncancelled,
         // while the orders queued behind the first waiter of each row (whose errors name
@@ -1571,13 +1572,7 @@ impl<'a> Worker<'a> {
         // dead-lettered as configured, unless the queue stands still
         // ([`Worker::stands_still`]): a trigger slower than the statement timeout on
         // every update is the surroundings', waited out, red meanwhile.
-        // A statement timeout that names a row, or whose holder was found holding the
-        // table, waited for a lock too (found from outside: with `--lock-timeout 10s
-        // --statement-timeout 1s`, 17 of 50 jobs behind a `LOCK TABLE` were dead letters).
-        let lock_wait = f
-            .wait
-            .as_ref()
-            .is_some_and(|w| !f.cancelled || w.row.is_some() || w.table);
+        let lock_wait = f.waited_for_lock();
         let spent = env.retry >= jobs.max_retries && waited >= jobs.retry_for;
         if !f.shared
             && !lock_wait
