@@ -61,6 +61,8 @@ pub struct Watch<'a> {
     /// `/healthz` green within a second or so, not at the next ordinary pass.
     evicting: bool,
     unmoved: bool,
+    /// The lock waiters an earlier run left in the pool have been read ([`Watch::lock_waiters_left`]).
+    inventoried: bool,
 }
 
 impl<'a> Watch<'a> {
@@ -79,6 +81,7 @@ impl<'a> Watch<'a> {
             passed: false,
             evicting: false,
             unmoved: false,
+            inventoried: false,
         }
     }
 
@@ -91,6 +94,15 @@ impl<'a> Watch<'a> {
     pub fn step(&mut self, con: &mut dyn redis::ConnectionLike) -> Result<(), StoreError> {
         self.measure(con)?;
         self.memory(con)?;
+        if !self.inventoried {
+            match self.lock_waiters_left(con) {
+                Err(e) if e.is_connection() => return Err(e),
+                // A key of another type is the other roles' problem to report.
+                Err(e) => log::debug!("watch: the lock waiters left in the pool: {e}"),
+                Ok(()) => {}
+            }
+            self.inventoried = true;
+        }
         if self.passed {
             self.mover_lag(con);
         }
@@ -215,6 +227,62 @@ impl<'a> Watch<'a> {
     /// Reports the pool's mover lag beyond `--mover-lag-crit` as critical, and clears it
     /// once under. Figures that cannot be read leave the verdict as it was (an
     /// unreachable Redis is the other roles' to report).
+    /// At start, the jobs an earlier run (of this process or another) sent back to the
+    /// pool after waiting in vain for another transaction's lock: this process counts them
+    /// as waiting ([`crate::stats::Contention::waiting`]), each until its retry is due and
+    /// [`crate::stats::CONTENTION_FORGET`] after, so that a restart during a long lock is
+    /// critical at once when one has waited past `--retry-for` and `--max-retries`, not
+    /// only at its next try (up to [`crate::workers::CONTENTION_CAP`] later; found from
+    /// outside: a restarted process green for 20 s while an order waited past the horizon).
+    /// Reads at most [`LEFT_SCAN`] retries of each shard, a page at a time.
+    fn lock_waiters_left(&mut self, con: &mut dyn redis::ConnectionLike) -> Result<(), StoreError> {
+        let limit = self.config.jobs.max_message_bytes;
+        let (mut found, mut scanned) = (0usize, 0usize);
+        for keys in &self.config.derived.shards {
+            let mut cursor = 0;
+            let mut read = 0;
+            loop {
+                let (next, page) = store::pool::retries_page(con, keys, cursor, LEFT_PAGE)?;
+                read += page.len();
+                for r in page {
+                    let (Some(msg), Some(due_ms)) = (r.msg, r.due_ms) else {
+                        continue;
+                    };
+                    let Ok(env) = crate::message::Envelope::decode(&msg, limit) else {
+                        continue;
+                    };
+                    if !env.waited_lock() {
+                        continue;
+                    }
+                    found += 1;
+                    self.stats.contention.waiting(
+                        &r.key,
+                        &env.event,
+                        env.first_due.unwrap_or(due_ms),
+                        (
+                            env.last_error().unwrap_or("another transaction's lock"),
+                            true,
+                            env.retry,
+                        ),
+                        due_ms,
+                        crate::now_ms(),
+                    );
+                }
+                cursor = next;
+                if cursor == 0 || read >= LEFT_SCAN {
+                    break;
+                }
+            }
+            scanned += read;
+        }
+        if found > 0 {
+            log::info!(
+                "{found} job(s) in the pool wait for another transaction's lock since an earlier run (of {scanned} retries read); counted as waiting until they are tried again"
+            );
+        }
+        Ok(())
+    }
+
     fn mover_lag(&mut self, con: &mut dyn redis::ConnectionLike) {
         let limit = self.config.mover_lag_crit;
         if limit.is_zero() {
@@ -318,6 +386,10 @@ impl<'a> Watch<'a> {
         }
     }
 }
+
+/// Retries read per round trip at start ([`Watch::lock_waiters_left`]), and at most per shard.
+const LEFT_PAGE: usize = 500;
+const LEFT_SCAN: usize = 50_000;
 
 /// How soon a pass comes again while the clock has never been measured, or while a
 /// critical problem of this role stands.

@@ -276,3 +276,72 @@ pub fn move_due(
         cut: int(reply.get(7)) == 1,
     })
 }
+
+/// A retry waiting in the pool ([`retries_page`]): its job key, its due time (the pool's
+/// score as unix ms) and its message, either absent when it left the pool meanwhile.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WaitingRetry {
+    pub key: String,
+    pub due_ms: Option<i64>,
+    pub msg: Option<Vec<u8>>,
+}
+
+/// One page of the retries waiting in the pool: the jobs HASH scanned from `cursor`
+/// (`HSCAN`, about `count` fields), then each one's score and message in one pipeline.
+/// Reads only. Returns the next cursor (0: the scan is over) and the page.
+pub fn retries_page(
+    con: &mut dyn ConnectionLike,
+    keys: &Keys,
+    cursor: u64,
+    count: usize,
+) -> StoreResult<(u64, Vec<WaitingRetry>)> {
+    let (next, fields): (u64, Vec<String>) = redis::cmd("HSCAN")
+        .arg(&keys.jobs)
+        .arg(cursor)
+        .arg("COUNT")
+        .arg(count)
+        .query(con)
+        .map_err(|e| super::StoreError::from_redis("scan the retries", e))?;
+    // Field, value, field, value: the job keys are the fields.
+    let names: Vec<String> = fields.into_iter().step_by(2).collect();
+    if names.is_empty() {
+        return Ok((next, Vec::new()));
+    }
+    let mut p = redis::pipe();
+    p.cmd("HMGET").arg(&keys.data).arg(&names);
+    for k in &names {
+        p.cmd("ZSCORE").arg(&keys.pool).arg(k);
+    }
+    let (msgs, scores): (Vec<Option<Vec<u8>>>, Vec<Option<f64>>) = {
+        let mut replies: Vec<Value> = p
+            .query(con)
+            .map_err(|e| super::StoreError::from_redis("read the retries", e))?;
+        let scores = replies
+            .split_off(1.min(replies.len()))
+            .into_iter()
+            .map(|v| redis::from_redis_value::<Option<f64>>(v).ok().flatten())
+            .collect();
+        let msgs = replies
+            .pop()
+            .and_then(|v| redis::from_redis_value(v).ok())
+            .unwrap_or_default();
+        (msgs, scores)
+    };
+    let page = names
+        .into_iter()
+        .enumerate()
+        .map(|(i, key)| WaitingRetry {
+            key,
+            due_ms: scores.get(i).copied().flatten().map(|s| {
+                // Seconds scores are below 1e11.
+                if s < 1e11 {
+                    (s * 1000.0) as i64
+                } else {
+                    s as i64
+                }
+            }),
+            msg: msgs.get(i).cloned().flatten(),
+        })
+        .collect();
+    Ok((next, page))
+}

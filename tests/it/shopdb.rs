@@ -559,6 +559,54 @@ fn rows_only_some_waiting_jobs_meet_are_waited_out_past_the_horizon_red_while_ot
     green_then_books(&env, w, port, &orders, &all(&orders));
 }
 
+/// A process restarted while a job waits past `--retry-for` for a lock is red from its
+/// start, before the job's next try: it counts the lock waiters an earlier run left in the
+/// pool. (From outside: a restarted process was green for 20 s, until that try; the
+/// retries' backoff reaches 30 s.)
+#[test]
+fn a_process_restarted_while_a_job_waits_past_the_horizon_for_a_lock_is_red_from_its_start() {
+    let mut env = Env::new();
+    // The job's next try 9-15 s after its first.
+    env.config.jobs.retry_base = Duration::from_secs(12);
+    let orders = seed_orders(&env.db, 2);
+    let (release, holder) = lock_order(&env, orders[0].id);
+    let flags = [
+        "--lock-timeout",
+        "50ms",
+        "--max-retries",
+        "1",
+        "--retry-for",
+        "1s",
+    ];
+    let red = |port| {
+        let (code, body) = healthz(port);
+        code == 503 && body.contains("past --retry-for 1.0 s") && body.contains(&orders[0].order_no)
+    };
+    let (w, port) = start_with_health(&env, &flags);
+    push_timeouts(&env, &orders, 0);
+    wait_until(WAIT, "/healthz red past --retry-for", || red(port));
+    stop(w);
+    let key = format!("order.timeout:{}", orders[0].order_no);
+    let retry_due: f64 = redis::cmd("ZSCORE")
+        .arg(&env.config.keys.pool)
+        .arg(&key)
+        .query(&mut env.con())
+        .unwrap();
+    let (w, port) = start_with_health(&env, &flags);
+    wait_until(WAIT, "/healthz red again after the restart", || red(port));
+    let seen = delay_worker::now_ms();
+    assert!(
+        (seen as f64) < retry_due,
+        "red only at the job's next try ({} ms after it was due)",
+        seen as f64 - retry_due
+    );
+    assert_eq!(books(&env).dead, 0, "a lock wait is never a dead letter");
+    release.send(()).unwrap();
+    holder.join().unwrap();
+    wait_done(&env, &env.db, orders.len() as i64);
+    green_then_books(&env, w, port, &orders, &all(&orders));
+}
+
 /// A worker stopped (SIGSTOP, a frozen VM) while a lock stops every job of its event
 /// comes back red: it forgets none of its waiting jobs for the time it did not run, so
 /// the standstill is counted from before the pause. (From outside: green for 30 s more
