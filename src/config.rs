@@ -278,6 +278,11 @@ pub struct JobConfig {
     /// A job that meets contention retries for at least this long after it first fell
     /// due (and `max_retries` times) before it is dead-lettered.
     pub retry_for: Duration,
+    /// A job the database refuses (a trigger's `RAISE`, a constraint) while other jobs of
+    /// its event go through is a dead letter only once it has been refused for this long:
+    /// a rule the shop switches on for a while (a table frozen for a deploy, a trigger
+    /// toggled) refuses some jobs while others pass, and ends.
+    pub refusal_grace: Duration,
     /// `--max-rate`: caps on the jobs run per second, overall or by event.
     pub max_rates: Vec<crate::manners::MaxRate>,
     /// Messages larger than this are dead-lettered unread.
@@ -340,6 +345,11 @@ pub const DEFAULT_MOVER_LAG_CRIT: Duration = Duration::from_secs(5);
 /// Default of `--retry-for`: an hour of a shop's lock, a long migration or a stuck
 /// transaction, before a job that meets contention is given up on.
 pub const DEFAULT_RETRY_FOR: Duration = Duration::from_secs(3600);
+
+/// Default of `--refusal-grace`: longer than a deploy's migration or a table frozen for
+/// maintenance usually lasts, short enough that a job the shop's rules refuse for good is
+/// told as a dead letter within minutes.
+pub const DEFAULT_REFUSAL_GRACE: Duration = Duration::from_secs(120);
 
 /// How old inbox rows are removed (`prune.rs`): one process at a time, in short batches.
 #[derive(Clone, Debug)]
@@ -513,6 +523,7 @@ impl Default for JobConfig {
             statement_timeout: Duration::from_secs(5),
             lock_timeout: DEFAULT_LOCK_TIMEOUT,
             retry_for: DEFAULT_RETRY_FOR,
+            refusal_grace: DEFAULT_REFUSAL_GRACE,
             max_rates: Vec::new(),
             max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
             tx_batch: 1,

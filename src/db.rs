@@ -654,10 +654,16 @@ pub fn classify_code(code: &str, message: &str) -> Fault {
 /// A data exception (class `22`: a value that does not cast, an overflow, a division by
 /// zero) raised by the statement itself, with no function or trigger in its context: the
 /// statement a worker ran met the job's data, and no rule the shop adds (a trigger, a
-/// function, a constraint: those carry a context or another class) is behind it.
+/// function, a constraint: those carry a context or another class) is behind it. The one
+/// context allowed is the JSON parser's own (`JSON data, line 1: ...`, English only): the
+/// payload as the handler reads it (a `\u0000` PostgreSQL's text cannot hold, 22P05).
 pub fn own_data(e: &postgres::Error) -> bool {
-    e.as_db_error()
-        .is_some_and(|db| db.code().code().starts_with("22") && db.where_().is_none())
+    e.as_db_error().is_some_and(|db| {
+        db.code().code().starts_with("22")
+            && db
+                .where_()
+                .is_none_or(|w| w.starts_with("JSON data, line "))
+    })
 }
 
 /// Whether the value a data exception's message quotes is the job's own: `reason` is

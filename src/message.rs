@@ -264,6 +264,18 @@ impl Envelope {
         self.raw.get(HELD_AT).and_then(Value::as_i64)
     }
 
+    /// When the database first refused the job with the refusal it met last (unix ms on
+    /// Redis's clock), as the worker that sent it back wrote it: a refusal that lasts
+    /// `--refusal-grace` while other jobs of its event go through is the job's own.
+    pub fn refused_at(&self) -> Option<i64> {
+        self.raw.get(REFUSED_AT).and_then(Value::as_i64)
+    }
+
+    /// Writes [`Envelope::refused_at`]: a refusal other than the one it met last.
+    pub fn mark_refused(&mut self, at_ms: i64) {
+        self.raw.insert(REFUSED_AT.into(), Value::from(at_ms));
+    }
+
     /// Writes [`Envelope::held_at`], unless the message already says so.
     pub fn mark_held(&mut self, at_ms: i64) {
         self.raw
@@ -319,6 +331,10 @@ pub const WAITED_LOCK: &str = "waited_lock";
 /// The field of a message sent back to the pool that says when a worker first held its job
 /// as the surroundings' fault (unix ms, Redis's clock; [`Envelope::held_at`]).
 pub const HELD_AT: &str = "held_at";
+
+/// The field of a message sent back to the pool that says when the database first refused
+/// its job with the refusal it met last (unix ms, Redis's clock; [`Envelope::refused_at`]).
+pub const REFUSED_AT: &str = "refused_at";
 
 /// The longest `last_error` kept, in characters.
 pub const LAST_ERROR_CHARS: usize = 300;

@@ -418,6 +418,12 @@ pub struct RunArgs {
     /// letters. 0: --max-retries alone.
     #[arg(long, default_value = "1h", value_parser = parse_duration)]
     pub retry_for: Duration,
+    /// A job the database refuses (a trigger's RAISE, a constraint) while other jobs of
+    /// its event go through is tried again for this long after its first refusal before
+    /// it is a dead letter: a rule switched on for a while (a table frozen during a
+    /// deploy) refuses some jobs and ends. 0: a dead letter at its second look.
+    #[arg(long, default_value = "2m", value_parser = parse_duration)]
+    pub refusal_grace: Duration,
     /// Cap on the jobs run per second: N/s (or /m, /h) for all, EVENT=N/s for one event
     /// (repeat, or separate with commas) [default: no cap].
     #[arg(long, value_name = "[EVENT=]N/s", value_delimiter = ',')]
@@ -976,6 +982,7 @@ impl Cli {
             statement_timeout: r.statement_timeout,
             lock_timeout: r.lock_timeout.min(r.statement_timeout),
             retry_for: r.retry_for,
+            refusal_grace: r.refusal_grace,
             max_rates,
             max_message_bytes: r.max_message_bytes,
             tx_batch: r.tx_batch,
