@@ -483,6 +483,21 @@ pub fn flush_wal(client: &mut postgres::Client, slot: &str) -> Result<(), postgr
     ))
 }
 
+/// [`flush_wal`] without `worker_flush` (its grant lost in a migration, the table gone):
+/// the same wait, made by a write the worker's own grants allow, one row of
+/// `worker_inbox` updated to itself (`UPDATE (outcome)`, which a paid order's no-op needs
+/// too) under `synchronous_commit=on`. A row another session holds is skipped, not waited
+/// for. An empty inbox writes nothing and waits for nothing: it holds no commit of a job
+/// either.
+pub fn flush_wal_by_inbox(client: &mut postgres::Client) -> Result<(), postgres::Error> {
+    client.batch_execute(
+        "BEGIN; SET LOCAL synchronous_commit TO on; \
+         UPDATE worker_inbox SET outcome = outcome WHERE ctid = \
+         (SELECT ctid FROM worker_inbox LIMIT 1 FOR UPDATE SKIP LOCKED); \
+         COMMIT",
+    )
+}
+
 /// One plain connection (admin commands, migrations), within [`HANDSHAKE_DEADLINE`].
 pub fn connect(url: &str) -> Result<postgres::Client, DbError> {
     Target::parse(url)?.connect_within(HANDSHAKE_DEADLINE)
