@@ -31,6 +31,9 @@ pub struct MetricsError {
     source: std::io::Error,
 }
 
+/// The role a `/healthz` probe reports PostgreSQL's want of connection slots under.
+const NO_SLOT_LEFT: &str = "postgresql connections";
+
 /// What the metrics thread reads. Everything but `depth` and the probe is borrowed from
 /// the daemon.
 pub struct Sources<'a> {
@@ -134,7 +137,14 @@ impl<'a> Server<'a> {
                 match crate::health::healthy(self.src.stats, self.src.config, crate::now_ms())
                     .and_then(|()| self.probe.check())
                 {
-                    Ok(()) => Response::text(200, "ok\n"),
+                    Ok(crate::health::Probed::Fine) => Response::text(200, "ok\n"),
+                    Ok(crate::health::Probed::NoSlotLeft(what)) => {
+                        // `stats --check` and the status page read it from the record.
+                        if self.src.stats.report_trouble(NO_SLOT_LEFT, what.clone()) {
+                            log::warn!("{NO_SLOT_LEFT}: {what}");
+                        }
+                        Response::text(200, format!("ok, but {what}\n"))
+                    }
                     Err(why) => {
                         log::debug!("healthz: {why}");
                         Response::text(503, format!("{why}\n"))

@@ -559,6 +559,82 @@ fn rows_only_some_waiting_jobs_meet_are_waited_out_past_the_horizon_red_while_ot
     green_then_books(&env, w, port, &orders, &all(&orders));
 }
 
+/// PostgreSQL without a connection slot for a new session (another client took them all)
+/// while the workers keep their own: the jobs go through, `/healthz` answers 200 with the
+/// warning and `stats --check` is a WARNING naming it, the two agreeing; once the workers'
+/// sessions are cut too, so that none can get one back, both are red; once the slots are
+/// free, green, and every order is cancelled once. (From outside: 503 for 57 s while the
+/// jobs went through, and `stats --check` OK.)
+#[test]
+fn no_connection_slot_for_a_new_session_is_a_warning_while_the_workers_keep_theirs() {
+    let mut env = Env::new();
+    let pg = PgServer::start(&[
+        "-c max_connections=14",
+        "-c superuser_reserved_connections=0",
+    ]);
+    env.db = pg.db();
+    env.config.database_url = pg.url.clone();
+    env.config.threads = 2;
+    let orders = seed_orders(&env.db, 40);
+    let (w, port) = start_with_health(&env, &[]);
+    wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
+    let mut hogs = Vec::new();
+    let mut take_every_slot = |hogs: &mut Vec<postgres::Client>| {
+        while let Ok(c) = postgres::Client::connect(&pg.url, postgres::NoTls) {
+            hogs.push(c);
+        }
+    };
+    take_every_slot(&mut hogs);
+    assert!(!hogs.is_empty(), "no slot was free");
+    push_timeouts(&env, &orders[..20], 0);
+    let done = |hogs: &mut Vec<postgres::Client>| -> i64 {
+        hogs[0]
+            .query_one("SELECT count(*) FROM worker_inbox", &[])
+            .unwrap()
+            .get(0)
+    };
+    wait_until(WAIT, "jobs through the workers' own sessions", || {
+        done(&mut hogs) == 20
+    });
+    let slots = "no connection left for a new session";
+    wait_until(WAIT, "/healthz 200 with the warning", || {
+        let (code, body) = healthz(port);
+        code == 200 && body.contains(slots)
+    });
+    wait_until(WAIT, "stats --check a WARNING naming it", || {
+        let (code, line) = check(&env);
+        code == 1 && line.contains(slots)
+    });
+    // The workers' sessions cut, their slots taken as they free: a job due now finds none.
+    for _ in 0..200 {
+        let theirs: i64 = hogs[0]
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'delay-worker'",
+                &[],
+            )
+            .unwrap()
+            .get(0);
+        if theirs == 0 {
+            break;
+        }
+        hogs[0]
+            .execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+                 WHERE application_name = 'delay-worker'",
+                &[],
+            )
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        take_every_slot(&mut hogs);
+    }
+    push_timeouts(&env, &orders[20..], 0);
+    wait_until(WAIT, "/healthz red", || healthz(port).0 == 503);
+    wait_until(WAIT, "stats --check CRITICAL", || check(&env).0 == 2);
+    drop(hogs);
+    wait_done(&env, &env.db, orders.len() as i64);
+    green_then_books(&env, w, port, &orders, &all(&orders));
+}
+
 /// A process restarted while a job waits past `--retry-for` for a lock is red from its
 /// start, before the job's next try: it counts the lock waiters an earlier run left in the
 /// pool. (From outside: a restarted process was green for 20 s, until that try; the
