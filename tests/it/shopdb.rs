@@ -579,7 +579,7 @@ fn no_connection_slot_for_a_new_session_is_a_warning_while_the_workers_keep_thei
     let (w, port) = start_with_health(&env, &[]);
     wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
     let mut hogs = Vec::new();
-    let mut take_every_slot = |hogs: &mut Vec<postgres::Client>| {
+    let take_every_slot = |hogs: &mut Vec<postgres::Client>| {
         while let Ok(c) = postgres::Client::connect(&pg.url, postgres::NoTls) {
             hogs.push(c);
         }
