@@ -509,3 +509,37 @@ fn a_worker_killed_mid_transaction_and_restarted_runs_its_jobs_once_the_orphans_
     assert_accounting(&env.db, &orders, &all(&orders));
     assert_all_accounted(&env, &env.db, 8);
 }
+
+/// Dead letters over `--dead-rate-crit` in a minute: `/healthz` red and `stats --check`
+/// CRITICAL naming the rate, green again once the minute has passed. (Here, not among the
+/// shop's database tests, so that its minute starts early in a run of the whole suite
+/// rather than end it.)
+#[test]
+fn dead_letters_faster_than_the_threshold_turn_healthz_red() {
+    use crate::shopdb::{healthz, start_with_health, stop, wait_check_critical};
+    let env = Env::new();
+    let (w, port) = start_with_health(&env, &["--dead-rate-crit", "5"]);
+    wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
+    for i in 0..8 {
+        // Messages that are not JSON: the job's own fault, a dead letter each.
+        xadd(
+            &env,
+            &env.config.keys.stream,
+            format!("not json {i}").as_bytes(),
+        );
+    }
+    wait_until(WAIT, "the dead letters", || books(&env).dead == 8);
+    wait_until(WAIT, "/healthz red naming the rate", || {
+        let (code, body) = healthz(port);
+        code == 503 && body.contains("dead letters in the last minute")
+    });
+    wait_check_critical(&env, "dead letters in the last minute");
+    // Green once the last minute holds no more than the threshold: about a minute after
+    // the letters, not a minute after the watch last counted too many (two minutes).
+    wait_until(
+        Duration::from_secs(90),
+        "/healthz green once the letters are over a minute old",
+        || healthz(port).0 == 200,
+    );
+    stop(w);
+}

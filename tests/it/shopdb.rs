@@ -18,7 +18,7 @@ fn args(a: &[&str]) -> Vec<String> {
 }
 
 /// The worker binary with `/healthz` on a free port, and that port.
-fn start_with_health(env: &Env, extra: &[&str]) -> (Proc, u16) {
+pub(crate) fn start_with_health(env: &Env, extra: &[&str]) -> (Proc, u16) {
     let port = free_port();
     let addr = format!("127.0.0.1:{port}");
     let mut a = args(&["--metrics-addr", &addr]);
@@ -48,7 +48,7 @@ fn start_named(env: &Env, names: &[&str], extra: &[&str]) -> Vec<(Proc, u16)> {
 }
 
 /// `/healthz`: the status code and the body.
-fn healthz(port: u16) -> (u16, String) {
+pub(crate) fn healthz(port: u16) -> (u16, String) {
     match http_get(port, "/healthz") {
         Ok((code, _, body)) => (code, body),
         Err(e) => (0, e.to_string()),
@@ -68,7 +68,7 @@ fn metric(port: u16, name: &str) -> f64 {
 }
 
 /// `worker stats --check`: its exit code and its line.
-fn check(env: &Env) -> (i32, String) {
+pub(crate) fn check(env: &Env) -> (i32, String) {
     let out = run_worker(
         &["stats", "--check"],
         &env.config.redis_url,
@@ -78,7 +78,7 @@ fn check(env: &Env) -> (i32, String) {
 }
 
 /// Waits until `stats --check` is CRITICAL with a line that holds `what`.
-fn wait_check_critical(env: &Env, what: &str) {
+pub(crate) fn wait_check_critical(env: &Env, what: &str) {
     wait_until(
         WAIT,
         &format!("stats --check CRITICAL naming {what}"),
@@ -90,7 +90,7 @@ fn wait_check_critical(env: &Env, what: &str) {
 }
 
 /// Stops the worker with SIGTERM; it must exit 0.
-fn stop(mut w: Proc) {
+pub(crate) fn stop(mut w: Proc) {
     w.signal(libc::SIGTERM);
     let status = w.wait(Duration::from_secs(30));
     assert!(status.success(), "exit {status:?}: {}", w.log());
@@ -1138,37 +1138,6 @@ fn a_handler_whose_table_is_missing_holds_only_its_own_jobs_until_the_table_come
         .get(0);
     assert_eq!(points, 20, "each loyalty job once");
     green_then_books(&env, w, port, &orders, &all(&orders));
-}
-
-/// Dead letters over `--dead-rate-crit` in a minute: `/healthz` red and `stats --check`
-/// CRITICAL naming the rate, green again once the minute has passed.
-#[test]
-fn dead_letters_faster_than_the_threshold_turn_healthz_red() {
-    let env = Env::new();
-    let (w, port) = start_with_health(&env, &["--dead-rate-crit", "5"]);
-    wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
-    for i in 0..8 {
-        // Messages that are not JSON: the job's own fault, a dead letter each.
-        xadd(
-            &env,
-            &env.config.keys.stream,
-            format!("not json {i}").as_bytes(),
-        );
-    }
-    wait_until(WAIT, "the dead letters", || books(&env).dead == 8);
-    wait_until(WAIT, "/healthz red naming the rate", || {
-        let (code, body) = healthz(port);
-        code == 503 && body.contains("dead letters in the last minute")
-    });
-    wait_check_critical(&env, "dead letters in the last minute");
-    // Green once the last minute holds no more than the threshold: about a minute after
-    // the letters, not a minute after the watch last counted too many (two minutes).
-    wait_until(
-        Duration::from_secs(90),
-        "/healthz green once the letters are over a minute old",
-        || healthz(port).0 == 200,
-    );
-    stop(w);
 }
 
 /// Due jobs that no mover takes (every process started with `--no-mover`): `/healthz` is
