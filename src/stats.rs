@@ -737,6 +737,10 @@ struct EventMetrics {
     /// Jobs of the event PostgreSQL refused here and not yet decided: their keys and when
     /// they were last refused (local ms; [`Metrics::refused`]). Touched only on a refusal.
     refused: Mutex<HashMap<String, i64>>,
+    /// Refusals a refused job went through after (a rule switched off meanwhile): each
+    /// one's first words and when it lapsed (local ms; [`Metrics::refusal_lapsed`]), the
+    /// newest [`LAPSES_KEPT`].
+    lapses: Mutex<Vec<(String, i64)>>,
     /// How many `refused` holds, read without the lock on every job that goes through.
     refused_len: AtomicU64,
     /// When a job of the event was last held by a schema fault and by a refusal of every
@@ -746,6 +750,9 @@ struct EventMetrics {
     held_refused_ms: AtomicI64,
     probed_ms: AtomicI64,
 }
+
+/// The refusals of one event remembered as lapsed ([`Metrics::refusal_lapsed`]).
+const LAPSES_KEPT: usize = 8;
 
 /// While an event's jobs are held, one process runs at most one held job of it this often
 /// (the probe); the others go back untried ([`Metrics::may_run_held`]).
@@ -817,6 +824,7 @@ impl Metrics {
                 applied_ms: AtomicI64::new(0),
                 asked_ms: AtomicI64::new(0),
                 refused: Mutex::new(HashMap::new()),
+                lapses: Mutex::new(Vec::new()),
                 refused_len: AtomicU64::new(0),
                 held_ms: AtomicI64::new(0),
                 held_refused_ms: AtomicI64::new(0),
@@ -881,6 +889,27 @@ impl Metrics {
         }
         refused.insert(key.to_string(), at_ms);
         slot.refused_len.store(refused.len() as u64, Relaxed);
+    }
+
+    /// A job of `event` that PostgreSQL had refused with `gist` (the refusal's first
+    /// words) went through at `at_ms` (local ms): that refusal comes and goes, a rule
+    /// switched on and off rather than one about the jobs it refuses.
+    pub fn refusal_lapsed(&self, event: &str, gist: &str, at_ms: i64) {
+        let slot = self.slot(event);
+        let mut lapses = slot.lapses.lock().unwrap_or_else(|p| p.into_inner());
+        lapses.retain(|(g, _)| g != gist);
+        if lapses.len() >= LAPSES_KEPT {
+            lapses.remove(0);
+        }
+        lapses.push((gist.to_string(), at_ms));
+    }
+
+    /// Whether a refusal of `event` with `gist` lapsed after `since_ms` (local ms):
+    /// [`Metrics::refusal_lapsed`].
+    pub fn lapsed_since(&self, event: &str, gist: &str, since_ms: i64) -> bool {
+        let slot = self.slot(event);
+        let lapses = slot.lapses.lock().unwrap_or_else(|p| p.into_inner());
+        lapses.iter().any(|(g, at)| g == gist && *at > since_ms)
     }
 
     /// Job `key` of `event` is decided (it went through, or is a dead letter): a refusal

@@ -181,6 +181,12 @@ fn refused_role(event: &str) -> String {
     format!("{HELD_ROLE_PREFIX}{event} refused")
 }
 
+/// The words a refusal is known by from one try to the next: its first 80 characters
+/// (the message kept in a job's `last_error` is cut longer).
+fn refusal_gist(reason: &str) -> String {
+    reason.chars().take(80).collect()
+}
+
 /// The role of jobs of `event` refused within `--refusal-grace` while others go through.
 fn grace_role(event: &str) -> String {
     format!("{HELD_ROLE_PREFIX}{event} refused within the grace")
@@ -1162,6 +1168,12 @@ impl<'a> Worker<'a> {
                 // after its first shares ran.
                 let now = stats.clock.at(at);
                 stats.jobs.lateness(first_due, now);
+                // Refused before and through now: that refusal comes and goes.
+                if let (Some(_), Some(error)) = (env.refused_at(), env.last_error()) {
+                    stats
+                        .jobs
+                        .refusal_lapsed(&env.event, &refusal_gist(error), at);
+                }
                 self.went_through(
                     &key,
                     &env.event,
@@ -1354,7 +1366,7 @@ impl<'a> Worker<'a> {
         let jobs = self.ctx.jobs;
         let now = stats.clock.now_ms();
         let since = first_due.unwrap_or(now);
-        let gist: String = f.reason.chars().take(80).collect();
+        let gist = refusal_gist(&f.reason);
         let seen = env.last_error().is_some_and(|e| e.contains(&gist));
         let local = crate::now_ms();
         // Asked before this refusal is on record, so that it is not its own witness.
@@ -1425,8 +1437,19 @@ impl<'a> Worker<'a> {
         // handler's, the data the job's.
         let refused_for = now - env.refused_at().unwrap_or(failed_at);
         let grace = jobs.refusal_grace.as_millis() as i64;
-        if proven && !f.own_data && refused_for < grace {
-            return self.refused_within_grace(d, env, since, f, (refused_for, grace));
+        // A job refused the same way went through since this one was first refused: the
+        // rule is switched on and off (a maintenance switch), and this job's tries only
+        // met it on. Waited out like a hold, up to `--retry-for` since it fell due. Found
+        // from outside: a trigger toggled every 3 s for 160 s dead-lettered 38 of 900
+        // unpaid orders past the grace, 20 s on and 2 s off 145.
+        let switching = proven
+            && !f.own_data
+            && now - since < jobs.retry_for.as_millis() as i64
+            && stats
+                .jobs
+                .lapsed_since(&env.event, &gist, local - refused_for);
+        if proven && !f.own_data && (refused_for < grace || switching) {
+            return self.refused_within_grace(d, env, since, f, (refused_for, grace), switching);
         }
         if proven {
             stats.jobs.refusal_decided(&env.event, key);
@@ -1477,6 +1500,7 @@ impl<'a> Worker<'a> {
         first_due: i64,
         f: &Failure,
         (refused_for, grace): (i64, i64),
+        switching: bool,
     ) -> Settlement {
         let stats = self.ctx.stats;
         // Sent back by an older version, it says only when it failed last: its grace
@@ -1485,19 +1509,30 @@ impl<'a> Worker<'a> {
         if env.refused_at().is_none() {
             env.mark_refused(stats.clock.now_ms() - refused_for);
         }
-        let left = (grace - refused_for).max(0) as u64;
+        let left = match switching {
+            true => u64::MAX,
+            false => (grace - refused_for).max(0) as u64,
+        };
         let next = (refused_for.max(0) as u64)
             .clamp(
                 SECOND_LOOK.as_millis() as u64,
                 GRACE_LOOK.as_millis() as u64,
             )
             .min(left.max(SECOND_LOOK.as_millis() as u64 / 4));
-        let what = format!(
-            "jobs of {} are refused ({}) while other jobs of it go through: each is tried again, no retry spent, and is a dead letter only if still refused --refusal-grace {} after its first refusal",
-            env.event,
-            f.reason,
-            crate::human_ms(grace)
-        );
+        let what = match switching {
+            false => format!(
+                "jobs of {} are refused ({}) while other jobs of it go through: each is tried again, no retry spent, and is a dead letter only if still refused --refusal-grace {} after its first refusal",
+                env.event,
+                f.reason,
+                crate::human_ms(grace)
+            ),
+            true => format!(
+                "jobs of {} are refused ({}) by a rule that comes and goes (jobs refused so went through later): each is tried again, no retry spent, until it goes through or --retry-for {} has passed since it fell due",
+                env.event,
+                f.reason,
+                crate::human_ms(self.ctx.jobs.retry_for.as_millis() as i64)
+            ),
+        };
         let gist = format!(
             "{}: {}",
             env.event,

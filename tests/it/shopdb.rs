@@ -2053,6 +2053,52 @@ fn a_table_frozen_for_a_while_dead_letters_none_of_the_jobs_it_refuses() {
     green_then_books(&env, w, port, &orders, &all(&orders));
 }
 
+/// A shop rule switched on and off (a maintenance switch, on 2.5 s and off 0.5 s for 14 s)
+/// refusing every cancellation while on: the refused jobs that go through in an off spell
+/// show that the rule comes and goes, so the others, whose tries all met it on, are waited
+/// for past `--refusal-grace` (6 s here) and none is a dead letter; once the switch stays
+/// off each order is cancelled once. (From outside: 3 s on and off for 160 s dead-lettered
+/// 38 of 900 unpaid orders past the grace; 20 s on and 2 s off, 145.)
+#[test]
+fn a_rule_switched_on_and_off_past_the_grace_dead_letters_none() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 30);
+    env.db
+        .client()
+        .batch_execute(
+            "CREATE TABLE maintenance (on_now boolean NOT NULL); \
+             INSERT INTO maintenance VALUES (false); \
+             CREATE FUNCTION maintenance() RETURNS trigger LANGUAGE plpgsql AS \
+             $$ BEGIN IF (SELECT on_now FROM maintenance) THEN \
+             RAISE EXCEPTION 'orders are read-only during maintenance'; END IF; \
+             RETURN NEW; END $$; \
+             CREATE TRIGGER maintenance BEFORE UPDATE ON orders \
+             FOR EACH ROW EXECUTE FUNCTION maintenance()",
+        )
+        .unwrap();
+    let switch = |db: &TestDb, on: bool| {
+        db.client()
+            .execute("UPDATE maintenance SET on_now = $1", &[&on])
+            .unwrap();
+    };
+    let (w, port) = start_with_health(&env, &["--refusal-grace", "6s"]);
+    push_spread(&env, &orders, Duration::from_secs(4));
+    let began = Instant::now();
+    while began.elapsed() < Duration::from_secs(14) {
+        switch(&env.db, true);
+        std::thread::sleep(Duration::from_millis(2_500));
+        switch(&env.db, false);
+        std::thread::sleep(Duration::from_millis(500));
+        assert_eq!(
+            books(&env).dead,
+            0,
+            "a maintenance switch is no job's fault"
+        );
+    }
+    wait_done(&env, &env.db, orders.len() as i64);
+    green_then_books(&env, w, port, &orders, &all(&orders));
+}
+
 /// A job a shop rule refuses (a trigger refusing one order), alone: held and red, since one
 /// refusal cannot tell a rule refusing this job from one refusing every job; a dead letter
 /// with its reason once a job of its event changes something in another process (here one
