@@ -132,6 +132,22 @@ enum Flushed {
     ByTheInbox,
 }
 
+/// The WAL flush of group commit went around `worker_flush`, refused `e`: critical.
+fn flushed_around(stats: &Stats, e: &postgres::Error) {
+    let what = format!(
+        "worker_flush cannot be written: {}: each WAL flush of group commit updates a row of worker_inbox instead, so jobs go on (grant it as sql/grants.sql does, or put the table back)",
+        db::error_text(e)
+    );
+    if stats.report_critical(GROUP_COMMIT, what.clone()) {
+        log::error!("{GROUP_COMMIT}: {what}");
+    }
+}
+
+/// How often a worker whose flushes went around `worker_flush` tries the table again
+/// while it has no job: well within the minute a problem is told for after its last
+/// report, so that red lasts as long as the refusal, not a minute after the last job.
+const FLUSH_RECHECK: Duration = Duration::from_secs(15);
+
 /// A flush of the WAL went through: a refused group commit's alarm goes.
 fn durable_again(stats: &Stats) {
     if stats.clear_problem(GROUP_COMMIT, i64::MAX) {
@@ -333,6 +349,9 @@ pub struct Worker<'a> {
     /// Group commit: a session with unflushed commits was lost, so those commits may be
     /// too (a crashed server forgets them); their acks must not go out as acks.
     durability_lost: bool,
+    /// Group commit: the last flush went around `worker_flush`, which this worker may not
+    /// write ([`Worker::recheck_flush_table`]).
+    flushed_around: bool,
     redis: Option<crate::store::Con>,
     /// Outcomes a settle left where they were because a key they go to holds another
     /// type: tried again every [`HELD_RETRY`] until it is fixed. At shutdown they stay
@@ -382,6 +401,7 @@ impl<'a> Worker<'a> {
             unflushed: false,
             flush_slot: format!("{}/{index}", ctx.consumer),
             durability_lost: false,
+            flushed_around: false,
             redis: None,
             held: Vec::new(),
             held_tried: None,
@@ -406,6 +426,9 @@ impl<'a> Worker<'a> {
     /// lost since), each ack becomes a re-queue of its message, due now: if the commit
     /// survived, the inbox makes the second run a no-op; if not, the job runs again.
     fn make_durable(&mut self, outcomes: &mut [Settlement]) {
+        // The operator's refusal (no grant on either way to flush): the jobs come back
+        // after a hold, not at once (found from outside: about 7,000 deliveries a second).
+        let mut refused = false;
         if self.unflushed {
             let flushed = self.flush(outcomes);
             self.unflushed = false;
@@ -418,6 +441,7 @@ impl<'a> Worker<'a> {
                     // operator, so health is red naming it (the jobs run again meanwhile,
                     // and their inbox rows make the second runs no-ops).
                     if fault == db::Fault::Schema {
+                        refused = true;
                         let what = format!(
                             "cannot confirm that commits are durable: {e}: neither \
                              worker_flush nor the inbox's outcome can be written, so every \
@@ -455,7 +479,10 @@ impl<'a> Worker<'a> {
             let s = &mut outcomes[i];
             s.outcome = Outcome::Retry {
                 msg: self.requeue_message(s),
-                due_ms: now,
+                due_ms: match refused {
+                    true => now + SCHEMA_HOLD.as_millis() as i64,
+                    false => now,
+                },
             };
             s.counts_as = Some(JobOutcome::Retry);
             n += 1;
@@ -492,7 +519,10 @@ impl<'a> Worker<'a> {
         let mut claimed = Instant::now();
         let result = loop {
             let e = match db::flush_wal(session.client(), &self.flush_slot) {
-                Ok(()) => break Ok(Flushed::OnItsTable),
+                Ok(()) => {
+                    self.flushed_around = false;
+                    break Ok(Flushed::OnItsTable);
+                }
                 Err(e) => e,
             };
             let fault = db::classify(&e);
@@ -502,13 +532,8 @@ impl<'a> Worker<'a> {
                     .batch_execute("ROLLBACK")
                     .and_then(|()| db::flush_wal_by_inbox(session.client()));
                 if around.is_ok() {
-                    let what = format!(
-                        "worker_flush cannot be written: {}: each WAL flush of group commit updates a row of worker_inbox instead, so jobs go on (run sql/grants.sql)",
-                        db::error_text(&e)
-                    );
-                    if stats.report_critical(GROUP_COMMIT, what.clone()) {
-                        log::error!("{GROUP_COMMIT}: {what}");
-                    }
+                    flushed_around(stats, &e);
+                    self.flushed_around = true;
                     break Ok(Flushed::ByTheInbox);
                 }
             }
@@ -723,13 +748,46 @@ impl<'a> Worker<'a> {
         outcomes: &mut Vec<Settlement>,
     ) -> Option<Vec<Delivery>> {
         loop {
-            if self.held.is_empty() {
+            if self.held.is_empty() && !self.flushed_around {
                 return rx.recv().ok();
             }
-            match rx.recv_timeout(HELD_RETRY) {
+            let wait = match self.held.is_empty() {
+                true => FLUSH_RECHECK,
+                false => HELD_RETRY,
+            };
+            match rx.recv_timeout(wait) {
                 Ok(d) => return Some(d),
                 Err(RecvTimeoutError::Disconnected) => return None,
-                Err(RecvTimeoutError::Timeout) => self.settle(outcomes),
+                Err(RecvTimeoutError::Timeout) => {
+                    self.settle(outcomes);
+                    self.recheck_flush_table();
+                }
+            }
+        }
+    }
+
+    /// A worker whose flushes went around `worker_flush` and that has no job tries the
+    /// table again: green once it can be written, red told again while it cannot (found
+    /// from outside: red for a minute after the last job, then green with the grant still
+    /// missing).
+    fn recheck_flush_table(&mut self) {
+        if !self.flushed_around {
+            return;
+        }
+        let Some(session) = self.session.as_mut() else {
+            return;
+        };
+        let stats = self.ctx.stats;
+        match db::flush_wal(session.client(), &self.flush_slot) {
+            Ok(()) => {
+                self.flushed_around = false;
+                durable_again(stats);
+            }
+            Err(e) => {
+                let _ = session.client().batch_execute("ROLLBACK");
+                if db::classify(&e) == db::Fault::Schema {
+                    flushed_around(stats, &e);
+                }
             }
         }
     }

@@ -1087,7 +1087,7 @@ fn a_lock_holder_is_named_under_the_runtime_role() {
 /// is done once and acknowledged, none sent round again; `/healthz` is red naming the
 /// table while it lasts (found from outside: it stayed green, with every job looping;
 /// later red, with each job run about 96 times, 83,469 deliveries for 2,000 jobs), and
-/// green at the first flush on the table once the grant is back.
+/// green once the grant is back, with no job to flush too.
 #[test]
 fn a_refused_group_commit_table_turns_health_red_until_granted() {
     let mut l = Locked::new(&[]);
@@ -1116,12 +1116,64 @@ fn a_refused_group_commit_table_turns_health_red_until_granted() {
         delivered, 39.0,
         "jobs went round again under the refused grant"
     );
+    // Green with no job to flush: an idle worker tries the table again every 15 s (it
+    // stayed red a minute after the last job, then went green with the grant missing).
+    assert_eq!(
+        http_get(port, "/healthz").unwrap().0,
+        503,
+        "red while it lasts"
+    );
     owner(format!("GRANT {rights} TO {role}"));
-    push_timeouts(&l.env, &orders[39..], 0);
     wait_healthz(port, "/healthz green", |code, _| code == 200);
+    push_timeouts(&l.env, &orders[39..], 0);
     wait_until(WAIT, "every job done", || inbox_count(&l.env.db) == 40);
     let report = daemon.stop();
     assert_eq!(report.stats.retried, 0, "{}", report.stats);
+    assert_accounting(&l.env.db, &orders, &orders.iter().collect::<Vec<_>>());
+    let b = books(&l.env);
+    assert_eq!((b.pool, b.stream_pending, b.dead), (0, 0, 0));
+}
+
+/// Neither `worker_flush` nor the inbox's `outcome` writable: no commit can be confirmed
+/// durable, so the jobs go round again, each after a 5 s hold, not at once (found from
+/// outside: about 7,000 deliveries a second on 2 cores); red meanwhile, and once the
+/// grants are back every job is done once.
+#[test]
+fn no_way_to_flush_sends_the_jobs_round_after_a_hold_not_at_once() {
+    let mut l = Locked::new(&[]);
+    let port = l.with_health();
+    let rights = [
+        "UPDATE (flushes, flushed_at), INSERT (slot) ON worker_flush",
+        "UPDATE (outcome) ON worker_inbox",
+    ];
+    let role = l.runtime_role.clone();
+    let owner = |sql: String| l.env.db.client().batch_execute(&sql).unwrap();
+    for r in rights {
+        owner(format!("REVOKE {r} FROM {role}"));
+    }
+    let orders = seed_orders(&l.env.db, 5);
+    let daemon = Daemon::start(&l.env.config);
+    push_timeouts(&l.env, &orders, 0);
+    wait_healthz(port, "/healthz red naming worker_flush", |code, body| {
+        code == 503 && body.contains("worker_flush")
+    });
+    std::thread::sleep(Duration::from_secs(6));
+    let (_, _, metrics) = http_get(port, "/metrics").unwrap();
+    let delivered: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("delay_worker_delivered_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("delay_worker_delivered_total");
+    assert!(
+        delivered <= 5.0 * 3.0,
+        "{delivered} deliveries of 5 jobs in about 6 s: sent round at once"
+    );
+    for r in rights {
+        owner(format!("GRANT {r} TO {role}"));
+    }
+    wait_until(WAIT, "every job done", || inbox_count(&l.env.db) == 5);
+    wait_healthz(port, "/healthz green", |code, _| code == 200);
+    daemon.stop();
     assert_accounting(&l.env.db, &orders, &orders.iter().collect::<Vec<_>>());
     let b = books(&l.env);
     assert_eq!((b.pool, b.stream_pending, b.dead), (0, 0, 0));
