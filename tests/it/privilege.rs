@@ -1106,12 +1106,7 @@ fn a_refused_group_commit_table_turns_health_red_until_granted() {
         let b = books(&l.env);
         inbox_count(&l.env.db) == 39 && (b.pool, b.stream_pending) == (0, 0)
     });
-    let (_, _, metrics) = http_get(port, "/metrics").unwrap();
-    let delivered: f64 = metrics
-        .lines()
-        .find_map(|l| l.strip_prefix("delay_worker_delivered_total "))
-        .and_then(|v| v.trim().parse().ok())
-        .expect("delay_worker_delivered_total");
+    let delivered = delivered(port);
     assert_eq!(
         delivered, 39.0,
         "jobs went round again under the refused grant"
@@ -1129,8 +1124,23 @@ fn a_refused_group_commit_table_turns_health_red_until_granted() {
     wait_until(WAIT, "every job done", || inbox_count(&l.env.db) == 40);
     let report = daemon.stop();
     assert_eq!(report.stats.retried, 0, "{}", report.stats);
-    assert_accounting(&l.env.db, &orders, &orders.iter().collect::<Vec<_>>());
-    let b = books(&l.env);
+    every_order_once_and_nothing_left(&l.env, &orders);
+}
+
+/// `delay_worker_delivered_total` on the worker's `/metrics` at `port`.
+fn delivered(port: u16) -> f64 {
+    let (_, _, metrics) = http_get(port, "/metrics").unwrap();
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("delay_worker_delivered_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("delay_worker_delivered_total")
+}
+
+/// Every order cancelled once, and nothing left scheduled, pending or dead.
+fn every_order_once_and_nothing_left(env: &Env, orders: &[SeedOrder]) {
+    assert_accounting(&env.db, orders, &orders.iter().collect::<Vec<_>>());
+    let b = books(env);
     assert_eq!((b.pool, b.stream_pending, b.dead), (0, 0, 0));
 }
 
@@ -1158,12 +1168,7 @@ fn no_way_to_flush_sends_the_jobs_round_after_a_hold_not_at_once() {
         code == 503 && body.contains("worker_flush")
     });
     std::thread::sleep(Duration::from_secs(6));
-    let (_, _, metrics) = http_get(port, "/metrics").unwrap();
-    let delivered: f64 = metrics
-        .lines()
-        .find_map(|l| l.strip_prefix("delay_worker_delivered_total "))
-        .and_then(|v| v.trim().parse().ok())
-        .expect("delay_worker_delivered_total");
+    let delivered = delivered(port);
     assert!(
         delivered <= 5.0 * 3.0,
         "{delivered} deliveries of 5 jobs in about 6 s: sent round at once"
@@ -1174,9 +1179,7 @@ fn no_way_to_flush_sends_the_jobs_round_after_a_hold_not_at_once() {
     wait_until(WAIT, "every job done", || inbox_count(&l.env.db) == 5);
     wait_healthz(port, "/healthz green", |code, _| code == 200);
     daemon.stop();
-    assert_accounting(&l.env.db, &orders, &orders.iter().collect::<Vec<_>>());
-    let b = books(&l.env);
-    assert_eq!((b.pool, b.stream_pending, b.dead), (0, 0, 0));
+    every_order_once_and_nothing_left(&l.env, &orders);
 }
 
 /// A statement timeout an operator set on the worker's role (`ALTER ROLE ... SET
