@@ -101,6 +101,10 @@ pub const SCHEMA_HOLD: Duration = Duration::from_secs(5);
 /// before its second look: time for the same fault in its event's other jobs to show.
 pub const SECOND_LOOK: Duration = Duration::from_secs(2);
 
+/// How long after a job's first refusal another job's change must come to prove the
+/// refusal the job's own (see [`Worker::own_fault`]).
+const PROOF_AFTER_REFUSAL: Duration = Duration::from_secs(1);
+
 /// The longest a job refused within `--refusal-grace` waits for its next look.
 pub const GRACE_LOOK: Duration = Duration::from_secs(30);
 
@@ -1477,14 +1481,30 @@ impl<'a> Worker<'a> {
             },
             known => known,
         };
+        // How long this refusal has lasted: from the job's first refusal with it (a
+        // message of an older version says only when it failed last).
+        let refused_for = now - env.refused_at().unwrap_or(failed_at);
+        // A refusal by a rule of the database (not the handler's own statement meeting
+        // the job's data) is proven the job's own by a change of another job of its event
+        // after its first refusal, not only after its last try: the grace's last look
+        // comes when the other jobs may have run dry (found from outside: 29 of 51 orders
+        // a trigger refused for good were held, red, for `--retry-for` since the jobs due
+        // with them had all gone through before their grace ended).
+        // A second after that refusal at the earliest: a job whose transaction passed the
+        // rule's place before the rule came (`CREATE TRIGGER` waits for it) is counted by
+        // its worker a moment later, and proves nothing of the rule.
+        let proof_since = match f.own_data {
+            true => failed_ago,
+            false => failed_ago.max(refused_for - PROOF_AFTER_REFUSAL.as_millis() as i64),
+        };
         let window = match (own_data, other_refused) {
-            (true, Some(at)) => failed_ago.max(local - at),
-            _ => failed_ago,
+            (true, Some(at)) => proof_since.max(local - at),
+            _ => proof_since,
         };
         let applied = self.applied_since(&env.event, window);
-        // The newest change, which the question above kept: after this job failed, it is
-        // proof, and the refusal says nothing more of the others.
-        let proven = applied && stats.jobs.applied_ms(&env.event) > local - failed_ago;
+        // The newest change, which the question above kept: after this job's refusal, it
+        // is proof, and the refusal says nothing more of the others.
+        let proven = applied && stats.jobs.applied_ms(&env.event) > local - proof_since;
         // A rule the shop switches on for a while (a table frozen during a deploy, a
         // trigger toggled) refuses the jobs that meet it while the others go through: the
         // proof holds only for a refusal that lasts `--refusal-grace`. Found from outside:
@@ -1493,7 +1513,6 @@ impl<'a> Worker<'a> {
         // every 3 s, 168. The handler's own statement refusing the job's data (class 22,
         // no function or trigger in the error), proven, needs no grace: the rule is the
         // handler's, the data the job's.
-        let refused_for = now - env.refused_at().unwrap_or(failed_at);
         let grace = jobs.refusal_grace.as_millis() as i64;
         // A job refused the same way went through since this one was first refused: the
         // rule is switched on and off (a maintenance switch), and this job's tries only
@@ -1520,7 +1539,7 @@ impl<'a> Worker<'a> {
             }
             let lasted = match proven && !f.own_data && grace > 0 {
                 true => format!(
-                    " (refused for {} while other jobs of {} went through)",
+                    " (refused for {} while other jobs of {} went through after its first refusal)",
                     crate::human_ms(refused_for),
                     env.event
                 ),

@@ -2053,6 +2053,50 @@ fn a_table_frozen_for_a_while_dead_letters_none_of_the_jobs_it_refuses() {
     green_then_books(&env, w, port, &orders, &all(&orders));
 }
 
+/// A trigger refusing some orders for good ("under fraud review"), the jobs due with them
+/// all gone through before their grace ends: each refused order is a dead letter once
+/// `--refusal-grace` (10 s here) has passed since its first refusal, the proof being the
+/// others' changes after that refusal, and the others are cancelled once. (From outside: 29
+/// of 51 such orders were held, red, for `--retry-for`, since no job went through in the
+/// last look of their grace. One refused after the last job of its event goes through
+/// waits for the next, as documented.)
+#[test]
+fn orders_a_rule_refuses_for_good_are_dead_letters_after_the_grace_in_a_quiet_spell() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 14);
+    let refused = [&orders[2], &orders[5]];
+    env.db
+        .client()
+        .batch_execute(&format!(
+            "CREATE FUNCTION fraud_review() RETURNS trigger LANGUAGE plpgsql AS \
+             $$ BEGIN IF NEW.id IN ({}, {}) THEN \
+             RAISE EXCEPTION 'order % is under fraud review', NEW.id; END IF; \
+             RETURN NEW; END $$; \
+             CREATE TRIGGER fraud_review BEFORE UPDATE ON orders \
+             FOR EACH ROW EXECUTE FUNCTION fraud_review()",
+            refused[0].id, refused[1].id
+        ))
+        .unwrap();
+    let (w, port) = start_with_health(&env, &["--refusal-grace", "10s"]);
+    // Due over 8 s: other orders go through seconds after each refused one's first
+    // refusal, and none after the last look within the grace.
+    push_spread(&env, &orders, Duration::from_secs(8));
+    wait_until(WAIT, "the two refused orders dead letters", || {
+        books(&env).dead == 2
+    });
+    for d in dead_letters(&env) {
+        assert!(d["reason"].contains("under fraud review"), "{d:?}");
+        assert!(d["reason"].contains("after its first refusal"), "{d:?}");
+    }
+    let others: Vec<&SeedOrder> = orders
+        .iter()
+        .filter(|o| !refused.iter().any(|r| r.id == o.id))
+        .collect();
+    wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
+    stop(w);
+    assert_accounting(&env.db, &orders, &others);
+}
+
 /// A shop rule switched on and off (a maintenance switch, on 2.5 s and off 0.5 s for 14 s)
 /// refusing every cancellation while on: the refused jobs that go through in an off spell
 /// show that the rule comes and goes, so the others, whose tries all met it on, are waited
