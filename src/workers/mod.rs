@@ -147,8 +147,8 @@ fn flushed_around(stats: &Stats, e: &postgres::Error) {
     }
 }
 
-/// How often a worker whose flushes went around `worker_flush` tries the table again
-/// while it has no job: well within the minute a problem is told for after its last
+/// How often a worker whose flushes went around `worker_flush` tries the table again,
+/// with jobs or without: well within the minute a problem is told for after its last
 /// report, so that red lasts as long as the refusal, not a minute after the last job.
 const FLUSH_RECHECK: Duration = Duration::from_secs(15);
 
@@ -353,9 +353,10 @@ pub struct Worker<'a> {
     /// Group commit: a session with unflushed commits was lost, so those commits may be
     /// too (a crashed server forgets them); their acks must not go out as acks.
     durability_lost: bool,
-    /// Group commit: the last flush went around `worker_flush`, which this worker may not
-    /// write ([`Worker::recheck_flush_table`]).
-    flushed_around: bool,
+    /// Group commit: when this worker last found `worker_flush` refused to it, its
+    /// flushes going around the table since ([`Worker::flush`],
+    /// [`Worker::recheck_flush_table`]).
+    flushed_around: Option<Instant>,
     redis: Option<crate::store::Con>,
     /// Outcomes a settle left where they were because a key they go to holds another
     /// type: tried again every [`HELD_RETRY`] until it is fixed. At shutdown they stay
@@ -405,7 +406,7 @@ impl<'a> Worker<'a> {
             unflushed: false,
             flush_slot: format!("{}/{index}", ctx.consumer),
             durability_lost: false,
-            flushed_around: false,
+            flushed_around: None,
             redis: None,
             held: Vec::new(),
             held_tried: None,
@@ -519,12 +520,22 @@ impl<'a> Worker<'a> {
             return Err(("no session".to_string(), db::Fault::Server));
         };
         let (stats, shutdown) = (self.ctx.stats, self.ctx.shutdown);
+        // The table found refused lately: straight around it, not a refused statement and
+        // its rollback first at every flush; it is tried again every FLUSH_RECHECK.
+        if self
+            .flushed_around
+            .is_some_and(|at| at.elapsed() < FLUSH_RECHECK)
+            && db::flush_wal_by_inbox(session.client()).is_ok()
+        {
+            self.session = Some(session);
+            return Ok(Flushed::ByTheInbox);
+        }
         let mut pause = FLUSH_RETRY_FIRST;
         let mut claimed = Instant::now();
         let result = loop {
             let e = match db::flush_wal(session.client(), &self.flush_slot) {
                 Ok(()) => {
-                    self.flushed_around = false;
+                    self.flushed_around = None;
                     break Ok(Flushed::OnItsTable);
                 }
                 Err(e) => e,
@@ -537,7 +548,7 @@ impl<'a> Worker<'a> {
                     .and_then(|()| db::flush_wal_by_inbox(session.client()));
                 if around.is_ok() {
                     flushed_around(stats, &e);
-                    self.flushed_around = true;
+                    self.flushed_around = Some(Instant::now());
                     break Ok(Flushed::ByTheInbox);
                 }
             }
@@ -752,7 +763,7 @@ impl<'a> Worker<'a> {
         outcomes: &mut Vec<Settlement>,
     ) -> Option<Vec<Delivery>> {
         loop {
-            if self.held.is_empty() && !self.flushed_around {
+            if self.held.is_empty() && self.flushed_around.is_none() {
                 return rx.recv().ok();
             }
             let wait = match self.held.is_empty() {
@@ -775,7 +786,7 @@ impl<'a> Worker<'a> {
     /// from outside: red for a minute after the last job, then green with the grant still
     /// missing).
     fn recheck_flush_table(&mut self) {
-        if !self.flushed_around {
+        if self.flushed_around.is_none() {
             return;
         }
         let Some(session) = self.session.as_mut() else {
@@ -784,13 +795,14 @@ impl<'a> Worker<'a> {
         let stats = self.ctx.stats;
         match db::flush_wal(session.client(), &self.flush_slot) {
             Ok(()) => {
-                self.flushed_around = false;
+                self.flushed_around = None;
                 durable_again(stats);
             }
             Err(e) => {
                 let _ = session.client().batch_execute("ROLLBACK");
                 if db::classify(&e) == db::Fault::Schema {
                     flushed_around(stats, &e);
+                    self.flushed_around = Some(Instant::now());
                 }
             }
         }
