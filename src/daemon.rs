@@ -104,9 +104,13 @@ pub fn registry(config: &Config) -> Result<Registry, DaemonError> {
     Ok(r)
 }
 
+/// How long the start's look at `worker_migrations` may wait for a lock on it (a
+/// migration under way) or run.
+const SCHEMA_CHECK_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// Fails unless every embedded migration is recorded as applied.
 pub fn check_schema(url: &str) -> Result<(), DaemonError> {
-    let mut client = db::connect(url)?;
+    let mut client = db::connect_bounded(url, SCHEMA_CHECK_TIMEOUT)?;
     let applied: Vec<i32> = match client.query("SELECT version FROM worker_migrations", &[]) {
         Ok(rows) => rows.iter().map(|r| r.get(0)).collect(),
         // No table yet: nothing applied. Any other failure (no permission, the server

@@ -503,6 +503,18 @@ pub fn connect(url: &str) -> Result<postgres::Client, DbError> {
     Target::parse(url)?.connect_within(HANDSHAKE_DEADLINE)
 }
 
+/// One connection for the daemon's own short statements, within [`HANDSHAKE_DEADLINE`],
+/// under its own `statement_timeout` and `lock_timeout` (both `timeout`) as session
+/// options, so neither a role's or database's setting (`ALTER ROLE ... SET
+/// statement_timeout = '1ms'`, which fails them on a busy server) nor the lack of one (a
+/// lock held on the table forever) decides for them.
+pub fn connect_bounded(url: &str, timeout: Duration) -> Result<postgres::Client, DbError> {
+    let mut target = Target::parse(url)?;
+    let ms = timeout.as_millis().max(1);
+    target.add_options(&format!("-c statement_timeout={ms} -c lock_timeout={ms}"));
+    target.connect_within(HANDSHAKE_DEADLINE)
+}
+
 /// The migrations, in the order they apply. Never edit an applied one: add a new file.
 pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (

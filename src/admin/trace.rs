@@ -11,6 +11,10 @@ use clap::Args;
 use serde::Serialize;
 use std::io::Write;
 use std::process::ExitCode;
+use std::time::Duration;
+
+/// How long the inbox lookup may run (or wait for a lock).
+const INBOX_READ_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The exit code when no job of the key (or order) is found anywhere.
 pub const NOT_FOUND: u8 = 4;
@@ -58,7 +62,8 @@ pub fn run(config: &Config, args: &TraceArgs, out: &mut dyn Write) -> anyhow::Re
     }
     let mut con = super::connect(config)?;
     let now = crate::figures::redis_now_ms(&mut con, config)?;
-    let mut db = crate::db::connect(&config.database_url)
+    // Its own statement timeout, not the role's (which may be far shorter or none).
+    let mut db = crate::db::connect_bounded(&config.database_url, INBOX_READ_TIMEOUT)
         .map_err(|e| anyhow::anyhow!("PostgreSQL (the inbox, worker_inbox): {e}"))?;
     let t = trace::gather(&mut con, Some(&mut db), config, &q, now)?;
     if args.json {

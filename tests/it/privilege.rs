@@ -1187,7 +1187,9 @@ fn no_way_to_flush_sends_the_jobs_round_after_a_hold_not_at_once() {
 /// run under `--statement-timeout` and the database watch's statements under its own, so
 /// every job is done and `/healthz` stays green. Found from outside: red for the whole
 /// run, "no writable PostgreSQL: canceling statement due to statement timeout", while
-/// the jobs ran.
+/// the jobs ran. The start's own look at `worker_migrations` too: behind a lock on it
+/// held for a second it waits rather than failing the start after 1 ms (which a busy
+/// server did by itself, in CI, without the lock).
 #[test]
 fn a_statement_timeout_set_on_the_role_is_not_taken_for_an_unwritable_server() {
     let mut l = Locked::new(&[]);
@@ -1196,7 +1198,13 @@ fn a_statement_timeout_set_on_the_role_is_not_taken_for_an_unwritable_server() {
     let owner = |sql: String| l.env.db.client().batch_execute(&sql).unwrap();
     owner(format!("ALTER ROLE {role} SET statement_timeout = '1ms'"));
     let orders = seed_orders(&l.env.db, 20);
+    let mut locker = l.env.db.client();
+    let mut lock = locker.transaction().unwrap();
+    lock.batch_execute("LOCK TABLE worker_migrations IN ACCESS EXCLUSIVE MODE")
+        .unwrap();
     let daemon = Daemon::start(&l.env.config);
+    std::thread::sleep(Duration::from_secs(1));
+    lock.rollback().unwrap();
     push_timeouts(&l.env, &orders, 0);
     wait_until(WAIT, "every job done", || inbox_count(&l.env.db) == 20);
     // The watch checks every 250 ms: a few seconds of them, each green.
