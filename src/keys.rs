@@ -28,6 +28,9 @@ pub struct Keys {
     /// (`<pool>:refused`; written by the worker that dead-letters it),
     /// so that a process with no refusal of its own on record (restarted, another host)
     /// does not take the next such job for its data while a shop rule refuses them all.
+    /// Also `lapse\n<event>` -> `<unix ms> <a refusal's first words>`: when a job the
+    /// shop's rule had refused last went through, so that every process waits out a rule
+    /// that comes and goes past `--refusal-grace`, not only the one that saw it.
     pub refused: String,
     /// HASH: `--max-rate` schedule (`<cap>@<interval µs>`, the cap `*` for every job, else
     /// an event) -> when its next slot is free, unix microseconds on Redis's clock

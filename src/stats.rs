@@ -754,6 +754,9 @@ struct EventMetrics {
 /// The refusals of one event remembered as lapsed ([`Metrics::refusal_lapsed`]).
 const LAPSES_KEPT: usize = 8;
 
+/// A lapse seen again within this long is not news ([`Metrics::refusal_lapsed`]).
+const LAPSE_TOLD_EVERY_MS: i64 = 1_000;
+
 /// While an event's jobs are held, one process runs at most one held job of it this often
 /// (the probe); the others go back untried ([`Metrics::may_run_held`]).
 pub const HELD_PROBE_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
@@ -894,14 +897,20 @@ impl Metrics {
     /// A job of `event` that PostgreSQL had refused with `gist` (the refusal's first
     /// words) went through at `at_ms` (local ms): that refusal comes and goes, a rule
     /// switched on and off rather than one about the jobs it refuses.
-    pub fn refusal_lapsed(&self, event: &str, gist: &str, at_ms: i64) {
+    /// `true` unless the same lapse was remembered within the last second (so that the
+    /// caller tells the fleet once, not once for each of a burst of jobs going through).
+    pub fn refusal_lapsed(&self, event: &str, gist: &str, at_ms: i64) -> bool {
         let slot = self.slot(event);
         let mut lapses = slot.lapses.lock().unwrap_or_else(|p| p.into_inner());
+        let fresh = !lapses
+            .iter()
+            .any(|(g, at)| g == gist && *at > at_ms - LAPSE_TOLD_EVERY_MS);
         lapses.retain(|(g, _)| g != gist);
         if lapses.len() >= LAPSES_KEPT {
             lapses.remove(0);
         }
         lapses.push((gist.to_string(), at_ms));
+        fresh
     }
 
     /// Whether a refusal of `event` with `gist` lapsed after `since_ms` (local ms):

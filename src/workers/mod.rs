@@ -1244,9 +1244,10 @@ impl<'a> Worker<'a> {
                 stats.jobs.lateness(first_due, now);
                 // Refused before and through now: that refusal comes and goes.
                 if let (Some(_), Some(error)) = (env.refused_at(), env.last_error()) {
-                    stats
-                        .jobs
-                        .refusal_lapsed(&env.event, &refusal_gist(error), at);
+                    let gist = refusal_gist(error);
+                    if stats.jobs.refusal_lapsed(&env.event, &gist, at) {
+                        self.record_lapse(&env.event, &gist);
+                    }
                 }
                 self.went_through(
                     &key,
@@ -1531,12 +1532,15 @@ impl<'a> Worker<'a> {
         // met it on. Waited out like a hold, up to `--retry-for` since it fell due. Found
         // from outside: a trigger toggled every 3 s for 160 s dead-lettered 38 of 900
         // unpaid orders past the grace, 20 s on and 2 s off 145.
+        // Seen here, or (asked only when the grace is over) in any process, a process
+        // restarted meanwhile too: the record in Redis.
         let switching = proven
             && !f.own_data
             && now - since < jobs.retry_for.as_millis() as i64
-            && stats
+            && (stats
                 .jobs
-                .lapsed_since(&env.event, &gist, local - refused_for);
+                .lapsed_since(&env.event, &gist, local - refused_for)
+                || (refused_for >= grace && self.lapse_on_record(&env.event, &gist, refused_for)));
         if proven && !f.own_data && (refused_for < grace || switching) {
             return self.refused_within_grace(d, env, since, f, (refused_for, grace), switching);
         }
@@ -1670,6 +1674,61 @@ impl<'a> Worker<'a> {
             self.redis = Some(store::connect(self.ctx.redis).ok()?);
         }
         self.redis.as_mut()
+    }
+
+    /// The field of [`crate::keys::Keys::refused`] that holds the newest lapse of a
+    /// refusal of `event` ([`Worker::record_lapse`]). Job keys are never fields there
+    /// (the fields of letters are event names), and an event name holds no newline.
+    fn lapse_field(event: &str) -> String {
+        format!("lapse\n{event}")
+    }
+
+    /// A job of `event` refused with `gist` went through: on record for every process (a
+    /// restarted one too), in [`crate::keys::Keys::refused`] (one `HSET` of `<unix ms>
+    /// <gist>`, the ms on Redis's clock; the newest lapse of the event, one field for
+    /// each event). Best effort: a record that cannot be written leaves each process to
+    /// what it saw itself.
+    fn record_lapse(&mut self, event: &str, gist: &str) {
+        let ctx = self.ctx;
+        let Some(con) = self.redis_now() else {
+            return;
+        };
+        let now = ctx.stats.clock.now_ms();
+        let done: redis::RedisResult<()> = redis::cmd("HSET")
+            .arg(&ctx.keys.refused)
+            .arg(Self::lapse_field(event))
+            .arg(format!("{now} {gist}"))
+            .query(con);
+        if let Err(e) = done {
+            log::debug!(
+                "cannot record the lapse of a refusal of {event} in {}: {e}",
+                ctx.keys.refused
+            );
+        }
+    }
+
+    /// Whether the refusal `gist` of `event` lapsed, in any process, within the last
+    /// `within_ms` ([`Worker::record_lapse`]). Asked only as a job's grace ends without
+    /// a lapse seen here. Redis unable to say: no.
+    fn lapse_on_record(&mut self, event: &str, gist: &str, within_ms: i64) -> bool {
+        let ctx = self.ctx;
+        let Some(con) = self.redis_now() else {
+            return false;
+        };
+        let recorded: Option<String> = redis::cmd("HGET")
+            .arg(&ctx.keys.refused)
+            .arg(Self::lapse_field(event))
+            .query(con)
+            .ok()
+            .flatten();
+        let Some(r) = recorded else {
+            return false;
+        };
+        let (at, of) = r.split_once(' ').unwrap_or((&r, ""));
+        let Ok(at) = at.parse::<i64>() else {
+            return false;
+        };
+        of == gist && at > ctx.stats.clock.now_ms() - within_ms
     }
 
     /// Job `key` of `event` is about to be a dead letter, its refusal taken for its data

@@ -2143,6 +2143,83 @@ fn a_rule_switched_on_and_off_past_the_grace_dead_letters_none() {
     green_then_books(&env, w, port, &orders, &all(&orders));
 }
 
+/// A rule seen to come and go in one process (an order it refused went through) is known
+/// to the process after it: restarted within the grace of another order the rule still
+/// refuses, the new process waits that order out past `--refusal-grace` (8 s here) instead
+/// of dead-lettering it at the grace's end, and once the rule lets it go it is cancelled
+/// once. Before, only the process that saw the lapse knew it.
+#[test]
+fn a_rule_seen_to_come_and_go_before_a_restart_holds_the_jobs_it_still_refuses() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 14);
+    let frozen = |db: &TestDb, o: &SeedOrder, on: bool| {
+        let sql = match on {
+            true => "INSERT INTO frozen VALUES ($1)",
+            false => "DELETE FROM frozen WHERE order_no = $1",
+        };
+        db.client().execute(sql, &[&o.order_no]).unwrap();
+    };
+    env.db
+        .client()
+        .batch_execute(
+            "CREATE TABLE frozen (order_no text PRIMARY KEY); \
+             CREATE FUNCTION frozen() RETURNS trigger LANGUAGE plpgsql AS \
+             $$ BEGIN IF EXISTS (SELECT 1 FROM frozen WHERE order_no = NEW.order_no) THEN \
+             RAISE EXCEPTION 'orders are frozen during the stock count'; END IF; \
+             RETURN NEW; END $$; \
+             CREATE TRIGGER frozen BEFORE UPDATE ON orders \
+             FOR EACH ROW EXECUTE FUNCTION frozen()",
+        )
+        .unwrap();
+    frozen(&env.db, &orders[0], true);
+    frozen(&env.db, &orders[1], true);
+    let grace = ["--refusal-grace", "8s"];
+    let (a, _) = start_with_health(&env, &grace);
+    push_timeouts(&env, &orders[..2], 0);
+    // The others go through all along: proof that the rule refuses only these two.
+    push_spread(&env, &orders[2..], Duration::from_secs(14));
+    // Both refused at once, back for a second look in 2 s.
+    wait_until(WAIT, "a job done", || inbox_count(&env.db) >= 1);
+    std::thread::sleep(Duration::from_millis(1_000));
+    // The rule lets the first go: at its second look (2 s after its refusal) it is
+    // cancelled, a refusal seen to lapse.
+    frozen(&env.db, &orders[0], false);
+    let done = |o: &SeedOrder| {
+        env.db
+            .client()
+            .query_one(
+                "SELECT count(*) FROM worker_inbox WHERE job_key = $1",
+                &[&format!("order.timeout:{}", o.order_no)],
+            )
+            .unwrap()
+            .get::<_, i64>(0)
+            == 1
+    };
+    wait_until(WAIT, "the first frozen order cancelled", || {
+        done(&orders[0])
+    });
+    stop(a);
+    let (b, port) = start_with_health(&env, &grace);
+    // The second's grace ends in this process, about 8 s after its first refusal in the
+    // one before; a look after that comes within a few seconds more.
+    let began = Instant::now();
+    while began.elapsed() < Duration::from_secs(14) {
+        assert_eq!(
+            books(&env).dead,
+            0,
+            "a rule seen to come and go is no job's fault"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    assert!(
+        !done(&orders[1]),
+        "the frozen order went through while frozen"
+    );
+    frozen(&env.db, &orders[1], false);
+    wait_done(&env, &env.db, orders.len() as i64);
+    green_then_books(&env, b, port, &orders, &all(&orders));
+}
+
 /// A job a shop rule refuses (a trigger refusing one order), alone: held and red, since one
 /// refusal cannot tell a rule refusing this job from one refusing every job; a dead letter
 /// with its reason once a job of its event changes something in another process (here one
