@@ -1087,8 +1087,37 @@ impl Metrics {
         );
         self.lateness
             .render(out, "delay_worker_lateness_seconds", "");
+        header(
+            out,
+            "delay_worker_jobs_refused_waiting",
+            "gauge",
+            "Jobs PostgreSQL refused in this process (a trigger, a constraint) within the last minute that have neither gone through nor become dead letters: held, or tried again within --refusal-grace, by event.",
+        );
+        let since = crate::now_ms() - REFUSED_WAITING_WINDOW_MS;
+        for e in self.events.iter().filter(|e| e.name != OTHER_EVENT) {
+            let waiting = match e.refused_len.load(Relaxed) {
+                0 => 0,
+                _ => e
+                    .refused
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .values()
+                    .filter(|at| **at > since)
+                    .count(),
+            };
+            let _ = writeln!(
+                out,
+                "delay_worker_jobs_refused_waiting{{event=\"{}\"}} {waiting}",
+                escape(&e.name)
+            );
+        }
     }
 }
+
+/// A refused job is counted as waiting ([`Metrics::render`]) while its last refusal here
+/// is this recent: a waiting job is looked at again at least every 30 s, and one that
+/// another process ran is forgotten.
+const REFUSED_WAITING_WINDOW_MS: i64 = 60_000;
 
 // ---- the last hour, minute by minute ------------------------------------------------------
 

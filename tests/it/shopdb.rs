@@ -1924,6 +1924,7 @@ fn refused_jobs_among_good_traffic_are_dead_letters_within_seconds_in_every_proc
 
 /// The held count of `order.timeout` on a worker's `/metrics`.
 const HELD: &str = "delay_worker_jobs_total{event=\"order.timeout\",outcome=\"held\"}";
+const REFUSED_WAITING: &str = "delay_worker_jobs_refused_waiting{event=\"order.timeout\"}";
 
 /// A shop trigger refusing every job, met one job at a time (a slow event) and across a
 /// `kill -9` and restart: each job is held, red, none dead-lettered; once the trigger is
@@ -2215,8 +2216,10 @@ fn a_rule_seen_to_come_and_go_before_a_restart_holds_the_jobs_it_still_refuses()
         !done(&orders[1]),
         "the frozen order went through while frozen"
     );
+    assert_eq!(metric(port, REFUSED_WAITING), 1.0);
     frozen(&env.db, &orders[1], false);
     wait_done(&env, &env.db, orders.len() as i64);
+    assert_eq!(metric(port, REFUSED_WAITING), 0.0);
     green_then_books(&env, b, port, &orders, &all(&orders));
 }
 
