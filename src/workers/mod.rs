@@ -1683,12 +1683,10 @@ impl<'a> Worker<'a> {
         format!("lapse\n{event}")
     }
 
-    /// A job of `event` refused with `gist` went through: on record for every process (a
-    /// restarted one too), in [`crate::keys::Keys::refused`] (one `HSET` of `<unix ms>
-    /// <gist>`, the ms on Redis's clock; the newest lapse of the event, one field for
-    /// each event). Best effort: a record that cannot be written leaves each process to
-    /// what it saw itself.
-    fn record_lapse(&mut self, event: &str, gist: &str) {
+    /// Writes `<unix ms> <what>` (the ms on Redis's clock) into `field` of
+    /// [`crate::keys::Keys::refused`], one `HSET`. Best effort: a record that cannot be
+    /// written is said at debug level only (see its callers for what it costs).
+    fn record_refusal(&mut self, field: &str, what: &str) {
         let ctx = self.ctx;
         let Some(con) = self.redis_now() else {
             return;
@@ -1696,65 +1694,60 @@ impl<'a> Worker<'a> {
         let now = ctx.stats.clock.now_ms();
         let done: redis::RedisResult<()> = redis::cmd("HSET")
             .arg(&ctx.keys.refused)
-            .arg(Self::lapse_field(event))
-            .arg(format!("{now} {gist}"))
+            .arg(field)
+            .arg(format!("{now} {what}"))
             .query(con);
         if let Err(e) = done {
-            log::debug!(
-                "cannot record the lapse of a refusal of {event} in {}: {e}",
-                ctx.keys.refused
-            );
+            log::debug!("cannot record {field:?} in {}: {e}", ctx.keys.refused);
         }
+    }
+
+    /// What [`Worker::record_refusal`] wrote into `field`: how long ago (ms, Redis's
+    /// clock) and what. `Err` when Redis cannot say.
+    fn refusal_record(&mut self, field: &str) -> Result<Option<(i64, String)>, ()> {
+        let ctx = self.ctx;
+        let con = self.redis_now().ok_or(())?;
+        let recorded: Option<String> = redis::cmd("HGET")
+            .arg(&ctx.keys.refused)
+            .arg(field)
+            .query(con)
+            .map_err(|_| ())?;
+        let Some(r) = recorded else {
+            return Ok(None);
+        };
+        let (at, what) = r.split_once(' ').unwrap_or((&r, ""));
+        let at = at.parse::<i64>().map_err(|_| ())?;
+        Ok(Some((
+            (ctx.stats.clock.now_ms() - at).max(0),
+            what.to_string(),
+        )))
+    }
+
+    /// A job of `event` refused with `gist` went through: on record for every process (a
+    /// restarted one too; the newest lapse of the event, one field for each event). A
+    /// record that cannot be written leaves each process to what it saw itself.
+    fn record_lapse(&mut self, event: &str, gist: &str) {
+        self.record_refusal(&Self::lapse_field(event), gist);
     }
 
     /// Whether the refusal `gist` of `event` lapsed, in any process, within the last
     /// `within_ms` ([`Worker::record_lapse`]). Asked only as a job's grace ends without
     /// a lapse seen here. Redis unable to say: no.
     fn lapse_on_record(&mut self, event: &str, gist: &str, within_ms: i64) -> bool {
-        let ctx = self.ctx;
-        let Some(con) = self.redis_now() else {
-            return false;
-        };
-        let recorded: Option<String> = redis::cmd("HGET")
-            .arg(&ctx.keys.refused)
-            .arg(Self::lapse_field(event))
-            .query(con)
-            .ok()
-            .flatten();
-        let Some(r) = recorded else {
-            return false;
-        };
-        let (at, of) = r.split_once(' ').unwrap_or((&r, ""));
-        let Ok(at) = at.parse::<i64>() else {
-            return false;
-        };
-        of == gist && at > ctx.stats.clock.now_ms() - within_ms
+        matches!(
+            self.refusal_record(&Self::lapse_field(event)),
+            Ok(Some((ago, of))) if of == gist && ago < within_ms
+        )
     }
 
     /// Job `key` of `event` is about to be a dead letter, its refusal taken for its data
     /// without proof: on record against the next such job in every process, as it is in
-    /// this one ([`crate::stats::Metrics::refused`]), in [`crate::keys::Keys::refused`] (one
-    /// `HSET` of `<unix ms> <key>`, the ms on Redis's clock), which
-    /// [`Worker::refusal_on_record`] reads. A letter proven by another job's change is
-    /// decided and records nothing, as here. Best effort: a record that cannot be written
-    /// costs one more letter at most.
+    /// this one ([`crate::stats::Metrics::refused`]), in [`crate::keys::Keys::refused`]
+    /// (`<unix ms> <key>` in the event's field), which [`Worker::refusal_on_record`]
+    /// reads. A letter proven by another job's change is decided and records nothing, as
+    /// here. A record that cannot be written costs one more letter at most.
     fn record_refusal_letter(&mut self, event: &str, key: &str) {
-        let ctx = self.ctx;
-        let Some(con) = self.redis_now() else {
-            return;
-        };
-        let now = ctx.stats.clock.now_ms();
-        let done: redis::RedisResult<()> = redis::cmd("HSET")
-            .arg(&ctx.keys.refused)
-            .arg(event)
-            .arg(format!("{now} {key}"))
-            .query(con);
-        if let Err(e) = done {
-            log::debug!(
-                "cannot record the refusal of {event} in {}: {e}",
-                ctx.keys.refused
-            );
-        }
+        self.record_refusal(event, key);
     }
 
     /// How long ago (ms) a job of `event` other than `key` was last taken for its data
@@ -1766,21 +1759,11 @@ impl<'a> Worker<'a> {
     /// letters, so a purge or a flood of them does not hide it). `Err` when Redis cannot
     /// say.
     fn refusal_on_record(&mut self, event: &str, key: &str) -> Result<Option<i64>, ()> {
-        let ctx = self.ctx;
-        let con = self.redis_now().ok_or(())?;
-        let recorded: Option<String> = redis::cmd("HGET")
-            .arg(&ctx.keys.refused)
-            .arg(event)
-            .query(con)
-            .map_err(|_| ())?;
-        // `<unix ms> <job key>`: a job's own letter, requeued, is no record against it.
-        let Some(r) = recorded else {
-            return Ok(None);
-        };
-        let (at, of) = r.split_once(' ').unwrap_or((&r, ""));
-        let at = at.parse::<i64>().map_err(|_| ())?;
-        let ago = (ctx.stats.clock.now_ms() - at).max(0);
-        Ok((of != key && ago <= crate::dead::millis(ctx.jobs.retry_for)).then_some(ago))
+        let retry_for = crate::dead::millis(self.ctx.jobs.retry_for);
+        // A job's own letter, requeued, is no record against it.
+        Ok(self
+            .refusal_record(event)?
+            .and_then(|(ago, of)| (of != key && ago <= retry_for).then_some(ago)))
     }
 
     /// Whether a job of `event` changed something in the last `ago_ms`: in this process,
