@@ -201,11 +201,56 @@ fn refused_role(event: &str) -> String {
     format!("{HELD_ROLE_PREFIX}{event} refused")
 }
 
-/// The words a refusal is known by from one try to the next: its first 80 characters
-/// (the message kept in a job's `last_error` is cut longer).
+/// The words a refusal is known by from one try to the next and from one job to another:
+/// its first 80 characters (the message kept in a job's `last_error` is cut longer), each
+/// word that holds a digit as `#` and each quoted text as `'…'`, so that a rule whose
+/// message names the order (`RAISE 'order % is frozen', NEW.order_no`) is one refusal for
+/// every order it refuses. Found from outside: such a rule switched on and off
+/// dead-lettered 42 of 80 unpaid orders past `--refusal-grace`, where the same rule with
+/// one message for all cost none (a job refused so that went through was never taken for
+/// the same rule).
 fn refusal_gist(reason: &str) -> String {
-    reason.chars().take(80).collect()
+    let mut gist = String::with_capacity(reason.len().min(GIST_CHARS * 4));
+    let mut chars = reason.chars().peekable();
+    while let Some(c) = chars.next() {
+        if gist.chars().count() >= GIST_CHARS {
+            break;
+        }
+        match c {
+            // Quoted text (a value, a name) is the job's, not the rule's.
+            '\'' | '"' => {
+                for q in chars.by_ref() {
+                    if q == c {
+                        break;
+                    }
+                }
+                gist.push(c);
+                gist.push('…');
+                gist.push(c);
+            }
+            c if c.is_alphanumeric() || c == '_' || c == '-' => {
+                let mut word = String::from(c);
+                while let Some(&n) = chars.peek() {
+                    if !(n.is_alphanumeric() || n == '_' || n == '-') {
+                        break;
+                    }
+                    word.push(n);
+                    chars.next();
+                }
+                // A word with a digit in it (an order's number, an id) is the job's too.
+                match word.chars().any(|c| c.is_ascii_digit()) {
+                    true => gist.push('#'),
+                    false => gist.push_str(&word),
+                }
+            }
+            c => gist.push(c),
+        }
+    }
+    gist.chars().take(GIST_CHARS).collect()
 }
+
+/// How much of a refusal's words [`refusal_gist`] keeps.
+const GIST_CHARS: usize = 80;
 
 /// The role of jobs of `event` refused within `--refusal-grace` while others go through.
 fn grace_role(event: &str) -> String {
@@ -1442,7 +1487,7 @@ impl<'a> Worker<'a> {
         let now = stats.clock.now_ms();
         let since = first_due.unwrap_or(now);
         let gist = refusal_gist(&f.reason);
-        let seen = env.last_error().is_some_and(|e| e.contains(&gist));
+        let seen = env.last_error().is_some_and(|e| refusal_gist(e) == gist);
         let local = crate::now_ms();
         // Asked before this refusal is on record, so that it is not its own witness.
         let other_refused = stats.jobs.other_refused_ms(&env.event, key);
@@ -2318,6 +2363,33 @@ impl<'a> Worker<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A rule's refusal is one gist for every job it refuses, whatever of the job its
+    /// message names; different rules keep different gists.
+    #[test]
+    fn a_refusal_s_gist_leaves_out_what_names_the_job() {
+        let a = refusal_gist("order SO12 is frozen by the shop for an audit (P0001)");
+        let b = refusal_gist("order SO12345 is frozen by the shop for an audit (P0001)");
+        assert_eq!(a, "order # is frozen by the shop for an audit (#)");
+        assert_eq!(a, b);
+        assert_eq!(
+            refusal_gist("coupon 'SPRING-A' is locked (P0001)"),
+            refusal_gist("coupon 'WINTER' is locked (P0001)")
+        );
+        assert_ne!(
+            refusal_gist("orders are read-only during maintenance (P0001)"),
+            refusal_gist("coupons are read-only during maintenance (P0001)")
+        );
+        // Cut after it is made, so a longer number does not move the cut.
+        let long = "x".repeat(70);
+        assert_eq!(
+            refusal_gist(&format!("{long} order 1 of 2 refused")),
+            refusal_gist(&format!("{long} order 123456789 of 2 refused"))
+        );
+        assert_eq!(refusal_gist(&"é".repeat(200)).chars().count(), GIST_CHARS);
+        // An unterminated quote (a message cut short) is quoted text to its end.
+        assert_eq!(refusal_gist("value 'abc"), "value '…'");
+    }
 
     /// The jobs waiting on contention are told between retries: a warning at once, and
     /// critical once the queue has stood still for `CONTENTION_STALL`, with no retry in

@@ -2099,11 +2099,13 @@ fn orders_a_rule_refuses_for_good_are_dead_letters_after_the_grace_in_a_quiet_sp
 }
 
 /// A shop rule switched on and off (a maintenance switch, on 2.5 s and off 0.5 s for 14 s)
-/// refusing every cancellation while on: the refused jobs that go through in an off spell
-/// show that the rule comes and goes, so the others, whose tries all met it on, are waited
-/// for past `--refusal-grace` (6 s here) and none is a dead letter; once the switch stays
-/// off each order is cancelled once. (From outside: 3 s on and off for 160 s dead-lettered
-/// 38 of 900 unpaid orders past the grace; 20 s on and 2 s off, 145.)
+/// refusing every cancellation while on, its message naming the order: the refused jobs
+/// that go through in an off spell show that the rule comes and goes, so the others, whose
+/// tries all met it on, are waited for past `--refusal-grace` (6 s here) and none is a dead
+/// letter; once the switch stays off each order is cancelled once. (From outside: 3 s on
+/// and off for 160 s dead-lettered 38 of 900 unpaid orders past the grace; 20 s on and 2 s
+/// off, 145; with the order in the message, 14 s on and 2 s off, 42 of 80, where the same
+/// rule with one message for all cost none.)
 #[test]
 fn a_rule_switched_on_and_off_past_the_grace_dead_letters_none() {
     let env = Env::new();
@@ -2115,7 +2117,8 @@ fn a_rule_switched_on_and_off_past_the_grace_dead_letters_none() {
              INSERT INTO maintenance VALUES (false); \
              CREATE FUNCTION maintenance() RETURNS trigger LANGUAGE plpgsql AS \
              $$ BEGIN IF (SELECT on_now FROM maintenance) THEN \
-             RAISE EXCEPTION 'orders are read-only during maintenance'; END IF; \
+             RAISE EXCEPTION 'order % is read-only during maintenance', NEW.order_no; \
+             END IF; \
              RETURN NEW; END $$; \
              CREATE TRIGGER maintenance BEFORE UPDATE ON orders \
              FOR EACH ROW EXECUTE FUNCTION maintenance()",
