@@ -54,8 +54,8 @@ pub enum DaemonError {
     RedisKey { url: String, reason: String },
     #[error(transparent)]
     Db(#[from] DbError),
-    #[error("the database schema is not current (missing {missing}): run `worker migrate`")]
-    NotMigrated { missing: String },
+    #[error("the database schema is not current (missing {missing}{seen}): run `worker migrate`")]
+    NotMigrated { missing: String, seen: String },
     #[error(transparent)]
     Handler(#[from] SqlHandlerError),
     /// A `--max-rate` names an event no handler serves (a typo would run uncapped).
@@ -111,11 +111,36 @@ const SCHEMA_CHECK_TIMEOUT: Duration = Duration::from_secs(30);
 /// Fails unless every embedded migration is recorded as applied.
 pub fn check_schema(url: &str) -> Result<(), DaemonError> {
     let mut client = db::connect_bounded(url, SCHEMA_CHECK_TIMEOUT)?;
+    let mut seen = String::new();
     let applied: Vec<i32> = match client.query("SELECT version FROM worker_migrations", &[]) {
         Ok(rows) => rows.iter().map(|r| r.get(0)).collect(),
         // No table yet: nothing applied. Any other failure (no permission, the server
         // going away) is the database's own error, said as it is.
-        Err(e) if e.code() == Some(&postgres::error::SqlState::UNDEFINED_TABLE) => Vec::new(),
+        Err(e) if e.code() == Some(&postgres::error::SqlState::UNDEFINED_TABLE) => {
+            // Migrated already, but out of this session's sight: a role's `search_path`
+            // that leaves out the schema it is in. Said, since `worker migrate` would
+            // then create the tables a second time in another schema.
+            let elsewhere = client
+                .query_one(
+                    "SELECT string_agg(n.nspname, ', '), current_setting('search_path') \
+                     FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+                     WHERE c.relname = 'worker_migrations' AND c.relkind IN ('r', 'p')",
+                    &[],
+                )
+                .ok()
+                .and_then(|r| {
+                    Some((
+                        r.try_get::<_, String>(0).ok()?,
+                        r.try_get::<_, String>(1).ok()?,
+                    ))
+                });
+            if let Some((schemas, path)) = elsewhere {
+                seen = format!(
+                    "; yet worker_migrations is in schema {schemas}, which this session's search_path {path:?} leaves out: a role's or database's setting? If so, fix it rather than migrate again"
+                );
+            }
+            Vec::new()
+        }
         Err(e) => return Err(DaemonError::Db(DbError::Postgres(e))),
     };
     let missing: Vec<&str> = db::MIGRATIONS
@@ -128,6 +153,7 @@ pub fn check_schema(url: &str) -> Result<(), DaemonError> {
     } else {
         Err(DaemonError::NotMigrated {
             missing: missing.join(", "),
+            seen,
         })
     }
 }

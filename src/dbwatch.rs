@@ -401,6 +401,16 @@ fn check(
                     failure,
                 ));
             }
+            // A handler that does not prepare is looked at next on a new session, with
+            // the role's settings as they are then (a `search_path` undone since this
+            // one connected).
+            if seen
+                .prepared
+                .iter()
+                .any(|(_, _, failure)| failure.is_some())
+            {
+                *client = None;
+            }
             Ok(seen)
         }
         Ok((true, _)) => {

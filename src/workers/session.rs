@@ -246,9 +246,21 @@ impl Session {
         lock_timeout: Duration,
     ) -> Result<Session, SessionError> {
         let mut conn = pool.get()?;
-        let inbox_err = |e: postgres::Error| SessionError::Inbox(e.into());
-        let inbox = conn.prepare(INBOX_SQL).map_err(inbox_err)?;
-        let inbox_set = conn.prepare(INBOX_SET_SQL).map_err(inbox_err)?;
+        // A connection that cannot prepare the worker's own statement is not handed out
+        // again: what it lacks may be its session's (a `search_path` the role had when
+        // it connected; found from outside, `ALTER ROLE ... SET search_path` undone left
+        // the pool's sessions failing, and health red, for minutes), and the next one
+        // takes the role's settings as they are then.
+        let (inbox, inbox_set) = match conn
+            .prepare(INBOX_SQL)
+            .and_then(|one| Ok((one, conn.prepare(INBOX_SET_SQL)?)))
+        {
+            Ok(both) => both,
+            Err(e) => {
+                conn.discard();
+                return Err(SessionError::Inbox(e.into()));
+            }
+        };
         let mut handlers = Vec::new();
         for h in registry.iter() {
             let prepared = prepare(&mut conn, h);

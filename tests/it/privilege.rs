@@ -1219,6 +1219,56 @@ fn a_statement_timeout_set_on_the_role_is_not_taken_for_an_unwritable_server() {
     assert_eq!(books(&l.env).dead, 0);
 }
 
+/// A `search_path` set on the worker's role that hides its tables (`ALTER ROLE ... SET
+/// search_path = 'nosuch'`, its sessions ended so that new ones take it) holds the jobs,
+/// red, while it lasts; once it is undone the jobs run and `/healthz` is green within
+/// seconds. Found from outside: the sessions opened under it stayed in the pool and in the
+/// database watch (its look at the handlers failing on it for good), the jobs waited a minute for `--claim-idle` and health stayed red for
+/// minutes after. A start under it says where the schema is, not only "run `worker
+/// migrate`" (which would create the tables again in another schema).
+#[test]
+fn a_search_path_set_on_the_role_holds_the_jobs_only_while_it_lasts() {
+    let mut l = Locked::new(&[]);
+    let port = l.with_health();
+    let role = l.runtime_role.clone();
+    let owner = |sql: String| l.env.db.client().batch_execute(&sql).unwrap();
+    owner(format!("ALTER ROLE {role} SET search_path = 'nosuch'"));
+    let out = l.worker(false, &[]);
+    let said = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{said}");
+    assert!(
+        said.contains("worker_migrations is in schema public")
+            && said.contains("search_path \"nosuch\""),
+        "{said}"
+    );
+    owner(format!("ALTER ROLE {role} RESET search_path"));
+    let orders = seed_orders(&l.env.db, 20);
+    // The heartbeat that `stats --check` reads, every second.
+    l.env.config.stats_interval = Duration::from_secs(1);
+    let daemon = Daemon::start(&l.env.config);
+    push_timeouts(&l.env, &orders[..10], 0);
+    wait_until(WAIT, "the first jobs done", || inbox_count(&l.env.db) == 10);
+    owner(format!("ALTER ROLE {role} SET search_path = 'nosuch'"));
+    owner(format!(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'"
+    ));
+    push_timeouts(&l.env, &orders[10..], 0);
+    // The database watch's own look at the handlers (every 10 s) meets it too.
+    wait_healthz(port, "/healthz red", |code, _| code == 503);
+    wait_until(WAIT, "stats --check: a handler does not prepare", || {
+        text(&l.worker(true, &["stats", "--check"]).stdout).contains("does not prepare")
+    });
+    assert_eq!(inbox_count(&l.env.db), 10);
+    owner(format!("ALTER ROLE {role} RESET search_path"));
+    // Within the workers' backoff after an outage and the watch's next look at the
+    // handlers (10 s), not a minute's reclaim and minutes of red.
+    wait_until(WAIT, "every job done", || inbox_count(&l.env.db) == 20);
+    wait_healthz(port, "/healthz green", |code, _| code == 200);
+    daemon.stop();
+    assert_accounting(&l.env.db, &orders, &orders.iter().collect::<Vec<_>>());
+    assert_eq!(books(&l.env).dead, 0);
+}
+
 /// A refused privilege that only some jobs need (the inbox's `outcome` column, which only
 /// the no-op of a paid order writes) holds those jobs while the others commit: `/healthz`
 /// and `stats --check` stay red naming it for as long as it lasts, not green at each
