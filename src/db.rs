@@ -363,8 +363,10 @@ impl r2d2::ManageConnection for Manager {
     type Error = DbError;
 
     fn connect(&self) -> Result<PgConn, DbError> {
+        let mut client = self.target.connect_within(HANDSHAKE_DEADLINE)?;
+        keep_session(&mut client)?;
         Ok(PgConn {
-            client: self.target.connect_within(HANDSHAKE_DEADLINE)?,
+            client,
             discarded: false,
         })
     }
@@ -391,6 +393,19 @@ impl r2d2::ManageConnection for Manager {
     fn has_broken(&self, conn: &mut PgConn) -> bool {
         conn.discarded || conn.client.is_closed()
     }
+}
+
+/// Undoes a role's or database's `idle_session_timeout` (PostgreSQL 14 and later; older
+/// servers have none, and would refuse the name as a session option) on a session the
+/// worker keeps between statements: the workers' and the database watch's. Found from
+/// outside: `ALTER ROLE ... SET idle_session_timeout = '200ms'` ended the watch's session
+/// between its looks, and `/healthz` said "no writable PostgreSQL: connection closed".
+const KEEP_SESSION: &str = "SELECT set_config('idle_session_timeout', '0', false) \
+     WHERE current_setting('server_version_num')::int >= 140000";
+
+/// Runs [`KEEP_SESSION`] on a new session.
+pub fn keep_session(client: &mut postgres::Client) -> Result<(), postgres::Error> {
+    client.simple_query(KEEP_SESSION).map(drop)
 }
 
 /// What a connection to a server that takes no writes is told.

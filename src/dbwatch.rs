@@ -356,12 +356,16 @@ fn check(
 ) -> Result<Seen, String> {
     let c = match client {
         Some(c) => c,
-        None => client.insert(target.connect_within(db::HANDSHAKE_DEADLINE).map_err(
-            |e| match e {
-                DbError::Unreachable { reason, .. } => reason,
-                other => other.to_string(),
-            },
-        )?),
+        None => {
+            let mut new = target
+                .connect_within(db::HANDSHAKE_DEADLINE)
+                .map_err(|e| match e {
+                    DbError::Unreachable { reason, .. } => reason,
+                    other => other.to_string(),
+                })?;
+            db::keep_session(&mut new).map_err(|e| db::error_text(&e))?;
+            client.insert(new)
+        }
     };
     let answer = c
         .query_one(ASK, &[])

@@ -1219,6 +1219,41 @@ fn a_statement_timeout_set_on_the_role_is_not_taken_for_an_unwritable_server() {
     assert_eq!(books(&l.env).dead, 0);
 }
 
+/// An `idle_session_timeout` set on the worker's role (`ALTER ROLE ... SET
+/// idle_session_timeout = '200ms'`) does not end the sessions the worker keeps between
+/// statements: jobs due in spells with pauses longer than it are all done and `/healthz`
+/// stays green. Found from outside: the database watch's session ended between its looks,
+/// "no writable PostgreSQL: connection closed", red for as long as the worker ran.
+#[test]
+fn an_idle_session_timeout_set_on_the_role_does_not_end_the_worker_s_sessions() {
+    let mut l = Locked::new(&[]);
+    let port = l.with_health();
+    let role = l.runtime_role.clone();
+    let owner = |sql: String| l.env.db.client().batch_execute(&sql).unwrap();
+    owner(format!(
+        "ALTER ROLE {role} SET idle_session_timeout = '200ms'"
+    ));
+    let orders = seed_orders(&l.env.db, 20);
+    let daemon = Daemon::start(&l.env.config);
+    wait_healthz(port, "/healthz answers", |_, _| true);
+    // Five spells a second apart: the workers' sessions idle in between.
+    for (i, chunk) in orders.chunks(4).enumerate() {
+        push_timeouts(&l.env, chunk, 1000 * i as i64);
+    }
+    let mut seen = Vec::new();
+    for _ in 0..24 {
+        let (code, _, body) = http_get(port, "/healthz").unwrap();
+        seen.push((code, body));
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    assert!(seen.iter().all(|(code, _)| *code == 200), "{seen:#?}");
+    wait_until(WAIT, "every job done", || inbox_count(&l.env.db) == 20);
+    daemon.stop();
+    owner(format!("ALTER ROLE {role} RESET idle_session_timeout"));
+    assert_accounting(&l.env.db, &orders, &orders.iter().collect::<Vec<_>>());
+    assert_eq!(books(&l.env).dead, 0);
+}
+
 /// A `search_path` set on the worker's role that hides its tables (`ALTER ROLE ... SET
 /// search_path = 'nosuch'`, its sessions ended so that new ones take it) holds the jobs,
 /// red, while it lasts; once it is undone the jobs run and `/healthz` is green within
