@@ -2226,6 +2226,75 @@ fn a_rule_seen_to_come_and_go_before_a_restart_holds_the_jobs_it_still_refuses()
     green_then_books(&env, b, port, &orders, &all(&orders));
 }
 
+/// A rule seen to come and go before a job's first refusal counts too: an order the rule
+/// refused went through once it let go, then the rule refuses another order while other
+/// jobs go through; past `--refusal-grace` (6 s here) that order waits rather than being a
+/// dead letter, and once the rule lets it go it is cancelled once. (From outside, a switch
+/// on 12 s and off 2 s: the jobs never refused that went through in an off spell proved
+/// the refused ones' fault while no refused job looked in that spell; 10 dead letters in
+/// one of two runs.)
+#[test]
+fn a_rule_seen_to_come_and_go_before_a_job_s_first_refusal_holds_it_past_the_grace() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 24);
+    let (a, j) = (&orders[0], &orders[1]);
+    let frozen = |o: &SeedOrder, on: bool| {
+        let sql = match on {
+            true => "INSERT INTO frozen VALUES ($1)",
+            false => "DELETE FROM frozen WHERE order_no = $1",
+        };
+        env.db.client().execute(sql, &[&o.order_no]).unwrap();
+    };
+    env.db
+        .client()
+        .batch_execute(
+            "CREATE TABLE frozen (order_no text PRIMARY KEY); \
+             CREATE FUNCTION frozen() RETURNS trigger LANGUAGE plpgsql AS \
+             $$ BEGIN IF EXISTS (SELECT 1 FROM frozen WHERE order_no = NEW.order_no) THEN \
+             RAISE EXCEPTION 'order % is frozen during the stock count', NEW.order_no; \
+             END IF; RETURN NEW; END $$; \
+             CREATE TRIGGER frozen BEFORE UPDATE ON orders \
+             FOR EACH ROW EXECUTE FUNCTION frozen()",
+        )
+        .unwrap();
+    let done = |o: &SeedOrder| {
+        env.db
+            .client()
+            .query_one(
+                "SELECT count(*) FROM worker_inbox WHERE job_key = $1",
+                &[&format!("order.timeout:{}", o.order_no)],
+            )
+            .unwrap()
+            .get::<_, i64>(0)
+            == 1
+    };
+    frozen(a, true);
+    let (w, port) = start_with_health(&env, &["--refusal-grace", "6s"]);
+    push_timeouts(&env, std::slice::from_ref(a), 0);
+    push_spread(&env, &orders[2..8], Duration::from_secs(2));
+    wait_until(WAIT, "the others done", || inbox_count(&env.db) >= 6);
+    // The rule lets the first go: at its next look it is cancelled, a lapse.
+    frozen(a, false);
+    wait_until(WAIT, "the first frozen order cancelled", || done(a));
+    // Then it refuses another while the others go through all along.
+    frozen(j, true);
+    push_timeouts(&env, std::slice::from_ref(j), 0);
+    push_spread(&env, &orders[8..], Duration::from_secs(12));
+    let began = Instant::now();
+    while began.elapsed() < Duration::from_secs(14) {
+        assert_eq!(
+            books(&env).dead,
+            0,
+            "a rule seen to come and go is no job's fault"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    assert!(!done(j), "the frozen order went through while frozen");
+    frozen(j, false);
+    wait_done(&env, &env.db, orders.len() as i64);
+    green_then_books(&env, w, port, &orders, &all(&orders));
+}
+
 /// A job a shop rule refuses (a trigger refusing one order), alone: held and red, since one
 /// refusal cannot tell a rule refusing this job from one refusing every job; a dead letter
 /// with its reason once a job of its event changes something in another process (here one
