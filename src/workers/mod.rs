@@ -114,6 +114,12 @@ pub const GRACE_LOOK: Duration = Duration::from_secs(30);
 /// every job met is let go do not count.
 pub const PROOF_BEFORE_FAILURE: Duration = Duration::from_secs(2);
 
+/// How often a worker replaces a session on which jobs meet a schema fault
+/// ([`Worker::renew_session`]): the role's settings (`role`, `search_path`) are read
+/// only when a session starts. Found from outside: `ALTER ROLE ... SET role = 'nopriv'`
+/// undone with `RESET role` left every job held, red, for as long as the worker ran.
+const SESSION_RENEW_EVERY: Duration = Duration::from_secs(5);
+
 /// The longest delay between two tries of a job that meets contention (or `--retry-cap`,
 /// if shorter): once the shop's lock is gone the job runs within this.
 pub const CONTENTION_CAP: Duration = Duration::from_secs(30);
@@ -393,6 +399,12 @@ pub struct Worker<'a> {
     session: Option<Session>,
     /// Group commit: jobs committed on `session` since its last WAL flush.
     unflushed: bool,
+    /// A job met a schema fault on this session: it is replaced at the next batch with
+    /// nothing left to flush, at most every [`SESSION_RENEW_EVERY`] (when it was last:
+    /// `renewed_at`), so that a fix to the role's settings (`ALTER ROLE ... RESET role`)
+    /// reaches the workers, which see them only on a new session.
+    renew_session: bool,
+    renewed_at: Option<Instant>,
     /// Group commit: this worker's row in `worker_flush` (`<consumer>/<index>`).
     flush_slot: String,
     /// Group commit: a session with unflushed commits was lost, so those commits may be
@@ -449,6 +461,8 @@ impl<'a> Worker<'a> {
             ctx,
             session: None,
             unflushed: false,
+            renew_session: false,
+            renewed_at: None,
             flush_slot: format!("{}/{index}", ctx.consumer),
             durability_lost: false,
             flushed_around: None,
@@ -1324,6 +1338,13 @@ impl<'a> Worker<'a> {
                 // Server faults come here only if shutdown cut the wait for a new
                 // connection short; they are held like the schema's.
                 Fault::Schema | Fault::Server => {
+                    if f.fault == Fault::Schema
+                        && self
+                            .renewed_at
+                            .is_none_or(|t| t.elapsed() >= SESSION_RENEW_EVERY)
+                    {
+                        self.renew_session = true;
+                    }
                     self.hold(d, &env, &key, first_due, &f, handler.source())
                 }
             },
@@ -2173,6 +2194,11 @@ impl<'a> Worker<'a> {
     /// Opens this worker's database session if it has none; a worker back from an outage
     /// says so.
     fn ensure_session(&mut self) -> Result<(), crate::workers::session::SessionError> {
+        if self.renew_session && !self.unflushed && self.session.is_some() {
+            self.renew_session = false;
+            self.renewed_at = Some(Instant::now());
+            self.drop_session();
+        }
         if self.session.is_some() {
             return Ok(());
         }
