@@ -108,8 +108,9 @@ pub fn registry(config: &Config) -> Result<Registry, DaemonError> {
 /// migration under way) or run.
 const SCHEMA_CHECK_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Fails unless every embedded migration is recorded as applied.
-pub fn check_schema(url: &str) -> Result<(), DaemonError> {
+/// Fails unless every embedded migration is recorded as applied. Returns the session's
+/// `search_path`, which the workers' sessions keep for the run ([`db::search_path_option`]).
+pub fn check_schema(url: &str) -> Result<String, DaemonError> {
     let mut client = db::connect_bounded(url, SCHEMA_CHECK_TIMEOUT)?;
     let mut seen = String::new();
     let applied: Vec<i32> = match client.query("SELECT version FROM worker_migrations", &[]) {
@@ -149,7 +150,11 @@ pub fn check_schema(url: &str) -> Result<(), DaemonError> {
         .map(|(_, name, _)| *name)
         .collect();
     if missing.is_empty() {
-        Ok(())
+        let pg = |e| DaemonError::Db(DbError::Postgres(e));
+        let row = client
+            .query_one("SELECT current_setting('search_path')", &[])
+            .map_err(pg)?;
+        row.try_get(0).map_err(pg)
     } else {
         Err(DaemonError::NotMigrated {
             missing: missing.join(", "),
@@ -201,6 +206,8 @@ struct Ready {
     /// This host's clock offset to Redis, measured before any role reads the clock;
     /// `None` when that failed (the watch role's first pass measures it).
     offset: Option<crate::clock::Offset>,
+    /// The `search_path` the start saw, kept by every session of the run.
+    search_path: String,
 }
 
 /// Runs the daemon until `shutdown` is triggered and the pool has drained: [`preflight`],
@@ -301,7 +308,7 @@ fn check_redis(
 fn preflight(config: &Config) -> Result<Ready, DaemonError> {
     let client = redis_client(config)?;
     let offset = check_redis(config, &client)?;
-    check_schema(&config.database_url)?;
+    let search_path = check_schema(&config.database_url)?;
     let registry = registry(config)?;
     if let Some(event) = config
         .jobs
@@ -324,6 +331,7 @@ fn preflight(config: &Config) -> Result<Ready, DaemonError> {
         },
         db::CHECKOUT,
         config.jobs.group_commit,
+        Some(&search_path),
     )?;
     // Prepares every handler once now, so that a handler that does not prepare (a table
     // not there yet, SQL that does not parse) is named at once. It does not stop the start:
@@ -352,6 +360,7 @@ fn preflight(config: &Config) -> Result<Ready, DaemonError> {
         handlers: Handlers::new(registry),
         pool,
         offset,
+        search_path,
     })
 }
 
@@ -435,7 +444,11 @@ impl<'a> Crew<'a> {
             doorbell: Doorbell::default(),
             drain: Drain::default(),
             manners: Manners::new(&config.jobs.max_rates, config.jobs.set_size),
-            pool_target: db::Target::parse(&config.database_url)?,
+            pool_target: {
+                let mut t = db::Target::parse(&config.database_url)?;
+                t.add_options(&db::search_path_option(&ready.search_path));
+                t
+            },
             shard_mover: MoverConfig {
                 legacy: Vec::new(),
                 ..config.mover.clone()

@@ -408,6 +408,25 @@ pub fn keep_session(client: &mut postgres::Client) -> Result<(), postgres::Error
     client.simple_query(KEEP_SESSION).map(drop)
 }
 
+/// The session option that keeps a session's `search_path` at `path` (what the start
+/// saw: the role's and database's settings then, or the connection string's own), so that
+/// a role's or database's `search_path` changed while the worker runs does not reach its
+/// sessions: each table name of a job's transaction would be looked up anew in each new
+/// session, and a look-alike table in front (found from outside: `ALTER ROLE ... SET
+/// search_path = shadow, public` with a copy of `orders` in `shadow`) split the
+/// transaction across schemas, the order cancelled in the copy and its stock and coupon
+/// given back in `public`. Escaped for the startup packet (a space or a backslash).
+pub fn search_path_option(path: &str) -> String {
+    let escaped: String = path
+        .chars()
+        .flat_map(|c| match c {
+            ' ' | '\\' | '\t' => vec!['\\', c],
+            c => vec![c],
+        })
+        .collect();
+    format!("-c search_path={escaped}")
+}
+
 /// What a connection to a server that takes no writes is told.
 pub const READ_ONLY: &str =
     "the server is read-only (a standby, or default_transaction_read_only is on)";
@@ -442,8 +461,12 @@ pub fn pool(
     timeouts: Timeouts,
     checkout: Duration,
     group_commit: bool,
+    search_path: Option<&str>,
 ) -> Result<Pool, DbError> {
     let mut target = Target::parse(url)?;
+    if let Some(path) = search_path {
+        target.add_options(&search_path_option(path));
+    }
     let ms = timeouts.statement.as_millis();
     // Every handler statement runs under the statement and lock timeouts, and a
     // transaction left idle by a stopped process is ended by the server.
@@ -853,7 +876,18 @@ pub fn error_text(e: &postgres::Error) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{quotes_payload, Target};
+    use super::{quotes_payload, search_path_option, Target};
+
+    /// A `search_path` with spaces and backslashes goes into the startup packet as one
+    /// option: PostgreSQL splits the options at unescaped white space.
+    #[test]
+    fn a_search_path_is_one_session_option() {
+        assert_eq!(
+            search_path_option("\"$user\", public"),
+            "-c search_path=\"$user\",\\ public"
+        );
+        assert_eq!(search_path_option("a\\b"), "-c search_path=a\\\\b");
+    }
     use serde_json::json;
 
     /// The session options of a connection string are kept beside the worker's own, in

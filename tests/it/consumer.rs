@@ -304,6 +304,7 @@ fn a_panicking_handler_is_dead_lettered_and_the_worker_goes_on() {
         },
         Duration::from_secs(5),
         false,
+        None,
     )
     .unwrap();
     let manners = delay_worker::manners::Manners::unlimited(32);

@@ -413,6 +413,7 @@ fn a_commit_whose_durability_was_in_doubt_is_looked_up_not_sent_round_again() {
         },
         Duration::from_secs(5),
         false,
+        None,
     )
     .unwrap();
     let manners = delay_worker::manners::Manners::unlimited(32);
