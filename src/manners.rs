@@ -157,6 +157,8 @@ pub struct Manners {
     yielding: AtomicBool,
     /// The caps are kept here, the fleet's schedules in Redis not answering.
     alone: AtomicBool,
+    /// When [`Manners::alone`] last saw the fleet's schedules fail.
+    alone_since: Mutex<Option<Instant>>,
     /// When each worker inside a transaction went in (by its permit's number), and the
     /// condition they wait on at the gate.
     inside: Mutex<Inside>,
@@ -214,6 +216,7 @@ impl Manners {
             set_size: set_size.max(1),
             yielding: AtomicBool::new(false),
             alone: AtomicBool::new(false),
+            alone_since: Mutex::new(None),
             inside: Mutex::new(Inside::default()),
             gate: Condvar::new(),
         }
@@ -409,12 +412,25 @@ impl Manners {
     /// The fleet's schedules in Redis could not be taken: `true` the first time since they
     /// last could (so that it is said once per process, not per worker).
     pub fn alone(&self) -> bool {
+        let mut since = self.alone_since.lock().unwrap_or_else(|p| p.into_inner());
+        *since = Some(Instant::now());
         !self.alone.swap(true, Ordering::Relaxed)
     }
 
-    /// The fleet's schedules could be taken: `true` the first time after [`Manners::alone`].
-    pub fn fleet_s_again(&self) -> bool {
-        self.alone.load(Ordering::Relaxed) && self.alone.swap(false, Ordering::Relaxed)
+    /// The fleet's schedules could be taken, by a call made at `asked`: `true` the first
+    /// time after [`Manners::alone`]. A call made before the last failure was seen says
+    /// nothing of it (another worker's, answered before the key went wrong and read after:
+    /// found on a loaded machine, the fall-back said twice, "the fleet's again" between).
+    pub fn fleet_s_again(&self, asked: Instant) -> bool {
+        if !self.alone.load(Ordering::Relaxed) {
+            return false;
+        }
+        let mut since = self.alone_since.lock().unwrap_or_else(|p| p.into_inner());
+        if since.is_some_and(|t| asked < t) {
+            return false;
+        }
+        *since = None;
+        self.alone.swap(false, Ordering::Relaxed)
     }
 
     /// Whether any cap is set.
@@ -483,6 +499,21 @@ impl Manners {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A take asked before the fall-back's failure was seen does not end it; one asked
+    /// after does, once.
+    #[test]
+    fn a_take_asked_before_the_failure_does_not_end_the_fall_back() {
+        let m = Manners::unlimited(32);
+        let before = Instant::now();
+        std::thread::sleep(Duration::from_millis(2));
+        assert!(m.alone());
+        assert!(!m.alone());
+        assert!(!m.fleet_s_again(before));
+        let after = Instant::now();
+        assert!(m.fleet_s_again(after));
+        assert!(!m.fleet_s_again(Instant::now()));
+    }
 
     #[test]
     fn rates_parse_with_units_and_events() {

@@ -1081,7 +1081,7 @@ impl<'a> Worker<'a> {
             let rates = &ctx.shards[0].rates;
             match store::take_slots(con, rates, crate::manners::BURST, BOOK_AHEAD, takes) {
                 Ok(slots) => {
-                    if ctx.manners.fleet_s_again() {
+                    if ctx.manners.fleet_s_again(asked) {
                         log::info!("--max-rate is the fleet's again");
                     }
                     return match slots {
