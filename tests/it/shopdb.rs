@@ -2147,6 +2147,56 @@ fn a_rule_switched_on_and_off_past_the_grace_dead_letters_none() {
     green_then_books(&env, w, port, &orders, &all(&orders));
 }
 
+/// A shop rule on `orders`: a trigger refusing, with a message naming the order, every
+/// order listed in the table `frozen` ([`freeze`]).
+fn frozen_orders_table(db: &TestDb) {
+    db.client()
+        .batch_execute(
+            "CREATE TABLE frozen (order_no text PRIMARY KEY); \
+             CREATE FUNCTION frozen() RETURNS trigger LANGUAGE plpgsql AS \
+             $$ BEGIN IF EXISTS (SELECT 1 FROM frozen WHERE order_no = NEW.order_no) THEN \
+             RAISE EXCEPTION 'order % is frozen during the stock count', NEW.order_no; \
+             END IF; RETURN NEW; END $$; \
+             CREATE TRIGGER frozen BEFORE UPDATE ON orders \
+             FOR EACH ROW EXECUTE FUNCTION frozen()",
+        )
+        .unwrap();
+}
+
+/// Lists the order in `frozen` ([`frozen_orders_table`]), or takes it off.
+fn freeze(db: &TestDb, o: &SeedOrder, on: bool) {
+    let sql = match on {
+        true => "INSERT INTO frozen VALUES ($1)",
+        false => "DELETE FROM frozen WHERE order_no = $1",
+    };
+    db.client().execute(sql, &[&o.order_no]).unwrap();
+}
+
+/// No dead letter at any look over `span`: a rule seen to come and go is no job's fault.
+fn no_dead_letter_for(env: &Env, span: Duration) {
+    let began = Instant::now();
+    while began.elapsed() < span {
+        assert_eq!(
+            books(env).dead,
+            0,
+            "a rule seen to come and go is no job's fault"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+/// Whether the order's timeout job is in the inbox.
+fn job_done(db: &TestDb, o: &SeedOrder) -> bool {
+    db.client()
+        .query_one(
+            "SELECT count(*) FROM worker_inbox WHERE job_key = $1",
+            &[&format!("order.timeout:{}", o.order_no)],
+        )
+        .unwrap()
+        .get::<_, i64>(0)
+        == 1
+}
+
 /// A rule seen to come and go in one process (an order it refused went through) is known
 /// to the process after it: restarted within the grace of another order the rule still
 /// refuses, the new process waits that order out past `--refusal-grace` (8 s here) instead
@@ -2156,27 +2206,9 @@ fn a_rule_switched_on_and_off_past_the_grace_dead_letters_none() {
 fn a_rule_seen_to_come_and_go_before_a_restart_holds_the_jobs_it_still_refuses() {
     let env = Env::new();
     let orders = seed_orders(&env.db, 14);
-    let frozen = |db: &TestDb, o: &SeedOrder, on: bool| {
-        let sql = match on {
-            true => "INSERT INTO frozen VALUES ($1)",
-            false => "DELETE FROM frozen WHERE order_no = $1",
-        };
-        db.client().execute(sql, &[&o.order_no]).unwrap();
-    };
-    env.db
-        .client()
-        .batch_execute(
-            "CREATE TABLE frozen (order_no text PRIMARY KEY); \
-             CREATE FUNCTION frozen() RETURNS trigger LANGUAGE plpgsql AS \
-             $$ BEGIN IF EXISTS (SELECT 1 FROM frozen WHERE order_no = NEW.order_no) THEN \
-             RAISE EXCEPTION 'orders are frozen during the stock count'; END IF; \
-             RETURN NEW; END $$; \
-             CREATE TRIGGER frozen BEFORE UPDATE ON orders \
-             FOR EACH ROW EXECUTE FUNCTION frozen()",
-        )
-        .unwrap();
-    frozen(&env.db, &orders[0], true);
-    frozen(&env.db, &orders[1], true);
+    frozen_orders_table(&env.db);
+    freeze(&env.db, &orders[0], true);
+    freeze(&env.db, &orders[1], true);
     let grace = ["--refusal-grace", "8s"];
     let (a, _) = start_with_health(&env, &grace);
     push_timeouts(&env, &orders[..2], 0);
@@ -2187,40 +2219,21 @@ fn a_rule_seen_to_come_and_go_before_a_restart_holds_the_jobs_it_still_refuses()
     std::thread::sleep(Duration::from_millis(1_000));
     // The rule lets the first go: at its second look (2 s after its refusal) it is
     // cancelled, a refusal seen to lapse.
-    frozen(&env.db, &orders[0], false);
-    let done = |o: &SeedOrder| {
-        env.db
-            .client()
-            .query_one(
-                "SELECT count(*) FROM worker_inbox WHERE job_key = $1",
-                &[&format!("order.timeout:{}", o.order_no)],
-            )
-            .unwrap()
-            .get::<_, i64>(0)
-            == 1
-    };
+    freeze(&env.db, &orders[0], false);
     wait_until(WAIT, "the first frozen order cancelled", || {
-        done(&orders[0])
+        job_done(&env.db, &orders[0])
     });
     stop(a);
     let (b, port) = start_with_health(&env, &grace);
     // The second's grace ends in this process, about 8 s after its first refusal in the
     // one before; a look after that comes within a few seconds more.
-    let began = Instant::now();
-    while began.elapsed() < Duration::from_secs(14) {
-        assert_eq!(
-            books(&env).dead,
-            0,
-            "a rule seen to come and go is no job's fault"
-        );
-        std::thread::sleep(Duration::from_millis(250));
-    }
+    no_dead_letter_for(&env, Duration::from_secs(14));
     assert!(
-        !done(&orders[1]),
+        !job_done(&env.db, &orders[1]),
         "the frozen order went through while frozen"
     );
     assert_eq!(metric(port, REFUSED_WAITING), 1.0);
-    frozen(&env.db, &orders[1], false);
+    freeze(&env.db, &orders[1], false);
     wait_done(&env, &env.db, orders.len() as i64);
     assert_eq!(metric(port, REFUSED_WAITING), 0.0);
     green_then_books(&env, b, port, &orders, &all(&orders));
@@ -2238,59 +2251,27 @@ fn a_rule_seen_to_come_and_go_before_a_job_s_first_refusal_holds_it_past_the_gra
     let env = Env::new();
     let orders = seed_orders(&env.db, 24);
     let (a, j) = (&orders[0], &orders[1]);
-    let frozen = |o: &SeedOrder, on: bool| {
-        let sql = match on {
-            true => "INSERT INTO frozen VALUES ($1)",
-            false => "DELETE FROM frozen WHERE order_no = $1",
-        };
-        env.db.client().execute(sql, &[&o.order_no]).unwrap();
-    };
-    env.db
-        .client()
-        .batch_execute(
-            "CREATE TABLE frozen (order_no text PRIMARY KEY); \
-             CREATE FUNCTION frozen() RETURNS trigger LANGUAGE plpgsql AS \
-             $$ BEGIN IF EXISTS (SELECT 1 FROM frozen WHERE order_no = NEW.order_no) THEN \
-             RAISE EXCEPTION 'order % is frozen during the stock count', NEW.order_no; \
-             END IF; RETURN NEW; END $$; \
-             CREATE TRIGGER frozen BEFORE UPDATE ON orders \
-             FOR EACH ROW EXECUTE FUNCTION frozen()",
-        )
-        .unwrap();
-    let done = |o: &SeedOrder| {
-        env.db
-            .client()
-            .query_one(
-                "SELECT count(*) FROM worker_inbox WHERE job_key = $1",
-                &[&format!("order.timeout:{}", o.order_no)],
-            )
-            .unwrap()
-            .get::<_, i64>(0)
-            == 1
-    };
-    frozen(a, true);
+    frozen_orders_table(&env.db);
+    freeze(&env.db, a, true);
     let (w, port) = start_with_health(&env, &["--refusal-grace", "6s"]);
     push_timeouts(&env, std::slice::from_ref(a), 0);
     push_spread(&env, &orders[2..8], Duration::from_secs(2));
     wait_until(WAIT, "the others done", || inbox_count(&env.db) >= 6);
     // The rule lets the first go: at its next look it is cancelled, a lapse.
-    frozen(a, false);
-    wait_until(WAIT, "the first frozen order cancelled", || done(a));
+    freeze(&env.db, a, false);
+    wait_until(WAIT, "the first frozen order cancelled", || {
+        job_done(&env.db, a)
+    });
     // Then it refuses another while the others go through all along.
-    frozen(j, true);
+    freeze(&env.db, j, true);
     push_timeouts(&env, std::slice::from_ref(j), 0);
     push_spread(&env, &orders[8..], Duration::from_secs(12));
-    let began = Instant::now();
-    while began.elapsed() < Duration::from_secs(14) {
-        assert_eq!(
-            books(&env).dead,
-            0,
-            "a rule seen to come and go is no job's fault"
-        );
-        std::thread::sleep(Duration::from_millis(250));
-    }
-    assert!(!done(j), "the frozen order went through while frozen");
-    frozen(j, false);
+    no_dead_letter_for(&env, Duration::from_secs(14));
+    assert!(
+        !job_done(&env.db, j),
+        "the frozen order went through while frozen"
+    );
+    freeze(&env.db, j, false);
     wait_done(&env, &env.db, orders.len() as i64);
     green_then_books(&env, w, port, &orders, &all(&orders));
 }
