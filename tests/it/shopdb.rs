@@ -1064,6 +1064,27 @@ fn wait_done_or_paid(env: &Env, orders: &[SeedOrder]) {
     wait_done(env, &env.db, orders.len() as i64);
 }
 
+/// The worker's own inbox renamed for a while (a migration gone wrong): the jobs are held,
+/// red, none dead-lettered; the sessions that can no longer prepare its statement are
+/// replaced, and once it is back every job is done once and health is green.
+#[test]
+fn the_inbox_renamed_for_a_while_holds_the_jobs_until_it_is_back() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 20);
+    let (w, port) = start_with_health(&env, &[]);
+    push_timeouts(&env, &orders[..10], 0);
+    wait_until(WAIT, "the first jobs done", || inbox_count(&env.db) == 10);
+    let ddl = |sql: &str| env.db.client().batch_execute(sql).unwrap();
+    ddl("ALTER TABLE worker_inbox RENAME TO worker_inbox_moved");
+    push_timeouts(&env, &orders[10..], 0);
+    wait_until(WAIT, "/healthz red", || healthz(port).0 == 503);
+    std::thread::sleep(Duration::from_secs(6));
+    assert_eq!(books(&env).dead, 0, "the inbox renamed is no job's fault");
+    ddl("ALTER TABLE worker_inbox_moved RENAME TO worker_inbox");
+    wait_done(&env, &env.db, orders.len() as i64);
+    green_then_books(&env, w, port, &orders, &all(&orders));
+}
+
 #[test]
 fn a_column_renamed_by_a_deploy_holds_the_jobs_names_the_error_and_they_run_once_it_is_back() {
     let env = Env::new();
