@@ -257,8 +257,12 @@ impl Session {
         {
             Ok(both) => both,
             Err(e) => {
-                conn.discard();
-                return Err(SessionError::Inbox(e.into()));
+                let failure: Failure = e.into();
+                // Another transaction's lock on the inbox says nothing of this session.
+                if failure.fault != Fault::Contention {
+                    conn.discard();
+                }
+                return Err(SessionError::Inbox(failure));
             }
         };
         let mut handlers = Vec::new();
