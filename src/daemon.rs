@@ -113,8 +113,18 @@ const SCHEMA_CHECK_TIMEOUT: Duration = Duration::from_secs(30);
 pub fn check_schema(url: &str) -> Result<String, DaemonError> {
     let mut client = db::connect_bounded(url, SCHEMA_CHECK_TIMEOUT)?;
     let mut seen = String::new();
-    let applied: Vec<i32> = match client.query("SELECT version FROM worker_migrations", &[]) {
-        Ok(rows) => rows.iter().map(|r| r.get(0)).collect(),
+    // The session's `search_path` beside each version: one round trip.
+    let mut search_path = String::new();
+    let applied: Vec<i32> = match client.query(
+        "SELECT version, current_setting('search_path') FROM worker_migrations",
+        &[],
+    ) {
+        Ok(rows) => {
+            if let Some(r) = rows.first() {
+                search_path = r.get(1);
+            }
+            rows.iter().map(|r| r.get(0)).collect()
+        }
         // No table yet: nothing applied. Any other failure (no permission, the server
         // going away) is the database's own error, said as it is.
         Err(e) if e.code() == Some(&postgres::error::SqlState::UNDEFINED_TABLE) => {
@@ -149,12 +159,9 @@ pub fn check_schema(url: &str) -> Result<String, DaemonError> {
         .filter(|(v, _, _)| !applied.contains(v))
         .map(|(_, name, _)| *name)
         .collect();
+    // Nothing missing: at least one row was read, so its `search_path` with it.
     if missing.is_empty() {
-        let pg = |e| DaemonError::Db(DbError::Postgres(e));
-        let row = client
-            .query_one("SELECT current_setting('search_path')", &[])
-            .map_err(pg)?;
-        row.try_get(0).map_err(pg)
+        Ok(search_path)
     } else {
         Err(DaemonError::NotMigrated {
             missing: missing.join(", "),

@@ -218,10 +218,13 @@ fn refused_role(event: &str) -> String {
 fn refusal_gist(reason: &str) -> String {
     let mut gist = String::with_capacity(reason.len().min(GIST_CHARS * 4));
     let mut chars = reason.chars().peekable();
+    // Counted as it grows: at most one word past the cut, taken off at the end.
+    let mut kept = 0;
     while let Some(c) = chars.next() {
-        if gist.chars().count() >= GIST_CHARS {
+        if kept >= GIST_CHARS {
             break;
         }
+        let before = gist.len();
         match c {
             // Quoted text (a value, a name) is the job's, not the rule's.
             '\'' | '"' => {
@@ -251,6 +254,7 @@ fn refusal_gist(reason: &str) -> String {
             }
             c => gist.push(c),
         }
+        kept += gist[before..].chars().count();
     }
     gist.chars().take(GIST_CHARS).collect()
 }
