@@ -18,8 +18,17 @@ pub fn fmt_age(ms: i64) -> String {
     }
 }
 
-/// Unix milliseconds as an RFC 3339 time (UTC, whole seconds).
+/// The last millisecond RFC 3339 can write (9999-12-31T23:59:59.999Z).
+const LAST_RFC3339_MS: i64 = 253_402_300_799_999;
+
+/// Unix milliseconds as an RFC 3339 time (UTC, whole seconds). A time past the year 9999
+/// (a producer's score in microseconds, `+inf`) is written as its milliseconds: RFC 3339
+/// has no such year (found from outside: `worker trace` of a member scored `+inf`
+/// panicked).
 pub fn fmt_time(ms: i64) -> String {
+    if ms > LAST_RFC3339_MS {
+        return format!("{ms} ms after 1970 (past the year 9999: a score in microseconds?)");
+    }
     let t = std::time::UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64);
     humantime::format_rfc3339_seconds(t).to_string()
 }
@@ -94,6 +103,15 @@ mod tests {
         assert_eq!(fmt_age(185_000), "3m05s");
         assert_eq!(fmt_age(2 * 3_600_000 + 600_000), "2h10m");
         assert_eq!(fmt_age(3 * 86_400_000 + 4 * 3_600_000), "3d04h");
+    }
+
+    #[test]
+    fn a_time_past_the_year_9999_is_written_not_a_panic() {
+        assert_eq!(fmt_time(0), "1970-01-01T00:00:00Z");
+        assert_eq!(fmt_time(LAST_RFC3339_MS), "9999-12-31T23:59:59Z");
+        for ms in [LAST_RFC3339_MS + 1, 1_768_764_300_000_000, i64::MAX] {
+            assert!(fmt_time(ms).starts_with(&format!("{ms} ms after 1970")));
+        }
     }
 
     #[test]

@@ -615,3 +615,46 @@ fn list_mode_queued_and_processing() {
     );
     assert_eq!(j["job_id"].as_str(), Some(id.as_str()));
 }
+
+/// Found from outside: a member a producer scored `+inf`, or in microseconds (a due time
+/// some 55,000 years out), made `worker trace` panic (exit 101) writing its due time. It is
+/// a scheduled job like any other: exit 0, its due time written in milliseconds, and the
+/// likely mistake named.
+#[test]
+fn a_member_scored_past_the_year_9999_is_traced_as_scheduled() {
+    let env = Env::new();
+    let keys = Keys::default();
+    let micros = (now_ms() + 60_000) * 1000;
+    for (key, score) in [
+        ("order.timeout:SO-INF", "+inf".to_string()),
+        ("order.timeout:SO-US", micros.to_string()),
+    ] {
+        redis::cmd("HSET")
+            .arg(&keys.data)
+            .arg(key)
+            .arg(r#"{"event":"order.timeout","payload":{"order_no":"X"},"retry":0,"ts":1}"#)
+            .query::<()>(&mut env.con())
+            .unwrap();
+        redis::cmd("ZADD")
+            .arg(&keys.pool)
+            .arg(&score)
+            .arg(key)
+            .query::<()>(&mut env.con())
+            .unwrap();
+        let out = run_worker(&["trace", key], &env.redis.url(), &env.db.url);
+        let said = text(&out.stdout);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{key}: {said}{}",
+            text(&out.stderr)
+        );
+        assert!(
+            said.contains("scheduled") && said.contains("past the year 9999"),
+            "{key}: {said}"
+        );
+        let (code, t) = trace(&env, &[key]);
+        assert_eq!(code, 0, "{t:#}");
+        assert_eq!(jobs(&t).len(), 1, "{t:#}");
+    }
+}
