@@ -13,6 +13,12 @@
 //!   the worker's keys (`allkeys-*`) is a critical problem (`/healthz` 503, `stats
 //!   --check` CRITICAL; a warning only with `--allow-eviction`), memory above
 //!   [`NEAR_FULL`] of `maxmemory` a warning: Redis refuses writes (OOM) when it is full;
+//!   and its `evicted_keys` (`INFO stats`): keys evicted that may have been the worker's
+//!   (any, unless the policy is a `volatile-*` one, or it was `allkeys-*` when they went)
+//!   are a critical problem until the count is reset (`CONFIG RESETSTAT`, or a restart of
+//!   Redis): an evicted pool or data hash leaves nothing else that could tell (found from
+//!   outside: the whole pool evicted under `allkeys-random`, the policy set back to
+//!   `noeviction`, and every check green while a thousand orders were never cancelled);
 //! - logs the largest lead of a producer's clock the workers saw since the last pass;
 //! - from its second pass on, reads the queue's figures as `worker stats` does
 //!   ([`figures::gather_all`]): a due job that waits in the pool unmoved longer than
@@ -41,6 +47,7 @@ const LOG_EVERY: Duration = Duration::from_secs(300);
 pub const NEAR_FULL: f64 = 0.9;
 /// The role its problems are reported under.
 const REDIS: &str = "redis";
+const EVICTED: &str = "redis evictions";
 const MEMORY: &str = "redis memory";
 const POOL: &str = "pool";
 
@@ -61,6 +68,10 @@ pub struct Watch<'a> {
     /// `/healthz` green within a second or so, not at the next ordinary pass.
     evicting: bool,
     unmoved: bool,
+    /// Per shard: `evicted_keys` at the last pass and whether the policy then evicted the
+    /// worker's keys; and whether keys went while it did (kept until the count drops).
+    evictions: Vec<Option<(u64, bool)>>,
+    evicted_while_allkeys: Vec<bool>,
     /// The lock waiters an earlier run left in the pool have been read ([`Watch::lock_waiters_left`]).
     inventoried: bool,
 }
@@ -81,6 +92,8 @@ impl<'a> Watch<'a> {
             passed: false,
             evicting: false,
             unmoved: false,
+            evictions: vec![None; config.derived.shards.len()],
+            evicted_while_allkeys: vec![false; config.derived.shards.len()],
             inventoried: false,
         }
     }
@@ -158,7 +171,8 @@ impl<'a> Watch<'a> {
     fn memory(&mut self, con: &mut dyn redis::ConnectionLike) -> Result<(), StoreError> {
         let mut evicting = None;
         let mut full = None;
-        for key in &self.keys {
+        let mut evicted = None;
+        for (i, key) in self.keys.iter().enumerate() {
             let m = match store::memory(con, key) {
                 Ok(m) => m,
                 Err(StoreError::Refused { source, .. }) if source.code() == Some("NOPERM") => {
@@ -174,6 +188,22 @@ impl<'a> Watch<'a> {
             };
             if m.evicts_data() && evicting.is_none() {
                 evicting = Some((key.clone(), m.clone()));
+            }
+            if let Some(n) = m.evicted {
+                match self.evictions[i] {
+                    Some((was, _)) if n < was => self.evicted_while_allkeys[i] = false,
+                    Some((was, allkeys)) if n > was && (allkeys || m.evicts_data()) => {
+                        self.evicted_while_allkeys[i] = true
+                    }
+                    _ => {}
+                }
+                self.evictions[i] = Some((n, m.evicts_data()));
+                let counted = m
+                    .evicted_data()
+                    .or((self.evicted_while_allkeys[i]).then_some(n));
+                if let (Some(n), None) = (counted, &evicted) {
+                    evicted = Some((key.clone(), n));
+                }
             }
             if m.fill().is_some_and(|f| f > NEAR_FULL) && full.is_none() {
                 full = Some((key.clone(), m));
@@ -195,6 +225,25 @@ impl<'a> Watch<'a> {
             None => {
                 if self.stats.clear_problem(REDIS, i64::MAX) {
                     log::info!("{REDIS}: maxmemory-policy no longer evicts the worker's keys");
+                }
+            }
+        }
+        self.evicting |= evicted.is_some() && !self.config.allow_eviction;
+        match evicted {
+            Some((key, n)) => {
+                let what = evicted_text(n, &key);
+                let log = if self.config.allow_eviction {
+                    self.stats.report_trouble_about(EVICTED, what.clone(), key)
+                } else {
+                    self.stats.report_critical_about(EVICTED, what.clone(), key)
+                };
+                if log {
+                    log::error!("{EVICTED}: {what}");
+                }
+            }
+            None => {
+                if self.stats.clear_problem(EVICTED, i64::MAX) {
+                    log::info!("{EVICTED}: the count of evicted keys was reset");
                 }
             }
         }
@@ -422,6 +471,17 @@ fn evicting_text(m: &Memory, key: &str, sharded: bool) -> String {
         "maxmemory-policy is {}{whose}: Redis may evict the delay pool, its data and the dead \
          letters and lose scheduled jobs; set maxmemory-policy noeviction",
         m.policy
+    )
+}
+
+/// What keys evicted on the server of `key` may have cost, and how to clear it, in one line.
+pub fn evicted_text(n: u64, key: &str) -> String {
+    format!(
+        "Redis evicted {n} keys (INFO stats evicted_keys) on the server of {key} under a \
+         maxmemory-policy that reaches the worker's keys: scheduled jobs, their data or dead \
+         letters may be gone without a trace; compare `worker stats` and the dead letters \
+         (\"lost data\") with the shop's own records, keep maxmemory-policy noeviction, then \
+         CONFIG RESETSTAT clears this"
     )
 }
 

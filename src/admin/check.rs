@@ -175,7 +175,8 @@ fn label(name: &str, figure: &str) -> String {
 
 /// Holds the report against the thresholds (see [`figures`]), with what `memory` says of
 /// the Redis servers of the worker's keys (`INFO memory`, by key): a policy that may evict
-/// them is CRITICAL, memory near `maxmemory` a WARNING.
+/// them is CRITICAL, keys evicted that may have been theirs too (until `CONFIG RESETSTAT`,
+/// see [`Memory::evicted_data`]), memory near `maxmemory` a WARNING.
 pub fn evaluate_all(r: &StatsReport, t: &Thresholds, memory: &[(String, Memory)]) -> Verdict {
     let (mut figs, extra) = figures(r, t);
     for (key, m) in memory {
@@ -186,6 +187,13 @@ pub fn evaluate_all(r: &StatsReport, t: &Thresholds, memory: &[(String, Memory)]
                     "redis maxmemory-policy {} on the server of {key}: it may evict scheduled jobs (set noeviction)",
                     m.policy
                 ),
+                perf: String::new(),
+            });
+        }
+        if let Some(n) = m.evicted_data() {
+            figs.push(Figure {
+                status: Status::Critical,
+                text: crate::watch::evicted_text(n, key),
                 perf: String::new(),
             });
         }
@@ -634,6 +642,51 @@ mod tests {
         assert!(v.line.contains(" workers=1;2:;1: "), "{}", v.line);
         r.workers.clear();
         assert_eq!(evaluate(&r, &queue_only()).status, Status::Ok);
+    }
+
+    /// Keys evicted count against the worker's keys under any policy but a `volatile-*`
+    /// one (which evicts only keys with a TTL); a count Redis cannot give says nothing.
+    #[test]
+    fn evicted_keys_are_critical_unless_only_keys_with_a_ttl_could_go() {
+        use crate::figures::WorkerHealth;
+        let mut r = report(0, 0, 0, 0);
+        r.workers = vec![WorkerHealth {
+            name: "c1".into(),
+            record: None,
+        }];
+        let m = |policy: &str, evicted: Option<u64>| {
+            vec![(
+                "mq:delay:pool".to_string(),
+                Memory {
+                    policy: policy.into(),
+                    max: 0,
+                    used: 1,
+                    evicted,
+                },
+            )]
+        };
+        let t = Thresholds::default();
+        for (policy, evicted, critical) in [
+            ("noeviction", Some(0), false),
+            ("noeviction", None, false),
+            ("noeviction", Some(12), true),
+            ("volatile-lru", Some(12), false),
+            ("allkeys-lru", Some(0), true),
+        ] {
+            let v = evaluate_all(&r, &t, &m(policy, evicted));
+            assert_eq!(
+                v.status == Status::Critical,
+                critical,
+                "{policy} {evicted:?}: {}",
+                v.line
+            );
+            assert_eq!(
+                v.line.contains("Redis evicted 12 keys"),
+                critical && evicted == Some(12),
+                "{}",
+                v.line
+            );
+        }
     }
 
     #[test]

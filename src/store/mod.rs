@@ -473,6 +473,9 @@ pub struct Memory {
     pub max: u64,
     /// `used_memory` in bytes.
     pub used: u64,
+    /// `evicted_keys` of `INFO stats`: keys evicted since the server started or its last
+    /// `CONFIG RESETSTAT` (`None`: an ACL user refused `INFO stats`).
+    pub evicted: Option<u64>,
 }
 
 impl Memory {
@@ -483,14 +486,24 @@ impl Memory {
         self.policy.starts_with("allkeys-")
     }
 
+    /// Keys this server has evicted (since it started or its last `CONFIG RESETSTAT`)
+    /// that may have been the worker's: any, unless the policy now is a `volatile-*` one,
+    /// which evicts only keys with a TTL (under `noeviction` a count above zero was evicted
+    /// under an earlier policy, which may have been an `allkeys-*` one).
+    pub fn evicted_data(&self) -> Option<u64> {
+        self.evicted
+            .filter(|n| *n > 0 && !self.policy.starts_with("volatile-"))
+    }
+
     /// Used memory as a share of `maxmemory` (`None` without a limit).
     pub fn fill(&self) -> Option<f64> {
         (self.max > 0).then(|| self.used as f64 / self.max as f64)
     }
 }
 
-/// `INFO memory` of the server that holds `key`, from a script (so that a Cluster routes it
-/// by the key, and an ACL user needs only `+info|memory`, not `CONFIG GET`).
+/// `INFO memory` of the server that holds `key`, with `evicted_keys` of `INFO stats`, from a
+/// script (so that a Cluster routes it by the key, and an ACL user needs only
+/// `+info|memory`, not `CONFIG GET`; `+info|stats` for the evictions).
 pub fn memory(con: &mut dyn ConnectionLike, key: &str) -> StoreResult<Memory> {
     let mut inv = INFO_MEMORY.prepare_invoke();
     inv.key(key);
@@ -506,6 +519,7 @@ pub fn memory(con: &mut dyn ConnectionLike, key: &str) -> StoreResult<Memory> {
         used: field("used_memory")
             .and_then(|v| v.parse().ok())
             .unwrap_or(0),
+        evicted: field("evicted_keys").and_then(|v| v.parse().ok()),
     })
 }
 
@@ -560,8 +574,15 @@ pub enum Slots {
 
 static TIME: std::sync::LazyLock<redis::Script> =
     std::sync::LazyLock::new(|| redis::Script::new("return redis.call('TIME')"));
-static INFO_MEMORY: std::sync::LazyLock<redis::Script> =
-    std::sync::LazyLock::new(|| redis::Script::new("return redis.call('INFO', 'memory')"));
+static INFO_MEMORY: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
+    // `INFO stats` under pcall: an ACL user given only `+info|memory` still has the
+    // policy watched.
+    redis::Script::new(
+        "local s = redis.pcall('INFO', 'stats') \
+             if type(s) ~= 'string' then s = '' end \
+             return redis.call('INFO', 'memory') .. '\\r\\n' .. s",
+    )
+});
 
 /// Removes a consumer's heartbeat at shutdown, so peers take over whatever it still has
 /// pending at once instead of after the heartbeat's expiry.

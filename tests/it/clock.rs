@@ -385,6 +385,94 @@ fn a_policy_changed_at_runtime_turns_health_red_and_memory_near_full_warns() {
     assert_eq!(books(&env).dead, 0);
 }
 
+/// Found from outside: an evicting policy set at runtime evicted the whole pool (its data
+/// and the stream too), then set back to `noeviction`: every check went green, and the
+/// jobs were gone without a trace. Keys evicted under a policy that reaches the worker's
+/// keys are critical until the count is reset (`CONFIG RESETSTAT`), in the running worker
+/// and in one started after the fact, and `stats --check` says so on its own.
+#[test]
+fn keys_evicted_under_an_allkeys_policy_stay_critical_until_the_count_is_reset() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 40);
+    let (lost, later) = orders.split_at(20);
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut p = worker(&env, &["--metrics-addr", &addr], &[]);
+    wait_until(WAIT, "healthz green", || {
+        http_get(port, "/healthz").is_ok_and(|(c, _, _)| c == 200)
+    });
+    push_on_redis_clock(&env, lost, 60 * 60_000);
+    let mut con = env.con();
+    let cfg = |con: &mut redis::Connection, k: &str, v: &str| {
+        redis::cmd("CONFIG")
+            .arg("SET")
+            .arg(k)
+            .arg(v)
+            .query::<()>(con)
+            .unwrap()
+    };
+    let info: String = redis::cmd("INFO").arg("memory").query(&mut con).unwrap();
+    let used: u64 = info
+        .lines()
+        .find_map(|l| l.strip_prefix("used_memory:"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    cfg(&mut con, "maxmemory", &(used + 300_000).to_string());
+    cfg(&mut con, "maxmemory-policy", "allkeys-random");
+    let filler = "x".repeat(60_000);
+    let pool = env.config.keys.pool.clone();
+    for i in 0.. {
+        let left: i64 = redis::cmd("EXISTS").arg(&pool).query(&mut con).unwrap();
+        if left == 0 {
+            break;
+        }
+        assert!(i < 20_000, "Redis never evicted the pool");
+        redis::cmd("SET")
+            .arg(format!("cache:{i}"))
+            .arg(&filler)
+            .query::<()>(&mut con)
+            .unwrap();
+    }
+    cfg(&mut con, "maxmemory-policy", "noeviction");
+    cfg(&mut con, "maxmemory", "0");
+    let said_evicted = |b: &str| b.contains("Redis evicted") && b.contains("CONFIG RESETSTAT");
+    wait_until(WAIT, "healthz red naming the evictions", || {
+        http_get(port, "/healthz").is_ok_and(|(c, _, b)| c == 503 && said_evicted(&b))
+    });
+    let check = || run_worker(&["stats", "--check"], &env.config.redis_url, &env.db.url);
+    let out = check();
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stdout));
+    assert!(said_evicted(&text(&out.stdout)), "{}", text(&out.stdout));
+    // It stays red with the policy mended, and in a worker started after the fact.
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(http_get(port, "/healthz").is_ok_and(|(c, _, _)| c == 503));
+    p.signal(libc::SIGTERM);
+    assert!(p.wait(WAIT).success(), "{}", p.log());
+    let mut p = worker(&env, &["--metrics-addr", &addr], &[]);
+    wait_until(WAIT, "a new worker red from its start", || {
+        http_get(port, "/healthz").is_ok_and(|(c, _, b)| c == 503 && said_evicted(&b))
+    });
+    // Jobs go on meanwhile.
+    push_on_redis_clock(&env, later, 0);
+    wait_until(WAIT, "the later jobs done", || inbox_count(&env.db) == 20);
+    redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query::<()>(&mut con)
+        .unwrap();
+    wait_until(WAIT, "healthz green once the count is reset", || {
+        http_get(port, "/healthz").is_ok_and(|(c, _, _)| c == 200)
+    });
+    let out = check();
+    assert!(!said_evicted(&text(&out.stdout)), "{}", text(&out.stdout));
+    p.signal(libc::SIGTERM);
+    assert!(p.wait(WAIT).success(), "{}", p.log());
+    // The evicted jobs' orders are untouched (nothing done early or twice); the later
+    // ones cancelled once.
+    assert_accounting(&env.db, &orders, &later.iter().collect::<Vec<_>>());
+}
+
 #[test]
 fn data_that_vanished_is_lost_data_with_its_key_and_due_time() {
     // A Redis that evicts only keys with a TTL (the worker's keys have none, so it runs),
