@@ -13,7 +13,9 @@ pub struct Keys {
     /// HASH: job key -> message JSON.
     pub data: String,
     /// HASH: job key -> "<job id> <sha1>" of a retry waiting in the pool, so the retry
-    /// keeps its job id (`<pool>:jobs`; written by the settle scripts, read by the mover).
+    /// keeps its job id (`<pool>:jobs`; written by the settle scripts, read by the mover);
+    /// and `msg\n<job key>` -> a copy of that retry's message, for its dead letter when a
+    /// push overwrites the data before the retry runs.
     pub jobs: String,
     /// HASH: job key -> id of the stream entry its latest move wrote, until that entry is
     /// settled (`<pool>:moved`; kept by the move, settle and bury scripts), so `worker

@@ -654,9 +654,11 @@ fn print_report(
     for id in missing {
         writeln!(out, "no dead letter {id}")?;
     }
-    Ok(if missing.is_empty() && r.refused.is_empty() {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    })
+    Ok(
+        if missing.is_empty() && r.refused.is_empty() && r.cannot.is_empty() {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        },
+    )
 }

@@ -192,7 +192,7 @@ local function job_id_for(msg, key, score, data, due, rec)
     local at = string.find(rec, ' ', 1, true)
     if at and string.sub(rec, at + 1) == redis.sha1hex(msg) then return string.sub(rec, 1, at - 1) end
     if not dead_bad then
-      replaced(key, string.sub(rec, 1, (at or 0) - 1))
+      replaced(key, string.sub(rec, 1, (at or 0) - 1), string.sub(rec, (at or #rec) + 1))
     end
   end
   return identity(key, score, data, due)
@@ -262,8 +262,10 @@ local function fetch(key, due, msg)
 end
 
 -- Keys of our pool whose message has left (moved or buried), to forget and unschedule
--- once per page (`forget_page`).
+-- once per page (`forget_page`); of those, the keys that had a retry record, whose copy
+-- of the message goes with it.
 local gone = {}
+local recorded = {}
 
 local function forget(key)
   if legacy == '' then
@@ -317,18 +319,24 @@ local function bury(key, reason, len)
   return true
 end
 
--- The dead letter of a retry a newer push replaced in the pool.
-replaced = function(key, job_id)
+-- The dead letter of a retry a newer push replaced in the pool: with the retry's message,
+-- from the copy its record keeps (none from a worker older than the copy, or one that
+-- is not the recorded message: the letter then names the job only).
+replaced = function(key, job_id, sha1)
   local reason = 'retry of job ' .. job_id .. ' replaced: the job key was pushed again ' ..
     'before the retry ran (a push reschedules its key; the newer push runs)'
+  local msg = redis.call('HGET', KEYS[5], copy_field(key))
+  if not msg or redis.sha1hex(msg) ~= sha1 then msg = '' end
+  local event, attempts = retry_facts(msg)
+  if event == '' then event = legacy end
   if mode == 'list' then
     redis.call('LPUSH', KEYS[4], cjson.encode({
-      msg = '', reason = reason, ts = now_sec, event = legacy, key = key,
-      attempts = 0, consumer = 'mover'
+      msg = msg, reason = reason, ts = now_sec, event = event, key = key,
+      attempts = attempts, consumer = 'mover'
     }))
   else
-    local letter = redis.call('XADD', KEYS[4], '*', 'msg', '', 'reason', reason, 'ts', now_ts,
-      'event', legacy, 'key', key, 'attempts', 0, 'consumer', 'mover')
+    local letter = redis.call('XADD', KEYS[4], '*', 'msg', msg, 'reason', reason, 'ts', now_ts,
+      'event', event, 'key', key, 'attempts', attempts, 'consumer', 'mover')
     index_letter(KEYS[7], key, letter)
   end
   buried[#buried + 1] = key
@@ -352,7 +360,13 @@ local function forget_page()
     redis.call('HDEL', KEYS[5], ...)
     redis.call('ZREM', KEYS[1], ...)
   end)
+  local copies = {}
+  for _, key in ipairs(gone) do
+    if recorded[key] then copies[#copies + 1] = copy_field(key) end
+  end
+  in_chunks(copies, INDEX_CHUNK, function(...) redis.call('HDEL', KEYS[5], ...) end)
   gone = {}
+  recorded = {}
 end
 
 local function handle(items, scale)
@@ -366,6 +380,7 @@ local function handle(items, scale)
   end
   for i = 1, #items, 2 do
     local key = items[i]
+    if recs[(i + 1) / 2] then recorded[key] = true end
     local due = tonumber(items[i + 1]) * scale
     local msg, why, len, data = fetch(key, due, msgs[(i + 1) / 2])
     if msg then

@@ -50,9 +50,17 @@ end
 -- key and ts: it must stay unstamped). The mover keeps the id only if the data it moves
 -- is that very message, so a producer pushing the key again (even a copy of an old
 -- message) gets the id of what it pushed.
+-- Beside the record, under `msg\n<job key>`, a copy of the message itself: a producer
+-- that pushes the key again overwrites the data, and the retry it replaces is then a dead
+-- letter with its message, which can be requeued as the same job (found from outside: the
+-- letter held no message and its job's payload was nowhere). Removed with the record.
+local function copy_field(key)
+  return 'msg\n' .. key
+end
+
 local function remember_job(jobs, key, msg)
   local id = stamped_id(msg) or '-'
-  redis.call('HSET', jobs, key, id .. ' ' .. redis.sha1hex(msg))
+  redis.call('HSET', jobs, key, id .. ' ' .. redis.sha1hex(msg), copy_field(key), msg)
 end
 
 -- The two small indexes `worker trace` answers from without scanning a stream (the

@@ -295,15 +295,21 @@ pub fn retries_page(
     cursor: u64,
     count: usize,
 ) -> StoreResult<(u64, Vec<WaitingRetry>)> {
-    let (next, fields): (u64, Vec<String>) = redis::cmd("HSCAN")
+    let (next, fields): (u64, Vec<Vec<u8>>) = redis::cmd("HSCAN")
         .arg(&keys.jobs)
         .arg(cursor)
         .arg("COUNT")
         .arg(count)
         .query(con)
         .map_err(|e| super::StoreError::from_redis("scan the retries", e))?;
-    // Field, value, field, value: the job keys are the fields.
-    let names: Vec<String> = fields.into_iter().step_by(2).collect();
+    // Field, value, field, value: the job keys are the fields, beside the copies of the
+    // retries' messages (`msg\n<job key>`, see `remember_job` in the scripts' prelude).
+    let names: Vec<String> = fields
+        .into_iter()
+        .step_by(2)
+        .filter(|f| !f.starts_with(b"msg\n"))
+        .filter_map(|f| String::from_utf8(f).ok())
+        .collect();
     if names.is_empty() {
         return Ok((next, Vec::new()));
     }

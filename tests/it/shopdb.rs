@@ -3361,3 +3361,96 @@ fn lateness_beside_a_locked_sku_measured() {
     holder.join().unwrap();
     every_order_cancelled_once(&env, w, &orders);
 }
+
+/// Found from outside: a producer that pushed a key again while its job waited in the
+/// pool for a retry replaced the retry, and the retry's dead letter held no message: its
+/// payload was nowhere and `dead requeue` left it (exit 0). Now the letter holds the
+/// retry's message, named by its event and attempts, and a requeue once the newer push
+/// has run does it once, as the same job.
+#[test]
+fn a_retry_a_raw_push_replaced_is_a_dead_letter_with_its_message_that_requeues_once() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 2);
+    let (first, second) = (&orders[0], &orders[1]);
+    let mut c = env.db.client();
+    c.batch_execute("ALTER TABLE orders RENAME COLUMN cancel_reason TO cancel_reason_old")
+        .unwrap();
+    let (w, port) = start_with_health(&env, &[]);
+    let key = "order.timeout:shared";
+    let mut con = env.con();
+    let raw_push = |con: &mut redis::Connection, order_no: &str| {
+        let now = delay_worker::now_ms();
+        let msg = serde_json::json!({
+            "event": "order.timeout", "payload": {"order_no": order_no},
+            "retry": 0, "ts": now / 1000,
+        });
+        redis::cmd("HSET")
+            .arg(&env.config.keys.data)
+            .arg(key)
+            .arg(msg.to_string())
+            .query::<()>(con)
+            .unwrap();
+        redis::cmd("ZADD")
+            .arg(&env.config.keys.pool)
+            .arg(now)
+            .arg(key)
+            .query::<()>(con)
+            .unwrap();
+    };
+    raw_push(&mut con, &first.order_no);
+    // Held for the schema (the column renamed), the job waits in the pool between tries.
+    wait_until(WAIT, "the job held in the pool with its record", || {
+        let recorded: bool = redis::cmd("HEXISTS")
+            .arg(&env.config.keys.jobs)
+            .arg(key)
+            .query(&mut con)
+            .unwrap();
+        let waiting: Option<f64> = redis::cmd("ZSCORE")
+            .arg(&env.config.keys.pool)
+            .arg(key)
+            .query(&mut con)
+            .unwrap();
+        recorded && waiting.is_some()
+    });
+    raw_push(&mut con, &second.order_no);
+    c.batch_execute("ALTER TABLE orders RENAME COLUMN cancel_reason_old TO cancel_reason")
+        .unwrap();
+    wait_until(WAIT, "the newer push done, the retry a dead letter", || {
+        inbox_count(&env.db) == 1 && books(&env).dead == 1
+    });
+    let letter = dead_letters(&env).pop().unwrap();
+    assert!(letter["reason"].contains("replaced"), "{letter:?}");
+    assert!(letter["msg"].contains(&first.order_no), "{letter:?}");
+    assert_eq!(letter["event"], "order.timeout", "{letter:?}");
+    let entries: redis::Value = redis::cmd("XRANGE")
+        .arg(&env.config.keys.dead)
+        .arg("-")
+        .arg("+")
+        .query(&mut con)
+        .unwrap();
+    let redis::Value::Array(entries) = entries else {
+        panic!("{entries:?}")
+    };
+    let redis::Value::Array(entry) = &entries[0] else {
+        panic!("{entries:?}")
+    };
+    let id = delay_worker::store::value_to_string(&entry[0]);
+    let out = run_worker(
+        &["dead", "requeue", "--id", &id],
+        &env.config.redis_url,
+        &env.db.url,
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stdout));
+    assert!(
+        text(&out.stdout).starts_with("requeued 1"),
+        "{}",
+        text(&out.stdout)
+    );
+    wait_done(&env, &env.db, 2);
+    green_then_books(&env, w, port, &orders, &all(&orders));
+    let left: i64 = redis::cmd("HLEN")
+        .arg(&env.config.keys.jobs)
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(left, 0, "no record or copy left behind");
+}

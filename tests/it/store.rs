@@ -1221,6 +1221,37 @@ fn a_push_over_a_waiting_retry_is_a_new_job_and_the_retry_is_reported() {
     let first = delay_worker::message::stamp_of(msgs[0].as_bytes());
     let second = delay_worker::message::stamp_of(msgs[1].as_bytes());
     assert_ne!(first, second, "a new job");
+    // The letter holds the retry's own message, its event and its attempts (found from
+    // outside: it held none, and the job's payload was nowhere), so it can be requeued
+    // as the same job; the record and its copy are gone with the move.
+    let letter = &xrange(&mut con, &k.dead)[0];
+    let held = delay_worker::message::Envelope::decode(letter["msg"].as_bytes(), MAX).unwrap();
+    assert_eq!(held.payload, serde_json::json!({"v": 1}), "{letter:?}");
+    assert_eq!(held.job_id, first, "{letter:?}");
+    assert_eq!(
+        (letter["event"].as_str(), letter["attempts"].as_str()),
+        ("e", "1"),
+        "{letter:?}"
+    );
+    let left: i64 = redis::cmd("HLEN").arg(&k.jobs).query(&mut con).unwrap();
+    assert_eq!(left, 0, "nothing of the retry is left beside the pool");
+}
+
+/// A cancel takes a waiting retry's record and its copy of the message with it.
+#[test]
+fn a_cancelled_retry_leaves_nothing_behind() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let k = keys();
+    let d = one_pending(&mut con, &k, r#"{"event":"e","payload":{"v":1},"retry":0}"#);
+    let env = delay_worker::message::Envelope::decode(&d.msg, MAX).unwrap();
+    let retry = retry_of(&d, env.next_retry().into_bytes(), NOW + 60_000);
+    settle(&mut con, &k, &[retry]).unwrap();
+    let held: i64 = redis::cmd("HLEN").arg(&k.jobs).query(&mut con).unwrap();
+    assert_eq!(held, 2, "the record and the copy");
+    assert!(store::cancel(&mut con, &k, "job-1").unwrap());
+    let left: i64 = redis::cmd("HLEN").arg(&k.jobs).query(&mut con).unwrap();
+    assert_eq!(left, 0);
 }
 
 #[test]
