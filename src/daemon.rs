@@ -109,19 +109,26 @@ pub fn registry(config: &Config) -> Result<Registry, DaemonError> {
 const SCHEMA_CHECK_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Fails unless every embedded migration is recorded as applied. Returns the session's
-/// `search_path`, which the workers' sessions keep for the run ([`db::search_path_option`]).
+/// `search_path` as the schemas it found (`current_schemas`, each quoted, a temporary
+/// schema left out), which the workers' sessions keep for the run
+/// ([`db::search_path_option`]): kept as text, `"$user", public` would take in a schema
+/// named after the worker's role created later, in the sessions already open too (found
+/// from outside: a look-alike `orders` there made every job a no-op, health green).
 pub fn check_schema(url: &str) -> Result<String, DaemonError> {
     let mut client = db::connect_bounded(url, SCHEMA_CHECK_TIMEOUT)?;
     let mut seen = String::new();
     // The session's `search_path` beside each version: one round trip.
     let mut search_path = String::new();
     let applied: Vec<i32> = match client.query(
-        "SELECT version, current_setting('search_path') FROM worker_migrations",
+        "SELECT version, (SELECT string_agg(quote_ident(s), ', ' ORDER BY n) \
+           FROM unnest(current_schemas(false)) WITH ORDINALITY AS t(s, n) \
+           WHERE s NOT LIKE 'pg\\_temp\\_%' AND s NOT LIKE 'pg\\_toast\\_temp\\_%') \
+         FROM worker_migrations",
         &[],
     ) {
         Ok(rows) => {
             if let Some(r) = rows.first() {
-                search_path = r.get(1);
+                search_path = r.get::<_, Option<String>>(1).unwrap_or_default();
             }
             rows.iter().map(|r| r.get(0)).collect()
         }
@@ -338,7 +345,7 @@ fn preflight(config: &Config) -> Result<Ready, DaemonError> {
         },
         db::CHECKOUT,
         config.jobs.group_commit,
-        Some(&search_path),
+        (!search_path.is_empty()).then_some(search_path.as_str()),
     )?;
     // Prepares every handler once now, so that a handler that does not prepare (a table
     // not there yet, SQL that does not parse) is named at once. It does not stop the start:
@@ -453,7 +460,9 @@ impl<'a> Crew<'a> {
             manners: Manners::new(&config.jobs.max_rates, config.jobs.set_size),
             pool_target: {
                 let mut t = db::Target::parse(&config.database_url)?;
-                t.add_options(&db::search_path_option(&ready.search_path));
+                if !ready.search_path.is_empty() {
+                    t.add_options(&db::search_path_option(&ready.search_path));
+                }
                 t
             },
             shard_mover: MoverConfig {

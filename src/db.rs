@@ -364,7 +364,12 @@ impl r2d2::ManageConnection for Manager {
 
     fn connect(&self) -> Result<PgConn, DbError> {
         let mut client = self.target.connect_within(HANDSHAKE_DEADLINE)?;
-        keep_session(&mut client)?;
+        if let Some(why) = keep_session(&mut client)? {
+            return Err(DbError::Unreachable {
+                url: self.target.shown.clone(),
+                reason: why.to_string(),
+            });
+        }
         Ok(PgConn {
             client,
             discarded: false,
@@ -400,12 +405,42 @@ impl r2d2::ManageConnection for Manager {
 /// worker keeps between statements: the workers' and the database watch's. Found from
 /// outside: `ALTER ROLE ... SET idle_session_timeout = '200ms'` ended the watch's session
 /// between its looks, and `/healthz` said "no writable PostgreSQL: connection closed".
-const KEEP_SESSION: &str = "SELECT set_config('idle_session_timeout', '0', false) \
-     WHERE current_setting('server_version_num')::int >= 140000";
+/// Also reads the session's `session_replication_role` (see [`keep_session`]).
+const KEEP_SESSION: &str = "SELECT current_setting('session_replication_role'), \
+     (SELECT set_config('idle_session_timeout', '0', false) \
+       WHERE current_setting('server_version_num')::int >= 140000)";
 
-/// Runs [`KEEP_SESSION`] on a new session.
-pub fn keep_session(client: &mut postgres::Client) -> Result<(), postgres::Error> {
-    client.simple_query(KEEP_SESSION).map(drop)
+/// What a session whose writes would pass the shop's triggers by is told.
+pub const TRIGGERS_OFF: &str = "session_replication_role is not origin for the worker's \
+     sessions (ALTER ROLE or ALTER DATABASE ... SET session_replication_role): the shop's \
+     triggers (its rules, audits, foreign keys) would not fire for the worker's writes, and \
+     the worker may not set it back; RESET it";
+
+/// Runs [`KEEP_SESSION`] on a new session, and makes sure the shop's triggers fire for its
+/// writes: a `session_replication_role` of `replica` (or `local`) set for the role or the
+/// database turns off every ordinary trigger, so the shop's rules would be passed by
+/// without a word (found from outside: orders a trigger refused were cancelled, an audit
+/// trigger recorded none, health green). Set back to `origin` when the role may (a
+/// superuser, or one granted `SET` on it); otherwise `Ok(Some(why))`: the session must not
+/// be used, and the jobs wait, as on a read-only server.
+pub fn keep_session(
+    client: &mut postgres::Client,
+) -> Result<Option<&'static str>, postgres::Error> {
+    let rows = client.simple_query(KEEP_SESSION)?;
+    let role = rows.iter().find_map(|m| match m {
+        postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_string),
+        _ => None,
+    });
+    if role.as_deref().is_none_or(|r| r == "origin") {
+        return Ok(None);
+    }
+    match client.simple_query("SET session_replication_role = origin") {
+        Ok(_) => Ok(None),
+        Err(e) if e.code() == Some(&postgres::error::SqlState::INSUFFICIENT_PRIVILEGE) => {
+            Ok(Some(TRIGGERS_OFF))
+        }
+        Err(e) => Err(e),
+    }
 }
 
 /// The session option that keeps a session's `search_path` at `path` (what the start

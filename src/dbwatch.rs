@@ -363,7 +363,9 @@ fn check(
                     DbError::Unreachable { reason, .. } => reason,
                     other => other.to_string(),
                 })?;
-            db::keep_session(&mut new).map_err(|e| db::error_text(&e))?;
+            if let Some(why) = db::keep_session(&mut new).map_err(|e| db::error_text(&e))? {
+                return Err(why.to_string());
+            }
             client.insert(new)
         }
     };

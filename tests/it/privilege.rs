@@ -1349,6 +1349,103 @@ fn a_search_path_set_on_the_role_does_not_reach_the_running_worker() {
     assert_eq!(books(&l.env).dead, 0);
 }
 
+/// Found from outside: with the default `search_path` (`"$user", public`) kept as text, a
+/// schema named after the worker's role created while it runs, holding a look-alike
+/// `orders`, took every job at once, in the sessions already open too: each job found no
+/// order and was a no-op, the unpaid orders left pending, health green. The start's
+/// `search_path` is kept as the schemas it found.
+#[test]
+fn a_schema_named_after_the_worker_s_role_created_mid_run_takes_no_job() {
+    let mut l = Locked::new(&[]);
+    let port = l.with_health();
+    let role = l.runtime_role.clone();
+    let owner = |sql: String| l.env.db.client().batch_execute(&sql).unwrap();
+    let orders = seed_orders(&l.env.db, 20);
+    let daemon = Daemon::start(&l.env.config);
+    push_timeouts(&l.env, &orders[..10], 0);
+    wait_until(WAIT, "the first jobs done", || inbox_count(&l.env.db) == 10);
+    owner(format!(
+        "CREATE SCHEMA {role}; CREATE TABLE {role}.orders (LIKE public.orders INCLUDING ALL); \
+         GRANT USAGE ON SCHEMA {role} TO {role}; GRANT SELECT, UPDATE ON {role}.orders TO {role}"
+    ));
+    // New sessions as well as the open ones.
+    owner(format!(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'"
+    ));
+    push_timeouts(&l.env, &orders[10..], 0);
+    wait_until(WAIT, "every job done", || inbox_count(&l.env.db) == 20);
+    wait_healthz(port, "/healthz green", |code, _| code == 200);
+    daemon.stop();
+    let noops: i64 = l
+        .env
+        .db
+        .client()
+        .query_one(
+            "SELECT count(*) FROM worker_inbox WHERE outcome IS DISTINCT FROM 'done'",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(noops, 0, "a job met the look-alike table");
+    assert_accounting(&l.env.db, &orders, &orders.iter().collect::<Vec<_>>());
+    assert_eq!(books(&l.env).dead, 0);
+}
+
+/// Found from outside: `session_replication_role = replica` set on the worker's role (or
+/// its database) turned the shop's triggers off for the worker's writes: orders a trigger
+/// refuses were cancelled through it, health green. A session that cannot be set back to
+/// `origin` is not used: the jobs wait, `/healthz` red naming the setting, and once it is
+/// reset every job is done once, each through the trigger.
+#[test]
+fn a_replica_session_replication_role_on_the_worker_s_role_holds_the_jobs_red() {
+    let mut l = Locked::new(&[]);
+    let port = l.with_health();
+    let role = l.runtime_role.clone();
+    let owner = |sql: String| l.env.db.client().batch_execute(&sql).unwrap();
+    // An audit trigger the shop keeps: one row per order the worker cancels.
+    owner(format!(
+        "CREATE TABLE cancel_audit (order_id bigint); \
+         GRANT INSERT ON cancel_audit TO {role}; \
+         CREATE FUNCTION audit_cancel() RETURNS trigger LANGUAGE plpgsql AS \
+           $$BEGIN IF NEW.status = 'cancelled' THEN INSERT INTO cancel_audit VALUES (NEW.id); \
+           END IF; RETURN NEW; END$$; \
+         CREATE TRIGGER orders_audit AFTER UPDATE ON orders FOR EACH ROW \
+           EXECUTE FUNCTION audit_cancel()"
+    ));
+    let orders = seed_orders(&l.env.db, 20);
+    let daemon = Daemon::start(&l.env.config);
+    push_timeouts(&l.env, &orders[..10], 0);
+    wait_until(WAIT, "the first jobs done", || inbox_count(&l.env.db) == 10);
+    owner(format!(
+        "ALTER ROLE {role} SET session_replication_role = replica; \
+         SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'"
+    ));
+    push_timeouts(&l.env, &orders[10..], 0);
+    wait_healthz(port, "/healthz red naming the setting", |code, body| {
+        code == 503 && body.contains("session_replication_role")
+    });
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(
+        inbox_count(&l.env.db),
+        10,
+        "a job ran with the triggers off"
+    );
+    owner(format!("ALTER ROLE {role} RESET session_replication_role"));
+    wait_until(WAIT, "every job done", || inbox_count(&l.env.db) == 20);
+    wait_healthz(port, "/healthz green", |code, _| code == 200);
+    daemon.stop();
+    let audited: i64 = l
+        .env
+        .db
+        .client()
+        .query_one("SELECT count(*) FROM cancel_audit", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(audited, 20, "each cancel through the shop's trigger");
+    assert_accounting(&l.env.db, &orders, &orders.iter().collect::<Vec<_>>());
+    assert_eq!(books(&l.env).dead, 0);
+}
+
 /// A refused privilege that only some jobs need (the inbox's `outcome` column, which only
 /// the no-op of a paid order writes) holds those jobs while the others commit: `/healthz`
 /// and `stats --check` stay red naming it for as long as it lasts, not green at each
