@@ -109,26 +109,26 @@ pub fn registry(config: &Config) -> Result<Registry, DaemonError> {
 const SCHEMA_CHECK_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Fails unless every embedded migration is recorded as applied. Returns the session's
-/// `search_path` as the schemas it found (`current_schemas`, each quoted, a temporary
-/// schema left out), which the workers' sessions keep for the run
-/// ([`db::search_path_option`]): kept as text, `"$user", public` would take in a schema
-/// named after the worker's role created later, in the sessions already open too (found
-/// from outside: a look-alike `orders` there made every job a no-op, health green).
+/// `search_path` with `$user` settled as the start finds it ([`db::settled_search_path`]),
+/// which the workers' sessions keep for the run ([`db::search_path_option`]).
 pub fn check_schema(url: &str) -> Result<String, DaemonError> {
     let mut client = db::connect_bounded(url, SCHEMA_CHECK_TIMEOUT)?;
     let mut seen = String::new();
     // The session's `search_path` beside each version: one round trip.
     let mut search_path = String::new();
     let applied: Vec<i32> = match client.query(
-        "SELECT version, (SELECT string_agg(quote_ident(s), ', ' ORDER BY n) \
-           FROM unnest(current_schemas(false)) WITH ORDINALITY AS t(s, n) \
-           WHERE s NOT LIKE 'pg\\_temp\\_%' AND s NOT LIKE 'pg\\_toast\\_temp\\_%') \
+        "SELECT version, current_setting('search_path'), quote_ident(current_user), \
+           EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = current_user) \
          FROM worker_migrations",
         &[],
     ) {
         Ok(rows) => {
             if let Some(r) = rows.first() {
-                search_path = r.get::<_, Option<String>>(1).unwrap_or_default();
+                search_path = db::settled_search_path(
+                    &r.get::<_, String>(1),
+                    &r.get::<_, String>(2),
+                    r.get(3),
+                );
             }
             rows.iter().map(|r| r.get(0)).collect()
         }

@@ -443,6 +443,42 @@ pub fn keep_session(
     }
 }
 
+/// A `search_path` (`"$user", public`) with its `$user` settled as the start finds it: the
+/// role's own schema (`user`, quoted) when it exists then, else left out; every other
+/// entry as written. Kept as text, `$user` would take in a schema named after the
+/// worker's role created later (or after a role a `SET role` takes), in the sessions
+/// already open too (found from outside: a look-alike `orders` there made every job a
+/// no-op, health green). Entries that do not resolve now (a schema not there yet, or one
+/// the role may not use until a grant comes back) are kept: what the operator wrote.
+pub fn settled_search_path(path: &str, user: &str, user_schema: bool) -> String {
+    let mut entries = Vec::new();
+    let mut entry = String::new();
+    let mut quoted = false;
+    for c in path.chars().chain(std::iter::once(',')) {
+        match c {
+            '"' => {
+                quoted = !quoted;
+                entry.push(c);
+            }
+            ',' if !quoted => {
+                let e = entry.trim().to_string();
+                entry.clear();
+                match e.as_str() {
+                    "" => {}
+                    "$user" | "\"$user\"" => {
+                        if user_schema {
+                            entries.push(user.to_string());
+                        }
+                    }
+                    _ => entries.push(e),
+                }
+            }
+            c => entry.push(c),
+        }
+    }
+    entries.join(", ")
+}
+
 /// The session option that keeps a session's `search_path` at `path` (what the start
 /// saw: the role's and database's settings then, or the connection string's own), so that
 /// a role's or database's `search_path` changed while the worker runs does not reach its
@@ -911,10 +947,33 @@ pub fn error_text(e: &postgres::Error) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{quotes_payload, search_path_option, Target};
+    use super::{quotes_payload, search_path_option, settled_search_path, Target};
 
     /// A `search_path` with spaces and backslashes goes into the startup packet as one
     /// option: PostgreSQL splits the options at unescaped white space.
+    /// `$user` is settled by whether the role's schema is there at the start; a comma
+    /// inside a quoted name is the name's.
+    #[test]
+    fn a_search_path_s_user_is_settled_at_the_start() {
+        assert_eq!(
+            settled_search_path("\"$user\", public", "w", false),
+            "public"
+        );
+        assert_eq!(
+            settled_search_path("\"$user\", public", "w", true),
+            "w, public"
+        );
+        assert_eq!(
+            settled_search_path("$user,public", "\"W\"", true),
+            "\"W\", public"
+        );
+        assert_eq!(
+            settled_search_path("\"a,b\", shop , \"$user\"", "w", false),
+            "\"a,b\", shop"
+        );
+        assert_eq!(settled_search_path("", "w", true), "");
+    }
+
     #[test]
     fn a_search_path_is_one_session_option() {
         assert_eq!(
