@@ -487,7 +487,9 @@ pub fn evicted_text(n: u64, key: &str) -> String {
 
 /// The start's check: `Some(why)` when a server of the worker's keys may evict them and
 /// `--allow-eviction` was not given (with it, one loud warning). A policy that cannot be
-/// read (an ACL user without `+info|memory`) is a warning: the start goes on.
+/// read (an ACL user without `+info|memory`) is a warning: the start goes on. A server
+/// that writes no append-only file is a warning too (found from outside: a Redis without
+/// persistence restarted lost every scheduled job, and nothing had said it would).
 pub fn refuse_eviction(
     con: &mut dyn redis::ConnectionLike,
     config: &Config,
@@ -498,6 +500,18 @@ pub fn refuse_eviction(
         .iter()
         .map(|k| k.pool.clone())
         .collect();
+    // Said once the start goes on (a refusal is one line).
+    let mut no_aof: Option<String> = None;
+    let warn_no_aof = |no_aof: &Option<String>| {
+        if let Some(whose) = no_aof {
+            log::warn!(
+                "Redis at {}{whose}: appendonly is off: a restart or crash of Redis loses \
+                 the jobs scheduled since its last snapshot, every one without a snapshot; \
+                 the guarantees assume appendonly yes with appendfsync always",
+                config.derived.redis_shown
+            );
+        }
+    };
     for key in &keys {
         let m = match store::memory(con, key) {
             Ok(m) => m,
@@ -506,10 +520,17 @@ pub fn refuse_eviction(
                     "redis: INFO memory refused ({source}): cannot check maxmemory-policy; \
                      give the ACL user +info|memory"
                 );
+                warn_no_aof(&no_aof);
                 return Ok(None);
             }
             Err(e) => return Err(e),
         };
+        if m.aof == Some(false) && no_aof.is_none() {
+            no_aof = Some(match keys.len() > 1 {
+                true => format!(" (the server of {key})"),
+                false => String::new(),
+            });
+        }
         if !m.evicts_data() {
             continue;
         }
@@ -519,9 +540,11 @@ pub fn refuse_eviction(
                 "--allow-eviction: running although {what} (Redis at {})",
                 config.derived.redis_shown
             );
+            warn_no_aof(&no_aof);
             return Ok(None);
         }
         return Ok(Some(what));
     }
+    warn_no_aof(&no_aof);
     Ok(None)
 }

@@ -662,6 +662,7 @@ mod tests {
                     max: 0,
                     used: 1,
                     evicted,
+                    aof: Some(true),
                 },
             )]
         };

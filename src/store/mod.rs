@@ -476,6 +476,9 @@ pub struct Memory {
     /// `evicted_keys` of `INFO stats`: keys evicted since the server started or its last
     /// `CONFIG RESETSTAT` (`None`: an ACL user refused `INFO stats`).
     pub evicted: Option<u64>,
+    /// `aof_enabled` of `INFO persistence`: whether Redis writes an append-only file
+    /// (`None`: refused, as above).
+    pub aof: Option<bool>,
 }
 
 impl Memory {
@@ -520,6 +523,7 @@ pub fn memory(con: &mut dyn ConnectionLike, key: &str) -> StoreResult<Memory> {
             .and_then(|v| v.parse().ok())
             .unwrap_or(0),
         evicted: field("evicted_keys").and_then(|v| v.parse().ok()),
+        aof: field("aof_enabled").map(|v| v == "1"),
     })
 }
 
@@ -575,12 +579,14 @@ pub enum Slots {
 static TIME: std::sync::LazyLock<redis::Script> =
     std::sync::LazyLock::new(|| redis::Script::new("return redis.call('TIME')"));
 static INFO_MEMORY: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
-    // `INFO stats` under pcall: an ACL user given only `+info|memory` still has the
-    // policy watched.
+    // `INFO stats` and `INFO persistence` under pcall: an ACL user given only
+    // `+info|memory` still has the policy watched.
     redis::Script::new(
         "local s = redis.pcall('INFO', 'stats') \
              if type(s) ~= 'string' then s = '' end \
-             return redis.call('INFO', 'memory') .. '\\r\\n' .. s",
+             local p = redis.pcall('INFO', 'persistence') \
+             if type(p) ~= 'string' then p = '' end \
+             return redis.call('INFO', 'memory') .. '\\r\\n' .. s .. '\\r\\n' .. p",
     )
 });
 

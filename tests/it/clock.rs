@@ -385,6 +385,43 @@ fn a_policy_changed_at_runtime_turns_health_red_and_memory_near_full_warns() {
     assert_eq!(books(&env).dead, 0);
 }
 
+/// Found from outside: a Redis without persistence, restarted, lost every scheduled job,
+/// and nothing had said it would. A start on a Redis that writes no append-only file says
+/// so, once, in one warning; on one that does, nothing.
+#[test]
+fn a_start_on_a_redis_without_an_append_only_file_warns_once() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 4);
+    // A run that does two jobs: its log.
+    let run = |env: &Env, orders: &[SeedOrder], done: i64| {
+        push_on_redis_clock(env, orders, 0);
+        let mut p = worker(env, &[], &[]);
+        wait_until(WAIT, "the jobs done", || inbox_count(&env.db) == done);
+        p.signal(libc::SIGTERM);
+        assert!(p.wait(WAIT).success(), "{}", p.log());
+        p.log()
+    };
+    let log = run(&env, &orders[..2], 2);
+    let said: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("appendonly is off"))
+        .collect();
+    assert_eq!(said.len(), 1, "{log}");
+    assert!(
+        said[0].contains("WARN") && said[0].contains("appendfsync always"),
+        "{log}"
+    );
+    redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("appendonly")
+        .arg("yes")
+        .query::<()>(&mut env.con())
+        .unwrap();
+    let log = run(&env, &orders[2..], 4);
+    assert!(!log.contains("appendonly is off"), "{log}");
+    assert_accounting(&env.db, &orders, &orders.iter().collect::<Vec<_>>());
+}
+
 /// Found from outside: an evicting policy set at runtime evicted the whole pool (its data
 /// and the stream too), then set back to `noeviction`: every check went green, and the
 /// jobs were gone without a trace. Keys evicted under a policy that reaches the worker's
