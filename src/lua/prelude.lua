@@ -156,6 +156,15 @@ local function retry_facts(msg)
   return event, math.floor(retry)
 end
 
+-- Whether a job key was pushed again while its job ran: it is scheduled, or its data is
+-- there without it (a producer's HSET whose ZADD has not come yet: the mover takes a
+-- key's data when it moves it, so none is left while its job runs). A retry written back
+-- then would overwrite the newer push's data (found from outside: a producer pausing
+-- between HSET and ZADD lost its push to the retry, silently).
+local function pushed_again(pool, data, key)
+  return redis.call('ZSCORE', pool, key) or redis.call('HEXISTS', data, key) == 1
+end
+
 -- Why a retry is a dead letter when its job key was pushed again before it ran.
 local SUPERSEDED = 'retry superseded: the job key was pushed again before the retry ran ' ..
   '(a push reschedules its key; the newer push runs)'

@@ -35,12 +35,12 @@ for i = 3, #ARGV, 7 do
     code, blocked = -1, pool_bad
   elseif kind == 'D' and dead_bad then
     code, blocked = -1, dead_bad
-  elseif kind == 'R' and dead_bad and redis.call('ZSCORE', KEYS[2], ARGV[i + 2]) then
+  elseif kind == 'R' and dead_bad and pushed_again(KEYS[2], KEYS[3], ARGV[i + 2]) then
     code, blocked = -1, dead_bad
   elseif not pending(id) then
     code = 0
   else
-    if kind == 'R' and redis.call('ZSCORE', KEYS[2], ARGV[i + 2]) then
+    if kind == 'R' and pushed_again(KEYS[2], KEYS[3], ARGV[i + 2]) then
       -- The key was pushed again while this job ran, and a push reschedules its key: the
       -- newer push keeps the slot, this retry becomes a dead letter (nothing vanishes).
       local event, attempts = retry_facts(ARGV[i + 3])

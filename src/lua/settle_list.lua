@@ -23,8 +23,9 @@ for i = 2, #ARGV, 8 do
   local msg = ARGV[i + 4]
   local bad = wrong_type(processing, 'list', deliveries, 'hash')
   if not bad and kind == 'R' then bad = pool_bad end
-  -- A retry whose key was pushed again meanwhile becomes a dead letter (see below).
-  local superseded = not bad and kind == 'R' and redis.call('ZSCORE', KEYS[1], ARGV[i + 3])
+  -- A retry whose key was pushed again meanwhile becomes a dead letter (see below): the
+  -- key scheduled, or its data written by a push whose ZADD has not come yet.
+  local superseded = not bad and kind == 'R' and pushed_again(KEYS[1], KEYS[2], ARGV[i + 3])
   if not bad and (kind == 'D' or superseded) then bad = wrong_type(dead, 'list') end
   local code
   if bad then

@@ -1195,6 +1195,44 @@ fn a_retry_never_overwrites_a_newer_push_of_its_key() {
     assert_eq!(pending(&mut con, &k), 0);
 }
 
+/// Found from outside: a producer that wrote the data of a new push (HSET) while the
+/// key's job ran, and its ZADD only later, lost that data to the job's retry written back
+/// in between, silently. The data there is a push under way: the retry is the dead letter.
+#[test]
+fn a_retry_never_overwrites_the_data_of_a_push_whose_score_is_yet_to_come() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let k = keys();
+    let d = one_pending(&mut con, &k, r#"{"event":"e","payload":{"v":1},"retry":0}"#);
+    let env = delay_worker::message::Envelope::decode(&d.msg, MAX).unwrap();
+    let newer = r#"{"event":"e","payload":{"v":2},"retry":0}"#;
+    redis::cmd("HSET")
+        .arg(&k.data)
+        .arg("job-1")
+        .arg(newer)
+        .query::<()>(&mut con)
+        .unwrap();
+    let retry = retry_of(&d, env.next_retry().into_bytes(), NOW);
+    let report = settle(&mut con, &k, &[retry]).unwrap();
+    assert_eq!(report.each, vec![Settled::Superseded]);
+    let data: String = redis::cmd("HGET")
+        .arg(&k.data)
+        .arg("job-1")
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(data, newer, "the newer push's data stays");
+    let scheduled: Option<f64> = redis::cmd("ZSCORE")
+        .arg(&k.pool)
+        .arg("job-1")
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(scheduled, None, "the producer's ZADD schedules it");
+    let letter = &xrange(&mut con, &k.dead)[0];
+    assert!(letter["reason"].contains("pushed again"), "{letter:?}");
+    assert!(letter["msg"].contains(r#""v":1"#), "{letter:?}");
+    assert_eq!(pending(&mut con, &k), 0);
+}
+
 #[test]
 fn a_push_over_a_waiting_retry_is_a_new_job_and_the_retry_is_reported() {
     let r = RedisServer::start();
