@@ -222,6 +222,8 @@ struct Ready {
     offset: Option<crate::clock::Offset>,
     /// The `search_path` the start saw, kept by every session of the run.
     search_path: String,
+    /// A warning to log once the start has gone through: Redis keeps no append-only file.
+    no_aof: Option<String>,
 }
 
 /// Runs the daemon until `shutdown` is triggered and the pool has drained: [`preflight`],
@@ -242,6 +244,9 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<Report, DaemonError> 
         Err(e) => return Err(e),
     };
     log::info!("starting: {}", config.summary());
+    if let Some(warning) = &ready.no_aof {
+        log::warn!("{warning}");
+    }
     log::info!(
         "handlers: {}",
         ready.handlers.current().0.events().join(", ")
@@ -273,18 +278,20 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<Report, DaemonError> 
 
 /// Redis as the daemon needs it: the shard layout agrees (and is recorded), no key may be
 /// evicted, and in stream mode every shard's consumer group exists. Returns this host's
-/// clock offset to Redis, measured on the same connection (see [`crate::watch::offset`]).
+/// clock offset to Redis, measured on the same connection (see [`crate::watch::offset`]),
+/// and the warning to log once the start has gone through when Redis keeps no
+/// append-only file.
 fn check_redis(
     config: &Config,
     client: &crate::store::Redis,
-) -> Result<Option<crate::clock::Offset>, DaemonError> {
+) -> Result<(Option<crate::clock::Offset>, Option<String>), DaemonError> {
     let url = || config.derived.redis_shown.clone();
     let mut con = store::connect(client).map_err(|e| DaemonError::RedisUnreachable {
         url: url(),
         reason: unreachable_reason(&e, &config.redis_url),
     })?;
     check_shards(config, &mut con, true)?;
-    let evicting = crate::watch::refuse_eviction(&mut con, config).map_err(|e| {
+    let (evicting, no_aof) = crate::watch::refuse_eviction(&mut con, config).map_err(|e| {
         DaemonError::RedisUnreachable {
             url: url(),
             reason: e.to_string(),
@@ -308,20 +315,21 @@ fn check_redis(
         }
     }
     let key = &config.derived.shards[0].pool;
-    Ok(match crate::watch::offset(&mut con, key) {
+    let offset = match crate::watch::offset(&mut con, key) {
         Ok(o) => Some(o),
         Err(e) => {
             log::debug!("the clock's offset to Redis not measured at start: {e}");
             None
         }
-    })
+    };
+    Ok((offset, no_aof))
 }
 
 /// Fails fast, with one readable error, when Redis or PostgreSQL cannot be reached, the
 /// schema is not current, or a handler's SQL does not prepare.
 fn preflight(config: &Config) -> Result<Ready, DaemonError> {
     let client = redis_client(config)?;
-    let offset = check_redis(config, &client)?;
+    let (offset, no_aof) = check_redis(config, &client)?;
     let search_path = check_schema(&config.database_url)?;
     let registry = registry(config)?;
     if let Some(event) = config
@@ -375,6 +383,7 @@ fn preflight(config: &Config) -> Result<Ready, DaemonError> {
         pool,
         offset,
         search_path,
+        no_aof,
     })
 }
 

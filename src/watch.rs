@@ -14,11 +14,15 @@
 //!   --check` CRITICAL; a warning only with `--allow-eviction`), memory above
 //!   [`NEAR_FULL`] of `maxmemory` a warning: Redis refuses writes (OOM) when it is full;
 //!   and its `evicted_keys` (`INFO stats`): keys evicted that may have been the worker's
-//!   (any, unless the policy is a `volatile-*` one, or it was `allkeys-*` when they went)
-//!   are a critical problem until the count is reset (`CONFIG RESETSTAT`, or a restart of
-//!   Redis): an evicted pool or data hash leaves nothing else that could tell (found from
+//!   are a critical problem, with `--allow-eviction` too, until the count is reset
+//!   (`CONFIG RESETSTAT`; a Redis restart resets it too, but a process that saw them
+//!   keeps them, as its `run_id` tells): at the first pass any under a policy other than
+//!   `volatile-*`, after that any that went between two passes unless the policy was
+//!   `volatile-*` at both (a policy set to `allkeys-*` and back within a pass is not
+//!   seen). An evicted pool or data hash leaves nothing else that could tell (found from
 //!   outside: the whole pool evicted under `allkeys-random`, the policy set back to
-//!   `noeviction`, and every check green while a thousand orders were never cancelled);
+//!   `noeviction`, or to `volatile-lru`, and every check green while a thousand orders
+//!   were never cancelled);
 //! - logs the largest lead of a producer's clock the workers saw since the last pass;
 //! - from its second pass on, reads the queue's figures as `worker stats` does
 //!   ([`figures::gather_all`]): a due job that waits in the pool unmoved longer than
@@ -68,10 +72,11 @@ pub struct Watch<'a> {
     /// `/healthz` green within a second or so, not at the next ordinary pass.
     evicting: bool,
     unmoved: bool,
-    /// Per shard: `evicted_keys` at the last pass and whether the policy then evicted the
-    /// worker's keys; and whether keys went while it did (kept until the count drops).
-    evictions: Vec<Option<(u64, bool)>>,
-    evicted_while_allkeys: Vec<bool>,
+    /// Per shard: `evicted_keys` at the last pass, whether the policy then was a
+    /// `volatile-*` one, and the server's `run_id`; and how many keys may have been the
+    /// worker's (kept until the count is reset).
+    evictions: Vec<Option<(u64, bool, Option<String>)>>,
+    evicted_counted: Vec<Option<u64>>,
     /// The lock waiters an earlier run left in the pool have been read ([`Watch::lock_waiters_left`]).
     inventoried: bool,
 }
@@ -93,7 +98,7 @@ impl<'a> Watch<'a> {
             evicting: false,
             unmoved: false,
             evictions: vec![None; config.derived.shards.len()],
-            evicted_while_allkeys: vec![false; config.derived.shards.len()],
+            evicted_counted: vec![None; config.derived.shards.len()],
             inventoried: false,
         }
     }
@@ -190,18 +195,39 @@ impl<'a> Watch<'a> {
                 evicting = Some((key.clone(), m.clone()));
             }
             if let Some(n) = m.evicted {
-                match self.evictions[i] {
-                    Some((was, _)) if n < was => self.evicted_while_allkeys[i] = false,
-                    Some((was, allkeys)) if n > was && (allkeys || m.evicts_data()) => {
-                        self.evicted_while_allkeys[i] = true
+                let volatile = m.policy.starts_with("volatile-");
+                let counted = &mut self.evicted_counted[i];
+                let add = |counted: &mut Option<u64>, k: u64| {
+                    *counted = Some(counted.unwrap_or(0) + k);
+                };
+                match &self.evictions[i] {
+                    // The first pass: what went before it, under a policy not seen.
+                    None => {
+                        if n > 0 && !volatile {
+                            add(counted, n)
+                        }
                     }
-                    _ => {}
+                    // Redis restarted: its count starts again; what was counted stays.
+                    Some((_, was_volatile, run)) if run.is_some() && *run != m.run_id => {
+                        if n > 0 && !(volatile && *was_volatile) {
+                            add(counted, n)
+                        }
+                    }
+                    // `CONFIG RESETSTAT`: the operator's word that it is dealt with.
+                    Some((was, was_volatile, _)) if n < *was => {
+                        *counted = None;
+                        if n > 0 && !(volatile && *was_volatile) {
+                            add(counted, n)
+                        }
+                    }
+                    Some((was, was_volatile, _)) => {
+                        if n > *was && !(volatile && *was_volatile) {
+                            add(counted, n - was)
+                        }
+                    }
                 }
-                self.evictions[i] = Some((n, m.evicts_data()));
-                let counted = m
-                    .evicted_data()
-                    .or((self.evicted_while_allkeys[i]).then_some(n));
-                if let (Some(n), None) = (counted, &evicted) {
+                self.evictions[i] = Some((n, volatile, m.run_id.clone()));
+                if let (Some(n), None) = (*counted, &evicted) {
                     evicted = Some((key.clone(), n));
                 }
             }
@@ -228,22 +254,20 @@ impl<'a> Watch<'a> {
                 }
             }
         }
-        self.evicting |= evicted.is_some() && !self.config.allow_eviction;
+        // Keys gone are critical with `--allow-eviction` too: the flag lets the worker run
+        // on such a Redis, it does not make a loss quiet (found from outside: a fleet run
+        // with it answered 200 while 300 jobs were evicted).
+        self.evicting |= evicted.is_some();
         match evicted {
             Some((key, n)) => {
                 let what = evicted_text(n, &key);
-                let log = if self.config.allow_eviction {
-                    self.stats.report_trouble_about(EVICTED, what.clone(), key)
-                } else {
-                    self.stats.report_critical_about(EVICTED, what.clone(), key)
-                };
-                if log {
+                if self.stats.report_critical_about(EVICTED, what.clone(), key) {
                     log::error!("{EVICTED}: {what}");
                 }
             }
             None => {
                 if self.stats.clear_problem(EVICTED, i64::MAX) {
-                    log::info!("{EVICTED}: the count of evicted keys was reset");
+                    log::info!("{EVICTED}: the count of evicted keys was reset (CONFIG RESETSTAT)");
                 }
             }
         }
@@ -477,40 +501,41 @@ fn evicting_text(m: &Memory, key: &str, sharded: bool) -> String {
 /// What keys evicted on the server of `key` may have cost, and how to clear it, in one line.
 pub fn evicted_text(n: u64, key: &str) -> String {
     format!(
-        "Redis evicted {n} keys (INFO stats evicted_keys) on the server of {key} under a \
-         maxmemory-policy that reaches the worker's keys: scheduled jobs, their data or dead \
-         letters may be gone without a trace; compare `worker stats` and the dead letters \
-         (\"lost data\") with the shop's own records, keep maxmemory-policy noeviction, then \
-         CONFIG RESETSTAT clears this"
+        "Redis evicted {n} keys (INFO stats evicted_keys) on the server of {key}, not all \
+         under a volatile-* maxmemory-policy: scheduled jobs, their data or dead letters may \
+         be gone without a trace; compare `worker stats` and the dead letters (\"lost data\") \
+         with the shop's own records, keep maxmemory-policy noeviction, then CONFIG RESETSTAT \
+         clears this (after a restart of Redis, a restart of the worker)"
     )
 }
 
 /// The start's check: `Some(why)` when a server of the worker's keys may evict them and
 /// `--allow-eviction` was not given (with it, one loud warning). A policy that cannot be
-/// read (an ACL user without `+info|memory`) is a warning: the start goes on. A server
-/// that writes no append-only file is a warning too (found from outside: a Redis without
-/// persistence restarted lost every scheduled job, and nothing had said it would).
+/// read (an ACL user without `+info|memory`) is a warning: the start goes on. Second, the
+/// warning to log once the start has gone through when a server writes no append-only
+/// file (found from outside: a Redis without persistence restarted lost every scheduled
+/// job, and nothing had said it would).
 pub fn refuse_eviction(
     con: &mut dyn redis::ConnectionLike,
     config: &Config,
-) -> Result<Option<String>, StoreError> {
+) -> Result<(Option<String>, Option<String>), StoreError> {
     let keys: Vec<String> = config
         .derived
         .shards
         .iter()
         .map(|k| k.pool.clone())
         .collect();
-    // Said once the start goes on (a refusal is one line).
+    // Said once the start has gone through (a refusal is one line).
     let mut no_aof: Option<String> = None;
-    let warn_no_aof = |no_aof: &Option<String>| {
-        if let Some(whose) = no_aof {
-            log::warn!(
+    let warn_no_aof = |no_aof: Option<String>| {
+        no_aof.map(|whose| {
+            format!(
                 "Redis at {}{whose}: appendonly is off: a restart or crash of Redis loses \
                  the jobs scheduled since its last snapshot, every one without a snapshot; \
                  the guarantees assume appendonly yes with appendfsync always",
                 config.derived.redis_shown
-            );
-        }
+            )
+        })
     };
     for key in &keys {
         let m = match store::memory(con, key) {
@@ -520,8 +545,7 @@ pub fn refuse_eviction(
                     "redis: INFO memory refused ({source}): cannot check maxmemory-policy; \
                      give the ACL user +info|memory"
                 );
-                warn_no_aof(&no_aof);
-                return Ok(None);
+                return Ok((None, warn_no_aof(no_aof)));
             }
             Err(e) => return Err(e),
         };
@@ -540,11 +564,9 @@ pub fn refuse_eviction(
                 "--allow-eviction: running although {what} (Redis at {})",
                 config.derived.redis_shown
             );
-            warn_no_aof(&no_aof);
-            return Ok(None);
+            return Ok((None, warn_no_aof(no_aof)));
         }
-        return Ok(Some(what));
+        return Ok((Some(what), None));
     }
-    warn_no_aof(&no_aof);
-    Ok(None)
+    Ok((None, warn_no_aof(no_aof)))
 }

@@ -663,6 +663,7 @@ mod tests {
                     used: 1,
                     evicted,
                     aof: Some(true),
+                    run_id: None,
                 },
             )]
         };

@@ -479,6 +479,8 @@ pub struct Memory {
     /// `aof_enabled` of `INFO persistence`: whether Redis writes an append-only file
     /// (`None`: refused, as above).
     pub aof: Option<bool>,
+    /// `run_id` of `INFO server`: changes when Redis restarts (and its counts with it).
+    pub run_id: Option<String>,
 }
 
 impl Memory {
@@ -524,6 +526,7 @@ pub fn memory(con: &mut dyn ConnectionLike, key: &str) -> StoreResult<Memory> {
             .unwrap_or(0),
         evicted: field("evicted_keys").and_then(|v| v.parse().ok()),
         aof: field("aof_enabled").map(|v| v == "1"),
+        run_id: field("run_id"),
     })
 }
 
@@ -579,14 +582,16 @@ pub enum Slots {
 static TIME: std::sync::LazyLock<redis::Script> =
     std::sync::LazyLock::new(|| redis::Script::new("return redis.call('TIME')"));
 static INFO_MEMORY: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
-    // `INFO stats` and `INFO persistence` under pcall: an ACL user given only
+    // `INFO stats`, `persistence` and `server` under pcall: an ACL user given only
     // `+info|memory` still has the policy watched.
     redis::Script::new(
         "local s = redis.pcall('INFO', 'stats') \
              if type(s) ~= 'string' then s = '' end \
              local p = redis.pcall('INFO', 'persistence') \
              if type(p) ~= 'string' then p = '' end \
-             return redis.call('INFO', 'memory') .. '\\r\\n' .. s .. '\\r\\n' .. p",
+             local v = redis.pcall('INFO', 'server') \
+             if type(v) ~= 'string' then v = '' end \
+             return redis.call('INFO', 'memory') .. '\\r\\n' .. s .. '\\r\\n' .. p .. '\\r\\n' .. v",
     )
 });
 

@@ -510,6 +510,118 @@ fn keys_evicted_under_an_allkeys_policy_stay_critical_until_the_count_is_reset()
     assert_accounting(&env.db, &orders, &later.iter().collect::<Vec<_>>());
 }
 
+/// Fills Redis past `maxmemory` (the used memory plus 300 KB) under `policy` until at
+/// least one key is evicted, then sets `after` and lifts the limit: one pipeline, well
+/// inside one of the worker's looks.
+fn evict_between_looks(con: &mut redis::Connection, policy: &str, after: &str, ttl: bool) {
+    let info: String = redis::cmd("INFO").arg("memory").query(con).unwrap();
+    let used: u64 = info
+        .lines()
+        .find_map(|l| l.strip_prefix("used_memory:"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let filler = "x".repeat(100_000);
+    let mut p = redis::pipe();
+    p.cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory")
+        .arg(used + 300_000)
+        .ignore();
+    p.cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory-policy")
+        .arg(policy)
+        .ignore();
+    for i in 0..12 {
+        let c = p.cmd("SET").arg(format!("filler:{i}")).arg(&filler);
+        if ttl {
+            c.arg("EX").arg(3600);
+        }
+        c.ignore();
+    }
+    p.cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory-policy")
+        .arg(after)
+        .ignore();
+    p.cmd("CONFIG").arg("SET").arg("maxmemory").arg(0).ignore();
+    let before = evicted_keys(con);
+    // A SET refused (OOM) does not stop the pipeline: the last two commands run.
+    let _ = p.query::<()>(con);
+    assert!(evicted_keys(con) > before, "Redis evicted nothing");
+}
+
+fn evicted_keys(con: &mut redis::Connection) -> u64 {
+    let info: String = redis::cmd("INFO").arg("stats").query(con).unwrap();
+    info.lines()
+        .find_map(|l| l.strip_prefix("evicted_keys:"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// Found from outside, in the running workers: an `allkeys-*` policy set and taken back
+/// (to `volatile-lru`) between two of the worker's looks left it green, a Redis restart
+/// turned it green again, a worker run with `--allow-eviction` stayed green, and keys
+/// evicted under `volatile-lru` (only keys with a TTL) turned it red once the policy went
+/// back to `noeviction`. Keys that go between two looks count unless the policy was
+/// `volatile-*` at both; `--allow-eviction` changes nothing to that; a Redis restart does
+/// not clear them, `CONFIG RESETSTAT` does.
+#[test]
+fn evictions_between_two_looks_are_told_by_the_running_worker_whatever_follows() {
+    let mut env = Env::new();
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let red = |port: u16| {
+        http_get(port, "/healthz").is_ok_and(|(c, _, b)| c == 503 && b.contains("Redis evicted"))
+    };
+    let green = |port: u16| http_get(port, "/healthz").is_ok_and(|(c, _, _)| c == 200);
+    let mut p = worker(&env, &["--metrics-addr", &addr, "--allow-eviction"], &[]);
+    wait_until(WAIT, "healthz green", || green(port));
+    // Only keys with a TTL evicted, under volatile-lru throughout (seen by a look before
+    // and after): nothing of the worker's; the policy then back to noeviction.
+    let mut con = env.con();
+    let policy = |con: &mut redis::Connection, v: &str| {
+        redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("maxmemory-policy")
+            .arg(v)
+            .query::<()>(con)
+            .unwrap()
+    };
+    policy(&mut con, "volatile-lru");
+    std::thread::sleep(Duration::from_millis(2_500));
+    evict_between_looks(&mut con, "volatile-lru", "volatile-lru", true);
+    std::thread::sleep(Duration::from_millis(2_500));
+    policy(&mut con, "noeviction");
+    std::thread::sleep(Duration::from_millis(2_500));
+    assert!(
+        green(port),
+        "keys with a TTL evicted under volatile-lru are no loss"
+    );
+    // allkeys-random and back to volatile-lru within one look: red, --allow-eviction or not.
+    evict_between_looks(&mut con, "allkeys-random", "volatile-lru", false);
+    wait_until(WAIT, "healthz red naming the evictions", || red(port));
+    // A Redis restart resets its count, not what this worker saw.
+    drop(con);
+    env.redis.restart();
+    std::thread::sleep(Duration::from_millis(3_000));
+    assert!(
+        red(port),
+        "a Redis restart does not clear the evictions seen"
+    );
+    p.signal(libc::SIGTERM);
+    assert!(p.wait(WAIT).success(), "{}", p.log());
+    // A worker started now sees a count of 0: the restart took it.
+    let mut p = worker(&env, &["--metrics-addr", &addr], &[]);
+    wait_until(WAIT, "a new worker green", || green(port));
+    p.signal(libc::SIGTERM);
+    assert!(p.wait(WAIT).success(), "{}", p.log());
+}
+
 #[test]
 fn data_that_vanished_is_lost_data_with_its_key_and_due_time() {
     // A Redis that evicts only keys with a TTL (the worker's keys have none, so it runs),

@@ -364,8 +364,8 @@ pub struct RunArgs {
     #[arg(long)]
     pub no_mover: bool,
     /// Run even though Redis's maxmemory-policy may evict the worker's keys (allkeys-*),
-    /// which loses scheduled jobs; logged as a warning at start. Without it such a Redis
-    /// is refused.
+    /// which loses scheduled jobs; logged as a warning at start (keys it does evict are
+    /// critical all the same). Without it such a Redis is refused.
     #[arg(long)]
     pub allow_eviction: bool,
     /// XREADGROUP block timeout; also how often the reader does its maintenance.
