@@ -330,14 +330,7 @@ fn a_policy_changed_at_runtime_turns_health_red_and_memory_near_full_warns() {
         http_get(port, "/healthz").is_ok_and(|(c, _, _)| c == 200)
     });
     let mut con = env.con();
-    let set = |con: &mut redis::Connection, k: &str, v: &str| {
-        redis::cmd("CONFIG")
-            .arg("SET")
-            .arg(k)
-            .arg(v)
-            .query::<()>(con)
-            .unwrap()
-    };
+    let set = config_set;
     set(&mut con, "maxmemory-policy", "allkeys-lru");
     wait_until(WAIT, "healthz 503 naming the policy", || {
         http_get(port, "/healthz")
@@ -362,14 +355,7 @@ fn a_policy_changed_at_runtime_turns_health_red_and_memory_near_full_warns() {
         http_get(port, "/healthz").is_ok_and(|(c, _, _)| c == 200)
     });
     // Memory near maxmemory: a warning, not a failure.
-    let info: String = redis::cmd("INFO").arg("memory").query(&mut con).unwrap();
-    let used: u64 = info
-        .lines()
-        .find_map(|l| l.strip_prefix("used_memory:"))
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
+    let used = info_field(&mut con, "used_memory");
     set(&mut con, "maxmemory", &(used + used / 20).to_string());
     wait_until(WAIT, "stats --check to warn of memory", || {
         let out = run_worker(&["stats", "--check"], &env.config.redis_url, &env.db.url);
@@ -440,22 +426,8 @@ fn keys_evicted_under_an_allkeys_policy_stay_critical_until_the_count_is_reset()
     });
     push_on_redis_clock(&env, lost, 60 * 60_000);
     let mut con = env.con();
-    let cfg = |con: &mut redis::Connection, k: &str, v: &str| {
-        redis::cmd("CONFIG")
-            .arg("SET")
-            .arg(k)
-            .arg(v)
-            .query::<()>(con)
-            .unwrap()
-    };
-    let info: String = redis::cmd("INFO").arg("memory").query(&mut con).unwrap();
-    let used: u64 = info
-        .lines()
-        .find_map(|l| l.strip_prefix("used_memory:"))
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
+    let cfg = config_set;
+    let used = info_field(&mut con, "used_memory");
     cfg(&mut con, "maxmemory", &(used + 300_000).to_string());
     cfg(&mut con, "maxmemory-policy", "allkeys-random");
     let filler = "x".repeat(60_000);
@@ -514,14 +486,7 @@ fn keys_evicted_under_an_allkeys_policy_stay_critical_until_the_count_is_reset()
 /// least one key is evicted, then sets `after` and lifts the limit: one pipeline, well
 /// inside one of the worker's looks.
 fn evict_between_looks(con: &mut redis::Connection, policy: &str, after: &str, ttl: bool) {
-    let info: String = redis::cmd("INFO").arg("memory").query(con).unwrap();
-    let used: u64 = info
-        .lines()
-        .find_map(|l| l.strip_prefix("used_memory:"))
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
+    let used = info_field(con, "used_memory");
     let filler = "x".repeat(100_000);
     let mut p = redis::pipe();
     p.cmd("CONFIG")
@@ -554,9 +519,24 @@ fn evict_between_looks(con: &mut redis::Connection, policy: &str, after: &str, t
 }
 
 fn evicted_keys(con: &mut redis::Connection) -> u64 {
-    let info: String = redis::cmd("INFO").arg("stats").query(con).unwrap();
+    info_field(con, "evicted_keys")
+}
+
+/// `CONFIG SET name value`.
+fn config_set(con: &mut redis::Connection, name: &str, value: &str) {
+    redis::cmd("CONFIG")
+        .arg("SET")
+        .arg(name)
+        .arg(value)
+        .query::<()>(con)
+        .unwrap()
+}
+
+/// A number of `INFO` (all sections).
+fn info_field(con: &mut redis::Connection, name: &str) -> u64 {
+    let info: String = redis::cmd("INFO").query(con).unwrap();
     info.lines()
-        .find_map(|l| l.strip_prefix("evicted_keys:"))
+        .find_map(|l| l.strip_prefix(&format!("{name}:")))
         .unwrap()
         .trim()
         .parse()
@@ -584,14 +564,7 @@ fn evictions_between_two_looks_are_told_by_the_running_worker_whatever_follows()
     // Only keys with a TTL evicted, under volatile-lru throughout (seen by a look before
     // and after): nothing of the worker's; the policy then back to noeviction.
     let mut con = env.con();
-    let policy = |con: &mut redis::Connection, v: &str| {
-        redis::cmd("CONFIG")
-            .arg("SET")
-            .arg("maxmemory-policy")
-            .arg(v)
-            .query::<()>(con)
-            .unwrap()
-    };
+    let policy = |con: &mut redis::Connection, v: &str| config_set(con, "maxmemory-policy", v);
     policy(&mut con, "volatile-lru");
     std::thread::sleep(Duration::from_millis(2_500));
     evict_between_looks(&mut con, "volatile-lru", "volatile-lru", true);
@@ -628,27 +601,12 @@ fn data_that_vanished_is_lost_data_with_its_key_and_due_time() {
     // made to evict: then the data hash vanishes, as an allkeys policy would make it.
     let env = Env::new();
     let mut con = env.con();
-    let cfg = |con: &mut redis::Connection, k: &str, v: &str| {
-        redis::cmd("CONFIG")
-            .arg("SET")
-            .arg(k)
-            .arg(v)
-            .query::<()>(con)
-            .unwrap()
-    };
+    let cfg = config_set;
     cfg(&mut con, "maxmemory-policy", "volatile-lru");
     let orders = seed_orders(&env.db, 12);
     let (lost, kept) = orders.split_at(5);
     push_on_redis_clock(&env, lost, 500);
-    let info = |con: &mut redis::Connection, f: &str| -> u64 {
-        let t: String = redis::cmd("INFO").query(con).unwrap();
-        t.lines()
-            .find_map(|l| l.strip_prefix(&format!("{f}:")))
-            .unwrap()
-            .trim()
-            .parse()
-            .unwrap()
-    };
+    let info = info_field;
     let used = info(&mut con, "used_memory");
     cfg(&mut con, "maxmemory", &(used + 400_000).to_string());
     let filler = "x".repeat(20_000);
