@@ -501,9 +501,9 @@ fn evicting_text(m: &Memory, key: &str, sharded: bool) -> String {
 /// What keys evicted on the server of `key` may have cost, and how to clear it, in one line.
 pub fn evicted_text(n: u64, key: &str) -> String {
     format!(
-        "Redis evicted {n} keys (INFO stats evicted_keys) on the server of {key}, not all \
-         under a volatile-* maxmemory-policy: scheduled jobs, their data or dead letters may \
-         be gone without a trace; compare `worker stats` and the dead letters (\"lost data\") \
+        "Redis evicted {n} keys (INFO stats evicted_keys) on the server of {key}, and not \
+         under a volatile-* maxmemory-policy throughout, as far as seen: scheduled jobs, \
+         their data or dead letters may be gone without a trace; compare `worker stats` and the dead letters (\"lost data\") \
          with the shop's own records, keep maxmemory-policy noeviction, then CONFIG RESETSTAT \
          clears this (after a restart of Redis, a restart of the worker)"
     )

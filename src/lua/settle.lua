@@ -19,6 +19,14 @@ local pool_bad = wrong_type(KEYS[2], 'zset', KEYS[3], 'hash', KEYS[5], 'hash')
 local dead_bad = wrong_type(KEYS[4], 'stream')
 local blocked = nil
 local out = {}
+-- Whether the key was pushed again and moved since this entry was (the `moved` index
+-- names a newer entry): its retry written back would run after the newer job and turn
+-- that job's own retry into a "superseded" letter (found from outside: the older job ran,
+-- the newer push became the dead letter).
+local function moved_again(key, id)
+  local m = redis.pcall('HGET', KEYS[6], key)
+  return type(m) == 'string' and m ~= id
+end
 local function pending(id)
   return #redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1) > 0
 end
@@ -35,12 +43,14 @@ for i = 3, #ARGV, 7 do
     code, blocked = -1, pool_bad
   elseif kind == 'D' and dead_bad then
     code, blocked = -1, dead_bad
-  elseif kind == 'R' and dead_bad and pushed_again(KEYS[2], KEYS[3], ARGV[i + 2]) then
+  elseif kind == 'R' and dead_bad and (pushed_again(KEYS[2], KEYS[3], ARGV[i + 2]) or
+      moved_again(ARGV[i + 2], id)) then
     code, blocked = -1, dead_bad
   elseif not pending(id) then
     code = 0
   else
-    if kind == 'R' and pushed_again(KEYS[2], KEYS[3], ARGV[i + 2]) then
+    if kind == 'R' and (pushed_again(KEYS[2], KEYS[3], ARGV[i + 2]) or
+        moved_again(ARGV[i + 2], id)) then
       -- The key was pushed again while this job ran, and a push reschedules its key: the
       -- newer push keeps the slot, this retry becomes a dead letter (nothing vanishes).
       local event, attempts = retry_facts(ARGV[i + 3])

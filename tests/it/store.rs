@@ -1233,6 +1233,50 @@ fn a_retry_never_overwrites_the_data_of_a_push_whose_score_is_yet_to_come() {
     assert_eq!(pending(&mut con, &k), 0);
 }
 
+/// Found from outside: a key pushed again and moved while its older job ran (the older
+/// job failing on a lock), then the older job's retry written back to the pool: the older
+/// job ran after all, and the newer one's own retry became the "superseded" letter. The
+/// older retry is the letter: the newer move of its key says so.
+#[test]
+fn the_retry_of_a_job_whose_key_was_pushed_and_moved_again_is_the_letter() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let k = keys();
+    let old = one_pending(&mut con, &k, r#"{"event":"e","payload":{"v":1},"retry":0}"#);
+    store::push(
+        &mut con,
+        &k,
+        "job-1",
+        r#"{"event":"e","payload":{"v":2},"retry":0}"#,
+        NOW - 5,
+    )
+    .unwrap();
+    assert_eq!(move_now(&mut con, &k).unwrap().moved, 1);
+    let new = stream::read(&mut con, reading(&k), 10, ">")
+        .unwrap()
+        .deliveries
+        .pop()
+        .unwrap();
+    let old_env = delay_worker::message::Envelope::decode(&old.msg, MAX).unwrap();
+    let retry = retry_of(&old, old_env.next_retry().into_bytes(), NOW);
+    let report = settle(&mut con, &k, &[retry]).unwrap();
+    assert_eq!(report.each, vec![Settled::Superseded]);
+    let letter = &xrange(&mut con, &k.dead)[0];
+    assert!(letter["msg"].contains(r#""v":1"#), "{letter:?}");
+    // The newer job's own retry goes back to the pool.
+    let new_env = delay_worker::message::Envelope::decode(&new.msg, MAX).unwrap();
+    let retry = retry_of(&new, new_env.next_retry().into_bytes(), NOW + 60_000);
+    let report = settle(&mut con, &k, &[retry]).unwrap();
+    assert_eq!(report.each, vec![Settled::Applied]);
+    let data: String = redis::cmd("HGET")
+        .arg(&k.data)
+        .arg("job-1")
+        .query(&mut con)
+        .unwrap();
+    assert!(data.contains(r#""v":2"#), "{data}");
+    assert_eq!(pending(&mut con, &k), 0);
+}
+
 #[test]
 fn a_push_over_a_waiting_retry_is_a_new_job_and_the_retry_is_reported() {
     let r = RedisServer::start();
