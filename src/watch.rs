@@ -18,8 +18,8 @@
 //!   (`CONFIG RESETSTAT`; a Redis restart resets it too, but a process that saw them
 //!   keeps them, as its `run_id` tells): at the first pass any under a policy other than
 //!   `volatile-*`, after that any that went between two passes unless the policy was
-//!   `volatile-*` at both (a policy set to `allkeys-*` and back within a pass is not
-//!   seen). An evicted pool or data hash leaves nothing else that could tell (found from
+//!   `volatile-*` at both (so a `volatile-*` policy seen at both that was `allkeys-*` in
+//!   between is not told). An evicted pool or data hash leaves nothing else that could tell (found from
 //!   outside: the whole pool evicted under `allkeys-random`, the policy set back to
 //!   `noeviction`, or to `volatile-lru`, and every check green while a thousand orders
 //!   were never cancelled);
