@@ -17,7 +17,7 @@ use crate::store::stream::{id_ms, is_stream_id};
 use crate::store::{self, value_to_string, StoreError};
 use redis::{ConnectionLike as Con, RedisResult, Value};
 use serde::Serialize;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 /// One dead letter as `settle.lua` writes it (`msg`, `reason`, `ts`, `event`, `key`,
 /// `attempts`, `consumer`, `id`); other writers may leave fields out.
@@ -407,6 +407,12 @@ pub fn requeue(
 
 /// [`requeue`], each letter first held against `screen`: one that would die again at
 /// once stays, with its reason (`refused`), and `--as-event` renames the rest.
+/// A stream id (`<ms>-<seq>`) as numbers, for its order.
+fn stream_id_key(id: &str) -> (u64, u64) {
+    let (ms, seq) = id.split_once('-').unwrap_or((id, "0"));
+    (ms.parse().unwrap_or(0), seq.parse().unwrap_or(0))
+}
+
 pub fn requeue_with(
     con: &mut dyn Con,
     keys: &Keys,
@@ -443,6 +449,23 @@ pub fn requeue_with(
             "it holds no message (an empty one, or an entry the worker did not write)".into(),
         )
     }));
+    // Several letters of one job key (a retry a newer push replaced, then that push's own
+    // job): the newest goes back, as the newer push won when they were pushed; the older
+    // ones stay, as behind any key scheduled again (found from outside: a requeue by
+    // filter put the older job back first and left the newer push's letter).
+    let newest: HashMap<&[u8], &str> = letters.iter().fold(HashMap::new(), |mut m, d| {
+        let id = m.entry(d.job_key()).or_insert(d.id.as_str());
+        if stream_id_key(&d.id) > stream_id_key(id) {
+            *id = d.id.as_str();
+        }
+        m
+    });
+    let (letters, older): (Vec<&DeadLetter>, Vec<&DeadLetter>) = letters
+        .into_iter()
+        .partition(|d| newest.get(d.job_key()) == Some(&d.id.as_str()));
+    report
+        .key_scheduled
+        .extend(older.into_iter().map(|d| d.id.clone()));
     for batch in letters.chunks(PAGE) {
         let rewritten: Vec<(Vec<u8>, bool)> =
             batch.iter().map(|d| requeue_message(&d.msg)).collect();

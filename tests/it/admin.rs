@@ -1176,3 +1176,62 @@ fn the_tools_name_a_key_of_the_wrong_type() {
         redis::cmd("DEL").arg(key).query::<()>(&mut con).unwrap();
     }
 }
+
+/// Found from outside: two letters of one job key (a retry a newer push replaced, then that
+/// push's own job) requeued by a filter: the older went back first and the newer was left
+/// behind its own key. The newest letter of a key goes back; the older stays.
+#[test]
+fn of_two_letters_of_one_key_the_newer_is_requeued() {
+    let r = RedisServer::start();
+    let db = TestDb::new();
+    let mut con = r.con();
+    let keys = Keys::default();
+    let letter = |con: &mut redis::Connection, order: &str| -> String {
+        let msg = format!(
+            r#"{{"event":"order.timeout","payload":{{"order_no":"{order}"}},"retry":1,"ts":1}}"#
+        );
+        redis::cmd("XADD")
+            .arg(&keys.dead)
+            .arg("*")
+            .arg("msg")
+            .arg(msg)
+            .arg("reason")
+            .arg("by hand")
+            .arg("ts")
+            .arg(1)
+            .arg("event")
+            .arg("order.timeout")
+            .arg("key")
+            .arg("order.timeout:shared")
+            .arg("attempts")
+            .arg(1)
+            .query(con)
+            .unwrap()
+    };
+    let older = letter(&mut con, "OLD");
+    let newer = letter(&mut con, "NEW");
+    let out = run_worker(&["dead", "requeue"], &r.url(), &db.url);
+    let said = text(&out.stdout);
+    assert!(said.starts_with("requeued 1\n"), "{said}");
+    assert!(said.contains(&older) && !said.contains(&newer), "{said}");
+    let data: String = redis::cmd("HGET")
+        .arg(&keys.data)
+        .arg("order.timeout:shared")
+        .query(&mut con)
+        .unwrap();
+    assert!(data.contains("NEW"), "{data}");
+    let left: redis::Value = redis::cmd("XRANGE")
+        .arg(&keys.dead)
+        .arg("-")
+        .arg("+")
+        .query(&mut con)
+        .unwrap();
+    let redis::Value::Array(left) = left else {
+        panic!("{left:?}")
+    };
+    assert_eq!(left.len(), 1, "the older letter stays");
+    let redis::Value::Array(entry) = &left[0] else {
+        panic!("{left:?}")
+    };
+    assert_eq!(delay_worker::store::value_to_string(&entry[0]), older);
+}

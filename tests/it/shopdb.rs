@@ -145,7 +145,9 @@ fn a_server_turned_read_only_holds_every_job_and_health_is_red_until_it_takes_wr
     wait_done(&env, &env.db, 100);
     // Green before the fault (on a loaded machine a look may still be under way at the
     // last job: found once among the whole suite's parallel run).
-    wait_until(WAIT, "/healthz green before the fault", || healthz(port).0 == 200);
+    wait_until(WAIT, "/healthz green before the fault", || {
+        healthz(port).0 == 200
+    });
 
     // Read-only (as a primary demoted, or default_transaction_read_only switched on)
     // while jobs fall due: they wait, none is dead-lettered, health says why.
