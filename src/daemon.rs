@@ -353,7 +353,7 @@ fn preflight(config: &Config) -> Result<Ready, DaemonError> {
         },
         db::CHECKOUT,
         config.jobs.group_commit,
-        (!search_path.is_empty()).then_some(search_path.as_str()),
+        Some(&search_path),
     )?;
     // Prepares every handler once now, so that a handler that does not prepare (a table
     // not there yet, SQL that does not parse) is named at once. It does not stop the start:
@@ -469,9 +469,7 @@ impl<'a> Crew<'a> {
             manners: Manners::new(&config.jobs.max_rates, config.jobs.set_size),
             pool_target: {
                 let mut t = db::Target::parse(&config.database_url)?;
-                if !ready.search_path.is_empty() {
-                    t.add_options(&db::search_path_option(&ready.search_path));
-                }
+                t.keep_search_path(&ready.search_path);
                 t
             },
             shard_mover: MoverConfig {

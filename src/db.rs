@@ -91,6 +91,14 @@ pub struct Target {
 }
 
 impl Target {
+    /// Keeps every session's `search_path` at `path` ([`search_path_option`]); an empty
+    /// one (none read at the start) leaves the server's.
+    pub fn keep_search_path(&mut self, path: &str) {
+        if !path.is_empty() {
+            self.add_options(&search_path_option(path));
+        }
+    }
+
     /// Adds session options (`-c name=value ...`) after those the connection string
     /// gives (`options=-c search_path=shop`), which are kept; where both set one, these
     /// win (PostgreSQL applies them in order).
@@ -536,7 +544,7 @@ pub fn pool(
 ) -> Result<Pool, DbError> {
     let mut target = Target::parse(url)?;
     if let Some(path) = search_path {
-        target.add_options(&search_path_option(path));
+        target.keep_search_path(path);
     }
     let ms = timeouts.statement.as_millis();
     // Every handler statement runs under the statement and lock timeouts, and a

@@ -72,13 +72,48 @@ pub struct Watch<'a> {
     /// `/healthz` green within a second or so, not at the next ordinary pass.
     evicting: bool,
     unmoved: bool,
-    /// Per shard: `evicted_keys` at the last pass, whether the policy then was a
-    /// `volatile-*` one, and the server's `run_id`; and how many keys may have been the
-    /// worker's (kept until the count is reset).
-    evictions: Vec<Option<(u64, bool, Option<String>)>>,
-    evicted_counted: Vec<Option<u64>>,
+    /// Per shard: the keys evicted that may have been the worker's.
+    evictions: Vec<Evictions>,
     /// The lock waiters an earlier run left in the pool have been read ([`Watch::lock_waiters_left`]).
     inventoried: bool,
+}
+
+/// The keys a server evicted that may have been the worker's, counted from one pass to
+/// the next (see the module's text).
+#[derive(Clone, Default)]
+struct Evictions {
+    /// `evicted_keys` at the last pass, whether the policy then was a `volatile-*` one,
+    /// and the server's `run_id`.
+    last: Option<(u64, bool, Option<String>)>,
+    /// Counted so far, until the count is reset.
+    counted: Option<u64>,
+}
+
+impl Evictions {
+    /// Takes this pass's reading; the keys counted so far (`None`: none, or no count
+    /// could be read this pass).
+    fn look(&mut self, m: &Memory) -> Option<u64> {
+        let n = m.evicted?;
+        let volatile = m.policy.starts_with("volatile-");
+        // Keys gone since the last pass, and whether the policy was volatile then.
+        let (gone, was_volatile) = match &self.last {
+            // The first pass: what went before it, under a policy not seen.
+            None => (n, false),
+            // Redis restarted: its count starts again; what was counted stays.
+            Some((_, v, run)) if run.is_some() && *run != m.run_id => (n, *v),
+            // `CONFIG RESETSTAT`: the operator's word that it is dealt with.
+            Some((was, v, _)) if n < *was => {
+                self.counted = None;
+                (n, *v)
+            }
+            Some((was, v, _)) => (n - was, *v),
+        };
+        if gone > 0 && !(volatile && was_volatile) {
+            self.counted = Some(self.counted.unwrap_or(0) + gone);
+        }
+        self.last = Some((n, volatile, m.run_id.clone()));
+        self.counted
+    }
 }
 
 impl<'a> Watch<'a> {
@@ -97,8 +132,7 @@ impl<'a> Watch<'a> {
             passed: false,
             evicting: false,
             unmoved: false,
-            evictions: vec![None; config.derived.shards.len()],
-            evicted_counted: vec![None; config.derived.shards.len()],
+            evictions: vec![Evictions::default(); config.derived.shards.len()],
             inventoried: false,
         }
     }
@@ -194,42 +228,8 @@ impl<'a> Watch<'a> {
             if m.evicts_data() && evicting.is_none() {
                 evicting = Some((key.clone(), m.clone()));
             }
-            if let Some(n) = m.evicted {
-                let volatile = m.policy.starts_with("volatile-");
-                let counted = &mut self.evicted_counted[i];
-                let add = |counted: &mut Option<u64>, k: u64| {
-                    *counted = Some(counted.unwrap_or(0) + k);
-                };
-                match &self.evictions[i] {
-                    // The first pass: what went before it, under a policy not seen.
-                    None => {
-                        if n > 0 && !volatile {
-                            add(counted, n)
-                        }
-                    }
-                    // Redis restarted: its count starts again; what was counted stays.
-                    Some((_, was_volatile, run)) if run.is_some() && *run != m.run_id => {
-                        if n > 0 && !(volatile && *was_volatile) {
-                            add(counted, n)
-                        }
-                    }
-                    // `CONFIG RESETSTAT`: the operator's word that it is dealt with.
-                    Some((was, was_volatile, _)) if n < *was => {
-                        *counted = None;
-                        if n > 0 && !(volatile && *was_volatile) {
-                            add(counted, n)
-                        }
-                    }
-                    Some((was, was_volatile, _)) => {
-                        if n > *was && !(volatile && *was_volatile) {
-                            add(counted, n - was)
-                        }
-                    }
-                }
-                self.evictions[i] = Some((n, volatile, m.run_id.clone()));
-                if let (Some(n), None) = (*counted, &evicted) {
-                    evicted = Some((key.clone(), n));
-                }
+            if let (Some(n), None) = (self.evictions[i].look(&m), &evicted) {
+                evicted = Some((key.clone(), n));
             }
             if m.fill().is_some_and(|f| f > NEAR_FULL) && full.is_none() {
                 full = Some((key.clone(), m));

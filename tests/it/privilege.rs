@@ -1353,7 +1353,7 @@ fn a_search_path_set_on_the_role_does_not_reach_the_running_worker() {
 /// schema named after the worker's role created while it runs, holding a look-alike
 /// `orders`, took every job at once, in the sessions already open too: each job found no
 /// order and was a no-op, the unpaid orders left pending, health green. The start's
-/// `search_path` is kept as the schemas it found.
+/// `search_path` is kept with its `$user` settled then.
 #[test]
 fn a_schema_named_after_the_worker_s_role_created_mid_run_takes_no_job() {
     let mut l = Locked::new(&[]);

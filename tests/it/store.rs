@@ -50,6 +50,15 @@ fn llen(con: &mut Connection, key: &str) -> usize {
     redis::cmd("LLEN").arg(key).query(con).unwrap()
 }
 
+/// The data a key holds in the pool's data hash.
+fn data_of(con: &mut Connection, k: &Keys, key: &str) -> String {
+    redis::cmd("HGET").arg(&k.data).arg(key).query(con).unwrap()
+}
+
+fn hlen(con: &mut Connection, key: &str) -> usize {
+    redis::cmd("HLEN").arg(key).query(con).unwrap()
+}
+
 fn pending(con: &mut Connection, k: &Keys) -> usize {
     stream::pending(con, k, 0, 10_000, None).unwrap().len()
 }
@@ -1177,11 +1186,7 @@ fn a_retry_never_overwrites_a_newer_push_of_its_key() {
     let retry = retry_of(&d, env.next_retry().into_bytes(), NOW);
     let report = settle(&mut con, &k, &[retry]).unwrap();
     assert_eq!(report.each, vec![Settled::Superseded]);
-    let data: String = redis::cmd("HGET")
-        .arg(&k.data)
-        .arg("job-1")
-        .query(&mut con)
-        .unwrap();
+    let data = data_of(&mut con, &k, "job-1");
     assert_eq!(data, newer, "the newer push keeps its slot");
     let letter = &xrange(&mut con, &k.dead)[0];
     assert!(letter["reason"].contains("pushed again"), "{letter:?}");
@@ -1215,11 +1220,7 @@ fn a_retry_never_overwrites_the_data_of_a_push_whose_score_is_yet_to_come() {
     let retry = retry_of(&d, env.next_retry().into_bytes(), NOW);
     let report = settle(&mut con, &k, &[retry]).unwrap();
     assert_eq!(report.each, vec![Settled::Superseded]);
-    let data: String = redis::cmd("HGET")
-        .arg(&k.data)
-        .arg("job-1")
-        .query(&mut con)
-        .unwrap();
+    let data = data_of(&mut con, &k, "job-1");
     assert_eq!(data, newer, "the newer push's data stays");
     let scheduled: Option<f64> = redis::cmd("ZSCORE")
         .arg(&k.pool)
@@ -1268,11 +1269,7 @@ fn the_retry_of_a_job_whose_key_was_pushed_and_moved_again_is_the_letter() {
     let retry = retry_of(&new, new_env.next_retry().into_bytes(), NOW + 60_000);
     let report = settle(&mut con, &k, &[retry]).unwrap();
     assert_eq!(report.each, vec![Settled::Applied]);
-    let data: String = redis::cmd("HGET")
-        .arg(&k.data)
-        .arg("job-1")
-        .query(&mut con)
-        .unwrap();
+    let data = data_of(&mut con, &k, "job-1");
     assert!(data.contains(r#""v":2"#), "{data}");
     assert_eq!(pending(&mut con, &k), 0);
 }
@@ -1315,7 +1312,7 @@ fn a_push_over_a_waiting_retry_is_a_new_job_and_the_retry_is_reported() {
         ("e", "1"),
         "{letter:?}"
     );
-    let left: i64 = redis::cmd("HLEN").arg(&k.jobs).query(&mut con).unwrap();
+    let left = hlen(&mut con, &k.jobs);
     assert_eq!(left, 0, "nothing of the retry is left beside the pool");
 }
 
@@ -1329,10 +1326,10 @@ fn a_cancelled_retry_leaves_nothing_behind() {
     let env = delay_worker::message::Envelope::decode(&d.msg, MAX).unwrap();
     let retry = retry_of(&d, env.next_retry().into_bytes(), NOW + 60_000);
     settle(&mut con, &k, &[retry]).unwrap();
-    let held: i64 = redis::cmd("HLEN").arg(&k.jobs).query(&mut con).unwrap();
+    let held = hlen(&mut con, &k.jobs);
     assert_eq!(held, 2, "the record and the copy");
     assert!(store::cancel(&mut con, &k, "job-1").unwrap());
-    let left: i64 = redis::cmd("HLEN").arg(&k.jobs).query(&mut con).unwrap();
+    let left = hlen(&mut con, &k.jobs);
     assert_eq!(left, 0);
 }
 
