@@ -184,6 +184,7 @@ impl<'a> DbWatch<'a> {
             }
             match self.ask(&waiting, &mut kept, prepare) {
                 Ok(seen) => {
+                    self.stats.db_unusable.store(false, Ordering::Relaxed);
                     self.handlers_prepared(&seen.prepared);
                     if self.stats.clear_problem(ROLE, i64::MAX) {
                         log::info!("PostgreSQL takes writes again");
@@ -200,6 +201,7 @@ impl<'a> DbWatch<'a> {
                     }
                 }
                 Err(why) => {
+                    self.stats.db_unusable.store(true, Ordering::Relaxed);
                     let what = format!("no writable PostgreSQL: {why}");
                     if self.stats.report_critical(ROLE, what.clone()) {
                         log::error!("{what}");

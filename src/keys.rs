@@ -161,6 +161,7 @@ impl Keys {
             self.stream.clone(),
             self.dead.clone(),
             self.heartbeat("any"),
+            self.without_database("any"),
         ];
         if !self.queues.is_empty() {
             names.push(self.list_consumers.clone());
@@ -184,6 +185,13 @@ impl Keys {
     /// The heartbeat key of one consumer: exists while that consumer is alive.
     pub fn heartbeat(&self, consumer: &str) -> String {
         format!("{}:{consumer}:alive", self.heartbeat_prefix)
+    }
+
+    /// Exists while that consumer is alive but has had no usable PostgreSQL for a
+    /// heartbeat's time: a peer that has one takes over its pending entries, as a dead
+    /// consumer's (`store::stream::take_over`).
+    pub fn without_database(&self, consumer: &str) -> String {
+        format!("{}:{consumer}:no-database", self.heartbeat_prefix)
     }
 }
 

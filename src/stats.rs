@@ -45,6 +45,11 @@ pub struct Stats {
     /// it when its outage starts and lowers it when it ends. Read by the watchdog and
     /// metrics; left as is at shutdown.
     pub db_waiting: AtomicU64,
+    /// Written by the database watch at each look: it found no writable PostgreSQL
+    /// usable by this process (down, read-only, a session the worker may not use). Read
+    /// by the stream reader, which hands its pending entries to a peer that has one
+    /// when this lasts.
+    pub db_unusable: std::sync::atomic::AtomicBool,
     /// Written by the inbox pruner after each batch: `worker_inbox` rows it deleted.
     pub inbox_pruned: AtomicU64,
     /// This host's clock corrected to Redis's, and what the workers saw of producers'

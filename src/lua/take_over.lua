@@ -5,25 +5,35 @@
 -- consumers notice the same dead peer, each entry moves once (MIN-IDLE: an entry a peer
 -- has just claimed is skipped). A dead consumer that owes nothing is forgotten.
 --
--- KEYS[1] events STREAM, KEYS[2] the peer's heartbeat key
--- ARGV[1] group, ARGV[2] this consumer, ARGV[3] the peer, ARGV[4] most ids per call
--- Returns {-1} if the peer is alive, else {claimed, id, id, ...}; fewer than ARGV[4]
--- claimed means the peer owes nothing more.
+-- A peer that is alive but has had no usable PostgreSQL for a while (its `no-database`
+-- key exists) gives up its pending entries the same way, to a caller that has a usable
+-- one (ARGV[5] '1'): its workers cannot run them, and a healthy process would otherwise
+-- get them only after --claim-idle. Such a peer is not forgotten by the group.
+--
+-- KEYS[1] events STREAM, KEYS[2] the peer's heartbeat key, KEYS[3] its no-database key
+-- ARGV[1] group, ARGV[2] this consumer, ARGV[3] the peer, ARGV[4] most ids per call,
+-- ARGV[5] '1' if this consumer can use PostgreSQL now
+-- Returns {-1} if the peer is alive (and can use PostgreSQL, or this consumer cannot),
+-- else {claimed, alive, id, id, ...} (alive 1: the peer lives without a database);
+-- fewer than ARGV[4] claimed means the peer owes nothing more.
 local w = wrong_type(KEYS[1], 'stream')
 if w then return wrongtype_reply(w) end
-if redis.call('EXISTS', KEYS[2]) == 1 then return {-1} end
+local alive = redis.call('EXISTS', KEYS[2]) == 1
+if alive and not (ARGV[5] == '1' and redis.call('EXISTS', KEYS[3]) == 1) then
+  return {-1}
+end
 local p = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', 1000, '-', '+', ARGV[4], ARGV[3])
 local ids = {}
 for _, e in ipairs(p) do ids[#ids + 1] = e[1] end
-local out = {0}
+local out = {0, alive and 1 or 0}
 if #ids > 0 then
   local args = {KEYS[1], ARGV[1], ARGV[2], 1000}
   for _, id in ipairs(ids) do args[#args + 1] = id end
   args[#args + 1] = 'JUSTID'
   for _, id in ipairs(redis.call('XCLAIM', unpack(args))) do out[#out + 1] = id end
-  out[1] = #out - 1
+  out[1] = #out - 2
 end
-if #ids < tonumber(ARGV[4]) and
+if not alive and #ids < tonumber(ARGV[4]) and
     #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[3]) == 0 then
   redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[3])
 end

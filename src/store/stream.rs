@@ -166,30 +166,75 @@ pub fn keep_claimed(
     Ok(int(Some(&reply)).max(0) as usize)
 }
 
-/// Moves pending entries of `peer` to `consumer` if the peer's heartbeat is gone, at most
-/// [`TAKE_OVER_BATCH`] per call, without reading them. `None` if the peer is alive;
-/// otherwise the ids now owned by `consumer` (fewer than a batch: the peer owes nothing
-/// more, and has been forgotten by the group).
+/// Entries taken over from a peer by [`take_over`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TakenOver {
+    /// The ids now owned by the caller; fewer than [`TAKE_OVER_BATCH`]: the peer owes
+    /// nothing more (a dead one has been forgotten by the group).
+    pub ids: Vec<String>,
+    /// The peer is alive, but has had no usable PostgreSQL for a while
+    /// ([`Keys::without_database`]); otherwise its heartbeat was gone.
+    pub without_database: bool,
+}
+
+/// Moves pending entries of `peer` to `consumer`, at most [`TAKE_OVER_BATCH`] per call,
+/// without reading them: if the peer's heartbeat is gone, or if the peer has marked
+/// itself as having no usable PostgreSQL and `usable` says this consumer has one. `None`
+/// if the peer keeps its work.
 pub fn take_over(
     con: &mut dyn ConnectionLike,
     keys: &Keys,
     consumer: &str,
     peer: &str,
-) -> StoreResult<Option<Vec<String>>> {
+    usable: bool,
+) -> StoreResult<Option<TakenOver>> {
     let mut inv = TAKE_OVER.prepare_invoke();
     inv.key(&keys.stream)
         .key(keys.heartbeat(peer))
+        .key(keys.without_database(peer))
         .arg(&keys.group)
         .arg(consumer)
         .arg(peer)
-        .arg(TAKE_OVER_BATCH);
-    let Value::Array(reply) = run("take over a dead consumer", &inv, con)? else {
-        return Ok(Some(Vec::new()));
+        .arg(TAKE_OVER_BATCH)
+        .arg(if usable { "1" } else { "0" });
+    let Value::Array(reply) = run("take over a consumer's entries", &inv, con)? else {
+        return Ok(Some(TakenOver {
+            ids: Vec::new(),
+            without_database: false,
+        }));
     };
     if int(reply.first()) < 0 {
         return Ok(None);
     }
-    Ok(Some(reply.iter().skip(1).map(value_to_string).collect()))
+    Ok(Some(TakenOver {
+        without_database: int(reply.get(1)) == 1,
+        ids: reply.iter().skip(2).map(value_to_string).collect(),
+    }))
+}
+
+/// Marks `consumer` as alive without a usable PostgreSQL (for `ttl`), so that a peer
+/// with one takes over its pending entries; `false` takes the mark away.
+pub fn mark_without_database(
+    con: &mut dyn ConnectionLike,
+    keys: &Keys,
+    consumer: &str,
+    on: bool,
+    ttl: Duration,
+) -> StoreResult<()> {
+    let key = keys.without_database(consumer);
+    let cmd = if on {
+        let mut c = redis::cmd("SET");
+        c.arg(&key)
+            .arg(1)
+            .arg("PX")
+            .arg(ttl.as_millis().max(1) as u64);
+        c
+    } else {
+        let mut c = redis::cmd("DEL");
+        c.arg(&key);
+        c
+    };
+    query("mark a consumer without a database", &cmd, con)
 }
 
 /// Sends entries delivered more than `max_deliveries` times (idle at least `min_idle`;

@@ -1446,6 +1446,86 @@ fn a_replica_session_replication_role_on_the_worker_s_role_holds_the_jobs_red() 
     assert_eq!(books(&l.env).dead, 0);
 }
 
+/// A worker whose role turns read-only (its sessions cannot write) while a peer's can
+/// hands the jobs it holds to that peer a heartbeat's time later, not after
+/// `--claim-idle` (ten minutes here, so only the hand-over can bring them). Found from
+/// outside: a worker whose role was set `session_replication_role = replica` held 194
+/// entries that its peers ran up to 73 s late. Once its role can write again it keeps
+/// its own jobs; every job is done once and none is a dead letter.
+#[test]
+fn a_worker_without_a_usable_database_hands_its_jobs_to_a_peer_that_has_one() {
+    let mut l = Locked::new(&[]);
+    let port = l.with_health();
+    let role = l.runtime_role.clone();
+    let owner = |sql: String| l.env.db.client().batch_execute(&sql).unwrap();
+    let mut a = l.env.config.clone();
+    a.consumer = "host-a".into();
+    a.reader.block = Duration::from_millis(200);
+    a.reader.heartbeat_ttl = Duration::from_secs(2);
+    a.reader.claim_idle = Duration::from_secs(600);
+    a.stats_interval = Duration::from_secs(1);
+    let mut b = a.clone();
+    b.consumer = "host-b".into();
+    b.database_url = l.env.db.url.clone();
+    b.metrics_addr = None;
+    let orders = seed_orders(&l.env.db, 300);
+    let host_a = Daemon::start(&a);
+    push_timeouts(&l.env, &orders[..10], 0);
+    wait_until(WAIT, "host-a's first jobs done", || {
+        inbox_count(&l.env.db) == 10
+    });
+    owner(format!(
+        "ALTER ROLE {role} SET default_transaction_read_only = on; \
+         SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'"
+    ));
+    push_timeouts(&l.env, &orders[10..200], 0);
+    wait_healthz(port, "host-a red: no writable PostgreSQL", |code, body| {
+        code == 503 && body.contains("read-only")
+    });
+    wait_until(WAIT, "host-a holding entries", || {
+        pending_of(&l.env, "host-a") > 0
+    });
+    let held = pending_of(&l.env, "host-a");
+    let host_b = Daemon::start(&b);
+    wait_until(WAIT, "host-b ran host-a's jobs", || {
+        inbox_count(&l.env.db) == 200
+    });
+    assert_eq!(pending_of(&l.env, "host-a"), 0, "host-a held {held}");
+    assert_eq!(inbox_count(&l.env.db), 200, "no job ran with host-a's role");
+    owner(format!(
+        "ALTER ROLE {role} RESET default_transaction_read_only; \
+         SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'"
+    ));
+    wait_healthz(port, "host-a green", |code, _| code == 200);
+    push_timeouts(&l.env, &orders[200..], 0);
+    wait_until(WAIT, "every job done", || {
+        inbox_count(&l.env.db) == 300 && books(&l.env).stream_pending == 0
+    });
+    host_a.stop();
+    host_b.stop();
+    assert_accounting(&l.env.db, &orders, &orders.iter().collect::<Vec<_>>());
+    let b = books(&l.env);
+    assert_eq!((b.dead, b.pool, b.stream_pending), (0, 0, 0));
+}
+
+/// Entries pending on `consumer` in the test's stream.
+fn pending_of(env: &Env, consumer: &str) -> usize {
+    let k = &env.config.keys;
+    let summary: redis::Value = redis::cmd("XPENDING")
+        .arg(&k.stream)
+        .arg(&k.group)
+        .arg("-")
+        .arg("+")
+        .arg(100_000)
+        .arg(consumer)
+        .query(&mut env.con())
+        .unwrap();
+    match summary {
+        redis::Value::Array(v) => v.len(),
+        _ => 0,
+    }
+}
+
 /// A refused privilege that only some jobs need (the inbox's `outcome` column, which only
 /// the no-op of a paid order writes) holds those jobs while the others commit: `/healthz`
 /// and `stats --check` stay red naming it for as long as it lasts, not green at each

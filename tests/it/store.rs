@@ -557,7 +557,7 @@ fn a_dead_consumer_s_entries_are_all_taken_over_at_once() {
     // A live peer keeps its work.
     store::heartbeat(&mut con, &k, "dead-host", Duration::from_secs(10), "{}").unwrap();
     assert_eq!(
-        stream::take_over(&mut con, &k, "c1", "dead-host").unwrap(),
+        stream::take_over(&mut con, &k, "c1", "dead-host", true).unwrap(),
         None
     );
     redis::cmd("DEL")
@@ -565,9 +565,11 @@ fn a_dead_consumer_s_entries_are_all_taken_over_at_once() {
         .query::<()>(&mut con)
         .unwrap();
     let mut taken = 0;
-    while let Some(ids) = stream::take_over(&mut con, &k, "c1", "dead-host").unwrap() {
-        taken += ids.len();
-        if ids.len() < stream::TAKE_OVER_BATCH {
+    // Taken by a peer whatever its own database: the dead host runs nothing.
+    while let Some(t) = stream::take_over(&mut con, &k, "c1", "dead-host", false).unwrap() {
+        assert!(!t.without_database);
+        taken += t.ids.len();
+        if t.ids.len() < stream::TAKE_OVER_BATCH {
             break;
         }
     }
@@ -580,6 +582,90 @@ fn a_dead_consumer_s_entries_are_all_taken_over_at_once() {
             .iter()
             .all(|c| c.name != "dead-host"),
         "a dead consumer that owes nothing is forgotten"
+    );
+}
+
+/// A live consumer that marked itself as having no usable PostgreSQL gives up its pending
+/// entries to a peer that has one, and to no other; it stays in the group, and keeps
+/// its work once the mark is gone.
+#[test]
+fn a_live_consumer_without_a_database_gives_its_entries_only_to_a_peer_with_one() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let k = keys();
+    stream::ensure_group(&mut con, &k).unwrap();
+    for i in 0..30 {
+        redis::cmd("XADD")
+            .arg(&k.stream)
+            .arg("*")
+            .arg("msg")
+            .arg(format!(r#"{{"event":"e","payload":{{"i":{i}}}}}"#))
+            .query::<()>(&mut con)
+            .unwrap();
+    }
+    let stuck = stream::Reading {
+        keys: &k,
+        consumer: "stuck-host",
+        max_bytes: MAX,
+    };
+    assert_eq!(
+        stream::read(&mut con, stuck, 20, ">")
+            .unwrap()
+            .deliveries
+            .len(),
+        20
+    );
+    age_pending(&mut con, &k, "stuck-host");
+    let ttl = Duration::from_secs(10);
+    store::heartbeat(&mut con, &k, "stuck-host", ttl, "{}").unwrap();
+    // Alive and unmarked: kept.
+    assert_eq!(
+        stream::take_over(&mut con, &k, "c1", "stuck-host", true).unwrap(),
+        None
+    );
+    stream::mark_without_database(&mut con, &k, "stuck-host", true, ttl).unwrap();
+    // A peer without a database either takes nothing.
+    assert_eq!(
+        stream::take_over(&mut con, &k, "c1", "stuck-host", false).unwrap(),
+        None
+    );
+    let t = stream::take_over(&mut con, &k, "c1", "stuck-host", true)
+        .unwrap()
+        .expect("a peer with a database takes them");
+    assert!(t.without_database);
+    assert_eq!(t.ids.len(), 20);
+    assert_eq!(
+        stream::pending(&mut con, &k, 0, 100, Some("c1"))
+            .unwrap()
+            .len(),
+        20
+    );
+    assert!(
+        stream::consumers(&mut con, &k)
+            .unwrap()
+            .iter()
+            .any(|c| c.name == "stuck-host"),
+        "a live consumer stays in the group"
+    );
+    // Back with a database: the mark goes, and what it reads next stays its own.
+    stream::mark_without_database(&mut con, &k, "stuck-host", false, ttl).unwrap();
+    assert_eq!(
+        stream::read(&mut con, stuck, 20, ">")
+            .unwrap()
+            .deliveries
+            .len(),
+        10
+    );
+    age_pending(&mut con, &k, "stuck-host");
+    assert_eq!(
+        stream::take_over(&mut con, &k, "c1", "stuck-host", true).unwrap(),
+        None
+    );
+    assert_eq!(
+        stream::pending(&mut con, &k, 0, 100, Some("stuck-host"))
+            .unwrap()
+            .len(),
+        10
     );
 }
 
