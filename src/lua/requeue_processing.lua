@@ -4,25 +4,36 @@
 -- its new place the moment it leaves the old one). One atomic step, so when several
 -- consumers notice the same dead peer, exactly one moves its messages.
 --
--- KEYS: processing 1, queue 1, processing 2, queue 2, ..., consumers SET, heartbeat key
--- ARGV[1] consumer name, ARGV[2] '1' if the consumer is a dead peer (checked here against
--- its heartbeat, and forgotten from the SET), '0' for our own lists at start.
--- Returns the number of messages pushed back, or -1 if the peer is alive after all.
+-- A peer that is alive but has had no usable PostgreSQL for a while (its `no-database`
+-- key exists) has its lists pushed back too, by a caller that has a usable one: its
+-- workers cannot run them. It stays in the SET.
+--
+-- KEYS: processing 1, queue 1, processing 2, queue 2, ..., consumers SET, heartbeat key,
+-- no-database key
+-- ARGV[1] consumer name, ARGV[2] '1' if the consumer is a peer (checked here against its
+-- heartbeat, and forgotten from the SET when dead), '0' for our own lists at start,
+-- ARGV[3] '1' if the caller can use PostgreSQL now.
+-- Returns {messages pushed back, 1 if the peer is alive without a database}, or -1 if
+-- the peer keeps them (alive, and with a usable PostgreSQL or asked by a caller that has
+-- none).
 local nk = #KEYS
 local checks = {}
-for i = 1, nk - 2 do checks[#checks + 1] = KEYS[i]; checks[#checks + 1] = 'list' end
-checks[#checks + 1] = KEYS[nk - 1]; checks[#checks + 1] = 'set'
+for i = 1, nk - 3 do checks[#checks + 1] = KEYS[i]; checks[#checks + 1] = 'list' end
+checks[#checks + 1] = KEYS[nk - 2]; checks[#checks + 1] = 'set'
 local w = wrong_type(unpack(checks))
 if w then return wrongtype_reply(w) end
 local peer = ARGV[2] == '1'
-if peer and redis.call('EXISTS', KEYS[nk]) == 1 then return -1 end
+local alive = peer and redis.call('EXISTS', KEYS[nk - 1]) == 1
+if alive and not (ARGV[3] == '1' and redis.call('EXISTS', KEYS[nk]) == 1) then
+  return -1
+end
 local moved = 0
-for i = 1, nk - 2, 2 do
+for i = 1, nk - 3, 2 do
   while true do
     local msg = redis.call('LMOVE', KEYS[i], KEYS[i + 1], 'LEFT', 'RIGHT')
     if not msg then break end
     moved = moved + 1
   end
 end
-if peer then redis.call('SREM', KEYS[nk - 1], ARGV[1]) end
-return moved
+if peer and not alive then redis.call('SREM', KEYS[nk - 2], ARGV[1]) end
+return {moved, alive and 1 or 0}

@@ -14,7 +14,7 @@
 //! from the processing list; retries and dead letters are written first, in the same
 //! script (`store::settle`). Stops like the stream reader: returning drops the sender.
 
-use super::{due, Doorbell, Feed, Source, StepError, IDLE_POLL};
+use super::{due, Doorbell, Feed, Source, Standing, StepError, IDLE_POLL};
 use crate::config::ReaderConfig;
 use crate::delivery::{Delivery, Origin};
 use crate::keys::Keys;
@@ -31,6 +31,8 @@ pub struct ListReader<'a> {
     feed: Feed<'a>,
     doorbell: Doorbell,
     last_maintenance: Option<Instant>,
+    /// Whether this process has had a usable PostgreSQL, and its mark when not.
+    standing: Standing,
 }
 
 impl<'a> ListReader<'a> {
@@ -49,6 +51,7 @@ impl<'a> ListReader<'a> {
             feed,
             doorbell: Doorbell::default(),
             last_maintenance: None,
+            standing: Standing::default(),
         }
     }
 
@@ -76,7 +79,9 @@ impl<'a> ListReader<'a> {
         }
     }
 
-    /// Heartbeat, then the processing lists of consumers whose heartbeat expired.
+    /// Heartbeat, this process's [`Standing`], then the processing lists of consumers
+    /// whose heartbeat expired (and of live ones marked as having no usable PostgreSQL,
+    /// when this process has one).
     fn maintain(&mut self, con: &mut dyn redis::ConnectionLike) -> Result<(), StepError> {
         let record = crate::health::Record::of(self.stats).to_json();
         store::heartbeat(
@@ -86,14 +91,26 @@ impl<'a> ListReader<'a> {
             self.cfg.heartbeat_ttl,
             &record,
         )?;
+        let settled = self.standing.look(
+            con,
+            (self.keys, self.consumer, "list reader"),
+            self.stats,
+            self.cfg,
+        )?;
         for c in list::consumers(con, self.keys)?
             .iter()
             .filter(|c| c.as_str() != self.consumer)
         {
-            if let Some(n) = list::requeue_processing(con, self.keys, c, true)? {
+            if let Some(back) = list::requeue_processing(con, self.keys, c, true, settled)? {
+                let n = back.messages;
                 if n > 0 {
+                    let why = if back.without_database {
+                        "has had no usable PostgreSQL for a while"
+                    } else {
+                        "has no heartbeat"
+                    };
                     log::warn!(
-                        "list reader: consumer {c:?} has no heartbeat; pushed its {n} unfinished messages back to their queues"
+                        "list reader: consumer {c:?} {why}; pushed its {n} unfinished messages back to their queues"
                     );
                     Stats::add(&self.stats.reclaimed, n as u64);
                 }
@@ -132,7 +149,8 @@ impl Source for ListReader<'_> {
             &record,
         )?;
         list::register_consumer(con, self.keys, self.consumer)?;
-        let n = list::requeue_processing(con, self.keys, self.consumer, false)?.unwrap_or(0);
+        let n = list::requeue_processing(con, self.keys, self.consumer, false, false)?
+            .map_or(0, |b| b.messages);
         if n > 0 {
             log::info!(
                 "list reader: pushed back {n} messages left in processing by a previous run of consumer {:?}",

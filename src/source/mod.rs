@@ -116,6 +116,73 @@ pub(crate) fn due(last: &mut Option<Instant>, every: Duration) -> bool {
     true
 }
 
+/// Whether this process has a usable PostgreSQL, as its reader sees it at each
+/// maintenance pass (the database watch's finding, [`Stats::db_unusable`]), and the mark
+/// that tells peers when it has had none for a while.
+///
+/// A process whose database watch has found no usable PostgreSQL (down, read-only, a
+/// session its role may not use) for `--heartbeat-ttl` marks its consumer so
+/// ([`store::mark_without_database`]), for as long as it lasts: a peer that has one takes
+/// over the jobs it holds at its next maintenance, as a dead host's, instead of after
+/// `--claim-idle` (found from outside: a worker whose role was set
+/// `session_replication_role = replica` held 194 entries, run by its peers up to 73 s
+/// late). The mark goes at the first pass that finds the database usable. The jobs its
+/// workers still hold run there once more when it is: each finds its inbox row, or is
+/// left to the peer running it (a list copy is waited out).
+#[derive(Debug, Default)]
+pub struct Standing {
+    /// Since when the watch has found no usable PostgreSQL.
+    stuck_since: Option<Instant>,
+    /// Since when it has found one: a peer's jobs are taken for want of a database only
+    /// by a process that has had one for two maintenance passes, so that after an outage
+    /// of every process's database the one that sees it back first does not take the jobs
+    /// of another that is back too but has not yet taken its mark away.
+    usable_since: Option<Instant>,
+    /// The mark is set.
+    marked: bool,
+}
+
+impl Standing {
+    /// One maintenance pass of the reader named `who.2` (consumer `who.1` of key set
+    /// `who.0`): sets, refreshes or takes away the mark. Returns whether this process may
+    /// take the jobs of marked peers.
+    pub fn look(
+        &mut self,
+        con: &mut dyn redis::ConnectionLike,
+        who: (&crate::keys::Keys, &str, &str),
+        stats: &Stats,
+        cfg: &crate::config::ReaderConfig,
+    ) -> Result<bool, StepError> {
+        let (keys, consumer, name) = who;
+        let usable = !stats.db_unusable.load(std::sync::atomic::Ordering::Relaxed);
+        let since = |now_so: bool, since: Option<Instant>| match (now_so, since) {
+            (false, _) => None,
+            (true, None) => Some(Instant::now()),
+            (true, since) => since,
+        };
+        self.stuck_since = since(!usable, self.stuck_since);
+        self.usable_since = since(usable, self.usable_since);
+        let mark = self
+            .stuck_since
+            .is_some_and(|t| t.elapsed() >= cfg.heartbeat_ttl);
+        if mark || self.marked {
+            store::mark_without_database(con, keys, consumer, mark, cfg.heartbeat_ttl)?;
+        }
+        if mark && !self.marked {
+            log::warn!(
+                "{name}: no usable PostgreSQL for {}s: a peer that has one takes the jobs this process holds",
+                cfg.heartbeat_ttl.as_secs_f64()
+            );
+        } else if !mark && self.marked {
+            log::info!("{name}: PostgreSQL is usable again: this process keeps its jobs");
+        }
+        self.marked = mark;
+        Ok(self
+            .usable_since
+            .is_some_and(|t| t.elapsed() >= 2 * cfg.block))
+    }
+}
+
 /// Why a reader step stopped.
 #[derive(Debug, thiserror::Error)]
 pub enum StepError {

@@ -14,7 +14,7 @@
 //! reclaims entries idle longer than `claim_idle` on live consumers, and trims old
 //! acknowledged entries. Nothing here changes Redis state except through `store`.
 
-use super::{due, Doorbell, Feed, Source, StepError, IDLE_POLL};
+use super::{due, Doorbell, Feed, Source, Standing, StepError, IDLE_POLL};
 use crate::config::ReaderConfig;
 use crate::keys::Keys;
 use crate::shutdown::Shutdown;
@@ -64,18 +64,8 @@ pub struct Reader<'a> {
     /// Under a `--max-rate` ([`Reader::capped`]): a reconnect re-delivers none of this
     /// consumer's own pending entries.
     capped: bool,
-    /// Since when the database watch has found no usable PostgreSQL, as seen at the
-    /// maintenance passes ([`Reader::offer_if_stuck`]).
-    stuck_since: Option<Instant>,
-    /// Since when it has found one, likewise: a peer's entries are taken for want of a
-    /// database only by a process that has had one for two maintenance passes, so that
-    /// after an outage of every process's database the one that sees it back first does
-    /// not take the entries of another that is back too but has not yet taken its mark
-    /// away.
-    usable_since: Option<Instant>,
-    /// This consumer's no-database mark is set: peers that have a database take its
-    /// pending entries.
-    offered: bool,
+    /// Whether this process has had a usable PostgreSQL, and its mark when not.
+    standing: Standing,
 }
 
 impl<'a> Reader<'a> {
@@ -104,9 +94,7 @@ impl<'a> Reader<'a> {
             held: false,
             started_once: false,
             capped: false,
-            stuck_since: None,
-            usable_since: None,
-            offered: false,
+            standing: Standing::default(),
         }
     }
 
@@ -274,14 +262,12 @@ impl<'a> Reader<'a> {
     /// an entry over the delivery limit is dead-lettered rather than reclaimed once more.
     pub fn maintain(&mut self, con: &mut dyn redis::ConnectionLike) -> Result<usize, StepError> {
         self.heartbeat(con)?;
-        let usable = !self
-            .stats
-            .db_unusable
-            .load(std::sync::atomic::Ordering::Relaxed);
-        self.offer_if_stuck(con, usable)?;
-        let settled = self
-            .usable_since
-            .is_some_and(|t| t.elapsed() >= 2 * self.cfg.block);
+        let settled = self.standing.look(
+            con,
+            (self.keys, self.consumer, &self.name),
+            self.stats,
+            self.cfg,
+        )?;
         self.take_over_dead_consumers(con, settled)?;
         self.bury_overdelivered(con, None, self.cfg.claim_idle)?;
         let n = self.autoclaim(con)?;
@@ -324,54 +310,6 @@ impl<'a> Reader<'a> {
             self.held = true;
             self.feed.blocked(&self.name, &w);
         }
-        Ok(())
-    }
-
-    /// A process whose database watch has found no usable PostgreSQL (down, read-only, a
-    /// session its role may not use) for a heartbeat's time marks this consumer so, for
-    /// as long as it lasts: a peer that has one takes over its pending entries at its next
-    /// maintenance, as a dead host's, instead of after `--claim-idle` (found from outside:
-    /// a worker whose role was set `session_replication_role = replica` held 194 entries,
-    /// run by its peers up to 73 s late). The mark goes as soon as the database is usable
-    /// again. The entries its workers still hold run again there when it is: each finds its
-    /// inbox row, or is left to the peer running it.
-    fn offer_if_stuck(
-        &mut self,
-        con: &mut dyn redis::ConnectionLike,
-        usable: bool,
-    ) -> Result<(), StepError> {
-        let since = |now_so: bool, since: Option<Instant>| match (now_so, since) {
-            (false, _) => None,
-            (true, None) => Some(Instant::now()),
-            (true, since) => since,
-        };
-        self.stuck_since = since(!usable, self.stuck_since);
-        self.usable_since = since(usable, self.usable_since);
-        let offer = self
-            .stuck_since
-            .is_some_and(|t| t.elapsed() >= self.cfg.heartbeat_ttl);
-        if offer || self.offered {
-            stream::mark_without_database(
-                con,
-                self.keys,
-                self.consumer,
-                offer,
-                self.cfg.heartbeat_ttl,
-            )?;
-        }
-        if offer && !self.offered {
-            log::warn!(
-                "{}: no usable PostgreSQL for {}s: a peer that has one takes the jobs this process holds",
-                self.name,
-                self.cfg.heartbeat_ttl.as_secs_f64()
-            );
-        } else if !offer && self.offered {
-            log::info!(
-                "{}: PostgreSQL is usable again: this process keeps its jobs",
-                self.name
-            );
-        }
-        self.offered = offer;
         Ok(())
     }
 

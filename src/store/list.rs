@@ -118,25 +118,42 @@ pub(super) fn settle(
     }
 }
 
+/// What [`requeue_processing`] pushed back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PushedBack {
+    pub messages: usize,
+    /// The peer is alive but has had no usable PostgreSQL for a while; otherwise its
+    /// heartbeat was gone (or these were the caller's own lists).
+    pub without_database: bool,
+}
+
 /// Pushes one consumer's processing lists back onto their queues. `peer`: only if its
-/// heartbeat expired. Returns how many messages went back, or `None` if the peer turned
-/// out alive.
+/// heartbeat expired, or if it marked itself as having no usable PostgreSQL and `usable`
+/// says the caller has one. Returns what went back, or `None` if the peer keeps them.
 pub fn requeue_processing(
     con: &mut dyn ConnectionLike,
     keys: &Keys,
     consumer: &str,
     peer: bool,
-) -> StoreResult<Option<usize>> {
+    usable: bool,
+) -> StoreResult<Option<PushedBack>> {
     let mut inv = REQUEUE.prepare_invoke();
     for q in &keys.queues {
         inv.key(q.processing(consumer)).key(&q.name);
     }
     inv.key(&keys.list_consumers)
         .key(keys.heartbeat(consumer))
+        .key(keys.without_database(consumer))
         .arg(consumer)
-        .arg(if peer { "1" } else { "0" });
-    let n = int(Some(&run("push back processing lists", &inv, con)?));
-    Ok((n >= 0).then_some(n as usize))
+        .arg(if peer { "1" } else { "0" })
+        .arg(if usable { "1" } else { "0" });
+    Ok(match run("push back processing lists", &inv, con)? {
+        Value::Array(v) => Some(PushedBack {
+            messages: int(v.first()).max(0) as usize,
+            without_database: int(v.get(1)) == 1,
+        }),
+        _ => None,
+    })
 }
 
 /// Lists this consumer in the SET peers look in for processing lists to recover.

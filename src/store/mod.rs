@@ -424,6 +424,31 @@ pub fn heartbeat(
     query("heartbeat", &cmd, con)
 }
 
+/// Marks `consumer` as alive without a usable PostgreSQL (for `ttl`), so that a peer
+/// with one takes over its pending entries; `false` takes the mark away.
+pub fn mark_without_database(
+    con: &mut dyn ConnectionLike,
+    keys: &Keys,
+    consumer: &str,
+    on: bool,
+    ttl: Duration,
+) -> StoreResult<()> {
+    let key = keys.without_database(consumer);
+    let cmd = if on {
+        let mut c = redis::cmd("SET");
+        c.arg(&key)
+            .arg(1)
+            .arg("PX")
+            .arg(ttl.as_millis().max(1) as u64);
+        c
+    } else {
+        let mut c = redis::cmd("DEL");
+        c.arg(&key);
+        c
+    };
+    query("mark a consumer without a database", &cmd, con)
+}
+
 /// Redis's clock (`TIME`), unix microseconds, read on the server that holds `key` (on a
 /// Redis Cluster, each master has its own clock and decides for its own slots).
 pub fn server_time_us(con: &mut dyn ConnectionLike, key: &str) -> StoreResult<i64> {

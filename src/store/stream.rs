@@ -212,31 +212,6 @@ pub fn take_over(
     }))
 }
 
-/// Marks `consumer` as alive without a usable PostgreSQL (for `ttl`), so that a peer
-/// with one takes over its pending entries; `false` takes the mark away.
-pub fn mark_without_database(
-    con: &mut dyn ConnectionLike,
-    keys: &Keys,
-    consumer: &str,
-    on: bool,
-    ttl: Duration,
-) -> StoreResult<()> {
-    let key = keys.without_database(consumer);
-    let cmd = if on {
-        let mut c = redis::cmd("SET");
-        c.arg(&key)
-            .arg(1)
-            .arg("PX")
-            .arg(ttl.as_millis().max(1) as u64);
-        c
-    } else {
-        let mut c = redis::cmd("DEL");
-        c.arg(&key);
-        c
-    };
-    query("mark a consumer without a database", &cmd, con)
-}
-
 /// Sends entries delivered more than `max_deliveries` times (idle at least `min_idle`;
 /// only `only`'s when given) to the dead letters, inside Redis: (job key, reason) of
 /// each, and the dead-letter key if it holds another type (then nothing is buried).

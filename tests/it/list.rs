@@ -210,6 +210,68 @@ fn a_killed_consumer_s_messages_are_recovered_by_a_peer_and_by_itself() {
     );
 }
 
+/// A consumer that lives but whose database takes no writes (its sessions read-only)
+/// while a peer's does: the peer pushes its processing list back a heartbeat's time after
+/// its database watch found none, not after `--claim-idle`, and runs every job once. The
+/// consumer stays in the SET: it lives.
+#[test]
+fn a_consumer_without_a_usable_database_has_its_messages_pushed_back_for_a_peer() {
+    let env = list_env(&[("normal", None)]);
+    let q = &env.config.keys.queues[0];
+    let orders = seed_orders(&env.db, 300);
+    // host-a reaches the database as a role of its own, turned read-only once it runs
+    // (a worker refuses to start on a server that takes no writes).
+    let role = format!("dw_ro_{}_{}", std::process::id(), line!());
+    let _roles = Roles(vec![role.clone()]);
+    let admin = |sql: String| env.db.client().batch_execute(&sql).unwrap();
+    admin(format!(
+        "CREATE ROLE {role} LOGIN SUPERUSER PASSWORD 'ro-secret'"
+    ));
+    let mut a = env.config.clone();
+    a.consumer = "host-a".into();
+    a.database_url = pg_url(&role, "ro-secret", &env.db.name);
+    let mut pa = Proc::start(&a, &list_args(&env));
+    push_timeouts(&env, &orders[..10], 0);
+    wait_until(WAIT, "host-a's first jobs", || inbox_count(&env.db) == 10);
+    admin(format!(
+        "ALTER ROLE {role} SET default_transaction_read_only = on; \
+         SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'"
+    ));
+    push_timeouts(&env, &orders[10..], 0);
+    wait_until(WAIT, "host-a holding messages", || {
+        llen(&env, &q.processing("host-a")) > 0
+    });
+    let held = llen(&env, &q.processing("host-a"));
+    let mut b = env.config.clone();
+    b.consumer = "host-b".into();
+    let mut pb = Proc::start(&b, &list_args(&env));
+    wait_until(WAIT, "every job done by host-b", || {
+        inbox_count(&env.db) == 300
+            && books(&env).pool == 0
+            && lists_drained(&env, &["host-a", "host-b"])
+    });
+    assert!(
+        pa.child.try_wait().unwrap().is_none(),
+        "host-a still runs: {}",
+        pa.log()
+    );
+    assert!(
+        pa.log().contains("no usable PostgreSQL"),
+        "host-a said why it gave up {held} messages: {}",
+        pa.log()
+    );
+    let members: Vec<String> = redis::cmd("SMEMBERS")
+        .arg(&env.config.keys.list_consumers)
+        .query(&mut env.con())
+        .unwrap();
+    assert!(members.contains(&"host-a".to_string()), "{members:?}");
+    pa.kill9();
+    pb.signal(libc::SIGTERM);
+    assert!(pb.wait(WAIT).success());
+    assert_accounting(&env.db, &orders, &orders.iter().collect::<Vec<_>>());
+    assert_lists_empty(&env, &["host-a", "host-b"]);
+}
+
 #[test]
 fn a_restarted_consumer_pushes_its_own_leftovers_back() {
     let env = list_env(&[("normal", None)]);

@@ -61,18 +61,6 @@ fn list_mode_rules(queues: &[&str], legacy: &[(&str, &str)]) -> Vec<String> {
 
 static ROLES: AtomicU32 = AtomicU32::new(0);
 
-/// A PostgreSQL URL for `user` on the test server (the shared server trusts local users;
-/// the password is set on the role all the same, as a real deployment would).
-fn pg_url(user: &str, password: &str, db: &str) -> String {
-    let cfg: postgres::Config = admin_url().parse().expect("DW_TEST_DATABASE_URL parses");
-    let host = match cfg.get_hosts().first() {
-        Some(postgres::config::Host::Tcp(h)) => h.clone(),
-        other => panic!("the test PostgreSQL must be reached over TCP, not {other:?}"),
-    };
-    let port = cfg.get_ports().first().copied().unwrap_or(5432);
-    format!("postgres://{user}:{password}@{host}:{port}/{db}")
-}
-
 /// `psql`, from PATH or from the installed server's binaries.
 fn psql() -> PathBuf {
     if Command::new("psql").arg("--version").output().is_ok() {
@@ -85,19 +73,6 @@ fn psql() -> PathBuf {
         .collect();
     found.sort();
     found.pop().expect("no psql under /usr/lib/postgresql")
-}
-
-/// The roles of one test, dropped with it (after its database).
-struct Roles(Vec<String>);
-
-impl Drop for Roles {
-    fn drop(&mut self) {
-        if let Ok(mut a) = postgres::Client::connect(&admin_url(), NoTls) {
-            for r in &self.0 {
-                let _ = a.batch_execute(&format!("DROP ROLE IF EXISTS {r}"));
-            }
-        }
-    }
 }
 
 /// Redis with two ACL users (the daemon's rules; the daemon's plus the operator's), an

@@ -623,7 +623,7 @@ fn a_live_consumer_without_a_database_gives_its_entries_only_to_a_peer_with_one(
         stream::take_over(&mut con, &k, "c1", "stuck-host", true).unwrap(),
         None
     );
-    stream::mark_without_database(&mut con, &k, "stuck-host", true, ttl).unwrap();
+    store::mark_without_database(&mut con, &k, "stuck-host", true, ttl).unwrap();
     // A peer without a database either takes nothing.
     assert_eq!(
         stream::take_over(&mut con, &k, "c1", "stuck-host", false).unwrap(),
@@ -648,7 +648,7 @@ fn a_live_consumer_without_a_database_gives_its_entries_only_to_a_peer_with_one(
         "a live consumer stays in the group"
     );
     // Back with a database: the mark goes, and what it reads next stays its own.
-    stream::mark_without_database(&mut con, &k, "stuck-host", false, ttl).unwrap();
+    store::mark_without_database(&mut con, &k, "stuck-host", false, ttl).unwrap();
     assert_eq!(
         stream::read(&mut con, stuck, 20, ">")
             .unwrap()
@@ -794,7 +794,7 @@ fn list_settle_and_push_back_keep_messages_when_a_key_is_the_wrong_type() {
     // Push-back of a dead consumer's list with its queue of the wrong type: nothing moves.
     set_string(&mut con, &q.name);
     is_wrong_type(
-        &list::requeue_processing(&mut con, &k, "c1", false),
+        &list::requeue_processing(&mut con, &k, "c1", false, false),
         &q.name,
     );
     assert_eq!(llen(&mut con, &q.processing("c1")), 1);

@@ -1370,3 +1370,28 @@ pub fn xreadgroup(
     }
     ids
 }
+
+/// A PostgreSQL URL for `user` on the test server (the shared server trusts local users;
+/// the password is set on the role all the same, as a real deployment would).
+pub fn pg_url(user: &str, password: &str, db: &str) -> String {
+    let cfg: postgres::Config = admin_url().parse().expect("DW_TEST_DATABASE_URL parses");
+    let host = match cfg.get_hosts().first() {
+        Some(postgres::config::Host::Tcp(h)) => h.clone(),
+        other => panic!("the test PostgreSQL must be reached over TCP, not {other:?}"),
+    };
+    let port = cfg.get_ports().first().copied().unwrap_or(5432);
+    format!("postgres://{user}:{password}@{host}:{port}/{db}")
+}
+
+/// The roles of one test, dropped with it (after its database).
+pub struct Roles(pub Vec<String>);
+
+impl Drop for Roles {
+    fn drop(&mut self) {
+        if let Ok(mut a) = postgres::Client::connect(&admin_url(), NoTls) {
+            for r in &self.0 {
+                let _ = a.batch_execute(&format!("DROP ROLE IF EXISTS {r}"));
+            }
+        }
+    }
+}
