@@ -630,7 +630,7 @@ fn print_report(
     if !r.key_scheduled.is_empty() {
         writeln!(
             out,
-            "left {} in the dead letters: their job key is scheduled again and the newer push wins ({})",
+            "left {} in the dead letters: their job key is scheduled again, or a newer letter of it is dead, and the newer push wins ({})",
             r.key_scheduled.len(),
             r.key_scheduled.join(", ")
         )?;

@@ -753,7 +753,7 @@ pub fn done(v: &Done) -> Markup {
                     li { "Not a JSON object, requeued as written (they will be dead-lettered again): " (list(&r.as_is)) }
                 }
                 @if !r.key_scheduled.is_empty() {
-                    li { "Left in place, their job key is scheduled again and the newer push wins: " (list(&r.key_scheduled)) }
+                    li { "Left in place, their job key is scheduled again, or a newer letter of it is dead, and the newer push wins: " (list(&r.key_scheduled)) }
                 }
                 @for (id, why) in &r.cannot {
                     li { "Left " (id) ": " (why) }

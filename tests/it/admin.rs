@@ -493,7 +493,7 @@ fn requeue_keeps_fields_respects_newer_pushes_and_goes_back_once() {
         )),
         "{said}"
     );
-    assert!(said.contains(&format!("left 1 in the dead letters: their job key is scheduled again and the newer push wins ({c})")), "{said}");
+    assert!(said.contains(&format!("left 1 in the dead letters: their job key is scheduled again, or a newer letter of it is dead, and the newer push wins ({c})")), "{said}");
     // Forced, it goes back as written, with the warning.
     let out = worker(&r.url(), &["dead", "requeue", "--force", "--id", &b]);
     assert!(out.status.success(), "{}", text(&out.stderr));
@@ -1175,6 +1175,73 @@ fn the_tools_name_a_key_of_the_wrong_type() {
         );
         redis::cmd("DEL").arg(key).query::<()>(&mut con).unwrap();
     }
+}
+
+/// Two letters of one job key requeued in separate calls (`--limit`, `--id`, or a page at
+/// a time): the older alone stays while the newer is dead, as the `letters` index says;
+/// then the newer goes back.
+#[test]
+fn the_older_letter_of_a_key_requeued_alone_stays_while_the_newer_is_dead() {
+    let r = RedisServer::start();
+    let db = TestDb::new();
+    let mut con = r.con();
+    let keys = Keys::default();
+    let key = "order.timeout:shared";
+    let letter = |con: &mut redis::Connection, order: &str| -> String {
+        let msg = format!(
+            r#"{{"event":"order.timeout","payload":{{"order_no":"{order}"}},"retry":1,"ts":1}}"#
+        );
+        redis::cmd("XADD")
+            .arg(&keys.dead)
+            .arg("*")
+            .arg(&["msg", &msg, "reason", "by hand", "ts", "1"])
+            .arg(&["event", "order.timeout", "key", key, "attempts", "1"])
+            .query(con)
+            .unwrap()
+    };
+    let older = letter(&mut con, "OLD");
+    let newer = letter(&mut con, "NEW");
+    // As the settle and the mover index each letter they write.
+    redis::cmd("HSET")
+        .arg(&keys.letters)
+        .arg(key)
+        .arg(format!("{older} {newer}"))
+        .query::<()>(&mut con)
+        .unwrap();
+    // `--limit 1` takes the oldest: the older letter, alone in its call.
+    let out = run_worker(&["dead", "requeue", "--limit", "1"], &r.url(), &db.url);
+    let said = text(&out.stdout);
+    assert!(
+        said.starts_with("requeued 0\n"),
+        "{said}{}",
+        text(&out.stderr)
+    );
+    assert!(said.contains("a newer letter of it is dead"), "{said}");
+    let data: Option<String> = redis::cmd("HGET")
+        .arg(&keys.data)
+        .arg(key)
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(data, None, "the older job did not go back");
+    let out = run_worker(&["dead", "requeue", "--id", &newer], &r.url(), &db.url);
+    let said = text(&out.stdout);
+    assert!(said.starts_with("requeued 1\n"), "{said}");
+    let data: String = redis::cmd("HGET")
+        .arg(&keys.data)
+        .arg(key)
+        .query(&mut con)
+        .unwrap();
+    assert!(data.contains("NEW"), "{data}");
+    let index: Option<String> = redis::cmd("HGET")
+        .arg(&keys.letters)
+        .arg(key)
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(
+        index,
+        Some(older.clone()),
+        "the requeued letter left the index"
+    );
 }
 
 /// Found from outside: two letters of one job key (a retry a newer push replaced, then that
