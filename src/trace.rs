@@ -232,7 +232,20 @@ impl State {
 }
 
 impl Job {
-    /// When it got where it is, for the order of the jobs.
+    /// When it was first due, for the order of the jobs (oldest first): the due time its
+    /// identity stamps (kept through retries and a requeue), else the due time known, else
+    /// when it got where it is. Found from outside: ordered by when each got where it is, a
+    /// requeued older job was listed after the newer push of its key that had run.
+    fn first_due_ms(&self) -> i64 {
+        self.job_id
+            .as_deref()
+            .and_then(|id| id.split('-').next()?.parse::<i64>().ok())
+            .map(|us| us / 1000)
+            .or(self.due_ms)
+            .unwrap_or_else(|| self.at_ms())
+    }
+
+    /// When it got where it is.
     fn at_ms(&self) -> i64 {
         match &self.state {
             State::Done { processed_ms, .. } => *processed_ms,
@@ -300,7 +313,7 @@ pub fn gather(
             j.shard = None;
         }
     }
-    t.jobs.sort_by_key(Job::at_ms);
+    t.jobs.sort_by_key(|j| (j.first_due_ms(), j.at_ms()));
     Ok(t)
 }
 

@@ -463,6 +463,69 @@ fn a_key_pushed_twice_shows_each_job_and_a_pruned_one_is_gone() {
     assert!(t["inbox_since_ms"].as_i64().is_some());
 }
 
+/// Found from outside: a job dead-lettered, a newer push of its key done, then the older
+/// letter requeued: the trace listed the newer job first while saying "oldest first". The
+/// jobs are ordered by when each was first due (the time its identity stamps).
+#[test]
+fn a_requeued_older_job_is_listed_before_the_newer_push_of_its_key() {
+    let env = Env::new();
+    let keys = env.config.keys.clone();
+    let orders = seed_orders(&env.db, 1);
+    let key = format!("order.timeout:{}", orders[0].order_no);
+    let now = now_ms();
+    // No order named: the handler cannot take it, a dead letter at once.
+    push(
+        &env,
+        &keys,
+        &key,
+        "order.timeout",
+        serde_json::json!({}),
+        now - 2000,
+    );
+    let daemon = Daemon::start(&env.config);
+    wait_until(WAIT, "the older job dead", || books(&env).dead == 1);
+    push(
+        &env,
+        &keys,
+        &key,
+        "order.timeout",
+        serde_json::json!({"order_no": orders[0].order_no}),
+        now,
+    );
+    wait_until(WAIT, "the newer job done", || inbox_count(&env.db) == 1);
+    daemon.stop();
+    let out = run_worker(
+        &["dead", "requeue", "--force"],
+        &env.redis.url(),
+        &env.db.url,
+    );
+    assert!(
+        text(&out.stdout).starts_with("requeued 1\n"),
+        "{}",
+        text(&out.stdout)
+    );
+    let (code, t) = trace(&env, &[&key]);
+    assert_eq!(code, 0, "{t:#}");
+    let j = jobs(&t);
+    assert_eq!(j.len(), 2, "{t:#}");
+    assert_eq!(
+        (j[0]["state"].as_str(), j[1]["state"].as_str()),
+        (Some("scheduled"), Some("done")),
+        "{t:#}"
+    );
+    let stamp = |j: &Value| -> i64 {
+        j["job_id"]
+            .as_str()
+            .unwrap()
+            .split('-')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    assert!(stamp(&j[0]) < stamp(&j[1]), "{t:#}");
+}
+
 #[test]
 fn a_sharded_queue_is_traced_in_the_key_s_shard_or_found_in_another() {
     let mut env = Env::new();
