@@ -133,6 +133,45 @@ fn postgres_restarted_mid_run() {
     assert!(s.done <= 1500, "{s}");
 }
 
+/// PostgreSQL down for every process longer than a heartbeat: each marks itself as having
+/// no usable database, and none takes the other's jobs while both are without one; back,
+/// every job is done once, none is a dead letter, and the two processes' counters add up.
+#[test]
+fn postgres_down_for_two_processes_longer_than_a_heartbeat() {
+    let mut env = Env::new();
+    let pg = PgServer::start(&[]);
+    env.db = pg.db();
+    env.config.database_url = pg.url.clone();
+    let orders = seed_orders(&env.db, 2000);
+    push_timeouts(&env, &orders, 0);
+    // Maintenance every second, as a heartbeat of 2 s allows: a process back takes a
+    // marked peer's jobs only after two passes, by which time a peer back too has taken its
+    // mark away, even on a loaded machine.
+    env.config.reader.block = Duration::from_secs(1);
+    let mut a = env.config.clone();
+    a.consumer = "host-a".into();
+    let mut b = env.config.clone();
+    b.consumer = "host-b".into();
+    let (da, db) = (Daemon::start(&a), Daemon::start(&b));
+    wait_until(WAIT, "progress", || inbox_count(&env.db) > 300);
+    // Three heartbeats (2 s each in the tests) down.
+    pg.crash_restart(Duration::from_secs(6));
+    wait_all_done(&env, 2000);
+    let reports = [da.stop(), db.stop()];
+    assert_accounting(&env.db, &orders, &all(&orders));
+    assert_all_accounted(&env, &env.db, 2000);
+    // Each process's movers feed both: the counters add up over the two.
+    let [a, b] = reports.map(|r| r.stats);
+    assert_eq!((a.dead, b.dead), (0, 0), "{a}; {b}");
+    let ended =
+        |s: &delay_worker::stats::Snapshot| s.done + s.noop + s.duplicate + s.dead + s.retried;
+    assert_eq!(a.moved + b.moved, ended(&a) + ended(&b), "{a}; {b}");
+    assert!(a.done + b.done <= 2000, "{a}; {b}");
+    // Neither took the other's jobs for want of a database: both were without one, and
+    // both were back within two passes of each other.
+    assert_eq!((a.reclaimed, b.reclaimed), (0, 0), "{a}; {b}");
+}
+
 #[test]
 fn postgres_out_of_connections_for_a_while() {
     let mut env = Env::new();
