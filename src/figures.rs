@@ -228,6 +228,9 @@ pub struct ConsumerFigures {
     /// Its heartbeat key exists: the process is alive. A consumer without one that still
     /// holds pending entries is a dead host whose work the reader takes over.
     pub heartbeat: bool,
+    /// Its no-database mark exists: alive, but without a usable PostgreSQL for a while, so
+    /// a peer that has one takes over its pending entries.
+    pub without_database: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -400,6 +403,7 @@ pub fn gather(
                     pending: uint(field(&p, "pending")).unwrap_or(0),
                     idle_ms: uint(field(&p, "idle")).unwrap_or(0),
                     heartbeat: false,
+                    without_database: false,
                 }
             })
             .collect(),
@@ -419,6 +423,7 @@ pub fn gather(
         let mut p = redis::pipe();
         for c in &consumers {
             p.cmd("GET").arg(keys.heartbeat(&c.name));
+            p.cmd("EXISTS").arg(keys.without_database(&c.name));
         }
         if let Some((key, _)) = &oldest_due {
             // Whether it still is a member, asked after: a mover may move it (its data
@@ -436,6 +441,7 @@ pub fn gather(
                     record,
                 });
             }
+            c.without_database = matches!(r.next(), Some(Value::Int(1)));
         }
         if oldest_due.is_some() {
             let has_data = uint(r.next()).unwrap_or(0) > 0;

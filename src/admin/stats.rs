@@ -188,6 +188,9 @@ pub fn render(r: &StatsReport, rates: Option<&Rates>, out: &mut dyn Write) -> st
         )?;
         for c in &r.consumers {
             let hb = match (c.heartbeat, c.pending) {
+                (true, _) if c.without_database => {
+                    "alive, no usable PostgreSQL (a peer that has one takes its entries)"
+                }
                 (true, _) => "alive",
                 (false, 0) => "none",
                 // Pending entries on a consumer without heartbeat: a dead host. A live

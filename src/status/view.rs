@@ -276,6 +276,7 @@ fn queue_figures(r: &StatsReport, c: &Config) -> Markup {
                             td.n { (fmt_age(cf.idle_ms as i64)) }
                             td data-k="heartbeat" {
                                 @match (cf.heartbeat, cf.pending) {
+                                    (true, _) if cf.without_database => { span.bad { "alive, no usable PostgreSQL (a peer that has one takes its entries)" } }
                                     (true, _) => { span.ok { "alive" } }
                                     (false, 0) => { "none" }
                                     (false, _) => { span.bad { "none (dead host: its entries wait for a takeover)" } }

@@ -1467,6 +1467,14 @@ fn a_worker_without_a_usable_database_hands_its_jobs_to_a_peer_that_has_one() {
     });
     assert_eq!(pending_of(&l.env, "host-a"), 0, "host-a held {held}");
     assert_eq!(inbox_count(&l.env.db), 200, "no job ran with host-a's role");
+    // The operator's view says why host-a lives and holds nothing.
+    let out = l.worker(true, &["stats"]);
+    let said = text(&out.stdout);
+    assert!(
+        said.lines().any(|l| l.starts_with("host-a")
+            && l.contains("alive, no usable PostgreSQL (a peer that has one takes its entries)")),
+        "{said}"
+    );
     owner(format!(
         "ALTER ROLE {role} RESET default_transaction_read_only; \
          SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'"
