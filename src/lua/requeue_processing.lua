@@ -12,7 +12,9 @@
 -- no-database key
 -- ARGV[1] consumer name, ARGV[2] '1' if the consumer is a peer (checked here against its
 -- heartbeat, and forgotten from the SET when dead), '0' for our own lists at start,
--- ARGV[3] '1' if the caller can use PostgreSQL now.
+-- ARGV[3] '1' if the caller has had a usable PostgreSQL for a while (a dead peer's lists
+-- are pushed back by any caller: they go back to the queues, for whichever consumer
+-- fetches them).
 -- Returns {messages pushed back, 1 if the peer is alive without a database}, or -1 if
 -- the peer keeps them (alive, and with a usable PostgreSQL or asked by a caller that has
 -- none).

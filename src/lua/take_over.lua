@@ -10,10 +10,15 @@
 -- one (ARGV[5] '1'): its workers cannot run them, and a healthy process would otherwise
 -- get them only after --claim-idle. Such a peer is not forgotten by the group.
 --
+-- A dead peer's entries are taken only by a caller that can use PostgreSQL now (ARGV[6]
+-- '1'): in one that cannot they would only wait, and then be taken from it again.
+--
 -- KEYS[1] events STREAM, KEYS[2] the peer's heartbeat key, KEYS[3] its no-database key
 -- ARGV[1] group, ARGV[2] this consumer, ARGV[3] the peer, ARGV[4] most ids per call,
--- ARGV[5] '1' if this consumer can use PostgreSQL now
--- Returns {-1} if the peer is alive (and can use PostgreSQL, or this consumer cannot),
+-- ARGV[5] '1' if this consumer has had a usable PostgreSQL for a while, ARGV[6] '1' if it
+-- has one now
+-- Returns {-1} if the peer keeps its entries (alive and with a usable PostgreSQL, or this
+-- consumer cannot take them),
 -- else {claimed, alive, id, id, ...} (alive 1: the peer lives without a database);
 -- fewer than ARGV[4] claimed means the peer owes nothing more.
 local w = wrong_type(KEYS[1], 'stream')
@@ -22,6 +27,7 @@ local alive = redis.call('EXISTS', KEYS[2]) == 1
 if alive and not (ARGV[5] == '1' and redis.call('EXISTS', KEYS[3]) == 1) then
   return {-1}
 end
+if not alive and ARGV[6] ~= '1' then return {-1} end
 local p = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', 1000, '-', '+', ARGV[4], ARGV[3])
 local ids = {}
 for _, e in ipairs(p) do ids[#ids + 1] = e[1] end

@@ -91,7 +91,7 @@ impl<'a> ListReader<'a> {
             self.cfg.heartbeat_ttl,
             &record,
         )?;
-        let settled = self.standing.look(
+        let usable = self.standing.look(
             con,
             (self.keys, self.consumer, "list reader"),
             self.stats,
@@ -101,7 +101,7 @@ impl<'a> ListReader<'a> {
             .iter()
             .filter(|c| c.as_str() != self.consumer)
         {
-            if let Some(back) = list::requeue_processing(con, self.keys, c, true, settled)? {
+            if let Some(back) = list::requeue_processing(con, self.keys, c, true, usable.settled)? {
                 let n = back.messages;
                 if n > 0 {
                     let why = if back.without_database {

@@ -142,17 +142,28 @@ pub struct Standing {
     marked: bool,
 }
 
+/// What a [`Standing`] says at one pass: which peers' jobs this process may take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Usable {
+    /// It has a usable PostgreSQL now: it may take a dead peer's jobs. One without takes
+    /// none: they would wait in its workers, and a dead peer's stay for a peer that has one
+    /// (or for this one, once it has).
+    pub now: bool,
+    /// It has had one for two passes: it may take a marked live peer's jobs too.
+    pub settled: bool,
+}
+
 impl Standing {
     /// One maintenance pass of the reader named `who.2` (consumer `who.1` of key set
-    /// `who.0`): sets, refreshes or takes away the mark. Returns whether this process may
-    /// take the jobs of marked peers.
+    /// `who.0`): sets, refreshes or takes away the mark, and says which peers' jobs this
+    /// process may take.
     pub fn look(
         &mut self,
         con: &mut dyn redis::ConnectionLike,
         who: (&crate::keys::Keys, &str, &str),
         stats: &Stats,
         cfg: &crate::config::ReaderConfig,
-    ) -> Result<bool, StepError> {
+    ) -> Result<Usable, StepError> {
         let (keys, consumer, name) = who;
         let usable = !stats.db_unusable.load(std::sync::atomic::Ordering::Relaxed);
         let since = |now_so: bool, since: Option<Instant>| match (now_so, since) {
@@ -177,9 +188,12 @@ impl Standing {
             log::info!("{name}: PostgreSQL is usable again: this process keeps its jobs");
         }
         self.marked = mark;
-        Ok(self
-            .usable_since
-            .is_some_and(|t| t.elapsed() >= 2 * cfg.block))
+        Ok(Usable {
+            now: usable,
+            settled: self
+                .usable_since
+                .is_some_and(|t| t.elapsed() >= 2 * cfg.block),
+        })
     }
 }
 

@@ -262,13 +262,13 @@ impl<'a> Reader<'a> {
     /// an entry over the delivery limit is dead-lettered rather than reclaimed once more.
     pub fn maintain(&mut self, con: &mut dyn redis::ConnectionLike) -> Result<usize, StepError> {
         self.heartbeat(con)?;
-        let settled = self.standing.look(
+        let usable = self.standing.look(
             con,
             (self.keys, self.consumer, &self.name),
             self.stats,
             self.cfg,
         )?;
-        self.take_over_dead_consumers(con, settled)?;
+        self.take_over_dead_consumers(con, usable)?;
         self.bury_overdelivered(con, None, self.cfg.claim_idle)?;
         let n = self.autoclaim(con)?;
         if due(&mut self.last_trim, TRIM_EVERY) {
@@ -315,13 +315,14 @@ impl<'a> Reader<'a> {
 
     /// Every pending entry of a consumer whose heartbeat key has expired becomes ours at
     /// once, in batches, whatever the channel's room: a dead host's work waits for no
-    /// timeout. So do those of a live consumer marked as having no usable PostgreSQL, when
-    /// this process has had one for a while (`usable`). The entries are delivered by later
-    /// steps, before anything new.
+    /// timeout; by a process that has a usable PostgreSQL, so they do not wait in workers
+    /// that cannot run them. So do those of a live consumer marked as having none, when
+    /// this process has had one for a while. The entries are delivered by later steps,
+    /// before anything new.
     fn take_over_dead_consumers(
         &mut self,
         con: &mut dyn redis::ConnectionLike,
-        usable: bool,
+        usable: super::Usable,
     ) -> Result<(), StepError> {
         let others: Vec<stream::ConsumerInfo> = stream::consumers(con, self.keys)?
             .into_iter()

@@ -128,14 +128,15 @@ pub struct PushedBack {
 }
 
 /// Pushes one consumer's processing lists back onto their queues. `peer`: only if its
-/// heartbeat expired, or if it marked itself as having no usable PostgreSQL and `usable`
-/// says the caller has one. Returns what went back, or `None` if the peer keeps them.
+/// heartbeat expired, or if it marked itself as having no usable PostgreSQL and `settled`
+/// says the caller has had one for a while. Returns what went back, or `None` if the peer
+/// keeps them.
 pub fn requeue_processing(
     con: &mut dyn ConnectionLike,
     keys: &Keys,
     consumer: &str,
     peer: bool,
-    usable: bool,
+    settled: bool,
 ) -> StoreResult<Option<PushedBack>> {
     let mut inv = REQUEUE.prepare_invoke();
     for q in &keys.queues {
@@ -146,7 +147,7 @@ pub fn requeue_processing(
         .key(keys.without_database(consumer))
         .arg(consumer)
         .arg(if peer { "1" } else { "0" })
-        .arg(if usable { "1" } else { "0" });
+        .arg(if settled { "1" } else { "0" });
     Ok(match run("push back processing lists", &inv, con)? {
         Value::Array(v) => Some(PushedBack {
             messages: int(v.first()).max(0) as usize,

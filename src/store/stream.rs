@@ -178,15 +178,16 @@ pub struct TakenOver {
 }
 
 /// Moves pending entries of `peer` to `consumer`, at most [`TAKE_OVER_BATCH`] per call,
-/// without reading them: if the peer's heartbeat is gone, or if the peer has marked
-/// itself as having no usable PostgreSQL and `usable` says this consumer has one. `None`
-/// if the peer keeps its work.
+/// without reading them: if the peer's heartbeat is gone and `usable.now` says this
+/// consumer has a usable PostgreSQL, or if the peer has marked itself as having none and
+/// `usable.settled` says this consumer has had one for a while. `None` if the peer keeps
+/// its work.
 pub fn take_over(
     con: &mut dyn ConnectionLike,
     keys: &Keys,
     consumer: &str,
     peer: &str,
-    usable: bool,
+    usable: crate::source::Usable,
 ) -> StoreResult<Option<TakenOver>> {
     let mut inv = TAKE_OVER.prepare_invoke();
     inv.key(&keys.stream)
@@ -196,7 +197,8 @@ pub fn take_over(
         .arg(consumer)
         .arg(peer)
         .arg(TAKE_OVER_BATCH)
-        .arg(if usable { "1" } else { "0" });
+        .arg(if usable.settled { "1" } else { "0" })
+        .arg(if usable.now { "1" } else { "0" });
     let Value::Array(reply) = run("take over a consumer's entries", &inv, con)? else {
         return Ok(Some(TakenOver {
             ids: Vec::new(),

@@ -6,6 +6,7 @@
 use crate::support::*;
 use delay_worker::delivery::{Delivery, Origin, Outcome, Settlement};
 use delay_worker::keys::{Keys, Queue};
+use delay_worker::source::Usable;
 use delay_worker::store::{
     self, dead, list, stream, MoveReport, Pool, Settled, StoreError, Target,
 };
@@ -557,16 +558,26 @@ fn a_dead_consumer_s_entries_are_all_taken_over_at_once() {
     // A live peer keeps its work.
     store::heartbeat(&mut con, &k, "dead-host", Duration::from_secs(10), "{}").unwrap();
     assert_eq!(
-        stream::take_over(&mut con, &k, "c1", "dead-host", true).unwrap(),
+        stream::take_over(&mut con, &k, "c1", "dead-host", HAS_DB).unwrap(),
         None
     );
     redis::cmd("DEL")
         .arg(k.heartbeat("dead-host"))
         .query::<()>(&mut con)
         .unwrap();
+    // Not by a peer without a usable database: they would only wait in its workers.
+    assert_eq!(
+        stream::take_over(&mut con, &k, "c1", "dead-host", NO_DB).unwrap(),
+        None
+    );
     let mut taken = 0;
-    // Taken by a peer whatever its own database: the dead host runs nothing.
-    while let Some(t) = stream::take_over(&mut con, &k, "c1", "dead-host", false).unwrap() {
+    // A peer that has one just now need not have had it for a while: the dead host runs
+    // nothing.
+    let now = Usable {
+        now: true,
+        settled: false,
+    };
+    while let Some(t) = stream::take_over(&mut con, &k, "c1", "dead-host", now).unwrap() {
         assert!(!t.without_database);
         taken += t.ids.len();
         if t.ids.len() < stream::TAKE_OVER_BATCH {
@@ -620,16 +631,25 @@ fn a_live_consumer_without_a_database_gives_its_entries_only_to_a_peer_with_one(
     store::heartbeat(&mut con, &k, "stuck-host", ttl, "{}").unwrap();
     // Alive and unmarked: kept.
     assert_eq!(
-        stream::take_over(&mut con, &k, "c1", "stuck-host", true).unwrap(),
+        stream::take_over(&mut con, &k, "c1", "stuck-host", HAS_DB).unwrap(),
         None
     );
     store::mark_without_database(&mut con, &k, "stuck-host", true, ttl).unwrap();
-    // A peer without a database either takes nothing.
-    assert_eq!(
-        stream::take_over(&mut con, &k, "c1", "stuck-host", false).unwrap(),
-        None
-    );
-    let t = stream::take_over(&mut con, &k, "c1", "stuck-host", true)
+    // A peer without a database either takes nothing, nor one that has had one only
+    // since just now (it may be back from an outage of every process's).
+    for u in [
+        NO_DB,
+        Usable {
+            now: true,
+            settled: false,
+        },
+    ] {
+        assert_eq!(
+            stream::take_over(&mut con, &k, "c1", "stuck-host", u).unwrap(),
+            None
+        );
+    }
+    let t = stream::take_over(&mut con, &k, "c1", "stuck-host", HAS_DB)
         .unwrap()
         .expect("a peer with a database takes them");
     assert!(t.without_database);
@@ -658,7 +678,7 @@ fn a_live_consumer_without_a_database_gives_its_entries_only_to_a_peer_with_one(
     );
     age_pending(&mut con, &k, "stuck-host");
     assert_eq!(
-        stream::take_over(&mut con, &k, "c1", "stuck-host", true).unwrap(),
+        stream::take_over(&mut con, &k, "c1", "stuck-host", HAS_DB).unwrap(),
         None
     );
     assert_eq!(
@@ -668,6 +688,17 @@ fn a_live_consumer_without_a_database_gives_its_entries_only_to_a_peer_with_one(
         10
     );
 }
+
+/// A caller of `take_over` that has had a usable PostgreSQL for a while, and one that has
+/// none.
+const HAS_DB: Usable = Usable {
+    now: true,
+    settled: true,
+};
+const NO_DB: Usable = Usable {
+    now: false,
+    settled: false,
+};
 
 /// Marks every entry pending on `consumer` idle for a minute (XCLAIM ... IDLE).
 pub fn age_pending(con: &mut Connection, k: &Keys, consumer: &str) {
