@@ -8,8 +8,15 @@
 -- Returns {gone, {entries}, {key, reason, ...} of the buried, {key, found, wanted} or {}}.
 local w = wrong_type(KEYS[1], 'stream')
 if w then return wrongtype_reply(w) end
+-- Only those it still owns: one a peer took from it meanwhile (this process had no usable
+-- PostgreSQL, and marked itself so) stays the peer's, and is left out here.
 local ids = {}
-for i = 4, #ARGV do ids[#ids + 1] = ARGV[i] end
+for i = 4, #ARGV do
+  if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2]) > 0 then
+    ids[#ids + 1] = ARGV[i]
+  end
+end
+if #ids == 0 then return {0, {}, {}, {}} end
 local claimed = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, unpack(ids))
 local kept, gone, buried, blocked = screen(claimed, ARGV[1], ARGV[2], tonumber(ARGV[3]), server_s())
 return {gone + #ids - #claimed, kept, buried, blocked}

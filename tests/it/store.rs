@@ -689,6 +689,62 @@ fn a_live_consumer_without_a_database_gives_its_entries_only_to_a_peer_with_one(
     );
 }
 
+/// Entries a reader took over and has not delivered yet are delivered only while it still
+/// owns them: one a peer took from it meanwhile (it had no usable PostgreSQL and was
+/// marked so) stays the peer's, not claimed back to run twice.
+#[test]
+fn taken_over_entries_a_peer_took_meanwhile_are_not_claimed_back() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let k = keys();
+    stream::ensure_group(&mut con, &k).unwrap();
+    for i in 0..4 {
+        redis::cmd("XADD")
+            .arg(&k.stream)
+            .arg("*")
+            .arg("msg")
+            .arg(format!(r#"{{"event":"e","payload":{{"i":{i}}}}}"#))
+            .query::<()>(&mut con)
+            .unwrap();
+    }
+    let mine = stream::Reading {
+        keys: &k,
+        consumer: "c1",
+        max_bytes: MAX,
+    };
+    let ids: Vec<String> = stream::read(&mut con, mine, 4, ">")
+        .unwrap()
+        .deliveries
+        .iter()
+        .map(|d| d.stream_id().unwrap().to_string())
+        .collect();
+    // A peer takes two of them.
+    redis::cmd("XCLAIM")
+        .arg(&k.stream)
+        .arg(&k.group)
+        .arg("peer")
+        .arg(0)
+        .arg(&ids[..2])
+        .arg("JUSTID")
+        .query::<Value>(&mut con)
+        .unwrap();
+    let read = stream::claim_ids(&mut con, mine, &ids).unwrap();
+    let got: Vec<&str> = read
+        .deliveries
+        .iter()
+        .map(|d| d.stream_id().unwrap())
+        .collect();
+    assert_eq!(got, ids[2..].iter().map(String::as_str).collect::<Vec<_>>());
+    assert_eq!(read.gone, 0);
+    assert_eq!(
+        stream::pending(&mut con, &k, 0, 10, Some("peer"))
+            .unwrap()
+            .len(),
+        2,
+        "the peer keeps its two"
+    );
+}
+
 /// A caller of `take_over` that has had a usable PostgreSQL for a while, and one that has
 /// none.
 const HAS_DB: Usable = Usable {
