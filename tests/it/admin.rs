@@ -1177,6 +1177,22 @@ fn the_tools_name_a_key_of_the_wrong_type() {
     }
 }
 
+/// A dead letter of job key `order.timeout:shared` written by hand, its message naming
+/// `order`; its id.
+fn shared_letter(con: &mut redis::Connection, keys: &Keys, order: &str) -> String {
+    let msg = format!(
+        r#"{{"event":"order.timeout","payload":{{"order_no":"{order}"}},"retry":1,"ts":1}}"#
+    );
+    redis::cmd("XADD")
+        .arg(&keys.dead)
+        .arg("*")
+        .arg(&["msg", &msg, "reason", "by hand", "ts", "1"])
+        .arg(&["event", "order.timeout", "key", "order.timeout:shared"])
+        .arg(&["attempts", "1"])
+        .query(con)
+        .unwrap()
+}
+
 /// Two letters of one job key requeued in separate calls (`--limit`, `--id`, or a page at
 /// a time): the older alone stays while the newer is dead, as the `letters` index says;
 /// then the newer goes back.
@@ -1187,20 +1203,8 @@ fn the_older_letter_of_a_key_requeued_alone_stays_while_the_newer_is_dead() {
     let mut con = r.con();
     let keys = Keys::default();
     let key = "order.timeout:shared";
-    let letter = |con: &mut redis::Connection, order: &str| -> String {
-        let msg = format!(
-            r#"{{"event":"order.timeout","payload":{{"order_no":"{order}"}},"retry":1,"ts":1}}"#
-        );
-        redis::cmd("XADD")
-            .arg(&keys.dead)
-            .arg("*")
-            .arg(&["msg", &msg, "reason", "by hand", "ts", "1"])
-            .arg(&["event", "order.timeout", "key", key, "attempts", "1"])
-            .query(con)
-            .unwrap()
-    };
-    let older = letter(&mut con, "OLD");
-    let newer = letter(&mut con, "NEW");
+    let older = shared_letter(&mut con, &keys, "OLD");
+    let newer = shared_letter(&mut con, &keys, "NEW");
     // As the settle and the mover index each letter they write.
     redis::cmd("HSET")
         .arg(&keys.letters)
@@ -1253,30 +1257,8 @@ fn of_two_letters_of_one_key_the_newer_is_requeued() {
     let db = TestDb::new();
     let mut con = r.con();
     let keys = Keys::default();
-    let letter = |con: &mut redis::Connection, order: &str| -> String {
-        let msg = format!(
-            r#"{{"event":"order.timeout","payload":{{"order_no":"{order}"}},"retry":1,"ts":1}}"#
-        );
-        redis::cmd("XADD")
-            .arg(&keys.dead)
-            .arg("*")
-            .arg("msg")
-            .arg(msg)
-            .arg("reason")
-            .arg("by hand")
-            .arg("ts")
-            .arg(1)
-            .arg("event")
-            .arg("order.timeout")
-            .arg("key")
-            .arg("order.timeout:shared")
-            .arg("attempts")
-            .arg(1)
-            .query(con)
-            .unwrap()
-    };
-    let older = letter(&mut con, "OLD");
-    let newer = letter(&mut con, "NEW");
+    let older = shared_letter(&mut con, &keys, "OLD");
+    let newer = shared_letter(&mut con, &keys, "NEW");
     let out = run_worker(&["dead", "requeue"], &r.url(), &db.url);
     let said = text(&out.stdout);
     assert!(said.starts_with("requeued 1\n"), "{said}");

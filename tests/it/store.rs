@@ -130,6 +130,38 @@ fn reading(k: &Keys) -> stream::Reading<'_> {
 }
 
 /// One entry moved into the stream and read by `c1`: pending on it.
+/// `n` entries added to the stream of `k` (its group made), then read by `consumer`: the
+/// ids it now has pending, oldest first.
+fn pending_on(
+    con: &mut Connection,
+    k: &Keys,
+    consumer: &str,
+    n: usize,
+    read: usize,
+) -> Vec<String> {
+    stream::ensure_group(con, k).unwrap();
+    for i in 0..n {
+        redis::cmd("XADD")
+            .arg(&k.stream)
+            .arg("*")
+            .arg("msg")
+            .arg(format!(r#"{{"event":"e","payload":{{"i":{i}}}}}"#))
+            .query::<()>(con)
+            .unwrap();
+    }
+    let reader = stream::Reading {
+        keys: k,
+        consumer,
+        max_bytes: MAX,
+    };
+    stream::read(con, reader, read, ">")
+        .unwrap()
+        .deliveries
+        .iter()
+        .map(|d| d.stream_id().unwrap().to_string())
+        .collect()
+}
+
 fn one_pending(con: &mut Connection, k: &Keys, msg: &str) -> Delivery {
     stream::ensure_group(con, k).unwrap();
     schedule(con, k, "job-1", msg);
@@ -530,26 +562,8 @@ fn a_dead_consumer_s_entries_are_all_taken_over_at_once() {
     let r = RedisServer::start();
     let mut con = r.con();
     let k = keys();
-    stream::ensure_group(&mut con, &k).unwrap();
-    for i in 0..2500 {
-        redis::cmd("XADD")
-            .arg(&k.stream)
-            .arg("*")
-            .arg("msg")
-            .arg(format!(r#"{{"event":"e","payload":{{"i":{i}}}}}"#))
-            .query::<()>(&mut con)
-            .unwrap();
-    }
-    let dead_reader = stream::Reading {
-        keys: &k,
-        consumer: "dead-host",
-        max_bytes: MAX,
-    };
     assert_eq!(
-        stream::read(&mut con, dead_reader, 5000, ">")
-            .unwrap()
-            .deliveries
-            .len(),
+        pending_on(&mut con, &k, "dead-host", 2500, 5000).len(),
         2500
     );
     // Entries must be idle a second before they can be taken (a peer's fresh claim is
@@ -604,28 +618,12 @@ fn a_live_consumer_without_a_database_gives_its_entries_only_to_a_peer_with_one(
     let r = RedisServer::start();
     let mut con = r.con();
     let k = keys();
-    stream::ensure_group(&mut con, &k).unwrap();
-    for i in 0..30 {
-        redis::cmd("XADD")
-            .arg(&k.stream)
-            .arg("*")
-            .arg("msg")
-            .arg(format!(r#"{{"event":"e","payload":{{"i":{i}}}}}"#))
-            .query::<()>(&mut con)
-            .unwrap();
-    }
+    assert_eq!(pending_on(&mut con, &k, "stuck-host", 30, 20).len(), 20);
     let stuck = stream::Reading {
         keys: &k,
         consumer: "stuck-host",
         max_bytes: MAX,
     };
-    assert_eq!(
-        stream::read(&mut con, stuck, 20, ">")
-            .unwrap()
-            .deliveries
-            .len(),
-        20
-    );
     age_pending(&mut con, &k, "stuck-host");
     let ttl = Duration::from_secs(10);
     store::heartbeat(&mut con, &k, "stuck-host", ttl, "{}").unwrap();
@@ -697,27 +695,7 @@ fn taken_over_entries_a_peer_took_meanwhile_are_not_claimed_back() {
     let r = RedisServer::start();
     let mut con = r.con();
     let k = keys();
-    stream::ensure_group(&mut con, &k).unwrap();
-    for i in 0..4 {
-        redis::cmd("XADD")
-            .arg(&k.stream)
-            .arg("*")
-            .arg("msg")
-            .arg(format!(r#"{{"event":"e","payload":{{"i":{i}}}}}"#))
-            .query::<()>(&mut con)
-            .unwrap();
-    }
-    let mine = stream::Reading {
-        keys: &k,
-        consumer: "c1",
-        max_bytes: MAX,
-    };
-    let ids: Vec<String> = stream::read(&mut con, mine, 4, ">")
-        .unwrap()
-        .deliveries
-        .iter()
-        .map(|d| d.stream_id().unwrap().to_string())
-        .collect();
+    let ids = pending_on(&mut con, &k, "c1", 4, 4);
     // A peer takes two of them.
     redis::cmd("XCLAIM")
         .arg(&k.stream)
@@ -728,7 +706,7 @@ fn taken_over_entries_a_peer_took_meanwhile_are_not_claimed_back() {
         .arg("JUSTID")
         .query::<Value>(&mut con)
         .unwrap();
-    let read = stream::claim_ids(&mut con, mine, &ids).unwrap();
+    let read = stream::claim_ids(&mut con, reading(&k), &ids).unwrap();
     let got: Vec<&str> = read
         .deliveries
         .iter()
