@@ -217,6 +217,9 @@ pub fn requeue_message(msg: &[u8]) -> (Vec<u8>, bool) {
     }
 }
 
+/// Why a letter stays when its job key's data is there with no schedule.
+const DATA_UNSCHEDULED: &str = "its job key's data is in the delay pool's data hash with no schedule (a push under way, or one cut between its HSET and its ZADD): if it stays, finish that push (push the job again) or delete that field, then requeue";
+
 /// What a requeue did, by dead-letter id.
 #[derive(Debug, Default, Clone, PartialEq, Eq, Serialize)]
 pub struct RequeueReport {
@@ -282,6 +285,7 @@ impl RequeueReport {
                 self.requeued.push(id);
             }
             Requeued::KeyScheduled => self.key_scheduled.push(id),
+            Requeued::DataUnscheduled => self.cannot.push((id, DATA_UNSCHEDULED.into())),
             Requeued::Gone => self.gone.push(id),
         }
     }

@@ -16,7 +16,7 @@
 -- ARGV[1] due score (unix ms), then triples: dead-letter id, job key, message
 -- Data and score are written before the XDEL (ack last).
 -- Returns one code per triple: 1 requeued, 0 gone, -1 job key scheduled again (or a newer
--- letter of it dead).
+-- letter of it dead), -2 its data there with no schedule.
 local w = wrong_type(KEYS[1], 'stream', KEYS[2], 'zset', KEYS[3], 'hash', KEYS[4], 'hash')
 if w then return wrongtype_reply(w) end
 local function id_parts(id)
@@ -45,9 +45,12 @@ for i = 2, #ARGV, 3 do
   local id, key, msg = ARGV[i], ARGV[i + 1], ARGV[i + 2]
   if #redis.call('XRANGE', KEYS[1], id, id) == 0 then
     out[#out + 1] = 0
-  elseif redis.call('ZSCORE', KEYS[2], key) or redis.call('HEXISTS', KEYS[3], key) == 1
-      or newer_letter(key, id) then
+  elseif redis.call('ZSCORE', KEYS[2], key) or newer_letter(key, id) then
     out[#out + 1] = -1
+  elseif redis.call('HEXISTS', KEYS[3], key) == 1 then
+    -- Data with no schedule: a push under way (between its HSET and its ZADD), or one cut
+    -- there and never finished. Either way not the letter's to overwrite.
+    out[#out + 1] = -2
   else
     -- Data before score, as push.lua: the mover never sees a member without data.
     remember_job(KEYS[4], key, msg)

@@ -25,8 +25,12 @@ pub enum Requeued {
     Requeued,
     /// Already gone: requeued or purged by someone else.
     Gone,
-    /// Its job key is scheduled again (pushed anew since): the letter stays.
+    /// Its job key is scheduled again (pushed anew since), or a newer letter of it is dead:
+    /// the letter stays.
     KeyScheduled,
+    /// Its job key's data is in the data hash with no schedule in the pool: a push under
+    /// way, or one cut between its HSET and its ZADD. The letter stays.
+    DataUnscheduled,
 }
 
 /// Puts letters `(id, job key, message)` back into the delay pool due at `due_ms`, each
@@ -121,6 +125,7 @@ fn requeued(reply: Value) -> Vec<Requeued> {
         .map(|c| match super::int(Some(c)) {
             1 => Requeued::Requeued,
             -1 => Requeued::KeyScheduled,
+            -2 => Requeued::DataUnscheduled,
             _ => Requeued::Gone,
         })
         .collect()

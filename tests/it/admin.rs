@@ -1193,6 +1193,44 @@ fn shared_letter(con: &mut redis::Connection, keys: &Keys, order: &str) -> Strin
         .unwrap()
 }
 
+/// A letter whose job key's data is there with no schedule (a producer's push cut between
+/// its HSET and its ZADD) stays, and the requeue says so and what to do, exit 1: before,
+/// it said the key was scheduled again, which nothing was. Once the field is gone it goes
+/// back.
+#[test]
+fn a_letter_whose_key_has_data_but_no_schedule_stays_with_what_to_do() {
+    let r = RedisServer::start();
+    let db = TestDb::new();
+    let mut con = r.con();
+    let keys = Keys::default();
+    let key = "order.timeout:shared";
+    let id = shared_letter(&mut con, &keys, "OLD");
+    redis::cmd("HSET")
+        .arg(&keys.data)
+        .arg(key)
+        .arg(r#"{"event":"order.timeout","payload":{"order_no":"NEW"},"ts":1}"#)
+        .query::<()>(&mut con)
+        .unwrap();
+    let out = run_worker(&["dead", "requeue", "--id", &id], &r.url(), &db.url);
+    let said = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{said}");
+    assert!(
+        said.contains(&format!("left {id} in the dead letters: its job key's data is in the delay pool's data hash with no schedule")),
+        "{said}"
+    );
+    assert!(!said.contains("scheduled again"), "{said}");
+    assert_eq!(xlen(&mut con, &keys.dead), 1);
+    redis::cmd("HDEL")
+        .arg(&keys.data)
+        .arg(key)
+        .query::<()>(&mut con)
+        .unwrap();
+    let out = run_worker(&["dead", "requeue", "--id", &id], &r.url(), &db.url);
+    let said = text(&out.stdout);
+    assert!(said.starts_with("requeued 1\n"), "{said}");
+    assert_eq!(out.status.code(), Some(0), "{said}");
+}
+
 /// Two letters of one job key requeued in separate calls (`--limit`, `--id`, or a page at
 /// a time): the older alone stays while the newer is dead, as the `letters` index says;
 /// then the newer goes back.
