@@ -6,7 +6,7 @@
 --
 -- KEYS[1] events STREAM
 -- ARGV[1] group, ARGV[2] consumer, then the ids
--- Returns the number of entries claimed again.
+-- Returns the ids claimed again.
 local w = wrong_type(KEYS[1], 'stream')
 if w then return wrongtype_reply(w) end
 local args = {KEYS[1], ARGV[1], ARGV[2], 0}
@@ -14,6 +14,6 @@ for i = 3, #ARGV do
   local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2])
   if #p > 0 then args[#args + 1] = ARGV[i] end
 end
-if #args == 4 then return 0 end
+if #args == 4 then return {} end
 args[#args + 1] = 'JUSTID'
-return #redis.call('XCLAIM', unpack(args))
+return redis.call('XCLAIM', unpack(args))

@@ -127,8 +127,8 @@ pub(crate) fn due(last: &mut Option<Instant>, every: Duration) -> bool {
 /// `--claim-idle` (found from outside: a worker whose role was set
 /// `session_replication_role = replica` held 194 entries, run by its peers up to 73 s
 /// late). The mark goes at the first pass that finds the database usable. The jobs its
-/// workers still hold run there once more when it is: each finds its inbox row, or is
-/// left to the peer running it (a list copy is waited out).
+/// workers still hold are run there only if their entries are still its own
+/// (`Worker::still_owned`; a list copy is waited out, or finds its inbox row).
 #[derive(Debug, Default)]
 pub struct Standing {
     /// Since when the watch has found no usable PostgreSQL.

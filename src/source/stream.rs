@@ -259,7 +259,8 @@ impl<'a> Reader<'a> {
     }
 
     /// Heartbeat, dead consumers, over-delivered entries, idle entries; in that order, so
-    /// an entry over the delivery limit is dead-lettered rather than reclaimed once more.
+    /// an entry over the delivery limit is dead-lettered rather than reclaimed once more;
+    /// the last two only while this process has a usable PostgreSQL.
     pub fn maintain(&mut self, con: &mut dyn redis::ConnectionLike) -> Result<usize, StepError> {
         self.heartbeat(con)?;
         let usable = self.standing.look(
@@ -269,8 +270,16 @@ impl<'a> Reader<'a> {
             self.cfg,
         )?;
         self.take_over_dead_consumers(con, usable)?;
-        self.bury_overdelivered(con, None, self.cfg.claim_idle)?;
-        let n = self.autoclaim(con)?;
+        // Without a usable PostgreSQL this process would only hold what it reclaims, and
+        // count deliveries against entries that are not at fault: a peer that has one does
+        // both (found from outside: a worker without one reclaimed its own idle entries
+        // and an entry went to the dead letters for too many deliveries).
+        let n = if usable.now {
+            self.bury_overdelivered(con, None, self.cfg.claim_idle)?;
+            self.autoclaim(con)?
+        } else {
+            0
+        };
         if due(&mut self.last_trim, TRIM_EVERY) {
             let removed = stream::trim_acknowledged(
                 con,

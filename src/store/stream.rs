@@ -147,23 +147,26 @@ pub fn autoclaim(
 /// content read, no delivery counted): entries a worker keeps waiting for their
 /// `--max-rate` slots, so that no reader takes them back as a stuck consumer's. Only those
 /// it still owns: one a peer took over meanwhile (this process was stopped past its
-/// heartbeat) stays the peer's. Returns how many were claimed again.
+/// heartbeat, or had no usable PostgreSQL) stays the peer's. Returns the ids claimed
+/// again: those `consumer` still owns.
 pub fn keep_claimed(
     con: &mut dyn ConnectionLike,
     keys: &Keys,
     consumer: &str,
     ids: &[&str],
-) -> StoreResult<usize> {
+) -> StoreResult<Vec<String>> {
     if ids.is_empty() {
-        return Ok(0);
+        return Ok(Vec::new());
     }
     let mut inv = KEEP_CLAIMED.prepare_invoke();
     inv.key(&keys.stream).arg(&keys.group).arg(consumer);
     for id in ids {
         inv.arg(*id);
     }
-    let reply = run("keep held entries claimed", &inv, con)?;
-    Ok(int(Some(&reply)).max(0) as usize)
+    Ok(match run("keep held entries claimed", &inv, con)? {
+        Value::Array(ids) => ids.iter().map(value_to_string).collect(),
+        _ => Vec::new(),
+    })
 }
 
 /// Entries taken over from a peer by [`take_over`].

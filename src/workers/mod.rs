@@ -74,6 +74,13 @@ use std::time::{Duration, Instant};
 /// only by a whole wait, which a job's tries go back to after this.
 pub const BRIEF_LOCKS_FOR: Duration = Duration::from_secs(60);
 
+/// How long a delivery waits in this process before a worker asks whether this consumer
+/// still owns its entry before running it ([`Worker::drop_taken_over`]): a peer takes a
+/// process's entries only after it has had no usable PostgreSQL for `--heartbeat-ttl`, so
+/// a delivery younger than this was not taken; one that waited in the channel through
+/// such an outage may have been.
+pub const HELD_LONG: Duration = Duration::from_secs(1);
+
 /// Most outcomes settled in one script call.
 pub const ACK_BATCH: usize = 64;
 
@@ -916,6 +923,7 @@ impl<'a> Worker<'a> {
             }
         }
         let registry = self.registry.clone();
+        let ds = self.drop_taken_over(ds);
         let mut jobs = Vec::with_capacity(ds.len());
         for d in ds {
             match self.prepare(&registry, d) {
@@ -1176,6 +1184,86 @@ impl<'a> Worker<'a> {
         }
     }
 
+    /// Which of `ds` this consumer still owns (list messages: all), asked of Redis by
+    /// claiming their entries again ([`store::stream::keep_claimed`]: their idle time
+    /// starts again). One a peer took over while this process had no usable PostgreSQL
+    /// (its reader said so), or settled since, is not: run here too, a job dead-lettered
+    /// meanwhile would also be done (found from outside: a letter for too many deliveries,
+    /// then the held copy cancelled the order). `None` when Redis does not answer: then all
+    /// run, and the inbox stops a second run.
+    fn still_owned(&mut self, ds: &[&Delivery]) -> Option<Vec<bool>> {
+        let (shards, consumer) = (self.ctx.shards, self.ctx.consumer);
+        if ds.iter().all(|d| d.stream_id().is_none()) {
+            return None;
+        }
+        let con = self.redis_now()?;
+        let mut owned: HashSet<(usize, String)> = HashSet::new();
+        for (shard, keys) in shards.iter().enumerate() {
+            let ids: Vec<&str> = ds
+                .iter()
+                .filter(|d| d.shard == shard)
+                .filter_map(|d| d.stream_id())
+                .collect();
+            if ids.is_empty() {
+                continue;
+            }
+            match store::stream::keep_claimed(con, keys, consumer, &ids) {
+                Ok(kept) => owned.extend(kept.into_iter().map(|id| (shard, id))),
+                Err(e) => {
+                    log::debug!(
+                        "{}: asking which held entries are still ours: {e}",
+                        self.name
+                    );
+                    self.redis = None;
+                    return None;
+                }
+            }
+        }
+        Some(
+            ds.iter()
+                .map(|d| {
+                    d.stream_id()
+                        .is_none_or(|id| owned.contains(&(d.shard, id.to_string())))
+                })
+                .collect(),
+        )
+    }
+
+    /// Deliveries that waited in this process for [`HELD_LONG`] or more (in the channel
+    /// while the workers waited for PostgreSQL) go to the database only if this consumer
+    /// still owns them ([`Worker::still_owned`]); the others are left to whoever has them.
+    fn drop_taken_over(&mut self, mut ds: Vec<Delivery>) -> Vec<Delivery> {
+        let old: Vec<&Delivery> = ds
+            .iter()
+            .filter(|d| d.stream_id().is_some() && d.received.elapsed() >= HELD_LONG)
+            .collect();
+        if old.is_empty() {
+            return ds;
+        }
+        let Some(owned) = self.still_owned(&old) else {
+            return ds;
+        };
+        let gone: HashSet<(usize, String)> = old
+            .iter()
+            .zip(owned)
+            .filter(|(_, o)| !o)
+            .filter_map(|(d, _)| Some((d.shard, d.stream_id()?.to_string())))
+            .collect();
+        if gone.is_empty() {
+            return ds;
+        }
+        log::info!(
+            "{}: {} jobs held here were taken over by a peer meanwhile (or settled); left to it",
+            self.name,
+            gone.len()
+        );
+        ds.retain(|d| {
+            d.stream_id()
+                .is_none_or(|id| !gone.contains(&(d.shard, id.to_string())))
+        });
+        ds
+    }
+
     /// [`Worker::claim_again`] of the entries at these origins, by shard.
     fn claim_entries<'o>(
         &mut self,
@@ -1368,6 +1456,13 @@ impl<'a> Worker<'a> {
                 self.dead(d, reason, env.event.clone(), env.retry as u64 + 1)
             }
             JobResult::RunningElsewhere => return self.running_elsewhere(d, &key, &env, first_due),
+            JobResult::TakenOver => {
+                log::debug!(
+                    "job {key} {}: taken over by a peer while this worker waited for PostgreSQL, left to it",
+                    env.event
+                );
+                return None;
+            }
         })
     }
 
@@ -2136,12 +2231,21 @@ impl<'a> Worker<'a> {
         // here, not as duplicates (from outside: `done` rose by 845 for 1,125 cancels
         // under a SIGSTOP loop).
         let mut committed: Vec<Option<JobResult>> = Vec::new();
+        // After a wait for PostgreSQL: which of the jobs this consumer still owns (a peer
+        // may have taken them meanwhile); `None`: all, as far as is known.
+        let mut owned: Option<Vec<bool>> = None;
+        let mut waited = false;
         loop {
             if let Err(e) = self.ensure_session() {
                 if self.wait_for_database("no database session", &e) {
                     return Paced::Stopped;
                 }
+                waited = true;
                 continue;
+            }
+            if std::mem::take(&mut waited) {
+                let ds: Vec<&Delivery> = jobs.iter().map(|j| &j.d).collect();
+                owned = self.still_owned(&ds).filter(|o| o.contains(&false));
             }
             let session = self.session.as_mut().expect("a session was just ensured");
             if until.is_some_and(|u| u.elapsed() > LATE_FOR_SLOTS) {
@@ -2156,12 +2260,37 @@ impl<'a> Worker<'a> {
             }
             let permit = self.ctx.manners.enter(self.ctx.shutdown);
             let started = std::time::Instant::now();
-            let results = session.run(
-                jobs,
-                self.ctx.jobs,
-                self.ctx.manners,
-                &self.ctx.stats.in_sets,
-            );
+            let results = match &owned {
+                None => session.run(
+                    jobs,
+                    self.ctx.jobs,
+                    self.ctx.manners,
+                    &self.ctx.stats.in_sets,
+                ),
+                Some(owned) => {
+                    let ours: Vec<Job<'_>> = jobs
+                        .iter()
+                        .zip(owned)
+                        .filter(|(_, o)| **o)
+                        .map(|(j, _)| j.clone())
+                        .collect();
+                    let mut ran = session
+                        .run(
+                            &ours,
+                            self.ctx.jobs,
+                            self.ctx.manners,
+                            &self.ctx.stats.in_sets,
+                        )
+                        .into_iter();
+                    owned
+                        .iter()
+                        .map(|o| match o {
+                            true => ran.next().expect("one result per job run"),
+                            false => JobResult::TakenOver,
+                        })
+                        .collect()
+                }
+            };
             drop(permit);
             if let Some(reason) = results.iter().find_map(|r| match r {
                 JobResult::Failed(f) if f.fault == Fault::Server => Some(f.reason.clone()),
@@ -2179,6 +2308,7 @@ impl<'a> Worker<'a> {
                 if self.wait_for_database("database connection lost", &reason) {
                     return Paced::Stopped;
                 }
+                waited = true;
                 continue;
             }
             // A duplicate counts too: the inbox row it found may be another session's

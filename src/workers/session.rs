@@ -92,9 +92,14 @@ pub enum JobResult {
     ///
     /// [`Delivery::holder_gone`]: crate::delivery::Delivery::holder_gone
     RunningElsewhere,
+    /// Not run: while this worker waited for PostgreSQL its stream entry was taken over by
+    /// a peer (this process had none usable, and said so), or settled by one. The peer
+    /// decides the job; this delivery settles nothing.
+    TakenOver,
 }
 
 /// A delivery that decoded and has a handler: ready for the database.
+#[derive(Clone)]
 pub struct Job<'h> {
     pub d: Delivery,
     pub env: Envelope,

@@ -1426,7 +1426,8 @@ fn a_replica_session_replication_role_on_the_worker_s_role_holds_the_jobs_red() 
 /// `--claim-idle` (ten minutes here, so only the hand-over can bring them). Found from
 /// outside: a worker whose role was set `session_replication_role = replica` held 194
 /// entries that its peers ran up to 73 s late. Once its role can write again it keeps
-/// its own jobs; every job is done once and none is a dead letter.
+/// its own jobs and runs none of those it held that the peer took; every job is done once
+/// and none is a dead letter.
 #[test]
 fn a_worker_without_a_usable_database_hands_its_jobs_to_a_peer_that_has_one() {
     let mut l = Locked::new(&[]);
@@ -1484,11 +1485,109 @@ fn a_worker_without_a_usable_database_hands_its_jobs_to_a_peer_that_has_one() {
     wait_until(WAIT, "every job done", || {
         inbox_count(&l.env.db) == 300 && books(&l.env).stream_pending == 0
     });
-    host_a.stop();
+    let a = host_a.stop().stats;
     host_b.stop();
+    // Back, host-a ran none of the jobs its workers and channel still held: host-b had
+    // them (before, each ran again here and found its inbox row).
+    assert_eq!(a.duplicate, 0, "{a}");
     assert_accounting(&l.env.db, &orders, &orders.iter().collect::<Vec<_>>());
     let b = books(&l.env);
     assert_eq!((b.dead, b.pool, b.stream_pending), (0, 0, 0));
+}
+
+/// A job held by a worker waiting for PostgreSQL whose entry was settled elsewhere
+/// meanwhile (here: dead-lettered by hand, as a peer's reader does with an entry delivered
+/// too often) is not run when the worker gets PostgreSQL back: dead or done, never both.
+/// Found from outside: a letter for too many deliveries, then the held copy cancelled the
+/// order.
+#[test]
+fn a_held_job_dead_lettered_meanwhile_is_not_run_when_the_database_is_back() {
+    let l = Locked::new(&[]);
+    let role = l.runtime_role.clone();
+    let owner = |sql: String| l.env.db.client().batch_execute(&sql).unwrap();
+    let mut a = l.env.config.clone();
+    a.reader.block = Duration::from_millis(200);
+    a.reader.heartbeat_ttl = Duration::from_secs(2);
+    let orders = seed_orders(&l.env.db, 65);
+    let daemon = Daemon::start(&a);
+    push_timeouts(&l.env, &orders[..10], 0);
+    wait_until(WAIT, "the first jobs done and acknowledged", || {
+        inbox_count(&l.env.db) == 10 && books(&l.env).stream_pending == 0
+    });
+    owner(format!(
+        "ALTER ROLE {role} SET default_transaction_read_only = on; \
+         SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'"
+    ));
+    push_timeouts(&l.env, &orders[10..60], 0);
+    wait_until(WAIT, "entries held", || pending_of(&l.env, "c1") > 0);
+    // Held a while, so that the channel's are old too.
+    std::thread::sleep(Duration::from_millis(1500));
+    let k = &l.env.config.keys;
+    let mut con = l.env.con();
+    let held: Vec<String> = stream_pending_ids(&mut con, k, "c1");
+    for id in &held {
+        let entry: Vec<(String, HashMap<String, String>)> = redis::cmd("XRANGE")
+            .arg(&k.stream)
+            .arg(id)
+            .arg(id)
+            .query(&mut con)
+            .unwrap();
+        let fields = &entry[0].1;
+        redis::cmd("XADD")
+            .arg(&k.dead)
+            .arg("*")
+            .arg("msg")
+            .arg(&fields["msg"])
+            .arg("reason")
+            .arg("delivered 4 times without being acknowledged (limit 3)")
+            .arg("key")
+            .arg(fields.get("key").cloned().unwrap_or_default())
+            .query::<String>(&mut con)
+            .unwrap();
+        redis::cmd("XACK")
+            .arg(&k.stream)
+            .arg(&k.group)
+            .arg(id)
+            .query::<i64>(&mut con)
+            .unwrap();
+    }
+    owner(format!(
+        "ALTER ROLE {role} RESET default_transaction_read_only; \
+         SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'"
+    ));
+    // Back: new jobs are done, and so is every one not held when it went dead; then the
+    // workers have long taken up what they held.
+    push_timeouts(&l.env, &orders[60..], 0);
+    wait_until(WAIT, "every job done or dead", || {
+        inbox_count(&l.env.db) as usize + held.len() == 65
+    });
+    std::thread::sleep(Duration::from_secs(2));
+    let s = daemon.stop().stats;
+    assert_eq!(
+        inbox_count(&l.env.db) as usize,
+        65 - held.len(),
+        "a dead-lettered job was also done ({} dead): {s}",
+        held.len()
+    );
+    assert_eq!(s.duplicate, 0, "{s}");
+}
+
+/// The ids of the entries pending on `consumer`.
+fn stream_pending_ids(
+    con: &mut redis::Connection,
+    k: &delay_worker::keys::Keys,
+    consumer: &str,
+) -> Vec<String> {
+    let v: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
+        .arg(&k.stream)
+        .arg(&k.group)
+        .arg("-")
+        .arg("+")
+        .arg(100_000)
+        .arg(consumer)
+        .query(con)
+        .unwrap();
+    v.into_iter().map(|p| p.0).collect()
 }
 
 /// Entries pending on `consumer` in the test's stream.
