@@ -463,6 +463,51 @@ fn a_key_pushed_twice_shows_each_job_and_a_pruned_one_is_gone() {
     assert!(t["inbox_since_ms"].as_i64().is_some());
 }
 
+/// Found from outside: a letter of a retried job (its message carries when it first fell
+/// due) requeued minutes after it died was traced as "overdue" by that long while due now.
+/// A job scheduled again is traced as due at its score, its first due time in a note.
+#[test]
+fn a_requeued_retry_is_traced_as_due_when_it_was_requeued() {
+    let env = Env::new();
+    let keys = env.config.keys.clone();
+    let key = "order.timeout:T1";
+    let first_due = now_ms() - 6 * 60_000;
+    let msg = format!(
+        r#"{{"event":"order.timeout","payload":{{"order_no":"T1"}},"retry":3,"ts":1,"first_due":{first_due},"last_error":"lock timeout"}}"#
+    );
+    redis::cmd("XADD")
+        .arg(&keys.dead)
+        .arg("*")
+        .arg(&["msg", &msg, "reason", "retries used up", "ts", "1"])
+        .arg(&["event", "order.timeout", "key", key, "attempts", "4"])
+        .query::<String>(&mut env.con())
+        .unwrap();
+    let before = now_ms();
+    let out = run_worker(&["dead", "requeue"], &env.redis.url(), &env.db.url);
+    assert!(
+        text(&out.stdout).starts_with("requeued 1\n"),
+        "{}",
+        text(&out.stdout)
+    );
+    let (code, t) = trace(&env, &[key]);
+    assert_eq!(code, 0, "{t:#}");
+    let j = only(&t);
+    assert_eq!(j["state"].as_str(), Some("scheduled"), "{t:#}");
+    assert!(j["due_ms"].as_i64().unwrap() >= before - 1000, "{t:#}");
+    assert!(
+        j["notes"]
+            .to_string()
+            .contains("scheduled again (a requeue)"),
+        "{t:#}"
+    );
+    let out = run_worker(&["trace", key], &env.redis.url(), &env.db.url);
+    assert!(
+        !text(&out.stdout).contains("overdue 6m"),
+        "{}",
+        text(&out.stdout)
+    );
+}
+
 /// Found from outside: a job dead-lettered, a newer push of its key done, then the older
 /// letter requeued: the trace listed the newer job first while saying "oldest first". The
 /// jobs are ordered by when each was first due (the time its identity stamps).
