@@ -505,6 +505,14 @@ fn redis_part(
                     )],
                     None => Vec::new(),
                 };
+                // A retry record of the key that does not match this data: a push replaced
+                // a waiting retry, which the mover reports when it moves this push (found
+                // from outside: until then the trace showed only the new job).
+                if let Some(replaced) = replaced_retry(record.as_deref(), msg) {
+                    notes.push(format!(
+                        "this push replaced a retry of job {replaced} waiting in the pool: that retry becomes a dead letter, with its message, when this push is moved (a cancel of the key ends both)"
+                    ));
+                }
                 // A job scheduled again after it first fell due (a requeued letter) runs
                 // at its score: that is its due time here, the first one a note (found
                 // from outside: a letter requeued 6 minutes after it died showed as
@@ -890,6 +898,20 @@ fn retry_id(record: Option<&[u8]>, msg: &[u8]) -> Option<Option<String>> {
     let (id, sha) = rec.split_once(' ')?;
     (sha == sha1_smol::Sha1::from(msg).digest().to_string())
         .then(|| Some(id.to_string()).filter(|i| i != "-"))
+}
+
+/// The job id of a retry record that does not match `msg` (a newer push replaced that
+/// retry in the pool), `?` for a record that names none.
+fn replaced_retry(record: Option<&[u8]>, msg: &[u8]) -> Option<String> {
+    let rec = text(record?);
+    let (id, sha) = rec.split_once(' ').unwrap_or((rec.as_str(), ""));
+    (sha != sha1_smol::Sha1::from(msg).digest().to_string()).then(|| {
+        if id == "-" || id.is_empty() {
+            "?".to_string()
+        } else {
+            id.to_string()
+        }
+    })
 }
 
 /// The identity the mover will stamp on this member (`lua/move_due.lua`, `identity`).

@@ -463,6 +463,54 @@ fn a_key_pushed_twice_shows_each_job_and_a_pruned_one_is_gone() {
     assert!(t["inbox_since_ms"].as_i64().is_some());
 }
 
+/// Found from outside: a push over a retry waiting in the pool showed only the new job
+/// until the mover moved it (15 minutes in real use), the replaced retry nowhere. The new
+/// job's trace says it replaced that retry and what becomes of it.
+#[test]
+fn a_push_over_a_waiting_retry_says_it_replaced_it() {
+    let env = Env::new();
+    let keys = env.config.keys.clone();
+    let key = "order.timeout:R8";
+    let retry = r#"{"event":"order.timeout","payload":{"order_no":"R8"},"retry":2,"ts":1,"job_id":"1700000000000000-aa-bb"}"#;
+    let sha = sha1_smol::Sha1::from(retry).digest().to_string();
+    // A retry as the settle writes it back: data, score, and its record with a copy.
+    redis::pipe()
+        .cmd("HSET")
+        .arg(&keys.data)
+        .arg(key)
+        .arg(retry)
+        .cmd("ZADD")
+        .arg(&keys.pool)
+        .arg(now_ms() + 30_000)
+        .arg(key)
+        .cmd("HSET")
+        .arg(&keys.jobs)
+        .arg(key)
+        .arg(format!("1700000000000000-aa-bb {sha}"))
+        .arg(format!("msg\n{key}"))
+        .arg(retry)
+        .query::<()>(&mut env.con())
+        .unwrap();
+    push(
+        &env,
+        &keys,
+        key,
+        "order.timeout",
+        serde_json::json!({"order_no": "R8"}),
+        now_ms() + 60_000,
+    );
+    let (code, t) = trace(&env, &[key]);
+    assert_eq!(code, 0, "{t:#}");
+    let j = only(&t);
+    assert_eq!(j["state"].as_str(), Some("scheduled"), "{t:#}");
+    assert!(
+        j["notes"]
+            .to_string()
+            .contains("replaced a retry of job 1700000000000000-aa-bb"),
+        "{t:#}"
+    );
+}
+
 /// Found from outside: a letter of a retried job (its message carries when it first fell
 /// due) requeued minutes after it died was traced as "overdue" by that long while due now.
 /// A job scheduled again is traced as due at its score, its first due time in a note.
