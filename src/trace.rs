@@ -499,7 +499,7 @@ fn redis_part(
                 let event = env.get("event").and_then(Json::as_str).map(str::to_string);
                 let mut notes = match env.get(crate::message::HELD_AT).and_then(Json::as_i64) {
                     Some(at) => vec![format!(
-                        "held since {} for the surroundings' fault: PostgreSQL refused it and no job of {} changed anything after; a dead letter only once one does, or after --retry-for",
+                        "held since {} for the surroundings' fault: PostgreSQL refused it, and when it was held no job of {} had changed anything since (as the process that held it saw); a dead letter only once one does after it fails, or after --retry-for",
                         crate::text::fmt_time(at),
                         event.as_deref().unwrap_or("its event")
                     )],
