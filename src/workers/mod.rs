@@ -1249,6 +1249,14 @@ impl<'a> Worker<'a> {
             .filter(|(_, o)| !o)
             .filter_map(|(d, _)| Some((d.shard, d.stream_id()?.to_string())))
             .collect();
+        // Those still ours were claimed again just now: their idle time starts here.
+        let now = Instant::now();
+        for d in ds
+            .iter_mut()
+            .filter(|d| now.saturating_duration_since(d.received) >= HELD_LONG)
+        {
+            d.received = now;
+        }
         if gone.is_empty() {
             return ds;
         }
