@@ -76,6 +76,23 @@ impl<'a> Feed<'a> {
         self.hand.capacity().saturating_sub(self.hand.len())
     }
 
+    /// How many deliveries to read now: the channel's room, or none while this process
+    /// has no usable PostgreSQL (its workers could not run them; a peer that has one reads
+    /// them instead, and would otherwise take them from this consumer later: found from
+    /// outside, a marked list consumer fetched again each time a peer pushed its list
+    /// back, each of those jobs a `--block` late).
+    pub fn wanted(&self) -> usize {
+        if self
+            .stats
+            .db_unusable
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            0
+        } else {
+            self.room()
+        }
+    }
+
     /// Waits until a worker takes a job, at most `d`.
     pub fn wait_for_room(&self, d: Duration) {
         let _ = self.space.recv_timeout(d);

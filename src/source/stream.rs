@@ -232,9 +232,10 @@ impl<'a> Reader<'a> {
                 log::info!("{}: the key that held messages back is fixed", self.name);
             }
         }
-        let room = self.feed.room();
+        let room = self.feed.wanted();
         if room == 0 {
-            // Back-pressure: wait for a worker to take a job (or the block timeout).
+            // Back-pressure: wait for a worker to take a job (or the block timeout); or
+            // no usable PostgreSQL.
             self.feed.wait_for_room(self.cfg.block);
             return Ok(n);
         }

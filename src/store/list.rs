@@ -179,3 +179,38 @@ pub fn consumers(con: &mut dyn ConnectionLike, keys: &Keys) -> StoreResult<Vec<S
         _ => Vec::new(),
     })
 }
+
+/// Whether each message (queue index, bytes) is still in `consumer`'s processing list of
+/// its queue (one `LPOS` each, in one pipeline): one a peer pushed back to its queue (this
+/// consumer had no usable PostgreSQL, and said so), or settled since, is not.
+pub fn still_held(
+    con: &mut dyn ConnectionLike,
+    keys: &Keys,
+    consumer: &str,
+    msgs: &[(usize, &[u8])],
+) -> StoreResult<Vec<bool>> {
+    if msgs.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut p = redis::pipe();
+    let mut asked = Vec::with_capacity(msgs.len());
+    for (queue, msg) in msgs {
+        // A queue this set does not have holds nothing of ours.
+        let q = keys.queues.get(*queue);
+        asked.push(q.is_some());
+        if let Some(q) = q {
+            p.cmd("LPOS").arg(q.processing(consumer)).arg(*msg);
+        }
+    }
+    let v: Vec<Value> = if asked.contains(&true) {
+        p.query(con)
+            .map_err(|e| super::StoreError::from_redis("ask which messages are still held", e))?
+    } else {
+        Vec::new()
+    };
+    let mut answers = v.iter();
+    Ok(asked
+        .into_iter()
+        .map(|a| a && matches!(answers.next(), Some(Value::Int(_))))
+        .collect())
+}

@@ -1184,46 +1184,61 @@ impl<'a> Worker<'a> {
         }
     }
 
-    /// Which of `ds` this consumer still owns (list messages: all), asked of Redis by
-    /// claiming their entries again ([`store::stream::keep_claimed`]: their idle time
-    /// starts again). One a peer took over while this process had no usable PostgreSQL
-    /// (its reader said so), or settled since, is not: run here too, a job dead-lettered
-    /// meanwhile would also be done (found from outside: a letter for too many deliveries,
-    /// then the held copy cancelled the order). `None` when Redis does not answer: then all
-    /// run, and the inbox stops a second run.
+    /// Which of `ds` this consumer still owns, asked of Redis: a stream entry by claiming
+    /// it again ([`store::stream::keep_claimed`]: its idle time starts again), a list
+    /// message by finding it in this consumer's processing list
+    /// ([`store::list::still_held`]). One a peer took over while this process had no
+    /// usable PostgreSQL (its reader said so), or settled since, is not: run here too, a
+    /// job dead-lettered meanwhile would also be done (found from outside: a letter for
+    /// too many deliveries, then the held copy cancelled the order; in list mode, every
+    /// message a peer pushed back ran again here). `None` when Redis does not answer: then
+    /// all run, and the inbox stops a second run.
     fn still_owned(&mut self, ds: &[&Delivery]) -> Option<Vec<bool>> {
         let (shards, consumer) = (self.ctx.shards, self.ctx.consumer);
-        if ds.iter().all(|d| d.stream_id().is_none()) {
-            return None;
-        }
         let con = self.redis_now()?;
         let mut owned: HashSet<(usize, String)> = HashSet::new();
+        let mut held: Vec<Option<bool>> = vec![None; ds.len()];
         for (shard, keys) in shards.iter().enumerate() {
             let ids: Vec<&str> = ds
                 .iter()
                 .filter(|d| d.shard == shard)
                 .filter_map(|d| d.stream_id())
                 .collect();
-            if ids.is_empty() {
-                continue;
-            }
-            match store::stream::keep_claimed(con, keys, consumer, &ids) {
-                Ok(kept) => owned.extend(kept.into_iter().map(|id| (shard, id))),
-                Err(e) => {
-                    log::debug!(
-                        "{}: asking which held entries are still ours: {e}",
-                        self.name
-                    );
-                    self.redis = None;
-                    return None;
+            let listed: Vec<(usize, (usize, &[u8]))> = ds
+                .iter()
+                .enumerate()
+                .filter(|(_, d)| d.shard == shard)
+                .filter_map(|(i, d)| match d.origin {
+                    Origin::List { queue } => Some((i, (queue, d.msg.as_slice()))),
+                    Origin::Stream { .. } => None,
+                })
+                .collect();
+            let asked = (|| -> Result<(), StoreError> {
+                if !ids.is_empty() {
+                    let kept = store::stream::keep_claimed(con, keys, consumer, &ids)?;
+                    owned.extend(kept.into_iter().map(|id| (shard, id)));
                 }
+                if !listed.is_empty() {
+                    let msgs: Vec<(usize, &[u8])> = listed.iter().map(|(_, m)| *m).collect();
+                    let still = store::list::still_held(con, keys, consumer, &msgs)?;
+                    for ((i, _), s) in listed.iter().zip(still) {
+                        held[*i] = Some(s);
+                    }
+                }
+                Ok(())
+            })();
+            if let Err(e) = asked {
+                log::debug!("{}: asking which held jobs are still ours: {e}", self.name);
+                self.redis = None;
+                return None;
             }
         }
         Some(
             ds.iter()
-                .map(|d| {
-                    d.stream_id()
-                        .is_none_or(|id| owned.contains(&(d.shard, id.to_string())))
+                .zip(held)
+                .map(|(d, held)| match d.stream_id() {
+                    Some(id) => owned.contains(&(d.shard, id.to_string())),
+                    None => held.unwrap_or(true),
                 })
                 .collect(),
         )
@@ -1233,42 +1248,38 @@ impl<'a> Worker<'a> {
     /// while the workers waited for PostgreSQL) go to the database only if this consumer
     /// still owns them ([`Worker::still_owned`]); the others are left to whoever has them.
     fn drop_taken_over(&mut self, mut ds: Vec<Delivery>) -> Vec<Delivery> {
-        let old: Vec<&Delivery> = ds
-            .iter()
-            .filter(|d| d.stream_id().is_some() && d.received.elapsed() >= HELD_LONG)
-            .collect();
+        let now = Instant::now();
+        let is_old = |d: &Delivery| now.saturating_duration_since(d.received) >= HELD_LONG;
+        let old: Vec<&Delivery> = ds.iter().filter(|d| is_old(d)).collect();
         if old.is_empty() {
             return ds;
         }
         let Some(owned) = self.still_owned(&old) else {
             return ds;
         };
-        let gone: HashSet<(usize, String)> = old
-            .iter()
-            .zip(owned)
-            .filter(|(_, o)| !o)
-            .filter_map(|(d, _)| Some((d.shard, d.stream_id()?.to_string())))
-            .collect();
+        let gone = owned.iter().filter(|o| !**o).count();
         // Those still ours were claimed again just now: their idle time starts here.
-        let now = Instant::now();
-        for d in ds
-            .iter_mut()
-            .filter(|d| now.saturating_duration_since(d.received) >= HELD_LONG)
-        {
-            d.received = now;
+        let mut verdicts = owned.into_iter();
+        let mut keep = Vec::with_capacity(ds.len());
+        for d in ds.iter_mut() {
+            if is_old(d) {
+                let ours = verdicts.next().unwrap_or(true);
+                if ours {
+                    d.received = now;
+                }
+                keep.push(ours);
+            } else {
+                keep.push(true);
+            }
         }
-        if gone.is_empty() {
-            return ds;
+        if gone > 0 {
+            log::info!(
+                "{}: {gone} jobs held here were taken over by a peer meanwhile (or settled); left to it",
+                self.name
+            );
+            let mut keep = keep.into_iter();
+            ds.retain(|_| keep.next().unwrap_or(true));
         }
-        log::info!(
-            "{}: {} jobs held here were taken over by a peer meanwhile (or settled); left to it",
-            self.name,
-            gone.len()
-        );
-        ds.retain(|d| {
-            d.stream_id()
-                .is_none_or(|id| !gone.contains(&(d.shard, id.to_string())))
-        });
         ds
     }
 

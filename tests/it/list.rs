@@ -218,7 +218,7 @@ fn a_killed_consumer_s_messages_are_recovered_by_a_peer_and_by_itself() {
 fn a_consumer_without_a_usable_database_has_its_messages_pushed_back_for_a_peer() {
     let env = list_env(&[("normal", None)]);
     let q = &env.config.keys.queues[0];
-    let orders = seed_orders(&env.db, 300);
+    let orders = seed_orders(&env.db, 305);
     // host-a reaches the database as a role of its own, turned read-only once it runs
     // (a worker refuses to start on a server that takes no writes).
     let role = format!("dw_ro_{}_{}", std::process::id(), line!());
@@ -230,17 +230,30 @@ fn a_consumer_without_a_usable_database_has_its_messages_pushed_back_for_a_peer(
     let mut a = env.config.clone();
     a.consumer = "host-a".into();
     a.database_url = pg_url(&role, "ro-secret", &env.db.name);
-    let mut pa = Proc::start(&a, &list_args(&env));
+    let port = free_port();
+    let mut args_a = list_args(&env);
+    args_a.extend(["--metrics-addr".to_string(), format!("127.0.0.1:{port}")]);
+    let mut pa = Proc::start(&a, &args_a);
     push_timeouts(&env, &orders[..10], 0);
     wait_until(WAIT, "host-a's first jobs", || inbox_count(&env.db) == 10);
+    // Made read-only while its workers are in the middle of what it fetched (the orders
+    // slow to update for that moment): they hold it. (Without a usable PostgreSQL it
+    // fetches nothing new.)
+    admin(
+        "CREATE FUNCTION dw_slow() RETURNS trigger LANGUAGE plpgsql AS \
+           $$BEGIN PERFORM pg_sleep(0.05); RETURN NEW; END$$; \
+         CREATE TRIGGER dw_slow BEFORE UPDATE ON orders FOR EACH ROW EXECUTE FUNCTION dw_slow()"
+            .to_string(),
+    );
+    push_timeouts(&env, &orders[10..300], 0);
+    wait_until(WAIT, "host-a holding messages", || {
+        llen(&env, &q.processing("host-a")) > 0
+    });
     admin(format!(
         "ALTER ROLE {role} SET default_transaction_read_only = on; \
          SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'"
     ));
-    push_timeouts(&env, &orders[10..], 0);
-    wait_until(WAIT, "host-a holding messages", || {
-        llen(&env, &q.processing("host-a")) > 0
-    });
+    admin("DROP TRIGGER dw_slow ON orders; DROP FUNCTION dw_slow()".to_string());
     let held = llen(&env, &q.processing("host-a"));
     let mut b = env.config.clone();
     b.consumer = "host-b".into();
@@ -265,8 +278,32 @@ fn a_consumer_without_a_usable_database_has_its_messages_pushed_back_for_a_peer(
         .query(&mut env.con())
         .unwrap();
     assert!(members.contains(&"host-a".to_string()), "{members:?}");
-    pa.kill9();
+    // Back, host-a runs none of the messages its workers held that host-b pushed back and
+    // ran (found from outside: every one ran again here, a duplicate each).
+    admin(format!(
+        "ALTER ROLE {role} RESET default_transaction_read_only; \
+         SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'"
+    ));
+    wait_until(WAIT, "host-a green", || {
+        http_get(port, "/healthz")
+            .map(|(code, _, _)| code == 200)
+            .unwrap_or(false)
+    });
+    push_timeouts(&env, &orders[300..], 0);
+    wait_until(WAIT, "the last jobs done", || {
+        inbox_count(&env.db) == 305 && lists_drained(&env, &["host-a", "host-b"])
+    });
+    std::thread::sleep(Duration::from_secs(2));
+    let (_, _, metrics) = http_get(port, "/metrics").unwrap();
+    let duplicates: Vec<&str> = metrics
+        .lines()
+        .filter(|l| l.starts_with("delay_worker_jobs_total") && l.contains("outcome=\"duplicate\""))
+        .filter(|l| !l.ends_with(" 0"))
+        .collect();
+    assert!(duplicates.is_empty(), "{duplicates:?}\n{}", pa.log());
+    pa.signal(libc::SIGTERM);
     pb.signal(libc::SIGTERM);
+    assert!(pa.wait(WAIT).success());
     assert!(pb.wait(WAIT).success());
     assert_accounting(&env.db, &orders, &orders.iter().collect::<Vec<_>>());
     assert_lists_empty(&env, &["host-a", "host-b"]);

@@ -1450,18 +1450,12 @@ fn a_worker_without_a_usable_database_hands_its_jobs_to_a_peer_that_has_one() {
     wait_until(WAIT, "host-a's first jobs done", || {
         inbox_count(&l.env.db) == 10
     });
-    owner(format!(
-        "ALTER ROLE {role} SET default_transaction_read_only = on; \
-         SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'"
-    ));
-    push_timeouts(&l.env, &orders[10..200], 0);
+    break_while_holding(&l, &role, "host-a", &orders[10..200]);
     wait_healthz(port, "host-a red: no writable PostgreSQL", |code, body| {
         code == 503 && body.contains("read-only")
     });
-    wait_until(WAIT, "host-a holding entries", || {
-        pending_of(&l.env, "host-a") > 0
-    });
     let held = pending_of(&l.env, "host-a");
+    assert!(held > 0, "host-a holds what it had read");
     let host_b = Daemon::start(&b);
     wait_until(WAIT, "host-b ran host-a's jobs", || {
         inbox_count(&l.env.db) == 200
@@ -1495,6 +1489,48 @@ fn a_worker_without_a_usable_database_hands_its_jobs_to_a_peer_that_has_one() {
     assert_eq!((b.dead, b.pool, b.stream_pending), (0, 0, 0));
 }
 
+/// A worker with no usable PostgreSQL reads nothing new: its workers could not run it,
+/// and a peer would have to take it back (found from outside: a marked list consumer
+/// fetched again after each push-back, each such job a `--block` late). Back, it reads
+/// and runs them all.
+#[test]
+fn a_worker_without_a_usable_database_reads_nothing_new() {
+    let mut l = Locked::new(&[]);
+    let port = l.with_health();
+    let role = l.runtime_role.clone();
+    let owner = |sql: String| l.env.db.client().batch_execute(&sql).unwrap();
+    let orders = seed_orders(&l.env.db, 40);
+    let daemon = Daemon::start(&l.env.config);
+    wait_healthz(port, "/healthz green", |code, _| code == 200);
+    owner(format!(
+        "ALTER ROLE {role} SET default_transaction_read_only = on; \
+         SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'"
+    ));
+    wait_healthz(port, "/healthz red", |code, body| {
+        code == 503 && body.contains("read-only")
+    });
+    // `/healthz` probes with a session of its own at once; the database watch finds it at
+    // its next look, every 250 ms.
+    std::thread::sleep(Duration::from_secs(1));
+    push_timeouts(&l.env, &orders, 0);
+    wait_until(WAIT, "the jobs on the stream", || books(&l.env).pool == 0);
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(
+        pending_of(&l.env, "c1"),
+        0,
+        "read while it could run nothing: {:?}",
+        http_get(port, "/healthz")
+    );
+    owner(format!(
+        "ALTER ROLE {role} RESET default_transaction_read_only; \
+         SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'"
+    ));
+    wait_until(WAIT, "every job done", || inbox_count(&l.env.db) == 40);
+    daemon.stop();
+    assert_accounting(&l.env.db, &orders, &orders.iter().collect::<Vec<_>>());
+    assert_eq!(books(&l.env).dead, 0);
+}
+
 /// A job held by a worker waiting for PostgreSQL whose entry was settled elsewhere
 /// meanwhile (here: dead-lettered by hand, as a peer's reader does with an entry delivered
 /// too often) is not run when the worker gets PostgreSQL back: dead or done, never both.
@@ -1514,25 +1550,35 @@ fn a_held_job_dead_lettered_meanwhile_is_not_run_when_the_database_is_back() {
     wait_until(WAIT, "the first jobs done and acknowledged", || {
         inbox_count(&l.env.db) == 10 && books(&l.env).stream_pending == 0
     });
-    owner(format!(
-        "ALTER ROLE {role} SET default_transaction_read_only = on; \
-         SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'"
-    ));
-    push_timeouts(&l.env, &orders[10..60], 0);
-    wait_until(WAIT, "entries held", || pending_of(&l.env, "c1") > 0);
+    break_while_holding(&l, &role, "c1", &orders[10..60]);
     // Held a while, so that the channel's are old too.
     std::thread::sleep(Duration::from_millis(1500));
     let k = &l.env.config.keys;
     let mut con = l.env.con();
-    let held: Vec<String> = stream_pending_ids(&mut con, k, "c1");
-    for id in &held {
+    // The entries of jobs that did not commit before the sessions ended (one that did
+    // waits for its acknowledgement, and is no letter's).
+    let mut db = l.env.db.client();
+    let mut held = Vec::new();
+    for id in stream_pending_ids(&mut con, k, "c1") {
         let entry: Vec<(String, HashMap<String, String>)> = redis::cmd("XRANGE")
             .arg(&k.stream)
-            .arg(id)
-            .arg(id)
+            .arg(&id)
+            .arg(&id)
             .query(&mut con)
             .unwrap();
         let fields = &entry[0].1;
+        let key = fields.get("key").cloned().unwrap_or_default();
+        let done: i64 = db
+            .query_one(
+                "SELECT count(*) FROM worker_inbox WHERE job_key = $1",
+                &[&key],
+            )
+            .unwrap()
+            .get(0);
+        if done > 0 {
+            continue;
+        }
+        held.push(id.clone());
         redis::cmd("XADD")
             .arg(&k.dead)
             .arg("*")
@@ -1541,16 +1587,17 @@ fn a_held_job_dead_lettered_meanwhile_is_not_run_when_the_database_is_back() {
             .arg("reason")
             .arg("delivered 4 times without being acknowledged (limit 3)")
             .arg("key")
-            .arg(fields.get("key").cloned().unwrap_or_default())
+            .arg(&key)
             .query::<String>(&mut con)
             .unwrap();
         redis::cmd("XACK")
             .arg(&k.stream)
             .arg(&k.group)
-            .arg(id)
+            .arg(&id)
             .query::<i64>(&mut con)
             .unwrap();
     }
+    assert!(!held.is_empty(), "jobs held when the role turned read-only");
     owner(format!(
         "ALTER ROLE {role} RESET default_transaction_read_only; \
          SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'"
@@ -1588,6 +1635,26 @@ fn stream_pending_ids(
         .query(con)
         .unwrap();
     v.into_iter().map(|p| p.0).collect()
+}
+
+/// Turns `role` read-only while the worker of it is in the middle of jobs it read: the
+/// shop's orders made slow to update for a moment, `jobs` pushed and read, then the role's
+/// sessions ended, so that its workers hold what they had read (a worker with no usable
+/// PostgreSQL reads nothing new, so jobs pushed after it would wait for a peer instead).
+fn break_while_holding(l: &Locked, role: &str, consumer: &str, jobs: &[SeedOrder]) {
+    let owner = |sql: &str| l.env.db.client().batch_execute(sql).unwrap();
+    owner(
+        "CREATE FUNCTION dw_slow() RETURNS trigger LANGUAGE plpgsql AS \
+           $$BEGIN PERFORM pg_sleep(0.05); RETURN NEW; END$$; \
+         CREATE TRIGGER dw_slow BEFORE UPDATE ON orders FOR EACH ROW EXECUTE FUNCTION dw_slow()",
+    );
+    push_timeouts(&l.env, jobs, 0);
+    wait_until(WAIT, "entries read", || pending_of(&l.env, consumer) > 0);
+    owner(&format!(
+        "ALTER ROLE {role} SET default_transaction_read_only = on; \
+         SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'"
+    ));
+    owner("DROP TRIGGER dw_slow ON orders; DROP FUNCTION dw_slow()");
 }
 
 /// Entries pending on `consumer` in the test's stream.
