@@ -578,7 +578,14 @@ fn redis_part(
             }
         }
     }
-    // Its dead letters.
+    // Its dead letters: those the index names (its newest); older ones are only counted as
+    // there, by the index's own mark.
+    if bytes(&get(con, "HGET", &k.letters, &format!("older\n{key}"))?).is_some() {
+        t.notes.push(format!(
+            "{key} has had more dead letters than its index keeps (the 8 newest): older ones may be in the dead letters ({}) and are not shown; `worker dead list` lists every letter",
+            k.dead
+        ));
+    }
     if let Some(ids) = bytes(&get(con, "HGET", &k.letters, key)?) {
         for id in text(&ids).split_whitespace() {
             let Some(f) = entry(con, &k.dead, id)? else {

@@ -117,6 +117,13 @@ local function unindex_move(moved, key, id)
   unindex_moves(moved, {key, id})
 end
 
+-- The field that says a key has had letters the index no longer names (more than
+-- LETTERS_KEPT): `older\n<job key>` (a job key is never such a field, as in the jobs
+-- HASH's copies). A requeue then looks in the dead letters themselves.
+local function older_letters_field(key)
+  return 'older\n' .. key
+end
+
 local function index_letter(letters, key, id)
   if not key or key == '' then return end
   local ids = {}
@@ -125,8 +132,16 @@ local function index_letter(letters, key, id)
     for i in string.gmatch(old, '%S+') do ids[#ids + 1] = i end
   end
   ids[#ids + 1] = id
-  while #ids > LETTERS_KEPT do table.remove(ids, 1) end
-  redis.pcall('HSET', letters, key, table.concat(ids, ' '))
+  local dropped = false
+  while #ids > LETTERS_KEPT do
+    table.remove(ids, 1)
+    dropped = true
+  end
+  if dropped then
+    redis.pcall('HSET', letters, key, table.concat(ids, ' '), older_letters_field(key), '1')
+  else
+    redis.pcall('HSET', letters, key, table.concat(ids, ' '))
+  end
 end
 
 local function unindex_letter(letters, key, id)

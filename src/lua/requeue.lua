@@ -28,17 +28,39 @@ local function later(a, b)
   local bm, bs = id_parts(b)
   return am > bm or (am == bm and as > bs)
 end
+-- How many dead letters after a letter are looked through for a newer one of its key, when
+-- the key has had more than the index keeps; past that, one is taken to be there.
+local SCAN_AT_MOST = 10000
+
 -- A newer letter of `key` than `id` is still in the dead letters (the index is advisory:
--- read under pcall, each id it names checked in the stream).
+-- read under pcall, each id it names checked in the stream). A key that has had more
+-- letters than the index keeps is looked for in the letters after `id` themselves (found
+-- from outside: its newer letters requeued or purged, an older one went back while one
+-- past the index was still dead).
 local function newer_letter(key, id)
   local ids = redis.pcall('HGET', KEYS[5], key)
-  if type(ids) ~= 'string' then return false end
-  for other in string.gmatch(ids, '%S+') do
-    if later(other, id) and #redis.call('XRANGE', KEYS[1], other, other) > 0 then
-      return true
+  if type(ids) == 'string' then
+    for other in string.gmatch(ids, '%S+') do
+      if later(other, id) and #redis.call('XRANGE', KEYS[1], other, other) > 0 then
+        return true
+      end
     end
   end
-  return false
+  if redis.pcall('HEXISTS', KEYS[5], older_letters_field(key)) ~= 1 then return false end
+  local from, seen = '(' .. id, 0
+  while seen < SCAN_AT_MOST do
+    local page = redis.call('XRANGE', KEYS[1], from, '+', 'COUNT', 500)
+    if #page == 0 then return false end
+    for _, e in ipairs(page) do
+      local f = e[2]
+      for j = 1, #f, 2 do
+        if f[j] == 'key' and f[j + 1] == key then return true end
+      end
+    end
+    seen = seen + #page
+    from = '(' .. page[#page][1]
+  end
+  return true
 end
 local out = {}
 for i = 2, #ARGV, 3 do

@@ -499,6 +499,56 @@ fn retry_of(d: &Delivery, msg: impl Into<Vec<u8>>, due_ms: i64) -> Settlement {
     )
 }
 
+/// A job key with more dead letters than its index keeps (8): found from outside, once its
+/// newer letters were requeued or purged, an older one went back while one past the index
+/// was still dead. The index marks the key, and the requeue then looks in the letters.
+#[test]
+fn a_key_with_more_letters_than_its_index_keeps_requeues_an_older_one_only_when_no_newer_is_dead() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let k = keys();
+    let mut letters = Vec::new();
+    for i in 0..10 {
+        let d = one_pending(
+            &mut con,
+            &k,
+            &format!(r#"{{"event":"e","payload":{{"i":{i}}}}}"#),
+        );
+        assert_eq!(
+            settle(&mut con, &k, &[dead_of(&d, "by hand")])
+                .unwrap()
+                .each
+                .len(),
+            1
+        );
+        let last: Vec<(String, std::collections::HashMap<String, String>)> =
+            redis::cmd("XREVRANGE")
+                .arg(&k.dead)
+                .arg("+")
+                .arg("-")
+                .arg("COUNT")
+                .arg(1)
+                .query(&mut con)
+                .unwrap();
+        letters.push(last[0].0.clone());
+    }
+    // The 8 newest purged: the index names none of the key's letters now.
+    let newest: Vec<&str> = letters[2..].iter().map(String::as_str).collect();
+    assert_eq!(store::dead::purge(&mut con, &k, &newest).unwrap(), 8);
+    let msg = br#"{"event":"e","payload":{"i":0},"retry":0}"#;
+    let oldest = (letters[0].as_str(), b"job-1".as_slice(), msg.as_slice());
+    assert_eq!(
+        store::dead::requeue(&mut con, &k, &[oldest], NOW).unwrap(),
+        vec![store::dead::Requeued::KeyScheduled],
+        "the second letter is still dead"
+    );
+    let second = (letters[1].as_str(), b"job-1".as_slice(), msg.as_slice());
+    assert_eq!(
+        store::dead::requeue(&mut con, &k, &[second], NOW).unwrap(),
+        vec![store::dead::Requeued::Requeued]
+    );
+}
+
 #[test]
 fn settle_writes_the_dead_letter_and_the_retry_before_the_ack() {
     let r = RedisServer::start();

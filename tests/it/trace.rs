@@ -463,6 +463,37 @@ fn a_key_pushed_twice_shows_each_job_and_a_pruned_one_is_gone() {
     assert!(t["inbox_since_ms"].as_i64().is_some());
 }
 
+/// A key that has had more dead letters than its index keeps: the trace says older ones
+/// may be there and are not shown (found from outside: it listed 9 of 10 jobs as all).
+#[test]
+fn a_key_with_letters_past_its_index_says_so() {
+    let env = Env::new();
+    let keys = env.config.keys.clone();
+    let key = "order.timeout:RQ9";
+    push(
+        &env,
+        &keys,
+        key,
+        "order.timeout",
+        serde_json::json!({"order_no": "RQ9"}),
+        now_ms() + 60_000,
+    );
+    // As the index marks a key once it drops one of its letters.
+    redis::cmd("HSET")
+        .arg(&keys.letters)
+        .arg(format!("older\n{key}"))
+        .arg(1)
+        .query::<()>(&mut env.con())
+        .unwrap();
+    let (_, t) = trace(&env, &[key]);
+    assert!(
+        t["notes"]
+            .to_string()
+            .contains("more dead letters than its index keeps"),
+        "{t:#}"
+    );
+}
+
 /// Found from outside: a push over a retry waiting in the pool showed only the new job
 /// until the mover moved it (15 minutes in real use), the replaced retry nowhere. The new
 /// job's trace says it replaced that retry and what becomes of it.
