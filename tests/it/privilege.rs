@@ -1433,7 +1433,6 @@ fn a_worker_without_a_usable_database_hands_its_jobs_to_a_peer_that_has_one() {
     let mut l = Locked::new(&[]);
     let port = l.with_health();
     let role = l.runtime_role.clone();
-    let owner = |sql: String| l.env.db.client().batch_execute(&sql).unwrap();
     let mut a = l.env.config.clone();
     a.consumer = "host-a".into();
     a.reader.block = Duration::from_millis(200);
@@ -1470,10 +1469,7 @@ fn a_worker_without_a_usable_database_hands_its_jobs_to_a_peer_that_has_one() {
             && l.contains("alive, no usable PostgreSQL (a peer that has one takes its entries)")),
         "{said}"
     );
-    owner(format!(
-        "ALTER ROLE {role} RESET default_transaction_read_only; \
-         SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'"
-    ));
+    read_only(&l, &role, false);
     wait_healthz(port, "host-a green", |code, _| code == 200);
     push_timeouts(&l.env, &orders[200..], 0);
     wait_until(WAIT, "every job done", || {
@@ -1498,14 +1494,10 @@ fn a_worker_without_a_usable_database_reads_nothing_new() {
     let mut l = Locked::new(&[]);
     let port = l.with_health();
     let role = l.runtime_role.clone();
-    let owner = |sql: String| l.env.db.client().batch_execute(&sql).unwrap();
     let orders = seed_orders(&l.env.db, 40);
     let daemon = Daemon::start(&l.env.config);
     wait_healthz(port, "/healthz green", |code, _| code == 200);
-    owner(format!(
-        "ALTER ROLE {role} SET default_transaction_read_only = on; \
-         SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'"
-    ));
+    read_only(&l, &role, true);
     wait_healthz(port, "/healthz red", |code, body| {
         code == 503 && body.contains("read-only")
     });
@@ -1521,10 +1513,7 @@ fn a_worker_without_a_usable_database_reads_nothing_new() {
         "read while it could run nothing: {:?}",
         http_get(port, "/healthz")
     );
-    owner(format!(
-        "ALTER ROLE {role} RESET default_transaction_read_only; \
-         SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'"
-    ));
+    read_only(&l, &role, false);
     wait_until(WAIT, "every job done", || inbox_count(&l.env.db) == 40);
     daemon.stop();
     assert_accounting(&l.env.db, &orders, &orders.iter().collect::<Vec<_>>());
@@ -1540,7 +1529,6 @@ fn a_worker_without_a_usable_database_reads_nothing_new() {
 fn a_held_job_dead_lettered_meanwhile_is_not_run_when_the_database_is_back() {
     let l = Locked::new(&[]);
     let role = l.runtime_role.clone();
-    let owner = |sql: String| l.env.db.client().batch_execute(&sql).unwrap();
     let mut a = l.env.config.clone();
     a.reader.block = Duration::from_millis(200);
     a.reader.heartbeat_ttl = Duration::from_secs(2);
@@ -1598,10 +1586,7 @@ fn a_held_job_dead_lettered_meanwhile_is_not_run_when_the_database_is_back() {
             .unwrap();
     }
     assert!(!held.is_empty(), "jobs held when the role turned read-only");
-    owner(format!(
-        "ALTER ROLE {role} RESET default_transaction_read_only; \
-         SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'"
-    ));
+    read_only(&l, &role, false);
     // Back: new jobs are done, and so is every one not held when it went dead; then the
     // workers have long taken up what they held.
     push_timeouts(&l.env, &orders[60..], 0);
@@ -1650,11 +1635,26 @@ fn break_while_holding(l: &Locked, role: &str, consumer: &str, jobs: &[SeedOrder
     );
     push_timeouts(&l.env, jobs, 0);
     wait_until(WAIT, "entries read", || pending_of(&l.env, consumer) > 0);
-    owner(&format!(
-        "ALTER ROLE {role} SET default_transaction_read_only = on; \
-         SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'"
-    ));
+    read_only(l, role, true);
     owner("DROP TRIGGER dw_slow ON orders; DROP FUNCTION dw_slow()");
+}
+
+/// Sets (`on`) or resets `default_transaction_read_only` on `role` and ends its sessions,
+/// so that its workers' next sessions take the setting as it is now.
+fn read_only(l: &Locked, role: &str, on: bool) {
+    let set = if on {
+        "SET default_transaction_read_only = on"
+    } else {
+        "RESET default_transaction_read_only"
+    };
+    l.env
+        .db
+        .client()
+        .batch_execute(&format!(
+            "ALTER ROLE {role} {set}; \
+             SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'"
+        ))
+        .unwrap();
 }
 
 /// Entries pending on `consumer` in the test's stream.
