@@ -219,6 +219,21 @@ fn ops_metrics_count_jobs_and_healthz_follows_postgres() {
         let b = books(&env);
         inbox_count(&env.db) == 6 && b.stream_pending == 0 && b.dead == 1
     });
+    // A job is counted once its settle has returned, a moment after Redis has it (a test
+    // that read at once on a loaded machine saw `done` 0 with every job acknowledged).
+    wait_until(WAIT, "the jobs counted", || {
+        http_get(port, "/metrics").is_ok_and(|(_, _, body)| {
+            let m = samples(&body);
+            let n = |o: &str| {
+                m.get(&format!(
+                    "delay_worker_jobs_total{{event=\"order.timeout\",outcome=\"{o}\"}}"
+                ))
+                .copied()
+                .unwrap_or(0.0)
+            };
+            n("done") + n("noop") >= 6.0
+        })
+    });
 
     let (code, head, body) = http_get(port, "/metrics").unwrap();
     assert_eq!(code, 200, "{head}");
