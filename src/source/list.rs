@@ -164,7 +164,7 @@ impl Source for ListReader<'_> {
         if due(&mut self.last_maintenance, self.cfg.block) {
             self.maintain(con)?;
         }
-        let room = self.feed.wanted();
+        let room = self.standing.wanted(self.feed.room());
         if room == 0 {
             self.feed.wait_for_room(self.cfg.block);
             return Ok(0);

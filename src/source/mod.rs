@@ -76,23 +76,6 @@ impl<'a> Feed<'a> {
         self.hand.capacity().saturating_sub(self.hand.len())
     }
 
-    /// How many deliveries to read now: the channel's room, or none while this process
-    /// has no usable PostgreSQL (its workers could not run them; a peer that has one reads
-    /// them instead, and would otherwise take them from this consumer later: found from
-    /// outside, a marked list consumer fetched again each time a peer pushed its list
-    /// back, each of those jobs a `--block` late).
-    pub fn wanted(&self) -> usize {
-        if self
-            .stats
-            .db_unusable
-            .load(std::sync::atomic::Ordering::Relaxed)
-        {
-            0
-        } else {
-            self.room()
-        }
-    }
-
     /// Waits until a worker takes a job, at most `d`.
     pub fn wait_for_room(&self, d: Duration) {
         let _ = self.space.recv_timeout(d);
@@ -171,6 +154,20 @@ pub struct Usable {
 }
 
 impl Standing {
+    /// How many deliveries to read now, of the channel's `room`: none while this consumer
+    /// is marked as having no usable PostgreSQL (its workers could not run them; a peer
+    /// that has one reads them instead, and would otherwise take them from this consumer
+    /// later: found from outside, a marked list consumer fetched again after each
+    /// push-back, each of those jobs a `--block` late). Not on the watch's every finding:
+    /// one look that does not answer in time on a loaded machine must not stop the reads.
+    pub fn wanted(&self, room: usize) -> usize {
+        if self.marked {
+            0
+        } else {
+            room
+        }
+    }
+
     /// One maintenance pass of the reader named `who.2` (consumer `who.1` of key set
     /// `who.0`): sets, refreshes or takes away the mark, and says which peers' jobs this
     /// process may take.

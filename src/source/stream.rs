@@ -232,7 +232,7 @@ impl<'a> Reader<'a> {
                 log::info!("{}: the key that held messages back is fixed", self.name);
             }
         }
-        let room = self.feed.wanted();
+        let room = self.standing.wanted(self.feed.room());
         if room == 0 {
             // Back-pressure: wait for a worker to take a job (or the block timeout); or
             // no usable PostgreSQL.

@@ -1485,14 +1485,16 @@ fn a_worker_without_a_usable_database_hands_its_jobs_to_a_peer_that_has_one() {
     assert_eq!((b.dead, b.pool, b.stream_pending), (0, 0, 0));
 }
 
-/// A worker with no usable PostgreSQL reads nothing new: its workers could not run it,
-/// and a peer would have to take it back (found from outside: a marked list consumer
-/// fetched again after each push-back, each such job a `--block` late). Back, it reads
-/// and runs them all.
+/// A worker marked as having no usable PostgreSQL reads nothing new: its workers could not
+/// run it, and a peer would have to take it back (found from outside: a marked list
+/// consumer fetched again after each push-back, each such job a `--block` late). Back, it
+/// reads and runs them all.
 #[test]
 fn a_worker_without_a_usable_database_reads_nothing_new() {
     let mut l = Locked::new(&[]);
     let port = l.with_health();
+    l.env.config.reader.block = Duration::from_millis(200);
+    l.env.config.reader.heartbeat_ttl = Duration::from_secs(2);
     let role = l.runtime_role.clone();
     let orders = seed_orders(&l.env.db, 40);
     let daemon = Daemon::start(&l.env.config);
@@ -1501,9 +1503,13 @@ fn a_worker_without_a_usable_database_reads_nothing_new() {
     wait_healthz(port, "/healthz red", |code, body| {
         code == 503 && body.contains("read-only")
     });
-    // `/healthz` probes with a session of its own at once; the database watch finds it at
-    // its next look, every 250 ms.
-    std::thread::sleep(Duration::from_secs(1));
+    let mark = l.env.config.keys.without_database("c1");
+    wait_until(WAIT, "marked as without a database", || {
+        redis::cmd("EXISTS")
+            .arg(&mark)
+            .query::<bool>(&mut l.env.con())
+            .unwrap()
+    });
     push_timeouts(&l.env, &orders, 0);
     wait_until(WAIT, "the jobs on the stream", || books(&l.env).pool == 0);
     std::thread::sleep(Duration::from_secs(2));
