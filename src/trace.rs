@@ -115,13 +115,17 @@ pub struct Trace {
     pub inbox_since_ms: Option<i64>,
     /// Why the inbox could not be read, if it could not: done jobs are then missing.
     pub inbox_error: Option<String>,
+    /// A key traced has had more dead letters than its index keeps: older ones may be in
+    /// the dead letters, not shown, so no job found is not no trace.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub older_letters: bool,
 }
 
 impl Trace {
     /// No job anywhere: never pushed (or cancelled), or done so long ago that its inbox
     /// row was pruned.
     pub fn gone(&self) -> bool {
-        self.jobs.is_empty()
+        self.jobs.is_empty() && !self.older_letters
     }
 
     /// Why there is nothing, in words.
@@ -276,6 +280,7 @@ pub fn gather(
         notes: Vec::new(),
         inbox_since_ms: None,
         inbox_error: None,
+        older_letters: false,
     };
     let keys = q.keys();
     let shards = config.shard_keys();
@@ -581,6 +586,7 @@ fn redis_part(
     // Its dead letters: those the index names (its newest); older ones are only counted as
     // there, by the index's own mark.
     if bytes(&get(con, "HGET", &k.letters, &format!("older\n{key}"))?).is_some() {
+        t.older_letters = true;
         t.notes.push(format!(
             "{key} has had more dead letters than its index keeps (the 8 newest): older ones may be in the dead letters ({}) and are not shown; `worker dead list` lists every letter",
             k.dead

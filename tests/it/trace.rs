@@ -492,6 +492,24 @@ fn a_key_with_letters_past_its_index_says_so() {
             .contains("more dead letters than its index keeps"),
         "{t:#}"
     );
+    // With no job the index names, that is not "no trace" (exit 4): the letters past the
+    // index may be there (found from outside).
+    let bare = "order.timeout:RQ10";
+    redis::cmd("HSET")
+        .arg(&keys.letters)
+        .arg(format!("older\n{bare}"))
+        .arg(1)
+        .query::<()>(&mut env.con())
+        .unwrap();
+    let (code, t) = trace(&env, &[bare]);
+    assert_eq!(code, 0, "{t:#}");
+    let out = run_worker(&["trace", bare], &env.redis.url(), &env.db.url);
+    let said = text(&out.stdout);
+    assert!(!said.contains("no trace"), "{said}");
+    assert!(
+        said.contains("more dead letters than its index keeps"),
+        "{said}"
+    );
 }
 
 /// Found from outside: a push over a retry waiting in the pool showed only the new job
