@@ -1665,20 +1665,7 @@ fn read_only(l: &Locked, role: &str, on: bool) {
 
 /// Entries pending on `consumer` in the test's stream.
 fn pending_of(env: &Env, consumer: &str) -> usize {
-    let k = &env.config.keys;
-    let summary: redis::Value = redis::cmd("XPENDING")
-        .arg(&k.stream)
-        .arg(&k.group)
-        .arg("-")
-        .arg("+")
-        .arg(100_000)
-        .arg(consumer)
-        .query(&mut env.con())
-        .unwrap();
-    match summary {
-        redis::Value::Array(v) => v.len(),
-        _ => 0,
-    }
+    stream_pending_ids(&mut env.con(), &env.config.keys, consumer).len()
 }
 
 /// A refused privilege that only some jobs need (the inbox's `outcome` column, which only

@@ -479,12 +479,15 @@ fn a_key_with_letters_past_its_index_says_so() {
         now_ms() + 60_000,
     );
     // As the index marks a key once it drops one of its letters.
-    redis::cmd("HSET")
-        .arg(&keys.letters)
-        .arg(format!("older\n{key}"))
-        .arg(1)
-        .query::<()>(&mut env.con())
-        .unwrap();
+    let mark = |key: &str| {
+        redis::cmd("HSET")
+            .arg(&keys.letters)
+            .arg(format!("older\n{key}"))
+            .arg(1)
+            .query::<()>(&mut env.con())
+            .unwrap()
+    };
+    mark(key);
     let (_, t) = trace(&env, &[key]);
     assert!(
         t["notes"]
@@ -495,12 +498,7 @@ fn a_key_with_letters_past_its_index_says_so() {
     // With no job the index names, that is not "no trace" (exit 4): the letters past the
     // index may be there (found from outside).
     let bare = "order.timeout:RQ10";
-    redis::cmd("HSET")
-        .arg(&keys.letters)
-        .arg(format!("older\n{bare}"))
-        .arg(1)
-        .query::<()>(&mut env.con())
-        .unwrap();
+    mark(bare);
     let (code, t) = trace(&env, &[bare]);
     assert_eq!(code, 0, "{t:#}");
     let out = run_worker(&["trace", bare], &env.redis.url(), &env.db.url);
