@@ -448,19 +448,8 @@ fn served(
 
 fn requeue_cmd(r: &mut Cmd, keys: &Keys, a: &RequeueArgs) -> anyhow::Result<ExitCode> {
     let sc = &a.screen(&r.registry, r.max_message, &r.served);
-    let mut left = a.limit.unwrap_or(usize::MAX);
-    let mut report = RequeueReport::default();
     if a.ids.is_empty() {
-        let mut scan = dead::Scan::new(keys, &a.filter, r.now);
-        while left > 0 {
-            let Some(mut page) = scan.next_page(r.con).context(READ)? else {
-                break;
-            };
-            page.truncate(left);
-            left -= page.len();
-            let done = dead::requeue_with(r.con, keys, &page, r.now, Some(sc));
-            report.add(done.context("cannot requeue")?);
-        }
+        let report = requeue_oldest(r.con, r.now, std::slice::from_ref(keys), a, sc, false)?;
         return print_report(&report, &[], r.out);
     }
     for id in &a.ids {
@@ -473,11 +462,46 @@ fn requeue_cmd(r: &mut Cmd, keys: &Keys, a: &RequeueArgs) -> anyhow::Result<Exit
     let ids = dead::distinct(a.ids.iter().cloned());
     let found = dead::fetch(r.con, keys, &ids, r.now).context(READ)?;
     let (mut letters, missing) = dead::sort_found(&ids, found, |d| a.filter.matches(d, r.now));
-    letters.truncate(left);
+    letters.truncate(a.limit.unwrap_or(usize::MAX));
     let done = dead::requeue_with(r.con, keys, &letters, r.now, Some(sc));
-    report.add(done.context("cannot requeue")?);
-    print_report(&report, &missing, r.out)
+    print_report(&done.context("cannot requeue")?, &missing, r.out)
 }
+
+/// The matching letters of every shard (`shards`: one for an unsharded worker), oldest
+/// first, back into their pools until `--limit` of them were tried. A letter left because
+/// a newer push of its key wins (its key scheduled again, or a newer letter of it dead) was
+/// not tried: it does not count, and the walk goes on to the letters after it, so `--limit
+/// 1` puts back the newer letter of such a key (found from outside: it said "requeued 0"
+/// and never reached the newer one). `sharded`: ids reported as `<shard>/<id>`.
+fn requeue_oldest(
+    con: &mut dyn redis::ConnectionLike,
+    now: i64,
+    shards: &[Keys],
+    a: &RequeueArgs,
+    sc: &dead::Screen,
+    sharded: bool,
+) -> anyhow::Result<RequeueReport> {
+    let mut left = a.limit.unwrap_or(usize::MAX);
+    let mut report = RequeueReport::default();
+    let mut walk = dead::OldestFirst::new(shards, &a.filter, now);
+    while left > 0 {
+        let next = walk.next(con, left.min(REQUEUE_PAGE)).context(READ)?;
+        if next.is_empty() {
+            break;
+        }
+        for (s, keys, of_s) in grouped(shards, next, |i, _, (s, _)| *s == i) {
+            let letters: Vec<DeadLetter> = of_s.into_iter().map(|(_, d)| d).collect();
+            let done =
+                dead::requeue_with(con, keys, &letters, now, Some(sc)).context("cannot requeue")?;
+            left -= letters.len() - done.key_scheduled.len();
+            report.add(if sharded { done.in_shard(s) } else { done });
+        }
+    }
+    Ok(report)
+}
+
+/// How many letters a requeue by filter reads and puts back at a time.
+const REQUEUE_PAGE: usize = 500;
 
 /// `worker dead requeue` in list mode: by filter, queue by queue, oldest first; or the
 /// letters named, each onto its own queue.
@@ -498,12 +522,17 @@ fn requeue_lists(r: &mut Cmd, keys: &Keys, a: &RequeueArgs) -> anyhow::Result<Ex
                     .into_iter()
                     .filter(|l| a.filter.matches(l, r.now))
                     .collect();
-                chosen.truncate(left);
-                left -= chosen.len();
-                let r = dl::requeue_with(r.con, keys, q, &chosen, Some(sc))
-                    .context("cannot requeue")?;
-                walk.removed(r.requeued.len() + r.gone.len());
-                report.add(r);
+                // As in stream mode, a letter a newer push of its key wins over was not
+                // tried and does not count against `--limit`.
+                while left > 0 && !chosen.is_empty() {
+                    let rest = chosen.split_off(left.min(chosen.len()));
+                    let done = dl::requeue_with(r.con, keys, q, &chosen, Some(sc))
+                        .context("cannot requeue")?;
+                    walk.removed(done.requeued.len() + done.gone.len());
+                    left -= chosen.len() - done.key_scheduled.len();
+                    report.add(done);
+                    chosen = rest;
+                }
             }
         }
         return print_report(&report, &[], r.out);
@@ -556,18 +585,9 @@ fn requeue_sharded(r: &mut Cmd, shards: &[Keys], a: &RequeueArgs) -> anyhow::Res
         }
         chosen.truncate(a.limit.unwrap_or(usize::MAX));
         chosen
-    } else if let Some(limit) = a.limit {
-        dead::oldest_sharded(r.con, shards, &a.filter, r.now, limit).context(READ)?
     } else {
-        // All of them: a page at a time, so a flood is never held in memory.
-        for (s, keys) in shards.iter().enumerate() {
-            let mut scan = dead::Scan::new(keys, &a.filter, r.now);
-            while let Some(page) = scan.next_page(r.con).context(READ)? {
-                let r = dead::requeue_with(r.con, keys, &page, r.now, Some(sc))
-                    .context("cannot requeue")?;
-                report.add(r.in_shard(s));
-            }
-        }
+        // Oldest first over all shards, a page at a time, so a flood is never held in memory.
+        report.add(requeue_oldest(r.con, r.now, shards, a, sc, true)?);
         Vec::new()
     };
     for (s, keys, of_s) in grouped(shards, chosen, |i, _, (s, _)| *s == i) {

@@ -17,7 +17,7 @@ pub mod stream;
 pub use screen::{Doomed, Screen};
 pub use stream::{
     fetch, locate, newest, newest_sharded, oldest_sharded, purge, requeue, requeue_with, scan,
-    DeadLetter, Place, Scan, ShardPage,
+    DeadLetter, OldestFirst, Place, Scan, ShardPage,
 };
 
 use crate::store::dead::Requeued;

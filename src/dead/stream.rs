@@ -556,6 +556,49 @@ pub fn oldest_sharded(
     Ok(all)
 }
 
+/// The matching dead letters of every shard, merged oldest first (as [`oldest_sharded`]
+/// orders them), a page of each shard read at a time: for a walk that decides as it goes
+/// how many more it wants.
+pub struct OldestFirst<'a> {
+    shards: Vec<(Scan<'a>, std::collections::VecDeque<DeadLetter>, bool)>,
+}
+
+impl<'a> OldestFirst<'a> {
+    pub fn new(shards: &'a [Keys], filter: &'a Filter, now_ms: i64) -> OldestFirst<'a> {
+        OldestFirst {
+            shards: shards
+                .iter()
+                .map(|k| (Scan::new(k, filter, now_ms), Default::default(), false))
+                .collect(),
+        }
+    }
+
+    /// Up to `n` more letters, each with its shard; fewer only once every shard is read.
+    pub fn next(&mut self, con: &mut dyn Con, n: usize) -> RedisResult<Vec<(usize, DeadLetter)>> {
+        let mut out = Vec::new();
+        while out.len() < n {
+            for (scan, buf, done) in &mut self.shards {
+                while buf.is_empty() && !*done {
+                    match scan.next_page(con)? {
+                        Some(page) => buf.extend(page),
+                        None => *done = true,
+                    }
+                }
+            }
+            let Some(s) = (0..self.shards.len())
+                .filter(|s| !self.shards[*s].1.is_empty())
+                .min_by_key(|s| place(*s, &self.shards[*s].1[0].id))
+            else {
+                break;
+            };
+            if let Some(d) = self.shards[s].1.pop_front() {
+                out.push((s, d));
+            }
+        }
+        Ok(out)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

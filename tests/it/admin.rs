@@ -1231,11 +1231,12 @@ fn a_letter_whose_key_has_data_but_no_schedule_stays_with_what_to_do() {
     assert_eq!(out.status.code(), Some(0), "{said}");
 }
 
-/// Two letters of one job key requeued in separate calls (`--limit`, `--id`, or a page at
-/// a time): the older alone stays while the newer is dead, as the `letters` index says;
-/// then the newer goes back.
+/// Found from outside: `--limit 1` took the oldest letter, the older of two of one job key,
+/// and said "requeued 0" and went no further, so the key's newer letter never went back
+/// by that command. A letter left because a newer one of its key wins is not one tried:
+/// the call goes on to the newer letter and puts it back; the older stays, named.
 #[test]
-fn the_older_letter_of_a_key_requeued_alone_stays_while_the_newer_is_dead() {
+fn a_requeue_limited_to_one_passes_over_an_older_letter_to_its_key_s_newer_one() {
     let r = RedisServer::start();
     let db = TestDb::new();
     let mut con = r.con();
@@ -1250,24 +1251,24 @@ fn the_older_letter_of_a_key_requeued_alone_stays_while_the_newer_is_dead() {
         .arg(format!("{older} {newer}"))
         .query::<()>(&mut con)
         .unwrap();
-    // `--limit 1` takes the oldest: the older letter, alone in its call.
+    // Named alone, the older letter stays while the newer is dead.
+    let out = run_worker(&["dead", "requeue", "--id", &older], &r.url(), &db.url);
+    let said = text(&out.stdout);
+    assert!(said.starts_with("requeued 0\n"), "{said}");
+    assert!(said.contains("a newer letter of it is dead"), "{said}");
     let out = run_worker(&["dead", "requeue", "--limit", "1"], &r.url(), &db.url);
     let said = text(&out.stdout);
     assert!(
-        said.starts_with("requeued 0\n"),
+        said.starts_with("requeued 1\n"),
         "{said}{}",
         text(&out.stderr)
     );
-    assert!(said.contains("a newer letter of it is dead"), "{said}");
-    let data: Option<String> = redis::cmd("HGET")
-        .arg(&keys.data)
-        .arg(key)
-        .query(&mut con)
-        .unwrap();
-    assert_eq!(data, None, "the older job did not go back");
-    let out = run_worker(&["dead", "requeue", "--id", &newer], &r.url(), &db.url);
-    let said = text(&out.stdout);
-    assert!(said.starts_with("requeued 1\n"), "{said}");
+    assert!(
+        said.contains(&format!(
+            "a newer letter of it is dead, and the newer push wins ({older})"
+        )),
+        "{said}"
+    );
     let data: String = redis::cmd("HGET")
         .arg(&keys.data)
         .arg(key)
@@ -1284,6 +1285,63 @@ fn the_older_letter_of_a_key_requeued_alone_stays_while_the_newer_is_dead() {
         Some(older.clone()),
         "the requeued letter left the index"
     );
+    // The older letter stays while its key is scheduled again, whatever the limit.
+    let out = run_worker(&["dead", "requeue", "--limit", "1"], &r.url(), &db.url);
+    assert!(
+        text(&out.stdout).starts_with("requeued 0\n"),
+        "{}",
+        text(&out.stdout)
+    );
+    let left: usize = redis::cmd("XLEN").arg(&keys.dead).query(&mut con).unwrap();
+    assert_eq!(left, 1);
+}
+
+/// The same with `--shards`: the limit counts the letters tried over all shards, oldest
+/// first, and one left for its key's newer letter is not one of them.
+#[test]
+fn a_sharded_requeue_limit_passes_over_letters_their_newer_ones_win_over() {
+    let r = RedisServer::start();
+    let db = TestDb::new();
+    let mut con = r.con();
+    let shards = Keys::default().sharded("mq", 3);
+    let t = 1_796_072_452_000_u64;
+    // Shard 1: two letters of one key, at t and t + 10; shard 0: another key at t + 5.
+    add_letter(&mut con, &shards[1].dead, &format!("{t}-0"), "k-x");
+    add_letter(&mut con, &shards[0].dead, &format!("{}-0", t + 5), "k-y");
+    add_letter(&mut con, &shards[1].dead, &format!("{}-0", t + 10), "k-x");
+    redis::cmd("HSET")
+        .arg(&shards[1].letters)
+        .arg("k-x")
+        .arg(format!("{t}-0 {}-0", t + 10))
+        .query::<()>(&mut con)
+        .unwrap();
+    let out = run_worker(
+        &["--shards", "3", "dead", "requeue", "--limit", "2"],
+        &r.url(),
+        &db.url,
+    );
+    let said = text(&out.stdout);
+    assert!(
+        said.starts_with("requeued 2\n"),
+        "{said}{}",
+        text(&out.stderr)
+    );
+    assert!(
+        said.contains(&format!("the newer push wins (1/{t}-0)")),
+        "{said}"
+    );
+    let pooled = |c: &mut redis::Connection, s: usize| -> u64 {
+        redis::cmd("ZCARD").arg(&shards[s].pool).query(c).unwrap()
+    };
+    assert_eq!(
+        (0..3).map(|s| pooled(&mut con, s)).collect::<Vec<_>>(),
+        [1, 1, 0]
+    );
+    let left: usize = redis::cmd("XLEN")
+        .arg(&shards[1].dead)
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(left, 1, "the older letter of k-x stays");
 }
 
 /// Found from outside: two letters of one job key (a retry a newer push replaced, then that
