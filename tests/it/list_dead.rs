@@ -490,3 +490,72 @@ fn check_holds_list_queues_against_their_levels() {
     assert_eq!(code, 0, "{line}");
     assert!(line.contains("dead 2 new"), "{line}");
 }
+
+/// Two letters of one job key in a dead list (a retry a newer push replaced, then that
+/// push's own job): the newer goes back and the older stays while it is dead, as in stream
+/// mode, whether the call requeues all or `--limit 1` (which passes over the older letter,
+/// not one tried, to the newer). Before, list mode's requeue put both back, the replaced
+/// job too, or with `--limit 1` the older alone.
+#[test]
+fn of_two_letters_of_one_key_in_a_dead_list_the_newer_goes_back() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let url = r.url();
+    let now_s = now_ms() / 1000;
+    let key = "order.timeout:SO-SHARED";
+    let msg = |v: &str| {
+        format!(
+            r#"{{"event":"order.timeout","payload":{{"order_no":"SO-SHARED","v":"{v}"}},"retry":1,"ts":1}}"#
+        )
+    };
+    // Another key's letter, the oldest, and one whose key is a prefix of the shared one.
+    lpush(
+        &mut con,
+        "normal:dead",
+        &letter(
+            "normal",
+            &msg("OTHER"),
+            "order.timeout",
+            "order.timeout:SO",
+            now_s - 30,
+        ),
+    );
+    lpush(
+        &mut con,
+        "normal:dead",
+        &letter("normal", &msg("OLD"), "order.timeout", key, now_s - 20),
+    );
+    lpush(
+        &mut con,
+        "normal:dead",
+        &letter("normal", &msg("NEW"), "order.timeout", key, now_s - 10),
+    );
+    // `--limit 2`: the other key's letter, then past the older letter to the newer.
+    let said = stdout(&dead(&url, &["dead", "requeue", "--limit", "2"]));
+    assert!(said.starts_with("requeued 2\n"), "{said}");
+    assert!(said.contains("a newer letter of it is dead"), "{said}");
+    let queued = lrange(&mut con, "normal");
+    assert_eq!(queued.len(), 2, "{queued:?}");
+    assert!(queued[0].contains(r#""v":"NEW""#), "{queued:?}");
+    assert!(queued[1].contains(r#""v":"OTHER""#), "{queued:?}");
+    let left = lrange(&mut con, "normal:dead");
+    assert_eq!(left.len(), 1);
+    assert!(left[0].contains(r#"\"v\":\"OLD\""#), "{left:?}");
+
+    // Requeuing all of them at once does the same: the newer goes back, the older stays.
+    redis::cmd("DEL")
+        .arg("normal")
+        .query::<()>(&mut con)
+        .unwrap();
+    lpush(
+        &mut con,
+        "normal:dead",
+        &letter("normal", &msg("NEWEST"), "order.timeout", key, now_s - 5),
+    );
+    let said = stdout(&dead(&url, &["dead", "requeue"]));
+    assert!(said.starts_with("requeued 1\n"), "{said}");
+    let queued = lrange(&mut con, "normal");
+    assert_eq!(queued.len(), 1, "{queued:?}");
+    assert!(queued[0].contains(r#""v":"NEWEST""#), "{queued:?}");
+    assert_eq!(llen(&mut con, "normal:dead"), 1);
+}
