@@ -559,3 +559,54 @@ fn of_two_letters_of_one_key_in_a_dead_list_the_newer_goes_back() {
     assert!(queued[0].contains(r#""v":"NEWEST""#), "{queued:?}");
     assert_eq!(llen(&mut con, "normal:dead"), 1);
 }
+
+/// A long dead list is requeued whole, a page at a time, and the rule holds among its
+/// newest letters: the older letter of a key whose newer one is dead stays. (A requeue
+/// looks from the tail for its letters and through the dead list's 10,000 newest for a
+/// newer one, so a long list costs each call what lies behind its letters.)
+#[test]
+fn a_long_dead_list_is_requeued_whole_but_a_key_s_older_letter() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let url = r.url();
+    let now_s = now_ms() / 1000;
+    let mut pipe = redis::pipe();
+    for i in 0..10_500 {
+        let msg = format!(
+            r#"{{"event":"order.timeout","payload":{{"order_no":"SO-{i}"}},"retry":1,"ts":1}}"#
+        );
+        let key = format!("order.timeout:SO-{i}");
+        pipe.cmd("LPUSH")
+            .arg("normal:dead")
+            .arg(letter("normal", &msg, "order.timeout", &key, now_s - 60))
+            .ignore();
+    }
+    pipe.query::<()>(&mut con).unwrap();
+    for v in ["OLD", "NEW"] {
+        let msg = format!(
+            r#"{{"event":"order.timeout","payload":{{"order_no":"SO-K","v":"{v}"}},"retry":1,"ts":1}}"#
+        );
+        lpush(
+            &mut con,
+            "normal:dead",
+            &letter(
+                "normal",
+                &msg,
+                "order.timeout",
+                "order.timeout:SO-K",
+                now_s - 30,
+            ),
+        );
+    }
+    let said = stdout(&dead(&url, &["dead", "requeue"]));
+    assert!(said.starts_with("requeued 10501\n"), "{said}");
+    assert_eq!(llen(&mut con, "normal"), 10_501);
+    let left = lrange(&mut con, "normal:dead");
+    assert_eq!(left.len(), 1);
+    assert!(left[0].contains(r#"\"v\":\"OLD\""#), "{left:?}");
+    let queued = lrange(&mut con, "normal");
+    assert!(
+        queued[0].contains(r#""v":"NEW""#),
+        "the newest went back last"
+    );
+}
