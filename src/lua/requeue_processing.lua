@@ -6,10 +6,15 @@
 --
 -- A peer that is alive but has had no usable PostgreSQL for a while (its `no-database`
 -- key exists) has its lists pushed back too, by a caller that has a usable one: its
--- workers cannot run them. It stays in the SET.
+-- workers cannot run them. It stays in the SET. Its fetch of each message it gives back
+-- is taken off the message's delivery count: no handler could run it there, so that fetch
+-- says nothing of the message itself (found from outside: a peer whose database kept
+-- going read-only fetched the same messages once a cycle, and good jobs became dead
+-- letters "fetched 3 times without being settled"). A dead peer's fetches still count:
+-- a message that kills its consumer looks just like that.
 --
--- KEYS: processing 1, queue 1, processing 2, queue 2, ..., consumers SET, heartbeat key,
--- no-database key
+-- KEYS: processing 1, queue 1, deliveries HASH 1, processing 2, ..., consumers SET,
+-- heartbeat key, no-database key
 -- ARGV[1] consumer name, ARGV[2] '1' if the consumer is a peer (checked here against its
 -- heartbeat, and forgotten from the SET when dead), '0' for our own lists at start,
 -- ARGV[3] '1' if the caller has had a usable PostgreSQL for a while (a dead peer's lists
@@ -20,7 +25,10 @@
 -- none).
 local nk = #KEYS
 local checks = {}
-for i = 1, nk - 3 do checks[#checks + 1] = KEYS[i]; checks[#checks + 1] = 'list' end
+for i = 1, nk - 3, 3 do
+  checks[#checks + 1] = KEYS[i]; checks[#checks + 1] = 'list'
+  checks[#checks + 1] = KEYS[i + 1]; checks[#checks + 1] = 'list'
+end
 checks[#checks + 1] = KEYS[nk - 2]; checks[#checks + 1] = 'set'
 local w = wrong_type(unpack(checks))
 if w then return wrongtype_reply(w) end
@@ -30,11 +38,21 @@ if alive and not (ARGV[3] == '1' and redis.call('EXISTS', KEYS[nk]) == 1) then
   return -1
 end
 local moved = 0
-for i = 1, nk - 3, 2 do
+for i = 1, nk - 3, 3 do
   while true do
     local msg = redis.call('LMOVE', KEYS[i], KEYS[i + 1], 'LEFT', 'RIGHT')
     if not msg then break end
     moved = moved + 1
+    if alive then
+      -- Under pcall: a deliveries key of another type leaves the counts, not the hand-over.
+      local digest = redis.sha1hex(msg)
+      local n = tonumber(redis.pcall('HGET', KEYS[i + 2], digest))
+      if n and n > 1 then
+        redis.call('HSET', KEYS[i + 2], digest, n - 1)
+      elseif n then
+        redis.call('HDEL', KEYS[i + 2], digest)
+      end
+    end
   end
 end
 if peer and not alive then redis.call('SREM', KEYS[nk - 2], ARGV[1]) end

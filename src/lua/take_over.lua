@@ -8,7 +8,12 @@
 -- A peer that is alive but has had no usable PostgreSQL for a while (its `no-database`
 -- key exists) gives up its pending entries the same way, to a caller that has a usable
 -- one (ARGV[5] '1'): its workers cannot run them, and a healthy process would otherwise
--- get them only after --claim-idle. Such a peer is not forgotten by the group.
+-- get them only after --claim-idle. Such a peer is not forgotten by the group. Its
+-- delivery of each entry it gives up is taken off the entry's delivery count: no handler
+-- could run it there, so that delivery says nothing of the entry itself (found from
+-- outside: a peer whose database kept going read-only took the same jobs again each
+-- cycle, and good jobs became dead letters for too many deliveries). A dead peer's
+-- deliveries still count: an entry that kills its consumer looks just like that.
 --
 -- A dead peer's entries are taken only by a caller that can use PostgreSQL now (ARGV[6]
 -- '1'): in one that cannot they would only wait, and then be taken from it again.
@@ -30,15 +35,31 @@ end
 if not alive and ARGV[6] ~= '1' then return {-1} end
 local p = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', 1000, '-', '+', ARGV[4], ARGV[3])
 local ids = {}
-for _, e in ipairs(p) do ids[#ids + 1] = e[1] end
+-- The ids by the delivery count each keeps: all as they are for a dead peer, one fewer
+-- for a live one.
+local by_count, counts = {}, {}
+for _, e in ipairs(p) do
+  ids[#ids + 1] = e[1]
+  local n = tonumber(e[4])
+  if alive then n = math.max(n - 1, 0) end
+  if not by_count[n] then
+    by_count[n] = {}
+    counts[#counts + 1] = n
+  end
+  table.insert(by_count[n], e[1])
+end
 local out = {0, alive and 1 or 0}
-if #ids > 0 then
+for _, n in ipairs(counts) do
   local args = {KEYS[1], ARGV[1], ARGV[2], 1000}
-  for _, id in ipairs(ids) do args[#args + 1] = id end
+  for _, id in ipairs(by_count[n]) do args[#args + 1] = id end
+  if alive then
+    args[#args + 1] = 'RETRYCOUNT'
+    args[#args + 1] = n
+  end
   args[#args + 1] = 'JUSTID'
   for _, id in ipairs(redis.call('XCLAIM', unpack(args))) do out[#out + 1] = id end
-  out[1] = #out - 2
 end
+out[1] = #out - 2
 if not alive and #ids < tonumber(ARGV[4]) and
     #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[3]) == 0 then
   redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[3])

@@ -129,8 +129,8 @@ pub struct PushedBack {
 
 /// Pushes one consumer's processing lists back onto their queues. `peer`: only if its
 /// heartbeat expired, or if it marked itself as having no usable PostgreSQL and `settled`
-/// says the caller has had one for a while. Returns what went back, or `None` if the peer
-/// keeps them.
+/// says the caller has had one for a while (its fetches of them then no longer count
+/// toward `--max-deliveries`). Returns what went back, or `None` if the peer keeps them.
 pub fn requeue_processing(
     con: &mut dyn ConnectionLike,
     keys: &Keys,
@@ -140,7 +140,9 @@ pub fn requeue_processing(
 ) -> StoreResult<Option<PushedBack>> {
     let mut inv = REQUEUE.prepare_invoke();
     for q in &keys.queues {
-        inv.key(q.processing(consumer)).key(&q.name);
+        inv.key(q.processing(consumer))
+            .key(&q.name)
+            .key(q.deliveries());
     }
     inv.key(&keys.list_consumers)
         .key(keys.heartbeat(consumer))

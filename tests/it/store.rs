@@ -1735,3 +1735,123 @@ fn slots_are_taken_from_one_schedule_per_cap_on_redis_s_clock() {
     set_string(&mut r.con(), &k.rates);
     is_wrong_type(&take(10, &[event]), &k.rates);
 }
+
+/// A live peer without a usable PostgreSQL gives up its entries with its delivery of each
+/// taken off the count: no handler could run them there (found from outside: a peer whose
+/// database kept going read-only took the same jobs each cycle, and good jobs became dead
+/// letters for too many deliveries). A dead peer's deliveries still count: an entry that
+/// kills its consumer looks just like that.
+#[test]
+fn a_live_peer_without_a_database_gives_up_its_entries_without_its_delivery_counted() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let k = keys();
+    pending_on(&mut con, &k, "stuck-host", 6, 6);
+    let stuck = stream::Reading {
+        keys: &k,
+        consumer: "stuck-host",
+        max_bytes: MAX,
+    };
+    // Delivered to it twice (its own pending read again, as after a reconnect).
+    assert_eq!(
+        stream::read(&mut con, stuck, 6, "0")
+            .unwrap()
+            .deliveries
+            .len(),
+        6
+    );
+    let counts = |con: &mut Connection, who: &str| -> Vec<u64> {
+        stream::pending(con, &k, 0, 100, Some(who))
+            .unwrap()
+            .iter()
+            .map(|p| p.deliveries)
+            .collect()
+    };
+    assert_eq!(counts(&mut con, "stuck-host"), [2; 6]);
+    age_pending(&mut con, &k, "stuck-host");
+    let ttl = Duration::from_secs(10);
+    store::heartbeat(&mut con, &k, "stuck-host", ttl, "{}").unwrap();
+    store::mark_without_database(&mut con, &k, "stuck-host", true, ttl).unwrap();
+    let t = stream::take_over(&mut con, &k, "c1", "stuck-host", HAS_DB)
+        .unwrap()
+        .expect("a peer with a database takes them");
+    assert_eq!(t.ids.len(), 6);
+    assert_eq!(counts(&mut con, "c1"), [1; 6], "one delivery taken off");
+
+    // A dead peer's: every delivery still counts.
+    pending_on(&mut con, &k, "dead-host", 4, 4);
+    age_pending(&mut con, &k, "dead-host");
+    let t = stream::take_over(&mut con, &k, "c1", "dead-host", HAS_DB)
+        .unwrap()
+        .expect("a dead peer's entries are taken");
+    assert_eq!(t.ids.len(), 4);
+    assert_eq!(counts(&mut con, "c1"), [1; 10]);
+}
+
+/// List mode: a live consumer without a usable PostgreSQL whose processing list is pushed
+/// back has its fetch of each message taken off the message's delivery count; a dead
+/// consumer's fetches still count.
+#[test]
+fn a_live_list_consumer_without_a_database_has_its_fetches_taken_off_the_count() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let k = list_keys();
+    let q = &k.queues[0];
+    for m in ["m1", "m2", "m3"] {
+        redis::cmd("LPUSH")
+            .arg(&q.name)
+            .arg(m)
+            .query::<()>(&mut con)
+            .unwrap();
+    }
+    let counts = |con: &mut Connection| -> Vec<u64> {
+        let mut v: Vec<u64> = redis::cmd("HVALS").arg(q.deliveries()).query(con).unwrap();
+        v.sort();
+        v
+    };
+    let ttl = Duration::from_secs(10);
+    // Fetched by host-a, then by host-b after host-a (dead) had them pushed back: counted.
+    assert_eq!(
+        list::fetch(&mut con, &k, "host-a", 10, 3, MAX)
+            .unwrap()
+            .messages
+            .len(),
+        3
+    );
+    list::requeue_processing(&mut con, &k, "host-a", true, true)
+        .unwrap()
+        .expect("a dead consumer's lists go back");
+    assert_eq!(
+        list::fetch(&mut con, &k, "host-b", 10, 3, MAX)
+            .unwrap()
+            .messages
+            .len(),
+        3
+    );
+    assert_eq!(counts(&mut con), [2, 2, 2]);
+    // host-b alive, marked without a database: its fetch is taken off when they go back.
+    store::heartbeat(&mut con, &k, "host-b", ttl, "{}").unwrap();
+    store::mark_without_database(&mut con, &k, "host-b", true, ttl).unwrap();
+    let back = list::requeue_processing(&mut con, &k, "host-b", true, true)
+        .unwrap()
+        .expect("a marked consumer's lists go back to a settled peer");
+    assert_eq!((back.messages, back.without_database), (3, true));
+    assert_eq!(counts(&mut con), [1, 1, 1]);
+    // Again and again (a database that keeps going read-only): never more.
+    assert_eq!(
+        list::fetch(&mut con, &k, "host-b", 10, 3, MAX)
+            .unwrap()
+            .messages
+            .len(),
+        3
+    );
+    assert_eq!(counts(&mut con), [2, 2, 2]);
+    list::requeue_processing(&mut con, &k, "host-b", true, true)
+        .unwrap()
+        .expect("pushed back again");
+    assert_eq!(
+        counts(&mut con),
+        [1, 1, 1],
+        "host-b's fetches never counted"
+    );
+}
