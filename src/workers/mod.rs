@@ -2253,7 +2253,11 @@ impl<'a> Worker<'a> {
         // After a wait for PostgreSQL: which of the jobs this consumer still owns (a peer
         // may have taken them meanwhile); `None`: all, as far as is known.
         let mut owned: Option<Vec<bool>> = None;
-        let mut waited = false;
+        // Jobs held here a while (a wait for their slots under `--max-rate`) are looked at
+        // first too: a peer may have taken them while this process had no usable
+        // PostgreSQL, and the session may be had at once now (found from outside: jobs a
+        // peer had dead-lettered ran here after a wait for slots).
+        let mut waited = jobs.iter().any(|j| j.d.received.elapsed() >= HELD_LONG);
         loop {
             if let Err(e) = self.ensure_session() {
                 if self.wait_for_database("no database session", &e) {

@@ -1805,3 +1805,67 @@ fn wait_healthz(port: u16, what: &str, ok: impl Fn(u16, &str) -> bool) {
             .unwrap_or(false)
     });
 }
+
+/// Jobs a capped worker holds for their slots that a peer took meanwhile (as a peer takes
+/// those of a process without a usable PostgreSQL) are not run here when their slots come.
+/// Found from outside: after a wait for slots a session could be had at once, and only a
+/// wait for PostgreSQL made a worker look again, so jobs a peer had taken (and
+/// dead-lettered) ran here too.
+#[test]
+fn jobs_held_for_their_slots_that_a_peer_took_meanwhile_are_not_run_here() {
+    let mut env = Env::new();
+    // Four workers each holding a job for its slot, a second apart.
+    env.config.jobs.max_rates = vec![delay_worker::manners::MaxRate::parse("1/s").unwrap()];
+    env.config.threads = 4;
+    let orders = seed_orders(&env.db, 20);
+    push_timeouts(&env, &orders, 0);
+    let daemon = Daemon::start(&env.config);
+    let mut con = env.con();
+    // Two done: the workers' jobs have waited for their slots for over a second.
+    wait_until(WAIT, "two jobs done, the rest read ahead", || {
+        inbox_count(&env.db) >= 2
+            && stream_pending_ids(&mut con, &env.config.keys, "c1").len() as i64
+                + inbox_count(&env.db)
+                >= 20
+    });
+    // A live peer takes them, as it takes a marked process's.
+    let k = &env.config.keys;
+    redis::cmd("SET")
+        .arg(k.heartbeat("host-p"))
+        .arg("{}")
+        .arg("PX")
+        .arg(120_000)
+        .query::<()>(&mut con)
+        .unwrap();
+    let held = stream_pending_ids(&mut con, k, "c1");
+    redis::cmd("XCLAIM")
+        .arg(&k.stream)
+        .arg(&k.group)
+        .arg("host-p")
+        .arg(0)
+        .arg(&held)
+        .arg("JUSTID")
+        .query::<()>(&mut con)
+        .unwrap();
+    let before = inbox_count(&env.db);
+    std::thread::sleep(Duration::from_secs(4));
+    let ran = inbox_count(&env.db) - before;
+    let c1 = daemon.stop().stats;
+    // At most the one job in its transaction when the peer took them.
+    assert!(
+        ran <= 1,
+        "ran {ran} of the {} the peer took: {c1}",
+        held.len()
+    );
+    let mut p = env.config.clone();
+    p.consumer = "host-p".into();
+    p.jobs.max_rates = Vec::new();
+    let peer = Daemon::start(&p);
+    wait_until(WAIT, "the peer ran them", || inbox_count(&env.db) == 20);
+    let s = peer.stop().stats;
+    assert!(s.duplicate <= ran as u64, "{s}");
+    assert_eq!(c1.duplicate, 0, "{c1}");
+    assert_accounting(&env.db, &orders, &orders.iter().collect::<Vec<_>>());
+    let b = books(&env);
+    assert_eq!((b.dead, b.pool, b.stream_pending), (0, 0, 0));
+}
