@@ -47,11 +47,14 @@ pub struct Reader<'a> {
     last_maintenance: Option<Instant>,
     last_trim: Option<Instant>,
     /// Which shard's key set this is (stamped on each delivery), and whether an empty
-    /// read waits on the doorbell itself (a [`Shards`] waits once for all of them).
+    /// read, or a full channel, waits itself (a [`Shards`] waits once for all of them).
     shard: usize,
     idle_wait: bool,
     /// The last read found fewer new entries than it asked for: it emptied the stream.
     drained: bool,
+    /// The last step read nothing for want of room (a full channel, or this process
+    /// marked as without a usable PostgreSQL).
+    full: bool,
     /// The name a key of the wrong type that holds this reader's messages back is
     /// reported and logged under: `reader`, or `reader (shard i)` among several, so that
     /// one shard's clean pass never clears another's problem.
@@ -90,6 +93,7 @@ impl<'a> Reader<'a> {
             shard: 0,
             idle_wait: true,
             drained: false,
+            full: false,
             name: "reader".to_string(),
             held: false,
             started_once: false,
@@ -233,10 +237,13 @@ impl<'a> Reader<'a> {
             }
         }
         let room = self.standing.wanted(self.feed.room());
-        if room == 0 {
+        self.full = room == 0;
+        if self.full {
             // Back-pressure: wait for a worker to take a job (or the block timeout); or
-            // no usable PostgreSQL.
-            self.feed.wait_for_room(self.cfg.block);
+            // no usable PostgreSQL. Among shards, once for all of them.
+            if self.idle_wait {
+                self.feed.wait_for_room(self.cfg.block);
+            }
             return Ok(n);
         }
         if !self.taken.is_empty() {
@@ -563,7 +570,16 @@ impl Source for Shards<'_> {
             n += self.step((self.next + k) % len, con)?;
         }
         self.next = (self.next + 1) % len.max(1);
-        if self.readers.iter().all(|r| r.drained) {
+        // One wait for the whole round: each shard waiting for room in turn made a round
+        // of N shards take N blocks while the channel was full, so a shard's heartbeat
+        // and its mark were refreshed only that often (found from outside: with 6
+        // shards a live process's heartbeats lapsed and its peers took its entries as a
+        // dead one's; marks came a block apart shard after shard).
+        if self.readers.iter().all(|r| r.full) {
+            if let Some(r) = self.readers.first() {
+                r.feed.wait_for_room(self.block());
+            }
+        } else if self.readers.iter().all(|r| r.drained || r.full) {
             self.doorbell.wait(IDLE_POLL.min(self.block()));
         }
         Ok(n)

@@ -715,3 +715,55 @@ fn push_due_in_shards(
     }
     in_shard
 }
+
+/// With `--shards 6` and a full channel (the one worker inside slow transactions), the
+/// reader waits for room once a round, not once a shard: every shard's heartbeat stays
+/// alive. Found from outside: each shard waited a `--block` in turn, so a round took six,
+/// a live process's heartbeats lapsed and its peers took its entries as a dead one's (and
+/// its no-database marks came a block apart, shard after shard).
+#[test]
+fn a_full_channel_lets_no_shard_s_heartbeat_lapse() {
+    let env = Env::new();
+    let mut config = env.config.clone();
+    config.shards = 6;
+    config.threads = 1;
+    config.reader.block = Duration::from_millis(300);
+    config.reader.heartbeat_ttl = Duration::from_secs(1);
+    let shards = config.shard_keys();
+    let orders = seed_orders(&env.db, 300);
+    let owner = |sql: &str| env.db.client().batch_execute(sql).unwrap();
+    owner(
+        "CREATE FUNCTION dw_slow() RETURNS trigger LANGUAGE plpgsql AS \
+           $$BEGIN PERFORM pg_sleep(0.05); RETURN NEW; END$$; \
+         CREATE TRIGGER dw_slow BEFORE UPDATE ON orders FOR EACH ROW EXECUTE FUNCTION dw_slow()",
+    );
+    let daemon = Daemon::start(&config);
+    let mut con = env.con();
+    push_due_in_shards(&mut con, &config, &orders);
+    wait_until(WAIT, "the first jobs under way", || {
+        shards.iter().any(|k| {
+            redis::cmd("XLEN")
+                .arg(&k.stream)
+                .query::<u64>(&mut env.con())
+                .unwrap()
+                > 0
+        })
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    let started = std::time::Instant::now();
+    while started.elapsed() < Duration::from_secs(3) {
+        for (i, k) in shards.iter().enumerate() {
+            let alive: bool = redis::cmd("EXISTS")
+                .arg(k.heartbeat("c1"))
+                .query(&mut con)
+                .unwrap();
+            assert!(alive, "shard {i}'s heartbeat lapsed");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    owner("DROP TRIGGER dw_slow ON orders; DROP FUNCTION dw_slow()");
+    wait_until(WAIT, "every job done", || inbox_count(&env.db) == 300);
+    let s = daemon.stop().stats;
+    assert_eq!(s.duplicate, 0, "{s}");
+    assert_accounting(&env.db, &orders, &orders.iter().collect::<Vec<_>>());
+}
