@@ -24,10 +24,23 @@ local now_s = server_s()
 local out, buried = {}, {}
 local blocked = nil
 local n = 0
+-- The event and job key of a whole message, for its letter (a message the mover moved
+-- carries its `job_key`): '' where it has none or is not JSON (found from outside: a
+-- poison message's letter named neither, so `worker trace` of its key found nothing).
+local function facts(msg)
+  local ok, m = pcall(cjson.decode, msg)
+  if not ok or type(m) ~= 'table' then return '', '' end
+  local event, key = m['event'], m['job_key']
+  if type(event) ~= 'string' then event = '' end
+  if type(key) ~= 'string' then key = '' end
+  return event, key
+end
 local function bury(dead, queue, msg, reason, attempts, length, digest)
+  local event, key = '', ''
+  if length <= max_bytes then event, key = facts(msg) end
   redis.call('LPUSH', dead, cjson.encode({
     msg = msg, ts = now_s, consumer = ARGV[3], queue = queue, reason = reason,
-    event = '', key = '', attempts = attempts, length = length, sha1 = digest
+    event = event, key = key, attempts = attempts, length = length, sha1 = digest
   }))
   buried[#buried + 1] = queue
   buried[#buried + 1] = reason

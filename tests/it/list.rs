@@ -553,6 +553,11 @@ fn a_message_that_keeps_killing_its_consumer_goes_to_the_dead_list() {
         "{dead}"
     );
     assert_eq!(dead["queue"], "normal");
+    // Its event from the message; no job key (pushed by a producer, not moved from a pool).
+    assert_eq!(
+        (&dead["event"], &dead["key"]),
+        (&serde_json::json!("order.timeout"), &serde_json::json!(""))
+    );
     // A message that is settled clears its count.
     let n: usize = redis::cmd("HLEN")
         .arg(c.keys.queues[0].deliveries())

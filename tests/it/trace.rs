@@ -861,3 +861,67 @@ fn a_member_scored_past_the_year_9999_is_traced_as_scheduled() {
         assert_eq!(jobs(&t).len(), 1, "{t:#}");
     }
 }
+
+/// List mode: a message fetched more than `--max-deliveries` times becomes a dead letter
+/// that names its job key and event (from the message the mover moved), so the trace of the
+/// key finds it dead. Found from outside: its letter named neither, `dead list` showed `-`
+/// and the trace said "no trace" (exit 4) while the job sat in the dead list.
+#[test]
+fn a_list_message_dead_for_too_many_fetches_is_traced_by_its_key() {
+    let env = Env::new();
+    let keys = Keys {
+        queues: vec![Queue::new("q", None)],
+        ..Keys::default()
+    };
+    push(
+        &env,
+        &keys,
+        "order.timeout:P1",
+        "order.timeout",
+        serde_json::json!({"order_no": "P1"}),
+        now_ms() - 1,
+    );
+    store::move_due(
+        &mut env.con(),
+        Pool::Enveloped {
+            pool: &keys.pool,
+            data: &keys.data,
+        },
+        &keys,
+        Target::List {
+            queue: "q",
+            dead: "q:dead",
+        },
+        At::Server,
+        100,
+        60_000,
+        MAX,
+        0,
+    )
+    .unwrap();
+    // Fetched by a consumer that dies each time (its own list pushed back at its restart).
+    for _ in 0..2 {
+        let f = store::list::fetch(&mut env.con(), &keys, "c7", 1, 2, MAX).unwrap();
+        assert_eq!(f.messages.len(), 1);
+        store::list::requeue_processing(&mut env.con(), &keys, "c7", false, false).unwrap();
+    }
+    let f = store::list::fetch(&mut env.con(), &keys, "c7", 1, 2, MAX).unwrap();
+    assert_eq!((f.messages.len(), f.buried.len()), (0, 1));
+    let letter: Value = serde_json::from_str(
+        &redis::cmd("LINDEX")
+            .arg("q:dead")
+            .arg(0)
+            .query::<String>(&mut env.con())
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        (letter["key"].as_str(), letter["event"].as_str()),
+        (Some("order.timeout:P1"), Some("order.timeout")),
+        "{letter}"
+    );
+    let list = ["--source", "list", "--queues", "q"];
+    let (code, t) = trace(&env, &[&list[..], &["order.timeout:P1"]].concat());
+    assert_eq!(code, 0, "{t:#}");
+    assert_eq!(only(&t)["state"], "dead", "{t:#}");
+}
