@@ -295,7 +295,7 @@ impl Actions {
             let (letters, missing) = dead::sort_found(&ids, found, |_| true);
             let found: Vec<String> = letters.iter().map(|l| l.id.clone()).collect();
             let not_found = Some(format!(
-                "not in the first {budget} letters of {} (or near position {})",
+                "not found: already requeued or purged by someone else, or not in the first {budget} letters of {} (or near position {})",
                 q.dead, form.at
             ));
             Ok(match kind {
@@ -423,7 +423,10 @@ fn finish(key: &str, done: Done, back: String) -> Response {
 /// Logs what an action did to the letters of `key`: requeues at info, what a requeue
 /// left and purges at warn.
 fn log_done(key: &str, done: &Done) {
-    let not_found = done.not_found.as_deref().unwrap_or("no such letter");
+    let not_found = done
+        .not_found
+        .as_deref()
+        .unwrap_or("no such letter: requeued or purged by someone else, or never there");
     match &done.report {
         Some(r) => {
             if !r.requeued.is_empty() {
@@ -436,7 +439,7 @@ fn log_done(key: &str, done: &Done) {
             let left: Vec<String> = r
                 .key_scheduled
                 .iter()
-                .map(|id| format!("{id} (job key scheduled again)"))
+                .map(|id| format!("{id} (job key scheduled again, or a newer letter of it dead)"))
                 .chain(r.cannot.iter().map(|(id, why)| format!("{id} ({why})")))
                 .chain(
                     r.refused

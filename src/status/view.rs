@@ -773,7 +773,7 @@ pub fn done(v: &Done) -> Markup {
                 li data-k="missing" {
                     @match v.not_found {
                         Some(why) => { (why.get(..1).unwrap_or("").to_uppercase()) (why.get(1..).unwrap_or("")) ": " }
-                        None => { "No such dead letter: " }
+                        None => { "No such dead letter (requeued or purged by someone else, or never there): " }
                     }
                     (list(v.missing))
                 }

@@ -598,7 +598,9 @@ fn status_page_in_a_browser_stream_mode() {
     let (code, said) = post(port, "/dead/requeue", &body, std::slice::from_ref(&origin));
     assert_eq!(code, 200);
     assert!(
-        plain(&said).contains(&format!("No such dead letter: {order_letter}")),
+        plain(&said).contains(&format!(
+            "No such dead letter (requeued or purged by someone else, or never there): {order_letter}"
+        )),
         "{said}"
     );
     assert!(
@@ -1281,7 +1283,7 @@ fn status_page_dead_letters_of_shards() {
             shards[2].dead
         ),
         format!(
-            "status page: requeue of {} (shard 0) left 1 letter(s): 0/1-0 (no such letter)",
+            "status page: requeue of {} (shard 0) left 1 letter(s): 0/1-0 (no such letter: requeued or purged by someone else, or never there)",
             shards[0].dead
         ),
         format!(
@@ -1516,10 +1518,10 @@ fn status_page_list_mode_pages_stay_stable() {
     assert!(page.contains("name=\"at\" value=\"2050\""), "{page}");
     let (code, said) = purge(&far[49..], None);
     assert_eq!(code, 200, "{said}");
-    let where_ = "not in the first 2000 letters of rq:dead (or near position 0)";
+    let where_ = "not found: already requeued or purged by someone else, or not in the first 2000 letters of rq:dead (or near position 0)";
     assert!(
         plain(&said).contains(&format!(
-            "Not in the first 2000 letters of rq:dead (or near position 0): {}",
+            "Not found: already requeued or purged by someone else, or not in the first 2000 letters of rq:dead (or near position 0): {}",
             far[49]
         )),
         "{said}"
