@@ -212,6 +212,31 @@ fn spawn_role<'scope>(
         .map(|h| (name, h))
 }
 
+/// At a graceful stop, before the heartbeat goes: what this process read and never ran
+/// does not count as a delivery (taken off each pending entry's or held message's count;
+/// they stay pending for the next start or a peer). Found from
+/// outside: restarts under `--max-rate`, whose workers hold jobs for their slots, made good
+/// jobs dead letters for too many deliveries, never run. Best effort: what is not
+/// forgiven stays counted, as after a kill.
+fn forgive_unrun(con: &mut dyn redis::ConnectionLike, config: &Config) {
+    let consumer = &config.consumer;
+    let done = match config.source {
+        crate::config::Source::List => {
+            crate::store::list::forgive_left(con, &config.keys, consumer)
+        }
+        crate::config::Source::Stream => config.derived.shards.iter().try_fold(0, |n, keys| {
+            crate::store::stream::forgive_left(con, keys, consumer).map(|m| n + m)
+        }),
+    };
+    match done {
+        Ok(0) => {}
+        Ok(n) => log::info!(
+            "{n} jobs read and not run left pending, their delivery here not counted toward --max-deliveries"
+        ),
+        Err(e) => log::warn!("the jobs read and not run stay counted as delivered: {e}"),
+    }
+}
+
 /// What the roles need, checked before any thread starts.
 struct Ready {
     client: crate::store::Redis,
@@ -256,6 +281,9 @@ pub fn run(config: &Config, shutdown: &Shutdown) -> Result<Report, DaemonError> 
     // Peers may take over at once whatever this consumer still has pending. Best effort:
     // if Redis is unreachable now, the key expires by itself.
     if let Ok(mut con) = store::connect(&ready.client) {
+        if panicked.is_empty() {
+            forgive_unrun(&mut con, config);
+        }
         for keys in &config.derived.shards {
             let _ = store::forget_heartbeat(&mut con, keys, &config.consumer);
         }

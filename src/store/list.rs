@@ -10,6 +10,7 @@ use std::sync::LazyLock;
 static FETCH: LazyLock<Script> = script!("fetch.lua");
 static SETTLE: LazyLock<Script> = script!("settle_list.lua");
 static REQUEUE: LazyLock<Script> = script!("requeue_processing.lua");
+static FORGIVE: LazyLock<Script> = script!("forgive_list.lua");
 
 /// What one fetch took.
 #[derive(Debug, Default)]
@@ -116,6 +117,28 @@ pub(super) fn settle(
         Value::Array(v) => Ok(v),
         _ => Ok(Vec::new()),
     }
+}
+
+/// At this consumer's graceful stop: its fetch of each message still in its processing
+/// lists is taken off the message's delivery count (the stop's drain ran what it would:
+/// the rest were fetched and never run, so a restart does not count toward
+/// `--max-deliveries`). The messages stay for the next start or a peer. Returns how many
+/// there were.
+pub fn forgive_left(
+    con: &mut dyn ConnectionLike,
+    keys: &Keys,
+    consumer: &str,
+) -> StoreResult<usize> {
+    let mut inv = FORGIVE.prepare_invoke();
+    for q in &keys.queues {
+        inv.key(q.processing(consumer)).key(q.deliveries());
+    }
+    Ok(int(Some(&run(
+        "forgive the messages left at the stop",
+        &inv,
+        con,
+    )?))
+    .max(0) as usize)
 }
 
 /// What [`requeue_processing`] pushed back.

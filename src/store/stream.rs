@@ -20,6 +20,7 @@ static TAKE_OVER: LazyLock<Script> = script!("take_over.lua");
 static BURY: LazyLock<Script> = script!("bury_overdelivered.lua");
 static SETTLE: LazyLock<Script> = script!("settle.lua");
 static KEEP_CLAIMED: LazyLock<Script> = script!("keep_claimed.lua");
+static FORGIVE: LazyLock<Script> = script!("forgive.lua");
 
 /// Most ids one takeover call moves (the caller loops until the peer owes nothing).
 pub const TAKE_OVER_BATCH: usize = 1000;
@@ -215,6 +216,36 @@ pub fn take_over(
         without_database: int(reply.get(1)) == 1,
         ids: reply.iter().skip(2).map(value_to_string).collect(),
     }))
+}
+
+/// At a graceful stop: this consumer's delivery of each entry it still has pending is
+/// taken off the entry's delivery count (the stop's drain ran what it would: the rest were
+/// read and never run, so a restart does not count toward `--max-deliveries`). Returns how
+/// many entries that was.
+pub fn forgive_left(
+    con: &mut dyn ConnectionLike,
+    keys: &Keys,
+    consumer: &str,
+) -> StoreResult<usize> {
+    let mut from = "-".to_string();
+    let mut total = 0;
+    loop {
+        let mut inv = FORGIVE.prepare_invoke();
+        inv.key(&keys.stream)
+            .arg(&keys.group)
+            .arg(consumer)
+            .arg(TAKE_OVER_BATCH)
+            .arg(&from);
+        let Value::Array(reply) = run("forgive the entries left at the stop", &inv, con)? else {
+            return Ok(total);
+        };
+        let n = int(reply.first()).max(0) as usize;
+        total += n;
+        if n < TAKE_OVER_BATCH {
+            return Ok(total);
+        }
+        from = format!("({}", reply.get(1).map(value_to_string).unwrap_or_default());
+    }
 }
 
 /// Sends entries delivered more than `max_deliveries` times (idle at least `min_idle`;

@@ -346,6 +346,16 @@ fn a_capped_stop_leaves_the_held_jobs_in_the_processing_list() {
     assert_lists_empty(&env, &["c1"]);
 }
 
+/// [`crate::consumer::restarts_during_a_capped_drain_make_no_dead_letters`] in list mode:
+/// the messages a stop leaves in the processing list are not counted as fetched.
+#[test]
+fn restarts_during_a_capped_drain_make_no_dead_letters_in_list_mode() {
+    let mut env = list_env(&[("normal", None)]);
+    let dead = env.config.keys.queues[0].dead.clone();
+    crate::consumer::restarts_under_a_cap_make_no_dead_letters(&mut env, |env| llen(env, &dead));
+    assert_lists_empty(&env, &["c1"]);
+}
+
 #[test]
 fn raw_payment_messages_pay_orders_and_late_ones_go_to_review() {
     let env = list_env(&[("normal", None), ("payment_queue", Some("payment.paid"))]);
