@@ -33,8 +33,8 @@ fn name(sig: i32) -> &'static str {
 }
 
 /// The daemon's signals, as the table above says, acted on by a thread named `signals`
-/// that lives as long as the process.
-pub fn install(shutdown: &Shutdown) -> std::io::Result<()> {
+/// that lives as long as the process. `exit_now` runs before a second signal's exit.
+pub fn install(shutdown: &Shutdown, exit_now: impl Fn() + Send + 'static) -> std::io::Result<()> {
     let mut signals = Signals::new([SIGTERM, SIGINT, SIGQUIT, SIGHUP, SIGUSR1, SIGUSR2])?;
     let shutdown = shutdown.clone();
     std::thread::Builder::new()
@@ -57,6 +57,7 @@ pub fn install(shutdown: &Shutdown) -> std::io::Result<()> {
                                 "worker: second signal ({}), exiting now; unacknowledged jobs stay pending",
                                 name(sig)
                             );
+                            exit_now();
                             std::process::exit(130);
                         }
                         log::info!(

@@ -169,7 +169,9 @@ fn syslog_level(l: log::Level) -> u8 {
 
 fn run(config: &Config) -> anyhow::Result<ExitCode> {
     let shutdown = Shutdown::new();
-    delay_worker::signals::install(&shutdown).context("cannot install the signal handler")?;
+    let settled = config.settled();
+    delay_worker::signals::install(&shutdown, move || daemon::forgive_at_exit(&settled))
+        .context("cannot install the signal handler")?;
     daemon::run(config, &shutdown).map_err(handlers_dir)?;
     Ok(ExitCode::SUCCESS)
 }
