@@ -14,22 +14,6 @@ local w = wrong_type(KEYS[1], 'stream')
 if w then return wrongtype_reply(w) end
 if redis.call('EXISTS', KEYS[1]) == 0 then return {0, ''} end
 local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[4], '+', ARGV[3], ARGV[2])
-local by_count, counts = {}, {}
-for _, e in ipairs(p) do
-  local n = math.max(tonumber(e[4]) - 1, 0)
-  if not by_count[n] then
-    by_count[n] = {}
-    counts[#counts + 1] = n
-  end
-  table.insert(by_count[n], e[1])
-end
-for _, n in ipairs(counts) do
-  local args = {KEYS[1], ARGV[1], ARGV[2], 0}
-  for _, id in ipairs(by_count[n]) do args[#args + 1] = id end
-  args[#args + 1] = 'RETRYCOUNT'
-  args[#args + 1] = n
-  args[#args + 1] = 'JUSTID'
-  redis.call('XCLAIM', unpack(args))
-end
+claim_counted(KEYS[1], ARGV[1], ARGV[2], 0, p, true)
 if #p == 0 then return {0, ''} end
 return {#p, p[#p][1]}

@@ -13,13 +13,7 @@ for i = 1, #KEYS, 2 do
   if type(msgs) == 'table' and not msgs.err then
     for _, msg in ipairs(msgs) do
       n = n + 1
-      local digest = redis.sha1hex(msg)
-      local c = tonumber(redis.pcall('HGET', KEYS[i + 1], digest))
-      if c and c > 1 then
-        redis.call('HSET', KEYS[i + 1], digest, c - 1)
-      elseif c then
-        redis.call('HDEL', KEYS[i + 1], digest)
-      end
+      forgive_fetch(KEYS[i + 1], msg)
     end
   end
 end

@@ -245,3 +245,45 @@ local function screen(entries, group, consumer, max_bytes, now_s)
   end
   return kept, gone, buried, blocked
 end
+
+-- XCLAIM (JUSTID, idle at least `min_idle` ms) to `consumer` of the XPENDING `entries`
+-- ({id, consumer, idle, count} each), each keeping its delivery count, or with one
+-- delivery taken off when `forgive` (a delivery to a process that could not run it: see
+-- take_over and forgive). Returns the ids claimed.
+local function claim_counted(stream, group, consumer, min_idle, entries, forgive)
+  local by_count, counts = {}, {}
+  for _, e in ipairs(entries) do
+    local n = -1
+    if forgive then n = math.max(tonumber(e[4]) - 1, 0) end
+    if not by_count[n] then
+      by_count[n] = {}
+      counts[#counts + 1] = n
+    end
+    table.insert(by_count[n], e[1])
+  end
+  local claimed = {}
+  for _, n in ipairs(counts) do
+    local args = {stream, group, consumer, min_idle}
+    for _, id in ipairs(by_count[n]) do args[#args + 1] = id end
+    if n >= 0 then
+      args[#args + 1] = 'RETRYCOUNT'
+      args[#args + 1] = n
+    end
+    args[#args + 1] = 'JUSTID'
+    for _, id in ipairs(redis.call('XCLAIM', unpack(args))) do claimed[#claimed + 1] = id end
+  end
+  return claimed
+end
+
+-- One fetch of list message `msg` taken off its count in the `deliveries` HASH (a fetch by
+-- a consumer that could not run it: see requeue_processing and forgive_list). Under pcall:
+-- a key of another type leaves the counts as they are.
+local function forgive_fetch(deliveries, msg)
+  local digest = redis.sha1hex(msg)
+  local c = tonumber(redis.pcall('HGET', deliveries, digest))
+  if c and c > 1 then
+    redis.call('HSET', deliveries, digest, c - 1)
+  elseif c then
+    redis.call('HDEL', deliveries, digest)
+  end
+end

@@ -43,16 +43,7 @@ for i = 1, nk - 3, 3 do
     local msg = redis.call('LMOVE', KEYS[i], KEYS[i + 1], 'LEFT', 'RIGHT')
     if not msg then break end
     moved = moved + 1
-    if alive then
-      -- Under pcall: a deliveries key of another type leaves the counts, not the hand-over.
-      local digest = redis.sha1hex(msg)
-      local n = tonumber(redis.pcall('HGET', KEYS[i + 2], digest))
-      if n and n > 1 then
-        redis.call('HSET', KEYS[i + 2], digest, n - 1)
-      elseif n then
-        redis.call('HDEL', KEYS[i + 2], digest)
-      end
-    end
+    if alive then forgive_fetch(KEYS[i + 2], msg) end
   end
 end
 if peer and not alive then redis.call('SREM', KEYS[nk - 2], ARGV[1]) end

@@ -34,33 +34,13 @@ if alive and not (ARGV[5] == '1' and redis.call('EXISTS', KEYS[3]) == 1) then
 end
 if not alive and ARGV[6] ~= '1' then return {-1} end
 local p = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', 1000, '-', '+', ARGV[4], ARGV[3])
-local ids = {}
--- The ids by the delivery count each keeps: all as they are for a dead peer, one fewer
--- for a live one.
-local by_count, counts = {}, {}
-for _, e in ipairs(p) do
-  ids[#ids + 1] = e[1]
-  local n = tonumber(e[4])
-  if alive then n = math.max(n - 1, 0) end
-  if not by_count[n] then
-    by_count[n] = {}
-    counts[#counts + 1] = n
-  end
-  table.insert(by_count[n], e[1])
-end
+-- Each keeps its delivery count from a dead peer, one fewer from a live one.
 local out = {0, alive and 1 or 0}
-for _, n in ipairs(counts) do
-  local args = {KEYS[1], ARGV[1], ARGV[2], 1000}
-  for _, id in ipairs(by_count[n]) do args[#args + 1] = id end
-  if alive then
-    args[#args + 1] = 'RETRYCOUNT'
-    args[#args + 1] = n
-  end
-  args[#args + 1] = 'JUSTID'
-  for _, id in ipairs(redis.call('XCLAIM', unpack(args))) do out[#out + 1] = id end
+for _, id in ipairs(claim_counted(KEYS[1], ARGV[1], ARGV[2], 1000, p, alive)) do
+  out[#out + 1] = id
 end
 out[1] = #out - 2
-if not alive and #ids < tonumber(ARGV[4]) and
+if not alive and #p < tonumber(ARGV[4]) and
     #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[3]) == 0 then
   redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[3])
 end
