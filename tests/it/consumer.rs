@@ -676,13 +676,8 @@ fn a_second_signal_during_a_capped_stop_makes_no_dead_letters() {
     let mut env = Env::new();
     env.config.threads = 4;
     let orders = seed_orders(&env.db, 12);
-    let owner = |sql: &str| env.db.client().batch_execute(sql).unwrap();
     // A job inside its transaction keeps the graceful stop open for the second signal.
-    owner(
-        "CREATE FUNCTION dw_slow() RETURNS trigger LANGUAGE plpgsql AS \
-           $$BEGIN PERFORM pg_sleep(3); RETURN NEW; END$$; \
-         CREATE TRIGGER dw_slow BEFORE UPDATE ON orders FOR EACH ROW EXECUTE FUNCTION dw_slow()",
-    );
+    orders_slow_to_update(&env.db, 3.0);
     push_timeouts(&env, &orders, 0);
     let flags: Vec<String> = ["--max-rate", "1/s", "--max-deliveries", "1"]
         .map(String::from)
@@ -712,7 +707,7 @@ fn a_second_signal_during_a_capped_stop_makes_no_dead_letters() {
         p.signal(libc::SIGTERM);
         assert_eq!(p.wait(WAIT).code(), Some(130), "{}", p.log());
     }
-    owner("DROP TRIGGER dw_slow ON orders; DROP FUNCTION dw_slow()");
+    orders_quick_again(&env.db);
     let mut p = Proc::start(&env.config, &flags);
     wait_until(WAIT, "every order cancelled (or dead letters)", || {
         inbox_count(&env.db) == 12 || books(&env).dead > 0

@@ -731,12 +731,7 @@ fn a_full_channel_lets_no_shard_s_heartbeat_lapse() {
     config.reader.heartbeat_ttl = Duration::from_secs(1);
     let shards = config.shard_keys();
     let orders = seed_orders(&env.db, 300);
-    let owner = |sql: &str| env.db.client().batch_execute(sql).unwrap();
-    owner(
-        "CREATE FUNCTION dw_slow() RETURNS trigger LANGUAGE plpgsql AS \
-           $$BEGIN PERFORM pg_sleep(0.05); RETURN NEW; END$$; \
-         CREATE TRIGGER dw_slow BEFORE UPDATE ON orders FOR EACH ROW EXECUTE FUNCTION dw_slow()",
-    );
+    orders_slow_to_update(&env.db, 0.05);
     let daemon = Daemon::start(&config);
     let mut con = env.con();
     push_due_in_shards(&mut con, &config, &orders);
@@ -761,7 +756,7 @@ fn a_full_channel_lets_no_shard_s_heartbeat_lapse() {
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    owner("DROP TRIGGER dw_slow ON orders; DROP FUNCTION dw_slow()");
+    orders_quick_again(&env.db);
     wait_until(WAIT, "every job done", || inbox_count(&env.db) == 300);
     let s = daemon.stop().stats;
     assert_eq!(s.duplicate, 0, "{s}");

@@ -1395,3 +1395,21 @@ impl Drop for Roles {
         }
     }
 }
+
+/// Every update of the test's orders made to take `seconds` (a trigger), so a worker stays
+/// inside its transactions; [`orders_quick_again`] takes it away.
+pub fn orders_slow_to_update(db: &TestDb, seconds: f64) {
+    db.client()
+        .batch_execute(&format!(
+            "CREATE FUNCTION dw_slow() RETURNS trigger LANGUAGE plpgsql AS \
+               $$BEGIN PERFORM pg_sleep({seconds}); RETURN NEW; END$$; \
+             CREATE TRIGGER dw_slow BEFORE UPDATE ON orders FOR EACH ROW EXECUTE FUNCTION dw_slow()"
+        ))
+        .unwrap();
+}
+
+pub fn orders_quick_again(db: &TestDb) {
+    db.client()
+        .batch_execute("DROP TRIGGER dw_slow ON orders; DROP FUNCTION dw_slow()")
+        .unwrap();
+}

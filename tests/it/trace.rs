@@ -750,6 +750,28 @@ fn an_order_is_found_by_the_keys_of_the_built_in_events() {
     assert_eq!(code, 4);
 }
 
+/// The due jobs of `keys`' pool moved onto list queue `q` (dead list `q:dead`).
+fn move_to_list(env: &Env, keys: &Keys) {
+    store::move_due(
+        &mut env.con(),
+        Pool::Enveloped {
+            pool: &keys.pool,
+            data: &keys.data,
+        },
+        keys,
+        Target::List {
+            queue: "q",
+            dead: "q:dead",
+        },
+        At::Server,
+        100,
+        60_000,
+        MAX,
+        0,
+    )
+    .unwrap();
+}
+
 #[test]
 fn list_mode_queued_and_processing() {
     let env = Env::new();
@@ -777,24 +799,7 @@ fn list_mode_queued_and_processing() {
     let list = ["--source", "list", "--queues", "q"];
     let (_, t) = trace(&env, &[&list[..], &["order.timeout:L1"]].concat());
     let id = only(&t)["job_id"].as_str().unwrap().to_string();
-    store::move_due(
-        &mut env.con(),
-        Pool::Enveloped {
-            pool: &keys.pool,
-            data: &keys.data,
-        },
-        &keys,
-        Target::List {
-            queue: "q",
-            dead: "q:dead",
-        },
-        At::Server,
-        100,
-        60_000,
-        MAX,
-        0,
-    )
-    .unwrap();
+    move_to_list(&env, &keys);
     let (code, t) = trace(&env, &[&list[..], &["order.timeout:L2"]].concat());
     assert_eq!(code, 0);
     let j = only(&t);
@@ -881,24 +886,7 @@ fn a_list_message_dead_for_too_many_fetches_is_traced_by_its_key() {
         serde_json::json!({"order_no": "P1"}),
         now_ms() - 1,
     );
-    store::move_due(
-        &mut env.con(),
-        Pool::Enveloped {
-            pool: &keys.pool,
-            data: &keys.data,
-        },
-        &keys,
-        Target::List {
-            queue: "q",
-            dead: "q:dead",
-        },
-        At::Server,
-        100,
-        60_000,
-        MAX,
-        0,
-    )
-    .unwrap();
+    move_to_list(&env, &keys);
     // Fetched by a consumer that dies each time (its own list pushed back at its restart).
     for _ in 0..2 {
         let f = store::list::fetch(&mut env.con(), &keys, "c7", 1, 2, MAX).unwrap();
