@@ -158,13 +158,17 @@ fn a_server_turned_read_only_holds_every_job_and_health_is_red_until_it_takes_wr
         code == 503 && body.contains("read-only")
     });
     wait_check_critical(&env, "no writable PostgreSQL");
+    // A backend takes the new setting at its next command after the reload, so on a loaded
+    // machine a set may still commit just after `set_read_only` (found once: 123 done): what
+    // counts is that nothing commits once the worker has seen the server read-only.
+    let done_when_red = inbox_count(&env.db);
     let red_since = Instant::now();
     while red_since.elapsed() < Duration::from_secs(3) {
         assert_eq!(healthz(port).0, 503, "red for as long as it lasts");
         std::thread::sleep(Duration::from_millis(200));
     }
     assert_eq!(books(&env).dead, 0, "no dead letter for a read-only server");
-    assert_eq!(inbox_count(&env.db), 100);
+    assert_eq!(inbox_count(&env.db), done_when_red, "nothing done while read-only");
     // A worker started now, with the one host: one line and exit 1 (its unit starts it
     // again), not a worker at work on a read-only server.
     let mut second = env.config.clone();
