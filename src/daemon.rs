@@ -32,6 +32,7 @@ use crate::mover::Mover;
 use crate::notify::Notifier;
 use crate::prune::Pruner;
 use crate::shutdown::Shutdown;
+use crate::source::done::InboxLook;
 use crate::source::{self, list::ListReader, stream::Reader, stream::Shards, Doorbell, Feed};
 use crate::stats::{Snapshot, Stats};
 use crate::store;
@@ -487,6 +488,8 @@ struct Crew<'a> {
     manners: Manners,
     /// The watch's own connections ask for read-write as the pool's do (`db::Target`).
     pool_target: db::Target,
+    /// What the reader asks before an over-delivered entry becomes a dead letter.
+    inbox: InboxLook,
     /// The mover's settings for every shard but the first: legacy pools are served once,
     /// with the first shard.
     shard_mover: MoverConfig,
@@ -506,6 +509,8 @@ impl<'a> Crew<'a> {
         // stalled.
         Stats::beat(&stats.reader_beat_ms);
         Stats::beat(&stats.mover_beat_ms);
+        let mut pool_target = db::Target::parse(&config.database_url)?;
+        pool_target.keep_search_path(&ready.search_path);
         Ok(Crew {
             config,
             shutdown,
@@ -514,11 +519,8 @@ impl<'a> Crew<'a> {
             doorbell: Doorbell::default(),
             drain: Drain::default(),
             manners: Manners::new(&config.jobs.max_rates, config.jobs.set_size),
-            pool_target: {
-                let mut t = db::Target::parse(&config.database_url)?;
-                t.keep_search_path(&ready.search_path);
-                t
-            },
+            inbox: InboxLook::new(pool_target.clone()),
+            pool_target,
             shard_mover: MoverConfig {
                 legacy: Vec::new(),
                 ..config.mover.clone()
@@ -655,16 +657,19 @@ impl<'a> Crew<'a> {
         let (keys, cfg, consumer) = (&config.keys, &config.reader, config.consumer.as_str());
         let capped = self.manners.capped();
         let shard_keys = &config.derived.shards;
+        let inbox = &self.inbox;
         spawn_role(s, shutdown, "reader".into(), move || match config.source {
             Source::Stream if shard_keys.len() > 1 => {
                 let readers = shard_keys
                     .iter()
-                    .map(|k| Reader::new(k, cfg, consumer, stats, feed.clone()).capped(capped))
+                    .map(|k| {
+                        Reader::new(k, cfg, consumer, stats, feed.clone(), inbox).capped(capped)
+                    })
                     .collect();
                 source::run(Shards::new(readers, bell), client, stats, shutdown)
             }
             Source::Stream => source::run(
-                Reader::new(keys, cfg, consumer, stats, feed)
+                Reader::new(keys, cfg, consumer, stats, feed, inbox)
                     .with_doorbell(bell)
                     .capped(capped),
                 client,
@@ -672,7 +677,7 @@ impl<'a> Crew<'a> {
                 shutdown,
             ),
             Source::List => source::run(
-                ListReader::new(keys, cfg, consumer, stats, feed).with_doorbell(bell),
+                ListReader::new(keys, cfg, consumer, stats, feed, inbox).with_doorbell(bell),
                 client,
                 stats,
                 shutdown,

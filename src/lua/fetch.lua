@@ -7,8 +7,10 @@
 -- length and a digest) is pushed onto the queue's dead list, then it leaves the queue.
 -- Each fetch counts the message (by digest) in the queue's deliveries HASH; settling it
 -- clears the count. A message that would be fetched more than ARGV[2] times without being
--- settled (it kills its consumer, which restarts and pushes it back) goes to the dead list
--- instead, the dead letter written before the message leaves the queue.
+-- settled (it kills its consumer, which restarts and pushes it back) is not fetched: the
+-- fetch stops there and names it, for the caller to look its job up in the inbox and
+-- then settle it with `bury_fetched` (a job whose transaction committed is done, never
+-- also a dead letter; the others go to the dead list). Stopping keeps the queues' order.
 -- A queue whose queue, processing list or deliveries key holds another type is skipped
 -- and reported; the rest go on.
 --
@@ -16,7 +18,8 @@
 -- ARGV[1] the most messages to take, ARGV[2] max deliveries, ARGV[3] consumer name,
 -- ARGV[4] max bytes, then the queue names in order
 -- Returns {n, {queue index (0-based), message, ...}, {key, reason, ...} of the buried,
--- then {key, found, wanted} if a queue was skipped}.
+-- {key, found, wanted} if a queue was skipped or {}, {queue index, message, times fetched}
+-- of a message fetched too often or {}}.
 local max = tonumber(ARGV[1])
 local max_deliveries = tonumber(ARGV[2])
 local max_bytes = tonumber(ARGV[4])
@@ -24,27 +27,12 @@ local now_s = server_s()
 local out, buried = {}, {}
 local blocked = nil
 local n = 0
--- The event and job key of a whole message, for its letter (a message the mover moved
--- carries its `job_key`): '' where it has none or is not JSON (found from outside: a
--- poison message's letter named neither, so `worker trace` of its key found nothing).
-local function facts(msg)
-  local ok, m = pcall(cjson.decode, msg)
-  if not ok or type(m) ~= 'table' then return '', '' end
-  local event, key = m['event'], m['job_key']
-  if type(event) ~= 'string' then event = '' end
-  if type(key) ~= 'string' then key = '' end
-  return event, key
-end
 local function bury(dead, queue, msg, reason, attempts, length, digest)
-  local event, key = '', ''
-  if length <= max_bytes then event, key = facts(msg) end
-  redis.call('LPUSH', dead, cjson.encode({
-    msg = msg, ts = now_s, consumer = ARGV[3], queue = queue, reason = reason,
-    event = event, key = key, attempts = attempts, length = length, sha1 = digest
-  }))
+  list_letter(dead, queue, msg, reason, attempts, length, digest, ARGV[3], max_bytes, now_s)
   buried[#buried + 1] = queue
   buried[#buried + 1] = reason
 end
+local overfetched = nil
 for i = 1, #KEYS, 4 do
   local queue_name = ARGV[4 + (i + 3) / 4]
   local w = wrong_type(KEYS[i], 'list', KEYS[i + 1], 'list', KEYS[i + 2], 'hash')
@@ -74,11 +62,8 @@ for i = 1, #KEYS, 4 do
           oversize_reason(#msg, max_bytes), 0, #msg, digest)
         redis.call('RPOP', KEYS[i])
       elseif count > max_deliveries then
-        bury(KEYS[i + 3], queue_name, msg,
-          'fetched ' .. (count - 1) .. ' times without being settled (limit ' .. max_deliveries .. ')',
-          count - 1, #msg, '')
-        redis.call('HDEL', KEYS[i + 2], digest)
-        redis.call('RPOP', KEYS[i])
+        overfetched = {(i - 1) / 4, msg, count - 1}
+        break
       else
         redis.call('LMOVE', KEYS[i], KEYS[i + 1], 'RIGHT', 'LEFT')
         redis.call('HSET', KEYS[i + 2], digest, count)
@@ -88,8 +73,6 @@ for i = 1, #KEYS, 4 do
       end
     end
   end
-  if n >= max then break end
+  if n >= max or overfetched then break end
 end
-local reply = {n, out, buried}
-if blocked then reply[4] = blocked end
-return reply
+return {n, out, buried, blocked or {}, overfetched or {}}

@@ -287,3 +287,27 @@ local function forgive_fetch(deliveries, msg)
     redis.call('HDEL', deliveries, digest)
   end
 end
+
+-- The event and job key of a whole list message, for its letter (a message the mover
+-- moved carries its `job_key`): '' where it has none or is not JSON (found from outside:
+-- a poison message's letter named neither, so `worker trace` of its key found nothing).
+local function list_message_facts(msg)
+  local ok, m = pcall(cjson.decode, msg)
+  if not ok or type(m) ~= 'table' then return '', '' end
+  local event, key = m['event'], m['job_key']
+  if type(event) ~= 'string' then event = '' end
+  if type(key) ~= 'string' then key = '' end
+  return event, key
+end
+
+-- Pushes the dead letter of list message `msg` (or its prefix, when `length` is over
+-- `max_bytes`) of queue `queue` onto `dead`.
+local function list_letter(dead, queue, msg, reason, attempts, length, digest, consumer,
+    max_bytes, now_s)
+  local event, key = '', ''
+  if length <= max_bytes then event, key = list_message_facts(msg) end
+  redis.call('LPUSH', dead, cjson.encode({
+    msg = msg, ts = now_s, consumer = consumer, queue = queue, reason = reason,
+    event = event, key = key, attempts = attempts, length = length, sha1 = digest
+  }))
+end

@@ -14,12 +14,14 @@
 //! from the processing list; retries and dead letters are written first, in the same
 //! script (`store::settle`). Stops like the stream reader: returning drops the sender.
 
+use super::done::InboxLook;
 use super::{due, Doorbell, Feed, Source, Standing, StepError, IDLE_POLL};
 use crate::config::ReaderConfig;
 use crate::delivery::{Delivery, Origin};
 use crate::keys::Keys;
 use crate::shutdown::Shutdown;
 use crate::stats::Stats;
+use crate::store::list::Overfetched;
 use crate::store::{self, list};
 use std::time::{Duration, Instant};
 
@@ -33,6 +35,10 @@ pub struct ListReader<'a> {
     last_maintenance: Option<Instant>,
     /// Whether this process has had a usable PostgreSQL, and its mark when not.
     standing: Standing,
+    /// Asks whether the job of a message fetched too often is done before it is buried.
+    inbox: &'a InboxLook,
+    /// The inbox could not be asked: not again before then.
+    look_after: Option<Instant>,
 }
 
 impl<'a> ListReader<'a> {
@@ -42,6 +48,7 @@ impl<'a> ListReader<'a> {
         consumer: &'a str,
         stats: &'a Stats,
         feed: Feed<'a>,
+        inbox: &'a InboxLook,
     ) -> Self {
         ListReader {
             keys,
@@ -52,6 +59,8 @@ impl<'a> ListReader<'a> {
             doorbell: Doorbell::default(),
             last_maintenance: None,
             standing: Standing::default(),
+            inbox,
+            look_after: None,
         }
     }
 
@@ -77,6 +86,51 @@ impl<'a> ListReader<'a> {
             shard: 0,
             holder_gone: false,
         }
+    }
+
+    /// The message a fetch stopped at because fetching it would be once more than
+    /// `--max-deliveries` (it kills its consumer, which restarts and pushes it back): taken
+    /// off its queue when its job's inbox row is there (its consumer was stopped between
+    /// the commit and the settle, as often as the limit: the job is done, never also a
+    /// dead letter), otherwise dead-lettered. While the inbox cannot be asked it stays at
+    /// its queue's tail, the fetch stopping there (the queues keep their order), asked
+    /// again a `block` later. Whether it was settled.
+    fn settle_overfetched(
+        &mut self,
+        con: &mut dyn redis::ConnectionLike,
+        over: &Overfetched,
+    ) -> Result<bool, StepError> {
+        let d = self.delivery(over.queue, over.msg.clone());
+        let done = match crate::workers::inbox_id(self.keys, &d.origin, &d.key, &d.msg) {
+            None => false,
+            Some(_) if self.look_after.is_some_and(|t| Instant::now() < t) => return Ok(false),
+            Some(id) => match self.inbox.done(std::slice::from_ref(&id)) {
+                Ok(found) => found.contains(&id),
+                Err(e) => {
+                    log::warn!(
+                        "list reader: a message fetched {} times without being settled waits at its queue's tail: its job cannot be looked up in the inbox: {e}",
+                        over.fetched
+                    );
+                    self.look_after = Some(Instant::now() + self.cfg.block);
+                    return Ok(false);
+                }
+            },
+        };
+        self.look_after = None;
+        let limits = (self.cfg.max_deliveries, self.cfg.max_message_bytes);
+        let out = list::bury_fetched(con, self.keys, self.consumer, over, done, limits)?;
+        if out.done {
+            log::info!(
+                "list reader: a message fetched {} times without being settled was done (its inbox row is there: its consumer stopped between the commit and the settle): taken off its queue, not dead-lettered",
+                over.fetched
+            );
+        }
+        self.feed.buried("list reader", &out.buried);
+        if let Some(w) = out.blocked {
+            self.feed.blocked("list reader", &w);
+            return Ok(false);
+        }
+        Ok(true)
     }
 
     /// Heartbeat, this process's [`Standing`], then the processing lists of consumers
@@ -178,6 +232,10 @@ impl Source for ListReader<'_> {
             self.cfg.max_message_bytes,
         )?;
         self.feed.buried("list reader", &fetched.buried);
+        let settled = match &fetched.over {
+            Some(over) => self.settle_overfetched(con, over)?,
+            None => false,
+        };
         match fetched.blocked {
             Some(w) => self.feed.blocked("list reader", &w),
             // A fetch that did not fill the room looked at every queued message once
@@ -190,7 +248,7 @@ impl Source for ListReader<'_> {
             }
             None => {}
         }
-        if fetched.messages.is_empty() && fetched.buried.is_empty() {
+        if fetched.messages.is_empty() && fetched.buried.is_empty() && !settled {
             self.doorbell.wait(IDLE_POLL.min(self.cfg.block));
         }
         let got = fetched

@@ -11,6 +11,7 @@
 //! Stops within one step of shutdown by returning, which drops the `Sender`: the workers
 //! drain what the channel holds and then see it disconnected.
 
+pub mod done;
 pub mod list;
 pub mod stream;
 

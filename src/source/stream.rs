@@ -14,13 +14,17 @@
 //! reclaims entries idle longer than `claim_idle` on live consumers, and trims old
 //! acknowledged entries. Nothing here changes Redis state except through `store`.
 
+use super::done::InboxLook;
 use super::{due, Doorbell, Feed, Source, Standing, StepError, IDLE_POLL};
 use crate::config::ReaderConfig;
+use crate::delivery::Origin;
 use crate::keys::Keys;
 use crate::shutdown::Shutdown;
 use crate::stats::Stats;
-use crate::store::{self, stream, stream::Read, stream::Reading};
-use std::collections::VecDeque;
+use crate::store::stream::{OverDelivered, Read, Reading, Verdict};
+use crate::store::{self, stream};
+use crate::workers::session::InboxId;
+use std::collections::{HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 /// Marks the deliveries of `read` as taken back from a consumer that is gone.
@@ -69,6 +73,8 @@ pub struct Reader<'a> {
     capped: bool,
     /// Whether this process has had a usable PostgreSQL, and its mark when not.
     standing: Standing,
+    /// Asks whether the jobs of over-delivered entries are done before they are buried.
+    inbox: &'a InboxLook,
 }
 
 impl<'a> Reader<'a> {
@@ -78,6 +84,7 @@ impl<'a> Reader<'a> {
         consumer: &'a str,
         stats: &'a Stats,
         feed: Feed<'a>,
+        inbox: &'a InboxLook,
     ) -> Self {
         Reader {
             keys,
@@ -99,6 +106,7 @@ impl<'a> Reader<'a> {
             started_once: false,
             capped: false,
             standing: Standing::default(),
+            inbox,
         }
     }
 
@@ -178,7 +186,9 @@ impl<'a> Reader<'a> {
     ) -> Result<usize, StepError> {
         self.heartbeat(con)?;
         stream::ensure_group(con, self.keys)?;
-        self.bury_overdelivered(con, Some(self.consumer), Duration::ZERO)?;
+        // Those the inbox could not be asked about are not delivered again meanwhile: a
+        // message that kills its consumer would run once more.
+        let undecided = self.bury_overdelivered(con, Some(self.consumer), Duration::ZERO)?;
         let reread = !(self.capped && self.started_once);
         if reread {
             // Whatever was taken over before a reconnect is in our own pending now.
@@ -203,6 +213,8 @@ impl<'a> Reader<'a> {
             } else if progress == 0 {
                 break;
             }
+            read.deliveries
+                .retain(|d| !d.stream_id().is_some_and(|id| undecided.contains(id)));
             total += self.deliver(read)?;
         }
         if total > 0 && !self.started_once {
@@ -282,8 +294,13 @@ impl<'a> Reader<'a> {
         // count deliveries against entries that are not at fault: a peer that has one does
         // both (found from outside: a worker without one reclaimed its own idle entries
         // and an entry went to the dead letters for too many deliveries).
-        let n = if usable.now {
-            self.bury_overdelivered(con, None, self.cfg.claim_idle)?;
+        // Nor does one reclaim idle entries while over-delivered ones wait for the inbox to
+        // answer: it would run them once more.
+        let n = if usable.now
+            && self
+                .bury_overdelivered(con, None, self.cfg.claim_idle)?
+                .is_empty()
+        {
             self.autoclaim(con)?
         } else {
             0
@@ -307,27 +324,76 @@ impl<'a> Reader<'a> {
 
     /// Entries delivered more than `max_deliveries` times (and idle at least `min_idle`)
     /// go to the dead letters: a message that keeps killing its consumer must not circle
-    /// for ever.
+    /// for ever. One whose job is done (its inbox row is there: a process was killed
+    /// between the commit and the ack as often as the limit) is acknowledged instead,
+    /// never also a dead letter. Returns the ids left as they are because the inbox could
+    /// not be asked (none when it could).
     fn bury_overdelivered(
         &mut self,
         con: &mut dyn redis::ConnectionLike,
         only: Option<&str>,
         min_idle: Duration,
-    ) -> Result<(), StepError> {
-        let (buried, blocked) = stream::bury_overdelivered(
-            con,
-            self.reading(),
+    ) -> Result<HashSet<String>, StepError> {
+        let over = OverDelivered {
             only,
             min_idle,
-            self.cfg.max_deliveries,
-            500,
-        )?;
-        self.feed.buried("reader", &buried);
+            max_deliveries: self.cfg.max_deliveries,
+            scan: 500,
+        };
+        let (candidates, blocked) = stream::overdelivered(con, self.reading(), over)?;
         if let Some(w) = blocked {
+            // None can be buried now; they stay pending, and reclaiming them would run
+            // them once more.
+            self.held = true;
+            self.feed.blocked(&self.name, &w);
+            return Ok(candidates.into_iter().map(|c| c.id).collect());
+        }
+        if candidates.is_empty() {
+            return Ok(HashSet::new());
+        }
+        let ids: Vec<Option<InboxId>> = candidates
+            .iter()
+            .map(|c| {
+                let origin = Origin::Stream { id: c.id.clone() };
+                crate::workers::inbox_id(self.keys, &origin, &c.key, &c.msg)
+            })
+            .collect();
+        let asked: Vec<InboxId> = ids.iter().flatten().cloned().collect();
+        let done = match self.inbox.done(&asked) {
+            Ok(done) => done,
+            Err(e) => {
+                log::warn!(
+                    "{}: {} entries delivered more than {} times wait: their jobs cannot be looked up in the inbox: {e}",
+                    self.name,
+                    candidates.len(),
+                    self.cfg.max_deliveries
+                );
+                return Ok(candidates.into_iter().map(|c| c.id).collect());
+            }
+        };
+        let verdicts: Vec<(String, Verdict)> = candidates
+            .into_iter()
+            .zip(&ids)
+            .map(|(c, id)| match id {
+                Some(id) if done.contains(id) => (c.id, Verdict::Done),
+                _ => (c.id, Verdict::Dead),
+            })
+            .collect();
+        let out = stream::bury_overdelivered(con, self.reading(), over, &verdicts)?;
+        if out.done > 0 {
+            log::info!(
+                "{}: {} entries delivered more than {} times were done (their inbox rows are there: their process stopped between the commit and the acknowledgement): acknowledged, not dead-lettered",
+                self.name,
+                out.done,
+                self.cfg.max_deliveries
+            );
+        }
+        self.feed.buried("reader", &out.buried);
+        if let Some(w) = out.blocked {
             self.held = true;
             self.feed.blocked(&self.name, &w);
         }
-        Ok(())
+        Ok(HashSet::new())
     }
 
     /// Every pending entry of a consumer whose heartbeat key has expired becomes ours at

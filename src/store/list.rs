@@ -11,17 +11,76 @@ static FETCH: LazyLock<Script> = script!("fetch.lua");
 static SETTLE: LazyLock<Script> = script!("settle_list.lua");
 static REQUEUE: LazyLock<Script> = script!("requeue_processing.lua");
 static FORGIVE: LazyLock<Script> = script!("forgive_list.lua");
+static BURY_FETCHED: LazyLock<Script> = script!("bury_fetched.lua");
 
 /// What one fetch took.
 #[derive(Debug, Default)]
 pub struct Fetched {
     /// (queue index, message) in the order taken.
     pub messages: Vec<(usize, Vec<u8>)>,
-    /// Messages sent to the queue's dead list instead (queue, reason): over the size limit
-    /// or fetched too often without being settled.
+    /// Messages sent to the queue's dead list instead (queue, reason): over the size
+    /// limit.
     pub buried: Vec<(String, String)>,
     /// A queue skipped because one of its keys holds another type.
     pub blocked: Option<WrongType>,
+    /// The message the fetch stopped at, still at its queue's tail, because fetching it
+    /// would be once more than the limit: for [`bury_fetched`], once its job is looked up.
+    pub over: Option<Overfetched>,
+}
+
+/// A list message fetched as often as the limit allows without being settled.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Overfetched {
+    pub queue: usize,
+    pub msg: Vec<u8>,
+    /// How often it was fetched.
+    pub fetched: u64,
+}
+
+/// What [`bury_fetched`] did.
+#[derive(Debug, Default)]
+pub struct BuriedFetched {
+    /// Taken off its queue as done (its job had committed).
+    pub done: bool,
+    /// (queue, reason) when it went to the dead list.
+    pub buried: Vec<(String, String)>,
+    /// The dead list, when it holds another type (then it stays where it is).
+    pub blocked: Option<WrongType>,
+}
+
+/// Settles the message a fetch stopped at ([`Fetched::over`]): taken off its queue as done
+/// (`done`: its job's inbox row is there) or sent to its dead list; nothing when it is no
+/// longer at its queue's tail or over the limit (see `lua/bury_fetched.lua`).
+pub fn bury_fetched(
+    con: &mut dyn ConnectionLike,
+    keys: &Keys,
+    consumer: &str,
+    over: &Overfetched,
+    done: bool,
+    limits: (u64, usize),
+) -> StoreResult<BuriedFetched> {
+    let Some(q) = keys.queues.get(over.queue) else {
+        return Ok(BuriedFetched::default());
+    };
+    let (max_deliveries, max_bytes) = limits;
+    let mut inv = BURY_FETCHED.prepare_invoke();
+    inv.key(&q.name)
+        .key(q.deliveries())
+        .key(&q.dead)
+        .arg(&over.msg)
+        .arg(if done { "done" } else { "dead" })
+        .arg(max_deliveries)
+        .arg(consumer)
+        .arg(&q.name)
+        .arg(max_bytes);
+    let Value::Array(reply) = run("settle a message fetched too often", &inv, con)? else {
+        return Ok(BuriedFetched::default());
+    };
+    Ok(BuriedFetched {
+        done: int(reply.first()) == 1,
+        buried: pairs(reply.get(1)),
+        blocked: WrongType::from_reply(reply.get(2)),
+    })
 }
 
 /// Moves up to `max` messages from the queues, in priority order, into `consumer`'s
@@ -61,14 +120,22 @@ pub fn fetch(
             .collect(),
         _ => Vec::new(),
     };
-    let blocked = match reply.get(3) {
-        Some(Value::Array(w)) => WrongType::parse(w),
+    let over = match reply.get(4) {
+        Some(Value::Array(o)) => match o.as_slice() {
+            [q, Value::BulkString(msg), n, ..] => Some(Overfetched {
+                queue: int(Some(q)).max(0) as usize,
+                msg: msg.clone(),
+                fetched: int(Some(n)).max(0) as u64,
+            }),
+            _ => None,
+        },
         _ => None,
     };
     Ok(Fetched {
         messages,
         buried: pairs(reply.get(2)),
-        blocked,
+        blocked: WrongType::from_reply(reply.get(3)),
+        over,
     })
 }
 

@@ -248,33 +248,131 @@ pub fn forgive_left(
     }
 }
 
-/// Sends entries delivered more than `max_deliveries` times (idle at least `min_idle`;
-/// only `only`'s when given) to the dead letters, inside Redis: (job key, reason) of
-/// each, and the dead-letter key if it holds another type (then nothing is buried).
-pub fn bury_overdelivered(
-    con: &mut dyn ConnectionLike,
+/// Which entries to look at for [`overdelivered`] and [`bury_overdelivered`]: delivered
+/// more than `max_deliveries` times, idle at least `min_idle`, only `only`'s when given,
+/// among the first `scan` pending entries.
+#[derive(Debug, Clone, Copy)]
+pub struct OverDelivered<'a> {
+    pub only: Option<&'a str>,
+    pub min_idle: Duration,
+    pub max_deliveries: u64,
+    pub scan: usize,
+}
+
+/// An entry delivered more than the limit, named by [`overdelivered`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Candidate {
+    pub id: String,
+    /// Its job key (the entry id when it has none).
+    pub key: Vec<u8>,
+    /// Its message; empty when over the size limit or gone from the stream.
+    pub msg: Vec<u8>,
+    pub deliveries: u64,
+}
+
+/// What becomes of a [`Candidate`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// Its job's inbox row is there: it is acknowledged.
+    Done,
+    /// It goes to the dead letters.
+    Dead,
+}
+
+fn over_invocation<'s>(
     r: Reading<'_>,
-    only: Option<&str>,
-    min_idle: Duration,
-    max_deliveries: u64,
-    scan: usize,
-) -> StoreResult<(Buried, Option<WrongType>)> {
+    o: OverDelivered<'_>,
+    step: &str,
+) -> redis::ScriptInvocation<'s> {
     let mut inv = BURY.prepare_invoke();
     inv.key(&r.keys.stream)
         .key(&r.keys.dead)
         .key(&r.keys.moved)
         .key(&r.keys.letters)
         .arg(&r.keys.group)
-        .arg(only.unwrap_or(""))
-        .arg(min_idle.as_millis() as u64)
-        .arg(max_deliveries)
+        .arg(o.only.unwrap_or(""))
+        .arg(o.min_idle.as_millis() as u64)
+        .arg(o.max_deliveries)
         .arg(r.max_bytes)
-        .arg(scan)
-        .arg(r.consumer);
-    let Value::Array(reply) = run("dead-letter over-delivered entries", &inv, con)? else {
+        .arg(o.scan)
+        .arg(r.consumer)
+        .arg(step);
+    inv
+}
+
+/// The entries delivered more than the limit (see `lua/bury_overdelivered.lua`), read and
+/// left as they are, for the caller to look their jobs up in the inbox; and the
+/// dead-letter key, when it holds another type (then none can be buried).
+pub fn overdelivered(
+    con: &mut dyn ConnectionLike,
+    r: Reading<'_>,
+    o: OverDelivered<'_>,
+) -> StoreResult<(Vec<Candidate>, Option<WrongType>)> {
+    let what = "look at over-delivered entries";
+    let Value::Array(reply) = run(what, &over_invocation(r, o, "look"), con)? else {
         return Ok((Vec::new(), None));
     };
-    Ok((pairs(reply.get(1)), WrongType::from_reply(reply.get(2))))
+    let blocked = WrongType::from_reply(reply.get(1));
+    let Some(Value::Array(found)) = reply.first() else {
+        return Ok((Vec::new(), blocked));
+    };
+    let bytes = |v: Option<&Value>| match v {
+        Some(Value::BulkString(b)) => b.clone(),
+        _ => Vec::new(),
+    };
+    let candidates = found
+        .iter()
+        .filter_map(|c| match c {
+            Value::Array(f) => Some(Candidate {
+                id: f.first().map(value_to_string).unwrap_or_default(),
+                key: bytes(f.get(1)),
+                msg: bytes(f.get(2)),
+                deliveries: int(f.get(3)).max(0) as u64,
+            }),
+            _ => None,
+        })
+        .collect();
+    Ok((candidates, blocked))
+}
+
+/// What [`bury_overdelivered`] did.
+#[derive(Debug, Default)]
+pub struct OverOutcome {
+    /// (job key, reason) of each entry sent to the dead letters.
+    pub buried: Buried,
+    /// Entries acknowledged as done (their job had committed).
+    pub done: usize,
+    /// The dead-letter key, when it holds another type (then nothing is buried).
+    pub blocked: Option<WrongType>,
+}
+
+/// Settles entries [`overdelivered`] named, by the caller's verdicts, inside Redis: those
+/// done acknowledged, the others sent to the dead letters; one no longer over-delivered
+/// and pending as `o` says (settled or claimed meanwhile) is left alone.
+pub fn bury_overdelivered(
+    con: &mut dyn ConnectionLike,
+    r: Reading<'_>,
+    o: OverDelivered<'_>,
+    verdicts: &[(String, Verdict)],
+) -> StoreResult<OverOutcome> {
+    if verdicts.is_empty() {
+        return Ok(OverOutcome::default());
+    }
+    let mut inv = over_invocation(r, o, "settle");
+    for (id, v) in verdicts {
+        inv.arg(id).arg(match v {
+            Verdict::Done => "done",
+            Verdict::Dead => "dead",
+        });
+    }
+    let Value::Array(reply) = run("dead-letter over-delivered entries", &inv, con)? else {
+        return Ok(OverOutcome::default());
+    };
+    Ok(OverOutcome {
+        buried: pairs(reply.get(1)),
+        blocked: WrongType::from_reply(reply.get(2)),
+        done: int(reply.get(3)).max(0) as usize,
+    })
 }
 
 /// The settle script for stream entries (see `lua/settle.lua`); the raw reply, parsed by

@@ -300,6 +300,17 @@ pub fn key_text(key: &[u8]) -> String {
 
 /// The event a raw list queue stands for, when the message came from one (`--queue
 /// NAME=EVENT`): its messages are the payload alone, without the envelope.
+/// The inbox key of the job of message `msg` (job key `key`) from `origin`, as its inbox
+/// insert writes it; `None` when the message does not decode (no job of it ever ran).
+pub fn inbox_id(keys: &Keys, origin: &Origin, key: &[u8], msg: &[u8]) -> Option<InboxId> {
+    let env = match raw_event(keys, origin) {
+        Some(event) => Envelope::decode_raw(msg, usize::MAX, event),
+        None => Envelope::decode(msg, usize::MAX),
+    }
+    .ok()?;
+    Some(InboxId::of_envelope(key, &env))
+}
+
 fn raw_event<'k>(keys: &'k Keys, origin: &Origin) -> Option<&'k str> {
     match origin {
         Origin::List { queue } => keys.queues.get(*queue).and_then(|q| q.raw_event.as_deref()),
@@ -724,16 +735,7 @@ impl<'a> Worker<'a> {
 
     /// The inbox key of a settlement's job, as its inbox insert wrote it.
     fn inbox_id(&self, s: &Settlement) -> Option<InboxId> {
-        let env = match raw_event(self.ctx.keys, &s.origin) {
-            Some(event) => Envelope::decode_raw(&s.msg, usize::MAX, event),
-            None => Envelope::decode(&s.msg, usize::MAX),
-        }
-        .ok()?;
-        Some(InboxId {
-            key: key_text(&s.key),
-            ts: env.ts,
-            job_id: env.job_id.unwrap_or_default(),
-        })
+        inbox_id(self.ctx.keys, &s.origin, &s.key, &s.msg)
     }
 
     /// The message to put back in the delay pool for a settlement: as delivered, except a

@@ -821,6 +821,17 @@ pub struct InboxId {
     pub job_id: String,
 }
 
+impl InboxId {
+    /// The inbox key of `env`'s job under job key `key`, as its inbox insert writes it.
+    pub fn of_envelope(key: &[u8], env: &Envelope) -> InboxId {
+        InboxId {
+            key: crate::workers::key_text(key),
+            ts: env.ts,
+            job_id: env.job_id.clone().unwrap_or_default(),
+        }
+    }
+}
+
 /// Which of `ids` have their inbox row, in one statement.
 pub fn inbox_rows<'a>(
     client: &mut postgres::Client,

@@ -32,12 +32,17 @@ fn step_reader<'a>(
 ) {
     let (tx, rx) = delay_worker::delivery::channel(4, 1);
     let (space_tx, space_rx) = crossbeam_channel::bounded(1);
+    // Lives as long as the test's process: the reader borrows it.
+    let inbox = Box::leak(Box::new(delay_worker::source::done::InboxLook::new(
+        delay_worker::db::Target::parse(&c.database_url).unwrap(),
+    )));
     let reader = ListReader::new(
         &c.keys,
         &c.reader,
         "c1",
         stats,
         Feed::new(tx, space_rx, stats),
+        inbox,
     );
     (reader, rx, space_tx)
 }
@@ -574,6 +579,85 @@ fn a_message_that_keeps_killing_its_consumer_goes_to_the_dead_list() {
         .query(&mut con)
         .unwrap();
     assert_eq!(n, 0);
+}
+
+/// A job whose transaction committed is never also a dead letter, in list mode: a message
+/// fetched `--max-deliveries` times without being settled whose job's inbox row is there
+/// was done (its consumer was killed between the commit and the settle, as often as the
+/// limit): it is taken off its queue without a letter; only one whose job never ran goes
+/// to the dead list, unrun.
+#[test]
+fn a_message_fetched_too_often_whose_job_committed_is_taken_off_not_dead_lettered() {
+    let mut env = list_env(&[("normal", None)]);
+    env.config.reader.max_deliveries = 3;
+    let orders = seed_orders(&env.db, 2);
+    let msg = |o: &SeedOrder| {
+        format!(
+            r#"{{"event":"order.timeout","payload":{{"order_no":"{}"}},"ts":1}}"#,
+            o.order_no
+        )
+    };
+    let (done, never_ran) = (msg(&orders[0]), msg(&orders[1]));
+    lpush(&env, "normal", &done);
+    let daemon = Daemon::start(&env.config);
+    wait_until(WAIT, "the first order done", || {
+        inbox_count(&env.db) == 1
+            && llen(
+                &env,
+                &env.config.keys.queues[0].processing(&env.config.consumer),
+            ) == 0
+    });
+    daemon.stop();
+
+    // Both pushed back as if by consumers killed three times each, the first after its
+    // job had committed.
+    let c = &env.config;
+    let mut con = env.con();
+    for m in [&done, &never_ran] {
+        lpush(&env, "normal", m);
+        let digest: String = redis::cmd("EVAL")
+            .arg("return redis.sha1hex(ARGV[1])")
+            .arg(0)
+            .arg(m)
+            .query(&mut con)
+            .unwrap();
+        redis::cmd("HSET")
+            .arg(c.keys.queues[0].deliveries())
+            .arg(digest)
+            .arg(3)
+            .query::<()>(&mut con)
+            .unwrap();
+    }
+    let stats = Stats::default();
+    let (mut reader, rx, _space) = step_reader(c, &stats);
+    reader.start(&mut con, &Shutdown::new()).unwrap();
+    for _ in 0..3 {
+        reader.poll(&mut con).unwrap();
+    }
+    assert_eq!(rx.try_iter().count(), 0, "neither is fetched again");
+    assert_eq!(llen(&env, "normal"), 0);
+    let letters: Vec<String> = redis::cmd("LRANGE")
+        .arg("normal:dead")
+        .arg(0)
+        .arg(-1)
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    let letter: serde_json::Value = serde_json::from_str(&letters[0]).unwrap();
+    assert_eq!(
+        letter["msg"],
+        never_ran.as_str(),
+        "only the job that never ran"
+    );
+    assert!(
+        letter["reason"]
+            .as_str()
+            .unwrap()
+            .contains("fetched 3 times"),
+        "{letter}"
+    );
+    assert_eq!(inbox_count(&env.db), 1);
+    assert_accounting(&env.db, &orders, &[&orders[0]]);
 }
 
 #[test]

@@ -269,12 +269,16 @@ fn a_dead_consumer_is_taken_over_at_once_not_a_channel_at_a_time() {
     let stats = Stats::default();
     let (tx, rx) = delay_worker::delivery::channel(8, 1);
     let (_space_tx, space_rx) = crossbeam_channel::bounded(1);
+    let inbox = delay_worker::source::done::InboxLook::new(
+        delay_worker::db::Target::parse(&env.db.url).unwrap(),
+    );
     let mut reader = Reader::new(
         &k,
         &env.config.reader,
         "host-b",
         &stats,
         Feed::new(tx, space_rx, &stats),
+        &inbox,
     );
     reader.maintain(&mut con).unwrap();
     let mine = store::stream::pending(&mut con, &k, 0, 1000, Some("host-b")).unwrap();

@@ -168,7 +168,11 @@ fn a_server_turned_read_only_holds_every_job_and_health_is_red_until_it_takes_wr
         std::thread::sleep(Duration::from_millis(200));
     }
     assert_eq!(books(&env).dead, 0, "no dead letter for a read-only server");
-    assert_eq!(inbox_count(&env.db), done_when_red, "nothing done while read-only");
+    assert_eq!(
+        inbox_count(&env.db),
+        done_when_red,
+        "nothing done while read-only"
+    );
     // A worker started now, with the one host: one line and exit 1 (its unit starts it
     // again), not a worker at work on a read-only server.
     let mut second = env.config.clone();

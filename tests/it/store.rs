@@ -592,19 +592,53 @@ fn burying_the_over_delivered_leaves_them_pending_when_the_dead_letters_are_the_
     let mut con = r.con();
     let k = keys();
     one_pending(&mut con, &k, r#"{"event":"e","payload":{}}"#);
+    // Delivered more often than a limit of 0.
+    let over = stream::OverDelivered {
+        only: None,
+        min_idle: Duration::ZERO,
+        max_deliveries: 0,
+        scan: 10,
+    };
+    let (looked, blocked) = stream::overdelivered(&mut con, reading(&k), over).unwrap();
+    assert_eq!(looked.len(), 1);
+    assert!(blocked.is_none());
+    assert!(String::from_utf8_lossy(&looked[0].msg).contains(r#""payload":{}"#));
+    assert_eq!(looked[0].key, b"job-1".to_vec());
+    assert_eq!(looked[0].deliveries, 1);
+    assert_eq!(pending(&mut con, &k), 1, "a look changes nothing");
+    let dead = [(looked[0].id.clone(), stream::Verdict::Dead)];
     set_string(&mut con, &k.dead);
-    let (buried, blocked) =
-        stream::bury_overdelivered(&mut con, reading(&k), None, Duration::ZERO, 0, 10).unwrap();
-    assert!(buried.is_empty());
-    assert_eq!(blocked.unwrap().key, k.dead);
+    let (_, blocked) = stream::overdelivered(&mut con, reading(&k), over).unwrap();
+    assert_eq!(blocked.unwrap().key, k.dead, "a look names the key too");
+    let out = stream::bury_overdelivered(&mut con, reading(&k), over, &dead).unwrap();
+    assert!(out.buried.is_empty());
+    assert_eq!(out.blocked.unwrap().key, k.dead);
     assert_eq!(pending(&mut con, &k), 1, "still pending");
     del(&mut con, &k.dead);
-    // Delivered more often than a limit of 0: buried, letter first, then acknowledged.
-    let (buried, _) =
-        stream::bury_overdelivered(&mut con, reading(&k), None, Duration::ZERO, 0, 10).unwrap();
-    assert_eq!(buried.len(), 1);
+    // Buried, letter first, then acknowledged.
+    let out = stream::bury_overdelivered(&mut con, reading(&k), over, &dead).unwrap();
+    assert_eq!(out.buried.len(), 1);
     assert_eq!(pending(&mut con, &k), 0);
     assert_eq!(xlen(&mut con, &k.dead), 1);
+    // Settled already: a second verdict on it does nothing.
+    let again = stream::bury_overdelivered(&mut con, reading(&k), over, &dead).unwrap();
+    assert_eq!((again.buried.len(), again.done), (0, 0));
+    assert_eq!(xlen(&mut con, &k.dead), 1);
+
+    // One whose job is done is acknowledged without a letter; one not looked at stays.
+    one_pending(&mut con, &k, r#"{"event":"e","payload":{"n":1}}"#);
+    one_pending(&mut con, &k, r#"{"event":"e","payload":{"n":2}}"#);
+    let (looked, _) = stream::overdelivered(&mut con, reading(&k), over).unwrap();
+    assert_eq!(looked.len(), 2);
+    let done = [(looked[0].id.clone(), stream::Verdict::Done)];
+    let out = stream::bury_overdelivered(&mut con, reading(&k), over, &done).unwrap();
+    assert_eq!((out.buried.len(), out.done), (0, 1));
+    assert_eq!(
+        xlen(&mut con, &k.dead),
+        1,
+        "no letter for a job that was done"
+    );
+    assert_eq!(pending(&mut con, &k), 1, "the one without a verdict waits");
 }
 
 #[test]

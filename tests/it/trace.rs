@@ -893,8 +893,14 @@ fn a_list_message_dead_for_too_many_fetches_is_traced_by_its_key() {
         assert_eq!(f.messages.len(), 1);
         store::list::requeue_processing(&mut env.con(), &keys, "c7", false, false).unwrap();
     }
+    // The fetch stops at it; its job not in the inbox, it goes to the dead list.
     let f = store::list::fetch(&mut env.con(), &keys, "c7", 1, 2, MAX).unwrap();
-    assert_eq!((f.messages.len(), f.buried.len()), (0, 1));
+    assert_eq!((f.messages.len(), f.buried.len()), (0, 0));
+    let over = f.over.expect("fetched as often as the limit");
+    assert_eq!(over.fetched, 2);
+    let out =
+        store::list::bury_fetched(&mut env.con(), &keys, "c7", &over, false, (2, MAX)).unwrap();
+    assert_eq!((out.done, out.buried.len()), (false, 1));
     let letter: Value = serde_json::from_str(
         &redis::cmd("LINDEX")
             .arg("q:dead")

@@ -1,0 +1,49 @@
+//! Whether jobs over the delivery limit were done: the inbox looked at before an entry
+//! delivered more than `--max-deliveries` times becomes a dead letter.
+//!
+//! A process killed between a job's commit and its acknowledgement, as often as the limit
+//! allows, leaves an entry that looks just like a message that kills its consumer. Its
+//! job is done (its inbox row is there), so it is acknowledged, never also a dead letter
+//! (found from outside: five kill -9s under `--max-deliveries 3` made jobs both done and
+//! dead letters). The reader asks on a connection of its own, made for the question: the
+//! workers' pool keeps all its connections, and such entries are rare.
+
+use crate::db;
+use crate::workers::session::{inbox_rows, InboxId};
+use std::collections::HashSet;
+use std::time::Duration;
+
+/// The longest each of the look's statements may take (and wait for a lock).
+const LOOK_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Asks the inbox which jobs are done.
+pub struct InboxLook {
+    target: db::Target,
+}
+
+impl InboxLook {
+    /// Looks through `target` (the workers' database, their `search_path` kept).
+    pub fn new(mut target: db::Target) -> InboxLook {
+        let ms = LOOK_TIMEOUT.as_millis();
+        target.add_options(&format!(
+            "-c statement_timeout={ms} -c lock_timeout={ms} -c synchronous_commit=on"
+        ));
+        InboxLook { target }
+    }
+
+    /// Which of `ids` have their inbox row, durable: on a new connection, one WAL flush
+    /// (every commit it can see is then durable: an acknowledged job's row must survive a
+    /// crash of the server), then one look-up. An error when PostgreSQL cannot be asked:
+    /// the caller then decides nothing.
+    pub fn done(&self, ids: &[InboxId]) -> Result<HashSet<InboxId>, String> {
+        if ids.is_empty() {
+            return Ok(HashSet::new());
+        }
+        let mut client = self
+            .target
+            .connect_within(db::HANDSHAKE_DEADLINE)
+            .map_err(|e| e.to_string())?;
+        db::flush_wal_by_inbox(&mut client).map_err(|e| db::error_text(&e))?;
+        inbox_rows(&mut client, ids.iter()).map_err(|e| db::error_text(&e))
+    }
+}
