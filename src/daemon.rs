@@ -519,7 +519,7 @@ impl<'a> Crew<'a> {
             doorbell: Doorbell::default(),
             drain: Drain::default(),
             manners: Manners::new(&config.jobs.max_rates, config.jobs.set_size),
-            inbox: InboxLook::new(pool_target.clone()),
+            inbox: InboxLook::new(pool_target.clone(), config.reader.heartbeat_ttl),
             pool_target,
             shard_mover: MoverConfig {
                 legacy: Vec::new(),

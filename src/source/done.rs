@@ -13,22 +13,27 @@ use crate::workers::session::{inbox_rows, InboxId};
 use std::collections::HashSet;
 use std::time::Duration;
 
-/// The longest each of the look's statements may take (and wait for a lock).
-const LOOK_TIMEOUT: Duration = Duration::from_secs(5);
+/// The longest each of the look's three steps (connect, flush, look-up) may take, at most:
+/// the reader waits for them between two refreshes of its heartbeat.
+const LOOK_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Asks the inbox which jobs are done.
 pub struct InboxLook {
     target: db::Target,
+    timeout: Duration,
 }
 
 impl InboxLook {
-    /// Looks through `target` (the workers' database, their `search_path` kept).
-    pub fn new(mut target: db::Target) -> InboxLook {
-        let ms = LOOK_TIMEOUT.as_millis();
+    /// Looks through `target` (the workers' database, their `search_path` kept), each step
+    /// within a quarter of `heartbeat_ttl` (at most 2 s), so that a server that accepts and
+    /// never answers cannot hold the reader until its heartbeat lapses.
+    pub fn new(mut target: db::Target, heartbeat_ttl: Duration) -> InboxLook {
+        let timeout = (heartbeat_ttl / 4).clamp(Duration::from_millis(100), LOOK_TIMEOUT);
+        let ms = timeout.as_millis();
         target.add_options(&format!(
             "-c statement_timeout={ms} -c lock_timeout={ms} -c synchronous_commit=on"
         ));
-        InboxLook { target }
+        InboxLook { target, timeout }
     }
 
     /// Which of `ids` have their inbox row, durable: on a new connection, one WAL flush
@@ -41,7 +46,7 @@ impl InboxLook {
         }
         let mut client = self
             .target
-            .connect_within(db::HANDSHAKE_DEADLINE)
+            .connect_within(self.timeout)
             .map_err(|e| e.to_string())?;
         db::flush_wal_by_inbox(&mut client).map_err(|e| db::error_text(&e))?;
         inbox_rows(&mut client, ids.iter()).map_err(|e| db::error_text(&e))

@@ -104,17 +104,22 @@ impl<'a> ListReader<'a> {
         let done = match crate::workers::inbox_id(self.keys, &d.origin, &d.key, &d.msg) {
             None => false,
             Some(_) if self.look_after.is_some_and(|t| Instant::now() < t) => return Ok(false),
-            Some(id) => match self.inbox.done(std::slice::from_ref(&id)) {
-                Ok(found) => found.contains(&id),
-                Err(e) => {
-                    log::warn!(
-                        "list reader: a message fetched {} times without being settled waits at its queue's tail: its job cannot be looked up in the inbox: {e}",
-                        over.fetched
-                    );
-                    self.look_after = Some(Instant::now() + self.cfg.block);
-                    return Ok(false);
+            Some(id) => {
+                let looked = self.inbox.done(std::slice::from_ref(&id));
+                // The look may have taken seconds.
+                self.heartbeat(con)?;
+                match looked {
+                    Ok(found) => found.contains(&id),
+                    Err(e) => {
+                        log::warn!(
+                            "list reader: a message fetched {} times without being settled waits at its queue's tail: its job cannot be looked up in the inbox: {e}",
+                            over.fetched
+                        );
+                        self.look_after = Some(Instant::now() + self.cfg.block);
+                        return Ok(false);
+                    }
                 }
-            },
+            }
         };
         self.look_after = None;
         let limits = (self.cfg.max_deliveries, self.cfg.max_message_bytes);
@@ -133,10 +138,8 @@ impl<'a> ListReader<'a> {
         Ok(true)
     }
 
-    /// Heartbeat, this process's [`Standing`], then the processing lists of consumers
-    /// whose heartbeat expired (and of live ones marked as having no usable PostgreSQL,
-    /// when this process has one).
-    fn maintain(&mut self, con: &mut dyn redis::ConnectionLike) -> Result<(), StepError> {
+    /// This consumer's heartbeat, with this process's health record in it.
+    fn heartbeat(&self, con: &mut dyn redis::ConnectionLike) -> Result<(), StepError> {
         let record = crate::health::Record::of(self.stats).to_json();
         store::heartbeat(
             con,
@@ -145,6 +148,14 @@ impl<'a> ListReader<'a> {
             self.cfg.heartbeat_ttl,
             &record,
         )?;
+        Ok(())
+    }
+
+    /// Heartbeat, this process's [`Standing`], then the processing lists of consumers
+    /// whose heartbeat expired (and of live ones marked as having no usable PostgreSQL,
+    /// when this process has one).
+    fn maintain(&mut self, con: &mut dyn redis::ConnectionLike) -> Result<(), StepError> {
+        self.heartbeat(con)?;
         let usable = self.standing.look(
             con,
             (self.keys, self.consumer, "list reader"),
@@ -194,14 +205,7 @@ impl Source for ListReader<'_> {
         con: &mut dyn redis::ConnectionLike,
         _shutdown: &Shutdown,
     ) -> Result<usize, StepError> {
-        let record = crate::health::Record::of(self.stats).to_json();
-        store::heartbeat(
-            con,
-            self.keys,
-            self.consumer,
-            self.cfg.heartbeat_ttl,
-            &record,
-        )?;
+        self.heartbeat(con)?;
         list::register_consumer(con, self.keys, self.consumer)?;
         let n = list::requeue_processing(con, self.keys, self.consumer, false, false)?
             .map_or(0, |b| b.messages);

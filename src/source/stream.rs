@@ -359,7 +359,10 @@ impl<'a> Reader<'a> {
             })
             .collect();
         let asked: Vec<InboxId> = ids.iter().flatten().cloned().collect();
-        let done = match self.inbox.done(&asked) {
+        let looked = self.inbox.done(&asked);
+        // The look may have taken seconds.
+        self.heartbeat(con)?;
+        let done = match looked {
             Ok(done) => done,
             Err(e) => {
                 log::warn!(

@@ -35,6 +35,7 @@ fn step_reader<'a>(
     // Lives as long as the test's process: the reader borrows it.
     let inbox = Box::leak(Box::new(delay_worker::source::done::InboxLook::new(
         delay_worker::db::Target::parse(&c.database_url).unwrap(),
+        c.reader.heartbeat_ttl,
     )));
     let reader = ListReader::new(
         &c.keys,
@@ -658,6 +659,77 @@ fn a_message_fetched_too_often_whose_job_committed_is_taken_off_not_dead_lettere
     );
     assert_eq!(inbox_count(&env.db), 1);
     assert_accounting(&env.db, &orders, &[&orders[0]]);
+}
+
+/// List mode: a message fetched `--max-deliveries` times whose job cannot be looked up in
+/// the inbox (PostgreSQL cannot be asked) waits at its queue's tail, neither dead-lettered
+/// nor fetched again, and the fetch stops there (the queue keeps its order); once the
+/// inbox answers it is decided and the messages behind it go on.
+#[test]
+fn a_message_fetched_too_often_waits_while_the_inbox_cannot_be_asked() {
+    use delay_worker::source::done::InboxLook;
+    let mut env = list_env(&[("normal", None)]);
+    env.config.reader.max_deliveries = 1;
+    let c = &env.config;
+    let mut con = env.con();
+    let first = r#"{"event":"order.timeout","payload":{"order_no":"NEVER-RAN"},"ts":1}"#;
+    let behind = r#"{"event":"order.timeout","payload":{"order_no":"BEHIND"},"ts":1}"#;
+    lpush(&env, "normal", first);
+    lpush(&env, "normal", behind);
+    let digest: String = redis::cmd("EVAL")
+        .arg("return redis.sha1hex(ARGV[1])")
+        .arg(0)
+        .arg(first)
+        .query(&mut con)
+        .unwrap();
+    redis::cmd("HSET")
+        .arg(c.keys.queues[0].deliveries())
+        .arg(digest)
+        .arg(1)
+        .query::<()>(&mut con)
+        .unwrap();
+    let stats = Stats::default();
+    let (tx, rx) = delay_worker::delivery::channel(4, 1);
+    let (_space_tx, space_rx) = crossbeam_channel::bounded(1);
+    let nowhere = format!("postgres://postgres@127.0.0.1:{}/postgres", free_port());
+    let nowhere = InboxLook::new(
+        delay_worker::db::Target::parse(&nowhere).unwrap(),
+        c.reader.heartbeat_ttl,
+    );
+    let mut reader = ListReader::new(
+        &c.keys,
+        &c.reader,
+        "c1",
+        &stats,
+        Feed::new(tx, space_rx, &stats),
+        &nowhere,
+    );
+    reader.start(&mut con, &Shutdown::new()).unwrap();
+    for _ in 0..3 {
+        reader.poll(&mut con).unwrap();
+    }
+    assert_eq!(rx.try_iter().count(), 0, "nothing fetched past it");
+    assert_eq!(llen(&env, "normal"), 2, "both still queued");
+    assert_eq!(
+        llen(&env, "normal:dead"),
+        0,
+        "not a dead letter while it cannot be told"
+    );
+    drop(reader);
+
+    let stats = Stats::default();
+    let (mut reader, rx, _space) = step_reader(c, &stats);
+    reader.start(&mut con, &Shutdown::new()).unwrap();
+    for _ in 0..3 {
+        reader.poll(&mut con).unwrap();
+    }
+    assert_eq!(llen(&env, "normal:dead"), 1, "decided: it never ran");
+    let fetched: Vec<Vec<u8>> = rx.try_iter().map(|d| d.msg).collect();
+    assert_eq!(
+        fetched,
+        vec![behind.as_bytes().to_vec()],
+        "the one behind goes on"
+    );
 }
 
 #[test]

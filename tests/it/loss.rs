@@ -271,6 +271,7 @@ fn a_dead_consumer_is_taken_over_at_once_not_a_channel_at_a_time() {
     let (_space_tx, space_rx) = crossbeam_channel::bounded(1);
     let inbox = delay_worker::source::done::InboxLook::new(
         delay_worker::db::Target::parse(&env.db.url).unwrap(),
+        env.config.reader.heartbeat_ttl,
     );
     let mut reader = Reader::new(
         &k,
@@ -293,6 +294,108 @@ fn a_dead_consumer_is_taken_over_at_once_not_a_channel_at_a_time() {
     }
     assert_eq!(got, 150);
     assert_eq!(stats.snapshot().reclaimed, 150);
+}
+
+/// Entries over `--max-deliveries` whose jobs cannot be looked up in the inbox (PostgreSQL
+/// cannot be asked) wait: neither dead-lettered (one may have committed) nor delivered again,
+/// by the start's re-read or by a reclaim (one may kill its consumer); once the inbox
+/// answers they are decided (here none ran: dead letters).
+#[test]
+fn over_delivered_entries_wait_while_the_inbox_cannot_be_asked() {
+    use delay_worker::db::Target;
+    use delay_worker::source::done::InboxLook;
+    let env = Env::new();
+    let mut con = env.con();
+    let k = env.config.keys.clone();
+    let mut cfg = env.config.reader.clone();
+    cfg.max_deliveries = 1;
+    store::stream::ensure_group(&mut con, &k).unwrap();
+    for i in 0..3 {
+        let msg = format!(r#"{{"event":"e","payload":{{"n":{i}}}}}"#);
+        store::push(
+            &mut con,
+            &k,
+            &format!("j{i}"),
+            &msg,
+            delay_worker::now_ms() - 1000,
+        )
+        .unwrap();
+    }
+    let mover_stats = Stats::default();
+    let mover = delay_worker::mover::Mover::new(&k, &env.config.mover, &mover_stats);
+    while mover
+        .tick(&mut con, delay_worker::now_ms())
+        .unwrap()
+        .0
+        .moved
+        > 0
+    {}
+    // Delivered to c1 twice: once more than a limit of 1.
+    let c1 = store::stream::Reading {
+        keys: &k,
+        consumer: "c1",
+        max_bytes: 1 << 20,
+    };
+    assert_eq!(
+        store::stream::read(&mut con, c1, 10, ">")
+            .unwrap()
+            .deliveries
+            .len(),
+        3
+    );
+    assert_eq!(
+        store::stream::read(&mut con, c1, 10, "0")
+            .unwrap()
+            .deliveries
+            .len(),
+        3
+    );
+
+    let reader_on = |inbox: &InboxLook, con: &mut redis::Connection| {
+        let stats = Stats::default();
+        let (tx, rx) = delay_worker::delivery::channel(8, 1);
+        let (_space_tx, space_rx) = crossbeam_channel::bounded(1);
+        let mut reader = Reader::new(
+            &k,
+            &cfg,
+            "c1",
+            &stats,
+            Feed::new(tx, space_rx, &stats),
+            inbox,
+        );
+        reader
+            .start(con, &delay_worker::shutdown::Shutdown::new())
+            .unwrap();
+        // Idle long enough to be reclaimed: the maintenance pass looks at them too.
+        age_pending(con, &k, "c1");
+        reader.maintain(con).unwrap();
+        drop(reader);
+        rx.try_iter().count()
+    };
+    // Nothing listens there.
+    let nowhere = format!("postgres://postgres@127.0.0.1:{}/postgres", free_port());
+    let nowhere = InboxLook::new(Target::parse(&nowhere).unwrap(), cfg.heartbeat_ttl);
+    assert_eq!(reader_on(&nowhere, &mut con), 0, "none delivered again");
+    assert_eq!(
+        books(&env).dead,
+        0,
+        "none dead-lettered while the inbox cannot be asked"
+    );
+    let pending = |con: &mut redis::Connection| {
+        store::stream::pending(con, &k, 0, 100, Some("c1"))
+            .unwrap()
+            .len()
+    };
+    assert_eq!(pending(&mut con), 3);
+
+    let inbox = InboxLook::new(Target::parse(&env.db.url).unwrap(), cfg.heartbeat_ttl);
+    assert_eq!(reader_on(&inbox, &mut con), 0);
+    assert_eq!(
+        books(&env).dead,
+        3,
+        "decided once the inbox answers: none ran"
+    );
+    assert_eq!(pending(&mut con), 0);
 }
 
 /// Defect 3: Messages of 10 MB never enter the worker: the mover dead-letters them inside Redis
