@@ -5,12 +5,14 @@
 //! allows, leaves an entry that looks just like a message that kills its consumer. Its
 //! job is done (its inbox row is there), so it is acknowledged, never also a dead letter
 //! (found from outside: five kill -9s under `--max-deliveries 3` made jobs both done and
-//! dead letters). The reader asks on a connection of its own, made for the question: the
-//! workers' pool keeps all its connections, and such entries are rare.
+//! dead letters). The reader asks on a connection of its own, made at the first question
+//! and kept while it answers (never one a job committed on): the workers' pool keeps all
+//! its connections.
 
 use crate::db;
 use crate::workers::session::{inbox_rows, InboxId};
 use std::collections::HashSet;
+use std::sync::Mutex;
 use std::time::Duration;
 
 /// The longest each of the look's three steps (connect, flush, look-up) may take, at most:
@@ -21,6 +23,8 @@ const LOOK_TIMEOUT: Duration = Duration::from_secs(2);
 pub struct InboxLook {
     target: db::Target,
     timeout: Duration,
+    /// The connection of the last look that answered.
+    kept: Mutex<Option<postgres::Client>>,
 }
 
 impl InboxLook {
@@ -33,22 +37,42 @@ impl InboxLook {
         target.add_options(&format!(
             "-c statement_timeout={ms} -c lock_timeout={ms} -c synchronous_commit=on"
         ));
-        InboxLook { target, timeout }
+        InboxLook {
+            target,
+            timeout,
+            kept: Mutex::new(None),
+        }
     }
 
-    /// Which of `ids` have their inbox row, durable: on a new connection, one WAL flush
-    /// (every commit it can see is then durable: an acknowledged job's row must survive a
-    /// crash of the server), then one look-up. An error when PostgreSQL cannot be asked:
-    /// the caller then decides nothing.
+    /// Which of `ids` have their inbox row, durable: one WAL flush (every commit the
+    /// look can see is then durable: an acknowledged job's row must survive a crash of the
+    /// server), then one look-up; on the kept connection, or a new one when there is none
+    /// or the kept one fails (its server restarted, or turned read-only). An error when
+    /// PostgreSQL cannot be asked: the caller then decides nothing.
     pub fn done(&self, ids: &[InboxId]) -> Result<HashSet<InboxId>, String> {
         if ids.is_empty() {
             return Ok(HashSet::new());
+        }
+        let mut kept = self.kept.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(mut client) = kept.take().filter(|c| !c.is_closed()) {
+            if let Ok(found) = ask(&mut client, ids) {
+                *kept = Some(client);
+                return Ok(found);
+            }
         }
         let mut client = self
             .target
             .connect_within(self.timeout)
             .map_err(|e| e.to_string())?;
-        db::flush_wal_by_inbox(&mut client).map_err(|e| db::error_text(&e))?;
-        inbox_rows(&mut client, ids.iter()).map_err(|e| db::error_text(&e))
+        // A role's `idle_session_timeout` would end it between two looks.
+        db::keep_session(&mut client).map_err(|e| db::error_text(&e))?;
+        let found = ask(&mut client, ids)?;
+        *kept = Some(client);
+        Ok(found)
     }
+}
+
+fn ask(client: &mut postgres::Client, ids: &[InboxId]) -> Result<HashSet<InboxId>, String> {
+    db::flush_wal_by_inbox(client).map_err(|e| db::error_text(&e))?;
+    inbox_rows(client, ids.iter()).map_err(|e| db::error_text(&e))
 }

@@ -398,6 +398,53 @@ fn over_delivered_entries_wait_while_the_inbox_cannot_be_asked() {
     assert_eq!(pending(&mut con), 0);
 }
 
+/// The inbox look keeps its connection between looks, and makes a new one when the kept
+/// one has gone (its session ended by the server: a restart, an administrator, a failover)
+/// rather than leave entries undecided for a pass.
+#[test]
+fn the_inbox_look_makes_a_new_connection_when_its_kept_one_has_gone() {
+    use delay_worker::source::done::InboxLook;
+    use delay_worker::workers::session::InboxId;
+    let env = Env::new();
+    let look = InboxLook::new(
+        delay_worker::db::Target::parse(&env.db.url).unwrap(),
+        env.config.reader.heartbeat_ttl,
+    );
+    let id = InboxId {
+        key: "k".into(),
+        ts: 1,
+        job_id: String::new(),
+    };
+    let sessions = || -> i64 {
+        env.db
+            .client()
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+                 AND application_name = 'delay-worker'",
+                &[],
+            )
+            .unwrap()
+            .get(0)
+    };
+    assert!(look.done(std::slice::from_ref(&id)).unwrap().is_empty());
+    assert!(look.done(std::slice::from_ref(&id)).unwrap().is_empty());
+    assert_eq!(sessions(), 1, "one connection, kept");
+    env.db
+        .client()
+        .execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+             WHERE datname = current_database() AND application_name = 'delay-worker'",
+            &[],
+        )
+        .unwrap();
+    wait_until(WAIT, "its session gone", || sessions() == 0);
+    assert!(
+        look.done(std::slice::from_ref(&id)).is_ok(),
+        "answered on a new connection"
+    );
+    assert_eq!(sessions(), 1);
+}
+
 /// Defect 3: Messages of 10 MB never enter the worker: the mover dead-letters them inside Redis
 /// with a prefix, their length and a digest.
 #[test]
