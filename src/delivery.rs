@@ -41,6 +41,12 @@ pub struct Delivery {
     /// job still running then belongs to no live worker: it ends by itself, and nobody
     /// else will settle the entry (see `workers::session`, a job running elsewhere).
     pub holder_gone: bool,
+    /// Delivered before: its consumer's previous run, a dead or stuck consumer, a list
+    /// message pushed back. Only such a job's start is counted in Redis before its
+    /// transaction ([`crate::keys::Keys::starts`]), a first delivery's is taken as
+    /// started: the count costs a round trip, and a drain's jobs are nearly all first
+    /// deliveries.
+    pub redelivered: bool,
 }
 
 impl Delivery {
@@ -352,6 +358,7 @@ mod tests {
             received: Instant::now(),
             shard: 0,
             holder_gone: false,
+            redelivered: false,
         }
     }
 

@@ -25,6 +25,15 @@ pub struct Keys {
     /// (`<pool>:letters`; at most 8, kept by the scripts that write, requeue and purge
     /// dead letters), so `worker trace` finds them without reading the dead letters.
     pub letters: String,
+    /// HASH: stream entry id -> how many times a job of it began its transaction without
+    /// the entry being settled (`<pool>:starts`; counted by the workers before each
+    /// transaction, cleared when the entry is settled). An entry delivered more than
+    /// `--max-deliveries` times is a poison message (it kills its consumer) only when
+    /// its job started that many times: a process killed while it held the entry unrun
+    /// (read ahead, waiting for its `--max-rate` slot) is not the entry's fault. List
+    /// mode keeps the same count in each queue's deliveries HASH, under
+    /// `started:<sha1 of the message>`.
+    pub starts: String,
     /// HASH: event -> `<unix ms> <job key>`: when (Redis's clock) a job of it was last
     /// taken for its data without proof (a dead letter at its second look), and which
     /// (`<pool>:refused`; written by the worker that dead-letters it),
@@ -113,6 +122,7 @@ impl Keys {
             jobs: format!("{pool}:jobs"),
             moved: format!("{pool}:moved"),
             letters: format!("{pool}:letters"),
+            starts: format!("{pool}:starts"),
             refused: format!("{pool}:refused"),
             rates: format!("{pool}:rates"),
             pool,

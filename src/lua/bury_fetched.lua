@@ -1,10 +1,10 @@
 -- bury_fetched: settles a list message that `fetch` stopped at because fetching it again
--- would be once more than the limit (it kills its consumer, which restarts and pushes it
--- back), by the caller's verdict after a look at the inbox: 'done' (its job's
+-- would be once more than the limit and its job started that often (it kills its
+-- consumer, which restarts and pushes it back), by the caller's verdict after a look at the inbox: 'done' (its job's
 -- transaction committed: its process was killed between the commit and the settle) takes
 -- it off its queue without a letter; 'dead' pushes its dead letter, then takes it off.
--- Nothing happens unless it is still at its queue's tail and still over the limit (a
--- peer fetched or settled it meanwhile).
+-- Nothing happens unless it is still at its queue's tail and still over the limit, its
+-- job's starts too (a peer fetched or settled it meanwhile).
 --
 -- KEYS[1] the queue, KEYS[2] its deliveries HASH, KEYS[3] its dead list
 -- ARGV[1] the message, ARGV[2] 'done' or 'dead', ARGV[3] max deliveries, ARGV[4] this
@@ -18,9 +18,10 @@ if redis.call('LINDEX', KEYS[1], -1) ~= msg then return {0, {}, {}} end
 local digest = redis.sha1hex(msg)
 local count = tonumber(redis.call('HGET', KEYS[2], digest) or '0') + 1
 local max = tonumber(ARGV[3])
-if count <= max then return {0, {}, {}} end
+local started = tonumber(redis.call('HGET', KEYS[2], 'started:' .. digest) or '0')
+if count <= max or started + 1 < max then return {0, {}, {}} end
 if ARGV[2] == 'done' then
-  redis.call('HDEL', KEYS[2], digest)
+  redis.call('HDEL', KEYS[2], digest, 'started:' .. digest)
   redis.call('RPOP', KEYS[1])
   return {1, {}, {}}
 end
@@ -29,6 +30,6 @@ if dead_bad then return {0, {}, dead_bad} end
 local reason = 'fetched ' .. (count - 1) .. ' times without being settled (limit ' .. max .. ')'
 list_letter(KEYS[3], ARGV[5], msg, reason, count - 1, #msg, '', ARGV[4], tonumber(ARGV[6]),
   server_s())
-redis.call('HDEL', KEYS[2], digest)
+redis.call('HDEL', KEYS[2], digest, 'started:' .. digest)
 redis.call('RPOP', KEYS[1])
 return {0, {ARGV[5], reason}, {}}

@@ -2,8 +2,15 @@
 -- (a message that keeps killing its consumer) go to the dead letters, read and written
 -- here so the worker never runs them again: the dead letter first, the XACK last.
 --
--- Two calls. The first ('look') only names them: {id, job key, message ('' when over the
--- size limit), delivery count} each. The caller looks their jobs up in the inbox: a job
+-- Only an entry whose job started as often as the limit without being settled is taken
+-- for one: the workers count each start of a job delivered before, before its
+-- transaction begins (the pool's `starts` HASH; a first delivery is taken as started). One read more often than that was held unrun by processes killed
+-- meanwhile (read ahead, waiting for its `--max-rate` slot): no fault of its own, so its
+-- delivery count goes back to its starts (its consumer and idle time kept) and it stays
+-- pending.
+--
+-- Two calls. The first ('look') names the poison ones: {id, job key, message ('' when
+-- over the size limit), delivery count} each. The caller looks their jobs up in the inbox: a job
 -- whose transaction committed (its process was killed between the commit and the ack,
 -- as often as the limit) is done, not a poison message, and is never also a dead letter.
 -- The second ('settle') takes the caller's verdict for each id it looked at: 'done' is
@@ -11,17 +18,17 @@
 -- claimed meanwhile) is left alone, and one not named waits for the next look.
 --
 -- KEYS[1] events STREAM, KEYS[2] dead STREAM, KEYS[3] and KEYS[4] the pool's `moved` and
--- `letters` indexes (see the prelude)
+-- `letters` indexes (see the prelude), KEYS[5] the pool's `starts` HASH
 -- ARGV[1] group, ARGV[2] only this consumer's entries ('' for all), ARGV[3] min idle (ms),
 -- ARGV[4] max deliveries, ARGV[5] max bytes, ARGV[6] most entries looked at,
 -- ARGV[7] this consumer (recorded in the letter), ARGV[8] 'look' or 'settle',
 -- then for 'settle' (id, 'done' or 'dead') pairs
 -- While the dead-letter key holds another type nothing is buried (the entries stay
 -- pending) and the key is reported.
--- Returns for 'look' {{{id, key, message, count}, ...}, {key, found, wanted} or {}} (the
--- dead-letter key's type is looked at on every call, so that a pass that met none proves
--- it fixed); for 'settle' {buried, {key, reason, ...}, {key, found, wanted} or {},
--- acknowledged as done}.
+-- Returns for 'look' {{{id, key, message, count}, ...}, {key, found, wanted} or {},
+-- counts set back} (the dead-letter key's type is looked at on every call, so that a pass
+-- that met none proves it fixed); for 'settle' {buried, {key, reason, ...}, {key, found,
+-- wanted} or {}, acknowledged as done}.
 local w = wrong_type(KEYS[1], 'stream')
 if w then return wrongtype_reply(w) end
 local max = tonumber(ARGV[4])
@@ -37,10 +44,25 @@ local function pending(from, to, n)
   return redis.call('XPENDING', unpack(args))
 end
 
+-- How often the job of entry `id` started again after its first delivery without being
+-- settled; the limit itself when the `starts` key cannot be read (another type: the
+-- delivery count decides, as it did before starts were counted).
+local function starts(id)
+  local n = redis.pcall('HGET', KEYS[5], id)
+  if type(n) == 'table' and n.err then return max end
+  return tonumber(n) or 0
+end
+
 if ARGV[8] == 'look' then
   local out = {}
+  local forgiven = 0
   for _, p in ipairs(pending('-', '+', ARGV[6])) do
-    if p[4] > max then
+    local started = p[4] > max and starts(p[1])
+    if started and started + 1 < max then
+      redis.call('XCLAIM', KEYS[1], ARGV[1], p[2], 0, p[1], 'IDLE', p[3], 'RETRYCOUNT', started,
+        'JUSTID')
+      forgiven = forgiven + 1
+    elseif started then
       local r = redis.call('XRANGE', KEYS[1], p[1], p[1])
       if #r > 0 then
         local msg, key = entry_fields(r[1][2])
@@ -52,7 +74,7 @@ if ARGV[8] == 'look' then
       end
     end
   end
-  return {out, wrong_type(KEYS[2], 'stream') or {}}
+  return {out, wrong_type(KEYS[2], 'stream') or {}, forgiven}
 end
 
 local dead_bad = wrong_type(KEYS[2], 'stream')
@@ -62,7 +84,9 @@ local done = 0
 for i = 9, #ARGV, 2 do
   local id, verdict = ARGV[i], ARGV[i + 1]
   local p = pending(id, id, 1)[1]
-  if p and p[4] > max then
+  local started = p and p[4] > max and starts(id)
+  if started and started + 1 >= max then
+    redis.pcall('HDEL', KEYS[5], id)
     local r = redis.call('XRANGE', KEYS[1], id, id)
     if #r > 0 then
       local msg, key = entry_fields(r[1][2])
@@ -75,7 +99,8 @@ for i = 9, #ARGV, 2 do
         local event = ''
         local ok, v = pcall(cjson.decode, msg)
         if ok and type(v) == 'table' and type(v.event) == 'string' then event = v.event end
-        local reason = 'delivered ' .. count .. ' times without being acknowledged (limit ' .. max .. ')'
+        local reason = 'delivered ' .. count .. ' times without being acknowledged (limit ' ..
+          max .. ')'
         local length, digest = #msg, ''
         if #msg > max_bytes then
           digest = redis.sha1hex(msg)

@@ -7,17 +7,23 @@
 -- length and a digest) is pushed onto the queue's dead list, then it leaves the queue.
 -- Each fetch counts the message (by digest) in the queue's deliveries HASH; settling it
 -- clears the count. A message that would be fetched more than ARGV[2] times without being
--- settled (it kills its consumer, which restarts and pushes it back) is not fetched: the
--- fetch stops there and names it, for the caller to look its job up in the inbox and
+-- settled, and whose job started that often (`started:<digest>` in the same HASH, counted
+-- by the workers before each transaction of a message fetched before, the first fetch's
+-- taken as started: it kills its consumer, which restarts and pushes it back), is not
+-- fetched: the fetch stops there and names it, for the caller to look its job up in the inbox and
 -- then settle it with `bury_fetched` (a job whose transaction committed is done, never
 -- also a dead letter; the others go to the dead list). Stopping keeps the queues' order.
+-- One fetched that often whose job started less often was held unrun by consumers
+-- stopped meanwhile (fetched ahead of their workers): no fault of its own, it is fetched,
+-- its count set back to its starts and this fetch.
 -- A queue whose queue, processing list or deliveries key holds another type is skipped
 -- and reported; the rest go on.
 --
 -- KEYS: per queue: queue, processing list, deliveries HASH, dead list
 -- ARGV[1] the most messages to take, ARGV[2] max deliveries, ARGV[3] consumer name,
 -- ARGV[4] max bytes, then the queue names in order
--- Returns {n, {queue index (0-based), message, ...}, {key, reason, ...} of the buried,
+-- Returns {n, {queue index (0-based), message, times fetched, ...}, {key, reason, ...} of
+-- the buried,
 -- {key, found, wanted} if a queue was skipped or {}, {queue index, message, times fetched}
 -- of a message fetched too often or {}}.
 local max = tonumber(ARGV[1])
@@ -50,6 +56,10 @@ for i = 1, #KEYS, 4 do
       local digest = redis.sha1hex(msg)
       local over = #msg > max_bytes
       local count = tonumber(redis.call('HGET', KEYS[i + 2], digest) or '0') + 1
+      if count > max_deliveries and not over then
+        local started = tonumber(redis.call('HGET', KEYS[i + 2], 'started:' .. digest) or '0')
+        if started + 1 < max_deliveries then count = started + 1 end
+      end
       if (over or count > max_deliveries) and dead_bad then
         -- It cannot be buried: it goes to the head of its queue (still queued, never
         -- lost) so the messages behind it go on; each is looked at once per fetch.
@@ -70,6 +80,7 @@ for i = 1, #KEYS, 4 do
         n = n + 1
         out[#out + 1] = (i - 1) / 4
         out[#out + 1] = msg
+        out[#out + 1] = count
       end
     end
   end

@@ -6,7 +6,8 @@
 --
 -- KEYS[1] events STREAM, KEYS[2] pool ZSET, KEYS[3] data HASH, KEYS[4] dead STREAM,
 -- KEYS[5] the pool's jobs HASH (a retry keeps its job id through the pool), KEYS[6] and
--- KEYS[7] the pool's `moved` and `letters` indexes (see the prelude)
+-- KEYS[7] the pool's `moved` and `letters` indexes (see the prelude), KEYS[8] the pool's
+-- `starts` HASH (the starts of a settled entry's job are counted no more)
 -- ARGV[1] group, ARGV[2] consumer name
 -- then records of 7 fields: kind, entry id, job key, message, score-or-reason, event,
 -- attempts (an ack's job key is given for the index; its other fields are empty). kind: 'A' ack, 'R' retry (score = due time), 'D' dead letter (reason).
@@ -81,6 +82,9 @@ for i = 3, #ARGV, 7 do
   out[#out + 1] = code
 end
 unindex_moves(KEYS[6], settled)
+local ids = {}
+for j = 2, #settled, 2 do ids[#ids + 1] = settled[j] end
+in_chunks(ids, INDEX_CHUNK, function(...) redis.pcall('HDEL', KEYS[8], ...) end)
 if blocked then
   out[#out + 1] = blocked[1]; out[#out + 1] = blocked[2]; out[#out + 1] = blocked[3]
 end

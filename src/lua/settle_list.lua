@@ -6,7 +6,8 @@
 --
 -- KEYS[1] pool ZSET, KEYS[2] data HASH, KEYS[3] the pool's jobs HASH (a retry keeps its
 -- job id through the pool), then per queue: processing LIST, dead LIST, deliveries HASH
--- (the message's fetch count is cleared once it is settled)
+-- (the message's fetch count and its job's count of starts are cleared once it is
+-- settled)
 -- ARGV[1] consumer name, then records of 8 fields:
 --   kind ('A' ack, 'R' retry, 'D' dead), queue index (0-based), queue name, job key,
 --   message as delivered, retry message or reason, due score or event, attempts
@@ -53,7 +54,8 @@ for i = 2, #ARGV, 8 do
         consumer = ARGV[1], queue = ARGV[i + 2]
       }))
     end
-    redis.call('HDEL', deliveries, redis.sha1hex(msg))
+    local digest = redis.sha1hex(msg)
+    redis.call('HDEL', deliveries, digest, 'started:' .. digest)
     code = redis.call('LREM', processing, 1, msg)
     if superseded and code == 1 then code = 2 end
   end

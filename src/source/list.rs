@@ -72,7 +72,7 @@ impl<'a> ListReader<'a> {
 
     /// A message with no `job_key` of ours (a producer's raw message) is keyed by its
     /// queue and digest: a redelivery of the same bytes is the same job for the inbox.
-    fn delivery(&self, queue: usize, msg: Vec<u8>) -> Delivery {
+    fn delivery(&self, queue: usize, msg: Vec<u8>, fetched: u64) -> Delivery {
         Delivery {
             key: job_key(&msg).unwrap_or_else(|| {
                 let digest = sha1_smol::Sha1::from(&msg).digest();
@@ -85,6 +85,7 @@ impl<'a> ListReader<'a> {
             received: Instant::now(),
             shard: 0,
             holder_gone: false,
+            redelivered: fetched > 1,
         }
     }
 
@@ -100,7 +101,7 @@ impl<'a> ListReader<'a> {
         con: &mut dyn redis::ConnectionLike,
         over: &Overfetched,
     ) -> Result<bool, StepError> {
-        let d = self.delivery(over.queue, over.msg.clone());
+        let d = self.delivery(over.queue, over.msg.clone(), over.fetched);
         let done = match crate::workers::inbox_id(self.keys, &d.origin, &d.key, &d.msg) {
             None => false,
             Some(_) if self.look_after.is_some_and(|t| Instant::now() < t) => return Ok(false),
@@ -258,7 +259,7 @@ impl Source for ListReader<'_> {
         let got = fetched
             .messages
             .into_iter()
-            .map(|(q, msg)| self.delivery(q, msg))
+            .map(|(q, msg, fetched)| self.delivery(q, msg, fetched))
             .collect();
         self.feed.send(got)
     }

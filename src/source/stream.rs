@@ -31,6 +31,7 @@ use std::time::{Duration, Instant};
 fn holder_gone(read: &mut Read) {
     for d in &mut read.deliveries {
         d.holder_gone = true;
+        d.redelivered = true;
     }
 }
 
@@ -340,8 +341,17 @@ impl<'a> Reader<'a> {
             max_deliveries: self.cfg.max_deliveries,
             scan: 500,
         };
-        let (candidates, blocked) = stream::overdelivered(con, self.reading(), over)?;
-        if let Some(w) = blocked {
+        let looked = stream::overdelivered(con, self.reading(), over)?;
+        if looked.forgiven > 0 {
+            log::info!(
+                "{}: {} entries delivered more than {} times whose jobs started fewer times (held unrun by processes that were stopped) stay, their delivery counts set back",
+                self.name,
+                looked.forgiven,
+                self.cfg.max_deliveries
+            );
+        }
+        let candidates = looked.candidates;
+        if let Some(w) = looked.blocked {
             // None can be buried now; they stay pending, and reclaiming them would run
             // them once more.
             self.held = true;
@@ -456,6 +466,10 @@ impl<'a> Reader<'a> {
             room,
         )?;
         self.autoclaim_cursor = cursor;
+        let mut read = read;
+        for d in &mut read.deliveries {
+            d.redelivered = true;
+        }
         if !read.deliveries.is_empty() {
             log::warn!(
                 "reader: reclaimed {} entries idle for over {}s",

@@ -16,8 +16,9 @@ static BURY_FETCHED: LazyLock<Script> = script!("bury_fetched.lua");
 /// What one fetch took.
 #[derive(Debug, Default)]
 pub struct Fetched {
-    /// (queue index, message) in the order taken.
-    pub messages: Vec<(usize, Vec<u8>)>,
+    /// (queue index, message, how often it was fetched, this fetch included) in the order
+    /// taken.
+    pub messages: Vec<(usize, Vec<u8>, u64)>,
     /// Messages sent to the queue's dead list instead (queue, reason): over the size
     /// limit.
     pub buried: Vec<(String, String)>,
@@ -112,9 +113,13 @@ pub fn fetch(
     };
     let messages = match reply.get(1) {
         Some(Value::Array(items)) => items
-            .chunks(2)
+            .chunks(3)
             .filter_map(|c| match c {
-                [q, Value::BulkString(msg)] => Some((int(Some(q)) as usize, msg.clone())),
+                [q, Value::BulkString(msg), n] => Some((
+                    int(Some(q)) as usize,
+                    msg.clone(),
+                    int(Some(n)).max(0) as u64,
+                )),
                 _ => None,
             })
             .collect(),

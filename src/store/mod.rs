@@ -352,6 +352,75 @@ impl SettleReport {
     }
 }
 
+static COUNT_STARTS: std::sync::LazyLock<redis::Script> = script!("count_starts.lua");
+
+/// The field of a queue's deliveries HASH that counts the starts of a list message's job
+/// (see [`Keys::starts`]).
+pub fn started_field(msg: &[u8]) -> String {
+    format!("started:{}", sha1_smol::Sha1::from(msg).digest())
+}
+
+/// Counts one start of the job of each delivery (see [`Keys::starts`]), in one round trip
+/// before their transaction begins: a message that kills its consumer is one whose job
+/// started `--max-deliveries` times without being settled, not one read that often.
+pub fn started(
+    con: &mut dyn ConnectionLike,
+    shards: &[Keys],
+    deliveries: &[&crate::delivery::Delivery],
+) -> StoreResult<()> {
+    /// One shard's count: the HASHes it counts in, and (1-based index of its HASH, field)
+    /// of each job.
+    struct Count {
+        shard: usize,
+        hashes: Vec<String>,
+        fields: Vec<(usize, String)>,
+    }
+    // One call per shard: a shard's keys share a hash slot, two shards' do not.
+    let mut counts: Vec<Count> = Vec::new();
+    for d in deliveries {
+        let shard = if d.shard < shards.len() { d.shard } else { 0 };
+        let keys = &shards[shard];
+        let (hash, field) = match &d.origin {
+            Origin::Stream { id } => (keys.starts.clone(), id.clone()),
+            Origin::List { queue } => match keys.queues.get(*queue) {
+                Some(q) => (q.deliveries(), started_field(&d.msg)),
+                None => continue,
+            },
+        };
+        let at = match counts.iter().position(|c| c.shard == shard) {
+            Some(at) => at,
+            None => {
+                counts.push(Count {
+                    shard,
+                    hashes: Vec::new(),
+                    fields: Vec::new(),
+                });
+                counts.len() - 1
+            }
+        };
+        let c = &mut counts[at];
+        let k = match c.hashes.iter().position(|h| *h == hash) {
+            Some(k) => k,
+            None => {
+                c.hashes.push(hash);
+                c.hashes.len() - 1
+            }
+        };
+        c.fields.push((k + 1, field));
+    }
+    for c in counts {
+        let mut inv = COUNT_STARTS.prepare_invoke();
+        for h in &c.hashes {
+            inv.key(h);
+        }
+        for (k, f) in &c.fields {
+            inv.arg(k).arg(f);
+        }
+        run("count the jobs started", &inv, con)?;
+    }
+    Ok(())
+}
+
 /// Applies a batch of outcomes, one script call per source kind (stream entries, list
 /// messages). See [`SettleReport`] for what each settlement became.
 pub fn settle(

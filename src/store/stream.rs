@@ -289,6 +289,7 @@ fn over_invocation<'s>(
         .key(&r.keys.dead)
         .key(&r.keys.moved)
         .key(&r.keys.letters)
+        .key(&r.keys.starts)
         .arg(&r.keys.group)
         .arg(o.only.unwrap_or(""))
         .arg(o.min_idle.as_millis() as u64)
@@ -300,21 +301,37 @@ fn over_invocation<'s>(
     inv
 }
 
-/// The entries delivered more than the limit (see `lua/bury_overdelivered.lua`), read and
-/// left as they are, for the caller to look their jobs up in the inbox; and the
-/// dead-letter key, when it holds another type (then none can be buried).
+/// What [`overdelivered`] found.
+#[derive(Debug, Default)]
+pub struct Looked {
+    /// Entries whose job started as often as the limit: left as they are, for the caller
+    /// to look their jobs up in the inbox.
+    pub candidates: Vec<Candidate>,
+    /// The dead-letter key, when it holds another type (then none can be buried).
+    pub blocked: Option<WrongType>,
+    /// Entries delivered more often than the limit whose job started less often (held
+    /// unrun by processes killed meanwhile): their delivery counts set back to their starts.
+    pub forgiven: usize,
+}
+
+/// The entries delivered more than the limit (see `lua/bury_overdelivered.lua`).
 pub fn overdelivered(
     con: &mut dyn ConnectionLike,
     r: Reading<'_>,
     o: OverDelivered<'_>,
-) -> StoreResult<(Vec<Candidate>, Option<WrongType>)> {
+) -> StoreResult<Looked> {
     let what = "look at over-delivered entries";
     let Value::Array(reply) = run(what, &over_invocation(r, o, "look"), con)? else {
-        return Ok((Vec::new(), None));
+        return Ok(Looked::default());
     };
     let blocked = WrongType::from_reply(reply.get(1));
+    let forgiven = int(reply.get(2)).max(0) as usize;
     let Some(Value::Array(found)) = reply.first() else {
-        return Ok((Vec::new(), blocked));
+        return Ok(Looked {
+            blocked,
+            forgiven,
+            ..Looked::default()
+        });
     };
     let bytes = |v: Option<&Value>| match v {
         Some(Value::BulkString(b)) => b.clone(),
@@ -332,7 +349,11 @@ pub fn overdelivered(
             _ => None,
         })
         .collect();
-    Ok((candidates, blocked))
+    Ok(Looked {
+        candidates,
+        blocked,
+        forgiven,
+    })
 }
 
 /// What [`bury_overdelivered`] did.
@@ -391,6 +412,7 @@ pub(super) fn settle(
         .key(&keys.jobs)
         .key(&keys.moved)
         .key(&keys.letters)
+        .key(&keys.starts)
         .arg(&keys.group)
         .arg(consumer);
     for s in batch {
@@ -480,6 +502,7 @@ fn parse_entries(v: Value, out: &mut Vec<Delivery>) {
             received: Instant::now(),
             shard: 0,
             holder_gone: false,
+            redelivered: false,
         });
     }
 }

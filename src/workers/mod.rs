@@ -318,6 +318,10 @@ fn raw_event<'k>(keys: &'k Keys, origin: &Origin) -> Option<&'k str> {
     }
 }
 
+/// How long a worker runs jobs without counting their starts after Redis failed to count
+/// them ([`Worker::count_starts`]).
+const COUNT_STARTS_PAUSE: Duration = Duration::from_secs(5);
+
 /// Delay before retry number `retry + 1`: base * 2^retry, capped.
 pub fn retry_delay(jobs: &JobConfig, retry: u32) -> Duration {
     jobs.retry_base
@@ -446,6 +450,8 @@ pub struct Worker<'a> {
     /// [`Worker::recheck_flush_table`]).
     flushed_around: Option<Instant>,
     redis: Option<crate::store::Con>,
+    /// Starts are not counted before then: Redis failed to count the last ones.
+    count_starts_after: Option<Instant>,
     /// Outcomes a settle left where they were because a key they go to holds another
     /// type: tried again every [`HELD_RETRY`] until it is fixed. At shutdown they stay
     /// pending (or in the processing list) for the next start.
@@ -498,6 +504,7 @@ impl<'a> Worker<'a> {
             durability_lost: false,
             flushed_around: None,
             redis: None,
+            count_starts_after: None,
             held: Vec::new(),
             held_tried: None,
             kept_at: Instant::now(),
@@ -1866,6 +1873,28 @@ impl<'a> Worker<'a> {
         stats.jobs.held(event, true, crate::now_ms());
     }
 
+    /// Counts a start of each of these jobs in Redis ([`crate::keys::Keys::starts`]), so
+    /// that one which keeps killing its consumer is told from one a killed process held
+    /// unrun. Without Redis the jobs run all the same, their start not counted: Redis
+    /// being away must not stop jobs it already handed over (their acknowledgements wait).
+    /// After a failure it tries again only [`COUNT_STARTS_PAUSE`] later, so that a Redis
+    /// that stalls holds up one transaction, not each.
+    fn count_starts(&mut self, deliveries: &[&Delivery]) {
+        if self.count_starts_after.is_some_and(|t| Instant::now() < t) {
+            return;
+        }
+        let shards = self.ctx.shards;
+        let counted = match self.redis_now() {
+            Some(con) => store::started(con, shards, deliveries).map_err(|e| e.to_string()),
+            None => Err("Redis cannot be reached".to_string()),
+        };
+        if let Err(e) = counted {
+            log::debug!("cannot count the start of {} jobs: {e}", deliveries.len());
+            self.redis = None;
+            self.count_starts_after = Some(Instant::now() + COUNT_STARTS_PAUSE);
+        }
+    }
+
     /// The worker's Redis connection, connected now if it has none; `None` when Redis
     /// cannot be reached (the caller goes on without it; the settle retries on its own).
     fn redis_now(&mut self) -> Option<&mut crate::store::Con> {
@@ -2272,10 +2301,21 @@ impl<'a> Worker<'a> {
                 let ds: Vec<&Delivery> = jobs.iter().map(|j| &j.d).collect();
                 owned = self.still_owned(&ds).filter(|o| o.contains(&false));
             }
-            let session = self.session.as_mut().expect("a session was just ensured");
             if until.is_some_and(|u| u.elapsed() > LATE_FOR_SLOTS) {
                 return Paced::Late;
             }
+            // The start of each job delivered before is counted before its transaction
+            // begins (those a peer took meanwhile are not this process's to start).
+            let starting: Vec<&Delivery> = jobs
+                .iter()
+                .enumerate()
+                .filter(|(i, j)| j.d.redelivered && owned.as_ref().is_none_or(|o| o[*i]))
+                .map(|(_, j)| &j.d)
+                .collect();
+            if !starting.is_empty() {
+                self.count_starts(&starting);
+            }
+            let session = self.session.as_mut().expect("a session was just ensured");
             // Run after the stop was asked for: the drain's.
             if self.ctx.shutdown.is_set() && !std::mem::replace(&mut counted, true) {
                 self.ctx

@@ -362,6 +362,23 @@ fn restarts_during_a_capped_drain_make_no_dead_letters_in_list_mode() {
     assert_lists_empty(&env, &["c1"]);
 }
 
+/// [`crate::consumer::kill_9_again_and_again_during_a_capped_drain_makes_no_dead_letters`]
+/// in list mode, where every fetch counts: messages a killed consumer fetched ahead of its
+/// workers are fetched again, not dead-lettered.
+#[test]
+fn kill_9_again_and_again_during_a_capped_drain_makes_no_dead_letters_in_list_mode() {
+    let mut env = list_env(&[("normal", None)]);
+    let args = list_args(&env);
+    let processing = env.config.keys.queues[0].processing(&env.config.consumer);
+    let dead = env.config.keys.queues[0].dead.clone();
+    crate::consumer::kills_under_a_cap_make_no_dead_letters(
+        &mut env,
+        &args,
+        |env| llen(env, &processing),
+        |env| llen(env, &dead),
+    );
+}
+
 #[test]
 fn raw_payment_messages_pay_orders_and_late_ones_go_to_review() {
     let env = list_env(&[("normal", None), ("payment_queue", Some("payment.paid"))]);
@@ -553,7 +570,11 @@ fn a_message_that_keeps_killing_its_consumer_goes_to_the_dead_list() {
         let (mut reader, rx, _space) = step_reader(c, &stats);
         reader.start(&mut con, &Shutdown::new()).unwrap();
         reader.poll(&mut con).unwrap();
-        fetched += rx.try_iter().count();
+        // Its job starts each time, and kills the consumer.
+        let got: Vec<delay_worker::delivery::Delivery> = rx.try_iter().collect();
+        let got: Vec<&delay_worker::delivery::Delivery> = got.iter().collect();
+        delay_worker::store::started(&mut con, std::slice::from_ref(&c.keys), &got).unwrap();
+        fetched += got.len();
     }
     assert_eq!(fetched, 3, "delivered --max-deliveries times, then no more");
     assert_eq!(llen(&env, "normal"), 0);
@@ -622,9 +643,12 @@ fn a_message_fetched_too_often_whose_job_committed_is_taken_off_not_dead_lettere
             .arg(m)
             .query(&mut con)
             .unwrap();
+        // Its job started each time: killed inside its transaction, or after its commit.
         redis::cmd("HSET")
             .arg(c.keys.queues[0].deliveries())
             .arg(digest)
+            .arg(3)
+            .arg(delay_worker::store::started_field(m.as_bytes()))
             .arg(3)
             .query::<()>(&mut con)
             .unwrap();
@@ -685,6 +709,8 @@ fn a_message_fetched_too_often_waits_while_the_inbox_cannot_be_asked() {
     redis::cmd("HSET")
         .arg(c.keys.queues[0].deliveries())
         .arg(digest)
+        .arg(1)
+        .arg(delay_worker::store::started_field(first.as_bytes()))
         .arg(1)
         .query::<()>(&mut con)
         .unwrap();

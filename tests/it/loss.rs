@@ -343,13 +343,15 @@ fn over_delivered_entries_wait_while_the_inbox_cannot_be_asked() {
             .len(),
         3
     );
-    assert_eq!(
-        store::stream::read(&mut con, c1, 10, "0")
-            .unwrap()
-            .deliveries
-            .len(),
-        3
-    );
+    let again = store::stream::read(&mut con, c1, 10, "0")
+        .unwrap()
+        .deliveries;
+    assert_eq!(again.len(), 3);
+    // Each time its job started.
+    let started: Vec<&delay_worker::delivery::Delivery> = again.iter().collect();
+    for _ in 0..2 {
+        store::started(&mut con, std::slice::from_ref(&k), &started).unwrap();
+    }
 
     let reader_on = |inbox: &InboxLook, con: &mut redis::Connection| {
         let stats = Stats::default();

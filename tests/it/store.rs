@@ -599,7 +599,11 @@ fn burying_the_over_delivered_leaves_them_pending_when_the_dead_letters_are_the_
         max_deliveries: 0,
         scan: 10,
     };
-    let (looked, blocked) = stream::overdelivered(&mut con, reading(&k), over).unwrap();
+    let stream::Looked {
+        candidates: looked,
+        blocked,
+        ..
+    } = stream::overdelivered(&mut con, reading(&k), over).unwrap();
     assert_eq!(looked.len(), 1);
     assert!(blocked.is_none());
     assert!(String::from_utf8_lossy(&looked[0].msg).contains(r#""payload":{}"#));
@@ -608,7 +612,9 @@ fn burying_the_over_delivered_leaves_them_pending_when_the_dead_letters_are_the_
     assert_eq!(pending(&mut con, &k), 1, "a look changes nothing");
     let dead = [(looked[0].id.clone(), stream::Verdict::Dead)];
     set_string(&mut con, &k.dead);
-    let (_, blocked) = stream::overdelivered(&mut con, reading(&k), over).unwrap();
+    let blocked = stream::overdelivered(&mut con, reading(&k), over)
+        .unwrap()
+        .blocked;
     assert_eq!(blocked.unwrap().key, k.dead, "a look names the key too");
     let out = stream::bury_overdelivered(&mut con, reading(&k), over, &dead).unwrap();
     assert!(out.buried.is_empty());
@@ -628,7 +634,9 @@ fn burying_the_over_delivered_leaves_them_pending_when_the_dead_letters_are_the_
     // One whose job is done is acknowledged without a letter; one not looked at stays.
     one_pending(&mut con, &k, r#"{"event":"e","payload":{"n":1}}"#);
     one_pending(&mut con, &k, r#"{"event":"e","payload":{"n":2}}"#);
-    let (looked, _) = stream::overdelivered(&mut con, reading(&k), over).unwrap();
+    let looked = stream::overdelivered(&mut con, reading(&k), over)
+        .unwrap()
+        .candidates;
     assert_eq!(looked.len(), 2);
     let done = [(looked[0].id.clone(), stream::Verdict::Done)];
     let out = stream::bury_overdelivered(&mut con, reading(&k), over, &done).unwrap();
@@ -871,7 +879,7 @@ fn fetch_holds_an_oversized_message_back_while_the_dead_list_is_the_wrong_type()
     let f = list::fetch(&mut con, &k, "c1", 10, 3, MAX).unwrap();
     assert_eq!(
         f.messages,
-        vec![(0, b"small".to_vec()), (0, b"behind".to_vec())]
+        vec![(0, b"small".to_vec(), 1), (0, b"behind".to_vec(), 1)]
     );
     assert_eq!(f.blocked.unwrap().key, q.dead);
     assert_eq!(
@@ -932,6 +940,7 @@ fn list_settle_and_push_back_keep_messages_when_a_key_is_the_wrong_type() {
         received: Instant::now(),
         shard: 0,
         holder_gone: false,
+        redelivered: false,
     };
     let dead = dead_of(&d, "r");
     set_string(&mut con, &q.dead);

@@ -891,6 +891,13 @@ fn a_list_message_dead_for_too_many_fetches_is_traced_by_its_key() {
     for _ in 0..2 {
         let f = store::list::fetch(&mut env.con(), &keys, "c7", 1, 2, MAX).unwrap();
         assert_eq!(f.messages.len(), 1);
+        // Its job starts, and kills the consumer.
+        redis::cmd("HINCRBY")
+            .arg(keys.queues[0].deliveries())
+            .arg(store::started_field(&f.messages[0].1))
+            .arg(1)
+            .query::<i64>(&mut env.con())
+            .unwrap();
         store::list::requeue_processing(&mut env.con(), &keys, "c7", false, false).unwrap();
     }
     // The fetch stops at it; its job not in the inbox, it goes to the dead list.
