@@ -225,6 +225,18 @@ fn a_shards_stream_key_of_the_wrong_type_holds_back_only_that_shard() {
     }
 }
 
+/// `n` jobs `j0`, `j1`, ... with `msg(i)`, due a second ago, moved onto the stream.
+fn on_the_stream(env: &Env, con: &mut redis::Connection, n: usize, msg: impl Fn(usize) -> String) {
+    let k = &env.config.keys;
+    for i in 0..n {
+        let due = delay_worker::now_ms() - 1000;
+        store::push(con, k, &format!("j{i}"), msg(i), due).unwrap();
+    }
+    let mover_stats = Stats::default();
+    let mover = delay_worker::mover::Mover::new(k, &env.config.mover, &mover_stats);
+    while mover.tick(con, delay_worker::now_ms()).unwrap().0.moved > 0 {}
+}
+
 /// Defect 2: A dead host's pending entries are taken over in one maintenance pass, however small
 /// the survivor's channel.
 #[test]
@@ -233,25 +245,9 @@ fn a_dead_consumer_is_taken_over_at_once_not_a_channel_at_a_time() {
     let mut con = env.con();
     let k = env.config.keys.clone();
     store::stream::ensure_group(&mut con, &k).unwrap();
-    for i in 0..150 {
-        store::push(
-            &mut con,
-            &k,
-            &format!("j{i}"),
-            r#"{"event":"e","payload":{}}"#,
-            delay_worker::now_ms() - 1000,
-        )
-        .unwrap();
-    }
-    let mover_stats = Stats::default();
-    let mover = delay_worker::mover::Mover::new(&k, &env.config.mover, &mover_stats);
-    while mover
-        .tick(&mut con, delay_worker::now_ms())
-        .unwrap()
-        .0
-        .moved
-        > 0
-    {}
+    on_the_stream(&env, &mut con, 150, |_| {
+        r#"{"event":"e","payload":{}}"#.to_string()
+    });
     let dead = store::stream::Reading {
         keys: &k,
         consumer: "host-a",
@@ -310,26 +306,9 @@ fn over_delivered_entries_wait_while_the_inbox_cannot_be_asked() {
     let mut cfg = env.config.reader.clone();
     cfg.max_deliveries = 1;
     store::stream::ensure_group(&mut con, &k).unwrap();
-    for i in 0..3 {
-        let msg = format!(r#"{{"event":"e","payload":{{"n":{i}}}}}"#);
-        store::push(
-            &mut con,
-            &k,
-            &format!("j{i}"),
-            &msg,
-            delay_worker::now_ms() - 1000,
-        )
-        .unwrap();
-    }
-    let mover_stats = Stats::default();
-    let mover = delay_worker::mover::Mover::new(&k, &env.config.mover, &mover_stats);
-    while mover
-        .tick(&mut con, delay_worker::now_ms())
-        .unwrap()
-        .0
-        .moved
-        > 0
-    {}
+    on_the_stream(&env, &mut con, 3, |i| {
+        format!(r#"{{"event":"e","payload":{{"n":{i}}}}}"#)
+    });
     // Delivered to c1 twice: once more than a limit of 1.
     let c1 = store::stream::Reading {
         keys: &k,
