@@ -43,9 +43,9 @@ pub struct Delivery {
     pub holder_gone: bool,
     /// Delivered before: its consumer's previous run, a dead or stuck consumer, a list
     /// message pushed back. Only such a job's start is counted in Redis before its
-    /// transaction ([`crate::keys::Keys::starts`]), a first delivery's is taken as
-    /// started: the count costs a round trip, and a drain's jobs are nearly all first
-    /// deliveries.
+    /// transaction ([`crate::keys::Keys::starts`]), a first delivery's is not: the count
+    /// costs a round trip, and a drain's jobs are nearly all first deliveries (a message
+    /// that kills its consumer runs once more than `--max-deliveries` for it).
     pub redelivered: bool,
 }
 

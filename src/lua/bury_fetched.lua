@@ -19,7 +19,7 @@ local digest = redis.sha1hex(msg)
 local count = tonumber(redis.call('HGET', KEYS[2], digest) or '0') + 1
 local max = tonumber(ARGV[3])
 local started = tonumber(redis.call('HGET', KEYS[2], 'started:' .. digest) or '0')
-if count <= max or started + 1 < max then return {0, {}, {}} end
+if count <= max or started < max then return {0, {}, {}} end
 if ARGV[2] == 'done' then
   redis.call('HDEL', KEYS[2], digest, 'started:' .. digest)
   redis.call('RPOP', KEYS[1])

@@ -4,7 +4,9 @@
 --
 -- Only an entry whose job started as often as the limit without being settled is taken
 -- for one: the workers count each start of a job delivered before, before its
--- transaction begins (the pool's `starts` HASH; a first delivery is taken as started). One read more often than that was held unrun by processes killed
+-- transaction begins (the pool's `starts` HASH; a first delivery's start is not counted,
+-- so a poison message runs once more than the limit: one held unrun at a kill must not
+-- be taken for one). One read more often than that was held unrun by processes killed
 -- meanwhile (read ahead, waiting for its `--max-rate` slot): no fault of its own, so its
 -- delivery count goes back to its starts (its consumer and idle time kept) and it stays
 -- pending.
@@ -58,7 +60,7 @@ if ARGV[8] == 'look' then
   local forgiven = 0
   for _, p in ipairs(pending('-', '+', ARGV[6])) do
     local started = p[4] > max and starts(p[1])
-    if started and started + 1 < max then
+    if started and started < max then
       redis.call('XCLAIM', KEYS[1], ARGV[1], p[2], 0, p[1], 'IDLE', p[3], 'RETRYCOUNT', started,
         'JUSTID')
       forgiven = forgiven + 1
@@ -85,7 +87,7 @@ for i = 9, #ARGV, 2 do
   local id, verdict = ARGV[i], ARGV[i + 1]
   local p = pending(id, id, 1)[1]
   local started = p and p[4] > max and starts(id)
-  if started and started + 1 >= max then
+  if started and started >= max then
     redis.pcall('HDEL', KEYS[5], id)
     local r = redis.call('XRANGE', KEYS[1], id, id)
     if #r > 0 then

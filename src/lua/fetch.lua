@@ -9,7 +9,7 @@
 -- clears the count. A message that would be fetched more than ARGV[2] times without being
 -- settled, and whose job started that often (`started:<digest>` in the same HASH, counted
 -- by the workers before each transaction of a message fetched before, the first fetch's
--- taken as started: it kills its consumer, which restarts and pushes it back), is not
+-- start not counted: it kills its consumer, which restarts and pushes it back), is not
 -- fetched: the fetch stops there and names it, for the caller to look its job up in the inbox and
 -- then settle it with `bury_fetched` (a job whose transaction committed is done, never
 -- also a dead letter; the others go to the dead list). Stopping keeps the queues' order.
@@ -58,7 +58,7 @@ for i = 1, #KEYS, 4 do
       local count = tonumber(redis.call('HGET', KEYS[i + 2], digest) or '0') + 1
       if count > max_deliveries and not over then
         local started = tonumber(redis.call('HGET', KEYS[i + 2], 'started:' .. digest) or '0')
-        if started + 1 < max_deliveries then count = started + 1 end
+        if started < max_deliveries then count = started + 1 end
       end
       if (over or count > max_deliveries) and dead_bad then
         -- It cannot be buried: it goes to the head of its queue (still queued, never

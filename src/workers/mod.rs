@@ -2304,8 +2304,18 @@ impl<'a> Worker<'a> {
             if until.is_some_and(|u| u.elapsed() > LATE_FOR_SLOTS) {
                 return Paced::Late;
             }
-            // The start of each job delivered before is counted before its transaction
-            // begins (those a peer took meanwhile are not this process's to start).
+            // Run after the stop was asked for: the drain's.
+            if self.ctx.shutdown.is_set() && !std::mem::replace(&mut counted, true) {
+                self.ctx
+                    .drain
+                    .ran
+                    .fetch_add(jobs.len() as u64, Ordering::Relaxed);
+            }
+            let permit = self.ctx.manners.enter(self.ctx.shutdown);
+            // The start of each job delivered before is counted last before its
+            // transaction begins, once nothing else is waited for (those a peer took
+            // meanwhile are not this process's to start): a kill between the two counts a
+            // start that did not happen.
             let starting: Vec<&Delivery> = jobs
                 .iter()
                 .enumerate()
@@ -2316,14 +2326,6 @@ impl<'a> Worker<'a> {
                 self.count_starts(&starting);
             }
             let session = self.session.as_mut().expect("a session was just ensured");
-            // Run after the stop was asked for: the drain's.
-            if self.ctx.shutdown.is_set() && !std::mem::replace(&mut counted, true) {
-                self.ctx
-                    .drain
-                    .ran
-                    .fetch_add(jobs.len() as u64, Ordering::Relaxed);
-            }
-            let permit = self.ctx.manners.enter(self.ctx.shutdown);
             let started = std::time::Instant::now();
             let results = match &owned {
                 None => session.run(

@@ -649,6 +649,93 @@ fn burying_the_over_delivered_leaves_them_pending_when_the_dead_letters_are_the_
     assert_eq!(pending(&mut con, &k), 1, "the one without a verdict waits");
 }
 
+/// An entry delivered more often than the limit whose job started fewer times than the
+/// limit (counted starts: a first delivery's is not counted) is no poison message: held
+/// unrun by killed processes, it stays, its delivery count set back to its starts. Found
+/// from outside: with a first delivery taken as started, one real start after it made a
+/// good job a dead letter under `--max-deliveries 2`. One whose job started as often as the
+/// limit is named for the inbox look.
+#[test]
+fn an_entry_delivered_too_often_is_a_poison_message_only_if_its_job_started_that_often() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let k = keys();
+    let d = one_pending(&mut con, &k, r#"{"event":"e","payload":{}}"#);
+    let id = d.stream_id().unwrap().to_string();
+    let set = |con: &mut Connection, count: u64, started: u64| {
+        redis::cmd("XCLAIM")
+            .arg(&k.stream)
+            .arg(&k.group)
+            .arg("c1")
+            .arg(0)
+            .arg(&id)
+            .arg("RETRYCOUNT")
+            .arg(count)
+            .arg("JUSTID")
+            .query::<redis::Value>(con)
+            .unwrap();
+        redis::cmd("HSET")
+            .arg(&k.starts)
+            .arg(&id)
+            .arg(started)
+            .query::<()>(con)
+            .unwrap();
+    };
+    let over = stream::OverDelivered {
+        only: None,
+        min_idle: Duration::ZERO,
+        max_deliveries: 2,
+        scan: 10,
+    };
+    set(&mut con, 3, 1);
+    let looked = stream::overdelivered(&mut con, reading(&k), over).unwrap();
+    assert_eq!((looked.candidates.len(), looked.forgiven), (0, 1));
+    let p = stream::pending(&mut con, &k, 0, 10, None).unwrap();
+    assert_eq!(p.len(), 1, "still pending");
+    assert_eq!(p[0].deliveries, 1, "its count set back to its starts");
+
+    set(&mut con, 3, 2);
+    let looked = stream::overdelivered(&mut con, reading(&k), over).unwrap();
+    assert_eq!((looked.candidates.len(), looked.forgiven), (1, 0));
+}
+
+/// [`an_entry_delivered_too_often_is_a_poison_message_only_if_its_job_started_that_often`]
+/// in list mode: a message whose next fetch is over the limit is fetched again while its
+/// job started fewer times than the limit, its fetch count set back.
+#[test]
+fn a_list_message_fetched_too_often_is_fetched_again_if_its_job_started_fewer_times() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let mut k = keys();
+    k.queues = vec![delay_worker::keys::Queue::new("q", None)];
+    let q = &k.queues[0];
+    let msg = r#"{"event":"e","payload":{}}"#;
+    let started = store::started_field(msg.as_bytes());
+    let digest = started.trim_start_matches("started:").to_string();
+    redis::cmd("LPUSH")
+        .arg(&q.name)
+        .arg(msg)
+        .query::<()>(&mut con)
+        .unwrap();
+    redis::cmd("HSET")
+        .arg(q.deliveries())
+        .arg(&digest)
+        .arg(2)
+        .arg(&started)
+        .arg(1)
+        .query::<()>(&mut con)
+        .unwrap();
+    let f = list::fetch(&mut con, &k, "c1", 10, 2, MAX).unwrap();
+    assert!(f.over.is_none());
+    assert_eq!(f.messages.len(), 1, "fetched again");
+    let count: u64 = redis::cmd("HGET")
+        .arg(q.deliveries())
+        .arg(&digest)
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(count, 2, "its starts and this fetch");
+}
+
 #[test]
 fn a_dead_consumer_s_entries_are_all_taken_over_at_once() {
     let r = RedisServer::start();
