@@ -298,8 +298,6 @@ pub fn key_text(key: &[u8]) -> String {
     }
 }
 
-/// The event a raw list queue stands for, when the message came from one (`--queue
-/// NAME=EVENT`): its messages are the payload alone, without the envelope.
 /// The inbox key of the job of message `msg` (job key `key`) from `origin`, as its inbox
 /// insert writes it; `None` when the message does not decode (no job of it ever ran).
 pub fn inbox_id(keys: &Keys, origin: &Origin, key: &[u8], msg: &[u8]) -> Option<InboxId> {
@@ -311,6 +309,8 @@ pub fn inbox_id(keys: &Keys, origin: &Origin, key: &[u8], msg: &[u8]) -> Option<
     Some(InboxId::of_envelope(key, &env))
 }
 
+/// The event a raw list queue stands for, when the message came from one (`--queue
+/// NAME=EVENT`): its messages are the payload alone, without the envelope.
 fn raw_event<'k>(keys: &'k Keys, origin: &Origin) -> Option<&'k str> {
     match origin {
         Origin::List { queue } => keys.queues.get(*queue).and_then(|q| q.raw_event.as_deref()),
