@@ -48,21 +48,6 @@ fn step_reader<'a>(
     (reader, rx, space_tx)
 }
 
-/// Records list message `msg` of the first queue as fetched `n` times, its job started as
-/// often (its consumer killed each time before settling it).
-fn fetched_and_started(env: &Env, msg: &str, n: u64) {
-    let started = delay_worker::store::started_field(msg.as_bytes());
-    let digest = started.trim_start_matches("started:");
-    redis::cmd("HSET")
-        .arg(env.config.keys.queues[0].deliveries())
-        .arg(digest)
-        .arg(n)
-        .arg(&started)
-        .arg(n)
-        .query::<()>(&mut env.con())
-        .unwrap();
-}
-
 fn llen(env: &Env, key: &str) -> usize {
     redis::cmd("LLEN").arg(key).query(&mut env.con()).unwrap()
 }
@@ -653,7 +638,7 @@ fn a_message_fetched_too_often_whose_job_committed_is_taken_off_not_dead_lettere
     for m in [&done, &never_ran] {
         lpush(&env, "normal", m);
         // Its job started each time: killed inside its transaction, or after its commit.
-        fetched_and_started(&env, m, 3);
+        fetched_and_started(&mut env.con(), &env.config.keys.queues[0], m, 3, 3);
     }
     let stats = Stats::default();
     let (mut reader, rx, _space) = step_reader(c, &stats);
@@ -702,7 +687,7 @@ fn a_message_fetched_too_often_waits_while_the_inbox_cannot_be_asked() {
     let behind = r#"{"event":"order.timeout","payload":{"order_no":"BEHIND"},"ts":1}"#;
     lpush(&env, "normal", first);
     lpush(&env, "normal", behind);
-    fetched_and_started(&env, first, 1);
+    fetched_and_started(&mut env.con(), &env.config.keys.queues[0], first, 1, 1);
     let stats = Stats::default();
     let (tx, rx) = delay_worker::delivery::channel(4, 1);
     let (_space_tx, space_rx) = crossbeam_channel::bounded(1);

@@ -710,21 +710,12 @@ fn a_list_message_fetched_too_often_is_fetched_again_if_its_job_started_fewer_ti
     k.queues = vec![delay_worker::keys::Queue::new("q", None)];
     let q = &k.queues[0];
     let msg = r#"{"event":"e","payload":{}}"#;
-    let started = store::started_field(msg.as_bytes());
-    let digest = started.trim_start_matches("started:").to_string();
     redis::cmd("LPUSH")
         .arg(&q.name)
         .arg(msg)
         .query::<()>(&mut con)
         .unwrap();
-    redis::cmd("HSET")
-        .arg(q.deliveries())
-        .arg(&digest)
-        .arg(2)
-        .arg(&started)
-        .arg(1)
-        .query::<()>(&mut con)
-        .unwrap();
+    let digest = fetched_and_started(&mut con, q, msg, 2, 1);
     let f = list::fetch(&mut con, &k, "c1", 10, 2, MAX).unwrap();
     assert!(f.over.is_none());
     assert_eq!(f.messages.len(), 1, "fetched again");

@@ -1413,3 +1413,26 @@ pub fn orders_quick_again(db: &TestDb) {
         .batch_execute("DROP TRIGGER dw_slow ON orders; DROP FUNCTION dw_slow()")
         .unwrap();
 }
+
+/// Records list message `msg` of queue `q` as fetched `fetched` times without being
+/// settled, its job started `started` times after its first fetch (as the workers count
+/// starts); the field of its fetch count.
+pub fn fetched_and_started(
+    con: &mut redis::Connection,
+    q: &delay_worker::keys::Queue,
+    msg: &str,
+    fetched: u64,
+    started: u64,
+) -> String {
+    let started_field = delay_worker::store::started_field(msg.as_bytes());
+    let digest = started_field.trim_start_matches("started:").to_string();
+    redis::cmd("HSET")
+        .arg(q.deliveries())
+        .arg(&digest)
+        .arg(fetched)
+        .arg(&started_field)
+        .arg(started)
+        .query::<()>(con)
+        .unwrap();
+    digest
+}

@@ -54,17 +54,24 @@ fn push(env: &Env, keys: &Keys, key: &str, event: &str, payload: Value, due_ms: 
 }
 
 fn move_due(env: &Env, keys: &Keys) -> store::MoveReport {
+    let target = Target::Stream {
+        stream: &keys.stream,
+        dead: &keys.dead,
+    };
+    move_onto(env, keys, target)
+}
+
+/// The due jobs of `keys`' pool moved onto `target`.
+fn move_onto(env: &Env, keys: &Keys, target: Target<'_>) -> store::MoveReport {
+    let pool = Pool::Enveloped {
+        pool: &keys.pool,
+        data: &keys.data,
+    };
     store::move_due(
         &mut env.con(),
-        Pool::Enveloped {
-            pool: &keys.pool,
-            data: &keys.data,
-        },
+        pool,
         keys,
-        Target::Stream {
-            stream: &keys.stream,
-            dead: &keys.dead,
-        },
+        target,
         At::Server,
         100,
         60_000,
@@ -752,24 +759,11 @@ fn an_order_is_found_by_the_keys_of_the_built_in_events() {
 
 /// The due jobs of `keys`' pool moved onto list queue `q` (dead list `q:dead`).
 fn move_to_list(env: &Env, keys: &Keys) {
-    store::move_due(
-        &mut env.con(),
-        Pool::Enveloped {
-            pool: &keys.pool,
-            data: &keys.data,
-        },
-        keys,
-        Target::List {
-            queue: "q",
-            dead: "q:dead",
-        },
-        At::Server,
-        100,
-        60_000,
-        MAX,
-        0,
-    )
-    .unwrap();
+    let target = Target::List {
+        queue: "q",
+        dead: "q:dead",
+    };
+    move_onto(env, keys, target);
 }
 
 #[test]
