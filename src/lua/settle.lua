@@ -82,9 +82,12 @@ for i = 3, #ARGV, 7 do
   out[#out + 1] = code
 end
 unindex_moves(KEYS[6], settled)
-local ids = {}
-for j = 2, #settled, 2 do ids[#ids + 1] = settled[j] end
-in_chunks(ids, INDEX_CHUNK, function(...) redis.pcall('HDEL', KEYS[8], ...) end)
+-- Only jobs delivered before have starts counted: in a drain the HASH is mostly absent.
+if redis.call('EXISTS', KEYS[8]) == 1 then
+  local ids = {}
+  for j = 2, #settled, 2 do ids[#ids + 1] = settled[j] end
+  in_chunks(ids, INDEX_CHUNK, function(...) redis.pcall('HDEL', KEYS[8], ...) end)
+end
 if blocked then
   out[#out + 1] = blocked[1]; out[#out + 1] = blocked[2]; out[#out + 1] = blocked[3]
 end
