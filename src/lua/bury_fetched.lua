@@ -27,8 +27,11 @@ if ARGV[2] == 'done' then
 end
 local dead_bad = wrong_type(KEYS[3], 'list')
 if dead_bad then return {0, {}, dead_bad} end
-local reason = 'fetched ' .. (count - 1) .. ' times without being settled (limit ' .. max .. ')'
-list_letter(KEYS[3], ARGV[5], msg, reason, count - 1, #msg, '', ARGV[4], tonumber(ARGV[6]),
+-- Its fetch count may have been set back (fetches of a killed process that never ran it),
+-- so the letter tells the starts: those counted, since its first fetch's is not.
+local reason = 'its job started ' .. started .. ' times since its first fetch without being settled (limit ' ..
+  max .. ')'
+list_letter(KEYS[3], ARGV[5], msg, reason, started + 1, #msg, '', ARGV[4], tonumber(ARGV[6]),
   server_s())
 redis.call('HDEL', KEYS[2], digest, 'started:' .. digest)
 redis.call('RPOP', KEYS[1])

@@ -101,8 +101,8 @@ for i = 9, #ARGV, 2 do
         local event = ''
         local ok, v = pcall(cjson.decode, msg)
         if ok and type(v) == 'table' and type(v.event) == 'string' then event = v.event end
-        local reason = 'delivered ' .. count .. ' times without being acknowledged (limit ' ..
-          max .. ')'
+        local reason = 'delivered ' .. count .. ' times, its job started ' .. started ..
+          ' times since its first delivery, without being acknowledged (limit ' .. max .. ')'
         local length, digest = #msg, ''
         if #msg > max_bytes then
           digest = redis.sha1hex(msg)
