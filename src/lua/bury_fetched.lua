@@ -9,8 +9,8 @@
 -- KEYS[1] the queue, KEYS[2] its deliveries HASH, KEYS[3] its dead list
 -- ARGV[1] the message, ARGV[2] 'done' or 'dead', ARGV[3] max deliveries, ARGV[4] this
 -- consumer (recorded in the letter), ARGV[5] the queue's name, ARGV[6] max bytes
--- Returns {1 if taken off as done else 0, {queue, reason} if buried or {}, {key, found,
--- wanted} or {}}.
+-- Returns {1 if taken off as done else 0, {its job key (or 'queue ' and the queue's name),
+-- reason} if buried or {}, {key, found, wanted} or {}}.
 local w = wrong_type(KEYS[1], 'list', KEYS[2], 'hash')
 if w then return wrongtype_reply(w) end
 local msg = ARGV[1]
@@ -35,4 +35,7 @@ list_letter(KEYS[3], ARGV[5], msg, reason, started + 1, #msg, '', ARGV[4], tonum
   server_s())
 redis.call('HDEL', KEYS[2], digest, 'started:' .. digest)
 redis.call('RPOP', KEYS[1])
-return {0, {ARGV[5], reason}, {}}
+-- Named by its job key where it carries one (a message the mover moved), else by its queue.
+local _, key = list_message_facts(msg)
+if key == '' then key = 'queue ' .. ARGV[5] end
+return {0, {key, reason}, {}}

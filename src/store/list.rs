@@ -43,7 +43,8 @@ pub struct Overfetched {
 pub struct BuriedFetched {
     /// Taken off its queue as done (its job had committed).
     pub done: bool,
-    /// (queue, reason) when it went to the dead list.
+    /// (its job key, or "queue " and the queue's name for a message without one; the
+    /// reason) when it went to the dead list.
     pub buried: Vec<(String, String)>,
     /// The dead list, when it holds another type (then it stays where it is).
     pub blocked: Option<WrongType>,

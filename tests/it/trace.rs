@@ -902,6 +902,8 @@ fn a_list_message_dead_for_too_many_fetches_is_traced_by_its_key() {
     let out =
         store::list::bury_fetched(&mut env.con(), &keys, "c7", &over, false, (2, MAX)).unwrap();
     assert_eq!((out.done, out.buried.len()), (false, 1));
+    // Its WARN line names its job key.
+    assert_eq!(out.buried[0].0, "order.timeout:P1");
     let letter: Value = serde_json::from_str(
         &redis::cmd("LINDEX")
             .arg("q:dead")
