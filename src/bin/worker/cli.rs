@@ -588,11 +588,17 @@ impl Cli {
         if let Some(name) = m.subcommand_name() {
             // The daemon's flags are accepted before a subcommand only by clap's grammar.
             let daemon = RunArgs::augment_args(clap::Command::new("run"));
+            let cli = <Cli as clap::CommandFactory>::command();
+            // Whether the subcommand takes the flag too (`worker dead --source list`).
+            let takes = |flag: &str| {
+                cli.find_subcommand(name)
+                    .is_some_and(|sub| sub.get_arguments().any(|a| a.get_long() == Some(flag)))
+            };
             for arg in daemon.get_arguments() {
                 let id = arg.get_id().as_str();
                 if m.value_source(id) == Some(clap::parser::ValueSource::CommandLine) {
                     let flag = arg.get_long().unwrap_or(id);
-                    let problem = if name == "run" || name == "bench" {
+                    let problem = if name == "run" || name == "bench" || takes(flag) {
                         format!("--{flag} goes after the subcommand: `worker {name} --{flag} ...`")
                     } else {
                         format!("--{flag} is a flag of the daemon (`worker run`), not of `worker {name}`")
@@ -1082,6 +1088,17 @@ mod tests {
         );
         let c = config_of(&["stats", "--source", "list", "--queues", "a"]).unwrap();
         assert_eq!(c.keys.queues[0].name, "a");
+        // A flag the subcommand takes too is shown where it goes, not refused as the
+        // daemon's alone (found from outside: `worker --source list dead list`).
+        for cmd in [&["dead", "list"][..], &["stats"], &["trace", "k"]] {
+            let args = [&["--source", "list", "--queues", "q"][..], cmd].concat();
+            let e = config_of(&args).unwrap_err();
+            let hint = format!(
+                "--source goes after the subcommand: `worker {} --source",
+                cmd[0]
+            );
+            assert!(e.problem.contains(&hint), "{e}");
+        }
     }
 
     #[test]
