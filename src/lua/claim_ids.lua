@@ -3,7 +3,7 @@
 -- delivery, as a read does. An id whose entry is gone is dropped from the pending list.
 --
 -- KEYS[1] events STREAM, KEYS[2] dead STREAM, KEYS[3] and KEYS[4] the pool's `moved` and
--- `letters` indexes (see the prelude)
+-- `letters` indexes, KEYS[5] its `starts` HASH (see the prelude)
 -- ARGV[1] group, ARGV[2] consumer, ARGV[3] max bytes, then the ids
 -- Returns {gone, {entries}, {key, reason, ...} of the buried, {key, found, wanted} or {}}.
 local w = wrong_type(KEYS[1], 'stream')
@@ -18,5 +18,13 @@ for i = 4, #ARGV do
 end
 if #ids == 0 then return {0, {}, {}, {}} end
 local claimed = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, unpack(ids))
+if #claimed < #ids then
+  local found, lost = {}, {}
+  for _, e in ipairs(claimed) do found[e[1]] = true end
+  for _, id in ipairs(ids) do
+    if not found[id] then lost[#lost + 1] = id end
+  end
+  forget_starts(lost)
+end
 local kept, gone, buried, blocked = screen(claimed, ARGV[1], ARGV[2], tonumber(ARGV[3]), server_s())
 return {gone + #ids - #claimed, kept, buried, blocked}

@@ -202,6 +202,13 @@ local function entry_fields(fields)
   return msg, key
 end
 
+-- Forgets the counted starts (KEYS[5], the pool's `starts` HASH) of entries gone from the
+-- stream while pending, which no settle will clear; under pcall: a key of another type
+-- keeps nothing from being read.
+local function forget_starts(ids)
+  in_chunks(ids, INDEX_CHUNK, function(...) redis.pcall('HDEL', KEYS[5], ...) end)
+end
+
 -- Screens stream entries read or claimed by this script, before they reach the worker:
 -- an entry whose stream entry is gone (deleted while pending) is acknowledged and
 -- counted; one whose message is over the size limit goes to the dead letters (a prefix,
@@ -210,7 +217,7 @@ end
 -- Returns the entries to deliver, the count of gone ones, {key, reason, ...} of the
 -- buried ones and {key, found, wanted} (empty when none) of a key that blocked one.
 -- KEYS[1] must be the stream, KEYS[2] the dead-letter stream, KEYS[3] and KEYS[4] the
--- pool's `moved` and `letters` indexes.
+-- pool's `moved` and `letters` indexes, KEYS[5] its `starts` HASH.
 local function screen(entries, group, consumer, max_bytes, now_s)
   local kept, buried, gone = {}, {}, 0
   local dead_bad = wrong_type(KEYS[2], 'stream')
@@ -219,6 +226,7 @@ local function screen(entries, group, consumer, max_bytes, now_s)
     local id, fields = e[1], e[2]
     if not fields or #fields == 0 then
       redis.call('XACK', KEYS[1], group, id)
+      forget_starts({id})
       gone = gone + 1
     else
       local msg, key = entry_fields(fields)

@@ -3,7 +3,7 @@
 -- waits between empty reads itself.
 --
 -- KEYS[1] events STREAM, KEYS[2] dead STREAM, KEYS[3] and KEYS[4] the pool's `moved` and
--- `letters` indexes (see the prelude)
+-- `letters` indexes, KEYS[5] its `starts` HASH (see the prelude)
 -- ARGV[1] group, ARGV[2] consumer, ARGV[3] count, ARGV[4] id ('>' for new entries, or a
 -- cursor into this consumer's own pending entries), ARGV[5] max bytes
 -- Returns {gone, {entries}, {key, reason, ...} of the buried, {key, found, wanted} or {}}.

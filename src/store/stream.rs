@@ -53,6 +53,7 @@ impl Reading<'_> {
             .key(&self.keys.dead)
             .key(&self.keys.moved)
             .key(&self.keys.letters)
+            .key(&self.keys.starts)
             .arg(&self.keys.group)
             .arg(self.consumer);
         inv

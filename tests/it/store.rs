@@ -893,6 +893,47 @@ fn taken_over_entries_a_peer_took_meanwhile_are_not_claimed_back() {
     );
 }
 
+/// The counted starts of entries deleted from the stream while pending (no settle will
+/// clear them) are forgotten when a reader finds them gone: by a claim of idle entries,
+/// by a delivery of entries it took over, and by a re-read of its own pending ones.
+#[test]
+fn the_starts_of_entries_gone_from_the_stream_while_pending_are_forgotten() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let k = keys();
+    let ids = pending_on(&mut con, &k, "c1", 4, 4);
+    for id in &ids {
+        redis::cmd("HSET")
+            .arg(&k.starts)
+            .arg(id)
+            .arg(1)
+            .query::<()>(&mut con)
+            .unwrap();
+    }
+    let starts = |con: &mut Connection| -> Vec<String> {
+        let mut f: Vec<String> = redis::cmd("HKEYS").arg(&k.starts).query(con).unwrap();
+        f.sort();
+        f
+    };
+    redis::cmd("XDEL")
+        .arg(&k.stream)
+        .arg(&ids[..3])
+        .query::<()>(&mut con)
+        .unwrap();
+    // Re-read from this consumer's own pending entries (as at a start).
+    let read = stream::read(&mut con, reading(&k), 1, "0").unwrap();
+    assert_eq!(read.gone, 1);
+    assert_eq!(starts(&mut con), ids[1..].to_vec());
+    // Delivered after a take-over, by id.
+    let read = stream::claim_ids(&mut con, reading(&k), &ids[1..2]).unwrap();
+    assert_eq!((read.gone, read.deliveries.len()), (1, 0));
+    assert_eq!(starts(&mut con), ids[2..].to_vec());
+    // Claimed as idle: the deleted one forgotten, the one still there kept.
+    let (read, _) = stream::autoclaim(&mut con, reading(&k), Duration::ZERO, "0-0", 10).unwrap();
+    assert_eq!((read.gone, read.deliveries.len()), (1, 1));
+    assert_eq!(starts(&mut con), ids[3..].to_vec());
+}
+
 /// A caller of `take_over` that has had a usable PostgreSQL for a while, and one that has
 /// none.
 const HAS_DB: Usable = Usable {
