@@ -129,7 +129,6 @@ fn reading(k: &Keys) -> stream::Reading<'_> {
     }
 }
 
-/// One entry moved into the stream and read by `c1`: pending on it.
 /// `n` entries added to the stream of `k` (its group made), then read by `consumer`: the
 /// ids it now has pending, oldest first.
 fn pending_on(
@@ -162,6 +161,7 @@ fn pending_on(
         .collect()
 }
 
+/// One entry moved into the stream and read by `c1`: pending on it.
 fn one_pending(con: &mut Connection, k: &Keys, msg: &str) -> Delivery {
     stream::ensure_group(con, k).unwrap();
     schedule(con, k, "job-1", msg);
