@@ -25,8 +25,8 @@
 -- ARGV[4] max deliveries, ARGV[5] max bytes, ARGV[6] most entries looked at,
 -- ARGV[7] this consumer (recorded in the letter), ARGV[8] 'look' or 'settle',
 -- then for 'settle' (id, 'done' or 'dead') pairs
--- While the dead-letter key holds another type nothing is buried (the entries stay
--- pending) and the key is reported.
+-- While the dead-letter key or the `starts` key holds another type nothing is buried (the
+-- entries stay pending) and the key is reported.
 -- Returns for 'look' {{{id, key, message, count}, ...}, {key, found, wanted} or {},
 -- counts set back} (the dead-letter key's type is looked at on every call, so that a pass
 -- that met none proves it fixed); for 'settle' {buried, {key, reason, ...}, {key, found,
@@ -47,19 +47,22 @@ local function pending(from, to, n)
 end
 
 -- How often the job of entry `id` started again after its first delivery without being
--- settled; the limit itself when the `starts` key cannot be read (another type: the
--- delivery count decides, as it did before starts were counted).
+-- settled.
 local function starts(id)
-  local n = redis.pcall('HGET', KEYS[5], id)
-  if type(n) == 'table' and n.err then return max end
-  return tonumber(n) or 0
+  return tonumber(redis.call('HGET', KEYS[5], id)) or 0
 end
+
+-- While the `starts` key holds another type no entry over the limit can be told from one
+-- killed processes held unrun (found from outside: the delivery count alone made good
+-- jobs that never ran dead letters): none is buried or set back, they wait, and the key
+-- is reported.
+local starts_bad = wrong_type(KEYS[5], 'hash')
 
 if ARGV[8] == 'look' then
   local out = {}
   local forgiven = 0
   for _, p in ipairs(pending('-', '+', ARGV[6])) do
-    local started = p[4] > max and starts(p[1])
+    local started = p[4] > max and (starts_bad and max or starts(p[1]))
     if started and started < max then
       redis.call('XCLAIM', KEYS[1], ARGV[1], p[2], 0, p[1], 'IDLE', p[3], 'RETRYCOUNT', started,
         'JUSTID')
@@ -76,10 +79,10 @@ if ARGV[8] == 'look' then
       end
     end
   end
-  return {out, wrong_type(KEYS[2], 'stream') or {}, forgiven}
+  return {out, wrong_type(KEYS[2], 'stream') or starts_bad or {}, forgiven}
 end
 
-local dead_bad = wrong_type(KEYS[2], 'stream')
+local dead_bad = wrong_type(KEYS[2], 'stream') or starts_bad
 if dead_bad then return {0, {}, dead_bad, 0} end
 local out = {}
 local done = 0

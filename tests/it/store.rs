@@ -649,6 +649,53 @@ fn burying_the_over_delivered_leaves_them_pending_when_the_dead_letters_are_the_
     assert_eq!(pending(&mut con, &k), 1, "the one without a verdict waits");
 }
 
+/// While the `starts` key holds another type an entry delivered more often than the limit
+/// cannot be told from one killed processes held unrun: it is neither buried nor set back,
+/// it stays pending and the key is named. Found from outside: the delivery count alone
+/// decided, and 160 of 600 good jobs that never ran became dead letters under kills.
+#[test]
+fn over_delivered_entries_wait_while_the_starts_key_is_the_wrong_type() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let k = keys();
+    let d = one_pending(&mut con, &k, r#"{"event":"e","payload":{}}"#);
+    let id = d.stream_id().unwrap().to_string();
+    // Delivered four times, never started: held unrun by killed processes.
+    redis::cmd("XCLAIM")
+        .arg(&k.stream)
+        .arg(&k.group)
+        .arg("c1")
+        .arg(0)
+        .arg(&id)
+        .arg("RETRYCOUNT")
+        .arg(4)
+        .arg("JUSTID")
+        .query::<Value>(&mut con)
+        .unwrap();
+    let over = stream::OverDelivered {
+        only: None,
+        min_idle: Duration::ZERO,
+        max_deliveries: 3,
+        scan: 10,
+    };
+    set_string(&mut con, &k.starts);
+    let looked = stream::overdelivered(&mut con, reading(&k), over).unwrap();
+    assert_eq!(looked.blocked.unwrap().key, k.starts, "the key is named");
+    assert_eq!(looked.forgiven, 0);
+    let dead = [(id.clone(), stream::Verdict::Dead)];
+    let out = stream::bury_overdelivered(&mut con, reading(&k), over, &dead).unwrap();
+    assert!(out.buried.is_empty(), "{:?}", out.buried);
+    assert_eq!(out.blocked.unwrap().key, k.starts);
+    assert_eq!(xlen(&mut con, &k.dead), 0);
+    assert_eq!(pending(&mut con, &k), 1, "still pending");
+    // The key fixed: its job never started, so it is delivered again, not buried.
+    del(&mut con, &k.starts);
+    let looked = stream::overdelivered(&mut con, reading(&k), over).unwrap();
+    assert!(looked.blocked.is_none());
+    assert_eq!((looked.candidates.len(), looked.forgiven), (0, 1));
+    assert_eq!(xlen(&mut con, &k.dead), 0);
+}
+
 /// An entry delivered more often than the limit whose job started fewer times than the
 /// limit (counted starts: a first delivery's is not counted) is no poison message: held
 /// unrun by killed processes, it stays, its delivery count set back to its starts. Found
