@@ -25,10 +25,11 @@ pub struct Keys {
     /// (`<pool>:letters`; at most 8, kept by the scripts that write, requeue and purge
     /// dead letters), so `worker trace` finds them without reading the dead letters.
     pub letters: String,
-    /// HASH: stream entry id -> how many times a job of it delivered before began its
-    /// transaction without the entry being settled (`<pool>:starts`; counted by the
-    /// workers before each such transaction, a first delivery's start not counted; cleared
-    /// when the entry is settled). An entry delivered more than `--max-deliveries` times
+    /// HASH: stream entry id -> in how many of its transactions the job of an entry
+    /// delivered before began and its process died before seeing it end (`<pool>:starts`;
+    /// counted by the workers as each such transaction begins and taken back once they see
+    /// it end unsettled, a first delivery's start not counted; cleared when the entry is
+    /// settled). An entry delivered more than `--max-deliveries` times
     /// is a poison message (it kills its consumer) only when its job started that many
     /// times more: a process killed while it held the entry unrun
     /// (read ahead, waiting for its `--max-rate` slot) is not the entry's fault. List

@@ -3,8 +3,8 @@
 -- here so the worker never runs them again: the dead letter first, the XACK last.
 --
 -- Only an entry whose job started as often as the limit without being settled is taken
--- for one: the workers count each start of a job delivered before, before its
--- transaction begins (the pool's `starts` HASH; a first delivery's start is not counted,
+-- for one: the workers count each transaction of a job delivered before that its process
+-- did not see end (the pool's `starts` HASH; a first delivery's start is not counted,
 -- so a poison message runs once more than the limit: one held unrun at a kill must not
 -- be taken for one). One read more often than that was held unrun by processes killed
 -- meanwhile (read ahead, waiting for its `--max-rate` slot): no fault of its own, so its

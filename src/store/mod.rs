@@ -360,32 +360,51 @@ pub fn started_field(msg: &[u8]) -> String {
     format!("started:{}", sha1_smol::Sha1::from(msg).digest())
 }
 
-/// Counts one start of the job of each delivery (see [`Keys::starts`]), in one round trip
-/// before their transaction begins: a message that kills its consumer is one whose job
-/// started `--max-deliveries` times without being settled, not one read that often.
+/// The field that counts the starts of `d`'s job in its HASH (see [`Keys::starts`]): its
+/// stream entry's id, or a list message's [`started_field`].
+pub fn starts_field(d: &crate::delivery::Delivery) -> String {
+    match &d.origin {
+        Origin::Stream { id } => id.clone(),
+        Origin::List { .. } => started_field(&d.msg),
+    }
+}
+
+/// The HASH and field that count the starts of `d`'s job (see [`Keys::starts`]), and its
+/// shard; `None` for a list message of a queue not configured.
+fn starts_slot(shards: &[Keys], d: &crate::delivery::Delivery) -> Option<(usize, String, String)> {
+    let shard = if d.shard < shards.len() { d.shard } else { 0 };
+    let keys = &shards[shard];
+    match &d.origin {
+        Origin::Stream { .. } => Some((shard, keys.starts.clone(), starts_field(d))),
+        Origin::List { queue } => keys
+            .queues
+            .get(*queue)
+            .map(|q| (shard, q.deliveries(), starts_field(d))),
+    }
+}
+
+/// Changes the count of starts of the job of each delivery by `delta` (see
+/// [`Keys::starts`] and `lua/count_starts.lua`): `1` as their transaction begins, `-1` once
+/// it has ended, `0` to read the counts. One round trip per shard. Returns each job's
+/// count after the change, in order (`None`: not counted, its HASH of another type).
 pub fn started(
     con: &mut dyn ConnectionLike,
     shards: &[Keys],
     deliveries: &[&crate::delivery::Delivery],
-) -> StoreResult<()> {
-    /// One shard's count: the HASHes it counts in, and (1-based index of its HASH, field)
-    /// of each job.
+    delta: i64,
+) -> StoreResult<Vec<Option<u64>>> {
+    /// One shard's count: the HASHes it counts in, and (1-based index of its HASH, field,
+    /// position of the delivery) of each job.
     struct Count {
         shard: usize,
         hashes: Vec<String>,
-        fields: Vec<(usize, String)>,
+        fields: Vec<(usize, String, usize)>,
     }
     // One call per shard: a shard's keys share a hash slot, two shards' do not.
     let mut counts: Vec<Count> = Vec::new();
-    for d in deliveries {
-        let shard = if d.shard < shards.len() { d.shard } else { 0 };
-        let keys = &shards[shard];
-        let (hash, field) = match &d.origin {
-            Origin::Stream { id } => (keys.starts.clone(), id.clone()),
-            Origin::List { queue } => match keys.queues.get(*queue) {
-                Some(q) => (q.deliveries(), started_field(&d.msg)),
-                None => continue,
-            },
+    for (at_d, d) in deliveries.iter().enumerate() {
+        let Some((shard, hash, field)) = starts_slot(shards, d) else {
+            continue;
         };
         let at = match counts.iter().position(|c| c.shard == shard) {
             Some(at) => at,
@@ -406,19 +425,25 @@ pub fn started(
                 c.hashes.len() - 1
             }
         };
-        c.fields.push((k + 1, field));
+        c.fields.push((k + 1, field, at_d));
     }
+    let mut out = vec![None; deliveries.len()];
     for c in counts {
         let mut inv = COUNT_STARTS.prepare_invoke();
         for h in &c.hashes {
             inv.key(h);
         }
-        for (k, f) in &c.fields {
+        inv.arg(delta);
+        for (k, f, _) in &c.fields {
             inv.arg(k).arg(f);
         }
-        run("count the jobs started", &inv, con)?;
+        let reply = run("count the jobs started", &inv, con)?;
+        let Value::Array(ns) = reply else { continue };
+        for ((_, _, at_d), n) in c.fields.iter().zip(&ns) {
+            out[*at_d] = u64::try_from(int(Some(n))).ok();
+        }
     }
-    Ok(())
+    Ok(out)
 }
 
 /// Applies a batch of outcomes, one script call per source kind (stream entries, list

@@ -319,8 +319,118 @@ fn raw_event<'k>(keys: &'k Keys, origin: &Origin) -> Option<&'k str> {
 }
 
 /// How long a worker runs jobs without counting their starts after Redis failed to count
-/// them ([`Worker::count_starts`]).
+/// them ([`StartCount`]).
 const COUNT_STARTS_PAUSE: Duration = Duration::from_secs(5);
+
+/// Counts in Redis the starts of the jobs delivered before ([`crate::keys::Keys::starts`];
+/// a first delivery's start is not counted, so a drain's jobs cost no round trip more), as
+/// a session's transactions begin and end ([`session::Starts`]): one more as the
+/// transaction of such a job begins, one less once it has ended without the job settled
+/// (it failed, or the server went: the process saw the end, so it was no message that
+/// kills its consumer). What stays counted is the transactions in which a process died,
+/// and a job over `--max-deliveries` is a poison message only when that is as many as the
+/// limit (found from outside: counted once per try before its transaction, jobs held
+/// through a PostgreSQL outage, or waiting in their worker behind a set that a poison
+/// message killed, became dead letters after one or two real starts). A job that started
+/// before and was not seen to end runs alone, so that a poison message takes no other
+/// job of a set with it. Without Redis the jobs run all the same, uncounted: Redis being
+/// away must not stop jobs it already handed over (their acknowledgements wait); after a
+/// failure it counts again only [`COUNT_STARTS_PAUSE`] later, so that a Redis that stalls
+/// holds up one transaction, not each.
+struct StartCount<'w> {
+    redis: &'w mut Option<crate::store::Con>,
+    target: &'w crate::store::Redis,
+    shards: &'w [Keys],
+    after: &'w mut Option<Instant>,
+    /// The [`store::starts_field`]s of the jobs that run alone.
+    alone: HashSet<String>,
+    /// Whether the transaction now running had its jobs counted.
+    counted: bool,
+}
+
+impl<'w> StartCount<'w> {
+    /// Reads the starts of those of `jobs` delivered before: the ones counted run alone.
+    fn new(
+        redis: &'w mut Option<crate::store::Con>,
+        target: &'w crate::store::Redis,
+        shards: &'w [Keys],
+        after: &'w mut Option<Instant>,
+        jobs: &[Job<'_>],
+    ) -> StartCount<'w> {
+        let mut count = StartCount {
+            redis,
+            target,
+            shards,
+            after,
+            alone: HashSet::new(),
+            counted: false,
+        };
+        let before: Vec<&Delivery> = jobs
+            .iter()
+            .filter(|j| j.d.redelivered)
+            .map(|j| &j.d)
+            .collect();
+        if let Some(counts) = count.change(&before, 0) {
+            count.alone = before
+                .iter()
+                .zip(counts)
+                .filter(|(_, n)| n.is_some_and(|n| n > 0))
+                .map(|(d, _)| store::starts_field(d))
+                .collect();
+        }
+        count
+    }
+
+    /// [`store::started`] on the worker's connection; `None` when Redis could not answer.
+    fn change(&mut self, ds: &[&Delivery], delta: i64) -> Option<Vec<Option<u64>>> {
+        if ds.is_empty() || self.after.is_some_and(|t| Instant::now() < t) {
+            return None;
+        }
+        if self.redis.is_none() {
+            *self.redis = store::connect(self.target).ok();
+        }
+        let counted = match self.redis.as_mut() {
+            Some(con) => store::started(con, self.shards, ds, delta).map_err(|e| e.to_string()),
+            None => Err("Redis cannot be reached".to_string()),
+        };
+        match counted {
+            Ok(counts) => Some(counts),
+            Err(e) => {
+                log::debug!("cannot count the starts of {} jobs: {e}", ds.len());
+                *self.redis = None;
+                *self.after = Some(Instant::now() + COUNT_STARTS_PAUSE);
+                None
+            }
+        }
+    }
+
+    fn before<'j>(jobs: &[&'j Job<'_>]) -> Vec<&'j Delivery> {
+        jobs.iter()
+            .filter(|j| j.d.redelivered)
+            .map(|j| &j.d)
+            .collect()
+    }
+}
+
+impl session::Starts for StartCount<'_> {
+    fn alone(&self, job: &Job<'_>) -> bool {
+        job.d.redelivered
+            && !self.alone.is_empty()
+            && self.alone.contains(&store::starts_field(&job.d))
+    }
+
+    fn begin(&mut self, jobs: &[&Job<'_>]) {
+        let ds = Self::before(jobs);
+        self.counted = self.change(&ds, 1).is_some();
+    }
+
+    fn end(&mut self, jobs: &[&Job<'_>], settled: bool) {
+        if std::mem::take(&mut self.counted) && !settled {
+            let ds = Self::before(jobs);
+            self.change(&ds, -1);
+        }
+    }
+}
 
 /// Delay before retry number `retry + 1`: base * 2^retry, capped.
 pub fn retry_delay(jobs: &JobConfig, retry: u32) -> Duration {
@@ -1873,28 +1983,6 @@ impl<'a> Worker<'a> {
         stats.jobs.held(event, true, crate::now_ms());
     }
 
-    /// Counts a start of each of these jobs in Redis ([`crate::keys::Keys::starts`]), so
-    /// that one which keeps killing its consumer is told from one a killed process held
-    /// unrun. Without Redis the jobs run all the same, their start not counted: Redis
-    /// being away must not stop jobs it already handed over (their acknowledgements wait).
-    /// After a failure it tries again only [`COUNT_STARTS_PAUSE`] later, so that a Redis
-    /// that stalls holds up one transaction, not each.
-    fn count_starts(&mut self, deliveries: &[&Delivery]) {
-        if self.count_starts_after.is_some_and(|t| Instant::now() < t) {
-            return;
-        }
-        let shards = self.ctx.shards;
-        let counted = match self.redis_now() {
-            Some(con) => store::started(con, shards, deliveries).map_err(|e| e.to_string()),
-            None => Err("Redis cannot be reached".to_string()),
-        };
-        if let Err(e) = counted {
-            log::debug!("cannot count the start of {} jobs: {e}", deliveries.len());
-            self.redis = None;
-            self.count_starts_after = Some(Instant::now() + COUNT_STARTS_PAUSE);
-        }
-    }
-
     /// The worker's Redis connection, connected now if it has none; `None` when Redis
     /// cannot be reached (the caller goes on without it; the settle retries on its own).
     fn redis_now(&mut self) -> Option<&mut crate::store::Con> {
@@ -2312,19 +2400,15 @@ impl<'a> Worker<'a> {
                     .fetch_add(jobs.len() as u64, Ordering::Relaxed);
             }
             let permit = self.ctx.manners.enter(self.ctx.shutdown);
-            // The start of each job delivered before is counted last before its
-            // transaction begins, once nothing else is waited for (those a peer took
-            // meanwhile are not this process's to start): a kill between the two counts a
-            // start that did not happen.
-            let starting: Vec<&Delivery> = jobs
-                .iter()
-                .enumerate()
-                .filter(|(i, j)| j.d.redelivered && owned.as_ref().is_none_or(|o| o[*i]))
-                .map(|(_, j)| &j.d)
-                .collect();
-            if !starting.is_empty() {
-                self.count_starts(&starting);
-            }
+            // The starts of jobs delivered before are counted as their transactions begin
+            // and end ([`StartCount`]).
+            let mut starts = StartCount::new(
+                &mut self.redis,
+                self.ctx.redis,
+                self.ctx.shards,
+                &mut self.count_starts_after,
+                jobs,
+            );
             let session = self.session.as_mut().expect("a session was just ensured");
             let started = std::time::Instant::now();
             let results = match &owned {
@@ -2333,6 +2417,7 @@ impl<'a> Worker<'a> {
                     self.ctx.jobs,
                     self.ctx.manners,
                     &self.ctx.stats.in_sets,
+                    &mut starts,
                 ),
                 Some(owned) => {
                     let ours: Vec<Job<'_>> = jobs
@@ -2347,6 +2432,7 @@ impl<'a> Worker<'a> {
                             self.ctx.jobs,
                             self.ctx.manners,
                             &self.ctx.stats.in_sets,
+                            &mut starts,
                         )
                         .into_iter();
                     owned

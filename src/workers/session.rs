@@ -131,6 +131,34 @@ impl Job<'_> {
     }
 }
 
+/// Told of the jobs of each transaction as it begins (its `BEGIN` answered) and as it
+/// ends, and asked which jobs run in a transaction of their own: the worker counts the
+/// starts of jobs delivered before in Redis, so that a message that kills its consumer
+/// (its job started `--max-deliveries` times and its process never saw the end) is told
+/// from one held unrun, or cut short by the surroundings (see `Worker::run_paced`).
+pub trait Starts {
+    /// Whether `job` runs alone, in no set or batch: it started before, and its process
+    /// did not see the end, so it may be one that kills its consumer, and must not take
+    /// a set's other jobs with it.
+    fn alone(&self, job: &Job<'_>) -> bool;
+    /// The transaction of `jobs` has begun.
+    fn begin(&mut self, jobs: &[&Job<'_>]);
+    /// The transaction of `jobs` has ended; `settled`: they committed, or were found
+    /// done (their settle clears the count).
+    fn end(&mut self, jobs: &[&Job<'_>], settled: bool);
+}
+
+/// No starts counted, every job as it comes (tests, tools).
+pub struct Uncounted;
+
+impl Starts for Uncounted {
+    fn alone(&self, _: &Job<'_>) -> bool {
+        false
+    }
+    fn begin(&mut self, _: &[&Job<'_>]) {}
+    fn end(&mut self, _: &[&Job<'_>], _: bool) {}
+}
+
 /// A handler's statements on this connection, or why they could not be prepared.
 enum Prepared {
     Ready {
@@ -423,6 +451,7 @@ impl Session {
         cfg: &crate::config::JobConfig,
         manners: &Manners,
         in_sets: &AtomicU64,
+        starts: &mut dyn Starts,
     ) -> Vec<JobResult> {
         let mut results: Vec<Option<JobResult>> = jobs.iter().map(|_| None).collect();
         let mut sets: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
@@ -433,7 +462,9 @@ impl Session {
                 continue;
             }
             match &self.handlers[job.index] {
-                Prepared::Ready { set: Some(_), .. } if cfg.set_size > 1 && jobs.len() > 1 => {
+                Prepared::Ready { set: Some(_), .. }
+                    if cfg.set_size > 1 && jobs.len() > 1 && !starts.alone(job) =>
+                {
                     sets.entry(job.index).or_default().push(k)
                 }
                 _ => alone.push(k),
@@ -450,7 +481,7 @@ impl Session {
                     continue;
                 }
                 let set: Vec<(usize, &Job<'_>)> = chunk.iter().map(|&k| (k, &jobs[k])).collect();
-                for (k, r) in self.run_set_or_split(&set, manners, in_sets, &mut alone) {
+                for (k, r) in self.run_set_or_split(&set, manners, in_sets, &mut alone, starts) {
                     results[k] = Some(r);
                 }
             }
@@ -459,10 +490,13 @@ impl Session {
         for chunk in alone.chunks(cfg.tx_batch.max(1)) {
             let batch: Vec<&Job<'_>> = chunk.iter().map(|&k| &jobs[k]).collect();
             let rs = match batch.as_slice() {
-                [job] => vec![self.run_job(job)],
+                [job] => vec![self.run_job(job, starts)],
+                _ if batch.iter().any(|job| starts.alone(job)) => {
+                    batch.iter().map(|job| self.run_job(job, starts)).collect()
+                }
                 _ => self
-                    .run_batch(&batch)
-                    .unwrap_or_else(|| batch.iter().map(|job| self.run_job(job)).collect()),
+                    .run_batch(&batch, starts)
+                    .unwrap_or_else(|| batch.iter().map(|job| self.run_job(job, starts)).collect()),
             };
             for (&k, r) in chunk.iter().zip(rs) {
                 results[k] = Some(r);
@@ -507,10 +541,11 @@ impl Session {
         manners: &Manners,
         in_sets: &AtomicU64,
         alone: &mut Vec<usize>,
+        starts: &mut dyn Starts,
     ) -> Vec<(usize, JobResult)> {
         let event = set[0].1.env.event.as_str();
         let jobs: Vec<&Job<'_>> = set.iter().map(|(_, j)| *j).collect();
-        let failure = match self.run_set(&jobs) {
+        let failure = match self.run_set(&jobs, starts) {
             Ok(rs) => {
                 manners.committed(event);
                 Stats::add(in_sets, rs.len() as u64);
@@ -563,7 +598,9 @@ impl Session {
                     match half {
                         [] => {}
                         [(k, _)] => alone.push(*k),
-                        _ => out.extend(self.run_set_or_split(half, manners, in_sets, alone)),
+                        _ => {
+                            out.extend(self.run_set_or_split(half, manners, in_sets, alone, starts))
+                        }
                     }
                 }
                 out
@@ -577,7 +614,9 @@ impl Session {
                         f.reason
                     );
                 }
-                set.iter().map(|(k, job)| (*k, self.run_job(job))).collect()
+                set.iter()
+                    .map(|(k, job)| (*k, self.run_job(job, starts)))
+                    .collect()
             }
         }
     }
@@ -591,13 +630,13 @@ impl Session {
     /// other copy may have gone back to its queue) is waited out: the other transaction
     /// ends by itself (committed, or rolled back once its statement ends and it finds its
     /// client gone), and the job runs again, a duplicate or the job's only run.
-    fn run_job(&mut self, job: &Job<'_>) -> JobResult {
-        match self.run_job_once(job, false) {
+    fn run_job(&mut self, job: &Job<'_>, starts: &mut dyn Starts) -> JobResult {
+        match self.run_job_once(job, false, starts) {
             JobResult::RunningElsewhere
                 if job.d.holder_gone
                     || matches!(job.d.origin, crate::delivery::Origin::List { .. }) =>
             {
-                self.run_job_once(job, true)
+                self.run_job_once(job, true, starts)
             }
             r => r,
         }
@@ -606,7 +645,12 @@ impl Session {
     /// [`Session::run_job`]'s one try. `wait_out`: the inbox insert waits for another
     /// transaction holding the job's row without a lock timeout (the statement timeout
     /// bounds it), and the handler then runs under the connection's own.
-    fn run_job_once(&mut self, job: &Job<'_>, wait_out: bool) -> JobResult {
+    fn run_job_once(
+        &mut self,
+        job: &Job<'_>,
+        wait_out: bool,
+        starts: &mut dyn Starts,
+    ) -> JobResult {
         let one = match &self.handlers[job.index] {
             Prepared::Ready { one, .. } => one,
             Prepared::Failed { failure, .. } => return JobResult::Failed(failure.clone()),
@@ -615,51 +659,63 @@ impl Session {
             Ok(tx) => tx,
             Err(e) => return JobResult::Failed(e.into()),
         };
-        let mut noops = Vec::new();
-        // A job that waited in vain for a lock at its last try waits as briefly as a set
-        // now: while the shop holds a row that many due jobs need, each try holds a worker
-        // (and the job's own locks, taken before, against the shop) for its whole wait.
-        let lock = match job.brief_lock {
-            true => self.short_lock.as_str(),
-            false => self.lock_timeout_back.as_str(),
-        };
-        let first = match wait_out {
-            true => Some("SET LOCAL lock_timeout = 0"),
-            false => job.brief_lock.then_some(lock),
-        };
-        if let Some(sql) = first {
-            if let Err(e) = tx.batch_execute(sql) {
-                return JobResult::Failed(e.into());
-            }
-        }
-        let waits = wait_out.then_some(lock);
-        let result = match apply(&mut tx, &self.inbox, one, job, waits) {
-            Ok(Some((effect, tid))) => {
-                if effect == Effect::NoOp {
-                    noops.push(tid);
+        starts.begin(&[job]);
+        let result = (|| {
+            let mut noops = Vec::new();
+            // A job that waited in vain for a lock at its last try waits as briefly as a
+            // set now: while the shop holds a row that many due jobs need, each try holds
+            // a worker (and the job's own locks, taken before, against the shop) for its
+            // whole wait.
+            let lock = match job.brief_lock {
+                true => self.short_lock.as_str(),
+                false => self.lock_timeout_back.as_str(),
+            };
+            let first = match wait_out {
+                true => Some("SET LOCAL lock_timeout = 0"),
+                false => job.brief_lock.then_some(lock),
+            };
+            if let Some(sql) = first {
+                if let Err(e) = tx.batch_execute(sql) {
+                    return JobResult::Failed(e.into());
                 }
-                JobResult::Committed(effect)
             }
-            Ok(None) => JobResult::Duplicate,
-            Err(failed) => return failed,
-        };
-        match commit(tx, &noops) {
-            Ok(()) => result,
-            Err(e) => JobResult::Failed(e.into()),
-        }
+            let waits = wait_out.then_some(lock);
+            let result = match apply(&mut tx, &self.inbox, one, job, waits) {
+                Ok(Some((effect, tid))) => {
+                    if effect == Effect::NoOp {
+                        noops.push(tid);
+                    }
+                    JobResult::Committed(effect)
+                }
+                Ok(None) => JobResult::Duplicate,
+                Err(failed) => return failed,
+            };
+            match commit(tx, &noops) {
+                Ok(()) => result,
+                Err(e) => JobResult::Failed(e.into()),
+            }
+        })();
+        let settled = matches!(result, JobResult::Committed(_) | JobResult::Duplicate);
+        starts.end(&[job], settled);
+        result
     }
 
     /// Jobs of one event in one transaction through the handler's set form: the inbox
     /// rows of all of them in one statement, then one statement for the jobs whose rows
     /// were new (the others are redeliveries), then one commit. An error if anything
     /// failed (nothing committed).
-    fn run_set(&mut self, jobs: &[&Job<'_>]) -> Result<Vec<JobResult>, SetError> {
+    fn run_set(
+        &mut self,
+        jobs: &[&Job<'_>],
+        starts: &mut dyn Starts,
+    ) -> Result<Vec<JobResult>, SetError> {
         let statement = match &self.handlers[jobs[0].index] {
             Prepared::Ready { set: Some(st), .. } => st.clone(),
             Prepared::Ready { set: None, .. } => return Err(SetError::Index(-1)),
             Prepared::Failed { failure, .. } => return Err(SetError::Db(failure.clone())),
         };
         self.conn.batch_execute(&self.begin_set).map_err(db_err)?;
+        starts.begin(jobs);
         let result =
             set_body(&mut self.conn, &self.inbox_set, &statement, jobs).and_then(|(rs, noops)| {
                 self.conn
@@ -667,6 +723,7 @@ impl Session {
                     .map_err(db_err)?;
                 Ok(rs)
             });
+        starts.end(jobs, result.is_ok());
         if result.is_err() {
             // Nothing committed. A connection that cannot even roll back is thrown away
             // (its jobs then wait for the next one).
@@ -688,26 +745,31 @@ impl Session {
     /// is what a job costs most. Each job keeps its own inbox row, so each stays
     /// idempotent; if any statement fails nothing commits and `None` tells the caller to
     /// run each job alone.
-    fn run_batch(&mut self, jobs: &[&Job<'_>]) -> Option<Vec<JobResult>> {
+    fn run_batch(&mut self, jobs: &[&Job<'_>], starts: &mut dyn Starts) -> Option<Vec<JobResult>> {
         let mut tx = self.conn.transaction().ok()?;
-        let mut results = Vec::with_capacity(jobs.len());
-        let mut noops = Vec::new();
-        for job in jobs {
-            let Prepared::Ready { one, .. } = &self.handlers[job.index] else {
-                return None;
-            };
-            results.push(match apply(&mut tx, &self.inbox, one, job, None).ok()? {
-                Some((effect, tid)) => {
-                    if effect == Effect::NoOp {
-                        noops.push(tid);
+        starts.begin(jobs);
+        let results = (|| {
+            let mut results = Vec::with_capacity(jobs.len());
+            let mut noops = Vec::new();
+            for job in jobs {
+                let Prepared::Ready { one, .. } = &self.handlers[job.index] else {
+                    return None;
+                };
+                results.push(match apply(&mut tx, &self.inbox, one, job, None).ok()? {
+                    Some((effect, tid)) => {
+                        if effect == Effect::NoOp {
+                            noops.push(tid);
+                        }
+                        JobResult::Committed(effect)
                     }
-                    JobResult::Committed(effect)
-                }
-                None => JobResult::Duplicate,
-            });
-        }
-        commit(tx, &noops).ok()?;
-        Some(results)
+                    None => JobResult::Duplicate,
+                });
+            }
+            commit(tx, &noops).ok()?;
+            Some(results)
+        })();
+        starts.end(jobs, results.is_some());
+        results
     }
 }
 

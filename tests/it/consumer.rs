@@ -368,6 +368,262 @@ fn a_panicking_handler_is_dead_lettered_and_the_worker_goes_on() {
     );
 }
 
+/// A Rust handler (no set form) that records, inside each try, the counted starts of the
+/// jobs it is told to look at, and fails its first tries as a server going away would
+/// (SQLSTATE 57P01: the worker waits for a new connection and runs the job again).
+struct SeesStarts {
+    redis: redis::Client,
+    starts: String,
+    seen: std::sync::Mutex<Vec<(String, Vec<i64>)>>,
+    fail: std::sync::atomic::AtomicUsize,
+}
+
+impl delay_worker::handlers::Handler for SeesStarts {
+    fn event(&self) -> &str {
+        "test.starts"
+    }
+    fn statements(&self) -> Vec<(String, Vec<postgres::types::Type>)> {
+        vec![]
+    }
+    fn handle(
+        &self,
+        tx: &mut postgres::Transaction<'_>,
+        _: &[postgres::Statement],
+        payload: &serde_json::Value,
+    ) -> Result<delay_worker::handlers::Effect, postgres::Error> {
+        use std::sync::atomic::Ordering;
+        let mut con = self.redis.get_connection().unwrap();
+        let ids: Vec<String> = payload["look"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_str().unwrap().to_string())
+            .collect();
+        let counts = ids
+            .iter()
+            .map(|id| {
+                redis::cmd("HGET")
+                    .arg(&self.starts)
+                    .arg(id)
+                    .query::<Option<i64>>(&mut con)
+                    .unwrap()
+                    .unwrap_or(0)
+            })
+            .collect();
+        let me = payload["me"].as_str().unwrap().to_string();
+        self.seen.lock().unwrap().push((me, counts));
+        if self
+            .fail
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+        {
+            tx.batch_execute(
+                "DO $$ BEGIN RAISE EXCEPTION 'terminating connection due to administrator command' \
+                 USING ERRCODE = 'admin_shutdown'; END $$",
+            )?;
+        }
+        Ok(delay_worker::handlers::Effect::Applied)
+    }
+}
+
+/// The starts of a job delivered before are counted per transaction: one more as it
+/// begins, one less once it ends unsettled (the process saw the end), so what stays is
+/// the transactions in which a process died. Found from outside: counted once per try,
+/// jobs held through a PostgreSQL outage became dead letters after one or two real starts;
+/// counted for a whole batch at once, the jobs waiting in their worker behind a poison
+/// message were counted with it. A job that started before and was not seen to end runs
+/// alone, so that a poison message takes no other job of a set with it.
+#[test]
+fn starts_are_counted_per_transaction_and_a_job_that_started_before_runs_alone() {
+    use delay_worker::delivery::{Delivery, Outcome};
+    use delay_worker::workers::{PoolContext, Worker};
+    let env = Env::new();
+    let keys = &env.config.keys;
+    let orders = seed_orders(&env.db, 3);
+    let client = redis::Client::open(env.redis.url()).unwrap();
+    let handler = std::sync::Arc::new(SeesStarts {
+        redis: client.clone(),
+        starts: keys.starts.clone(),
+        seen: Default::default(),
+        fail: 2.into(),
+    });
+    struct Shared(std::sync::Arc<SeesStarts>);
+    impl delay_worker::handlers::Handler for Shared {
+        fn event(&self) -> &str {
+            self.0.event()
+        }
+        fn statements(&self) -> Vec<(String, Vec<postgres::types::Type>)> {
+            self.0.statements()
+        }
+        fn handle(
+            &self,
+            tx: &mut postgres::Transaction<'_>,
+            st: &[postgres::Statement],
+            payload: &serde_json::Value,
+        ) -> Result<delay_worker::handlers::Effect, postgres::Error> {
+            self.0.handle(tx, st, payload)
+        }
+    }
+    let mut registry = delay_worker::handlers::Registry::builtin();
+    registry.register(Box::new(Shared(handler.clone())));
+    let pool = delay_worker::db::pool(
+        &env.db.url,
+        1,
+        delay_worker::db::Timeouts {
+            statement: Duration::from_secs(5),
+            lock: Duration::from_millis(100),
+        },
+        Duration::from_secs(5),
+        false,
+        None,
+    )
+    .unwrap();
+    let manners = delay_worker::manners::Manners::unlimited(32);
+    let handlers = delay_worker::handlers::Handlers::new(registry);
+    let stats = Stats::default();
+    let shutdown = delay_worker::Shutdown::new();
+    let drain = delay_worker::workers::Drain::default();
+    let ctx = PoolContext {
+        keys,
+        claim_idle: env.config.reader.claim_idle,
+        shards: std::slice::from_ref(keys),
+        jobs: &env.config.jobs,
+        consumer: "c1",
+        handlers: &handlers,
+        manners: &manners,
+        stats: &stats,
+        db: &pool,
+        redis: &client.clone().into(),
+        shutdown: &shutdown,
+        drain: &drain,
+    };
+    let mut w = Worker::new(0, &ctx);
+    // Entries pending on c1, delivered before (a previous run of c1 died).
+    let mut con = env.con();
+    delay_worker::store::stream::ensure_group(&mut con, keys).unwrap();
+    // Each job under a key of its own (the inbox tells jobs by their keys).
+    let mut pushed = 0;
+    let mut pending = |con: &mut redis::Connection, msgs: &[String]| -> Vec<Delivery> {
+        for m in msgs {
+            pushed += 1;
+            xadd(&env, &format!("k{pushed}"), m.as_bytes());
+        }
+        let read = delay_worker::store::stream::read(
+            con,
+            delay_worker::store::stream::Reading {
+                keys,
+                consumer: "c1",
+                max_bytes: 1 << 20,
+            },
+            msgs.len(),
+            ">",
+        )
+        .unwrap();
+        read.deliveries
+            .into_iter()
+            .map(|d| Delivery {
+                redelivered: true,
+                ..d
+            })
+            .collect()
+    };
+    let starts = |con: &mut redis::Connection, d: &Delivery| -> i64 {
+        redis::cmd("HGET")
+            .arg(&keys.starts)
+            .arg(d.stream_id().unwrap())
+            .query::<Option<i64>>(con)
+            .unwrap()
+            .unwrap_or(0)
+    };
+
+    // 1. Two tries cut short by the server, then a third that commits: each try sees its
+    // own start counted once, not one more per try.
+    let msg = |me: &str, look: &[&str]| {
+        serde_json::json!({"event": "test.starts", "payload": {"me": me, "look": look}}).to_string()
+    };
+    let ds = pending(&mut con, &[String::new()]);
+    let id = ds[0].stream_id().unwrap().to_string();
+    let d = Delivery {
+        msg: msg("a", &[&id]).into_bytes(),
+        ..ds[0].clone()
+    };
+    let s = w.handle(d.clone()).unwrap();
+    assert!(matches!(s.outcome, Outcome::Ack), "{:?}", s.outcome);
+    let seen = std::mem::take(&mut *handler.seen.lock().unwrap());
+    assert_eq!(
+        seen,
+        vec![
+            ("a".to_string(), vec![1]),
+            ("a".to_string(), vec![1]),
+            ("a".to_string(), vec![1])
+        ],
+        "one start counted in each try, none left by the tries that ended"
+    );
+    assert_eq!(
+        starts(&mut con, &d),
+        1,
+        "the committed one's, until its settle"
+    );
+
+    // 2. Three jobs run one after the other: the later ones are counted only as their
+    // own transactions begin, not while they wait behind the first.
+    let ds = pending(&mut con, &[String::new(), String::new(), String::new()]);
+    let ids: Vec<&str> = ds.iter().map(|d| d.stream_id().unwrap()).collect();
+    let batch: Vec<Delivery> = ds
+        .iter()
+        .enumerate()
+        .map(|(i, d)| Delivery {
+            msg: msg(&i.to_string(), &ids).into_bytes(),
+            ..d.clone()
+        })
+        .collect();
+    let mut out = Vec::new();
+    w.handle_batch(batch, &mut out);
+    assert_eq!(out.len(), 3);
+    let seen = std::mem::take(&mut *handler.seen.lock().unwrap());
+    assert_eq!(
+        seen,
+        vec![
+            ("0".to_string(), vec![1, 0, 0]),
+            ("1".to_string(), vec![1, 1, 0]),
+            ("2".to_string(), vec![1, 1, 1])
+        ]
+    );
+
+    // 3. Order timeouts (a set form): the one whose job started before and was not seen
+    // to end runs alone, the others in a set.
+    let timeouts: Vec<String> = orders
+        .iter()
+        .map(|o| {
+            format!(
+                r#"{{"event":"order.timeout","payload":{{"order_no":"{}"}}}}"#,
+                o.order_no
+            )
+        })
+        .collect();
+    let ds = pending(&mut con, &timeouts);
+    redis::cmd("HSET")
+        .arg(&keys.starts)
+        .arg(ds[1].stream_id().unwrap())
+        .arg(1)
+        .query::<()>(&mut con)
+        .unwrap();
+    let before = stats.in_sets.load(std::sync::atomic::Ordering::Relaxed);
+    let mut out = Vec::new();
+    w.handle_batch(ds.clone(), &mut out);
+    assert!(out.iter().all(|s| matches!(s.outcome, Outcome::Ack)));
+    assert_eq!(
+        stats.in_sets.load(std::sync::atomic::Ordering::Relaxed) - before,
+        2,
+        "two in a set, the one that started before alone"
+    );
+    assert_eq!(
+        ds.iter().map(|d| starts(&mut con, d)).collect::<Vec<_>>(),
+        vec![1, 2, 1]
+    );
+    assert_accounting(&env.db, &orders, &orders.iter().collect::<Vec<_>>());
+}
+
 #[test]
 fn entries_of_a_consumer_without_heartbeat_are_taken_over_at_once() {
     let mut env = Env::new();

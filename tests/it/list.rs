@@ -576,7 +576,7 @@ fn a_message_that_keeps_killing_its_consumer_goes_to_the_dead_list() {
         fetched += got.len();
         let counted: Vec<&delay_worker::delivery::Delivery> =
             got.iter().filter(|d| d.redelivered).collect();
-        delay_worker::store::started(&mut con, std::slice::from_ref(&c.keys), &counted).unwrap();
+        delay_worker::store::started(&mut con, std::slice::from_ref(&c.keys), &counted, 1).unwrap();
     }
     // Its first start is not counted: it runs once more than the limit, as in stream mode.
     assert_eq!(

@@ -329,7 +329,7 @@ fn over_delivered_entries_wait_while_the_inbox_cannot_be_asked() {
     // Each time its job started.
     let started: Vec<&delay_worker::delivery::Delivery> = again.iter().collect();
     for _ in 0..2 {
-        store::started(&mut con, std::slice::from_ref(&k), &started).unwrap();
+        store::started(&mut con, std::slice::from_ref(&k), &started, 1).unwrap();
     }
 
     let reader_on = |inbox: &InboxLook, con: &mut redis::Connection| {
