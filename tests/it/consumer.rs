@@ -1143,6 +1143,87 @@ pub(crate) fn kills_under_a_cap_make_no_dead_letters(
     assert_accounting(&env.db, &orders, &orders.iter().collect::<Vec<_>>());
 }
 
+/// A real message that kills its worker every time it runs (here: its order's update
+/// takes an advisory lock, and the test kills the worker process as soon as it holds it,
+/// as a segfaulting extension or the OOM killer would), among good jobs due at the same
+/// moment: only it becomes a dead letter, after `--max-deliveries` + 1 runs; the jobs of
+/// its sets, and those waiting behind it in its worker, run. Before, each kill counted a
+/// start of every job of the poison's set, so all of them became dead letters with it.
+#[test]
+fn a_message_that_kills_its_worker_inside_a_set_takes_no_other_job_with_it() {
+    let mut env = Env::new();
+    // One worker thread: every due job in its sets, one after the other.
+    env.config.threads = 1;
+    let orders = seed_orders(&env.db, 12);
+    let poison = &orders[5];
+    let mut db = env.db.client();
+    db.batch_execute(&format!(
+        "CREATE FUNCTION kills_its_worker() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+           IF NEW.order_no = '{}' THEN
+             PERFORM pg_advisory_xact_lock(424242);
+             PERFORM pg_sleep(60);
+           END IF;
+           RETURN NEW;
+         END $$;
+         CREATE TRIGGER kills_its_worker BEFORE UPDATE ON orders
+           FOR EACH ROW EXECUTE FUNCTION kills_its_worker();",
+        poison.order_no
+    ))
+    .unwrap();
+    push_timeouts(&env, &orders, 0);
+    let flags: Vec<String> = ["--max-deliveries", "2"].map(String::from).to_vec();
+    let holder = |db: &mut postgres::Client| -> Option<i32> {
+        db.query_opt(
+            "SELECT l.pid FROM pg_locks l JOIN pg_database d ON d.oid = l.database
+              WHERE l.locktype = 'advisory' AND l.objid = 424242 AND l.granted
+                AND d.datname = current_database()",
+            &[],
+        )
+        .unwrap()
+        .map(|r| r.get(0))
+    };
+    let mut kills = 0;
+    let settled = |env: &Env| inbox_count(&env.db) as usize + books(env).dead == orders.len();
+    while !settled(&env) {
+        assert!(kills < 8, "the poison still runs after {kills} kills");
+        let mut p = Proc::start(&env.config, &flags);
+        let deadline = Instant::now() + WAIT;
+        while !(settled(&env) || holder(&mut db).is_some()) {
+            assert!(
+                Instant::now() < deadline,
+                "after {kills} kills, neither the poison running nor every job settled: {} done, {:?}; {}",
+                inbox_count(&env.db),
+                books(&env),
+                p.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        if let Some(pid) = holder(&mut db) {
+            p.kill9();
+            kills += 1;
+            // Its backend sleeps on, holding the rows of its set: ended as a crashed
+            // host's connection would be.
+            db.execute("SELECT pg_terminate_backend($1)", &[&pid])
+                .unwrap();
+        } else {
+            p.signal(libc::SIGTERM);
+            assert!(p.wait(WAIT).success(), "{}", p.log());
+        }
+    }
+    let dead = dead_letters(&env);
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert_eq!(
+        dead[0]["key"],
+        format!("order.timeout:{}", poison.order_no),
+        "{dead:?}"
+    );
+    assert_eq!(kills, 3, "the poison ran --max-deliveries + 1 times");
+    let good: Vec<&SeedOrder> = orders.iter().filter(|o| o.id != poison.id).collect();
+    assert_accounting(&env.db, &orders, &good);
+    assert_eq!(books(&env).stream_pending, 0);
+}
+
 pub(crate) fn restarts_under_a_cap_make_no_dead_letters(
     env: &mut Env,
     dead: impl Fn(&Env) -> usize,

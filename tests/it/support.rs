@@ -777,6 +777,7 @@ pub fn assert_accounting(db: &TestDb, all: &[SeedOrder], cancelled: &[&SeedOrder
 }
 
 /// Redis-side bookkeeping of one test's keys.
+#[derive(Debug)]
 pub struct Books {
     pub pool: usize,
     pub stream_pending: usize,
