@@ -723,11 +723,11 @@ impl Session {
                     .map_err(db_err)?;
                 Ok(rs)
             });
-        starts.end(jobs, result.is_ok());
         if result.is_err() {
             // Nothing committed. A connection that cannot even roll back is thrown away
             // (its jobs then wait for the next one).
             if let Err(e) = self.conn.batch_execute("ROLLBACK") {
+                starts.end(jobs, false);
                 return Err(SetError::Db(Failure {
                     fault: Fault::Server,
                     reason: db::error_text(&e),
@@ -738,6 +738,8 @@ impl Session {
                 }));
             }
         }
+        // Told after the rollback: a set that failed holds its rows until then.
+        starts.end(jobs, result.is_ok());
         result
     }
 
