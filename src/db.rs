@@ -837,6 +837,19 @@ pub fn quotes_payload(reason: &str, payload: &serde_json::Value) -> bool {
         .any(|q| payload_holds(payload, q))
 }
 
+/// A data exception the handler's own statement raised ([`own_data`]), not while
+/// PostgreSQL read the payload as JSON, whose message quotes no value: `integer out of
+/// range` (giving stock back to a row the shop keeps at the type's top), `division by
+/// zero`, where `value "9e9" is out of range for type integer` quotes one. Nothing shows
+/// that it met the job's data rather than the shop's stored rows.
+pub fn stored_data(e: &postgres::Error) -> bool {
+    e.as_db_error().is_some_and(|db| {
+        db.code().code().starts_with("22")
+            && db.where_().is_none()
+            && quoted_value(db.message()).is_none()
+    })
+}
+
 /// The value a message quotes: between its first and last double quote (English and most
 /// translations), else between PostgreSQL's German `»…«` or its Spanish and French
 /// `«…»`. `None` when it quotes nothing.

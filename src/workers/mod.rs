@@ -1462,6 +1462,7 @@ impl<'a> Worker<'a> {
                     reason: "its job is running in another session".into(),
                     wait: None,
                     own_data: false,
+                    stored_data: false,
                     cancelled: false,
                     shared: false,
                 };
@@ -1572,6 +1573,11 @@ impl<'a> Worker<'a> {
                 Settlement::ack(d, &env.event, JobOutcome::Duplicate)
             }
             JobResult::Failed(f) => match f.fault {
+                // A data exception that names no value: the shop's stored data as
+                // likely as the job's.
+                Fault::Job if f.stored_data => {
+                    self.held_for_stored_data(d, &env, &key, first_due, &f)
+                }
                 Fault::Job => self.own_fault(d, &env, &key, first_due, &f),
                 Fault::Contention => self.contended(d, &env, &key, first_due, &f, at),
                 // Server faults come here only if shutdown cut the wait for a new
@@ -1678,6 +1684,51 @@ impl<'a> Worker<'a> {
         log::debug!("job {key} {} held: {}", env.event, f.reason);
         self.ctx.stats.jobs.held(&env.event, false, crate::now_ms());
         self.sent_back_unspent(d, env, first_due.unwrap_or(now), &f.reason, SCHEMA_HOLD)
+    }
+
+    /// A data exception the handler's own statement raised that names no value (`integer
+    /// out of range`: giving stock back to a sku the shop keeps at the type's top as
+    /// "unlimited"), so that nothing shows it met the job's data rather than the shop's
+    /// stored rows: the surroundings' fault until the job goes through. Held like a schema
+    /// fault (back every [`SCHEMA_HOLD`], no retry spent, health red naming the error),
+    /// and a dead letter only once `--retry-for` has passed since it fell due. Found from
+    /// outside: every unpaid order returning stock to such a sku was a dead letter a second
+    /// after its first failure, its order left uncancelled.
+    fn held_for_stored_data(
+        &self,
+        d: Delivery,
+        env: &Envelope,
+        key: &str,
+        first_due: Option<i64>,
+        f: &Failure,
+    ) -> Settlement {
+        let jobs = self.ctx.jobs;
+        let now = self.ctx.stats.clock.now_ms();
+        let since = first_due.unwrap_or(now);
+        let horizon = crate::human_ms(jobs.retry_for.as_millis() as i64);
+        if now - since >= jobs.retry_for.as_millis() as i64 {
+            let reason = format!(
+                "handler failed: {} (held for --retry-for {horizon}: the error names no value of the job's own, so it was taken for the shop's stored data)",
+                f.reason
+            );
+            return self.dead(d, reason, env.event.clone(), env.retry as u64 + 1);
+        }
+        let what = format!(
+            "jobs of {} are held, none dead-lettered yet: the handler's statement fails on a value none of them names, taken for the shop's stored data (a row at its type's limit?): {} (tried again every {}s, no retry spent; a dead letter after --retry-for {horizon})",
+            env.event,
+            f.reason,
+            SCHEMA_HOLD.as_secs()
+        );
+        if self
+            .ctx
+            .stats
+            .report_critical(&held_role(&env.event), what.clone())
+        {
+            log::error!("{what}");
+        }
+        log::debug!("job {key} {} held: {}", env.event, f.reason);
+        self.ctx.stats.jobs.held(&env.event, false, crate::now_ms());
+        self.sent_back_unspent(d, env, since, &f.reason, SCHEMA_HOLD)
     }
 
     /// The job back to the pool for `after`, its retries unspent, with the failure and

@@ -41,6 +41,9 @@ pub struct Failure {
     /// statement, not inside a function or a trigger: the job's data, whatever the shop
     /// does (see [`db::own_data`]).
     pub own_data: bool,
+    /// Such a data exception whose message quotes no value, not raised while reading the
+    /// payload (see [`db::stored_data`]): the shop's stored rows as likely as the job's data.
+    pub stored_data: bool,
     /// The statement was cancelled (57014): it ran out `--statement-timeout`, or an
     /// operator cancelled it. A set that was is not split: each half would spend the
     /// whole timeout again.
@@ -70,6 +73,7 @@ impl From<postgres::Error> for Failure {
             reason: db::error_text(&e),
             wait: crate::blocker::lock_wait(&e),
             own_data: db::own_data(&e),
+            stored_data: db::stored_data(&e),
             cancelled: e.code() == Some(&postgres::error::SqlState::QUERY_CANCELED),
             shared: false,
         }
@@ -733,6 +737,7 @@ impl Session {
                     reason: db::error_text(&e),
                     wait: None,
                     own_data: false,
+                    stored_data: false,
                     cancelled: false,
                     shared: false,
                 }));
