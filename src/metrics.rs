@@ -137,7 +137,14 @@ impl<'a> Server<'a> {
                 match crate::health::healthy(self.src.stats, self.src.config, crate::now_ms())
                     .and_then(|()| self.probe.check())
                 {
-                    Ok(crate::health::Probed::Fine) => Response::text(200, "ok\n"),
+                    Ok(crate::health::Probed::Fine) => {
+                        // Slots free again: `stats --check` and the status page follow at
+                        // the next heartbeat, not when the warning would have lapsed.
+                        if self.src.stats.clear_problem(NO_SLOT_LEFT, i64::MAX) {
+                            log::info!("{NO_SLOT_LEFT}: a new session can be had again");
+                        }
+                        Response::text(200, "ok\n")
+                    }
                     Ok(crate::health::Probed::NoSlotLeft(what)) => {
                         // `stats --check` and the status page read it from the record.
                         if self.src.stats.report_trouble(NO_SLOT_LEFT, what.clone()) {

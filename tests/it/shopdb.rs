@@ -617,6 +617,16 @@ fn no_connection_slot_for_a_new_session_is_a_warning_while_the_workers_keep_thei
         let (code, line) = check(&env);
         code == 1 && line.contains(slots)
     });
+    // The slots free again: both say so within seconds, not a minute later (found from
+    // outside: `stats --check` kept the warning for 60 s after `/healthz` was plain ok).
+    drop(std::mem::take(&mut hogs));
+    wait_until(WAIT, "/healthz plain ok", || {
+        healthz(port) == (200, "ok\n".into())
+    });
+    wait_until(Duration::from_secs(20), "stats --check OK", || {
+        check(&env).0 == 0
+    });
+    take_every_slot(&mut hogs);
     // The workers' sessions cut, their slots taken as they free: a job due now finds none.
     for _ in 0..200 {
         let theirs: i64 = hogs[0]
