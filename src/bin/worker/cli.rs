@@ -1129,8 +1129,12 @@ mod tests {
         let c = config_of(&["stats", "--source", "list", "--queue", "p=payment.paid"]).unwrap();
         assert_eq!(c.keys.queues[0].raw_event.as_deref(), Some("payment.paid"));
         assert!(config_of(&["dead", "list"]).unwrap().keys.queues.is_empty());
+        // Before the subcommand: shown where it goes.
         let e = config_of(&["--source", "list", "dead", "list"]).unwrap_err();
-        assert!(e.problem.contains("not of `worker dead`"), "{e}");
+        assert!(
+            e.problem.contains("--source goes after the subcommand"),
+            "{e}"
+        );
     }
 
     #[test]
