@@ -1674,6 +1674,21 @@ impl<'a> Worker<'a> {
             f.reason,
             SCHEMA_HOLD.as_secs()
         );
+        self.held_red(d, env, key, first_due.unwrap_or(now), f, what)
+    }
+
+    /// A job held by a fault of its surroundings that only an operator mends: `what` on
+    /// record under its event's held role (health red, logged when new), the job back to
+    /// the pool for [`SCHEMA_HOLD`], its retries unspent; first fell due at `since`.
+    fn held_red(
+        &self,
+        d: Delivery,
+        env: &Envelope,
+        key: &str,
+        since: i64,
+        f: &Failure,
+        what: String,
+    ) -> Settlement {
         if self
             .ctx
             .stats
@@ -1683,7 +1698,7 @@ impl<'a> Worker<'a> {
         }
         log::debug!("job {key} {} held: {}", env.event, f.reason);
         self.ctx.stats.jobs.held(&env.event, false, crate::now_ms());
-        self.sent_back_unspent(d, env, first_due.unwrap_or(now), &f.reason, SCHEMA_HOLD)
+        self.sent_back_unspent(d, env, since, &f.reason, SCHEMA_HOLD)
     }
 
     /// A data exception the handler's own statement raised that names no value (`integer
@@ -1719,16 +1734,7 @@ impl<'a> Worker<'a> {
             f.reason,
             SCHEMA_HOLD.as_secs()
         );
-        if self
-            .ctx
-            .stats
-            .report_critical(&held_role(&env.event), what.clone())
-        {
-            log::error!("{what}");
-        }
-        log::debug!("job {key} {} held: {}", env.event, f.reason);
-        self.ctx.stats.jobs.held(&env.event, false, crate::now_ms());
-        self.sent_back_unspent(d, env, since, &f.reason, SCHEMA_HOLD)
+        self.held_red(d, env, key, since, f, what)
     }
 
     /// The job back to the pool for `after`, its retries unspent, with the failure and

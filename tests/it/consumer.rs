@@ -290,43 +290,13 @@ impl delay_worker::handlers::Handler for Panics {
 fn a_panicking_handler_is_dead_lettered_and_the_worker_goes_on() {
     use delay_worker::delivery::Delivery;
     use delay_worker::delivery::{Origin, Outcome};
-    use delay_worker::workers::{PoolContext, Worker};
+    use delay_worker::workers::Worker;
     let env = Env::new();
     let orders = seed_orders(&env.db, 1);
     let mut registry = delay_worker::handlers::Registry::builtin();
     registry.register(Box::new(Panics));
-    let pool = delay_worker::db::pool(
-        &env.db.url,
-        1,
-        delay_worker::db::Timeouts {
-            statement: Duration::from_secs(5),
-            lock: Duration::from_millis(100),
-        },
-        Duration::from_secs(5),
-        false,
-        None,
-    )
-    .unwrap();
-    let manners = delay_worker::manners::Manners::unlimited(32);
-    let handlers = delay_worker::handlers::Handlers::new(registry);
-    let client = redis::Client::open(env.redis.url()).unwrap();
-    let stats = Stats::default();
-    let shutdown = delay_worker::Shutdown::new();
-    let drain = delay_worker::workers::Drain::default();
-    let ctx = PoolContext {
-        keys: &env.config.keys,
-        claim_idle: env.config.reader.claim_idle,
-        shards: std::slice::from_ref(&env.config.keys),
-        jobs: &env.config.jobs,
-        consumer: "c1",
-        handlers: &handlers,
-        manners: &manners,
-        stats: &stats,
-        db: &pool,
-        redis: &client.clone().into(),
-        shutdown: &shutdown,
-        drain: &drain,
-    };
+    let parts = WorkerParts::new(&env, registry);
+    let ctx = parts.ctx(&env, &env.config.keys);
     let mut w = Worker::new(0, &ctx);
     let d = |id: &str, key: &str, msg: String| Delivery {
         origin: Origin::Stream { id: id.into() },
@@ -436,7 +406,7 @@ impl delay_worker::handlers::Handler for SeesStarts {
 #[test]
 fn starts_are_counted_per_transaction_and_a_job_that_started_before_runs_alone() {
     use delay_worker::delivery::{Delivery, Outcome};
-    use delay_worker::workers::{PoolContext, Worker};
+    use delay_worker::workers::Worker;
     let env = Env::new();
     let keys = &env.config.keys;
     let orders = seed_orders(&env.db, 3);
@@ -466,37 +436,9 @@ fn starts_are_counted_per_transaction_and_a_job_that_started_before_runs_alone()
     }
     let mut registry = delay_worker::handlers::Registry::builtin();
     registry.register(Box::new(Shared(handler.clone())));
-    let pool = delay_worker::db::pool(
-        &env.db.url,
-        1,
-        delay_worker::db::Timeouts {
-            statement: Duration::from_secs(5),
-            lock: Duration::from_millis(100),
-        },
-        Duration::from_secs(5),
-        false,
-        None,
-    )
-    .unwrap();
-    let manners = delay_worker::manners::Manners::unlimited(32);
-    let handlers = delay_worker::handlers::Handlers::new(registry);
-    let stats = Stats::default();
-    let shutdown = delay_worker::Shutdown::new();
-    let drain = delay_worker::workers::Drain::default();
-    let ctx = PoolContext {
-        keys,
-        claim_idle: env.config.reader.claim_idle,
-        shards: std::slice::from_ref(keys),
-        jobs: &env.config.jobs,
-        consumer: "c1",
-        handlers: &handlers,
-        manners: &manners,
-        stats: &stats,
-        db: &pool,
-        redis: &client.clone().into(),
-        shutdown: &shutdown,
-        drain: &drain,
-    };
+    let parts = WorkerParts::new(&env, registry);
+    let stats = &parts.stats;
+    let ctx = parts.ctx(&env, keys);
     let mut w = Worker::new(0, &ctx);
     // Entries pending on c1, delivered before (a previous run of c1 died).
     let mut con = env.con();

@@ -402,7 +402,7 @@ fn a_commit_whose_durability_was_in_doubt_is_looked_up_not_sent_round_again() {
     // done.
     use delay_worker::delivery::Outcome;
     use delay_worker::store::{self, stream, Pool, Target};
-    use delay_worker::workers::{PoolContext, Worker};
+    use delay_worker::workers::Worker;
     let env = Env::new();
     let orders = seed_orders(&env.db, 1);
     let k = &env.config.keys;
@@ -442,40 +442,9 @@ fn a_commit_whose_durability_was_in_doubt_is_looked_up_not_sent_round_again() {
         .pop()
         .unwrap();
 
-    let registry = delay_worker::handlers::Registry::builtin();
-    let db = delay_worker::db::pool(
-        &env.db.url,
-        1,
-        delay_worker::db::Timeouts {
-            statement: Duration::from_secs(5),
-            lock: Duration::from_millis(100),
-        },
-        Duration::from_secs(5),
-        false,
-        None,
-    )
-    .unwrap();
-    let manners = delay_worker::manners::Manners::unlimited(32);
-    let handlers = delay_worker::handlers::Handlers::new(registry);
-    let client = redis::Client::open(env.redis.url()).unwrap();
-    let stats = delay_worker::stats::Stats::default();
-    let shutdown = delay_worker::Shutdown::new();
-    let drain = delay_worker::workers::Drain::default();
+    let parts = WorkerParts::new(&env, delay_worker::handlers::Registry::builtin());
     assert!(env.config.jobs.group_commit, "group commit is the default");
-    let ctx = PoolContext {
-        keys: k,
-        claim_idle: env.config.reader.claim_idle,
-        shards: std::slice::from_ref(k),
-        jobs: &env.config.jobs,
-        consumer: "c1",
-        handlers: &handlers,
-        manners: &manners,
-        stats: &stats,
-        db: &db,
-        redis: &client.clone().into(),
-        shutdown: &shutdown,
-        drain: &drain,
-    };
+    let ctx = parts.ctx(&env, k);
     let mut w = Worker::new(0, &ctx);
     let s = w.handle(d).expect("an outcome");
     assert_eq!(s.outcome, Outcome::Ack);
@@ -494,7 +463,7 @@ fn a_commit_whose_durability_was_in_doubt_is_looked_up_not_sent_round_again() {
     assert_eq!(cut, 1, "the worker's connection cut");
     let mut outcomes = vec![s];
     w.settle(&mut outcomes);
-    let counted = stats.snapshot();
+    let counted = parts.stats.snapshot();
     assert_eq!(
         (counted.done, counted.retried, counted.dead),
         (1, 0, 0),

@@ -1437,3 +1437,64 @@ pub fn fetched_and_started(
         .unwrap();
     digest
 }
+
+/// What a [`delay_worker::workers::Worker`] driven by hand in a test needs, owned: a pool
+/// of one PostgreSQL connection to the test's database, the handlers of `registry`, no
+/// `--max-rate`, fresh stats.
+pub struct WorkerParts {
+    pub db: db::Pool,
+    pub manners: delay_worker::manners::Manners,
+    pub handlers: delay_worker::handlers::Handlers,
+    pub redis: delay_worker::store::Redis,
+    pub stats: delay_worker::stats::Stats,
+    pub shutdown: Shutdown,
+    pub drain: delay_worker::workers::Drain,
+}
+
+impl WorkerParts {
+    pub fn new(env: &Env, registry: delay_worker::handlers::Registry) -> WorkerParts {
+        let db = db::pool(
+            &env.db.url,
+            1,
+            db::Timeouts {
+                statement: Duration::from_secs(5),
+                lock: Duration::from_millis(100),
+            },
+            Duration::from_secs(5),
+            false,
+            None,
+        )
+        .unwrap();
+        WorkerParts {
+            db,
+            manners: delay_worker::manners::Manners::unlimited(32),
+            handlers: delay_worker::handlers::Handlers::new(registry),
+            redis: redis::Client::open(env.redis.url()).unwrap().into(),
+            stats: delay_worker::stats::Stats::default(),
+            shutdown: Shutdown::new(),
+            drain: delay_worker::workers::Drain::default(),
+        }
+    }
+
+    /// The context of a worker of consumer `c1` on `keys`, with `env`'s job settings.
+    pub fn ctx<'a>(
+        &'a self,
+        env: &'a Env,
+        keys: &'a delay_worker::keys::Keys,
+    ) -> delay_worker::workers::PoolContext<'a> {
+        delay_worker::workers::PoolContext {
+            keys,
+            claim_idle: env.config.reader.claim_idle,
+            shards: std::slice::from_ref(keys),
+            jobs: &env.config.jobs,
+            consumer: "c1",
+            handlers: &self.handlers,
+            manners: &self.manners,
+            stats: &self.stats,
+            db: &self.db,
+            redis: &self.redis,
+            shutdown: &self.shutdown,
+            drain: &self.drain,
+        }
+    }
+}
