@@ -999,24 +999,8 @@ fn an_over_delivered_entry_whose_job_committed_is_acknowledged_not_dead_lettered
     for p in &pending {
         let Value::Array(p) = p else { unreachable!() };
         let id = delay_worker::store::value_to_string(&p[0]);
-        redis::cmd("XCLAIM")
-            .arg(&keys.stream)
-            .arg(&keys.group)
-            .arg(&env.config.consumer)
-            .arg(0)
-            .arg(&id)
-            .arg("RETRYCOUNT")
-            .arg(4)
-            .arg("JUSTID")
-            .query::<Value>(&mut con)
-            .unwrap();
         // Each delivery's job started: killed inside its transaction, or after its commit.
-        redis::cmd("HSET")
-            .arg(&keys.starts)
-            .arg(&id)
-            .arg(4)
-            .query::<()>(&mut con)
-            .unwrap();
+        delivered_and_started(&mut con, keys, &env.config.consumer, &id, 4, Some(4));
     }
 
     let daemon = Daemon::start(&env.config);

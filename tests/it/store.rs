@@ -661,17 +661,7 @@ fn over_delivered_entries_wait_while_the_starts_key_is_the_wrong_type() {
     let d = one_pending(&mut con, &k, r#"{"event":"e","payload":{}}"#);
     let id = d.stream_id().unwrap().to_string();
     // Delivered four times, never started: held unrun by killed processes.
-    redis::cmd("XCLAIM")
-        .arg(&k.stream)
-        .arg(&k.group)
-        .arg("c1")
-        .arg(0)
-        .arg(&id)
-        .arg("RETRYCOUNT")
-        .arg(4)
-        .arg("JUSTID")
-        .query::<Value>(&mut con)
-        .unwrap();
+    delivered_and_started(&mut con, &k, "c1", &id, 4, None);
     let over = stream::OverDelivered {
         only: None,
         min_idle: Duration::ZERO,
@@ -710,23 +700,7 @@ fn an_entry_delivered_too_often_is_a_poison_message_only_if_its_job_started_that
     let d = one_pending(&mut con, &k, r#"{"event":"e","payload":{}}"#);
     let id = d.stream_id().unwrap().to_string();
     let set = |con: &mut Connection, count: u64, started: u64| {
-        redis::cmd("XCLAIM")
-            .arg(&k.stream)
-            .arg(&k.group)
-            .arg("c1")
-            .arg(0)
-            .arg(&id)
-            .arg("RETRYCOUNT")
-            .arg(count)
-            .arg("JUSTID")
-            .query::<redis::Value>(con)
-            .unwrap();
-        redis::cmd("HSET")
-            .arg(&k.starts)
-            .arg(&id)
-            .arg(started)
-            .query::<()>(con)
-            .unwrap();
+        delivered_and_started(con, &k, "c1", &id, count, Some(started));
     };
     let over = stream::OverDelivered {
         only: None,

@@ -1498,3 +1498,35 @@ impl WorkerParts {
         }
     }
 }
+
+/// Records stream entry `id` as delivered `delivered` times to `consumer` (XCLAIM with
+/// RETRYCOUNT, its content not read), and, when given, its job as started `started`
+/// times in the pool's `starts` HASH, as workers killed that often would leave it.
+pub fn delivered_and_started(
+    con: &mut redis::Connection,
+    keys: &delay_worker::keys::Keys,
+    consumer: &str,
+    id: &str,
+    delivered: u64,
+    started: Option<u64>,
+) {
+    redis::cmd("XCLAIM")
+        .arg(&keys.stream)
+        .arg(&keys.group)
+        .arg(consumer)
+        .arg(0)
+        .arg(id)
+        .arg("RETRYCOUNT")
+        .arg(delivered)
+        .arg("JUSTID")
+        .query::<Value>(con)
+        .unwrap();
+    if let Some(started) = started {
+        redis::cmd("HSET")
+            .arg(&keys.starts)
+            .arg(id)
+            .arg(started)
+            .query::<()>(con)
+            .unwrap();
+    }
+}
