@@ -28,7 +28,7 @@ pub struct Keys {
     /// HASH: stream entry id -> in how many of its transactions the job of an entry
     /// delivered before began and its process died before seeing it end (`<pool>:starts`;
     /// counted by the workers as each such transaction begins and taken back once they see
-    /// it end unsettled, a first delivery's start not counted; cleared when the entry is
+    /// it end, a first delivery's start not counted; cleared when the entry is
     /// settled). An entry delivered more than `--max-deliveries` times
     /// is a poison message (it kills its consumer) only when its job started that many
     /// times more: a process killed while it held the entry unrun

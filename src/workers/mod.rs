@@ -325,9 +325,11 @@ const COUNT_STARTS_PAUSE: Duration = Duration::from_secs(5);
 /// Counts in Redis the starts of the jobs delivered before ([`crate::keys::Keys::starts`];
 /// a first delivery's start is not counted, so a drain's jobs cost no round trip more), as
 /// a session's transactions begin and end ([`session::Starts`]): one more as the
-/// transaction of such a job begins, one less once it has ended without the job settled
-/// (it failed, or the server went: the process saw the end, so it was no message that
-/// kills its consumer). What stays counted is the transactions in which a process died,
+/// transaction of such a job begins, one less once it has ended, however (it failed, the
+/// server went, or it committed: the process saw the end, so it was no message that kills
+/// its consumer; a commit that group commit had not yet made durable is lost in a crash
+/// of the server, found from outside: counted still, it made good jobs dead letters after
+/// one kill). What stays counted is the transactions in which a process died,
 /// and a job over `--max-deliveries` is a poison message only when that is as many as the
 /// limit (found from outside: counted once per try before its transaction, jobs held
 /// through a PostgreSQL outage, or waiting in their worker behind a set that a poison
@@ -424,8 +426,8 @@ impl session::Starts for StartCount<'_> {
         self.counted = self.change(&ds, 1).is_some();
     }
 
-    fn end(&mut self, jobs: &[&Job<'_>], settled: bool) {
-        if std::mem::take(&mut self.counted) && !settled {
+    fn end(&mut self, jobs: &[&Job<'_>]) {
+        if std::mem::take(&mut self.counted) {
             let ds = Self::before(jobs);
             self.change(&ds, -1);
         }

@@ -147,9 +147,9 @@ pub trait Starts {
     fn alone(&self, job: &Job<'_>) -> bool;
     /// The transaction of `jobs` has begun.
     fn begin(&mut self, jobs: &[&Job<'_>]);
-    /// The transaction of `jobs` has ended; `settled`: they committed, or were found
-    /// done (their settle clears the count).
-    fn end(&mut self, jobs: &[&Job<'_>], settled: bool);
+    /// The transaction of `jobs` has ended, however: committed (with group commit, maybe
+    /// not durably), failed, or cut short by the server.
+    fn end(&mut self, jobs: &[&Job<'_>]);
 }
 
 /// No starts counted, every job as it comes (tests, tools).
@@ -160,7 +160,7 @@ impl Starts for Uncounted {
         false
     }
     fn begin(&mut self, _: &[&Job<'_>]) {}
-    fn end(&mut self, _: &[&Job<'_>], _: bool) {}
+    fn end(&mut self, _: &[&Job<'_>]) {}
 }
 
 /// A handler's statements on this connection, or why they could not be prepared.
@@ -699,8 +699,7 @@ impl Session {
                 Err(e) => JobResult::Failed(e.into()),
             }
         })();
-        let settled = matches!(result, JobResult::Committed(_) | JobResult::Duplicate);
-        starts.end(&[job], settled);
+        starts.end(&[job]);
         result
     }
 
@@ -731,7 +730,7 @@ impl Session {
             // Nothing committed. A connection that cannot even roll back is thrown away
             // (its jobs then wait for the next one).
             if let Err(e) = self.conn.batch_execute("ROLLBACK") {
-                starts.end(jobs, false);
+                starts.end(jobs);
                 return Err(SetError::Db(Failure {
                     fault: Fault::Server,
                     reason: db::error_text(&e),
@@ -744,7 +743,7 @@ impl Session {
             }
         }
         // Told after the rollback: a set that failed holds its rows until then.
-        starts.end(jobs, result.is_ok());
+        starts.end(jobs);
         result
     }
 
@@ -775,7 +774,7 @@ impl Session {
             commit(tx, &noops).ok()?;
             Some(results)
         })();
-        starts.end(jobs, results.is_some());
+        starts.end(jobs);
         results
     }
 }
