@@ -39,6 +39,9 @@ pub struct ListReader<'a> {
     inbox: &'a InboxLook,
     /// The inbox could not be asked: not again before then.
     look_after: Option<Instant>,
+    /// A dead list of another type, found at the last maintenance: reported until it is
+    /// fixed, whether or not a message needs it yet.
+    dead_list_bad: bool,
 }
 
 impl<'a> ListReader<'a> {
@@ -61,6 +64,7 @@ impl<'a> ListReader<'a> {
             standing: Standing::default(),
             inbox,
             look_after: None,
+            dead_list_bad: false,
         }
     }
 
@@ -157,6 +161,14 @@ impl<'a> ListReader<'a> {
     /// when this process has one).
     fn maintain(&mut self, con: &mut dyn redis::ConnectionLike) -> Result<(), StepError> {
         self.heartbeat(con)?;
+        // Each dead list's type, so that one of another type is told before a message
+        // needs it, as the stream's dead letters are (found from outside: `/healthz` 200
+        // for 10-24 s while `stats --check` was CRITICAL naming it).
+        let bad = list::dead_lists_of_another_type(con, self.keys)?;
+        self.dead_list_bad = !bad.is_empty();
+        for w in &bad {
+            self.feed.blocked("list reader", w);
+        }
         let usable = self.standing.look(
             con,
             (self.keys, self.consumer, "list reader"),
@@ -247,6 +259,7 @@ impl Source for ListReader<'_> {
             // (one waiting for its dead list is rotated to its queue's head) and met no
             // such key: whatever held messages back is fixed.
             None if fetched.messages.len() < room
+                && !self.dead_list_bad
                 && self.stats.clear_problem("list reader", i64::MAX) =>
             {
                 log::info!("list reader: the key that held messages back is fixed");

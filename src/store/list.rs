@@ -312,3 +312,27 @@ pub fn still_held(
         .map(|a| a && matches!(answers.next(), Some(Value::Int(_))))
         .collect())
 }
+
+/// The queues' dead lists that hold another type than a LIST (one `TYPE` each): what a
+/// message that must be dead-lettered would be held back by.
+pub fn dead_lists_of_another_type(
+    con: &mut dyn ConnectionLike,
+    keys: &Keys,
+) -> StoreResult<Vec<WrongType>> {
+    let mut bad = Vec::new();
+    for q in &keys.queues {
+        let found: String = query(
+            "look at a dead list's type",
+            redis::cmd("TYPE").arg(&q.dead),
+            con,
+        )?;
+        if found != "list" && found != "none" {
+            bad.push(WrongType {
+                key: q.dead.clone(),
+                found,
+                wanted: "list".into(),
+            });
+        }
+    }
+    Ok(bad)
+}

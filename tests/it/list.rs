@@ -776,3 +776,52 @@ fn a_consumer_killed_mid_transaction_and_restarted_loses_no_job_to_its_orphans()
     assert_accounting(&env.db, &orders, &orders.iter().collect::<Vec<_>>());
     assert_lists_empty(&env, &["c1"]);
 }
+
+/// A dead list of the wrong type is told by `/healthz` (503 naming it) while the worker is
+/// idle, before any message needs it, as the stream's dead letters are, and green again
+/// once it is removed; the jobs go through meanwhile. Found from outside: `/healthz` 200
+/// for 10-24 s while `stats --check` was CRITICAL naming the key.
+#[test]
+fn a_dead_list_of_the_wrong_type_is_named_before_a_message_needs_it() {
+    let mut env = list_env(&[("normal", None)]);
+    let port = free_port();
+    env.config.metrics_addr = Some(format!("127.0.0.1:{port}").parse().unwrap());
+    let orders = seed_orders(&env.db, 2);
+    let daemon = Daemon::start(&env.config);
+    let body = || {
+        http_get(port, "/healthz")
+            .map(|(c, _, b)| (c, b))
+            .unwrap_or((0, String::new()))
+    };
+    wait_until(WAIT, "/healthz green", || body().0 == 200);
+    let dead = env.config.keys.queues[0].dead.clone();
+    redis::cmd("SET")
+        .arg(&dead)
+        .arg("x")
+        .query::<()>(&mut env.con())
+        .unwrap();
+    wait_until(WAIT, "a 503 naming the dead list", || {
+        let (code, b) = body();
+        code == 503 && b.contains(&dead)
+    });
+    // Good jobs go through meanwhile; health stays red while the key is wrong.
+    let msg = |o: &SeedOrder| {
+        format!(
+            r#"{{"event":"order.timeout","payload":{{"order_no":"{}"}}}}"#,
+            o.order_no
+        )
+    };
+    for o in &orders {
+        lpush(&env, "normal", &msg(o));
+    }
+    wait_until(WAIT, "both orders done", || inbox_count(&env.db) == 2);
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(body().0, 503, "red while the dead list is of another type");
+    redis::cmd("DEL")
+        .arg(&dead)
+        .query::<()>(&mut env.con())
+        .unwrap();
+    wait_until(WAIT, "200 again", || body().0 == 200);
+    daemon.stop();
+    assert_accounting(&env.db, &orders, &orders.iter().collect::<Vec<_>>());
+}
