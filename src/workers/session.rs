@@ -152,17 +152,6 @@ pub trait Starts {
     fn end(&mut self, jobs: &[&Job<'_>]);
 }
 
-/// No starts counted, every job as it comes (tests, tools).
-pub struct Uncounted;
-
-impl Starts for Uncounted {
-    fn alone(&self, _: &Job<'_>) -> bool {
-        false
-    }
-    fn begin(&mut self, _: &[&Job<'_>]) {}
-    fn end(&mut self, _: &[&Job<'_>]) {}
-}
-
 /// A handler's statements on this connection, or why they could not be prepared.
 enum Prepared {
     Ready {
