@@ -1132,9 +1132,13 @@ fn a_message_that_kills_its_worker_inside_a_set_takes_no_other_job_with_it() {
             p.kill9();
             kills += 1;
             // Its backend sleeps on, holding the rows of its set: ended as a crashed
-            // host's connection would be.
+            // host's connection would be, and gone before the next start (a lock still
+            // held by it would be taken for the next process's).
             db.execute("SELECT pg_terminate_backend($1)", &[&pid])
                 .unwrap();
+            wait_until(WAIT, "the killed worker's backend gone", || {
+                holder(&mut db).is_none()
+            });
         } else {
             p.signal(libc::SIGTERM);
             assert!(p.wait(WAIT).success(), "{}", p.log());
