@@ -18,12 +18,10 @@ for i = 2, #ARGV, 2 do
     out[#out + 1] = -1
   else
     local n = math.max((tonumber(c) or 0) + delta, 0)
-    if delta > 0 then
+    if delta ~= 0 and n > 0 then
       redis.call('HSET', key, field, n)
-    elseif delta < 0 and n == 0 then
-      if c then redis.call('HDEL', key, field) end
-    elseif delta < 0 then
-      redis.call('HSET', key, field, n)
+    elseif delta ~= 0 and c then
+      redis.call('HDEL', key, field)
     end
     out[#out + 1] = n
   end

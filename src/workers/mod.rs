@@ -367,11 +367,7 @@ impl<'w> StartCount<'w> {
             alone: HashSet::new(),
             counted: false,
         };
-        let before: Vec<&Delivery> = jobs
-            .iter()
-            .filter(|j| j.d.redelivered)
-            .map(|j| &j.d)
-            .collect();
+        let before = Self::before(jobs);
         if let Some(counts) = count.change(&before, 0) {
             count.alone = before
                 .iter()
@@ -406,8 +402,9 @@ impl<'w> StartCount<'w> {
         }
     }
 
-    fn before<'j>(jobs: &[&'j Job<'_>]) -> Vec<&'j Delivery> {
-        jobs.iter()
+    /// The deliveries of those of `jobs` delivered before: the ones whose starts count.
+    fn before<'j, 'h: 'j>(jobs: impl IntoIterator<Item = &'j Job<'h>>) -> Vec<&'j Delivery> {
+        jobs.into_iter()
             .filter(|j| j.d.redelivered)
             .map(|j| &j.d)
             .collect()
@@ -422,13 +419,13 @@ impl session::Starts for StartCount<'_> {
     }
 
     fn begin(&mut self, jobs: &[&Job<'_>]) {
-        let ds = Self::before(jobs);
+        let ds = Self::before(jobs.iter().copied());
         self.counted = self.change(&ds, 1).is_some();
     }
 
     fn end(&mut self, jobs: &[&Job<'_>]) {
         if std::mem::take(&mut self.counted) {
-            let ds = Self::before(jobs);
+            let ds = Self::before(jobs.iter().copied());
             self.change(&ds, -1);
         }
     }
