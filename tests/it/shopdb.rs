@@ -1949,14 +1949,17 @@ fn refused_jobs_among_good_traffic_are_dead_letters_within_seconds_in_every_proc
     }
     push_spread(&env, &orders, Duration::from_secs(8));
     let start = Instant::now();
-    wait_until(WAIT, "twenty dead letters, every order done", || {
-        books(&env).dead == 20 && inbox_count(&env.db) == 40
-    });
+    wait_until(WAIT, "twenty dead letters", || books(&env).dead == 20);
+    // A refusal met before any good job has committed is held (back in 5 s): 2 s or 7 s
+    // on a quiet machine; a loaded CI run took a second hold (12.2 s, when this bound
+    // also waited for the good jobs spread over 8 s). Two holds and slack stay well short
+    // of the 25 s that four every 5 s took.
     assert!(
-        start.elapsed() < Duration::from_secs(12),
+        start.elapsed() < Duration::from_secs(16),
         "the refused jobs took {:?}",
         start.elapsed()
     );
+    wait_until(WAIT, "every order done", || inbox_count(&env.db) == 40);
     stop(a);
     stop(b);
     assert_accounting(&env.db, &orders, &all(&orders));
