@@ -298,9 +298,24 @@ pub struct JobConfig {
 }
 
 /// A set's lock timeout in ms, from `--lock-timeout`: a fifth of it, so a set that meets
-/// the shop's locks gives way soon and is split.
+/// the shop's locks gives way soon and is split. A single job of an event whose sets are
+/// being split waits as long ([`crate::manners::Manners::splitting`]).
 pub fn set_lock_ms(lock_timeout: Duration) -> u128 {
     (lock_timeout.as_millis() / 5).max(1)
+}
+
+/// A set's lock timeout in ms while the shop is busy (the workers yield,
+/// [`crate::manners::Manners::yielding`]): a twenty-fifth of `--lock-timeout`, 4 ms by
+/// default, about twice a shop transaction's own time. A set holds the rows it locked
+/// before the one it waits for, and a shop transaction that locks in the opposite order
+/// (skus in descending id) waits on the set while the set waits on it; with a few hot
+/// rows every other shop transaction queues behind the two. A set waiting 20 ms there
+/// tipped a drain into a slow state that held the shop up: measured with `scripts/bench.sh
+/// shop --skus 10 --shop-rate 200 --shop-backlog 6000`, 4 of 5 runs at the shop's p99
+/// 186–400 ms and the drain at 0.08–0.14× its rate alone; with 4 ms, none of 5, the p99
+/// 7–11 ms and the drain 0.74–0.95× (docs/performance.md, "The shop's hot rows").
+pub fn busy_set_lock_ms(lock_timeout: Duration) -> u128 {
+    (lock_timeout.as_millis() / 25).max(1)
 }
 
 impl JobConfig {

@@ -29,7 +29,7 @@
 
 use crate::shutdown::Shutdown;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -149,9 +149,11 @@ pub struct Manners {
     by_event: HashMap<String, Slots>,
     /// Held while a worker takes its slots of every cap ([`Manners::pace`]).
     taking: Mutex<()>,
-    /// The set size each event now runs with (absent: `--set-size`). Events are few and
-    /// a set looks its own up once.
-    set_sizes: RwLock<HashMap<String, AtomicUsize>>,
+    /// The set size each event now runs with (absent: `--set-size`), and when its sets
+    /// last met contention. Events are few and a set looks its own up once.
+    set_sizes: RwLock<HashMap<String, EventSets>>,
+    /// What [`EventSets::contended_ms`] counts from.
+    epoch: Instant,
     set_size: usize,
     /// Written by the PostgreSQL watch: the shop's sessions are busy now.
     yielding: AtomicBool,
@@ -163,6 +165,17 @@ pub struct Manners {
     /// condition they wait on at the gate.
     inside: Mutex<Inside>,
     gate: Condvar,
+}
+
+/// How long after an event's sets last met contention its single jobs wait briefly
+/// ([`Manners::splitting`]).
+pub const SPLIT_WAITS_BRIEFLY: Duration = Duration::from_secs(10);
+
+/// One event's sets: their size now, and when they last met contention (ms since
+/// [`Manners::epoch`], plus one; 0: never).
+struct EventSets {
+    size: AtomicUsize,
+    contended_ms: AtomicU64,
 }
 
 /// The workers inside the gate: their entry times by permit number.
@@ -213,6 +226,7 @@ impl Manners {
                 .collect(),
             taking: Mutex::new(()),
             set_sizes: RwLock::new(HashMap::new()),
+            epoch: Instant::now(),
             set_size: set_size.max(1),
             yielding: AtomicBool::new(false),
             alone: AtomicBool::new(false),
@@ -463,28 +477,62 @@ impl Manners {
         let sizes = self.set_sizes.read().unwrap_or_else(|p| p.into_inner());
         sizes
             .get(event)
-            .map_or(self.set_size, |s| s.load(Ordering::Relaxed).max(1))
+            .map_or(self.set_size, |s| s.size.load(Ordering::Relaxed).max(1))
     }
 
-    /// Changes `event`'s set size by `f` (its first change adds it).
-    fn resize(&self, event: &str, f: impl Fn(usize) -> Option<usize>) {
+    /// Calls `f` with `event`'s sets (its first call adds them).
+    fn with_sets(&self, event: &str, f: impl Fn(&EventSets)) {
         {
             let sizes = self.set_sizes.read().unwrap_or_else(|p| p.into_inner());
             if let Some(s) = sizes.get(event) {
-                let _ = s.fetch_update(Ordering::Relaxed, Ordering::Relaxed, &f);
-                return;
+                return f(s);
             }
         }
         let mut sizes = self.set_sizes.write().unwrap_or_else(|p| p.into_inner());
-        let s = sizes
-            .entry(event.to_string())
-            .or_insert_with(|| AtomicUsize::new(self.set_size));
-        let _ = s.fetch_update(Ordering::Relaxed, Ordering::Relaxed, &f);
+        let s = sizes.entry(event.to_string()).or_insert_with(|| EventSets {
+            size: AtomicUsize::new(self.set_size),
+            contended_ms: AtomicU64::new(0),
+        });
+        f(s)
+    }
+
+    /// Changes `event`'s set size by `f`.
+    fn resize(&self, event: &str, f: impl Fn(usize) -> Option<usize>) {
+        self.with_sets(event, |s| {
+            let _ = s
+                .size
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, &f);
+        });
+    }
+
+    /// Whether `event`'s sets are being split: smaller than `--set-size` now, and they
+    /// met contention within [`SPLIT_WAITS_BRIEFLY`]. Its single jobs then wait for a
+    /// lock as briefly as a set (`session.rs`): the shop holds rows many of its jobs need.
+    pub fn splitting(&self, event: &str) -> bool {
+        let sizes = self.set_sizes.read().unwrap_or_else(|p| p.into_inner());
+        sizes.get(event).is_some_and(|s| {
+            let at = s.contended_ms.load(Ordering::Relaxed);
+            s.size.load(Ordering::Relaxed) < self.set_size
+                && at > 0
+                && self.since_epoch_ms() < at + SPLIT_WAITS_BRIEFLY.as_millis() as u64
+        })
+    }
+
+    fn since_epoch_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
     }
 
     /// A set of `event` met contention: halve its size.
     pub fn contended(&self, event: &str) {
-        self.resize(event, |n| Some((n / 2).max(1)));
+        let now = self.since_epoch_ms() + 1;
+        self.with_sets(event, |s| {
+            let _ = s
+                .size
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                    Some((n / 2).max(1))
+                });
+            s.contended_ms.store(now, Ordering::Relaxed);
+        });
     }
 
     /// A set of `event` committed: grow its size by one, up to `--set-size`.
@@ -721,6 +769,31 @@ mod tests {
                 "{second:?} {third:?}"
             );
         });
+    }
+
+    /// An event's single jobs wait briefly while its sets are smaller than `--set-size`
+    /// and met contention within [`SPLIT_WAITS_BRIEFLY`]: not once they have grown back,
+    /// nor once that long has passed (an event whose jobs come one at a time never grows
+    /// its sets back, and its jobs would otherwise wait briefly for good).
+    #[test]
+    fn an_event_is_splitting_only_while_its_sets_are_small_and_met_contention_lately() {
+        let m = Manners::unlimited(4);
+        assert!(!m.splitting("a"));
+        m.contended("a");
+        assert!(m.splitting("a") && !m.splitting("b"));
+        m.committed("a");
+        m.committed("a");
+        assert!(!m.splitting("a"), "grown back to --set-size");
+        m.contended("a");
+        assert!(m.splitting("a"));
+        let sizes = m.set_sizes.read().unwrap();
+        let long_ago = m
+            .since_epoch_ms()
+            .saturating_sub(SPLIT_WAITS_BRIEFLY.as_millis() as u64);
+        sizes["a"].contended_ms.store(long_ago, Ordering::Relaxed);
+        drop(sizes);
+        assert!(!m.splitting("a"), "its last contention too long ago");
+        assert_eq!(m.set_size("a"), 2, "its sets still small");
     }
 
     #[test]

@@ -1504,10 +1504,12 @@ impl<'a> Worker<'a> {
         let first_due = env.first_due.or(d.due_ms);
         let waited = first_due.map_or(0, |due| clock.now_ms() - due);
         let brief_for = (self.ctx.jobs.retry_for / 2).min(BRIEF_LOCKS_FOR);
+        let young = waited < brief_for.as_millis() as i64;
         Ok(Job {
             key: key_text(&d.key),
             first_due,
-            brief_lock: env.waited_lock() && waited < brief_for.as_millis() as i64,
+            brief_lock: env.waited_lock() && young,
+            young,
             consumer: self.ctx.consumer,
             clock: &self.ctx.stats.clock,
             d,

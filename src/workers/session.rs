@@ -125,6 +125,13 @@ pub struct Job<'h> {
     ///
     /// [`BRIEF_LOCKS_FOR`]: crate::workers::BRIEF_LOCKS_FOR
     pub brief_lock: bool,
+    /// Less than [`BRIEF_LOCKS_FOR`] (and half of `--retry-for`) after its due time: while
+    /// its event's sets are being split it waits as briefly ([`Manners::splitting`]); an
+    /// older job waits the whole `--lock-timeout`, so that a row the shop keeps busy is
+    /// got in the end.
+    ///
+    /// [`BRIEF_LOCKS_FOR`]: crate::workers::BRIEF_LOCKS_FOR
+    pub young: bool,
 }
 
 impl Job<'_> {
@@ -184,13 +191,15 @@ pub struct Session {
     inbox_set: Statement,
     /// `handlers[i]`: the registry's handler `i`.
     handlers: Vec<Prepared>,
-    /// `BEGIN` of a set, with its short lock timeout.
-    begin_set: String,
+    /// `BEGIN` of a set, with its short lock timeout: `[quiet, busy]`, the second while the
+    /// shop is busy ([`crate::config::busy_set_lock_ms`]).
+    begin_set: [String; 2],
     /// `SET LOCAL` of the connection's own lock timeout, which a job's transaction that
     /// waited without one for its inbox row goes back to before its handler runs.
     lock_timeout_back: String,
     /// `SET LOCAL` of a set's short lock timeout, which a job that waited in vain for a
-    /// lock at its last try runs under ([`Job::brief_lock`]).
+    /// lock at its last try runs under ([`Job::brief_lock`]), and a job of an event whose
+    /// sets are being split ([`Manners::splitting`]).
     short_lock: String,
     /// Who held the lock a job waited for, looked up after its timeout (rate-limited).
     looker: crate::blocker::Looker,
@@ -303,12 +312,16 @@ impl Session {
             handlers.push(prepared);
         }
         let set_lock_ms = crate::config::set_lock_ms(lock_timeout);
+        let busy_set_lock_ms = crate::config::busy_set_lock_ms(lock_timeout);
         Ok(Session {
             conn,
             inbox,
             inbox_set,
             handlers,
-            begin_set: format!("BEGIN; SET LOCAL lock_timeout = {set_lock_ms}"),
+            begin_set: [
+                format!("BEGIN; SET LOCAL lock_timeout = {set_lock_ms}"),
+                format!("BEGIN; SET LOCAL lock_timeout = {busy_set_lock_ms}"),
+            ],
             lock_timeout_back: format!(
                 "SET LOCAL lock_timeout = {}",
                 lock_timeout.as_millis().max(1)
@@ -483,13 +496,17 @@ impl Session {
         for chunk in alone.chunks(cfg.tx_batch.max(1)) {
             let batch: Vec<&Job<'_>> = chunk.iter().map(|&k| &jobs[k]).collect();
             let rs = match batch.as_slice() {
-                [job] => vec![self.run_job(job, starts)],
-                _ if batch.iter().any(|job| starts.alone(job)) => {
-                    batch.iter().map(|job| self.run_job(job, starts)).collect()
-                }
-                _ => self
-                    .run_batch(&batch, starts)
-                    .unwrap_or_else(|| batch.iter().map(|job| self.run_job(job, starts)).collect()),
+                [job] => vec![self.run_job(job, manners, starts)],
+                _ if batch.iter().any(|job| starts.alone(job)) => batch
+                    .iter()
+                    .map(|job| self.run_job(job, manners, starts))
+                    .collect(),
+                _ => self.run_batch(&batch, starts).unwrap_or_else(|| {
+                    batch
+                        .iter()
+                        .map(|job| self.run_job(job, manners, starts))
+                        .collect()
+                }),
             };
             for (&k, r) in chunk.iter().zip(rs) {
                 results[k] = Some(r);
@@ -538,7 +555,7 @@ impl Session {
     ) -> Vec<(usize, JobResult)> {
         let event = set[0].1.env.event.as_str();
         let jobs: Vec<&Job<'_>> = set.iter().map(|(_, j)| *j).collect();
-        let failure = match self.run_set(&jobs, starts) {
+        let failure = match self.run_set(&jobs, manners.yielding(), starts) {
             Ok(rs) => {
                 manners.committed(event);
                 Stats::add(in_sets, rs.len() as u64);
@@ -608,7 +625,7 @@ impl Session {
                     );
                 }
                 set.iter()
-                    .map(|(k, job)| (*k, self.run_job(job, starts)))
+                    .map(|(k, job)| (*k, self.run_job(job, manners, starts)))
                     .collect()
             }
         }
@@ -623,13 +640,19 @@ impl Session {
     /// other copy may have gone back to its queue) is waited out: the other transaction
     /// ends by itself (committed, or rolled back once its statement ends and it finds its
     /// client gone), and the job runs again, a duplicate or the job's only run.
-    fn run_job(&mut self, job: &Job<'_>, starts: &mut dyn Starts) -> JobResult {
-        match self.run_job_once(job, false, starts) {
+    ///
+    /// A job of an event whose sets are being split ([`Manners::splitting`]: they met
+    /// contention within the last 10 s), less than a minute after its due time, waits as
+    /// briefly as a set: the shop holds rows many of its jobs need, and a single job's
+    /// whole `--lock-timeout` held its own locks against the shop as long.
+    fn run_job(&mut self, job: &Job<'_>, manners: &Manners, starts: &mut dyn Starts) -> JobResult {
+        let brief = job.brief_lock || (job.young && manners.splitting(&job.env.event));
+        match self.run_job_once(job, false, brief, starts) {
             JobResult::RunningElsewhere
                 if job.d.holder_gone
                     || matches!(job.d.origin, crate::delivery::Origin::List { .. }) =>
             {
-                self.run_job_once(job, true, starts)
+                self.run_job_once(job, true, brief, starts)
             }
             r => r,
         }
@@ -642,6 +665,7 @@ impl Session {
         &mut self,
         job: &Job<'_>,
         wait_out: bool,
+        brief: bool,
         starts: &mut dyn Starts,
     ) -> JobResult {
         let one = match &self.handlers[job.index] {
@@ -659,13 +683,13 @@ impl Session {
             // set now: while the shop holds a row that many due jobs need, each try holds
             // a worker (and the job's own locks, taken before, against the shop) for its
             // whole wait.
-            let lock = match job.brief_lock {
+            let lock = match brief {
                 true => self.short_lock.as_str(),
                 false => self.lock_timeout_back.as_str(),
             };
             let first = match wait_out {
                 true => Some("SET LOCAL lock_timeout = 0"),
-                false => job.brief_lock.then_some(lock),
+                false => brief.then_some(lock),
             };
             if let Some(sql) = first {
                 if let Err(e) = tx.batch_execute(sql) {
@@ -699,6 +723,7 @@ impl Session {
     fn run_set(
         &mut self,
         jobs: &[&Job<'_>],
+        busy: bool,
         starts: &mut dyn Starts,
     ) -> Result<Vec<JobResult>, SetError> {
         let statement = match &self.handlers[jobs[0].index] {
@@ -706,7 +731,9 @@ impl Session {
             Prepared::Ready { set: None, .. } => return Err(SetError::Index(-1)),
             Prepared::Failed { failure, .. } => return Err(SetError::Db(failure.clone())),
         };
-        self.conn.batch_execute(&self.begin_set).map_err(db_err)?;
+        self.conn
+            .batch_execute(&self.begin_set[busy as usize])
+            .map_err(db_err)?;
         starts.begin(jobs);
         let result =
             set_body(&mut self.conn, &self.inbox_set, &statement, jobs).and_then(|(rs, noops)| {

@@ -1081,6 +1081,140 @@ fn shop_traffic_locking_in_the_opposite_order_never_fails_while_a_backlog_drains
     assert_eq!(books(&env).dead, 0, "contention dead-letters nothing");
 }
 
+/// A shop trigger that records, for every order a committed transaction updates, that
+/// transaction and the `lock_timeout` it ran under.
+fn record_lock_waits(db: &TestDb) {
+    db.client()
+        .batch_execute(
+            "CREATE TABLE lock_waits (order_id bigint, tx bigint, lock_timeout text); \
+             CREATE FUNCTION record_lock_wait() RETURNS trigger LANGUAGE plpgsql AS \
+             $$ BEGIN INSERT INTO lock_waits \
+                VALUES (NEW.id, txid_current(), current_setting('lock_timeout')); \
+                RETURN NULL; END $$; \
+             CREATE TRIGGER record_lock_wait AFTER UPDATE ON orders \
+             FOR EACH ROW EXECUTE FUNCTION record_lock_wait()",
+        )
+        .unwrap();
+}
+
+/// [`record_lock_waits`]'s transactions among these orders: (orders it updated, its
+/// `lock_timeout`), one per transaction.
+fn lock_waits(db: &TestDb, orders: &[SeedOrder]) -> Vec<(i64, String)> {
+    let ids: Vec<i64> = orders.iter().map(|o| o.id).collect();
+    db.client()
+        .query(
+            "SELECT count(*), min(lock_timeout) FROM lock_waits WHERE order_id = ANY($1) \
+             GROUP BY tx HAVING min(lock_timeout) = max(lock_timeout)",
+            &[&ids],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect()
+}
+
+/// Beside a busy shop a set waits 4 ms for a lock (a twenty-fifth of `--lock-timeout`), a
+/// fifth while the shop is quiet. A set holds the rows it locked before the one it waits
+/// for; with a few hot skus and shop payments locking them in the opposite order, sets
+/// that waited 20 ms tipped a drain into a slow state that held the shop up (found from
+/// outside: a shop at 200 tx/s on 10 shared skus fell to 25–89 tx/s for 15 s, p99 11–14 s;
+/// `scripts/bench.sh shop --skus 10 --shop-rate 200 --shop-backlog 6000`: 4 of 5 runs at
+/// p99 186–400 ms; none of 5 with the shorter wait).
+#[test]
+fn a_set_waits_briefly_for_a_lock_while_the_shop_is_busy() {
+    let mut env = Env::new();
+    env.config.threads = 1;
+    let orders = seed_orders(&env.db, 128);
+    record_lock_waits(&env.db);
+    let (w, port) = start_with_health(&env, &[]);
+    wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
+    // The shop busy: sessions running a statement most of the time.
+    let stop_shop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let shop: Vec<_> = (0..3)
+        .map(|_| {
+            let (url, stop) = (env.db.url.clone(), stop_shop.clone());
+            std::thread::spawn(move || {
+                let mut c = postgres::Client::connect(&url, postgres::NoTls).unwrap();
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    c.batch_execute("SELECT pg_sleep(0.02)").unwrap();
+                }
+            })
+        })
+        .collect();
+    wait_until(WAIT, "the workers yielding", || {
+        metric(port, "delay_worker_yielding") == 1.0
+    });
+    let (busy, quiet) = orders.split_at(64);
+    push_timeouts(&env, busy, 0);
+    wait_done(&env, &env.db, busy.len() as i64);
+    stop_shop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for h in shop {
+        h.join().unwrap();
+    }
+    wait_until(WAIT, "the workers no longer yielding", || {
+        metric(port, "delay_worker_yielding") == 0.0
+    });
+    push_timeouts(&env, quiet, 0);
+    wait_done(&env, &env.db, orders.len() as i64);
+    stop(w);
+    let sets = |waits: Vec<(i64, String)>| -> Vec<String> {
+        waits
+            .into_iter()
+            .filter(|(n, _)| *n > 1)
+            .map(|(_, t)| t)
+            .collect()
+    };
+    let (busy_sets, quiet_sets) = (
+        sets(lock_waits(&env.db, busy)),
+        sets(lock_waits(&env.db, quiet)),
+    );
+    assert!(!busy_sets.is_empty() && !quiet_sets.is_empty());
+    assert!(busy_sets.iter().all(|t| t == "4ms"), "{busy_sets:?}");
+    assert!(quiet_sets.iter().all(|t| t == "20ms"), "{quiet_sets:?}");
+    assert_accounting(&env.db, &orders, &all(&orders));
+    assert_eq!(books(&env).dead, 0);
+}
+
+/// Once a set meets a lock and is split, the event's single jobs wait a fifth of
+/// `--lock-timeout` (20 ms) rather than all of it, for 10 s after its sets last met
+/// contention: each held its own locks (the order, its skus) against the shop for 100 ms,
+/// and with a few hot rows the split sets' single jobs kept the shop waiting (the tip-over
+/// above).
+#[test]
+fn the_single_jobs_of_a_split_set_wait_briefly_for_a_lock() {
+    let mut env = Env::new();
+    env.config.threads = 1;
+    let orders = seed_orders(&env.db, 35);
+    record_lock_waits(&env.db);
+    let (set, lone) = orders.split_at(32);
+    let (release, h) = hold_lock(&env.db, "orders", set[5].id);
+    let (w, port) = start_with_health(&env, &[]);
+    wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
+    push_timeouts(&env, set, 0);
+    wait_until(WAIT, "every order but the locked one", || {
+        inbox_count(&env.db) == set.len() as i64 - 1
+    });
+    // Jobs due one at a time now run alone, each in a transaction of its own.
+    for (n, o) in lone.iter().enumerate() {
+        push_timeouts(&env, std::slice::from_ref(o), 0);
+        wait_until(WAIT, "the lone job", || {
+            inbox_count(&env.db) == (set.len() + n) as i64
+        });
+    }
+    release.send(()).unwrap();
+    h.join().unwrap();
+    wait_done(&env, &env.db, orders.len() as i64);
+    stop(w);
+    let waits = lock_waits(&env.db, lone);
+    assert_eq!(waits.len(), lone.len(), "{waits:?}");
+    assert!(
+        waits.iter().all(|(n, t)| *n == 1 && t == "20ms"),
+        "{waits:?}"
+    );
+    assert_accounting(&env.db, &orders, &all(&orders));
+    assert_eq!(books(&env).dead, 0, "a shop lock is no fault of the job");
+}
+
 /// Waits until every job has run (done, or a no-op for an order the shop paid).
 fn wait_done_or_paid(env: &Env, orders: &[SeedOrder]) {
     wait_done(env, &env.db, orders.len() as i64);

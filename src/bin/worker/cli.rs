@@ -410,7 +410,9 @@ pub struct RunArgs {
     #[arg(long, default_value = "5s", value_parser = parse_duration)]
     pub statement_timeout: Duration,
     /// Longest a job waits for a row lock another transaction (the shop's) holds; then
-    /// it lets go of its own locks and tries again later. A set waits a fifth of it.
+    /// it lets go of its own locks and tries again later. A set waits a fifth of it (a
+    /// twenty-fifth while the shop is busy), and so do the single jobs of an event whose
+    /// sets met contention within 10 s.
     #[arg(long, default_value = "100ms", value_parser = parse_duration)]
     pub lock_timeout: Duration,
     /// A job that meets contention (locks, deadlocks) is retried with backoff for at

@@ -727,7 +727,7 @@ fn shop_beside_pgbench(
         .shop_backlog
         .max((jobs_per_s * secs as f64 * 1.2) as u64 + size);
     shop::seed(db, orders + args.shop_orders, args.skus)?;
-    let wait_ms = delay_worker::config::set_lock_ms(ctx.config.jobs.lock_timeout);
+    let wait_ms = delay_worker::config::busy_set_lock_ms(ctx.config.jobs.lock_timeout);
     let (tool, script) = super::ceiling::shop_set_script_at(ctx.out_dir, wait_ms)?;
     let plan = super::traffic::Plan {
         shop_orders: (orders as i64 + 1, (orders + args.shop_orders) as i64),
