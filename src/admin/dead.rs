@@ -229,19 +229,36 @@ fn one_set(r: &mut Cmd, keys: &Keys, args: &DeadArgs) -> anyhow::Result<ExitCode
 fn on_lists(r: &mut Cmd, keys: &Keys, args: &DeadArgs) -> anyhow::Result<ExitCode> {
     match &args.command {
         DeadCommand::List(a) => {
-            let mut letters = dl::scan(r.con, keys, &a.filter, r.now, a.limit.saturating_add(1))
-                .context(READ_LISTS)?;
+            // A dead list of another type is told and left out; the others are listed.
+            let bad =
+                crate::store::list::dead_lists_of_another_type(r.con, keys).context(READ_LISTS)?;
+            let readable = keys
+                .queues
+                .iter()
+                .filter(|q| !bad.iter().any(|w| w.key == q.dead));
+            let mut letters =
+                dl::scan_queues(r.con, readable, &a.filter, r.now, a.limit.saturating_add(1))
+                    .context(READ_LISTS)?;
             let more = letters.len() > a.limit;
             letters.truncate(a.limit);
-            if a.json {
+            let code = if a.json {
                 write_json(r.out, &letters)?;
-                return Ok(ExitCode::SUCCESS);
+                ExitCode::SUCCESS
+            } else {
+                let lines: Vec<Line> = letters
+                    .iter()
+                    .map(|l| (l.id.clone(), Some(l.queue.as_str()), l as &dyn Letter))
+                    .collect();
+                print_table(&lines, more.then_some(a.limit), r.out)?
+            };
+            for w in &bad {
+                eprintln!("not read: {w}; rename or remove the key");
             }
-            let lines: Vec<Line> = letters
-                .iter()
-                .map(|l| (l.id.clone(), Some(l.queue.as_str()), l as &dyn Letter))
-                .collect();
-            print_table(&lines, more.then_some(a.limit), r.out)
+            Ok(if bad.is_empty() {
+                code
+            } else {
+                ExitCode::FAILURE
+            })
         }
         DeadCommand::Show(a) => {
             let id = dl::parse_id(&a.id)?;

@@ -236,8 +236,19 @@ pub fn scan(
     now_ms: i64,
     limit: usize,
 ) -> RedisResult<Vec<ListLetter>> {
+    scan_queues(con, &keys.queues, filter, now_ms, limit)
+}
+
+/// [`scan`] of these queues' dead lists only.
+pub fn scan_queues<'q>(
+    con: &mut dyn Con,
+    queues: impl IntoIterator<Item = &'q Queue>,
+    filter: &Filter,
+    now_ms: i64,
+    limit: usize,
+) -> RedisResult<Vec<ListLetter>> {
     let mut out = Vec::new();
-    for q in &keys.queues {
+    for q in queues {
         let mut walk = Walk::new(q);
         while out.len() < limit {
             let Some(page) = walk.next_page(con, now_ms)? else {

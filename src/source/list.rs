@@ -25,6 +25,10 @@ use crate::store::list::Overfetched;
 use crate::store::{self, list};
 use std::time::{Duration, Instant};
 
+/// The role under which dead lists of the wrong type are named before a message meets
+/// them ([`Feed::would_block`]).
+const DEAD_LISTS: &str = "list reader (dead lists)";
+
 pub struct ListReader<'a> {
     keys: &'a Keys,
     cfg: &'a ReaderConfig,
@@ -166,8 +170,10 @@ impl<'a> ListReader<'a> {
         // for 10-24 s while `stats --check` was CRITICAL naming it).
         let bad = list::dead_lists_of_another_type(con, self.keys)?;
         self.dead_list_bad = !bad.is_empty();
-        for w in &bad {
-            self.feed.blocked("list reader", w);
+        if self.dead_list_bad {
+            self.feed.would_block(DEAD_LISTS, &bad);
+        } else if self.stats.clear_problem(DEAD_LISTS, i64::MAX) {
+            log::info!("{DEAD_LISTS}: every dead list is a list again");
         }
         let usable = self.standing.look(
             con,

@@ -102,6 +102,22 @@ impl<'a> Feed<'a> {
         }
     }
 
+    /// Reports dead-letter keys of the wrong type that hold nothing back yet (found by a
+    /// look before any message needs them), under `name`: critical, so `/healthz` is red
+    /// and `stats --check` CRITICAL, but not the watchdog's (a restart would not mend
+    /// the key, and no message waits on it); cleared with [`Stats::clear_problem`] once
+    /// none is left. When a message does meet one, [`Feed::blocked`] says so.
+    pub fn would_block(&self, name: &str, keys: &[crate::store::WrongType]) {
+        let named: Vec<String> = keys.iter().map(|w| w.to_string()).collect();
+        let problem = format!(
+            "{}: a message that must be dead-lettered would stay where it is; rename or remove the key",
+            named.join("; ")
+        );
+        if self.stats.report_critical(name, problem.clone()) {
+            log::error!("{name}: {problem}");
+        }
+    }
+
     /// Counts and logs the messages a read sent to the dead letters instead of the pool.
     pub fn buried(&self, role: &str, buried: &[(String, String)]) {
         self.stats.dead_lettered(role, buried);

@@ -804,6 +804,12 @@ fn a_dead_list_of_the_wrong_type_is_named_before_a_message_needs_it() {
         let (code, b) = body();
         code == 503 && b.contains(&dead)
     });
+    // Nothing waits on it yet, and health does not say that something does.
+    let (_, said) = body();
+    assert!(
+        said.contains("would stay where it is") && !said.contains("held back"),
+        "{said}"
+    );
     // Good jobs go through meanwhile; health stays red while the key is wrong.
     let msg = |o: &SeedOrder| {
         format!(

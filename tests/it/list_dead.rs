@@ -610,3 +610,40 @@ fn a_long_dead_list_is_requeued_whole_but_a_key_s_older_letter() {
         "the newest went back last"
     );
 }
+
+/// One queue's dead list of another type (a string set by hand): `dead list` lists the
+/// other queues' letters, names the key it could not read, and exits 1 (found from
+/// outside: it printed only the error, hiding every other queue's letters).
+#[test]
+fn a_dead_list_of_the_wrong_type_is_named_and_the_others_are_listed() {
+    let r = RedisServer::start();
+    let mut con = r.con();
+    let url = r.url();
+    let now_s = now_ms() / 1000;
+    let msg = r#"{"order_no":"SO-D","retry":0}"#;
+    lpush(
+        &mut con,
+        "pay:dead",
+        &letter("pay", msg, "payment.paid", "pay:sha1:d", now_s - 60),
+    );
+    redis::cmd("SET")
+        .arg("normal:dead")
+        .arg("x")
+        .query::<()>(&mut con)
+        .unwrap();
+    for json in [false, true] {
+        let args: &[&str] = if json {
+            &["dead", "list", "--json"]
+        } else {
+            &["dead", "list"]
+        };
+        let o = dead(&url, args);
+        assert_eq!(o.status.code(), Some(1), "{}", text(&o.stderr));
+        let (out, err) = (text(&o.stdout), text(&o.stderr));
+        assert!(out.contains("pay:sha1:d"), "{out}");
+        assert!(
+            err.contains("normal:dead") && err.contains("not a list"),
+            "{err}"
+        );
+    }
+}
