@@ -3002,10 +3002,11 @@ fn a_max_rate_is_the_fleet_s_however_many_processes_run() {
     // The cap, a burst of a tenth of a second's slots, a share taken ahead, and one slot
     // of a worker woken up to 50 ms after it under load: the window counts when each
     // transaction began, so a job started late falls into the next second beside that
-    // second's own (once 25 under `-j 8`).
+    // second's own (25 and 26 under `-j 8`: two workers woken late; a fleet running each
+    // process's own cap ran 60).
     let calm = busiest_second(&env.db, None);
     assert!(
-        calm <= 20 + 2 + 2 + 1,
+        calm <= 20 + 2 + 2 + 3,
         "{calm} jobs within one second from three processes against --max-rate 20/s"
     );
     // The schedule lost mid-drain (deleted by hand): the slots booked before it run beside
