@@ -2560,7 +2560,7 @@ fn a_job_whose_data_the_handler_cannot_take_is_a_dead_letter_alone() {
 /// A data exception that names no value (a sku the shop keeps at the integer's top as
 /// "unlimited stock", so giving stock back overflows: `integer out of range`, 22003) met
 /// the shop's stored row, not the job's data: the jobs that meet it are held, health red
-/// naming the error, while the other jobs of their event go through, and none is a dead
+/// naming the error (at every look, while more jobs of their event go through), and none is a dead
 /// letter; once the row is mended they are done. Found from outside: every unpaid order
 /// returning stock to such a sku was a dead letter a second after its first failure.
 #[test]
@@ -2573,6 +2573,8 @@ fn a_row_the_shop_keeps_at_its_type_s_limit_holds_the_jobs_that_meet_it_red_unti
         .iter()
         .partition(|o| o.items.iter().any(|(s, _)| *s == sku));
     assert!(!others.is_empty(), "some orders need no stock of {sku}");
+    // More orders, for good jobs pushed while the others are held.
+    let seeded = seed_orders(&env.db, 40);
     let stock: i32 = env
         .db
         .client()
@@ -2591,24 +2593,41 @@ fn a_row_the_shop_keeps_at_its_type_s_limit_holds_the_jobs_that_meet_it_red_unti
     });
     let (_, body) = healthz(port);
     assert!(body.contains("22003"), "{body}");
-    // Held through several tries (each a few seconds apart), none a dead letter.
-    std::thread::sleep(Duration::from_secs(6));
+    // Held through several tries (each a few seconds apart), none a dead letter, red
+    // throughout while more good jobs of the event go through.
+    let more: Vec<SeedOrder> = seeded
+        .iter()
+        .filter(|o| o.items.iter().all(|(s, _)| *s != sku))
+        .take(12)
+        .cloned()
+        .collect();
+    for chunk in more.chunks(2) {
+        push_timeouts(&env, chunk, 0);
+        for _ in 0..2 {
+            let (code, body) = healthz(port);
+            assert_eq!(code, 503, "red while the row is at its limit: {body}");
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    }
     assert_eq!(books(&env).dead, 0, "{:?}", dead_letters(&env));
-    assert_eq!(inbox_count(&env.db) as usize, others.len());
+    wait_until(WAIT, "the good jobs done", || {
+        inbox_count(&env.db) as usize == others.len() + more.len()
+    });
     // Mended (the stock it would have had): every held job done, health green.
     env.db
         .client()
         .execute("UPDATE sku SET stock = $2 WHERE id = $1", &[&sku, &stock])
         .unwrap();
     wait_until(Duration::from_secs(30), "the held orders done", || {
-        inbox_count(&env.db) as usize == orders.len()
+        inbox_count(&env.db) as usize == orders.len() + more.len()
     });
     wait_until(WAIT, "/healthz green again", || healthz(port).0 == 200);
     assert_eq!(books(&env).dead, 0);
     stop(w);
-    let all: Vec<&SeedOrder> = orders.iter().collect();
-    assert_eq!(meet.len() + others.len(), all.len());
-    assert_accounting(&env.db, &orders, &all);
+    assert_eq!(meet.len() + others.len(), orders.len());
+    let every: Vec<SeedOrder> = orders.iter().chain(&seeded).cloned().collect();
+    let done: Vec<&SeedOrder> = orders.iter().chain(&more).collect();
+    assert_accounting(&env.db, &every, &done);
 }
 
 /// Pushes a job of `order.timeout` with `payload` under `key`, due now.
