@@ -313,7 +313,7 @@ pub fn set_lock_ms(lock_timeout: Duration) -> u128 {
 /// tipped a drain into a slow state that held the shop up: measured with `scripts/bench.sh
 /// shop --skus 10 --shop-rate 200 --shop-backlog 6000`, 4 of 5 runs at the shop's p99
 /// 186–400 ms and the drain at 0.08–0.14× its rate alone; with 4 ms, none of 5, the p99
-/// 7–11 ms and the drain 0.74–0.95× (docs/performance.md, "The shop's hot rows").
+/// 9–11 ms and the drain 0.61–0.74× (docs/performance.md, "The shop's hot rows").
 pub fn busy_set_lock_ms(lock_timeout: Duration) -> u128 {
     (lock_timeout.as_millis() / 25).max(1)
 }
