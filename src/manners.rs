@@ -152,8 +152,12 @@ pub struct Manners {
     /// The set size each event now runs with (absent: `--set-size`), and when its sets
     /// last met contention. Events are few and a set looks its own up once.
     set_sizes: RwLock<HashMap<String, EventSets>>,
-    /// What [`EventSets::contended_ms`] counts from.
+    /// What [`EventSets::contended_ms`] and `paused_until_us` count from.
     epoch: Instant,
+    /// While the shop is busy: how long this process's workers pause before their next
+    /// transaction after one met contention (µs; 0: none), and until when ([`Manners::pause`]).
+    pause_us: AtomicU64,
+    paused_until_us: AtomicU64,
     set_size: usize,
     /// Written by the PostgreSQL watch: the shop's sessions are busy now.
     yielding: AtomicBool,
@@ -170,6 +174,11 @@ pub struct Manners {
 /// How long after an event's sets last met contention its single jobs wait briefly
 /// ([`Manners::splitting`]).
 pub const SPLIT_WAITS_BRIEFLY: Duration = Duration::from_secs(10);
+
+/// The shortest and the longest pause after a transaction met contention while the shop
+/// is busy ([`Manners::met_contention`]).
+pub const PAUSE_MIN: Duration = Duration::from_millis(2);
+pub const PAUSE_MAX: Duration = Duration::from_millis(500);
 
 /// One event's sets: their size now, and when they last met contention (ms since
 /// [`Manners::epoch`], plus one; 0: never).
@@ -227,6 +236,8 @@ impl Manners {
             taking: Mutex::new(()),
             set_sizes: RwLock::new(HashMap::new()),
             epoch: Instant::now(),
+            pause_us: AtomicU64::new(0),
+            paused_until_us: AtomicU64::new(0),
             set_size: set_size.max(1),
             yielding: AtomicBool::new(false),
             alone: AtomicBool::new(false),
@@ -535,6 +546,65 @@ impl Manners {
         });
     }
 
+    /// A single job of this process met contention (a lock wait in vain, a deadlock):
+    /// while the shop is busy, the workers pause before their next transaction, twice as
+    /// long as after the last one (from [`PAUSE_MIN`] up to [`PAUSE_MAX`]). Each try that
+    /// waits for a row the shop needs holds the shop up for that wait; with a few hot rows
+    /// near their capacity under the shop's own load, the drain's tries kept the shop's
+    /// queue from ever clearing, and their failures only brought more tries (measured:
+    /// `scripts/bench.sh shop --skus 3 --shop-rate 400 --shop-backlog 3000`, the shop's p99
+    /// at 0.7–3.3 s and the drain at 150 jobs/s, every job a transaction of its own). A
+    /// set that meets contention is split instead (its halves are not counted here), so a
+    /// long lock on a few rows, met by few of the due jobs, pauses little.
+    pub fn met_contention(&self) {
+        if !self.yielding() {
+            return;
+        }
+        let min = PAUSE_MIN.as_micros() as u64;
+        let max = PAUSE_MAX.as_micros() as u64;
+        let p = self.pause_us.load(Ordering::Relaxed);
+        let p = (p * 2).clamp(min, max);
+        self.pause_us.store(p, Ordering::Relaxed);
+        let until = self.since_epoch_us() + p;
+        self.paused_until_us.fetch_max(until, Ordering::Relaxed);
+    }
+
+    /// `n` jobs of this process committed: the pause halves for each, and ends below
+    /// [`PAUSE_MIN`]. So it lasts only while single jobs meet contention more often than
+    /// jobs go through: a long shop lock on the rows of a tenth of the due orders, whose
+    /// retries meet it again and again, pauses nothing (with an eighth for each job, the
+    /// orders needing no locked row waited up to 7 s).
+    pub fn went_through(&self, n: usize) {
+        let mut p = self.pause_us.load(Ordering::Relaxed);
+        if p == 0 {
+            return;
+        }
+        p >>= n.min(63);
+        let p = if p < PAUSE_MIN.as_micros() as u64 {
+            0
+        } else {
+            p
+        };
+        self.pause_us.store(p, Ordering::Relaxed);
+    }
+
+    /// Waits out the pause [`Manners::met_contention`] set, while the shop is busy (a
+    /// shop gone quiet ends it); shutdown ends it too.
+    pub fn pause(&self, shutdown: &Shutdown) {
+        loop {
+            let until = self.paused_until_us.load(Ordering::Relaxed);
+            let now = self.since_epoch_us();
+            if until <= now || !self.yielding() || shutdown.is_set() {
+                return;
+            }
+            std::thread::sleep(Duration::from_micros((until - now).min(50_000)));
+        }
+    }
+
+    fn since_epoch_us(&self) -> u64 {
+        self.epoch.elapsed().as_micros() as u64
+    }
+
     /// A set of `event` committed: grow its size by one, up to `--set-size`.
     pub fn committed(&self, event: &str) {
         let cap = self.set_size;
@@ -794,6 +864,51 @@ mod tests {
         drop(sizes);
         assert!(!m.splitting("a"), "its last contention too long ago");
         assert_eq!(m.set_size("a"), 2, "its sets still small");
+    }
+
+    /// While the shop is busy, a transaction that met contention makes the workers pause
+    /// before their next one, twice as long at each further one up to [`PAUSE_MAX`], an
+    /// eighth less at each commit; while it is quiet, never; shutdown ends a pause.
+    #[test]
+    fn contention_beside_a_busy_shop_pauses_the_workers_and_commits_end_the_pause() {
+        let m = Manners::unlimited(32);
+        let off = Shutdown::new();
+        m.met_contention();
+        assert_eq!(
+            m.pause_us.load(Ordering::Relaxed),
+            0,
+            "the shop quiet: no pause"
+        );
+        m.set_yielding(true);
+        m.met_contention();
+        m.met_contention();
+        let p = m.pause_us.load(Ordering::Relaxed);
+        assert_eq!(p, 2 * PAUSE_MIN.as_micros() as u64);
+        let t = Instant::now();
+        m.pause(&off);
+        assert!(
+            t.elapsed() >= Duration::from_micros(p) / 2,
+            "{:?}",
+            t.elapsed()
+        );
+        for _ in 0..20 {
+            m.met_contention();
+        }
+        assert_eq!(
+            m.pause_us.load(Ordering::Relaxed),
+            PAUSE_MAX.as_micros() as u64
+        );
+        let stop = Shutdown::new();
+        stop.trigger();
+        let t = Instant::now();
+        m.pause(&stop);
+        assert!(t.elapsed() < PAUSE_MAX / 2, "shutdown ends the pause");
+        m.set_yielding(false);
+        let t = Instant::now();
+        m.pause(&off);
+        assert!(t.elapsed() < PAUSE_MAX / 2, "a quiet shop ends the pause");
+        m.went_through(60);
+        assert_eq!(m.pause_us.load(Ordering::Relaxed), 0, "commits end it");
     }
 
     #[test]

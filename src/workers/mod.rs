@@ -2473,7 +2473,7 @@ impl<'a> Worker<'a> {
                 None => session.run(
                     jobs,
                     self.ctx.jobs,
-                    self.ctx.manners,
+                    (self.ctx.manners, self.ctx.shutdown),
                     &self.ctx.stats.in_sets,
                     &mut starts,
                 ),
@@ -2488,7 +2488,7 @@ impl<'a> Worker<'a> {
                         .run(
                             &ours,
                             self.ctx.jobs,
-                            self.ctx.manners,
+                            (self.ctx.manners, self.ctx.shutdown),
                             &self.ctx.stats.in_sets,
                             &mut starts,
                         )

@@ -18,6 +18,7 @@ use crate::delivery::Delivery;
 use crate::handlers::{Effect, Handler, Registry};
 use crate::manners::Manners;
 use crate::message::Envelope;
+use crate::shutdown::Shutdown;
 use crate::stats::Stats;
 use postgres::types::Type;
 use postgres::Statement;
@@ -197,10 +198,11 @@ pub struct Session {
     /// `SET LOCAL` of the connection's own lock timeout, which a job's transaction that
     /// waited without one for its inbox row goes back to before its handler runs.
     lock_timeout_back: String,
-    /// `SET LOCAL` of a set's short lock timeout, which a job that waited in vain for a
-    /// lock at its last try runs under ([`Job::brief_lock`]), and a job of an event whose
-    /// sets are being split ([`Manners::splitting`]).
-    short_lock: String,
+    /// `SET LOCAL` of a set's short lock timeout, `[quiet, busy]` as [`Session::begin_set`],
+    /// which a job that waited in vain for a lock at its last try runs under
+    /// ([`Job::brief_lock`]), and a job of an event whose sets are being split
+    /// ([`Manners::splitting`]).
+    short_lock: [String; 2],
     /// Who held the lock a job waited for, looked up after its timeout (rate-limited).
     looker: crate::blocker::Looker,
 }
@@ -326,7 +328,10 @@ impl Session {
                 "SET LOCAL lock_timeout = {}",
                 lock_timeout.as_millis().max(1)
             ),
-            short_lock: format!("SET LOCAL lock_timeout = {set_lock_ms}"),
+            short_lock: [
+                format!("SET LOCAL lock_timeout = {set_lock_ms}"),
+                format!("SET LOCAL lock_timeout = {busy_set_lock_ms}"),
+            ],
             looker: crate::blocker::Looker::default(),
         })
     }
@@ -455,7 +460,7 @@ impl Session {
         &mut self,
         jobs: &[Job<'_>],
         cfg: &crate::config::JobConfig,
-        manners: &Manners,
+        (manners, shutdown): (&Manners, &Shutdown),
         in_sets: &AtomicU64,
         starts: &mut dyn Starts,
     ) -> Vec<JobResult> {
@@ -487,7 +492,9 @@ impl Session {
                     continue;
                 }
                 let set: Vec<(usize, &Job<'_>)> = chunk.iter().map(|&k| (k, &jobs[k])).collect();
-                for (k, r) in self.run_set_or_split(&set, manners, in_sets, &mut alone, starts) {
+                for (k, r) in
+                    self.run_set_or_split(&set, (manners, shutdown), in_sets, &mut alone, starts)
+                {
                     results[k] = Some(r);
                 }
             }
@@ -496,15 +503,15 @@ impl Session {
         for chunk in alone.chunks(cfg.tx_batch.max(1)) {
             let batch: Vec<&Job<'_>> = chunk.iter().map(|&k| &jobs[k]).collect();
             let rs = match batch.as_slice() {
-                [job] => vec![self.run_job(job, manners, starts)],
+                [job] => vec![self.run_job(job, manners, shutdown, starts)],
                 _ if batch.iter().any(|job| starts.alone(job)) => batch
                     .iter()
-                    .map(|job| self.run_job(job, manners, starts))
+                    .map(|job| self.run_job(job, manners, shutdown, starts))
                     .collect(),
                 _ => self.run_batch(&batch, starts).unwrap_or_else(|| {
                     batch
                         .iter()
-                        .map(|job| self.run_job(job, manners, starts))
+                        .map(|job| self.run_job(job, manners, shutdown, starts))
                         .collect()
                 }),
             };
@@ -548,16 +555,18 @@ impl Session {
     fn run_set_or_split(
         &mut self,
         set: &[(usize, &Job<'_>)],
-        manners: &Manners,
+        (manners, shutdown): (&Manners, &Shutdown),
         in_sets: &AtomicU64,
         alone: &mut Vec<usize>,
         starts: &mut dyn Starts,
     ) -> Vec<(usize, JobResult)> {
         let event = set[0].1.env.event.as_str();
         let jobs: Vec<&Job<'_>> = set.iter().map(|(_, j)| *j).collect();
+        manners.pause(shutdown);
         let failure = match self.run_set(&jobs, manners.yielding(), starts) {
             Ok(rs) => {
                 manners.committed(event);
+                manners.went_through(rs.len());
                 Stats::add(in_sets, rs.len() as u64);
                 return set.iter().map(|(k, _)| *k).zip(rs).collect();
             }
@@ -608,9 +617,13 @@ impl Session {
                     match half {
                         [] => {}
                         [(k, _)] => alone.push(*k),
-                        _ => {
-                            out.extend(self.run_set_or_split(half, manners, in_sets, alone, starts))
-                        }
+                        _ => out.extend(self.run_set_or_split(
+                            half,
+                            (manners, shutdown),
+                            in_sets,
+                            alone,
+                            starts,
+                        )),
                     }
                 }
                 out
@@ -625,7 +638,7 @@ impl Session {
                     );
                 }
                 set.iter()
-                    .map(|(k, job)| (*k, self.run_job(job, manners, starts)))
+                    .map(|(k, job)| (*k, self.run_job(job, manners, shutdown, starts)))
                     .collect()
             }
         }
@@ -645,9 +658,17 @@ impl Session {
     /// contention within the last 10 s), less than a minute after its due time, waits as
     /// briefly as a set: the shop holds rows many of its jobs need, and a single job's
     /// whole `--lock-timeout` held its own locks against the shop as long.
-    fn run_job(&mut self, job: &Job<'_>, manners: &Manners, starts: &mut dyn Starts) -> JobResult {
+    fn run_job(
+        &mut self,
+        job: &Job<'_>,
+        manners: &Manners,
+        shutdown: &Shutdown,
+        starts: &mut dyn Starts,
+    ) -> JobResult {
+        manners.pause(shutdown);
         let brief = job.brief_lock || (job.young && manners.splitting(&job.env.event));
-        match self.run_job_once(job, false, brief, starts) {
+        let brief = brief.then(|| manners.yielding());
+        let r = match self.run_job_once(job, false, brief, starts) {
             JobResult::RunningElsewhere
                 if job.d.holder_gone
                     || matches!(job.d.origin, crate::delivery::Origin::List { .. }) =>
@@ -655,7 +676,17 @@ impl Session {
                 self.run_job_once(job, true, brief, starts)
             }
             r => r,
+        };
+        match &r {
+            // A set size of 1 runs no set, so its single jobs grow it back.
+            JobResult::Committed(_) => {
+                manners.committed(&job.env.event);
+                manners.went_through(1)
+            }
+            JobResult::Failed(f) if f.fault == Fault::Contention => manners.met_contention(),
+            _ => {}
         }
+        r
     }
 
     /// [`Session::run_job`]'s one try. `wait_out`: the inbox insert waits for another
@@ -665,7 +696,7 @@ impl Session {
         &mut self,
         job: &Job<'_>,
         wait_out: bool,
-        brief: bool,
+        brief: Option<bool>,
         starts: &mut dyn Starts,
     ) -> JobResult {
         let one = match &self.handlers[job.index] {
@@ -684,12 +715,12 @@ impl Session {
             // a worker (and the job's own locks, taken before, against the shop) for its
             // whole wait.
             let lock = match brief {
-                true => self.short_lock.as_str(),
-                false => self.lock_timeout_back.as_str(),
+                Some(busy) => self.short_lock[busy as usize].as_str(),
+                None => self.lock_timeout_back.as_str(),
             };
             let first = match wait_out {
                 true => Some("SET LOCAL lock_timeout = 0"),
-                false => brief.then_some(lock),
+                false => brief.map(|_| lock),
             };
             if let Some(sql) = first {
                 if let Err(e) = tx.batch_execute(sql) {
