@@ -683,7 +683,13 @@ impl Session {
                 manners.committed(&job.env.event);
                 manners.went_through(1)
             }
-            JobResult::Failed(f) if f.fault == Fault::Contention => manners.met_contention(),
+            // A retry of a job that waited in vain for a lock before meets a row held for
+            // long: its failing again says nothing new of the shop's load (a long lock on
+            // the orders of a tenth of the due jobs, retried in batches, paused every
+            // worker for seconds).
+            JobResult::Failed(f) if f.fault == Fault::Contention && !job.env.waited_lock() => {
+                manners.met_contention()
+            }
             _ => {}
         }
         r
