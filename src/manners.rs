@@ -546,7 +546,8 @@ impl Manners {
         });
     }
 
-    /// A single job of this process met contention (a lock wait in vain, a deadlock):
+    /// A single job of this process met contention on its first try (a lock wait in vain,
+    /// a deadlock; a retry of a lock wait meets a row held for long and is not counted):
     /// while the shop is busy, the workers pause before their next transaction, twice as
     /// long as after the last one (from [`PAUSE_MIN`] up to [`PAUSE_MAX`]). Each try that
     /// waits for a row the shop needs holds the shop up for that wait; with a few hot rows
