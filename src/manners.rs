@@ -869,7 +869,7 @@ mod tests {
 
     /// While the shop is busy, a transaction that met contention makes the workers pause
     /// before their next one, twice as long at each further one up to [`PAUSE_MAX`], an
-    /// eighth less at each commit; while it is quiet, never; shutdown ends a pause.
+    /// half as long at each job that commits; while it is quiet, never; shutdown ends a pause.
     #[test]
     fn contention_beside_a_busy_shop_pauses_the_workers_and_commits_end_the_pause() {
         let m = Manners::unlimited(32);
