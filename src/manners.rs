@@ -867,9 +867,10 @@ mod tests {
         assert_eq!(m.set_size("a"), 2, "its sets still small");
     }
 
-    /// While the shop is busy, a transaction that met contention makes the workers pause
-    /// before their next one, twice as long at each further one up to [`PAUSE_MAX`], an
-    /// half as long at each job that commits; while it is quiet, never; shutdown ends a pause.
+    /// While the shop is busy, a single job that met contention makes the workers pause
+    /// before their next transaction, twice as long at each further one up to
+    /// [`PAUSE_MAX`], half as long at each job that commits; while the shop is quiet,
+    /// never; shutdown ends a pause.
     #[test]
     fn contention_beside_a_busy_shop_pauses_the_workers_and_commits_end_the_pause() {
         let m = Manners::unlimited(32);
