@@ -595,10 +595,13 @@ impl Manners {
         loop {
             let until = self.paused_until_us.load(Ordering::Relaxed);
             let now = self.since_epoch_us();
-            if until <= now || !self.yielding() || shutdown.is_set() {
+            // Looked at again every 50 ms: a shop gone quiet, or a pause made longer.
+            if until <= now
+                || !self.yielding()
+                || shutdown.wait(Duration::from_micros((until - now).min(50_000)))
+            {
                 return;
             }
-            std::thread::sleep(Duration::from_micros((until - now).min(50_000)));
         }
     }
 

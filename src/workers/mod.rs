@@ -384,10 +384,7 @@ impl<'w> StartCount<'w> {
         if ds.is_empty() || self.after.is_some_and(|t| Instant::now() < t) {
             return None;
         }
-        if self.redis.is_none() {
-            *self.redis = store::connect(self.target).ok();
-        }
-        let counted = match self.redis.as_mut() {
+        let counted = match connected(self.redis, self.target) {
             Some(con) => store::started(con, self.shards, ds, delta).map_err(|e| e.to_string()),
             None => Err("Redis cannot be reached".to_string()),
         };
@@ -429,6 +426,18 @@ impl session::Starts for StartCount<'_> {
             self.change(&ds, -1);
         }
     }
+}
+
+/// A worker's Redis connection, connected now if it has none; `None` when Redis cannot be
+/// reached.
+fn connected<'c>(
+    redis: &'c mut Option<crate::store::Con>,
+    target: &crate::store::Redis,
+) -> Option<&'c mut crate::store::Con> {
+    if redis.is_none() {
+        *redis = Some(store::connect(target).ok()?);
+    }
+    redis.as_mut()
 }
 
 /// Delay before retry number `retry + 1`: base * 2^retry, capped.
@@ -2044,10 +2053,7 @@ impl<'a> Worker<'a> {
     /// The worker's Redis connection, connected now if it has none; `None` when Redis
     /// cannot be reached (the caller goes on without it; the settle retries on its own).
     fn redis_now(&mut self) -> Option<&mut crate::store::Con> {
-        if self.redis.is_none() {
-            self.redis = Some(store::connect(self.ctx.redis).ok()?);
-        }
-        self.redis.as_mut()
+        connected(&mut self.redis, self.ctx.redis)
     }
 
     /// The field of [`crate::keys::Keys::refused`] that holds the newest lapse of a
