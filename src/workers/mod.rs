@@ -1473,6 +1473,7 @@ impl<'a> Worker<'a> {
                     stored_data: false,
                     cancelled: false,
                     shared: false,
+                    paused: false,
                 };
                 Some(self.contended(d, env, key, first_due, &f, crate::now_ms()))
             }
@@ -2509,8 +2510,10 @@ impl<'a> Worker<'a> {
                 }
             };
             drop(permit);
-            if let Some(reason) = results.iter().find_map(|r| match r {
-                JobResult::Failed(f) if f.fault == Fault::Server => Some(f.reason.clone()),
+            if let Some((reason, paused)) = results.iter().find_map(|r| match r {
+                JobResult::Failed(f) if f.fault == Fault::Server => {
+                    Some((f.reason.clone(), f.paused))
+                }
                 _ => None,
             }) {
                 // The server's failure, not the jobs': run them again on a new
@@ -2522,7 +2525,10 @@ impl<'a> Worker<'a> {
                     }
                 }
                 self.drop_session();
-                if self.wait_for_database("database connection lost", &reason) {
+                if paused {
+                    // This process stood still, not the server: a new session at once.
+                    self.was_paused(&reason);
+                } else if self.wait_for_database("database connection lost", &reason) {
                     return Paced::Stopped;
                 }
                 waited = true;
@@ -2577,6 +2583,27 @@ impl<'a> Worker<'a> {
     /// The role this worker reports PostgreSQL outages under.
     fn db_role(&self) -> String {
         format!("{} (postgresql)", self.name)
+    }
+
+    /// PostgreSQL ended this worker's session because it sat idle inside a transaction
+    /// past [`crate::db::IDLE_IN_TRANSACTION`]: the process was stopped or starved
+    /// mid-transaction. Told as that, a warning for [`crate::stats::PROBLEM_WINDOW`], not as
+    /// an outage of PostgreSQL (found from outside: after a 5 s SIGSTOP `stats --check`
+    /// was CRITICAL "no writable PostgreSQL").
+    fn was_paused(&self, reason: &str) {
+        let what = format!(
+            "this process was paused inside a transaction for over {} s (SIGSTOP, a frozen \
+             VM, a host out of CPU), so PostgreSQL ended the transaction to free the rows it \
+             held ({reason}); its jobs run again on a new session",
+            crate::db::IDLE_IN_TRANSACTION.as_secs()
+        );
+        if self
+            .ctx
+            .stats
+            .report_trouble(&format!("{} (paused)", self.name), what.clone())
+        {
+            log::warn!("{}: {what}", self.name);
+        }
     }
 
     /// The database failed, not the job: hold the job (back-pressure on the reader)

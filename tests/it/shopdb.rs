@@ -3459,7 +3459,8 @@ fn event_caps_hold_under_a_global_cap() {
 /// `IDLE_IN_TRANSACTION` later, not four statement timeouts (20 s): the shop's own
 /// `FOR UPDATE` on those rows goes through within seconds, and once the worker runs again
 /// every job is done once. Found from outside: a shop transaction waited 19.88 s on a
-/// stopped worker.
+/// stopped worker. What the operator is told is the pause, a warning, never "no writable
+/// PostgreSQL" (found from outside: `stats --check` CRITICAL so after a 5 s SIGSTOP).
 #[test]
 fn a_worker_paused_inside_a_transaction_holds_the_shop_s_rows_for_seconds_only() {
     let mut env = Env::new();
@@ -3499,8 +3500,26 @@ fn a_worker_paused_inside_a_transaction_holds_the_shop_s_rows_for_seconds_only()
         waited < delay_worker::db::IDLE_IN_TRANSACTION + Duration::from_secs(3),
         "the shop waited {waited:?} on a paused worker's rows"
     );
+    // What the operator is told is the pause, not an outage of PostgreSQL.
+    let mut told = Vec::new();
+    let until = Instant::now() + Duration::from_secs(4);
+    while Instant::now() < until {
+        told.push(check(&env).1);
+        told.push(healthz(port).1);
+    }
     wait_done(&env, &env.db, orders.len() as i64);
+    let log = w.log();
     stop_then_every_order_once(&env, w, &orders);
+    assert!(
+        !told.iter().any(|t| t.contains("no writable PostgreSQL")),
+        "the pause was told as an outage: {told:?}"
+    );
+    assert!(
+        told.iter()
+            .any(|t| t.contains("paused inside a transaction"))
+            && log.contains("paused inside a transaction"),
+        "the pause was not told: {told:?}\n{log}"
+    );
 }
 
 /// A worker's session lost in the middle of a batch whose first sets committed: the batch
