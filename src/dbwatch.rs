@@ -103,6 +103,56 @@ const ASK: &str = "SELECT current_setting('transaction_read_only') = 'on', \
          AND s.setdatabase IN (0, (SELECT oid FROM pg_database WHERE datname = current_database())) \
        ORDER BY s.setrole <> 0 DESC, s.setdatabase <> 0 DESC LIMIT 1), false)";
 
+/// The shop's longest lock wait behind the worker's sessions ([`HELD_UP`]): its shop
+/// session, how long it has waited (s), the worker's session it waits behind, and how many
+/// shop sessions wait so for over `$1` seconds. A shop session counts when a session of
+/// `delay-worker` is among those it waits for, directly or through other waiting sessions
+/// (`pg_blocking_pids`, four deep; called only for sessions already waiting over `$1`),
+/// unless the shop's own transaction, open for over `$1` and not itself waiting for a
+/// lock, is among them too: then a long lock of the shop's holds it, the worker's session
+/// only queued beside it.
+const HELD_UP_ASK: &str = "WITH RECURSIVE shop AS ( \
+       SELECT pid, clock_timestamp() - query_start AS waited FROM pg_stat_activity \
+       WHERE wait_event_type = 'Lock' AND backend_type = 'client backend' \
+         AND datname = current_database() AND application_name NOT LIKE 'delay-worker%' \
+         AND query_start < clock_timestamp() - $1::float8 * interval '1 second'), \
+     chain(root, pid, depth) AS ( \
+       SELECT s.pid, b, 1 FROM shop s, unnest(pg_blocking_pids(s.pid)) b \
+       UNION \
+       SELECT c.root, b, c.depth + 1 FROM chain c, unnest(pg_blocking_pids(c.pid)) b \
+       WHERE c.depth < 4), \
+     own AS (SELECT DISTINCT c.root FROM chain c JOIN pg_stat_activity h ON h.pid = c.pid \
+       WHERE h.application_name NOT LIKE 'delay-worker%' \
+         AND h.wait_event_type IS DISTINCT FROM 'Lock' \
+         AND h.xact_start < clock_timestamp() - $1::float8 * interval '1 second'), \
+     blame AS (SELECT c.root, min(c.pid) AS worker FROM chain c \
+       JOIN pg_stat_activity w ON w.pid = c.pid \
+       WHERE w.application_name LIKE 'delay-worker%' \
+         AND c.root NOT IN (SELECT root FROM own) GROUP BY c.root) \
+     SELECT s.pid, extract(epoch FROM s.waited)::float8, b.worker, \
+       (SELECT count(*) FROM blame) \
+     FROM shop s JOIN blame b ON b.root = s.pid ORDER BY s.waited DESC LIMIT 1";
+
+/// How long a shop session may wait for a lock behind the worker's sessions before the
+/// watch warns ([`HELD_UP_CRIT`]: critical). A set waits 4 ms for the shop's rows while
+/// the shop is busy and a job at most `--lock-timeout`: a shop transaction waiting a
+/// second behind them is held up by the drain (rows near their capacity), by a worker
+/// paused mid-transaction, or by a slow handler.
+pub const HELD_UP: Duration = Duration::from_secs(1);
+pub const HELD_UP_CRIT: Duration = Duration::from_secs(5);
+
+/// The role the shop held up is reported under.
+pub const SHOP_HELD_UP: &str = "the shop's transactions";
+
+/// A shop session waiting behind the worker's ([`HELD_UP_ASK`]).
+#[derive(Debug, Clone, PartialEq)]
+struct HeldUp {
+    shop_pid: i32,
+    waited_s: f64,
+    worker_pid: i32,
+    sessions: i64,
+}
+
 /// What the watch says when new sessions of the worker's role would start read-only.
 const NEW_SESSIONS_READ_ONLY: &str = "new sessions of the worker's role are read-only: \
      default_transaction_read_only is on for the role or the database (ALTER ROLE or ALTER \
@@ -120,6 +170,8 @@ struct Seen {
     sees_all: bool,
     /// When the handlers were prepared: each one's event, file and failure.
     prepared: Vec<(String, Option<String>, Option<String>)>,
+    /// The shop's longest wait behind the worker's sessions, past [`HELD_UP`].
+    held_up: Option<HeldUp>,
 }
 
 /// The watch of one daemon.
@@ -195,6 +247,7 @@ impl<'a> DbWatch<'a> {
                             "the worker's PostgreSQL role sees only its own sessions: it yields to the shop's traffic only if the shop uses the same role (GRANT pg_read_all_stats to it to see the shop's)"
                         );
                     }
+                    self.held_up(seen.held_up.as_ref());
                     busy = 0.8 * busy + 0.2 * seen.busy as f64;
                     if busy >= BUSY {
                         last_busy = Some(Instant::now());
@@ -325,6 +378,40 @@ impl<'a> DbWatch<'a> {
         }
     }
 
+    /// Reports a shop session waiting behind the worker's past [`HELD_UP`], critical past
+    /// [`HELD_UP_CRIT`]; a look that finds none lowers a critical report to a warning,
+    /// which lasts its window (found from outside: a drain on a few hot rows held the
+    /// shop's transactions up for tens of seconds while health stayed green).
+    fn held_up(&self, seen: Option<&HeldUp>) {
+        let ms = seen.map_or(0, |h| (h.waited_s * 1000.0) as u64);
+        self.stats.shop_held_up_ms.store(ms, Ordering::Relaxed);
+        let Some(h) = seen else {
+            self.stats.ease(SHOP_HELD_UP);
+            return;
+        };
+        let what = format!(
+            "the shop's session {} has waited {:.1} s for a lock behind the worker's session {} ({} shop session{} waiting over {} s behind the worker's): the worker holds the shop up (rows the drain and the shop both need, a worker paused mid-transaction, a slow handler)",
+            h.shop_pid,
+            h.waited_s,
+            h.worker_pid,
+            h.sessions,
+            if h.sessions == 1 { "" } else { "s" },
+            HELD_UP.as_secs()
+        );
+        let critical = h.waited_s >= HELD_UP_CRIT.as_secs_f64();
+        let gist = if critical { "critical" } else { "warning" }.to_string();
+        let log = if critical {
+            self.stats
+                .report_critical_about(SHOP_HELD_UP, what.clone(), gist)
+        } else {
+            self.stats
+                .report_trouble_about(SHOP_HELD_UP, what.clone(), gist)
+        };
+        if log {
+            log::warn!("{what}");
+        }
+    }
+
     /// Reports the dead-letter rate when it is over `--dead-rate-crit`.
     fn dead_rate(&self) {
         if self.dead_rate_crit == 0 {
@@ -388,11 +475,28 @@ fn check(
                     busy,
                     sees_all,
                     prepared: Vec::new(),
+                    held_up: None,
                 },
             ))
         });
     match answer {
         Ok((false, mut seen)) => {
+            // Other roles' waits are seen only with `pg_read_all_stats`; a server that
+            // cannot answer it (no `pg_blocking_pids`) tells nothing of it.
+            if seen.sees_all {
+                seen.held_up = c
+                    .query_opt(HELD_UP_ASK, &[&HELD_UP.as_secs_f64()])
+                    .ok()
+                    .flatten()
+                    .and_then(|r| {
+                        Some(HeldUp {
+                            shop_pid: r.try_get(0).ok()?,
+                            waited_s: r.try_get(1).ok()?,
+                            worker_pid: r.try_get(2).ok()?,
+                            sessions: r.try_get(3).ok()?,
+                        })
+                    });
+            }
             for h in prepare.into_iter().flat_map(Registry::iter) {
                 let failure = match crate::workers::session::try_prepare(c, h) {
                     Ok(()) => None,

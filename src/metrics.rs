@@ -211,6 +211,7 @@ impl<'a> Server<'a> {
             ("delay_worker_jobs_waiting_on_contention", "Jobs this process sent back to the pool after contention (another transaction's lock, a deadlock) that have not run since.", waiting as u64),
             ("delay_worker_contention_longest_wait_seconds", "How long the job waiting longest on contention has waited since its due time.", longest_s),
             ("delay_worker_yielding", "1 while the shop's own sessions are busy in the database and the workers yield (one transaction at a time), else 0.", src.manners.yielding() as u64),
+            ("delay_worker_shop_held_up_seconds", "How long the shop's session waiting longest for a lock behind one of the worker's sessions had waited at the PostgreSQL watch's last look (0: none for over a second; needs pg_read_all_stats).", src.stats.shop_held_up_ms.load(Relaxed) / 1000),
             ("delay_worker_dead_letters_last_minute", "Dead letters this process wrote in the last minute (/healthz is 503 above --dead-rate-crit).", src.stats.jobs.dead_last_minute(now)),
         ] {
             sample(&mut out, name, "gauge", help, v);

@@ -50,6 +50,9 @@ pub struct Stats {
     /// by the stream reader, which hands its pending entries to a peer that has one
     /// when this lasts.
     pub db_unusable: std::sync::atomic::AtomicBool,
+    /// Written by the database watch at each look: how long the shop's session waiting
+    /// longest behind a worker's session has waited (ms; 0: none past a second).
+    pub shop_held_up_ms: AtomicU64,
     /// Written by the inbox pruner after each batch: `worker_inbox` rows it deleted.
     pub inbox_pruned: AtomicU64,
     /// This host's clock corrected to Redis's, and what the workers saw of producers'
