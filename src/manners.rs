@@ -158,6 +158,11 @@ pub struct Manners {
     /// transaction after one met contention (µs; 0: none), and until when ([`Manners::pause`]).
     pause_us: AtomicU64,
     paused_until_us: AtomicU64,
+    /// While the shop is busy: a single job of this process waits the whole
+    /// `--lock-timeout` now, and none does before this (µs since `epoch`)
+    /// ([`Manners::long_wait`]).
+    long_waiting: AtomicBool,
+    long_rest_until_us: AtomicU64,
     set_size: usize,
     /// Written by the PostgreSQL watch: the shop's sessions are busy now.
     yielding: AtomicBool,
@@ -209,6 +214,34 @@ impl Inside {
     }
 }
 
+/// How long, while the shop is busy, no single job waits the whole `--lock-timeout` after
+/// one did in vain ([`Manners::long_wait`]).
+pub const LONG_WAIT_REST: Duration = Duration::from_secs(1);
+
+/// A single job's leave to wait the whole `--lock-timeout` ([`Manners::long_wait`]);
+/// given back on drop.
+pub struct LongWait<'a>(&'a Manners, bool);
+
+impl LongWait<'_> {
+    /// Its wait ended in vain: no long wait for [`LONG_WAIT_REST`] while the shop is busy.
+    pub fn in_vain(&self) {
+        if self.1 {
+            let until = self.0.since_epoch_us() + LONG_WAIT_REST.as_micros() as u64;
+            self.0
+                .long_rest_until_us
+                .fetch_max(until, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Drop for LongWait<'_> {
+    fn drop(&mut self) {
+        if self.1 {
+            self.0.long_waiting.store(false, Ordering::Release);
+        }
+    }
+}
+
 /// A worker's place inside the gate; given back on drop.
 pub struct Permit<'a>(&'a Manners, u64);
 
@@ -219,7 +252,6 @@ impl Drop for Permit<'_> {
         self.0.gate.notify_one();
     }
 }
-
 impl Manners {
     /// `set_size` is `--set-size`.
     pub fn new(rates: &[MaxRate], set_size: usize) -> Manners {
@@ -238,6 +270,8 @@ impl Manners {
             epoch: Instant::now(),
             pause_us: AtomicU64::new(0),
             paused_until_us: AtomicU64::new(0),
+            long_waiting: AtomicBool::new(false),
+            long_rest_until_us: AtomicU64::new(0),
             set_size: set_size.max(1),
             yielding: AtomicBool::new(false),
             alone: AtomicBool::new(false),
@@ -546,6 +580,29 @@ impl Manners {
         });
     }
 
+    /// Whether a single job may wait the whole `--lock-timeout` for a lock now (an older
+    /// job's try, or one whose event's sets are not being split): always while the shop
+    /// is quiet; while it is busy, one job of the process at a time, and none for
+    /// [`LONG_WAIT_REST`] after one waited in vain ([`LongWait::in_vain`]). The others
+    /// wait as briefly as a set. A job waiting for a row holds the rows it locked before
+    /// against the shop, and the shop's transactions queue behind both: with a backlog
+    /// over a minute overdue on a few hot skus (its jobs past the brief waits), every
+    /// worker's try waited 100 ms and the shop fell to a few percent of its rate for
+    /// tens of seconds (found from outside; `scripts/bench.sh shop --skus 3 --shop-rate
+    /// 400 --shop-backlog 3000 --shop-overdue 2m`: the drain at 23 jobs/s, the shop's p99
+    /// 20 s). A row the shop keeps busy is still got in the end, by the one long wait.
+    pub fn long_wait(&self) -> Option<LongWait<'_>> {
+        if !self.yielding() {
+            return Some(LongWait(self, false));
+        }
+        if self.since_epoch_us() < self.long_rest_until_us.load(Ordering::Relaxed)
+            || self.long_waiting.swap(true, Ordering::AcqRel)
+        {
+            return None;
+        }
+        Some(LongWait(self, true))
+    }
+
     /// A single job of this process met contention on its first try (a lock wait in vain,
     /// a deadlock; a retry of a lock wait meets a row held for long and is not counted):
     /// while the shop is busy, the workers pause before their next transaction, twice as
@@ -787,6 +844,34 @@ mod tests {
             "the first job under 1/m runs at once"
         );
         assert_eq!(slow.take(1, t0), t0 + Duration::from_secs(60));
+    }
+
+    #[test]
+    fn while_the_shop_is_busy_one_job_at_a_time_may_wait_long_and_none_after_one_in_vain() {
+        let m = Manners::unlimited(32);
+        let (a, b) = (m.long_wait(), m.long_wait());
+        assert!(
+            a.is_some() && b.is_some(),
+            "any number while the shop is quiet"
+        );
+        drop((a, b));
+        m.set_yielding(true);
+        let first = m.long_wait();
+        assert!(first.is_some());
+        assert!(m.long_wait().is_none(), "one at a time");
+        drop(first);
+        let again = m.long_wait().expect("free again once given back");
+        again.in_vain();
+        drop(again);
+        assert!(
+            m.long_wait().is_none(),
+            "none for a while after one in vain"
+        );
+        m.set_yielding(false);
+        assert!(m.long_wait().is_some(), "the shop quiet: at once");
+        m.set_yielding(true);
+        std::thread::sleep(LONG_WAIT_REST);
+        assert!(m.long_wait().is_some(), "after the rest");
     }
 
     #[test]

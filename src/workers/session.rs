@@ -673,7 +673,9 @@ impl Session {
     ) -> JobResult {
         manners.pause(shutdown);
         let brief = job.brief_lock || (job.young && manners.splitting(&job.env.event));
-        let brief = brief.then(|| manners.yielding());
+        // While the shop is busy, one whole wait at a time.
+        let long = (!brief).then(|| manners.long_wait()).flatten();
+        let brief = (brief || long.is_none()).then(|| manners.yielding());
         let r = match self.run_job_once(job, false, brief, starts) {
             JobResult::RunningElsewhere
                 if job.d.holder_gone
@@ -693,8 +695,13 @@ impl Session {
             // long: its failing again says nothing new of the shop's load (a long lock on
             // the orders of a tenth of the due jobs, retried in batches, paused every
             // worker for seconds).
-            JobResult::Failed(f) if f.fault == Fault::Contention && !job.env.waited_lock() => {
-                manners.met_contention()
+            JobResult::Failed(f) if f.fault == Fault::Contention => {
+                if let Some(long) = &long {
+                    long.in_vain();
+                }
+                if !job.env.waited_lock() {
+                    manners.met_contention()
+                }
             }
             _ => {}
         }

@@ -1247,6 +1247,69 @@ fn an_event_split_down_to_single_jobs_grows_its_sets_back() {
     assert_eq!(books(&env).dead, 0);
 }
 
+/// While the shop is busy, one single job of a process at a time waits the whole
+/// `--lock-timeout`; the others wait as briefly as a set. Each holds the rows it locked
+/// before against the shop while it waits, and the shop queues behind it: with a backlog
+/// over a minute overdue (past the brief waits of young jobs) on a few hot skus, every
+/// worker's try waited the whole 100 ms and the shop fell to a few percent of its rate
+/// for tens of seconds (found from outside; `scripts/bench.sh shop --skus 3 --shop-rate
+/// 400 --shop-backlog 3000 --shop-overdue 2m`: the drain at 23 jobs/s, the shop's p99
+/// 20 s; after, 202–1,002 jobs/s and 93–138 ms). Here an overdue job waits 2 s for a
+/// locked order while the shop is busy, and 21 overdue jobs due meanwhile, alone each
+/// (`--set-size 1`), wait 80 ms (before: 2 s each); the locked one is cancelled once the
+/// lock goes.
+#[test]
+fn while_the_shop_is_busy_one_job_at_a_time_waits_the_whole_lock_timeout() {
+    let mut env = Env::new();
+    env.config.threads = 4;
+    let orders = seed_orders(&env.db, 22);
+    record_lock_waits(&env.db);
+    let (locked, others) = orders.split_at(1);
+    let (release, h) = hold_lock(&env.db, "orders", locked[0].id);
+    let (w, port) = start_with_health(&env, &["--set-size", "1", "--lock-timeout", "2s"]);
+    wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
+    let stop_shop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let shop: Vec<_> = (0..3)
+        .map(|_| {
+            let (url, stop) = (env.db.url.clone(), stop_shop.clone());
+            std::thread::spawn(move || {
+                let mut c = postgres::Client::connect(&url, postgres::NoTls).unwrap();
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    c.batch_execute("SELECT pg_sleep(0.02)").unwrap();
+                }
+            })
+        })
+        .collect();
+    wait_until(WAIT, "the workers yielding", || {
+        metric(port, "delay_worker_yielding") == 1.0
+    });
+    // Two minutes overdue: past the brief waits of young jobs.
+    push_timeouts(&env, locked, -120_000);
+    wait_until(WAIT, "the locked one waiting", || {
+        lock_waiters(&env.db) == 1
+    });
+    push_timeouts(&env, others, -120_000);
+    wait_until(WAIT, "the others done", || {
+        inbox_count(&env.db) == others.len() as i64
+    });
+    release.send(()).unwrap();
+    h.join().unwrap();
+    wait_done(&env, &env.db, orders.len() as i64);
+    stop_shop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for t in shop {
+        t.join().unwrap();
+    }
+    stop(w);
+    let waits = lock_waits(&env.db, others);
+    assert_eq!(waits.len(), others.len(), "{waits:?}");
+    assert!(
+        waits.iter().all(|(n, t)| *n == 1 && t == "80ms"),
+        "{waits:?}"
+    );
+    assert_accounting(&env.db, &orders, &all(&orders));
+    assert_eq!(books(&env).dead, 0, "a shop lock is no fault of the job");
+}
+
 /// Waits until every job has run (done, or a no-op for an order the shop paid).
 fn wait_done_or_paid(env: &Env, orders: &[SeedOrder]) {
     wait_done(env, &env.db, orders.len() as i64);

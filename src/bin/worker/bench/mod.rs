@@ -158,6 +158,11 @@ pub struct BenchArgs {
     /// Shop scenario: how long the shop runs alone before the backlog falls due.
     #[arg(long, default_value = "10s", value_parser = at_least_1s)]
     pub shop_alone: Duration,
+    /// Shop scenario: the backlog's due time this long before its push (a backlog after
+    /// an outage): it falls due as it is pushed, and jobs past a minute overdue are the
+    /// ones that wait a whole --lock-timeout. 0: pushed 3 s ahead of its due time.
+    #[arg(long, default_value = "0s", value_parser = humantime::parse_duration)]
+    pub shop_overdue: Duration,
     /// SKUs the seeded orders' lines are spread over (fewer: more row-lock contention).
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..))]
     pub skus: u32,

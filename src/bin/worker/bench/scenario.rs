@@ -621,10 +621,16 @@ fn shop_drain(
     // not the benchmark's own push of it (which took the cores for its first second or
     // two when it was pushed already due).
     let push_started = Instant::now();
-    let due_ms = delay_worker::now_ms() + SHOP_BACKLOG_LEAD.as_millis() as i64;
+    let lead = if args.shop_overdue.is_zero() {
+        SHOP_BACKLOG_LEAD
+    } else {
+        Duration::ZERO
+    };
+    let due_ms =
+        delay_worker::now_ms() + lead.as_millis() as i64 - args.shop_overdue.as_millis() as i64;
     load::bulk_push(&mut con, ctx.shards, load::backlog_jobs_due(n, due_ms))?;
     let push_s = push_started.elapsed();
-    let pushed_at = push_started + SHOP_BACKLOG_LEAD;
+    let pushed_at = push_started + lead;
     if ctx
         .stop
         .wait(pushed_at.saturating_duration_since(Instant::now()))
