@@ -412,7 +412,8 @@ pub struct RunArgs {
     /// Longest a job waits for a row lock another transaction (the shop's) holds; then
     /// it lets go of its own locks and tries again later. A set waits a fifth of it (a
     /// twenty-fifth while the shop is busy), and so do the single jobs of an event whose
-    /// sets met contention within 10 s.
+    /// sets met contention within 10 s; while the shop is busy one single job at a time
+    /// waits the whole of it.
     #[arg(long, default_value = "100ms", value_parser = parse_duration)]
     pub lock_timeout: Duration,
     /// A job that meets contention (locks, deadlocks) is retried with backoff for at
