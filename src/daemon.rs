@@ -615,6 +615,10 @@ impl<'a> Crew<'a> {
         spawned.push(spawn_role(s, shutdown, "watch".into(), move || {
             watch.run(client, shutdown)
         }));
+        let stalls = &self.stats.stalls;
+        spawned.push(spawn_role(s, shutdown, "stall-watch".into(), move || {
+            stalls.run(shutdown)
+        }));
         spawned
     }
 

@@ -47,6 +47,7 @@
 //!   that measures it and looks at Redis's memory settings (an evicting Redis is refused).
 //! - `signals.rs` — the signals: stop, reload (SIGHUP), state report (SIGUSR1).
 //! - `prune.rs` — the inbox pruner: old `worker_inbox` rows deleted, one process at a time.
+//! - `stall.rs` — whether this process stood still lately (SIGSTOP, a frozen VM).
 //! - `shutdown.rs`, `backoff.rs` — the small shared pieces.
 //!
 //! The operator's side, each file one job and every arrow pointing down this list:
@@ -97,6 +98,7 @@ pub mod prune;
 pub mod shutdown;
 pub mod signals;
 pub mod source;
+pub mod stall;
 pub mod stats;
 pub mod status;
 pub mod store;

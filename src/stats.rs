@@ -59,6 +59,8 @@ pub struct Stats {
     /// clocks (see `clock.rs`): the offset written by the watch role, read by every role
     /// that compares a time with a due time.
     pub clock: crate::clock::Clock,
+    /// Ticked by the stall watch: whether this process stood still lately.
+    pub stalls: crate::stall::Stalls,
     /// Written by the mover: pool members whose data vanished (the data hash gone: an
     /// evicting Redis, or a deletion), each sent to the dead letters as lost data.
     pub lost_data: AtomicU64,

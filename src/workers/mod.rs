@@ -2525,9 +2525,15 @@ impl<'a> Worker<'a> {
                     }
                 }
                 self.drop_session();
-                if paused {
-                    // This process stood still, not the server: a new session at once.
-                    self.was_paused(&reason);
+                // A session ended while this process stood still (the server's 25P03, or
+                // only the connection found closed): the pause, not the server.
+                let stood = self
+                    .ctx
+                    .stats
+                    .stalls
+                    .stood_still(crate::db::IDLE_IN_TRANSACTION, crate::stall::REMEMBERED);
+                if paused || stood.is_some() {
+                    self.was_paused(&reason, stood);
                 } else if self.wait_for_database("database connection lost", &reason) {
                     return Paced::Stopped;
                 }
@@ -2590,12 +2596,15 @@ impl<'a> Worker<'a> {
     /// mid-transaction. Told as that, a warning for [`crate::stats::PROBLEM_WINDOW`], not as
     /// an outage of PostgreSQL (found from outside: after a 5 s SIGSTOP `stats --check`
     /// was CRITICAL "no writable PostgreSQL").
-    fn was_paused(&self, reason: &str) {
+    fn was_paused(&self, reason: &str, stood: Option<Duration>) {
+        let how_long = match stood {
+            Some(d) => format!("{:.1} s", d.as_secs_f64()),
+            None => format!("over {} s", crate::db::IDLE_IN_TRANSACTION.as_secs()),
+        };
         let what = format!(
-            "this process was paused inside a transaction for over {} s (SIGSTOP, a frozen \
+            "this process was paused inside a transaction for {how_long} (SIGSTOP, a frozen \
              VM, a host out of CPU), so PostgreSQL ended the transaction to free the rows it \
-             held ({reason}); its jobs run again on a new session",
-            crate::db::IDLE_IN_TRANSACTION.as_secs()
+             held ({reason}); its jobs run again on a new session"
         );
         if self
             .ctx

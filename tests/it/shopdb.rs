@@ -3534,7 +3534,25 @@ fn a_worker_paused_inside_a_transaction_holds_the_shop_s_rows_for_seconds_only()
     push_timeouts(&env, &orders, 0);
     wait_until(WAIT, "the drain under way", || inbox_count(&env.db) >= 50);
     let mut shop = env.db.client();
-    // Stopped until one of its sessions is seen idle inside a transaction that wrote.
+    stop_inside_a_transaction(&w, &mut shop);
+    let started = Instant::now();
+    shop.batch_execute("BEGIN; SELECT id FROM sku ORDER BY id FOR UPDATE; COMMIT")
+        .unwrap();
+    let waited = started.elapsed();
+    // Stopped 5 s in all: the worker finds its session ended, as the server's 25P03 or
+    // only as a connection closed.
+    std::thread::sleep(Duration::from_secs(5).saturating_sub(started.elapsed()));
+    w.signal(libc::SIGCONT);
+    assert!(
+        waited < delay_worker::db::IDLE_IN_TRANSACTION + Duration::from_secs(3),
+        "the shop waited {waited:?} on a paused worker's rows"
+    );
+    told_as_the_pause(&env, w, port, &orders);
+}
+
+/// Stops the worker (SIGSTOP) until one of its sessions is seen idle inside a transaction
+/// that wrote.
+fn stop_inside_a_transaction(w: &Proc, shop: &mut postgres::Client) {
     let caught = (0..400).any(|_| {
         w.signal(libc::SIGSTOP);
         std::thread::sleep(Duration::from_millis(20));
@@ -3554,25 +3572,20 @@ fn a_worker_paused_inside_a_transaction_holds_the_shop_s_rows_for_seconds_only()
         idle > 0
     });
     assert!(caught, "no worker session caught inside a transaction");
-    let started = Instant::now();
-    shop.batch_execute("BEGIN; SELECT id FROM sku ORDER BY id FOR UPDATE; COMMIT")
-        .unwrap();
-    let waited = started.elapsed();
-    w.signal(libc::SIGCONT);
-    assert!(
-        waited < delay_worker::db::IDLE_IN_TRANSACTION + Duration::from_secs(3),
-        "the shop waited {waited:?} on a paused worker's rows"
-    );
-    // What the operator is told is the pause, not an outage of PostgreSQL.
+}
+
+/// After a worker stopped mid-transaction was let go on: what the operator is told for
+/// 4 s is the pause, never "no writable PostgreSQL"; then every order is cancelled once.
+fn told_as_the_pause(env: &Env, w: Proc, port: u16, orders: &[SeedOrder]) {
     let mut told = Vec::new();
     let until = Instant::now() + Duration::from_secs(4);
     while Instant::now() < until {
-        told.push(check(&env).1);
+        told.push(check(env).1);
         told.push(healthz(port).1);
     }
-    wait_done(&env, &env.db, orders.len() as i64);
+    wait_done(env, &env.db, orders.len() as i64);
     let log = w.log();
-    stop_then_every_order_once(&env, w, &orders);
+    stop_then_every_order_once(env, w, orders);
     assert!(
         !told.iter().any(|t| t.contains("no writable PostgreSQL")),
         "the pause was told as an outage: {told:?}"
@@ -3583,6 +3596,34 @@ fn a_worker_paused_inside_a_transaction_holds_the_shop_s_rows_for_seconds_only()
             && log.contains("paused inside a transaction"),
         "the pause was not told: {told:?}\n{log}"
     );
+}
+
+/// A worker's sessions ended while its process stood still, by anything (here an
+/// operator's `pg_terminate_backend`, 57P01): back, the worker finds them ended or only
+/// closed, and that is told as its pause, measured by its stall watch, not as an outage
+/// of PostgreSQL (found from outside: after a 5 s SIGSTOP, `stats --check` CRITICAL "no
+/// writable PostgreSQL: connection closed" for 2 s).
+#[test]
+fn a_session_ended_while_its_process_stood_still_is_told_as_the_pause() {
+    let mut env = Env::new();
+    env.config.threads = 4;
+    let orders = seed_orders(&env.db, 3000);
+    let (w, port) = start_with_health(&env, &["--set-size", "1"]);
+    wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
+    push_timeouts(&env, &orders, 0);
+    wait_until(WAIT, "the drain under way", || inbox_count(&env.db) >= 50);
+    let mut shop = env.db.client();
+    stop_inside_a_transaction(&w, &mut shop);
+    shop.execute(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE datname = current_database() AND application_name = 'delay-worker' \
+         AND state = 'idle in transaction'",
+        &[],
+    )
+    .unwrap();
+    std::thread::sleep(Duration::from_secs(3));
+    w.signal(libc::SIGCONT);
+    told_as_the_pause(&env, w, port, &orders);
 }
 
 /// The worker's sessions waiting for a lock now.
