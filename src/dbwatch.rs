@@ -16,8 +16,11 @@
 //! - The shop's busy sessions, averaged over about a second, decide whether the workers
 //!   yield ([`Manners::set_yielding`]): from [`BUSY`] on, and until it has been quiet for
 //!   [`QUIET_FOR`]. Seeing other roles' sessions' state needs `pg_read_all_stats` (or the
-//!   worker using the shop's own role); without it the worker sees no shop and never
-//!   yields, which is said once in the log.
+//!   worker using the shop's own role); without it the shop's sessions inside a
+//!   transaction are counted from `pg_locks` instead (found from outside: a worker that
+//!   saw no shop never yielded, and on 3 hot skus held the shop at a fifth of its rate for
+//!   27 s), and the shop held up behind the worker ([`HELD_UP`]) is not told, which is
+//!   said once in the log.
 //! - Every [`PREPARE_EVERY`] it prepares every handler's statements on its connection
 //!   (and drops them): a handler that does not prepare (its table not there yet, a column
 //!   renamed, SQL that does not parse) is reported as critical, naming its file and the
@@ -83,18 +86,24 @@ const ANSWER_WITHIN: Duration = Duration::from_secs(5);
 /// fails).
 const MAX_WAITING: usize = 2;
 
-/// Whether the server takes writes, the shop's sessions running a statement (of other
-/// roles only if this one may see their state: otherwise it is NULL, and not counted),
-/// whether it may, and whether a new session of this role in this database would start
+/// Whether the server takes writes, the shop's sessions running a statement, whether
+/// this role may see other roles' session state (`pg_read_all_stats`: without it their
+/// state is NULL, and the shop's sessions inside a transaction or a statement are counted
+/// instead, from `pg_locks`, which every role may read: each holds its virtual
+/// transaction id's lock; so a session idle in its transaction counts too), and whether a new session of this role in this database would start
 /// read-only: `default_transaction_read_only` set for the role or the database (`ALTER
 /// ROLE ... SET`) applies only to sessions opened after it, so the kept connection, and
 /// the workers' open ones, go on writing while every new one (the workers' next, the
 /// `/healthz` probe's) is refused (found from outside: `/healthz` red, `stats --check`
 /// only a warning). The most specific setting wins, as PostgreSQL applies them.
 const ASK: &str = "SELECT current_setting('transaction_read_only') = 'on', \
+     CASE WHEN pg_has_role('pg_read_all_stats', 'USAGE') THEN \
      (SELECT count(*) FROM pg_stat_activity \
        WHERE state = 'active' AND backend_type = 'client backend' AND datname = current_database() \
-         AND pid <> pg_backend_pid() AND application_name NOT LIKE 'delay-worker%'), \
+         AND pid <> pg_backend_pid() AND application_name NOT LIKE 'delay-worker%') \
+     ELSE (SELECT count(DISTINCT l.pid) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
+       WHERE l.locktype = 'virtualxid' AND l.granted AND a.datname = current_database() \
+         AND a.pid <> pg_backend_pid() AND a.application_name NOT LIKE 'delay-worker%') END, \
      pg_has_role('pg_read_all_stats', 'USAGE'), \
      coalesce((SELECT lower(split_part(c, '=', 2)) ~ '^(on|t|tr|tru|true|y|ye|yes|1)$' \
        FROM pg_db_role_setting s, unnest(s.setconfig) c \
@@ -243,8 +252,8 @@ impl<'a> DbWatch<'a> {
                     }
                     if !seen.sees_all && !said_blind {
                         said_blind = true;
-                        log::info!(
-                            "the worker's PostgreSQL role sees only its own sessions: it yields to the shop's traffic only if the shop uses the same role (GRANT pg_read_all_stats to it to see the shop's)"
+                        log::warn!(
+                            "the worker's PostgreSQL role may not see other roles' session state: it sees the shop busy from pg_locks (a session idle in its transaction counts as busy), and cannot tell when the shop waits behind the worker's sessions (GRANT pg_read_all_stats to it)"
                         );
                     }
                     self.held_up(seen.held_up.as_ref());

@@ -57,7 +57,7 @@ pub(crate) fn healthz(port: u16) -> (u16, String) {
 
 /// One sample of `/metrics` by its full name with labels, e.g.
 /// `delay_worker_jobs_total{event="order.timeout",outcome="held"}`.
-fn metric(port: u16, name: &str) -> f64 {
+pub(crate) fn metric(port: u16, name: &str) -> f64 {
     // Not up yet: no sample.
     let Ok((_, _, body)) = http_get(port, "/metrics") else {
         return -1.0;
