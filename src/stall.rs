@@ -55,8 +55,9 @@ impl Stalls {
         }
     }
 
+    /// From 1 on: 0 stands for "never".
     fn now_us(&self) -> u64 {
-        self.epoch.elapsed().as_micros() as u64
+        self.epoch.elapsed().as_micros() as u64 + 1
     }
 
     fn tick(&self) {
