@@ -1020,23 +1020,10 @@ fn the_runtime_role_without_pg_read_all_stats_sees_the_shop_busy() {
     let daemon = Daemon::start(&l.env.config);
     let busy = |port| crate::shopdb::metric(port, "delay_worker_yielding");
     wait_until(WAIT, "the workers running freely", || busy(port) == 0.0);
-    let stop_shop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let shop: Vec<_> = (0..3)
-        .map(|_| {
-            let (url, stop) = (l.env.db.url.clone(), stop_shop.clone());
-            std::thread::spawn(move || {
-                let mut c = postgres::Client::connect(&url, NoTls).unwrap();
-                while !stop.load(Ordering::Relaxed) {
-                    c.batch_execute("SELECT pg_sleep(0.02)").unwrap();
-                }
-            })
-        })
-        .collect();
+    let (quiet, shop) = crate::shopdb::keep_the_shop_busy(&l.env.db);
     wait_until(WAIT, "the workers yielding", || busy(port) == 1.0);
-    stop_shop.store(true, Ordering::Relaxed);
-    for h in shop {
-        h.join().unwrap();
-    }
+    quiet.store(true, Ordering::Relaxed);
+    shop.join().unwrap();
     wait_until(WAIT, "the workers running freely again", || {
         busy(port) == 0.0
     });

@@ -741,7 +741,7 @@ fn a_worker_paused_during_a_standstill_comes_back_red() {
 
 /// A session of the shop's that is always running a statement, so that the workers see the
 /// shop busy and yield, until the flag is set.
-fn keep_the_shop_busy(
+pub(crate) fn keep_the_shop_busy(
     db: &TestDb,
 ) -> (
     std::sync::Arc<std::sync::atomic::AtomicBool>,
@@ -1268,18 +1268,7 @@ fn while_the_shop_is_busy_one_job_at_a_time_waits_the_whole_lock_timeout() {
     let (release, h) = hold_lock(&env.db, "orders", locked[0].id);
     let (w, port) = start_with_health(&env, &["--set-size", "1", "--lock-timeout", "2s"]);
     wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
-    let stop_shop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let shop: Vec<_> = (0..3)
-        .map(|_| {
-            let (url, stop) = (env.db.url.clone(), stop_shop.clone());
-            std::thread::spawn(move || {
-                let mut c = postgres::Client::connect(&url, postgres::NoTls).unwrap();
-                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                    c.batch_execute("SELECT pg_sleep(0.02)").unwrap();
-                }
-            })
-        })
-        .collect();
+    let (quiet, shop) = keep_the_shop_busy(&env.db);
     wait_until(WAIT, "the workers yielding", || {
         metric(port, "delay_worker_yielding") == 1.0
     });
@@ -1295,10 +1284,8 @@ fn while_the_shop_is_busy_one_job_at_a_time_waits_the_whole_lock_timeout() {
     release.send(()).unwrap();
     h.join().unwrap();
     wait_done(&env, &env.db, orders.len() as i64);
-    stop_shop.store(true, std::sync::atomic::Ordering::Relaxed);
-    for t in shop {
-        t.join().unwrap();
-    }
+    quiet.store(true, std::sync::atomic::Ordering::Relaxed);
+    shop.join().unwrap();
     stop(w);
     let waits = lock_waits(&env.db, others);
     assert_eq!(waits.len(), others.len(), "{waits:?}");
