@@ -3625,6 +3625,23 @@ fn lock_waiters(db: &TestDb) -> i64 {
     .get(0)
 }
 
+/// A shop session that locks an order (`FOR UPDATE`) and commits, on a thread: its
+/// backend's pid, and the thread.
+fn shop_locks_order(db: &TestDb, id: i64) -> (i32, std::thread::JoinHandle<()>) {
+    let mut shop = db.client();
+    let pid: i32 = shop
+        .query_one("SELECT pg_backend_pid()", &[])
+        .unwrap()
+        .get(0);
+    let h = std::thread::spawn(move || {
+        shop.batch_execute(&format!(
+            "BEGIN; SELECT id FROM orders WHERE id = {id} FOR UPDATE; COMMIT"
+        ))
+        .unwrap();
+    });
+    (pid, h)
+}
+
 /// A shop transaction waiting behind a worker's for seconds (here a slow trigger on the
 /// orders keeps the worker's transaction, which locked the order, open for 7 s; a drain on
 /// rows near their capacity or a worker paused mid-transaction do the same) is told:
@@ -3656,14 +3673,7 @@ fn a_shop_transaction_held_up_behind_the_worker_s_is_told() {
     wait_until(WAIT, "the worker inside the slow update", || {
         sleeping(&env.db) == 1
     });
-    let mut shop = env.db.client();
-    let id = orders[0].id;
-    let waiting = std::thread::spawn(move || {
-        shop.batch_execute(&format!(
-            "BEGIN; SELECT id FROM orders WHERE id = {id} FOR UPDATE; COMMIT"
-        ))
-        .unwrap();
-    });
+    let (_, waiting) = shop_locks_order(&env.db, orders[0].id);
     const TOLD: &str = "the worker holds the shop up";
     wait_until(WAIT, "stats --check naming the shop held up", || {
         check(&env).1.contains(TOLD)
@@ -3686,18 +3696,7 @@ fn a_shop_transaction_held_up_behind_the_worker_s_is_told() {
     wait_until(WAIT, "the job waiting on the shop's lock", || {
         lock_waiters(&env.db) == 1
     });
-    let mut shop = env.db.client();
-    let pid: i32 = shop
-        .query_one("SELECT pg_backend_pid()", &[])
-        .unwrap()
-        .get(0);
-    let id = orders[1].id;
-    let waiting = std::thread::spawn(move || {
-        shop.batch_execute(&format!(
-            "BEGIN; SELECT id FROM orders WHERE id = {id} FOR UPDATE; COMMIT"
-        ))
-        .unwrap();
-    });
+    let (pid, waiting) = shop_locks_order(&env.db, orders[1].id);
     let mut told = Vec::new();
     let until = Instant::now() + Duration::from_secs(4);
     while Instant::now() < until {
