@@ -202,10 +202,17 @@ pub fn live(stats: &Stats, config: &Config, now_ms: i64) -> Result<(), String> {
     if let Some(p) = stats.problem(now_ms) {
         return Err(p);
     }
+    // A beat this process missed while it stood still (SIGSTOP, a frozen VM) is not its
+    // reader's or mover's fault (found from outside: the first answer after a 10 s stop
+    // was 503 "the reader made no progress for 10s").
     let stalled = |beat: u64, step: Duration| {
         let age = now_ms.saturating_sub(beat as i64).max(0) as u64;
+        let stood = stats
+            .stalls
+            .stood_still(crate::stall::STALL, Duration::from_millis(age))
+            .map_or(0, |d| d.as_millis() as u64);
         let limit = (step + STALL_MARGIN).as_millis() as u64;
-        (age > limit).then(|| Duration::from_millis(age).as_secs())
+        (age.saturating_sub(stood) > limit).then(|| Duration::from_millis(age).as_secs())
     };
     if let Some(s) = stalled(stats.reader_beat_ms.load(Relaxed), config.reader.block) {
         return Err(format!(
@@ -360,6 +367,25 @@ pub enum Probed {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_beat_missed_while_the_process_stood_still_is_not_the_reader_s() {
+        let stats = Stats::default();
+        let config = Config::new("redis://127.0.0.1/", "postgres://localhost/x");
+        let now = crate::now_ms();
+        stats.reader_beat_ms.store((now - 12_000) as u64, Relaxed);
+        stats.mover_beat_ms.store(now as u64, Relaxed);
+        assert!(
+            live(&stats, &config, now).is_err(),
+            "a reader stuck for 12 s"
+        );
+        stats.stalls.stood_still_for(Duration::from_secs(11));
+        assert_eq!(
+            live(&stats, &config, now),
+            Ok(()),
+            "the process stood still 11 s"
+        );
+    }
 
     #[test]
     fn a_record_is_bounded_and_reads_back() {

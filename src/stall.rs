@@ -90,6 +90,16 @@ impl Stalls {
 }
 
 #[cfg(test)]
+impl Stalls {
+    /// As if the process had just stood still for `d`.
+    pub fn stood_still_for(&self, d: Duration) {
+        self.tick();
+        self.last_len_us.store(d.as_micros() as u64, Relaxed);
+        self.last_end_us.store(self.now_us(), Relaxed);
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
