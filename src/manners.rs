@@ -252,6 +252,7 @@ impl Drop for Permit<'_> {
         self.0.gate.notify_one();
     }
 }
+
 impl Manners {
     /// `set_size` is `--set-size`.
     pub fn new(rates: &[MaxRate], set_size: usize) -> Manners {
