@@ -2592,8 +2592,9 @@ impl<'a> Worker<'a> {
     }
 
     /// PostgreSQL ended this worker's session because it sat idle inside a transaction
-    /// past [`crate::db::IDLE_IN_TRANSACTION`]: the process was stopped or starved
-    /// mid-transaction. Told as that, a warning for [`crate::stats::PROBLEM_WINDOW`], not as
+    /// past [`crate::db::IDLE_IN_TRANSACTION`] (25P03), or the session was lost while the
+    /// process stood still that long (`stood`, from the stall watch): the process was
+    /// stopped or starved mid-transaction. Told as that, a warning for [`crate::stats::PROBLEM_WINDOW`], not as
     /// an outage of PostgreSQL (found from outside: after a 5 s SIGSTOP `stats --check`
     /// was CRITICAL "no writable PostgreSQL").
     fn was_paused(&self, reason: &str, stood: Option<Duration>) {

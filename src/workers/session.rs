@@ -663,7 +663,9 @@ impl Session {
     /// A job of an event whose sets are being split ([`Manners::splitting`]: they met
     /// contention within the last 10 s), less than a minute after its due time, waits as
     /// briefly as a set: the shop holds rows many of its jobs need, and a single job's
-    /// whole `--lock-timeout` held its own locks against the shop as long.
+    /// whole `--lock-timeout` held its own locks against the shop as long. While the shop
+    /// is busy, a job that would wait the whole of it does so only with the process's one
+    /// leave for it ([`Manners::long_wait`]), and otherwise waits as briefly.
     fn run_job(
         &mut self,
         job: &Job<'_>,
