@@ -1473,7 +1473,6 @@ impl<'a> Worker<'a> {
                     stored_data: false,
                     cancelled: false,
                     shared: false,
-                    paused: false,
                 };
                 Some(self.contended(d, env, key, first_due, &f, crate::now_ms()))
             }
@@ -2510,10 +2509,8 @@ impl<'a> Worker<'a> {
                 }
             };
             drop(permit);
-            if let Some((reason, paused)) = results.iter().find_map(|r| match r {
-                JobResult::Failed(f) if f.fault == Fault::Server => {
-                    Some((f.reason.clone(), f.paused))
-                }
+            if let Some(reason) = results.iter().find_map(|r| match r {
+                JobResult::Failed(f) if f.fault == Fault::Server => Some(f.reason.clone()),
                 _ => None,
             }) {
                 // The server's failure, not the jobs': run them again on a new
@@ -2525,14 +2522,18 @@ impl<'a> Worker<'a> {
                     }
                 }
                 self.drop_session();
-                // A session ended while this process stood still (the server's 25P03, or
-                // only the connection found closed): the pause, not the server.
+                // A session lost while this process stood still (the server's 25P03 for
+                // its idle transaction, or only the connection found closed): the pause,
+                // not the server. Half the idle timeout: the session may have been idle a
+                // moment before the stop. A 25P03 without a stall (a round trip to Redis
+                // inside the transaction that hung) is the server path's, named by its
+                // reason.
                 let stood = self
                     .ctx
                     .stats
                     .stalls
-                    .stood_still(crate::db::IDLE_IN_TRANSACTION, crate::stall::REMEMBERED);
-                if paused || stood.is_some() {
+                    .stood_still(crate::db::IDLE_IN_TRANSACTION / 2, crate::stall::REMEMBERED);
+                if let Some(stood) = stood {
                     self.was_paused(&reason, stood);
                 } else if self.wait_for_database("database connection lost", &reason) {
                     return Paced::Stopped;
@@ -2591,21 +2592,17 @@ impl<'a> Worker<'a> {
         format!("{} (postgresql)", self.name)
     }
 
-    /// PostgreSQL ended this worker's session because it sat idle inside a transaction
-    /// past [`crate::db::IDLE_IN_TRANSACTION`] (25P03), or the session was lost while the
-    /// process stood still that long (`stood`, from the stall watch): the process was
-    /// stopped or starved mid-transaction. Told as that, a warning for [`crate::stats::PROBLEM_WINDOW`], not as
+    /// This worker's session was lost while the process stood still for `stood` (the
+    /// stall watch's measure): PostgreSQL ends a session idle inside a transaction past
+    /// [`crate::db::IDLE_IN_TRANSACTION`] (25P03). Told as that, a warning for [`crate::stats::PROBLEM_WINDOW`], not as
     /// an outage of PostgreSQL (found from outside: after a 5 s SIGSTOP `stats --check`
     /// was CRITICAL "no writable PostgreSQL").
-    fn was_paused(&self, reason: &str, stood: Option<Duration>) {
-        let how_long = match stood {
-            Some(d) => format!("{:.1} s", d.as_secs_f64()),
-            None => format!("over {} s", crate::db::IDLE_IN_TRANSACTION.as_secs()),
-        };
+    fn was_paused(&self, reason: &str, stood: Duration) {
         let what = format!(
-            "this process was paused inside a transaction for {how_long} (SIGSTOP, a frozen \
+            "this process was paused inside a transaction for {:.1} s (SIGSTOP, a frozen \
              VM, a host out of CPU), so PostgreSQL ended the transaction to free the rows it \
-             held ({reason}); its jobs run again on a new session"
+             held ({reason}); its jobs run again on a new session",
+            stood.as_secs_f64()
         );
         if self
             .ctx

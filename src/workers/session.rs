@@ -52,10 +52,6 @@ pub struct Failure {
     /// The failure was a whole set's, and which of its jobs caused it is not known (a set
     /// that ran out of time): none of them is charged a retry for it.
     pub shared: bool,
-    /// The server ended the session because it sat idle inside a transaction past
-    /// [`db::IDLE_IN_TRANSACTION`] (25P03): this process was stopped or starved of CPU
-    /// mid-transaction (SIGSTOP, a frozen VM), not PostgreSQL failing.
-    pub paused: bool,
 }
 
 impl Failure {
@@ -81,8 +77,6 @@ impl From<postgres::Error> for Failure {
             stored_data: db::stored_data(&e),
             cancelled: e.code() == Some(&postgres::error::SqlState::QUERY_CANCELED),
             shared: false,
-            paused: e.code()
-                == Some(&postgres::error::SqlState::IDLE_IN_TRANSACTION_SESSION_TIMEOUT),
         }
     }
 }
@@ -799,7 +793,6 @@ impl Session {
             // (its jobs then wait for the next one).
             if let Err(e) = self.conn.batch_execute("ROLLBACK") {
                 starts.end(jobs);
-                let paused = matches!(&result, Err(SetError::Db(f)) if f.paused);
                 return Err(SetError::Db(Failure {
                     fault: Fault::Server,
                     reason: db::error_text(&e),
@@ -808,7 +801,6 @@ impl Session {
                     stored_data: false,
                     cancelled: false,
                     shared: false,
-                    paused,
                 }));
             }
         }

@@ -1117,6 +1117,19 @@ fn lock_waits(db: &TestDb, orders: &[SeedOrder]) -> Vec<(i64, String)> {
         .collect()
 }
 
+/// Each of `these` ran in a transaction of its own under this `lock_timeout`
+/// ([`record_lock_waits`]), and every order was cancelled once, none dead-lettered.
+fn each_alone_waited(env: &Env, orders: &[SeedOrder], these: &[SeedOrder], lock_timeout: &str) {
+    let waits = lock_waits(&env.db, these);
+    assert_eq!(waits.len(), these.len(), "{waits:?}");
+    assert!(
+        waits.iter().all(|(n, t)| *n == 1 && t == lock_timeout),
+        "{waits:?}"
+    );
+    assert_accounting(&env.db, orders, &all(orders));
+    assert_eq!(books(env).dead, 0, "a shop lock is no fault of the job");
+}
+
 /// Beside a busy shop a set waits 4 ms for a lock (a twenty-fifth of `--lock-timeout`), a
 /// fifth while the shop is quiet. A set holds the rows it locked before the one it waits
 /// for; with a few hot skus and shop payments locking them in the opposite order, sets
@@ -1209,14 +1222,7 @@ fn the_single_jobs_of_a_split_set_wait_briefly_for_a_lock() {
     h.join().unwrap();
     wait_done(&env, &env.db, orders.len() as i64);
     stop(w);
-    let waits = lock_waits(&env.db, lone);
-    assert_eq!(waits.len(), lone.len(), "{waits:?}");
-    assert!(
-        waits.iter().all(|(n, t)| *n == 1 && t == "20ms"),
-        "{waits:?}"
-    );
-    assert_accounting(&env.db, &orders, &all(&orders));
-    assert_eq!(books(&env).dead, 0, "a shop lock is no fault of the job");
+    each_alone_waited(&env, &orders, lone, "20ms");
 }
 
 /// An event whose sets were split down to single jobs grows them back as its single jobs
@@ -1291,14 +1297,7 @@ fn while_the_shop_is_busy_one_job_at_a_time_waits_the_whole_lock_timeout() {
     quiet.store(true, std::sync::atomic::Ordering::Relaxed);
     shop.join().unwrap();
     stop(w);
-    let waits = lock_waits(&env.db, others);
-    assert_eq!(waits.len(), others.len(), "{waits:?}");
-    assert!(
-        waits.iter().all(|(n, t)| *n == 1 && t == "80ms"),
-        "{waits:?}"
-    );
-    assert_accounting(&env.db, &orders, &all(&orders));
-    assert_eq!(books(&env).dead, 0, "a shop lock is no fault of the job");
+    each_alone_waited(&env, &orders, others, "80ms");
 }
 
 /// Waits until every job has run (done, or a no-op for an order the shop paid).
