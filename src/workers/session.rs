@@ -8,7 +8,8 @@
 //! a schema fault, and is prepared again every [`REPREPARE_EVERY`]; the others run.
 //!
 //! A set waits for row locks at most a fifth of `--lock-timeout` (`SET LOCAL` in the same
-//! round trip as its `BEGIN`). A set that meets contention is split in halves and run
+//! round trip as its `BEGIN`; a twenty-fifth while the shop is busy). A set that meets
+//! contention is tried again whole a few times, then split in halves and run
 //! again, down to single jobs, and its event's set size halves (`manners.rs`): the worker
 //! never waits on the shop's locks while holding many rows of its own. A set that fails for
 //! another reason runs job by job, so one bad job never fails its neighbours.
@@ -29,6 +30,20 @@ use std::time::{Duration, Instant};
 
 /// How often a handler that did not prepare is tried again (when a job of it comes).
 pub const REPREPARE_EVERY: Duration = Duration::from_secs(2);
+
+/// Tries of a set, in all, before a set that meets contention is split
+/// ([`Session::run_set_tries`]). Split at the first, a drain on a few hot skus beside the
+/// shop's own traffic on them went down to single jobs, each taking the skus a set takes
+/// once, their brief waits missed and retried: measured with `scripts/bench.sh shop
+/// --no-ceilings --skus 3 --shop-rate 400 --shop-backlog 3000 --shop-alone 10s`, the drain
+/// at 339–596 jobs/s (0.02–0.04× alone) and the shop's p99 17–52 ms; tried four times, in
+/// 4 runs of 5 5,662–7,087 jobs/s (0.41–0.47×) and 12–21 ms, every job in a set, none
+/// retried (the fifth 1,110 jobs/s and 65 ms).
+pub const SET_TRIES: u32 = 4;
+
+/// The pause before a set's next try, spread by half either way: about a shop
+/// transaction's own time, so that a row it held is free.
+pub const SET_RETRY_PAUSE: Duration = Duration::from_millis(2);
 
 /// Why a statement, a transaction or a preparation failed, and whose fault it is.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -563,7 +578,7 @@ impl Session {
         let event = set[0].1.env.event.as_str();
         let jobs: Vec<&Job<'_>> = set.iter().map(|(_, j)| *j).collect();
         manners.pause(shutdown);
-        let failure = match self.run_set(&jobs, manners.yielding(), starts) {
+        let failure = match self.run_set_tries(&jobs, manners, starts) {
             Ok(rs) => {
                 manners.committed(event);
                 manners.went_through(rs.len());
@@ -640,6 +655,32 @@ impl Session {
                 set.iter()
                     .map(|(k, job)| (*k, self.run_job(job, manners, shutdown, starts)))
                     .collect()
+            }
+        }
+    }
+
+    /// [`Session::run_set`], tried again whole, up to [`SET_TRIES`] in all, when it
+    /// missed its brief wait for a row (or met a deadlock): a row the shop keeps busy is
+    /// free again within milliseconds, and a set takes each shared row (a sku, a coupon)
+    /// once for all its jobs, where its halves take it once each. A set that misses every
+    /// try is split as before: a row held for long is found by its halves.
+    fn run_set_tries(
+        &mut self,
+        jobs: &[&Job<'_>],
+        manners: &Manners,
+        starts: &mut dyn Starts,
+    ) -> Result<Vec<JobResult>, SetError> {
+        let mut tries = 1;
+        loop {
+            let busy = manners.yielding();
+            match self.run_set(jobs, busy, starts) {
+                Err(SetError::Db(f))
+                    if tries < SET_TRIES && f.fault == Fault::Contention && !f.cancelled =>
+                {
+                    tries += 1;
+                    std::thread::sleep(SET_RETRY_PAUSE.mul_f64(0.5 + fastrand::f64()));
+                }
+                r => return r,
             }
         }
     }
