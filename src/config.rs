@@ -298,7 +298,8 @@ pub struct JobConfig {
 }
 
 /// A set's lock timeout in ms, from `--lock-timeout`: a fifth of it, so a set that meets
-/// the shop's locks gives way soon and is split. A single job of an event whose sets are
+/// the shop's locks gives way soon, to be tried again whole and then split
+/// (`workers::session::SET_TRIES`). A single job of an event whose sets are
 /// being split waits as long ([`crate::manners::Manners::splitting`]).
 pub fn set_lock_ms(lock_timeout: Duration) -> u128 {
     (lock_timeout.as_millis() / 5).max(1)

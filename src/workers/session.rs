@@ -36,9 +36,11 @@ pub const REPREPARE_EVERY: Duration = Duration::from_secs(2);
 /// shop's own traffic on them went down to single jobs, each taking the skus a set takes
 /// once, their brief waits missed and retried: measured with `scripts/bench.sh shop
 /// --no-ceilings --skus 3 --shop-rate 400 --shop-backlog 3000 --shop-alone 10s`, the drain
-/// at 339–596 jobs/s (0.02–0.04× alone) and the shop's p99 17–52 ms; tried four times, in
-/// 4 runs of 5 5,662–7,087 jobs/s (0.41–0.47×) and 12–21 ms, every job in a set, none
-/// retried (the fifth 1,110 jobs/s and 65 ms).
+/// at 339–596 jobs/s (0.02–0.04× alone) and the shop's p99 17–52 ms in 3 runs of 3; tried
+/// four times, 6,041–6,868 jobs/s (0.43–0.48×) and 10–14 ms in 2 runs of 3, the third
+/// tipped as before (248 jobs/s, 235 ms). Eight tries kept 3 of 3 such runs whole, but
+/// a backlog 2 minutes overdue then tipped in 3 of 3 (p99 332–474 ms), where four left 2
+/// of 3 whole: the retries hold the rows the set locked before.
 pub const SET_TRIES: u32 = 4;
 
 /// The pause before a set's next try, spread by half either way: about a shop
@@ -672,7 +674,9 @@ impl Session {
     ) -> Result<Vec<JobResult>, SetError> {
         let mut tries = 1;
         loop {
-            let busy = manners.yielding();
+            // Tried again, it waits as briefly as while the shop is busy: it missed a
+            // row once, and holds the rows it locked before the one it waits for.
+            let busy = tries > 1 || manners.yielding();
             match self.run_set(jobs, busy, starts) {
                 Err(SetError::Db(f))
                     if tries < SET_TRIES && f.fault == Fault::Contention && !f.cancelled =>
