@@ -37,10 +37,11 @@ pub const REPREPARE_EVERY: Duration = Duration::from_secs(2);
 /// once, their brief waits missed and retried: measured with `scripts/bench.sh shop
 /// --no-ceilings --skus 3 --shop-rate 400 --shop-backlog 3000 --shop-alone 10s`, the drain
 /// at 339–596 jobs/s (0.02–0.04× alone) and the shop's p99 17–52 ms in 3 runs of 3; tried
-/// four times, 6,041–6,868 jobs/s (0.43–0.48×) and 10–14 ms in 2 runs of 3, the third
-/// tipped as before (248 jobs/s, 235 ms). Eight tries kept 3 of 3 such runs whole, but
-/// a backlog 2 minutes overdue then tipped in 3 of 3 (p99 332–474 ms), where four left 2
-/// of 3 whole: the retries hold the rows the set locked before.
+/// four times (as now, with the pause), 5,499 and 4,938 jobs/s (0.47× and 0.39×, the
+/// second 2 minutes overdue) and 13–17 ms in 2 runs of 3, the third tipped as before
+/// (534 jobs/s, 73 ms). Eight tries (without the pause) kept 3 of 3 such runs whole, but a
+/// backlog 2 minutes overdue then tipped in 3 of 3 (p99 332–474 ms): the retries hold the
+/// rows the set locked before.
 pub const SET_TRIES: u32 = 4;
 
 /// The pause before a set's next try, spread by half either way: about a shop
@@ -509,9 +510,14 @@ impl Session {
                     continue;
                 }
                 let set: Vec<(usize, &Job<'_>)> = chunk.iter().map(|&k| (k, &jobs[k])).collect();
-                for (k, r) in
-                    self.run_set_or_split(&set, (manners, shutdown), in_sets, &mut alone, starts)
-                {
+                for (k, r) in self.run_set_or_split(
+                    &set,
+                    SET_TRIES,
+                    (manners, shutdown),
+                    in_sets,
+                    &mut alone,
+                    starts,
+                ) {
                     results[k] = Some(r);
                 }
             }
@@ -572,6 +578,7 @@ impl Session {
     fn run_set_or_split(
         &mut self,
         set: &[(usize, &Job<'_>)],
+        tries: u32,
         (manners, shutdown): (&Manners, &Shutdown),
         in_sets: &AtomicU64,
         alone: &mut Vec<usize>,
@@ -580,7 +587,7 @@ impl Session {
         let event = set[0].1.env.event.as_str();
         let jobs: Vec<&Job<'_>> = set.iter().map(|(_, j)| *j).collect();
         manners.pause(shutdown);
-        let failure = match self.run_set_tries(&jobs, manners, starts) {
+        let failure = match self.run_set_tries(&jobs, tries, (manners, shutdown), starts) {
             Ok(rs) => {
                 manners.committed(event);
                 manners.went_through(rs.len());
@@ -636,6 +643,7 @@ impl Session {
                         [(k, _)] => alone.push(*k),
                         _ => out.extend(self.run_set_or_split(
                             half,
+                            1,
                             (manners, shutdown),
                             in_sets,
                             alone,
@@ -661,15 +669,26 @@ impl Session {
         }
     }
 
-    /// [`Session::run_set`], tried again whole, up to [`SET_TRIES`] in all, when it
-    /// missed its brief wait for a row (or met a deadlock): a row the shop keeps busy is
-    /// free again within milliseconds, and a set takes each shared row (a sku, a coupon)
-    /// once for all its jobs, where its halves take it once each. A set that misses every
-    /// try is split as before: a row held for long is found by its halves.
+    /// [`Session::run_set`], tried again whole, up to `most` tries in all ([`SET_TRIES`]
+    /// for a set as taken, one for the halves of a split one), when it missed its brief
+    /// wait for a row (or met a deadlock): a row the shop keeps busy is free again within
+    /// milliseconds, and a set takes each shared row (a sku, a coupon) once for all its
+    /// jobs, where its halves take it once each. A set that misses every try is split as
+    /// before: a row held for long is found by its halves.
+    ///
+    /// A set's first miss counts as contention met while the shop is busy
+    /// ([`Manners::met_contention`]), and its next tries wait out the workers' pause: tried
+    /// again only 2 ms apart, beside a shop that locked its 3 skus in every transaction at
+    /// 400 a second (found from outside), the shop's transactions took 1.4–2.4 s on
+    /// average for 4–5 s, where sets split at the first miss held them to 27–164 ms; with
+    /// the pause 2–54 ms, in two runs each. Counting every miss, not only the first,
+    /// paused every worker while a long lock on one order in eleven failed nearly every
+    /// set (`shopdb::a_long_shop_lock_while_the_shop_is_busy_holds_up_only_the_orders_that_need_its_rows`).
     fn run_set_tries(
         &mut self,
         jobs: &[&Job<'_>],
-        manners: &Manners,
+        most: u32,
+        (manners, shutdown): (&Manners, &Shutdown),
         starts: &mut dyn Starts,
     ) -> Result<Vec<JobResult>, SetError> {
         let mut tries = 1;
@@ -679,10 +698,14 @@ impl Session {
             let busy = tries > 1 || manners.yielding();
             match self.run_set(jobs, busy, starts) {
                 Err(SetError::Db(f))
-                    if tries < SET_TRIES && f.fault == Fault::Contention && !f.cancelled =>
+                    if tries < most && f.fault == Fault::Contention && !f.cancelled =>
                 {
+                    if tries == 1 {
+                        manners.met_contention();
+                    }
                     tries += 1;
                     std::thread::sleep(SET_RETRY_PAUSE.mul_f64(0.5 + fastrand::f64()));
+                    manners.pause(shutdown);
                 }
                 r => return r,
             }
