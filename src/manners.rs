@@ -604,8 +604,9 @@ impl Manners {
         Some(LongWait(self, true))
     }
 
-    /// A single job of this process met contention on its first try (a lock wait in vain,
-    /// a deadlock; a retry of a lock wait meets a row held for long and is not counted):
+    /// A single job of this process met contention on its first try, or a set as taken
+    /// missed its first try (a lock wait in vain, a deadlock; a retry of a lock wait meets
+    /// a row held for long and is not counted):
     /// while the shop is busy, the workers pause before their next transaction, twice as
     /// long as after the last one (from [`PAUSE_MIN`] up to [`PAUSE_MAX`]). Each try that
     /// waits for a row the shop needs holds the shop up for that wait; with a few hot rows
@@ -613,8 +614,8 @@ impl Manners {
     /// queue from ever clearing, and their failures only brought more tries (measured:
     /// `scripts/bench.sh shop --skus 3 --shop-rate 400 --shop-backlog 3000`, the shop's p99
     /// at 0.7–3.3 s and the drain at 150 jobs/s, every job a transaction of its own). A
-    /// set that meets contention is split instead (its halves are not counted here), so a
-    /// long lock on a few rows, met by few of the due jobs, pauses little.
+    /// set's later tries and the halves of a split one are not counted, so a long lock on
+    /// a few rows, met by few of the due jobs, pauses little.
     pub fn met_contention(&self) {
         if !self.yielding() {
             return;

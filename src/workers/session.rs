@@ -680,8 +680,8 @@ impl Session {
     /// ([`Manners::met_contention`]), and its next tries wait out the workers' pause: tried
     /// again only 2 ms apart, beside a shop that locked its 3 skus in every transaction at
     /// 400 a second (found from outside), the shop's transactions took 1.4–2.4 s on
-    /// average for 4–5 s, where sets split at the first miss held them to 27–164 ms; with
-    /// the pause 2–54 ms, in two runs each. Counting every miss, not only the first,
+    /// average in the worst seconds of a drain, where sets split at the first miss held
+    /// them to 121–164 ms; with the pause 9.5–54 ms, in two runs each. Counting every miss, not only the first,
     /// paused every worker while a long lock on one order in eleven failed nearly every
     /// set (`shopdb::a_long_shop_lock_while_the_shop_is_busy_holds_up_only_the_orders_that_need_its_rows`).
     fn run_set_tries(
