@@ -759,6 +759,21 @@ pub(crate) fn keep_the_shop_busy(
     (stop, h)
 }
 
+/// [`keep_the_shop_busy`], once the worker with health on `port` is seen yielding to it.
+fn keep_the_shop_busy_till_it_yields(
+    db: &TestDb,
+    port: u16,
+) -> (
+    std::sync::Arc<std::sync::atomic::AtomicBool>,
+    std::thread::JoinHandle<()>,
+) {
+    let busy = keep_the_shop_busy(db);
+    wait_until(WAIT, "the workers yielding", || {
+        metric(port, "delay_worker_yielding") == 1.0
+    });
+    busy
+}
+
 /// Pushes the orders' timeouts `per` at a time, each lot `every_ms` after the one before
 /// (the first due now): each order's due time (local ms), by id.
 fn push_due_in_turn(
@@ -1278,10 +1293,7 @@ fn while_the_shop_is_busy_one_job_at_a_time_waits_the_whole_lock_timeout() {
     let (release, h) = hold_lock(&env.db, "orders", locked[0].id);
     let (w, port) = start_with_health(&env, &["--set-size", "1", "--lock-timeout", "2s"]);
     wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
-    let (quiet, shop) = keep_the_shop_busy(&env.db);
-    wait_until(WAIT, "the workers yielding", || {
-        metric(port, "delay_worker_yielding") == 1.0
-    });
+    let (quiet, shop) = keep_the_shop_busy_till_it_yields(&env.db, port);
     // Two minutes overdue: past the brief waits of young jobs.
     push_timeouts(&env, locked, -120_000);
     wait_until(WAIT, "the locked one waiting", || {
@@ -1313,10 +1325,7 @@ fn while_the_shop_keeps_the_skus_busy_a_set_that_misses_its_brief_wait_is_tried_
     record_lock_waits(&env.db);
     let (w, port) = start_with_health(&env, &["--set-size", "32"]);
     wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
-    let (quiet, shop) = keep_the_shop_busy(&env.db);
-    wait_until(WAIT, "the workers yielding", || {
-        metric(port, "delay_worker_yielding") == 1.0
-    });
+    let (quiet, shop) = keep_the_shop_busy_till_it_yields(&env.db, port);
     // Every sku taken for 8 ms, let go for a moment, taken again: a set's 4 ms wait
     // misses about one time in two.
     let busy = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
