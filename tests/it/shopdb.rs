@@ -1312,52 +1312,103 @@ fn while_the_shop_is_busy_one_job_at_a_time_waits_the_whole_lock_timeout() {
     each_alone_waited(&env, &orders, others, "80ms");
 }
 
-/// While the shop is busy on the few skus every order shares, taking them for a few
-/// milliseconds at a time, a set that misses its brief wait for one is tried again whole
-/// before it is split: a set takes each sku once for all its orders, and halves, down to
-/// single jobs, take it once each. Before, the 128 orders here went through in 23–65
-/// transactions, most of them single jobs; now in 4–6 sets (measured beside the shop's
-/// traffic on 3 skus: the drain went from 0.02–0.04× its rate alone to about half).
+/// While the shop is busy on the few skus every order shares, a set that misses its brief
+/// wait for one is tried again whole before it is split: a set takes each sku once for all
+/// its orders, and halves, down to single jobs, take it once each (measured beside the
+/// shop's traffic on 3 skus: the drain went from 0.02–0.04× its rate alone to about half).
+/// Here a shop session holds every sku when each lot of 32 orders falls due and lets them
+/// go once the worker's set has waited for one and given up: each lot goes through in one
+/// transaction after its miss (before: split at the miss, two or more each). The shop's turns
+/// follow the worker's tries, not a clock: a shop that took the skus 8 ms at a time split
+/// sets on a loaded machine as often as before.
 #[test]
 fn while_the_shop_keeps_the_skus_busy_a_set_that_misses_its_brief_wait_is_tried_again_whole() {
-    let env = Env::new();
-    let orders = seed_orders(&env.db, 128);
+    const LOTS: usize = 4;
+    let mut env = Env::new();
+    env.config.threads = 1;
+    let orders = seed_orders(&env.db, 32 * LOTS);
     record_lock_waits(&env.db);
     let (w, port) = start_with_health(&env, &["--set-size", "32"]);
     wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
     let (quiet, shop) = keep_the_shop_busy_till_it_yields(&env.db, port);
-    // Every sku taken for 8 ms, let go for a moment, taken again: a set's 4 ms wait
-    // misses about one time in two.
-    let busy = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
-    let skus = {
-        let (url, busy) = (env.db.url.clone(), busy.clone());
-        std::thread::spawn(move || {
-            let mut c = postgres::Client::connect(&url, postgres::NoTls).unwrap();
-            while busy.load(std::sync::atomic::Ordering::Relaxed) {
-                c.batch_execute(
-                    "BEGIN; SELECT 1 FROM sku ORDER BY id DESC FOR UPDATE; \
-                     SELECT pg_sleep(0.008); COMMIT",
-                )
-                .unwrap();
-                std::thread::sleep(Duration::from_millis(1));
-            }
-        })
-    };
-    push_timeouts(&env, &orders, 0);
-    wait_done(&env, &env.db, orders.len() as i64);
-    busy.store(false, std::sync::atomic::Ordering::Relaxed);
-    skus.join().unwrap();
+    let (ask, skus) = take_the_skus_from_each_first_try(&env.db);
+    let mut done = 0;
+    for lot in orders.chunks(32) {
+        let (held, holding) = std::sync::mpsc::sync_channel(0);
+        ask.send(held).unwrap();
+        holding.recv().expect("the shop holding the skus");
+        // Due together once all are pushed: one set.
+        push_timeouts(&env, lot, 300);
+        done += lot.len() as i64;
+        wait_done(&env, &env.db, done);
+    }
+    drop(ask);
+    let turned_away = skus.join().unwrap();
     quiet.store(true, std::sync::atomic::Ordering::Relaxed);
     shop.join().unwrap();
     stop(w);
-    let transactions = lock_waits(&env.db, &orders).len();
+    let waits = lock_waits(&env.db, &orders);
+    let transactions = waits.len();
     assert!(
-        transactions <= orders.len() / 8,
-        "{} orders in {transactions} transactions: sets split on the shop's brief locks",
+        turned_away >= LOTS && transactions <= LOTS + 2,
+        "{} orders in {transactions} transactions, {turned_away} tries turned away: \
+         sets split on the shop's brief locks ({waits:?})",
         orders.len()
     );
     assert_accounting(&env.db, &orders, &all(&orders));
     assert_eq!(books(&env).dead, 0, "contention dead-letters nothing");
+}
+
+/// A shop session on a thread that, each time it is asked to, takes every sku (and says
+/// so), holds them until a worker's transaction has waited for one and given up, and lets
+/// them go, till asked no more: how many tries it turned away.
+type Ask = std::sync::mpsc::SyncSender<std::sync::mpsc::SyncSender<()>>;
+fn take_the_skus_from_each_first_try(db: &TestDb) -> (Ask, std::thread::JoinHandle<usize>) {
+    let (ask, asked) = std::sync::mpsc::sync_channel::<std::sync::mpsc::SyncSender<()>>(0);
+    let url = db.url.clone();
+    let h = std::thread::spawn(move || {
+        let mut shop = postgres::Client::connect(&url, postgres::NoTls).unwrap();
+        let mut probe = postgres::Client::connect(&url, postgres::NoTls).unwrap();
+        let me: i32 = shop
+            .query_one("SELECT pg_backend_pid()", &[])
+            .unwrap()
+            .get(0);
+        let blocked = "SELECT pid, xact_start::text FROM pg_stat_activity \
+                       WHERE $1::int = ANY(pg_blocking_pids(pid))";
+        let mut turned_away = 0;
+        while let Ok(held) = asked.recv() {
+            let mut t = shop.transaction().unwrap();
+            t.batch_execute("SELECT 1 FROM sku ORDER BY id FOR UPDATE")
+                .unwrap();
+            held.send(()).unwrap();
+            // A worker's try waiting for a sku, then that try over (it gave up, or the
+            // next one waits already).
+            let mut waiting: Option<(i32, String)> = None;
+            let since = Instant::now();
+            loop {
+                assert!(
+                    since.elapsed() < WAIT,
+                    "no try of the worker waited for a sku"
+                );
+                std::thread::sleep(Duration::from_micros(500));
+                let now: Vec<(i32, String)> = probe
+                    .query(blocked, &[&me])
+                    .unwrap()
+                    .iter()
+                    .map(|r| (r.get(0), r.get(1)))
+                    .collect();
+                match &waiting {
+                    None => waiting = now.into_iter().next(),
+                    Some(w) if !now.contains(w) => break,
+                    Some(_) => {}
+                }
+            }
+            t.commit().unwrap();
+            turned_away += 1;
+        }
+        turned_away
+    });
+    (ask, h)
 }
 
 /// Waits until every job has run (done, or a no-op for an order the shop paid).
