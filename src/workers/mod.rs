@@ -2463,7 +2463,6 @@ impl<'a> Worker<'a> {
                     .ran
                     .fetch_add(jobs.len() as u64, Ordering::Relaxed);
             }
-            let permit = self.ctx.manners.enter(self.ctx.shutdown);
             // The starts of jobs delivered before are counted as their transactions begin
             // and end ([`StartCount`]).
             let mut starts = StartCount::new(
@@ -2508,7 +2507,6 @@ impl<'a> Worker<'a> {
                         .collect()
                 }
             };
-            drop(permit);
             if let Some(reason) = results.iter().find_map(|r| match r {
                 JobResult::Failed(f) if f.fault == Fault::Server => Some(f.reason.clone()),
                 _ => None,

@@ -531,7 +531,13 @@ impl Session {
                     .iter()
                     .map(|job| self.run_job(job, manners, shutdown, starts))
                     .collect(),
-                _ => self.run_batch(&batch, starts).unwrap_or_else(|| {
+                _ => {
+                    let inside = manners.enter(shutdown);
+                    let rs = self.run_batch(&batch, starts);
+                    drop(inside);
+                    rs
+                }
+                .unwrap_or_else(|| {
                     batch
                         .iter()
                         .map(|job| self.run_job(job, manners, shutdown, starts))
@@ -696,7 +702,10 @@ impl Session {
             // Tried again, it waits as briefly as while the shop is busy: it missed a
             // row once, and holds the rows it locked before the one it waits for.
             let busy = tries > 1 || manners.yielding();
-            match self.run_set(jobs, busy, starts) {
+            let inside = manners.enter(shutdown);
+            let r = self.run_set(jobs, busy, starts);
+            drop(inside);
+            match r {
                 Err(SetError::Db(f))
                     if tries < most && f.fault == Fault::Contention && !f.cancelled =>
                 {
@@ -740,12 +749,16 @@ impl Session {
         // While the shop is busy, one whole wait at a time.
         let long = (!brief).then(|| manners.long_wait()).flatten();
         let brief = (brief || long.is_none()).then(|| manners.yielding());
-        let r = match self.run_job_once(job, false, brief, starts) {
+        let mut once = |wait_out| {
+            let _inside = manners.enter(shutdown);
+            self.run_job_once(job, wait_out, brief, starts)
+        };
+        let r = match once(false) {
             JobResult::RunningElsewhere
                 if job.d.holder_gone
                     || matches!(job.d.origin, crate::delivery::Origin::List { .. }) =>
             {
-                self.run_job_once(job, true, brief, starts)
+                once(true)
             }
             r => r,
         };
