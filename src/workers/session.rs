@@ -698,13 +698,15 @@ impl Session {
         starts: &mut dyn Starts,
     ) -> Result<Vec<JobResult>, SetError> {
         let mut tries = 1;
+        // One place in the gate for all the set's tries: let in between them, the other
+        // workers' tries met the same hot rows, and a shop that locks every one of them in
+        // each transaction waited seconds (docs/performance.md, "The shop's hot rows").
+        let _inside = manners.enter(shutdown);
         loop {
             // Tried again, it waits as briefly as while the shop is busy: it missed a
             // row once, and holds the rows it locked before the one it waits for.
             let busy = tries > 1 || manners.yielding();
-            let inside = manners.enter(shutdown);
             let r = self.run_set(jobs, busy, starts);
-            drop(inside);
             match r {
                 Err(SetError::Db(f))
                     if tries < most && f.fault == Fault::Contention && !f.cancelled =>
