@@ -66,7 +66,9 @@ test_locales() {
   done
 }
 
-redis_up() { redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1; }
+# PONG, not an error reply: a Redis still loading its AOF answers LOADING (and redis-cli
+# exits 0), and a worker started then stops with "Redis is loading the dataset".
+redis_up() { [ "$(redis-cli -p "$REDIS_PORT" ping 2>/dev/null)" = PONG ]; }
 
 # The demo's Redis keeps what it is given as the guarantees assume (an append-only file,
 # each write synced); the tests' (--fast) keeps nothing, each test starting its own.
