@@ -533,16 +533,16 @@ impl Session {
                     .collect(),
                 _ => {
                     let inside = manners.enter(shutdown);
-                    let rs = self.run_batch(&batch, starts);
+                    let ran = self.run_batch(&batch, starts);
+                    // The jobs of a batch that failed go through the gate each on its own.
                     drop(inside);
-                    rs
+                    ran.unwrap_or_else(|| {
+                        batch
+                            .iter()
+                            .map(|job| self.run_job(job, manners, shutdown, starts))
+                            .collect()
+                    })
                 }
-                .unwrap_or_else(|| {
-                    batch
-                        .iter()
-                        .map(|job| self.run_job(job, manners, shutdown, starts))
-                        .collect()
-                }),
             };
             for (&k, r) in chunk.iter().zip(rs) {
                 results[k] = Some(r);
@@ -706,8 +706,7 @@ impl Session {
             // Tried again, it waits as briefly as while the shop is busy: it missed a
             // row once, and holds the rows it locked before the one it waits for.
             let busy = tries > 1 || manners.yielding();
-            let r = self.run_set(jobs, busy, starts);
-            match r {
+            match self.run_set(jobs, busy, starts) {
                 Err(SetError::Db(f))
                     if tries < most && f.fault == Fault::Contention && !f.cancelled =>
                 {
