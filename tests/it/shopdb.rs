@@ -1425,11 +1425,8 @@ fn take_the_skus_from_each_first_try(
 
 /// A drain that keeps the shop waiting behind its sessions in most of the PostgreSQL
 /// watch's looks over about 5 s is a warning, though each wait is brief (under the second
-/// after which one held-up shop session is told): found from outside, a shop locking 3
-/// hot skus in every transaction beside a drain waited 0.7–8 s at p99 from its scheduled
-/// start, each transaction under a second in the database, while health said nothing.
-/// Here every sku update of the worker takes 10 ms and the shop takes every sku again and
-/// again.
+/// after which one held-up shop session is told). Here every sku update of the worker
+/// takes 10 ms and the shop takes every sku again and again.
 #[test]
 fn a_shop_waiting_briefly_behind_the_drain_in_most_looks_is_warned_of() {
     let mut env = Env::new();
