@@ -19,8 +19,8 @@
 //!   worker using the shop's own role); without it the shop's sessions inside a
 //!   transaction are counted from `pg_locks` instead (found from outside: a worker that
 //!   saw no shop never yielded, and on 3 hot skus held the shop at a fifth of its rate for
-//!   27 s), and the shop held up behind the worker ([`HELD_UP`]) is not told, which is
-//!   said once in the log.
+//!   27 s), and the shop held up behind the worker ([`HELD_UP`], and [`OFTEN_HELD_UP`]
+//!   for many brief waits) is not told, which is said once in the log.
 //! - Every [`PREPARE_EVERY`] it prepares every handler's statements on its connection
 //!   (and drops them): a handler that does not prepare (its table not there yet, a column
 //!   renamed, SQL that does not parse) is reported as critical, naming its file and the
@@ -472,7 +472,7 @@ impl<'a> DbWatch<'a> {
         }
         looks.push_back(now > 0);
         let held = looks.iter().filter(|h| **h).count();
-        if !often(held, looks.len()) {
+        if looks.len() < OFTEN_LOOKS || held < OFTEN_HELD_UP {
             return;
         }
         let what = format!(
@@ -509,12 +509,6 @@ impl<'a> DbWatch<'a> {
             );
         }
     }
-}
-
-/// Whether the shop waiting behind the worker's sessions in `held` of `looks` is often:
-/// [`OFTEN_HELD_UP`] of a full window of [`OFTEN_LOOKS`].
-fn often(held: usize, looks: usize) -> bool {
-    looks == OFTEN_LOOKS && held >= OFTEN_HELD_UP
 }
 
 /// One check on the kept connection (a new one when there is none). A new connection is
