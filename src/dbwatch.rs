@@ -95,7 +95,10 @@ const MAX_WAITING: usize = 2;
 /// ROLE ... SET`) applies only to sessions opened after it, so the kept connection, and
 /// the workers' open ones, go on writing while every new one (the workers' next, the
 /// `/healthz` probe's) is refused (found from outside: `/healthz` red, `stats --check`
-/// only a warning). The most specific setting wins, as PostgreSQL applies them.
+/// only a warning). The most specific setting wins, as PostgreSQL applies them. Last, how
+/// many shop sessions wait for a lock right now directly behind a session of the worker,
+/// however briefly ([`OFTEN_HELD_UP`]; 0 without `pg_read_all_stats`, whose want leaves
+/// other roles' wait events NULL).
 const ASK: &str = "SELECT current_setting('transaction_read_only') = 'on', \
      CASE WHEN pg_has_role('pg_read_all_stats', 'USAGE') THEN \
      (SELECT count(*) FROM pg_stat_activity \
@@ -110,7 +113,12 @@ const ASK: &str = "SELECT current_setting('transaction_read_only') = 'on', \
        WHERE c LIKE 'default\\_transaction\\_read\\_only=%' \
          AND s.setrole IN (0, (SELECT oid FROM pg_roles WHERE rolname = current_user)) \
          AND s.setdatabase IN (0, (SELECT oid FROM pg_database WHERE datname = current_database())) \
-       ORDER BY s.setrole <> 0 DESC, s.setdatabase <> 0 DESC LIMIT 1), false)";
+       ORDER BY s.setrole <> 0 DESC, s.setdatabase <> 0 DESC LIMIT 1), false), \
+     (SELECT count(*) FROM pg_stat_activity s \
+       WHERE s.wait_event_type = 'Lock' AND s.backend_type = 'client backend' \
+         AND s.datname = current_database() AND s.application_name NOT LIKE 'delay-worker%' \
+         AND EXISTS (SELECT 1 FROM unnest(pg_blocking_pids(s.pid)) b \
+           JOIN pg_stat_activity w ON w.pid = b WHERE w.application_name LIKE 'delay-worker%'))";
 
 /// The shop's longest lock wait behind the worker's sessions ([`HELD_UP`]): its shop
 /// session, how long it has waited (s), the worker's session it waits behind, and how many
@@ -152,14 +160,6 @@ pub const HELD_UP_CRIT: Duration = Duration::from_secs(5);
 
 /// The role the shop held up is reported under.
 pub const SHOP_HELD_UP: &str = "the shop's transactions";
-
-/// How many shop sessions wait for a lock right now directly behind a session of the
-/// worker, however briefly ([`OFTEN_HELD_UP`]).
-const HELD_UP_NOW_ASK: &str = "SELECT count(*) FROM pg_stat_activity s \
-     WHERE s.wait_event_type = 'Lock' AND s.backend_type = 'client backend' \
-       AND s.datname = current_database() AND s.application_name NOT LIKE 'delay-worker%' \
-       AND EXISTS (SELECT 1 FROM unnest(pg_blocking_pids(s.pid)) b \
-         JOIN pg_stat_activity w ON w.pid = b WHERE w.application_name LIKE 'delay-worker%')";
 
 /// The shop waiting behind the worker's sessions in this many of the last
 /// [`OFTEN_LOOKS`] looks (about 5 s), each wait however brief, is a warning: each shop
@@ -203,7 +203,7 @@ struct Seen {
     prepared: Vec<(String, Option<String>, Option<String>)>,
     /// The shop's longest wait behind the worker's sessions, past [`HELD_UP`].
     held_up: Option<HeldUp>,
-    /// The shop's sessions waiting behind the worker's now ([`HELD_UP_NOW_ASK`]).
+    /// The shop's sessions waiting directly behind the worker's now ([`ASK`]).
     held_up_now: i64,
 }
 
@@ -542,6 +542,7 @@ fn check(
             let busy: i64 = row.try_get(1).map_err(|e| db::error_text(&e))?;
             let sees_all: bool = row.try_get(2).map_err(|e| db::error_text(&e))?;
             let new_read_only: bool = row.try_get(3).map_err(|e| db::error_text(&e))?;
+            let held_up_now: i64 = row.try_get(4).map_err(|e| db::error_text(&e))?;
             if new_read_only && !read_only {
                 return Err(NEW_SESSIONS_READ_ONLY.to_string());
             }
@@ -552,7 +553,7 @@ fn check(
                     sees_all,
                     prepared: Vec::new(),
                     held_up: None,
-                    held_up_now: 0,
+                    held_up_now,
                 },
             ))
         });
@@ -573,11 +574,6 @@ fn check(
                             sessions: r.try_get(3).ok()?,
                         })
                     });
-                seen.held_up_now = c
-                    .query_one(HELD_UP_NOW_ASK, &[])
-                    .ok()
-                    .and_then(|r| r.try_get(0).ok())
-                    .unwrap_or(0);
             }
             for h in prepare.into_iter().flat_map(Registry::iter) {
                 let failure = match crate::workers::session::try_prepare(c, h) {
