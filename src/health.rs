@@ -46,10 +46,11 @@ pub const MAX_EVENTS: usize = 32;
 /// Longest text of a problem in a record, in characters; longer ones end in `…`.
 pub const MAX_TEXT: usize = 300;
 
-/// `/healthz` answers 503 when the servers have not answered within this.
-pub const HEALTH_TIMEOUT: Duration = Duration::from_secs(3);
+/// `/healthz` answers within this: 503 when a server has not answered by then (under the
+/// 3 s that probes often allow).
+pub const HEALTH_TIMEOUT: Duration = Duration::from_secs(2);
 /// Connect and I/O timeout of each server the health check asks.
-pub const PROBE_IO_TIMEOUT: Duration = Duration::from_secs(2);
+pub const PROBE_IO_TIMEOUT: Duration = Duration::from_millis(1500);
 
 /// Slack over a role's longest healthy step before it counts as stalled: absorbs a slow
 /// maintenance pass or a busy Redis without calling the daemon dead.
@@ -237,40 +238,47 @@ pub fn live(stats: &Stats, config: &Config, now_ms: i64) -> Result<(), String> {
 /// `metrics::Sources::pool`) that answers `SELECT 1`. A fresh connection also gives the server's
 /// own reason when it refuses, where a pool would only time out.
 ///
-/// It runs on a short-lived thread of its own: a server that accepts connections but
-/// never answers (stopped, or a network black hole) must cost a 503 after
-/// [`HEALTH_TIMEOUT`], not a connection thread stuck in a read. That thread is not joined
-/// for the same reason; it ends by itself when its socket times out or errors. One check
-/// runs at a time: a request that comes while one runs waits for that one's result
-/// (so two probes at the same moment both get the answer, and a hung server costs one
-/// thread, not one per request).
+/// The two servers are asked at once, each on a short-lived thread of its own, and the
+/// answer comes within [`HEALTH_TIMEOUT`] whatever they do: a server that accepts
+/// connections but never answers (stopped, or a network black hole) costs a 503 naming
+/// it, not a connection thread stuck in a read. (Asked one after the other, with each
+/// reply of a connection's setup allowed [`PROBE_IO_TIMEOUT`], a stopped Redis was a 503
+/// at 3 s, just past a client's 3 s timeout: found from outside.) A server's thread is
+/// not joined, for the same reason; it ends by itself when its socket times out or
+/// errors. One thread per server runs at a time: a request that comes while one runs
+/// waits for that one's answer (so two probes at the same moment both get it, and a hung
+/// server costs one thread, not one per request).
 pub struct Probe {
-    redis: crate::store::Redis,
+    redis: store::Redis,
     pg: db::Target,
     shared: Arc<ProbeShared>,
 }
 
 #[derive(Default)]
 struct ProbeShared {
-    state: Mutex<ProbeState>,
-    /// Signalled when a check ends.
+    /// Redis's part, then PostgreSQL's.
+    parts: Mutex<[Part; 2]>,
+    /// Signalled when a part's check ends.
     done: Condvar,
 }
 
+/// The check of one server.
 #[derive(Default)]
-struct ProbeState {
-    /// The number of the check that is running, if one is.
-    running: Option<u64>,
-    /// The number of the last check started.
+struct Part {
+    /// The number of the last check started, and whether it is running.
     started: u64,
+    running: bool,
     /// The last check that ended: its number and result.
     last: Option<(u64, Result<Probed, String>)>,
 }
 
+const REDIS: usize = 0;
+const POSTGRES: usize = 1;
+
 impl Probe {
     /// The probe of `redis` and of the database at `database_url`, each asked within
     /// [`PROBE_IO_TIMEOUT`]; `Err` for a URL that does not parse.
-    pub fn new(redis: &crate::store::Redis, database_url: &str) -> Result<Probe, String> {
+    pub fn new(redis: &store::Redis, database_url: &str) -> Result<Probe, String> {
         let mut pg = db::Target::parse(database_url).map_err(|e| e.to_string())?;
         pg.config.connect_timeout(PROBE_IO_TIMEOUT);
         pg.config.application_name("delay-worker healthz");
@@ -285,54 +293,86 @@ impl Probe {
         })
     }
 
-    /// Runs the check, or waits for the one running (see above).
+    /// Asks both servers, or waits for the checks running (see above).
     pub fn check(&self) -> Result<Probed, String> {
+        let deadline = std::time::Instant::now() + HEALTH_TIMEOUT;
         let shared = &self.shared;
-        let mut st = shared.state.lock().unwrap_or_else(|p| p.into_inner());
-        let number = match st.running {
-            Some(n) => n,
-            None => {
-                st.started += 1;
-                let n = st.started;
+        let mut parts = shared.parts.lock().unwrap_or_else(|p| p.into_inner());
+        let mut wanted = [0; 2];
+        for i in [REDIS, POSTGRES] {
+            if !parts[i].running {
+                let n = parts[i].started + 1;
                 let (redis, pg, sh) = (self.redis.clone(), self.pg.clone(), shared.clone());
                 std::thread::Builder::new()
                     .name("healthz".into())
                     .spawn(move || {
-                        let r = probe(&redis, &pg);
-                        let mut st = sh.state.lock().unwrap_or_else(|p| p.into_inner());
-                        st.running = None;
-                        st.last = Some((n, r));
+                        let r = match i {
+                            REDIS => probe_redis(&redis),
+                            _ => probe_postgres(&pg),
+                        };
+                        let mut parts = sh.parts.lock().unwrap_or_else(|p| p.into_inner());
+                        parts[i].running = false;
+                        parts[i].last = Some((n, r));
                         sh.done.notify_all();
                     })
                     .map_err(|e| format!("cannot start the health check: {e}"))?;
-                st.running = Some(n);
-                n
+                parts[i].started = n;
+                parts[i].running = true;
             }
-        };
-        let ended = |st: &ProbeState| matches!(&st.last, Some((n, _)) if *n == number);
-        let st = match shared
-            .done
-            .wait_timeout_while(st, HEALTH_TIMEOUT, |st| !ended(st))
-        {
-            Ok((g, _)) => g,
-            Err(p) => p.into_inner().0,
-        };
-        match &st.last {
-            Some((n, r)) if *n == number => r.clone(),
-            _ => Err(format!(
-                "no answer from Redis or PostgreSQL within {}s",
-                HEALTH_TIMEOUT.as_secs()
-            )),
+            wanted[i] = parts[i].started;
         }
+        let answer = |parts: &[Part; 2], i: usize| match &parts[i].last {
+            Some((n, r)) if *n >= wanted[i] => Some(r.clone()),
+            _ => None,
+        };
+        loop {
+            match (answer(&parts, REDIS), answer(&parts, POSTGRES)) {
+                (Some(Err(e)), _) | (_, Some(Err(e))) => return Err(e),
+                (Some(Ok(_)), Some(pg)) => return pg,
+                _ => {}
+            }
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            parts = match shared.done.wait_timeout(parts, left) {
+                Ok((g, _)) => g,
+                Err(p) => p.into_inner().0,
+            };
+        }
+        let within = HEALTH_TIMEOUT.as_secs_f64();
+        Err(match answer(&parts, REDIS) {
+            None => format!("Redis did not answer PING within {within}s"),
+            Some(_) => {
+                format!("PostgreSQL did not answer a new session's SELECT 1 within {within}s")
+            }
+        })
     }
 }
 
-fn probe(redis: &crate::store::Redis, pg: &db::Target) -> Result<Probed, String> {
-    let mut con = store::connect_with(redis, PROBE_IO_TIMEOUT)
-        .map_err(|e| format!("Redis unreachable: {e}"))?;
+fn probe_redis(redis: &store::Redis) -> Result<Probed, String> {
+    let silent = || {
+        format!(
+            "Redis did not answer within {}s",
+            PROBE_IO_TIMEOUT.as_secs_f64()
+        )
+    };
+    let mut con = redis
+        .connect_within(PROBE_IO_TIMEOUT, PROBE_IO_TIMEOUT)
+        .map_err(|e| match e.is_timeout() {
+            true => silent(),
+            false => format!("Redis unreachable: {e}"),
+        })?;
     redis::cmd("PING")
         .query::<String>(&mut con)
-        .map_err(|e| format!("Redis does not answer PING: {e}"))?;
+        .map_err(|e| match e.is_timeout() {
+            true => silent(),
+            false => format!("Redis does not answer PING: {e}"),
+        })?;
+    Ok(Probed::Fine)
+}
+
+fn probe_postgres(pg: &db::Target) -> Result<Probed, String> {
     let mut c = match pg.connect() {
         Ok(c) => c,
         // The server answers, and has no connection slot left for a new session (another

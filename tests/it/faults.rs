@@ -552,3 +552,63 @@ fn dead_letters_faster_than_the_threshold_turn_healthz_red() {
     );
     stop(w);
 }
+
+/// `/healthz` answers within 3 s whatever the servers do: a Redis, then a PostgreSQL, that
+/// accept connections and never answer (stopped with SIGSTOP, as a frozen VM or a network
+/// black hole would be) are each a 503 naming the server, answered within the 3 s a probe
+/// often allows. Found from outside: the two asked one after the other, each reply of a
+/// connection's setup allowed 2 s, a stopped Redis was a 503 at 3 s, which a client with a
+/// 3 s timeout never saw. Back, 200, and every job done once.
+#[test]
+fn healthz_answers_within_three_seconds_while_a_server_never_answers() {
+    let mut env = Env::new();
+    let pg = PgServer::start(&[]);
+    env.db = pg.db();
+    env.config.database_url = pg.url.clone();
+    let orders = seed_orders(&env.db, 20);
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut w = Proc::start(&env.config, &["--metrics-addr".to_string(), addr]);
+    let healthz = || -> std::io::Result<(u16, String)> {
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", port))?;
+        s.set_read_timeout(Some(Duration::from_secs(3)))?;
+        std::io::Write::write_all(
+            &mut s,
+            b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
+        )?;
+        let mut raw = String::new();
+        std::io::Read::read_to_string(&mut s, &mut raw)?;
+        let code = raw.split_whitespace().nth(1).and_then(|c| c.parse().ok());
+        Ok((code.unwrap_or(0), raw))
+    };
+    wait_until(WAIT, "/healthz green", || {
+        healthz().is_ok_and(|(code, _)| code == 200)
+    });
+    push_timeouts(&env, &orders[..10], 0);
+    wait_until(WAIT, "the first jobs done", || inbox_count(&env.db) == 10);
+    for (server, pid) in [
+        ("Redis", env.redis.pid()),
+        ("PostgreSQL", pg.postmaster_pid()),
+    ] {
+        unsafe { libc::kill(pid, libc::SIGSTOP) };
+        for _ in 0..3 {
+            match healthz() {
+                Ok((code, raw)) => assert!(
+                    code == 503 && raw.contains(&format!("{server} did not answer")),
+                    "{server} stopped: {raw}"
+                ),
+                Err(e) => panic!("{server} stopped: no answer within 3 s: {e}"),
+            }
+        }
+        unsafe { libc::kill(pid, libc::SIGCONT) };
+        wait_until(WAIT, "/healthz green again", || {
+            healthz().is_ok_and(|(code, _)| code == 200)
+        });
+    }
+    push_timeouts(&env, &orders[10..], 0);
+    wait_until(WAIT, "every job done", || inbox_count(&env.db) == 20);
+    w.signal(libc::SIGTERM);
+    assert!(w.wait(WAIT).success(), "{}", w.log());
+    assert_accounting(&env.db, &orders, &all(&orders));
+    assert_eq!(books(&env).dead, 0);
+}

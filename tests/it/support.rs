@@ -207,6 +207,12 @@ impl RedisServer {
         self.probe.with(|| self.con(), f)
     }
 
+    /// The server's process id (for SIGSTOP: a server that accepts connections and never
+    /// answers).
+    pub fn pid(&self) -> i32 {
+        self.child.as_ref().expect("the server runs").id() as i32
+    }
+
     pub fn con(&self) -> redis::Connection {
         redis::Client::open(self.url())
             .unwrap()
@@ -939,6 +945,13 @@ impl PgServer {
             "pg_ctl {args:?}: {}",
             String::from_utf8_lossy(&out.stderr)
         );
+    }
+
+    /// The postmaster's process id (for SIGSTOP: a server whose sessions go on and that
+    /// takes no new one).
+    pub fn postmaster_pid(&self) -> i32 {
+        let pid = std::fs::read_to_string(self.dir.join("data/postmaster.pid")).unwrap();
+        pid.lines().next().unwrap().trim().parse().unwrap()
     }
 
     /// Crash-stops the server (immediate shutdown: no clean checkpoint, recovery from WAL
