@@ -168,6 +168,17 @@ fn look(client: &mut postgres::Client, wait: &LockWait) -> Option<String> {
     Some(describe(pid, query.as_deref(), state.as_deref(), &on))
 }
 
+/// The pid a job's reason names as the holder of the lock it waited for
+/// ([`describe`]'s words), if any.
+pub fn holder_pid(reason: &str) -> Option<i32> {
+    const HELD_BY: &str = "waited for a lock held by pid ";
+    let at = reason.find(HELD_BY)? + HELD_BY.len();
+    let digits = reason[at..]
+        .find(|c: char| !c.is_ascii_digit())
+        .map_or(&reason[at..], |end| &reason[at..at + end]);
+    digits.parse().ok()
+}
+
 /// `waited for a lock held by pid N (idle in transaction, its last statement `query`) on
 /// ...`, or `(running `query`)` for a holder at work: `pg_stat_activity` shows a session's
 /// current or last statement, which need not be the one that took the lock. Without a
@@ -366,6 +377,26 @@ fn quote_ident(name: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_holder_s_pid_comes_out_of_a_reason() {
+        let reason = format!(
+            "canceling statement due to lock timeout (55P03): {}",
+            describe(
+                Some(4242),
+                Some("SELECT 1 FROM orders WHERE id = 7 FOR UPDATE"),
+                Some("idle in transaction"),
+                "on the row (0,7) of orders"
+            )
+        );
+        assert_eq!(holder_pid(&reason), Some(4242));
+        let prepared = describe(None, None, None, "on the table orders");
+        assert_eq!(holder_pid(&prepared), None);
+        assert_eq!(
+            holder_pid("canceling statement due to lock timeout (55P03)"),
+            None
+        );
+    }
 
     #[test]
     fn the_row_comes_out_of_the_context() {

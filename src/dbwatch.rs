@@ -150,6 +150,12 @@ const HELD_UP_ASK: &str = "WITH RECURSIVE shop AS ( \
        (SELECT count(*) FROM blame) \
      FROM shop s JOIN blame b ON b.root = s.pid ORDER BY s.waited DESC LIMIT 1";
 
+/// Of the sessions named as holding the locks jobs wait for, those still inside a
+/// transaction (or whose state this role may not see): the others' transactions, and
+/// their locks, have ended ([`crate::stats::Contention::holders_ended`]).
+const HOLDERS_BUSY: &str = "SELECT coalesce(array_agg(pid), '{}') FROM pg_stat_activity \
+     WHERE pid = ANY($1) AND state IS DISTINCT FROM 'idle'";
+
 /// How long a shop session may wait for a lock behind the worker's sessions before the
 /// watch warns ([`HELD_UP_CRIT`]: critical). A set waits 4 ms for the shop's rows while
 /// the shop is busy and a job at most `--lock-timeout`: a shop transaction waiting a
@@ -205,6 +211,9 @@ struct Seen {
     held_up: Option<HeldUp>,
     /// The shop's sessions waiting directly behind the worker's now ([`ASK`]).
     held_up_now: i64,
+    /// Of the sessions named as holding the locks that jobs wait for, those whose
+    /// transaction has ended (gone, or idle outside a transaction).
+    ended: Vec<i32>,
 }
 
 /// The watch of one daemon.
@@ -270,8 +279,10 @@ impl<'a> DbWatch<'a> {
                 prepared_at = Some(Instant::now());
                 self.handlers_folder();
             }
-            match self.ask(&waiting, &mut kept, prepare) {
+            let holders = self.stats.contention.holders();
+            match self.ask(&waiting, &mut kept, prepare, holders) {
                 Ok(seen) => {
+                    self.stats.contention.holders_ended(&seen.ended);
                     self.stats.db_unusable.store(false, Ordering::Relaxed);
                     self.handlers_prepared(&seen.prepared);
                     if self.stats.clear_problem(ROLE, i64::MAX) {
@@ -321,6 +332,7 @@ impl<'a> DbWatch<'a> {
         waiting: &Arc<AtomicUsize>,
         kept: &mut Option<postgres::Client>,
         prepare: Option<Arc<Registry>>,
+        holders: Vec<i32>,
     ) -> Result<Seen, String> {
         if waiting.load(Ordering::SeqCst) >= MAX_WAITING {
             return Err(format!(
@@ -334,7 +346,7 @@ impl<'a> DbWatch<'a> {
         std::thread::Builder::new()
             .name("pg-watch".into())
             .spawn(move || {
-                let r = check(&target, &mut client, prepare.as_deref());
+                let r = check(&target, &mut client, prepare.as_deref(), &holders);
                 let _ = tx.send((client, r));
                 if st.swap(DONE, Ordering::SeqCst) == ABANDONED {
                     w.fetch_sub(1, Ordering::SeqCst);
@@ -518,6 +530,7 @@ fn check(
     target: &db::Target,
     client: &mut Option<postgres::Client>,
     prepare: Option<&Registry>,
+    holders: &[i32],
 ) -> Result<Seen, String> {
     let c = match client {
         Some(c) => c,
@@ -554,6 +567,7 @@ fn check(
                     prepared: Vec::new(),
                     held_up: None,
                     held_up_now,
+                    ended: Vec::new(),
                 },
             ))
         });
@@ -574,6 +588,18 @@ fn check(
                             sessions: r.try_get(3).ok()?,
                         })
                     });
+            }
+            // Only while jobs wait for a lock whose holder was named: nothing otherwise.
+            if !holders.is_empty() {
+                let busy: Vec<i32> = c
+                    .query_one(HOLDERS_BUSY, &[&holders])
+                    .and_then(|r| r.try_get(0))
+                    .unwrap_or_else(|_| holders.to_vec());
+                seen.ended = holders
+                    .iter()
+                    .filter(|p| !busy.contains(p))
+                    .copied()
+                    .collect();
             }
             for h in prepare.into_iter().flat_map(Registry::iter) {
                 let failure = match crate::workers::session::try_prepare(c, h) {

@@ -323,6 +323,10 @@ pub fn run_shards(movers: &[Mover<'_>], client: &crate::store::Redis, shutdown: 
         };
         let mut sleep = Duration::MAX;
         let mut failed = None;
+        let freed = stats.contention.to_hasten();
+        if !freed.is_empty() {
+            hasten(c, movers, &freed);
+        }
         for m in movers {
             match m.tick(c, At::Server) {
                 Ok((_, s)) => sleep = sleep.min(s),
@@ -350,6 +354,30 @@ pub fn run_shards(movers: &[Mover<'_>], client: &crate::store::Redis, shutdown: 
         }
     }
     log::info!("mover: stopped");
+}
+
+/// Brings forward, each in its shard's pool, the retries of jobs that waited for a lock
+/// whose holder's transaction has ended (`Contention::to_hasten`): this tick moves them.
+/// A retry that is no longer the one written (pushed again, moved, run by a peer) is left
+/// as it is; one that cannot be brought forward now runs at the end of its backoff.
+fn hasten(con: &mut dyn ConnectionLike, movers: &[Mover<'_>], freed: &[(String, i64, Vec<u8>)]) {
+    for (i, m) in movers.iter().enumerate() {
+        let mine: Vec<(&str, i64, &[u8])> = freed
+            .iter()
+            .filter(|(key, ..)| crate::keys::shard_of(key.as_bytes(), movers.len()) == i)
+            .map(|(key, score, msg)| (key.as_str(), *score, msg.as_slice()))
+            .collect();
+        if mine.is_empty() {
+            continue;
+        }
+        match store::pool::hasten(con, m.keys, &mine) {
+            Ok(0) => {}
+            Ok(n) => log::info!(
+                "mover: {n} job(s) that waited for a lock now let go run now, not at the end of their backoff"
+            ),
+            Err(e) => log::debug!("mover: bringing forward the retries of a lock let go: {e}"),
+        }
+    }
 }
 
 /// Adds one pool's report to the tick's.

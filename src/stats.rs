@@ -436,6 +436,8 @@ pub const CONTENTION_ROLE: &str = "contention";
 #[derive(Default)]
 pub struct Contention {
     waiting: Mutex<HashMap<String, Waiter>>,
+    /// A waiter is [`Hasten::Due`], so the mover's tick looks ([`Contention::to_hasten`]).
+    hasten_due: AtomicBool,
     /// `waiting.len()`, so a commit skips the lock when nothing waits.
     len: AtomicU64,
     /// When the jobs waiting now began to (unix ms): the first was sent back while none
@@ -470,6 +472,23 @@ pub struct Waiter {
     /// `--max-rate` (two of its slots), or later still while this process holds the job
     /// ([`Contention::held`]): it is forgotten [`CONTENTION_FORGET`] after.
     pub due_ms: i64,
+    /// The session its reason names as holding the lock it waited for (a pid).
+    pub holder: Option<i32>,
+    /// The retry it went back to the pool with, its score and its message: it is brought
+    /// forward only while it is that very retry ([`Contention::to_hasten`]).
+    pub retry: Option<(i64, Vec<u8>)>,
+    pub hasten: Hasten,
+}
+
+/// Where bringing a lock waiter's retry forward stands, once the transaction that held
+/// its lock has ended ([`Contention::holders_ended`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Hasten {
+    No,
+    /// To be brought forward by the mover's next tick.
+    Due,
+    /// Brought forward (or found to be another retry by then): not again for this failure.
+    Done,
 }
 
 impl Contention {
@@ -487,7 +506,9 @@ impl Contention {
 
     /// A job went back to the pool after contention it met at `met_ms` (local ms), its
     /// retry due at `due_ms`, with `retries`; `lock`: the contention was another
-    /// transaction's lock ([`Waiter::lock`]).
+    /// transaction's lock ([`Waiter::lock`]); `retry`: the retry's score and message in
+    /// the pool ([`Waiter::retry`]).
+    #[allow(clippy::too_many_arguments)]
     pub fn waiting(
         &self,
         key: &str,
@@ -496,6 +517,7 @@ impl Contention {
         (reason, lock, retries): (&str, bool, u32),
         due_ms: i64,
         met_ms: i64,
+        retry: Option<(i64, Vec<u8>)>,
     ) {
         let mut w = self.lock();
         self.seen_ms.store(crate::now_ms(), Relaxed);
@@ -518,9 +540,82 @@ impl Contention {
                 lock,
                 retries,
                 due_ms,
+                holder: lock.then(|| crate::blocker::holder_pid(reason)).flatten(),
+                retry,
+                hasten: Hasten::No,
             },
         );
         self.len.store(w.len() as u64, Relaxed);
+    }
+
+    /// The sessions named as holding the locks that jobs waiting now waited for, each
+    /// once: the PostgreSQL watch looks whether their transactions have ended
+    /// ([`Contention::holders_ended`]).
+    pub fn holders(&self) -> Vec<i32> {
+        if self.len.load(Relaxed) == 0 {
+            return Vec::new();
+        }
+        let mut pids: Vec<i32> = self
+            .lock()
+            .values()
+            .filter(|v| v.hasten == Hasten::No && v.retry.is_some())
+            .filter_map(|v| v.holder)
+            .collect();
+        pids.sort_unstable();
+        pids.dedup();
+        pids
+    }
+
+    /// The transactions of the sessions `ended` (of [`Contention::holders`]) have ended,
+    /// so the locks their waiters waited for are gone: those waiters' retries are brought
+    /// forward at the mover's next tick, and with them the other lock waiters of the same
+    /// events whose reasons name no holder (of the jobs waiting for one row only the
+    /// first in line is told whose lock it is, and a holder is looked up at most once a
+    /// second per worker). Found from outside: a job behind a 25 s shop lock ran up to
+    /// the 30 s backoff after the lock ended, health critical meanwhile naming the gone
+    /// lock.
+    pub fn holders_ended(&self, ended: &[i32]) {
+        if ended.is_empty() {
+            return;
+        }
+        let mut w = self.lock();
+        let waits = |v: &Waiter| v.lock && v.hasten == Hasten::No && v.retry.is_some();
+        let events: std::collections::HashSet<String> = w
+            .values()
+            .filter(|v| waits(v) && v.holder.is_some_and(|p| ended.contains(&p)))
+            .map(|v| v.event.clone())
+            .collect();
+        let mut any = false;
+        for v in w.values_mut() {
+            let freed = match v.holder {
+                Some(p) => ended.contains(&p),
+                None => events.contains(&v.event),
+            };
+            if waits(v) && freed {
+                v.hasten = Hasten::Due;
+                any = true;
+            }
+        }
+        if any {
+            self.hasten_due.store(true, Relaxed);
+        }
+    }
+
+    /// The retries to bring forward now, as `(job key, score, message)`: each is brought
+    /// forward once ([`Hasten::Done`]).
+    pub fn to_hasten(&self) -> Vec<(String, i64, Vec<u8>)> {
+        if !self.hasten_due.swap(false, Relaxed) {
+            return Vec::new();
+        }
+        let mut w = self.lock();
+        let mut out = Vec::new();
+        for v in w.values_mut().filter(|v| v.hasten == Hasten::Due) {
+            v.hasten = Hasten::Done;
+            if let Some((score, msg)) = &v.retry {
+                out.push((v.key.clone(), *score, msg.clone()));
+            }
+        }
+        out
     }
 
     /// A job finished (committed, a duplicate, or a dead letter): it waits no more. True
@@ -1478,6 +1573,7 @@ mod tests {
             ("lock timeout", true, 1),
             now + 500,
             now,
+            None,
         );
         s.contention.waiting(
             "k2",
@@ -1486,6 +1582,7 @@ mod tests {
             ("lock timeout", true, 1),
             now + 500,
             now,
+            None,
         );
         assert!(s.report_trouble_about(CONTENTION_ROLE, "2 job(s) wait".into(), "k1".into()));
         assert_eq!(s.problems(now).len(), 1);
@@ -1499,6 +1596,66 @@ mod tests {
     }
 
     #[test]
+    fn the_lock_waiters_of_a_holder_that_ended_are_brought_forward_once() {
+        let s = Stats::default();
+        let now = crate::now_ms();
+        let held = "canceling statement due to lock timeout (55P03): waited for a lock held by pid 42 (idle in transaction, its last statement `LOCK TABLE orders`) on the table orders";
+        let wait = |key: &str, event: &str, reason: &str, lock: bool| {
+            let retry = Some((now + 20_000, key.as_bytes().to_vec()));
+            let why = (reason, lock, 1);
+            s.contention
+                .waiting(key, event, now, why, now + 20_000, now, retry);
+        };
+        wait("a", "order.timeout", held, true);
+        // Behind the same lock, its holder not named (a look-up once a second).
+        wait(
+            "b",
+            "order.timeout",
+            "canceling statement due to lock timeout (55P03)",
+            true,
+        );
+        // Another event's, and a statement timeout: neither is freed by pid 42.
+        wait(
+            "c",
+            "coupon.expire",
+            "canceling statement due to lock timeout (55P03)",
+            true,
+        );
+        wait(
+            "d",
+            "order.timeout",
+            "canceling statement due to statement timeout (57014)",
+            false,
+        );
+        assert_eq!(s.contention.holders(), vec![42]);
+        assert!(s.contention.to_hasten().is_empty(), "nothing ended yet");
+        s.contention.holders_ended(&[7]);
+        assert!(s.contention.to_hasten().is_empty(), "another session ended");
+        s.contention.holders_ended(&[42]);
+        let mut freed: Vec<String> = s
+            .contention
+            .to_hasten()
+            .into_iter()
+            .map(|(k, ..)| k)
+            .collect();
+        freed.sort();
+        assert_eq!(freed, ["a", "b"]);
+        assert!(s.contention.to_hasten().is_empty(), "once");
+        assert!(
+            s.contention.holders().is_empty(),
+            "no holder left to look at"
+        );
+        // The job fails again behind a new holder: looked at again.
+        wait(
+            "a",
+            "order.timeout",
+            &held.replace("pid 42", "pid 43"),
+            true,
+        );
+        assert_eq!(s.contention.holders(), vec![43]);
+    }
+
+    #[test]
     fn a_trouble_whose_figures_change_is_logged_when_its_gist_does() {
         let s = Stats::default();
         let due = crate::now_ms() + 1_000;
@@ -1509,6 +1666,7 @@ mod tests {
             ("lock timeout", true, 1),
             due,
             due - 2_000,
+            None,
         );
         let gist = || "order.timeout k1: lock timeout".to_string();
         let what = |n: u32, ms: u32| format!("{n} job(s) wait; the longest, k1, for {ms} ms");

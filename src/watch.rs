@@ -339,6 +339,7 @@ impl<'a> Watch<'a> {
                         ),
                         due_ms,
                         crate::now_ms(),
+                        Some((due_ms, msg)),
                     );
                 }
                 cursor = next;

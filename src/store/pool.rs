@@ -9,6 +9,7 @@ static PUSH: LazyLock<Script> = script!("push.lua");
 static PUSH_BATCH: LazyLock<Script> = script!("push_batch.lua");
 static CANCEL: LazyLock<Script> = script!("cancel.lua");
 static MOVE_DUE: LazyLock<Script> = script!("move_due.lua");
+static HASTEN: LazyLock<Script> = script!("hasten.lua");
 
 /// Schedules `msg` under `key` at `score`, data before score. Returns `true` when the key
 /// was already scheduled (the job is rescheduled, not duplicated).
@@ -64,6 +65,22 @@ pub fn push_many(
         send(&mut batch)?;
     }
     Ok((pushed, again))
+}
+
+/// Brings forward to now the retries `(job key, score, message)` of jobs whose lock is
+/// gone, each only while it is that very retry, not yet due (`hasten.lua`). Returns how
+/// many were.
+pub fn hasten(
+    con: &mut dyn ConnectionLike,
+    keys: &Keys,
+    retries: &[(&str, i64, &[u8])],
+) -> StoreResult<u64> {
+    let mut inv = HASTEN.prepare_invoke();
+    inv.key(&keys.pool).key(&keys.data);
+    for (key, score, msg) in retries {
+        inv.arg(*key).arg(*score).arg(*msg);
+    }
+    Ok(int(Some(&run("hasten", &inv, con)?)) as u64)
 }
 
 /// Removes a scheduled job. Returns `true` if it existed.

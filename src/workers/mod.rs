@@ -2262,6 +2262,15 @@ impl<'a> Worker<'a> {
             .manners
             .slowest_slots(&env.event)
             .map_or(0, |s| 2 * s.as_millis() as i64);
+        let msg = env
+            .requeued_waiting(
+                retry,
+                since,
+                (&f.reason, now),
+                f.wait.is_some(),
+                jobs.max_message_bytes,
+            )
+            .into_bytes();
         stats.contention.waiting(
             key,
             &env.event,
@@ -2269,25 +2278,11 @@ impl<'a> Worker<'a> {
             (&f.reason, lock_wait, retry),
             due_ms + patience,
             failed_at,
+            lock_wait.then(|| (due_ms, msg.clone())),
         );
         let local = crate::now_ms();
         report_contention(stats, [env.event.as_str()], (now, local), jobs);
-        Settlement::new(
-            d,
-            Outcome::Retry {
-                msg: env
-                    .requeued_waiting(
-                        retry,
-                        since,
-                        (&f.reason, now),
-                        f.wait.is_some(),
-                        jobs.max_message_bytes,
-                    )
-                    .into_bytes(),
-                due_ms,
-            },
-        )
-        .with_event(&env.event)
+        Settlement::new(d, Outcome::Retry { msg, due_ms }).with_event(&env.event)
     }
 
     /// Whether the queue of `event` stands still for the job `key`, which fell due
@@ -2840,6 +2835,7 @@ mod tests {
             (reason, true, 1),
             retry_due,
             local,
+            None,
         );
         let jobs = JobConfig::default();
         let watch_contention = |stats: &Stats, local| watch_contention(stats, local, &jobs);
@@ -2886,7 +2882,7 @@ mod tests {
         let waiting = |key, why| {
             stats
                 .contention
-                .waiting(key, "order.timeout", now, why, now + 60_000, local)
+                .waiting(key, "order.timeout", now, why, now + 60_000, local, None)
         };
         waiting("order.timeout:SO1", ("statement timeout (57014)", false, 3));
         // Other jobs of the event change things all along: no standstill.

@@ -442,11 +442,17 @@ impl Session {
     }
 
     /// Handler `index` ready to run: prepared now if it failed before and
-    /// [`REPREPARE_EVERY`] has passed; otherwise its failure.
+    /// [`REPREPARE_EVERY`] has passed, or if it failed on contention (a lock on a table
+    /// it names, past the lock timeout: the prepare waits for it as the job would);
+    /// otherwise its failure. A lock met at a prepare was kept as the job's failure for
+    /// 2 s: jobs brought back as that lock ended failed at once with it, and went back
+    /// for their whole backoff, up to 30 s.
     fn ready(&mut self, index: usize, handler: &dyn Handler) -> Result<(), Failure> {
         match &self.handlers[index] {
             Prepared::Ready { .. } => Ok(()),
-            Prepared::Failed { at, failure } if at.elapsed() < REPREPARE_EVERY => {
+            Prepared::Failed { at, failure }
+                if at.elapsed() < REPREPARE_EVERY && failure.fault != Fault::Contention =>
+            {
                 Err(failure.clone())
             }
             Prepared::Failed { .. } => {

@@ -341,3 +341,63 @@ fn a_holder_in_a_sql_ascii_database_is_named_with_its_query_cut() {
     wait_until(WAIT, "the order cancelled", || inbox_count(&env.db) == 1);
     daemon.stop();
 }
+
+/// Jobs that waited for a lock run within moments of its end, not at the end of their
+/// backoff: the PostgreSQL watch sees the session their reasons name as the holder leave
+/// its transaction, and the mover brings their retries forward, with them the other jobs
+/// of the event waiting for a lock whose holder was not named (a holder is looked up at
+/// most once a second per worker). Found from outside: a job behind a 25 s shop lock ran
+/// up to the 30 s backoff after the lock ended, health critical meanwhile naming the gone
+/// lock. Here the backoff is 15–25 s: each job, and every one of them, within 10 s of the
+/// lock's end.
+#[test]
+fn jobs_behind_a_lock_run_as_it_ends_not_at_the_end_of_their_backoff() {
+    let mut env = Env::new();
+    env.config.jobs.retry_base = Duration::from_secs(20);
+    let orders = seed_orders(&env.db, 6);
+    let (pid, release, h) = hold(&env, "LOCK TABLE orders IN EXCLUSIVE MODE");
+    push_timeouts(&env, &orders, 0);
+    let daemon = Daemon::start(&env.config);
+    let held_by = format!("held by pid {pid} ");
+    let keys: Vec<String> = orders
+        .iter()
+        .map(|o| format!("order.timeout:{}", o.order_no))
+        .collect();
+    // Every job back in the pool, due 10 s or more ahead; one at least naming the holder.
+    wait_until(WAIT, "every job waiting, the holder named", || {
+        let mut con = env.con();
+        let now = delay_worker::now_ms();
+        let mut named = false;
+        for key in &keys {
+            let score: Option<f64> = redis::cmd("ZSCORE")
+                .arg(&env.config.keys.pool)
+                .arg(key)
+                .query(&mut con)
+                .unwrap();
+            if score.is_none_or(|s| (s as i64) < now + 10_000) {
+                return false;
+            }
+            let msg: Option<String> = redis::cmd("HGET")
+                .arg(&env.config.keys.data)
+                .arg(key)
+                .query(&mut con)
+                .unwrap();
+            named |= msg.is_some_and(|m| m.contains(&held_by));
+        }
+        named
+    });
+    assert_eq!(inbox_count(&env.db), 0, "the lock is held");
+    release.send(()).unwrap();
+    h.join().unwrap();
+    let released = std::time::Instant::now();
+    wait_until(Duration::from_secs(10), "every order cancelled", || {
+        inbox_count(&env.db) == 6
+    });
+    eprintln!(
+        "every order cancelled {:?} after the lock's end",
+        released.elapsed()
+    );
+    daemon.stop();
+    assert_accounting(&env.db, &orders, &orders.iter().collect::<Vec<_>>());
+    assert_eq!(dead_letters(&env).len(), 0);
+}
