@@ -151,10 +151,57 @@ const HELD_UP_ASK: &str = "WITH RECURSIVE shop AS ( \
      FROM shop s JOIN blame b ON b.root = s.pid ORDER BY s.waited DESC LIMIT 1";
 
 /// Of the sessions named as holding the locks jobs wait for, those still inside a
-/// transaction (or whose state this role may not see): the others' transactions, and
-/// their locks, have ended ([`crate::stats::Contention::holders_ended`]).
-const HOLDERS_BUSY: &str = "SELECT coalesce(array_agg(pid), '{}') FROM pg_stat_activity \
+/// transaction (or whose state this role may not see), with when that transaction began
+/// and how long ago (seconds; NULL where this role may not see it): the others'
+/// transactions, and their locks, have ended ([`LongHolders`]).
+const HOLDERS_BUSY: &str = "SELECT pid, extract(epoch FROM xact_start)::float8, \
+     extract(epoch FROM now() - xact_start)::float8 FROM pg_stat_activity \
      WHERE pid = ANY($1) AND state IS DISTINCT FROM 'idle'";
+
+/// A holder's transaction open this long at a look is a long lock, whose end brings its
+/// waiters' retries forward. A shop session that locks the same rows again and again in
+/// short transactions is never one: its waiters keep their backoff rather than being
+/// brought back at every gap between its transactions.
+pub const LONG_LOCK: Duration = Duration::from_secs(1);
+
+/// The holders named by waiting jobs that the watch has seen inside one transaction for
+/// [`LONG_LOCK`] or more: pid → when that transaction began (epoch seconds).
+#[derive(Default)]
+pub struct LongHolders(std::collections::HashMap<i32, f64>);
+
+/// One holder's row of [`HOLDERS_BUSY`]: pid, its transaction's start and age.
+pub type HolderRow = (i32, Option<f64>, Option<f64>);
+
+impl LongHolders {
+    /// One look: `asked`, the holders named now; `busy`, those of them still inside a
+    /// transaction (`None`: not known this time). The long holders whose transaction has
+    /// ended since the last look (gone, idle, or in a transaction begun since).
+    pub fn look(&mut self, asked: &[i32], busy: Option<&[HolderRow]>) -> Vec<i32> {
+        let Some(busy) = busy else {
+            return Vec::new();
+        };
+        let mut ended = Vec::new();
+        for &(pid, start, age) in busy {
+            let (Some(start), Some(age)) = (start, age) else {
+                continue;
+            };
+            if self.0.get(&pid).is_some_and(|was| *was != start) {
+                self.0.remove(&pid);
+                ended.push(pid);
+            }
+            if age >= LONG_LOCK.as_secs_f64() {
+                self.0.insert(pid, start);
+            }
+        }
+        for pid in asked {
+            if !busy.iter().any(|(p, ..)| p == pid) && self.0.remove(pid).is_some() {
+                ended.push(*pid);
+            }
+        }
+        self.0.retain(|pid, _| asked.contains(pid));
+        ended
+    }
+}
 
 /// How long a shop session may wait for a lock behind the worker's sessions before the
 /// watch warns ([`HELD_UP_CRIT`]: critical). A set waits 4 ms for the shop's rows while
@@ -211,9 +258,9 @@ struct Seen {
     held_up: Option<HeldUp>,
     /// The shop's sessions waiting directly behind the worker's now ([`ASK`]).
     held_up_now: i64,
-    /// Of the sessions named as holding the locks that jobs wait for, those whose
-    /// transaction has ended (gone, or idle outside a transaction).
-    ended: Vec<i32>,
+    /// Of the sessions named as holding the locks that jobs wait for, those still inside
+    /// a transaction ([`HOLDERS_BUSY`]); `None` when none was named or the question failed.
+    holders_busy: Option<Vec<HolderRow>>,
 }
 
 /// The watch of one daemon.
@@ -271,6 +318,7 @@ impl<'a> DbWatch<'a> {
         // The last looks: whether the shop waited behind the worker's sessions in each.
         let mut looks: std::collections::VecDeque<bool> =
             std::collections::VecDeque::with_capacity(OFTEN_LOOKS);
+        let mut long_holders = LongHolders::default();
         loop {
             let prepare = prepared_at
                 .is_none_or(|t| t.elapsed() >= PREPARE_EVERY)
@@ -280,9 +328,10 @@ impl<'a> DbWatch<'a> {
                 self.handlers_folder();
             }
             let holders = self.stats.contention.holders();
-            match self.ask(&waiting, &mut kept, prepare, holders) {
+            match self.ask(&waiting, &mut kept, prepare, holders.clone()) {
                 Ok(seen) => {
-                    self.stats.contention.holders_ended(&seen.ended);
+                    let ended = long_holders.look(&holders, seen.holders_busy.as_deref());
+                    self.stats.contention.holders_ended(&ended);
                     self.stats.db_unusable.store(false, Ordering::Relaxed);
                     self.handlers_prepared(&seen.prepared);
                     if self.stats.clear_problem(ROLE, i64::MAX) {
@@ -567,7 +616,7 @@ fn check(
                     prepared: Vec::new(),
                     held_up: None,
                     held_up_now,
-                    ended: Vec::new(),
+                    holders_busy: None,
                 },
             ))
         });
@@ -591,15 +640,14 @@ fn check(
             }
             // Only while jobs wait for a lock whose holder was named: nothing otherwise.
             if !holders.is_empty() {
-                let busy: Vec<i32> = c
-                    .query_one(HOLDERS_BUSY, &[&holders])
-                    .and_then(|r| r.try_get(0))
-                    .unwrap_or_else(|_| holders.to_vec());
-                seen.ended = holders
-                    .iter()
-                    .filter(|p| !busy.contains(p))
-                    .copied()
-                    .collect();
+                seen.holders_busy = c.query(HOLDERS_BUSY, &[&holders]).ok().map(|rows| {
+                    rows.iter()
+                        .filter_map(|r| {
+                            let secs = |i| r.try_get::<_, Option<f64>>(i).ok().flatten();
+                            Some((r.try_get(0).ok()?, secs(1), secs(2)))
+                        })
+                        .collect()
+                });
             }
             for h in prepare.into_iter().flat_map(Registry::iter) {
                 let failure = match crate::workers::session::try_prepare(c, h) {
@@ -637,5 +685,41 @@ fn check(
             *client = None;
             Err(e)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_holder_seen_in_one_long_transaction_is_ended() {
+        let mut h = LongHolders::default();
+        // A shop session locking the rows again and again, each transaction short: never
+        // long, so its gaps end nothing.
+        assert!(h
+            .look(&[7], Some(&[(7, Some(100.0), Some(0.01))]))
+            .is_empty());
+        assert!(h.look(&[7], Some(&[])).is_empty(), "idle between two");
+        assert!(h
+            .look(&[7], Some(&[(7, Some(100.3), Some(0.02))]))
+            .is_empty());
+        // A session holding one transaction open past LONG_LOCK, then gone or idle.
+        assert!(h.look(&[8], Some(&[(8, Some(50.0), Some(0.5))])).is_empty());
+        assert!(h.look(&[8], Some(&[(8, Some(50.0), Some(1.5))])).is_empty());
+        assert!(h.look(&[8], None).is_empty(), "not known this time");
+        assert!(h.look(&[8], Some(&[(8, Some(50.0), Some(9.0))])).is_empty());
+        assert_eq!(h.look(&[8], Some(&[])), vec![8]);
+        assert!(h.look(&[8], Some(&[])).is_empty(), "once");
+        // Its transaction ended and another began between two looks.
+        h.look(&[9], Some(&[(9, Some(10.0), Some(2.0))]));
+        assert_eq!(h.look(&[9], Some(&[(9, Some(12.5), Some(0.1))])), vec![9]);
+        // A state this role may not see: nothing known, nothing ended.
+        assert!(h.look(&[5], Some(&[(5, None, None)])).is_empty());
+        assert!(h.look(&[5], Some(&[])).is_empty());
+        // A holder no waiter names any more is forgotten.
+        h.look(&[6], Some(&[(6, Some(1.0), Some(3.0))]));
+        h.look(&[], Some(&[]));
+        assert!(h.look(&[6], Some(&[])).is_empty());
     }
 }
