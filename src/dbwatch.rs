@@ -154,9 +154,14 @@ const HELD_UP_ASK: &str = "WITH RECURSIVE shop AS ( \
 /// transaction (or whose state this role may not see), with when that transaction began
 /// and how long ago (seconds; NULL where this role may not see it): the others'
 /// transactions, and their locks, have ended ([`LongHolders`]).
+/// A transaction that failed ("idle in transaction (aborted)", the shop's PHP code
+/// caught an exception and has not rolled back yet) released its locks at the error: it
+/// holds none (found from outside: its waiters ran at the end of their backoff, 15–21 s
+/// after the error).
 const HOLDERS_BUSY: &str = "SELECT pid, extract(epoch FROM xact_start)::float8, \
      extract(epoch FROM now() - xact_start)::float8 FROM pg_stat_activity \
-     WHERE pid = ANY($1) AND state IS DISTINCT FROM 'idle'";
+     WHERE pid = ANY($1) \
+       AND (state IS NULL OR state NOT IN ('idle', 'idle in transaction (aborted)'))";
 
 /// A holder's transaction open this long at a look is a long lock, whose end brings its
 /// waiters' retries forward. A shop session that locks the same rows again and again in

@@ -265,9 +265,10 @@ struct ProbeShared {
 /// The check of one server.
 #[derive(Default)]
 struct Part {
-    /// The number of the last check started, and whether it is running.
+    /// The number of the last check started, whether it is running, and since when.
     started: u64,
     running: bool,
+    since: Option<std::time::Instant>,
     /// The last check that ended: its number and result.
     last: Option<(u64, Result<Probed, String>)>,
 }
@@ -318,15 +319,31 @@ impl Probe {
                     .map_err(|e| format!("cannot start the health check: {e}"))?;
                 parts[i].started = n;
                 parts[i].running = true;
+                parts[i].since = Some(std::time::Instant::now());
             }
             wanted[i] = parts[i].started;
         }
+        let silent = |p: &Part| {
+            p.running
+                && p.since
+                    .is_some_and(|t| t.elapsed() >= std::time::Duration::from_secs(1))
+        };
         let answer = |parts: &[Part; 2], i: usize| match &parts[i].last {
             Some((n, r)) if *n >= wanted[i] => Some(r.clone()),
             _ => None,
         };
         loop {
             match (answer(&parts, REDIS), answer(&parts, POSTGRES)) {
+                // Redis failed, and PostgreSQL has not answered for a second or more
+                // either: both named (found from outside: both stopped, only Redis was).
+                (Some(Err(e)), None) if silent(&parts[POSTGRES]) => {
+                    return Err(format!(
+                    "{e}; PostgreSQL has not answered a new session's SELECT 1 for {:.1}s either",
+                    parts[POSTGRES]
+                        .since
+                        .map_or(0.0, |t| t.elapsed().as_secs_f64())
+                ))
+                }
                 (Some(Err(e)), _) | (_, Some(Err(e))) => return Err(e),
                 (Some(Ok(_)), Some(pg)) => return pg,
                 _ => {}
@@ -341,11 +358,12 @@ impl Probe {
             };
         }
         let within = HEALTH_TIMEOUT.as_secs_f64();
-        Err(match answer(&parts, REDIS) {
-            None => format!("Redis did not answer PING within {within}s"),
-            Some(_) => {
-                format!("PostgreSQL did not answer a new session's SELECT 1 within {within}s")
-            }
+        Err(match (answer(&parts, REDIS), answer(&parts, POSTGRES)) {
+            (None, None) => format!(
+                "neither Redis (PING) nor PostgreSQL (a new session's SELECT 1) answered within {within}s"
+            ),
+            (None, _) => format!("Redis did not answer PING within {within}s"),
+            _ => format!("PostgreSQL did not answer a new session's SELECT 1 within {within}s"),
         })
     }
 }

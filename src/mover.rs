@@ -323,7 +323,7 @@ pub fn run_shards(movers: &[Mover<'_>], client: &crate::store::Redis, shutdown: 
         };
         let mut sleep = Duration::MAX;
         let mut failed = None;
-        let freed = stats.contention.to_hasten();
+        let freed = stats.contention.to_hasten(stats.clock.now_ms());
         if !freed.is_empty() {
             hasten(c, movers, &freed);
         }

@@ -601,9 +601,13 @@ impl Contention {
         }
     }
 
-    /// The retries to bring forward now, as `(job key, score, message)`: each is brought
-    /// forward once ([`Hasten::Done`]).
-    pub fn to_hasten(&self) -> Vec<(String, i64, Vec<u8>)> {
+    /// The retries to bring forward now (`now_ms`, Redis's clock), as `(job key, score,
+    /// message)`: each is brought forward once ([`Hasten::Done`]), and due now, it is
+    /// forgotten [`CONTENTION_FORGET`] from now unless this process meets it again (run by
+    /// a peer, it no longer kept this process red until its old retry time had passed:
+    /// found from outside, red for 40–46 s after the lock's end in the processes that did
+    /// not run the jobs).
+    pub fn to_hasten(&self, now_ms: i64) -> Vec<(String, i64, Vec<u8>)> {
         if !self.hasten_due.swap(false, Relaxed) {
             return Vec::new();
         }
@@ -611,6 +615,7 @@ impl Contention {
         let mut out = Vec::new();
         for v in w.values_mut().filter(|v| v.hasten == Hasten::Due) {
             v.hasten = Hasten::Done;
+            v.due_ms = v.due_ms.min(now_ms);
             if let Some((score, msg)) = &v.retry {
                 out.push((v.key.clone(), *score, msg.clone()));
             }
@@ -1628,23 +1633,29 @@ mod tests {
             false,
         );
         assert_eq!(s.contention.holders(), vec![42]);
-        assert!(s.contention.to_hasten().is_empty(), "nothing ended yet");
+        assert!(s.contention.to_hasten(now).is_empty(), "nothing ended yet");
         s.contention.holders_ended(&[7]);
-        assert!(s.contention.to_hasten().is_empty(), "another session ended");
+        assert!(
+            s.contention.to_hasten(now).is_empty(),
+            "another session ended"
+        );
         s.contention.holders_ended(&[42]);
         let mut freed: Vec<String> = s
             .contention
-            .to_hasten()
+            .to_hasten(now)
             .into_iter()
             .map(|(k, ..)| k)
             .collect();
         freed.sort();
         assert_eq!(freed, ["a", "b"]);
-        assert!(s.contention.to_hasten().is_empty(), "once");
+        assert!(s.contention.to_hasten(now).is_empty(), "once");
         assert!(
             s.contention.holders().is_empty(),
             "no holder left to look at"
         );
+        // Due now, run by whichever process: forgotten from now, not from the old retry.
+        let soon = now + CONTENTION_FORGET.as_millis() as i64 + 1;
+        assert_eq!(s.contention.summary(soon).0, 2, "c and d wait on");
         // The job fails again behind a new holder: looked at again.
         wait(
             "a",

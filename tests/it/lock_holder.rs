@@ -352,17 +352,66 @@ fn a_holder_in_a_sql_ascii_database_is_named_with_its_query_cut() {
 #[test]
 fn jobs_behind_a_lock_run_as_it_ends_not_at_the_end_of_their_backoff() {
     let mut env = Env::new();
-    env.config.jobs.retry_base = Duration::from_secs(20);
     let orders = seed_orders(&env.db, 6);
     let (pid, release, h) = hold(&env, "LOCK TABLE orders IN EXCLUSIVE MODE");
-    push_timeouts(&env, &orders, 0);
+    let daemon = behind_a_long_lock(&mut env, &orders, pid);
+    release.send(()).unwrap();
+    h.join().unwrap();
+    all_cancelled_within_seconds(&env, daemon, &orders);
+}
+
+/// The holder's transaction fails (a PHP shop's exception inside its transaction, caught
+/// before the framework rolls back): PostgreSQL lets its locks go at the error, though
+/// the session stays "idle in transaction (aborted)" until its ROLLBACK. Found from
+/// outside: its waiters ran at the end of their backoff or at the ROLLBACK, 15–21 s after
+/// the error; now as the error comes.
+#[test]
+fn jobs_behind_a_lock_whose_transaction_failed_run_as_it_fails() {
+    let mut env = Env::new();
+    let orders = seed_orders(&env.db, 6);
+    let ids: Vec<i64> = orders.iter().map(|o| o.id).collect();
+    let url = env.db.url.clone();
+    let (pid_tx, pid_rx) = std::sync::mpsc::channel::<i32>();
+    let (fail, failing) = std::sync::mpsc::channel::<()>();
+    let (end, ending) = std::sync::mpsc::channel::<()>();
+    let h = std::thread::spawn(move || {
+        let mut c = postgres::Client::connect(&url, postgres::NoTls).unwrap();
+        let pid: i32 = c.query_one("SELECT pg_backend_pid()", &[]).unwrap().get(0);
+        let mut t = c.transaction().unwrap();
+        t.query(
+            "SELECT 1 FROM orders WHERE id = ANY($1) FOR UPDATE",
+            &[&ids],
+        )
+        .unwrap();
+        pid_tx.send(pid).unwrap();
+        let _ = failing.recv();
+        assert!(t.batch_execute("SELECT 1/0").is_err());
+        let _ = ending.recv();
+        t.rollback().unwrap();
+    });
+    let pid = pid_rx.recv().unwrap();
+    let daemon = behind_a_long_lock(&mut env, &orders, pid);
+    fail.send(()).unwrap();
+    // The session stays in its failed transaction past the wait below.
+    all_cancelled_within_seconds(&env, daemon, &orders);
+    end.send(()).unwrap();
+    h.join().unwrap();
+}
+
+/// Starts the daemon (backoff 15–25 s) with `orders` due behind a lock of the session
+/// `pid`, and returns once every job waits in the pool, due 10 s or more ahead, one at
+/// least naming the holder, and the lock has lasted past a second (a long lock: one of a
+/// shop session locking the same rows in short transactions again and again is not, and
+/// its gaps bring nothing forward).
+fn behind_a_long_lock(env: &mut Env, orders: &[SeedOrder], pid: i32) -> Daemon {
+    env.config.jobs.retry_base = Duration::from_secs(20);
+    push_timeouts(env, orders, 0);
     let daemon = Daemon::start(&env.config);
     let held_by = format!("held by pid {pid} ");
     let keys: Vec<String> = orders
         .iter()
         .map(|o| format!("order.timeout:{}", o.order_no))
         .collect();
-    // Every job back in the pool, due 10 s or more ahead; one at least naming the holder.
     wait_until(WAIT, "every job waiting, the holder named", || {
         let mut con = env.con();
         let now = delay_worker::now_ms();
@@ -386,21 +435,22 @@ fn jobs_behind_a_lock_run_as_it_ends_not_at_the_end_of_their_backoff() {
         named
     });
     assert_eq!(inbox_count(&env.db), 0, "the lock is held");
-    // A long lock (its transaction seen open past a second): one of a shop session
-    // locking the same rows in short transactions again and again is not, and its gaps
-    // bring nothing forward.
     std::thread::sleep(Duration::from_millis(1500));
-    release.send(()).unwrap();
-    h.join().unwrap();
-    let released = std::time::Instant::now();
+    daemon
+}
+
+/// Every order cancelled within 10 s of now (the lock's end; their backoff is 15 s or
+/// more), once, and none a dead letter.
+fn all_cancelled_within_seconds(env: &Env, daemon: Daemon, orders: &[SeedOrder]) {
+    let ended = std::time::Instant::now();
     wait_until(Duration::from_secs(10), "every order cancelled", || {
-        inbox_count(&env.db) == 6
+        inbox_count(&env.db) == orders.len() as i64
     });
     eprintln!(
         "every order cancelled {:?} after the lock's end",
-        released.elapsed()
+        ended.elapsed()
     );
     daemon.stop();
-    assert_accounting(&env.db, &orders, &orders.iter().collect::<Vec<_>>());
-    assert_eq!(dead_letters(&env).len(), 0);
+    assert_accounting(&env.db, orders, &orders.iter().collect::<Vec<_>>());
+    assert_eq!(dead_letters(env).len(), 0);
 }
