@@ -168,10 +168,17 @@ fn look(client: &mut postgres::Client, wait: &LockWait) -> Option<String> {
     Some(describe(pid, query.as_deref(), state.as_deref(), &on))
 }
 
+/// What [`holder_pid`] says of a lock held by a prepared transaction, which has no
+/// session: no pid is 0.
+pub const PREPARED_HOLDER: i32 = 0;
+
 /// The pid a job's reason names as the holder of the lock it waited for
-/// ([`describe`]'s words), if any.
+/// ([`describe`]'s words), [`PREPARED_HOLDER`] for a prepared transaction, if any.
 pub fn holder_pid(reason: &str) -> Option<i32> {
     const HELD_BY: &str = "waited for a lock held by pid ";
+    if reason.contains("waited for a lock held by a prepared transaction") {
+        return Some(PREPARED_HOLDER);
+    }
     let at = reason.find(HELD_BY)? + HELD_BY.len();
     let digits = reason[at..]
         .find(|c: char| !c.is_ascii_digit())
@@ -391,7 +398,7 @@ mod tests {
         );
         assert_eq!(holder_pid(&reason), Some(4242));
         let prepared = describe(None, None, None, "on the table orders");
-        assert_eq!(holder_pid(&prepared), None);
+        assert_eq!(holder_pid(&prepared), Some(PREPARED_HOLDER));
         assert_eq!(
             holder_pid("canceling statement due to lock timeout (55P03)"),
             None

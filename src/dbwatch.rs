@@ -163,6 +163,14 @@ const HOLDERS_BUSY: &str = "SELECT pid, extract(epoch FROM xact_start)::float8, 
      WHERE pid = ANY($1) \
        AND (state IS NULL OR state NOT IN ('idle', 'idle in transaction (aborted)'))";
 
+/// The prepared transactions as one holder ([`crate::blocker::PREPARED_HOLDER`]), which
+/// have no session to follow: the oldest's start and age; no row when there is none. So
+/// the end of the oldest, or of the last, ends it (one of several others ending does not:
+/// their waiters keep their backoff).
+const PREPARED_BUSY: &str = "SELECT 0::int4, extract(epoch FROM min(prepared))::float8, \
+     extract(epoch FROM now() - min(prepared))::float8 FROM pg_prepared_xacts \
+     HAVING count(*) > 0";
+
 /// A holder's transaction open this long at a look is a long lock, whose end brings its
 /// waiters' retries forward. A shop session that locks the same rows again and again in
 /// short transactions is never one: its waiters keep their backoff rather than being
@@ -645,7 +653,14 @@ fn check(
             }
             // Only while jobs wait for a lock whose holder was named: nothing otherwise.
             if !holders.is_empty() {
-                seen.holders_busy = c.query(HOLDERS_BUSY, &[&holders]).ok().map(|rows| {
+                let prepared = holders.contains(&crate::blocker::PREPARED_HOLDER);
+                let rows = c.query(HOLDERS_BUSY, &[&holders]).and_then(|mut rows| {
+                    if prepared {
+                        rows.extend(c.query(PREPARED_BUSY, &[])?);
+                    }
+                    Ok(rows)
+                });
+                seen.holders_busy = rows.ok().map(|rows| {
                     rows.iter()
                         .filter_map(|r| {
                             let secs = |i| r.try_get::<_, Option<f64>>(i).ok().flatten();

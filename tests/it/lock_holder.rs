@@ -354,7 +354,7 @@ fn jobs_behind_a_lock_run_as_it_ends_not_at_the_end_of_their_backoff() {
     let mut env = Env::new();
     let orders = seed_orders(&env.db, 6);
     let (pid, release, h) = hold(&env, "LOCK TABLE orders IN EXCLUSIVE MODE");
-    let daemon = behind_a_long_lock(&mut env, &orders, pid);
+    let daemon = behind_a_long_lock(&mut env, &orders, &format!("held by pid {pid} "));
     release.send(()).unwrap();
     h.join().unwrap();
     all_cancelled_within_seconds(&env, daemon, &orders);
@@ -390,7 +390,7 @@ fn jobs_behind_a_lock_whose_transaction_failed_run_as_it_fails() {
         t.rollback().unwrap();
     });
     let pid = pid_rx.recv().unwrap();
-    let daemon = behind_a_long_lock(&mut env, &orders, pid);
+    let daemon = behind_a_long_lock(&mut env, &orders, &format!("held by pid {pid} "));
     fail.send(()).unwrap();
     // The session stays in its failed transaction past the wait below.
     all_cancelled_within_seconds(&env, daemon, &orders);
@@ -398,16 +398,16 @@ fn jobs_behind_a_lock_whose_transaction_failed_run_as_it_fails() {
     h.join().unwrap();
 }
 
-/// Starts the daemon (backoff 15–25 s) with `orders` due behind a lock of the session
-/// `pid`, and returns once every job waits in the pool, due 10 s or more ahead, one at
-/// least naming the holder, and the lock has lasted past a second (a long lock: one of a
+/// Starts the daemon (backoff 15–25 s) with `orders` due behind a lock, and returns once
+/// every job waits in the pool, due 10 s or more ahead, one at least naming the holder
+/// (`held_by`), and the lock has lasted past a second (a long lock: one of a
 /// shop session locking the same rows in short transactions again and again is not, and
 /// its gaps bring nothing forward).
-fn behind_a_long_lock(env: &mut Env, orders: &[SeedOrder], pid: i32) -> Daemon {
+fn behind_a_long_lock(env: &mut Env, orders: &[SeedOrder], held_by: &str) -> Daemon {
     env.config.jobs.retry_base = Duration::from_secs(20);
+    env.config.jobs.retry_cap = Duration::from_secs(300);
     push_timeouts(env, orders, 0);
     let daemon = Daemon::start(&env.config);
-    let held_by = format!("held by pid {pid} ");
     let keys: Vec<String> = orders
         .iter()
         .map(|o| format!("order.timeout:{}", o.order_no))
@@ -430,7 +430,7 @@ fn behind_a_long_lock(env: &mut Env, orders: &[SeedOrder], pid: i32) -> Daemon {
                 .arg(key)
                 .query(&mut con)
                 .unwrap();
-            named |= msg.is_some_and(|m| m.contains(&held_by));
+            named |= msg.is_some_and(|m| m.contains(held_by));
         }
         named
     });
@@ -453,4 +453,25 @@ fn all_cancelled_within_seconds(env: &Env, daemon: Daemon, orders: &[SeedOrder])
     daemon.stop();
     assert_accounting(&env.db, orders, &orders.iter().collect::<Vec<_>>());
     assert_eq!(dead_letters(env).len(), 0);
+}
+
+/// A lock held by a prepared transaction (two-phase commit), which has no session to
+/// follow: its waiters run as it is committed or rolled back. Found from outside: they ran
+/// at the end of their backoff, 18–23 s later, health red meanwhile.
+#[test]
+fn jobs_behind_a_prepared_transaction_run_as_it_ends() {
+    let (mut env, _pg, mut shop) = with_prepared_transactions(Duration::from_secs(5));
+    let orders = seed_orders(&env.db, 4);
+    let ids: Vec<i64> = orders.iter().map(|o| o.id).collect();
+    shop.batch_execute(&format!(
+        "BEGIN; SELECT 1 FROM orders WHERE id IN ({}) FOR UPDATE; PREPARE TRANSACTION 'refund-42'",
+        ids.iter()
+            .map(i64::to_string)
+            .collect::<Vec<_>>()
+            .join(", ")
+    ))
+    .unwrap();
+    let daemon = behind_a_long_lock(&mut env, &orders, "held by a prepared transaction");
+    shop.batch_execute("ROLLBACK PREPARED 'refund-42'").unwrap();
+    all_cancelled_within_seconds(&env, daemon, &orders);
 }
