@@ -116,28 +116,18 @@ fi
 # leaving one for everything after `release` in the alphabet. (The shop database's suite
 # run beside the rest as well, eight at a time, made its lateness bounds fail under the
 # load: not kept.)
-# The shop database's suite, half of the integration tests' time and most of their longest
-# waits, runs in a process of its own too, from the start: last in the alphabet, its
-# longest tests began late and ended the run. The two share the threads.
-shop_threads=$(( RUST_TEST_THREADS / 2 ))
-rest_threads=$(( RUST_TEST_THREADS - shop_threads ))
-phase "testing ($rest_threads tests at a time; beside them tests/it/shopdb.rs, $shop_threads at a time, log: target/shopdb-tests.log, and tests/it/release.rs, log: target/release-tests.log)"
+phase "testing ($RUST_TEST_THREADS tests at a time; beside them tests/it/release.rs, log: target/release-tests.log)"
 cargo test --test it -- release:: --test-threads 3 >target/release-tests.log 2>&1 &
 release_tests_pid=$!
-cargo test --test it -- shopdb:: --test-threads "$shop_threads" >target/shopdb-tests.log 2>&1 &
-shop_tests_pid=$!
 rc=0
-cargo test --all-targets -- --skip release:: --skip shopdb:: --test-threads "$rest_threads" || rc=$?
-phase "the rest done; waiting for tests/it/shopdb.rs and tests/it/release.rs"
-shop_rc=0
-wait "$shop_tests_pid" || shop_rc=$?
-phase "tests/it/shopdb.rs done"
+cargo test --all-targets -- --skip release:: || rc=$?
+phase "the rest done; waiting for tests/it/release.rs"
 release_rc=0
 wait "$release_tests_pid" || release_rc=$?
-cat target/shopdb-tests.log target/release-tests.log
+cat target/release-tests.log
 phase "done"
-if [ "$rc" != 0 ] || [ "$shop_rc" != 0 ] || [ "$release_rc" != 0 ]; then
-  echo "failed: exit codes $rc (the rest), $shop_rc (tests/it/shopdb.rs), $release_rc (tests/it/release.rs)"
+if [ "$rc" != 0 ] || [ "$release_rc" != 0 ]; then
+  echo "failed: exit codes $rc (the rest), $release_rc (tests/it/release.rs)"
   exit 1
 fi
 
