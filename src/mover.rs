@@ -360,12 +360,12 @@ pub fn run_shards(movers: &[Mover<'_>], client: &crate::store::Redis, shutdown: 
 /// whose holder's transaction has ended (`Contention::to_hasten`): this tick moves them.
 /// A retry that is no longer the one written (pushed again, moved, run by a peer) is left
 /// as it is; one that cannot be brought forward now runs at the end of its backoff.
-fn hasten(con: &mut dyn ConnectionLike, movers: &[Mover<'_>], freed: &[(String, i64, Vec<u8>)]) {
+fn hasten(con: &mut dyn ConnectionLike, movers: &[Mover<'_>], freed: &[(String, i64, String)]) {
     for (i, m) in movers.iter().enumerate() {
-        let mine: Vec<(&str, i64, &[u8])> = freed
+        let mine: Vec<(&str, i64, &str)> = freed
             .iter()
             .filter(|(key, ..)| crate::keys::shard_of(key.as_bytes(), movers.len()) == i)
-            .map(|(key, score, msg)| (key.as_str(), *score, msg.as_slice()))
+            .map(|(key, score, sha)| (key.as_str(), *score, sha.as_str()))
             .collect();
         if mine.is_empty() {
             continue;

@@ -474,9 +474,10 @@ pub struct Waiter {
     pub due_ms: i64,
     /// The session its reason names as holding the lock it waited for (a pid).
     pub holder: Option<i32>,
-    /// The retry it went back to the pool with, its score and its message: it is brought
-    /// forward only while it is that very retry ([`Contention::to_hasten`]).
-    pub retry: Option<(i64, Vec<u8>)>,
+    /// The retry it went back to the pool with, its score and the SHA-1 of its message
+    /// (hex; kept small however large the message): it is brought forward only while it
+    /// is that very retry ([`Contention::to_hasten`]).
+    pub retry: Option<(i64, String)>,
     pub hasten: Hasten,
 }
 
@@ -517,7 +518,7 @@ impl Contention {
         (reason, lock, retries): (&str, bool, u32),
         due_ms: i64,
         met_ms: i64,
-        retry: Option<(i64, Vec<u8>)>,
+        retry: Option<(i64, &[u8])>,
     ) {
         let mut w = self.lock();
         self.seen_ms.store(crate::now_ms(), Relaxed);
@@ -541,7 +542,8 @@ impl Contention {
                 retries,
                 due_ms,
                 holder: lock.then(|| crate::blocker::holder_pid(reason)).flatten(),
-                retry,
+                retry: retry
+                    .map(|(score, msg)| (score, sha1_smol::Sha1::from(msg).digest().to_string())),
                 hasten: Hasten::No,
             },
         );
@@ -602,12 +604,12 @@ impl Contention {
     }
 
     /// The retries to bring forward now (`now_ms`, Redis's clock), as `(job key, score,
-    /// message)`: each is brought forward once ([`Hasten::Done`]), and due now, it is
+    /// SHA-1 of the message)`: each is brought forward once ([`Hasten::Done`]), and due now, it is
     /// forgotten [`CONTENTION_FORGET`] from now unless this process meets it again (run by
     /// a peer, it no longer kept this process red until its old retry time had passed:
     /// found from outside, red for 40–46 s after the lock's end in the processes that did
     /// not run the jobs).
-    pub fn to_hasten(&self, now_ms: i64) -> Vec<(String, i64, Vec<u8>)> {
+    pub fn to_hasten(&self, now_ms: i64) -> Vec<(String, i64, String)> {
         if !self.hasten_due.swap(false, Relaxed) {
             return Vec::new();
         }
@@ -1606,7 +1608,7 @@ mod tests {
         let now = crate::now_ms();
         let held = "canceling statement due to lock timeout (55P03): waited for a lock held by pid 42 (idle in transaction, its last statement `LOCK TABLE orders`) on the table orders";
         let wait = |key: &str, event: &str, reason: &str, lock: bool| {
-            let retry = Some((now + 20_000, key.as_bytes().to_vec()));
+            let retry = Some((now + 20_000, key.as_bytes()));
             let why = (reason, lock, 1);
             s.contention
                 .waiting(key, event, now, why, now + 20_000, now, retry);

@@ -339,7 +339,7 @@ impl<'a> Watch<'a> {
                         ),
                         due_ms,
                         crate::now_ms(),
-                        Some((due_ms, msg)),
+                        Some((due_ms, msg.as_slice())),
                     );
                 }
                 cursor = next;

@@ -5,7 +5,7 @@
 -- score), a peer's retry of it or its move to the stream leave it as it is.
 --
 -- KEYS[1] pool ZSET, KEYS[2] data HASH
--- ARGV: triples of job key, the retry's score (unix ms), its message
+-- ARGV: triples of job key, the retry's score (unix ms), the SHA-1 of its message (hex)
 -- Returns how many were brought forward.
 local w = wrong_type(KEYS[1], 'zset', KEYS[2], 'hash')
 if w then return wrongtype_reply(w) end
@@ -15,7 +15,7 @@ local n = 0
 for i = 1, #ARGV, 3 do
   local key, score = ARGV[i], tonumber(ARGV[i + 1])
   local at = tonumber(redis.call('ZSCORE', KEYS[1], key))
-  if at and at == score and at > now_ms and redis.call('HGET', KEYS[2], key) == ARGV[i + 2] then
+  if at and at == score and at > now_ms and redis.sha1hex(redis.call('HGET', KEYS[2], key) or '') == ARGV[i + 2] then
     redis.call('ZADD', KEYS[1], 'XX', now_ms, key)
     n = n + 1
   end

@@ -67,18 +67,18 @@ pub fn push_many(
     Ok((pushed, again))
 }
 
-/// Brings forward to now the retries `(job key, score, message)` of jobs whose lock is
-/// gone, each only while it is that very retry, not yet due (`hasten.lua`). Returns how
-/// many were.
+/// Brings forward to now the retries `(job key, score, SHA-1 of the message in hex)` of
+/// jobs whose lock is gone, each only while it is that very retry, not yet due
+/// (`hasten.lua`). Returns how many were.
 pub fn hasten(
     con: &mut dyn ConnectionLike,
     keys: &Keys,
-    retries: &[(&str, i64, &[u8])],
+    retries: &[(&str, i64, &str)],
 ) -> StoreResult<u64> {
     let mut inv = HASTEN.prepare_invoke();
     inv.key(&keys.pool).key(&keys.data);
-    for (key, score, msg) in retries {
-        inv.arg(*key).arg(*score).arg(*msg);
+    for (key, score, sha) in retries {
+        inv.arg(*key).arg(*score).arg(*sha);
     }
     Ok(int(Some(&run("hasten", &inv, con)?)) as u64)
 }

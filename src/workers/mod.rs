@@ -2278,7 +2278,7 @@ impl<'a> Worker<'a> {
             (&f.reason, lock_wait, retry),
             due_ms + patience,
             failed_at,
-            lock_wait.then(|| (due_ms, msg.clone())),
+            lock_wait.then_some((due_ms, msg.as_slice())),
         );
         let local = crate::now_ms();
         report_contention(stats, [env.event.as_str()], (now, local), jobs);

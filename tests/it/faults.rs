@@ -597,6 +597,17 @@ fn healthz_answers_within_three_seconds_while_a_server_never_answers() {
         ),
         ("both", vec![redis, postgres], vec!["Redis", "PostgreSQL"]),
     ] {
+        // Resumed however this ends: a failed assertion left the servers stopped, and the
+        // test's own clean-up could not stop them.
+        struct Resume<'a>(&'a [i32]);
+        impl Drop for Resume<'_> {
+            fn drop(&mut self) {
+                for &pid in self.0 {
+                    unsafe { libc::kill(pid, libc::SIGCONT) };
+                }
+            }
+        }
+        let resume = Resume(&pids);
         for &pid in &pids {
             unsafe { libc::kill(pid, libc::SIGSTOP) };
         }
@@ -611,9 +622,7 @@ fn healthz_answers_within_three_seconds_while_a_server_never_answers() {
                 Err(e) => panic!("{server} stopped: no answer within 3 s: {e}"),
             }
         }
-        for &pid in &pids {
-            unsafe { libc::kill(pid, libc::SIGCONT) };
-        }
+        drop(resume);
         wait_until(WAIT, "/healthz green again", || {
             healthz().is_ok_and(|(code, _)| code == 200)
         });

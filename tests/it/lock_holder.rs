@@ -475,3 +475,37 @@ fn jobs_behind_a_prepared_transaction_run_as_it_ends() {
     shop.batch_execute("ROLLBACK PREPARED 'refund-42'").unwrap();
     all_cancelled_within_seconds(&env, daemon, &orders);
 }
+
+/// A job pushed again while it waits behind a lock (the shop rescheduling its order) is
+/// the producer's from then: the lock's end brings forward only the retries that are
+/// still the ones the worker wrote, so the new push runs at its own due time, never early,
+/// and the other waiters as the lock ends.
+#[test]
+fn a_job_pushed_again_while_it_waits_behind_a_lock_keeps_its_new_due_time() {
+    let mut env = Env::new();
+    let orders = seed_orders(&env.db, 3);
+    let (pid, release, h) = hold(&env, "LOCK TABLE orders IN EXCLUSIVE MODE");
+    let daemon = behind_a_long_lock(&mut env, &orders, &format!("held by pid {pid} "));
+    let again = &orders[0];
+    let mut con = env.con();
+    crate::topology::push_timeout(&mut con, &env.config.keys, again, 60_000).unwrap();
+    release.send(()).unwrap();
+    h.join().unwrap();
+    wait_until(Duration::from_secs(10), "the others cancelled", || {
+        inbox_count(&env.db) == 2
+    });
+    std::thread::sleep(Duration::from_secs(1));
+    let score: f64 = redis::cmd("ZSCORE")
+        .arg(&env.config.keys.pool)
+        .arg(crate::topology::timeout_key(again))
+        .query(&mut con)
+        .unwrap();
+    assert!(
+        score as i64 > delay_worker::now_ms() + 50_000,
+        "the job pushed again for 60 s is due at its own time"
+    );
+    assert_eq!(inbox_count(&env.db), 2, "nothing ran early");
+    daemon.stop();
+    assert_accounting(&env.db, &orders, &orders[1..].iter().collect::<Vec<_>>());
+    assert_eq!(dead_letters(&env).len(), 0);
+}
