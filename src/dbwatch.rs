@@ -152,8 +152,8 @@ const HELD_UP_ASK: &str = "WITH RECURSIVE shop AS ( \
 
 /// Of the sessions named as holding the locks jobs wait for, those still inside a
 /// transaction (or whose state this role may not see), with when that transaction began
-/// and how long ago (seconds; NULL where this role may not see it): the others'
-/// transactions, and their locks, have ended ([`LongHolders`]).
+/// and how long ago (seconds; NULL where this role may not see it, and such a session is
+/// not followed): the others' transactions, and their locks, have ended ([`LongHolders`]).
 /// A transaction that failed ("idle in transaction (aborted)", the shop's PHP code
 /// caught an exception and has not rolled back yet) released its locks at the error: it
 /// holds none (found from outside: its waiters ran at the end of their backoff, 15–21 s

@@ -265,10 +265,9 @@ struct ProbeShared {
 /// The check of one server.
 #[derive(Default)]
 struct Part {
-    /// The number of the last check started, whether it is running, and since when.
+    /// The number of the last check started, and since when it runs (`None`: it ended).
     started: u64,
-    running: bool,
-    since: Option<std::time::Instant>,
+    running: Option<std::time::Instant>,
     /// The last check that ended: its number and result.
     last: Option<(u64, Result<Probed, String>)>,
 }
@@ -301,7 +300,7 @@ impl Probe {
         let mut parts = shared.parts.lock().unwrap_or_else(|p| p.into_inner());
         let mut wanted = [0; 2];
         for i in [REDIS, POSTGRES] {
-            if !parts[i].running {
+            if parts[i].running.is_none() {
                 let n = parts[i].started + 1;
                 let (redis, pg, sh) = (self.redis.clone(), self.pg.clone(), shared.clone());
                 std::thread::Builder::new()
@@ -312,21 +311,19 @@ impl Probe {
                             _ => probe_postgres(&pg),
                         };
                         let mut parts = sh.parts.lock().unwrap_or_else(|p| p.into_inner());
-                        parts[i].running = false;
+                        parts[i].running = None;
                         parts[i].last = Some((n, r));
                         sh.done.notify_all();
                     })
                     .map_err(|e| format!("cannot start the health check: {e}"))?;
                 parts[i].started = n;
-                parts[i].running = true;
-                parts[i].since = Some(std::time::Instant::now());
+                parts[i].running = Some(std::time::Instant::now());
             }
             wanted[i] = parts[i].started;
         }
         let silent = |p: &Part| {
             p.running
-                && p.since
-                    .is_some_and(|t| t.elapsed() >= std::time::Duration::from_secs(1))
+                .is_some_and(|t| t.elapsed() >= std::time::Duration::from_secs(1))
         };
         let answer = |parts: &[Part; 2], i: usize| match &parts[i].last {
             Some((n, r)) if *n >= wanted[i] => Some(r.clone()),
@@ -340,7 +337,7 @@ impl Probe {
                     return Err(format!(
                     "{e}; PostgreSQL has not answered a new session's SELECT 1 for {:.1}s either",
                     parts[POSTGRES]
-                        .since
+                        .running
                         .map_or(0.0, |t| t.elapsed().as_secs_f64())
                 ))
                 }

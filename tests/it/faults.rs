@@ -103,10 +103,7 @@ fn redis_client_connections_killed_mid_run() {
 
 #[test]
 fn postgres_restarted_mid_run() {
-    let mut env = Env::new();
-    let pg = PgServer::start(&[]);
-    env.db = pg.db();
-    env.config.database_url = pg.url.clone();
+    let (env, pg) = Env::on_own_postgres(&[]);
     let orders = seed_orders(&env.db, 1500);
     push_timeouts(&env, &orders, 0);
     let daemon = Daemon::start(&env.config);
@@ -138,10 +135,7 @@ fn postgres_restarted_mid_run() {
 /// every job is done once, none is a dead letter, and the two processes' counters add up.
 #[test]
 fn postgres_down_for_two_processes_longer_than_a_heartbeat() {
-    let mut env = Env::new();
-    let pg = PgServer::start(&[]);
-    env.db = pg.db();
-    env.config.database_url = pg.url.clone();
+    let (mut env, pg) = Env::on_own_postgres(&[]);
     let orders = seed_orders(&env.db, 2000);
     push_timeouts(&env, &orders, 0);
     // Maintenance every second, as a heartbeat of 2 s allows: a process back takes a
@@ -174,13 +168,10 @@ fn postgres_down_for_two_processes_longer_than_a_heartbeat() {
 
 #[test]
 fn postgres_out_of_connections_for_a_while() {
-    let mut env = Env::new();
-    let pg = PgServer::start(&[
+    let (env, pg) = Env::on_own_postgres(&[
         "-c max_connections=12",
         "-c superuser_reserved_connections=0",
     ]);
-    env.db = pg.db();
-    env.config.database_url = pg.url.clone();
     let orders = seed_orders(&env.db, 1500);
     push_timeouts(&env, &orders, 0);
     let daemon = Daemon::start(&env.config);
@@ -555,16 +546,13 @@ fn dead_letters_faster_than_the_threshold_turn_healthz_red() {
 
 /// `/healthz` answers within 3 s whatever the servers do: a Redis, then a PostgreSQL, then
 /// both, that accept connections and never answer (stopped with SIGSTOP, as a frozen VM or
-/// a network black hole would be) are each a 503 naming the server (both: each named), answered within the 3 s a probe
-/// often allows. Found from outside: the two asked one after the other, each reply of a
+/// a network black hole would be) are each a 503 naming the server (both: each named),
+/// answered within the 3 s a probe often allows. Found from outside: the two asked one after the other, each reply of a
 /// connection's setup allowed 2 s, a stopped Redis was a 503 at 3 s, which a client with a
 /// 3 s timeout never saw. Back, 200, and every job done once.
 #[test]
 fn healthz_answers_within_three_seconds_while_a_server_never_answers() {
-    let mut env = Env::new();
-    let pg = PgServer::start(&[]);
-    env.db = pg.db();
-    env.config.database_url = pg.url.clone();
+    let (env, pg) = Env::on_own_postgres(&[]);
     let orders = seed_orders(&env.db, 20);
     let port = free_port();
     let addr = format!("127.0.0.1:{port}");

@@ -225,10 +225,7 @@ fn a_table_lock_ending_in_a_statement_timeout_is_waited_for_never_a_dead_letter(
 /// A private server that allows prepared transactions, the worker's config on it (with
 /// `statement_timeout` and [`retry_soon`]), and a shop session of it.
 fn with_prepared_transactions(statement_timeout: Duration) -> (Env, PgServer, postgres::Client) {
-    let mut env = Env::new();
-    let pg = PgServer::start(&["-c max_prepared_transactions=4"]);
-    env.db = pg.db();
-    env.config.database_url = pg.url.clone();
+    let (mut env, pg) = Env::on_own_postgres(&["-c max_prepared_transactions=4"]);
     env.config.jobs.statement_timeout = statement_timeout;
     retry_soon(&mut env);
     let shop = postgres::Client::connect(&pg.url, postgres::NoTls).unwrap();

@@ -135,10 +135,7 @@ fn aborted_backends(db: &TestDb) -> i64 {
 
 #[test]
 fn a_server_turned_read_only_holds_every_job_and_health_is_red_until_it_takes_writes() {
-    let mut env = Env::new();
-    let pg = PgServer::start(&[]);
-    env.db = pg.db();
-    env.config.database_url = pg.url.clone();
+    let (env, pg) = Env::on_own_postgres(&[]);
     let orders = seed_orders(&env.db, 300);
     let (w, port) = start_with_health(&env, &[]);
     push_timeouts(&env, &orders[..100], 0);
@@ -206,10 +203,7 @@ fn a_server_turned_read_only_holds_every_job_and_health_is_red_until_it_takes_wr
 
 #[test]
 fn a_single_host_url_to_a_server_restarted_as_a_standby_holds_until_it_is_promoted() {
-    let mut env = Env::new();
-    let pg = PgServer::start(&[]);
-    env.db = pg.db();
-    env.config.database_url = pg.url.clone();
+    let (env, pg) = Env::on_own_postgres(&[]);
     let orders = seed_orders(&env.db, 200);
     let (w, port) = start_with_health(&env, &[]);
     push_timeouts(&env, &orders[..100], 0);
@@ -582,13 +576,10 @@ fn rows_only_some_waiting_jobs_meet_are_waited_out_past_the_horizon_red_while_ot
 /// jobs went through, and `stats --check` OK.)
 #[test]
 fn no_connection_slot_for_a_new_session_is_a_warning_while_the_workers_keep_theirs() {
-    let mut env = Env::new();
-    let pg = PgServer::start(&[
+    let (mut env, pg) = Env::on_own_postgres(&[
         "-c max_connections=14",
         "-c superuser_reserved_connections=0",
     ]);
-    env.db = pg.db();
-    env.config.database_url = pg.url.clone();
     env.config.threads = 2;
     let orders = seed_orders(&env.db, 40);
     let (w, port) = start_with_health(&env, &[]);

@@ -463,6 +463,16 @@ impl Env {
     pub fn con(&self) -> redis::Connection {
         self.redis.con()
     }
+
+    /// An environment whose PostgreSQL is a private server of its own, started with
+    /// `extra` settings (for restarts, stops and server settings no other test may see).
+    pub fn on_own_postgres(extra: &[&str]) -> (Env, PgServer) {
+        let mut env = Env::new();
+        let pg = PgServer::start(extra);
+        env.db = pg.db();
+        env.config.database_url = pg.url.clone();
+        (env, pg)
+    }
 }
 
 /// The daemon running in this process on its own threads.
