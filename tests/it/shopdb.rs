@@ -1438,7 +1438,10 @@ fn a_shop_waiting_briefly_behind_the_drain_in_most_looks_is_warned_of() {
              FOR EACH ROW EXECUTE FUNCTION slow_sku()",
         )
         .unwrap();
-    let (w, port) = start_with_health(&env, &["--set-size", "1"]);
+    // A job waits up to 900 ms for its sku (under PostgreSQL's deadlock_timeout): with the
+    // default 100 ms, on a loaded machine the jobs queued behind the shop timed out and went
+    // back for their backoff, and the shop seldom waited behind the worker's sessions.
+    let (w, port) = start_with_health(&env, &["--set-size", "1", "--lock-timeout", "900ms"]);
     wait_until(WAIT, "/healthz green", || healthz(port).0 == 200);
     const TOLD: &str = "waited for locks behind the worker's";
     assert!(!check(&env).1.contains(TOLD), "{}", check(&env).1);
