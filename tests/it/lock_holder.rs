@@ -405,35 +405,38 @@ fn behind_a_long_lock(env: &mut Env, orders: &[SeedOrder], held_by: &str) -> Dae
     env.config.jobs.retry_cap = Duration::from_secs(300);
     push_timeouts(env, orders, 0);
     let daemon = Daemon::start(&env.config);
-    let keys: Vec<String> = orders
-        .iter()
-        .map(|o| format!("order.timeout:{}", o.order_no))
-        .collect();
     wait_until(WAIT, "every job waiting, the holder named", || {
-        let mut con = env.con();
-        let now = delay_worker::now_ms();
-        let mut named = false;
-        for key in &keys {
-            let score: Option<f64> = redis::cmd("ZSCORE")
-                .arg(&env.config.keys.pool)
-                .arg(key)
-                .query(&mut con)
-                .unwrap();
-            if score.is_none_or(|s| (s as i64) < now + 10_000) {
-                return false;
-            }
-            let msg: Option<String> = redis::cmd("HGET")
-                .arg(&env.config.keys.data)
-                .arg(key)
-                .query(&mut con)
-                .unwrap();
-            named |= msg.is_some_and(|m| m.contains(held_by));
-        }
-        named
+        waiting_behind(env, orders, held_by)
     });
     assert_eq!(inbox_count(&env.db), 0, "the lock is held");
     std::thread::sleep(Duration::from_millis(1500));
     daemon
+}
+
+/// Whether every job of `orders` waits in the pool, its retry due 10 s or more ahead, and
+/// one at least names the holder (`held_by`).
+fn waiting_behind(env: &Env, orders: &[SeedOrder], held_by: &str) -> bool {
+    let mut con = env.con();
+    let now = delay_worker::now_ms();
+    let mut named = false;
+    for o in orders {
+        let key = format!("order.timeout:{}", o.order_no);
+        let score: Option<f64> = redis::cmd("ZSCORE")
+            .arg(&env.config.keys.pool)
+            .arg(&key)
+            .query(&mut con)
+            .unwrap();
+        if score.is_none_or(|s| (s as i64) < now + 10_000) {
+            return false;
+        }
+        let msg: Option<String> = redis::cmd("HGET")
+            .arg(&env.config.keys.data)
+            .arg(&key)
+            .query(&mut con)
+            .unwrap();
+        named |= msg.is_some_and(|m| m.contains(held_by));
+    }
+    named
 }
 
 /// Every order cancelled within 10 s of now (the lock's end; their backoff is 15 s or
@@ -504,5 +507,73 @@ fn a_job_pushed_again_while_it_waits_behind_a_lock_keeps_its_new_due_time() {
     assert_eq!(inbox_count(&env.db), 2, "nothing ran early");
     daemon.stop();
     assert_accounting(&env.db, &orders, &orders[1..].iter().collect::<Vec<_>>());
+    assert_eq!(dead_letters(&env).len(), 0);
+}
+
+/// Two processes and jobs behind a lock: as it ends the jobs run in one process or the
+/// other, and neither keeps counting (and warning of) a job the other ran. Found from
+/// outside: a process counted such a job until 15 s past the end of its backoff, red
+/// 40–46 s after the lock's end beside a long lock; a job brought forward is now forgotten
+/// 15 s after it was. Every job waits in `b` first; `a`, started then, counts them too (the
+/// pool's lock waiters of an earlier run). The backoff is 15–25 s, so counted to its end a
+/// waiter would stay 28 s or more after the lock's end.
+#[test]
+fn a_process_forgets_the_jobs_behind_a_lock_that_another_ran_as_it_ended() {
+    let mut env = Env::new();
+    env.config.jobs.retry_base = Duration::from_secs(20);
+    env.config.jobs.retry_cap = Duration::from_secs(300);
+    let orders = seed_orders(&env.db, 8);
+    let (pid, release, h) = hold(&env, "LOCK TABLE orders IN EXCLUSIVE MODE");
+    let start = |name: &str| {
+        let mut c = env.config.clone();
+        c.consumer = format!("{}-{name}", env.config.consumer);
+        let port = free_port();
+        let p = Proc::start(&c, &["--metrics-addr".into(), format!("127.0.0.1:{port}")]);
+        wait_until(WAIT, "/healthz up", || {
+            crate::shopdb::healthz(port).0 == 200
+        });
+        (p, port)
+    };
+    let waiting = |port| crate::shopdb::metric(port, "delay_worker_jobs_waiting_on_contention");
+    let (b, port_b) = start("b");
+    push_timeouts(&env, &orders, 0);
+    let held_by = format!("held by pid {pid} ");
+    wait_until(WAIT, "every job waiting in b", || {
+        waiting_behind(&env, &orders, &held_by) && waiting(port_b) == orders.len() as f64
+    });
+    let (a, port_a) = start("a");
+    assert!(
+        dead_letters(&env).is_empty() && inbox_count(&env.db) == 0,
+        "the lock is held"
+    );
+    // A long lock: past the second after which its end brings its waiters forward.
+    std::thread::sleep(Duration::from_millis(1500));
+    release.send(()).unwrap();
+    h.join().unwrap();
+    let ended = std::time::Instant::now();
+    wait_until(Duration::from_secs(10), "every order cancelled", || {
+        inbox_count(&env.db) == orders.len() as i64
+    });
+    let done = |port| {
+        crate::shopdb::metric(
+            port,
+            "delay_worker_jobs_total{event=\"order.timeout\",outcome=\"done\"}",
+        )
+    };
+    wait_until(
+        Duration::from_secs(22),
+        "neither process counting a job the other ran",
+        || waiting(port_b) == 0.0 && waiting(port_a) == 0.0,
+    );
+    eprintln!(
+        "a ran {} of {}, b {}; both forgot their waiters {:?} after the lock's end",
+        done(port_a),
+        orders.len(),
+        done(port_b),
+        ended.elapsed()
+    );
+    crate::shopdb::stop(a);
+    crate::shopdb::stop(b);
+    assert_accounting(&env.db, &orders, &orders.iter().collect::<Vec<_>>());
     assert_eq!(dead_letters(&env).len(), 0);
 }
