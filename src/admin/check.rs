@@ -495,18 +495,46 @@ fn memory(con: &mut dyn redis::ConnectionLike, config: &Config) -> Vec<(String, 
         .collect()
 }
 
+/// How long `stats --check` waits for Redis in all, connection included: a server that
+/// accepts connections but never answers (stopped, swapping, a network that drops
+/// replies) is UNKNOWN this soon, well inside a monitoring system's own timeout (10 s by
+/// default in Nagios and Icinga), not after every reply of the connection's setup has
+/// timed out one after the other (about 6 s).
+pub const CHECK_DEADLINE: Duration = Duration::from_secs(3);
+
 /// `worker stats --check`. Never an `Err` for Redis: that is the UNKNOWN line and exit 3,
-/// which a monitoring system tells apart from "the queue is in trouble".
+/// which a monitoring system tells apart from "the queue is in trouble". The verdict is
+/// made on a thread of its own, and one not made within [`CHECK_DEADLINE`] is UNKNOWN
+/// (the process exits; the thread is left to its socket's timeout).
 pub(super) fn run(
     config: &Config,
     args: &StatsArgs,
     out: &mut dyn Write,
 ) -> anyhow::Result<ExitCode> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (c, a) = (config.clone(), args.clone());
+    std::thread::spawn(move || {
+        let _ = tx.send(check(&c, &a));
+    });
+    let verdict = rx.recv_timeout(CHECK_DEADLINE).unwrap_or_else(|_| Verdict {
+        status: Status::Unknown,
+        line: format!(
+            "UNKNOWN - no answer from Redis at {} within {} s",
+            config.derived.redis_shown,
+            CHECK_DEADLINE.as_secs()
+        ),
+    });
+    writeln!(out, "{}", verdict.line)?;
+    Ok(ExitCode::from(verdict.status.code()))
+}
+
+/// What `stats --check` says, as long as Redis takes to answer.
+fn check(config: &Config, args: &StatsArgs) -> Verdict {
     let unknown = |why: String| Verdict {
         status: Status::Unknown,
         line: format!("UNKNOWN - {why}"),
     };
-    let verdict = match super::connect(config) {
+    match super::connect(config) {
         // The error already names the (redacted) URL.
         Err(e) => unknown(super::one_line(&e)),
         Ok(mut con) => match wrong_types(&mut con, config) {
@@ -533,9 +561,7 @@ pub(super) fn run(
                 }
             }
         },
-    };
-    writeln!(out, "{}", verdict.line)?;
-    Ok(ExitCode::from(verdict.status.code()))
+    }
 }
 
 #[cfg(test)]

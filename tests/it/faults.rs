@@ -549,7 +549,8 @@ fn dead_letters_faster_than_the_threshold_turn_healthz_red() {
 /// a network black hole would be) are each a 503 naming the server (both: each named),
 /// answered within the 3 s a probe often allows. Found from outside: the two asked one after the other, each reply of a
 /// connection's setup allowed 2 s, a stopped Redis was a 503 at 3 s, which a client with a
-/// 3 s timeout never saw. Back, 200, and every job done once.
+/// 3 s timeout never saw. `stats --check` says UNKNOWN within its 3 s while Redis is
+/// stopped. Back, 200, and every job done once.
 #[test]
 fn healthz_answers_within_three_seconds_while_a_server_never_answers() {
     let (env, pg) = Env::on_own_postgres(&[]);
@@ -609,6 +610,22 @@ fn healthz_answers_within_three_seconds_while_a_server_never_answers() {
                 }
                 Err(e) => panic!("{server} stopped: no answer within 3 s: {e}"),
             }
+        }
+        if pids.contains(&redis) {
+            // The monitoring check too: UNKNOWN within its deadline (3 s), before a
+            // monitoring system's own timeout; it took about 6 s, a reply of the
+            // connection's setup timing out after another.
+            let asked = std::time::Instant::now();
+            let (code, line) = crate::shopdb::check(&env);
+            assert!(
+                code == 3 && line.starts_with("UNKNOWN - no answer from Redis"),
+                "{server} stopped: {code} {line}"
+            );
+            assert!(
+                asked.elapsed() < Duration::from_secs(5),
+                "{:?}",
+                asked.elapsed()
+            );
         }
         drop(resume);
         wait_until(WAIT, "/healthz green again", || {
