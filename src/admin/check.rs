@@ -502,10 +502,16 @@ fn memory(con: &mut dyn redis::ConnectionLike, config: &Config) -> Vec<(String, 
 /// timed out one after the other (about 6 s).
 pub const CHECK_DEADLINE: Duration = Duration::from_secs(3);
 
+/// [`CHECK_DEADLINE`] through Sentinels: a Sentinel that never answers costs its look-up
+/// up to 6 s before the next one is asked (`store::link`), and the check must still see
+/// the master the others name.
+pub const CHECK_DEADLINE_SENTINEL: Duration = Duration::from_secs(9);
+
 /// `worker stats --check`. Never an `Err` for Redis: that is the UNKNOWN line and exit 3,
 /// which a monitoring system tells apart from "the queue is in trouble". The verdict is
-/// made on a thread of its own, and one not made within [`CHECK_DEADLINE`] is UNKNOWN
-/// (the process exits; the thread is left to its socket's timeout).
+/// made on a thread of its own, and one not made within [`CHECK_DEADLINE`] (through
+/// Sentinels [`CHECK_DEADLINE_SENTINEL`]) is UNKNOWN (the process exits; the thread is
+/// left to its socket's timeout).
 pub(super) fn run(
     config: &Config,
     args: &StatsArgs,
@@ -516,12 +522,16 @@ pub(super) fn run(
     std::thread::spawn(move || {
         let _ = tx.send(check(&c, &a));
     });
-    let verdict = rx.recv_timeout(CHECK_DEADLINE).unwrap_or_else(|_| Verdict {
+    let deadline = match crate::store::Topology::of(&config.redis_url) {
+        crate::store::Topology::Sentinel => CHECK_DEADLINE_SENTINEL,
+        _ => CHECK_DEADLINE,
+    };
+    let verdict = rx.recv_timeout(deadline).unwrap_or_else(|_| Verdict {
         status: Status::Unknown,
         line: format!(
             "UNKNOWN - no answer from Redis at {} within {} s",
             config.derived.redis_shown,
-            CHECK_DEADLINE.as_secs()
+            deadline.as_secs()
         ),
     });
     writeln!(out, "{}", verdict.line)?;
