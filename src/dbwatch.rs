@@ -214,6 +214,11 @@ impl LongHolders {
         self.0.retain(|pid, _| asked.contains(pid));
         ended
     }
+
+    /// The long holders still inside the transaction they were seen in.
+    pub fn still_held(&self) -> Vec<i32> {
+        self.0.keys().copied().collect()
+    }
 }
 
 /// How long a shop session may wait for a lock behind the worker's sessions before the
@@ -344,7 +349,9 @@ impl<'a> DbWatch<'a> {
             match self.ask(&waiting, &mut kept, prepare, holders.clone()) {
                 Ok(seen) => {
                     let ended = long_holders.look(&holders, seen.holders_busy.as_deref());
-                    self.stats.contention.holders_ended(&ended);
+                    self.stats
+                        .contention
+                        .holders_ended(&ended, &long_holders.still_held());
                     self.stats.db_unusable.store(false, Ordering::Relaxed);
                     self.handlers_prepared(&seen.prepared);
                     if self.stats.clear_problem(ROLE, i64::MAX) {

@@ -35,7 +35,7 @@ use crate::stats::Stats;
 use crate::store::{self, At, MoveReport, Pool, StoreError, StoreResult, Target, LOST_DATA};
 use redis::ConnectionLike;
 use std::sync::{Mutex, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// The longest a pool waits before trying again while its hash slot is moving.
 pub const MOVING_BACKOFF: Duration = Duration::from_secs(1);
@@ -309,6 +309,7 @@ pub fn run_shards(movers: &[Mover<'_>], client: &crate::store::Redis, shutdown: 
     let stats = first.stats;
     let mut backoff = Backoff::new("mover");
     let mut con = None;
+    let mut looked = Instant::now();
     while !shutdown.is_set() {
         let c = match con.as_mut() {
             Some(c) => c,
@@ -323,9 +324,13 @@ pub fn run_shards(movers: &[Mover<'_>], client: &crate::store::Redis, shutdown: 
         };
         let mut sleep = Duration::MAX;
         let mut failed = None;
-        let freed = stats.contention.to_hasten(stats.clock.now_ms());
+        let freed = stats.contention.to_hasten();
         if !freed.is_empty() {
-            hasten(c, movers, &freed);
+            hasten(c, movers, &freed, stats);
+        }
+        if looked.elapsed() >= HASTENED_LOOK_EVERY {
+            looked = Instant::now();
+            forget_hastened(c, movers, stats);
         }
         for m in movers {
             match m.tick(c, At::Server) {
@@ -359,8 +364,14 @@ pub fn run_shards(movers: &[Mover<'_>], client: &crate::store::Redis, shutdown: 
 /// Brings forward, each in its shard's pool, the retries of jobs that waited for a lock
 /// whose holder's transaction has ended (`Contention::to_hasten`): this tick moves them.
 /// A retry that is no longer the one written (pushed again, moved, run by a peer) is left
-/// as it is; one that cannot be brought forward now runs at the end of its backoff.
-fn hasten(con: &mut dyn ConnectionLike, movers: &[Mover<'_>], freed: &[(String, i64, String)]) {
+/// as it is; one not in the pool yet (written with its worker's next acks) is asked for
+/// again at the next ticks (`Contention::to_hasten`).
+fn hasten(
+    con: &mut dyn ConnectionLike,
+    movers: &[Mover<'_>],
+    freed: &[(String, i64, String)],
+    stats: &Stats,
+) {
     for (i, m) in movers.iter().enumerate() {
         let mine: Vec<(&str, i64, &str)> = freed
             .iter()
@@ -371,13 +382,57 @@ fn hasten(con: &mut dyn ConnectionLike, movers: &[Mover<'_>], freed: &[(String, 
             continue;
         }
         match store::pool::hasten(con, m.keys, &mine) {
-            Ok(0) => {}
-            Ok(n) => log::info!(
-                "mover: {n} job(s) that waited for a lock now let go run now, not at the end of their backoff"
-            ),
+            Ok(brought) if brought.is_empty() => {}
+            Ok(brought) => {
+                stats
+                    .contention
+                    .brought_forward(&brought, stats.clock.now_ms());
+                log::info!(
+                    "mover: {} job(s) that waited for a lock now let go run now, not at the end of their backoff",
+                    brought.len()
+                )
+            }
             Err(e) => log::debug!("mover: bringing forward the retries of a lock let go: {e}"),
         }
     }
+}
+
+/// How often the mover looks whether the retries it brought forward have left the pool.
+const HASTENED_LOOK_EVERY: Duration = Duration::from_secs(1);
+
+/// Forgets the waiters brought forward whose retries have left their shard's pool (moved,
+/// or replaced by a retry or a push due later: `Contention::forget_hastened`); one
+/// pipeline of `ZSCORE`s per shard. Not answered, they are looked at again next time.
+fn forget_hastened(con: &mut dyn ConnectionLike, movers: &[Mover<'_>], stats: &Stats) {
+    let keys = stats.contention.hastened();
+    if keys.is_empty() {
+        return;
+    }
+    let now = stats.clock.now_ms();
+    let mut gone = Vec::new();
+    for (i, m) in movers.iter().enumerate() {
+        let mine: Vec<&String> = keys
+            .iter()
+            .filter(|key| crate::keys::shard_of(key.as_bytes(), movers.len()) == i)
+            .collect();
+        if mine.is_empty() {
+            continue;
+        }
+        let mut pipe = redis::pipe();
+        for key in &mine {
+            pipe.cmd("ZSCORE").arg(&m.keys.pool).arg(key.as_str());
+        }
+        match pipe.query::<Vec<Option<f64>>>(con) {
+            Ok(scores) => gone.extend(
+                mine.into_iter()
+                    .zip(scores)
+                    .filter(|(_, s)| s.is_none_or(|s| s as i64 > now))
+                    .map(|(k, _)| k.clone()),
+            ),
+            Err(e) => log::debug!("mover: looking at the retries brought forward: {e}"),
+        }
+    }
+    stats.contention.forget_hastened(&gone);
 }
 
 /// Adds one pool's report to the tick's.

@@ -486,8 +486,10 @@ pub struct Waiter {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Hasten {
     No,
-    /// To be brought forward by the mover's next tick.
-    Due,
+    /// To be brought forward by the mover's next ticks, since this time (local ms): until
+    /// its retry is in the pool (the worker writes it with its batch's acks, up to a tenth
+    /// of a second after the failure) or for [`HASTEN_TRIED_FOR`].
+    Due(i64),
     /// Brought forward (or found to be another retry by then): not again for this failure.
     Done,
 }
@@ -573,10 +575,11 @@ impl Contention {
     /// forward at the mover's next tick, and with them the other lock waiters of the same
     /// events whose reasons name no holder (of the jobs waiting for one row only the
     /// first in line is told whose lock it is, and a holder is looked up at most once a
-    /// second per worker). Found from outside: a job behind a 25 s shop lock ran up to
+    /// second per worker) or a holder not among `still_held` (the long holders still
+    /// inside their transactions: a waiter behind one of them waits on). Found from outside: a job behind a 25 s shop lock ran up to
     /// the 30 s backoff after the lock ended, health critical meanwhile naming the gone
     /// lock.
-    pub fn holders_ended(&self, ended: &[i32]) {
+    pub fn holders_ended(&self, ended: &[i32], still_held: &[i32]) {
         if ended.is_empty() {
             return;
         }
@@ -590,11 +593,15 @@ impl Contention {
         let mut any = false;
         for v in w.values_mut() {
             let freed = match v.holder {
-                Some(p) => ended.contains(&p),
+                Some(p) if ended.contains(&p) => true,
+                // Behind a session that is not a long holder still inside its transaction:
+                // mostly another worker's, itself waiting on the lock that ended (found from
+                // outside: such jobs ran at the end of their backoff, 6–10 s after the lock).
+                Some(p) => events.contains(&v.event) && !still_held.contains(&p),
                 None => events.contains(&v.event),
             };
             if waits(v) && freed {
-                v.hasten = Hasten::Due;
+                v.hasten = Hasten::Due(crate::now_ms());
                 any = true;
             }
         }
@@ -603,26 +610,80 @@ impl Contention {
         }
     }
 
-    /// The retries to bring forward now (`now_ms`, Redis's clock), as `(job key, score,
-    /// SHA-1 of the message)`: each is brought forward once ([`Hasten::Done`]), and due now, it is
-    /// forgotten [`CONTENTION_FORGET`] from now unless this process meets it again (run by
-    /// a peer, it no longer kept this process red until its old retry time had passed:
-    /// found from outside, red for 40–46 s after the lock's end in the processes that did
-    /// not run the jobs).
-    pub fn to_hasten(&self, now_ms: i64) -> Vec<(String, i64, String)> {
+    /// The retries to bring forward now, as `(job key, score, SHA-1 of the message)`:
+    /// those marked [`Hasten::Due`] less than [`HASTEN_TRIED_FOR`] ago (older ones are
+    /// given up, [`Hasten::Done`]). The mover tells which it brought forward
+    /// ([`Contention::brought_forward`]); the others are asked for again at its next tick.
+    pub fn to_hasten(&self) -> Vec<(String, i64, String)> {
         if !self.hasten_due.swap(false, Relaxed) {
             return Vec::new();
         }
+        let local = crate::now_ms();
         let mut w = self.lock();
         let mut out = Vec::new();
-        for v in w.values_mut().filter(|v| v.hasten == Hasten::Due) {
-            v.hasten = Hasten::Done;
-            v.due_ms = v.due_ms.min(now_ms);
-            if let Some((score, msg)) = &v.retry {
+        for v in w.values_mut() {
+            let Hasten::Due(since) = v.hasten else {
+                continue;
+            };
+            if local - since >= HASTEN_TRIED_FOR.as_millis() as i64 {
+                v.hasten = Hasten::Done;
+            } else if let Some((score, msg)) = &v.retry {
                 out.push((v.key.clone(), *score, msg.clone()));
             }
         }
+        if !out.is_empty() {
+            self.hasten_due.store(true, Relaxed);
+        }
         out
+    }
+
+    /// The retries of these jobs were brought forward, due at `now_ms` (Redis's clock):
+    /// each is brought forward once ([`Hasten::Done`]), and it is forgotten
+    /// [`CONTENTION_FORGET`] from now unless this process meets it again, or sooner once
+    /// its retry has left the pool ([`Contention::forget_hastened`]).
+    pub fn brought_forward(&self, keys: &[String], now_ms: i64) {
+        if keys.is_empty() {
+            return;
+        }
+        let mut w = self.lock();
+        for k in keys {
+            if let Some(v) = w.get_mut(k).filter(|v| matches!(v.hasten, Hasten::Due(_))) {
+                v.hasten = Hasten::Done;
+                v.due_ms = v.due_ms.min(now_ms);
+            }
+        }
+    }
+
+    /// The job keys of the waiters brought forward ([`Hasten::Done`]): the mover looks
+    /// whether their retries are still in the pool ([`Contention::forget_hastened`]).
+    pub fn hastened(&self) -> Vec<String> {
+        if self.len.load(Relaxed) == 0 {
+            return Vec::new();
+        }
+        self.lock()
+            .values()
+            .filter(|v| v.hasten == Hasten::Done)
+            .map(|v| v.key.clone())
+            .collect()
+    }
+
+    /// Of the waiters brought forward, those whose retries have left the pool (moved to
+    /// be run, here or by a peer, or replaced by a newer retry or push) wait here no more:
+    /// a job this process runs and that meets the lock again is counted again, one a peer
+    /// runs is the peer's. Found from outside: a process whose waiters a peer ran stayed
+    /// red 15 s after the lock's end (forgotten only then), or turned red after the
+    /// recovery, its queue standing still for it alone.
+    pub fn forget_hastened(&self, keys: &[String]) {
+        if keys.is_empty() {
+            return;
+        }
+        let mut w = self.lock();
+        for k in keys {
+            if w.get(k).is_some_and(|v| v.hasten == Hasten::Done) {
+                w.remove(k);
+            }
+        }
+        self.len.store(w.len() as u64, Relaxed);
     }
 
     /// A job finished (committed, a duplicate, or a dead letter): it waits no more. True
@@ -726,6 +787,12 @@ impl Contention {
         (w.len(), longest)
     }
 }
+
+/// How long a waiter's retry is looked for to be brought forward ([`Hasten::Due`]): one
+/// not found by then was moved, run by a peer or pushed again. Found from outside: with
+/// two processes and 2,000 jobs behind a lock, up to 74 ran at the end of their backoff,
+/// their retries written just after the one look that brought the others forward.
+pub const HASTEN_TRIED_FOR: Duration = Duration::from_secs(2);
 
 /// When an entry is forgotten unless this process meets its job again.
 fn forgotten_after(w: &Waiter) -> i64 {
@@ -1634,30 +1701,51 @@ mod tests {
             "canceling statement due to statement timeout (57014)",
             false,
         );
-        assert_eq!(s.contention.holders(), vec![42]);
-        assert!(s.contention.to_hasten(now).is_empty(), "nothing ended yet");
-        s.contention.holders_ended(&[7]);
-        assert!(
-            s.contention.to_hasten(now).is_empty(),
-            "another session ended"
+        // Behind another worker's session (itself behind pid 42), and behind a long
+        // holder still inside its transaction.
+        wait(
+            "e",
+            "order.timeout",
+            &held.replace("pid 42", "pid 99"),
+            true,
         );
-        s.contention.holders_ended(&[42]);
-        let mut freed: Vec<String> = s
-            .contention
-            .to_hasten(now)
-            .into_iter()
-            .map(|(k, ..)| k)
-            .collect();
-        freed.sort();
-        assert_eq!(freed, ["a", "b"]);
-        assert!(s.contention.to_hasten(now).is_empty(), "once");
-        assert!(
-            s.contention.holders().is_empty(),
-            "no holder left to look at"
+        wait(
+            "f",
+            "order.timeout",
+            &held.replace("pid 42", "pid 55"),
+            true,
+        );
+        assert_eq!(s.contention.holders(), vec![42, 55, 99]);
+        assert!(s.contention.to_hasten().is_empty(), "nothing ended yet");
+        s.contention.holders_ended(&[7], &[]);
+        assert!(s.contention.to_hasten().is_empty(), "another session ended");
+        s.contention.holders_ended(&[42], &[55]);
+        let freed = || {
+            let mut keys: Vec<String> = s
+                .contention
+                .to_hasten()
+                .into_iter()
+                .map(|(k, ..)| k)
+                .collect();
+            keys.sort();
+            keys
+        };
+        assert_eq!(freed(), ["a", "b", "e"]);
+        // Only a's and e's retries were in the pool yet (b's is written with its batch's
+        // acks): b is asked for again at the next tick, a and e not.
+        s.contention
+            .brought_forward(&["a".to_string(), "e".to_string()], now);
+        assert_eq!(freed(), ["b"]);
+        s.contention.brought_forward(&["b".to_string()], now);
+        assert!(freed().is_empty(), "once");
+        assert_eq!(
+            s.contention.holders(),
+            vec![55],
+            "f's holder left to look at"
         );
         // Due now, run by whichever process: forgotten from now, not from the old retry.
         let soon = now + CONTENTION_FORGET.as_millis() as i64 + 1;
-        assert_eq!(s.contention.summary(soon).0, 2, "c and d wait on");
+        assert_eq!(s.contention.summary(soon).0, 3, "c, d and f wait on");
         // The job fails again behind a new holder: looked at again.
         wait(
             "a",
@@ -1665,7 +1753,20 @@ mod tests {
             &held.replace("pid 42", "pid 43"),
             true,
         );
-        assert_eq!(s.contention.holders(), vec![43]);
+        assert_eq!(s.contention.holders(), vec![43, 55]);
+        // A retry never found (moved, run by a peer) is given up after a while.
+        s.contention.holders_ended(&[43], &[55]);
+        if let Some(v) = s.contention.lock().get_mut("a") {
+            v.hasten = Hasten::Due(crate::now_ms() - HASTEN_TRIED_FOR.as_millis() as i64);
+        }
+        assert!(freed().is_empty(), "given up");
+        assert_eq!(s.contention.hastened(), ["a"]);
+        s.contention.forget_hastened(&["a".to_string()]);
+        assert_eq!(
+            s.contention.summary(now).0,
+            3,
+            "a forgotten; c, d and f wait on"
+        );
     }
 
     #[test]

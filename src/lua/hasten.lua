@@ -6,18 +6,18 @@
 --
 -- KEYS[1] pool ZSET, KEYS[2] data HASH
 -- ARGV: triples of job key, the retry's score (unix ms), the SHA-1 of its message (hex)
--- Returns how many were brought forward.
+-- Returns the job keys brought forward.
 local w = wrong_type(KEYS[1], 'zset', KEYS[2], 'hash')
 if w then return wrongtype_reply(w) end
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local n = 0
+local out = {}
 for i = 1, #ARGV, 3 do
   local key, score = ARGV[i], tonumber(ARGV[i + 1])
   local at = tonumber(redis.call('ZSCORE', KEYS[1], key))
   if at and at == score and at > now_ms and redis.sha1hex(redis.call('HGET', KEYS[2], key) or '') == ARGV[i + 2] then
     redis.call('ZADD', KEYS[1], 'XX', now_ms, key)
-    n = n + 1
+    out[#out + 1] = key
   end
 end
-return n
+return out

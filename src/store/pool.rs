@@ -69,18 +69,19 @@ pub fn push_many(
 
 /// Brings forward to now the retries `(job key, score, SHA-1 of the message in hex)` of
 /// jobs whose lock is gone, each only while it is that very retry, not yet due
-/// (`hasten.lua`). Returns how many were.
+/// (`hasten.lua`). Returns the job keys brought forward.
 pub fn hasten(
     con: &mut dyn ConnectionLike,
     keys: &Keys,
     retries: &[(&str, i64, &str)],
-) -> StoreResult<u64> {
+) -> StoreResult<Vec<String>> {
     let mut inv = HASTEN.prepare_invoke();
     inv.key(&keys.pool).key(&keys.data);
     for (key, score, sha) in retries {
         inv.arg(*key).arg(*score).arg(*sha);
     }
-    Ok(int(Some(&run("hasten", &inv, con)?)) as u64)
+    let reply = run("hasten", &inv, con)?;
+    Ok(redis::from_redis_value::<Vec<String>>(reply).unwrap_or_default())
 }
 
 /// Removes a scheduled job. Returns `true` if it existed.
