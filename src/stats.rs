@@ -448,7 +448,17 @@ pub struct Contention {
     /// When the waiters were last looked at or one was added (this host's unix ms; the
     /// watch looks every second while any waits).
     seen_ms: AtomicI64,
+    /// Events whose waiters' holder ended lately: when the watch saw it (local ms), for
+    /// [`Contention::waiting`].
+    ended_lately: Mutex<HashMap<String, i64>>,
 }
+
+/// A lock waiter of an event whose holder ended this long ago or less, that names no
+/// holder and failed no later than half a second after the end was seen, is brought
+/// forward as it is counted: its wait gave up as the lock ended, and it was counted after
+/// the look that brought the others forward (found in a test: such jobs ran at the end of
+/// their backoff, 7 s after the lock).
+const ENDED_LATELY_MS: i64 = 2_000;
 
 /// A gap between two looks at the waiters longer than this is a time the process did not
 /// run (SIGSTOP, a frozen VM): nothing is forgotten for it.
@@ -533,6 +543,14 @@ impl Contention {
                 return;
             }
         }
+        let holder = lock.then(|| crate::blocker::holder_pid(reason)).flatten();
+        let local = crate::now_ms();
+        let late = lock && retry.is_some() && holder.is_none() && {
+            let ended = self.ended_lately.lock().unwrap_or_else(|p| p.into_inner());
+            ended
+                .get(event)
+                .is_some_and(|&at| local - at <= ENDED_LATELY_MS && met_ms <= at + 500)
+        };
         w.insert(
             key.to_string(),
             Waiter {
@@ -543,12 +561,15 @@ impl Contention {
                 lock,
                 retries,
                 due_ms,
-                holder: lock.then(|| crate::blocker::holder_pid(reason)).flatten(),
+                holder,
                 retry: retry
                     .map(|(score, msg)| (score, sha1_smol::Sha1::from(msg).digest().to_string())),
-                hasten: Hasten::No,
+                hasten: if late { Hasten::Due(local) } else { Hasten::No },
             },
         );
+        if late {
+            self.hasten_due.store(true, Relaxed);
+        }
         self.len.store(w.len() as u64, Relaxed);
     }
 
@@ -590,6 +611,12 @@ impl Contention {
             .filter(|v| waits(v) && v.holder.is_some_and(|p| ended.contains(&p)))
             .map(|v| v.event.clone())
             .collect();
+        let local = crate::now_ms();
+        {
+            let mut lately = self.ended_lately.lock().unwrap_or_else(|p| p.into_inner());
+            lately.retain(|_, at| local - *at <= ENDED_LATELY_MS);
+            lately.extend(events.iter().map(|e| (e.clone(), local)));
+        }
         let mut any = false;
         for v in w.values_mut() {
             let freed = match v.holder {
@@ -601,7 +628,7 @@ impl Contention {
                 None => events.contains(&v.event),
             };
             if waits(v) && freed {
-                v.hasten = Hasten::Due(crate::now_ms());
+                v.hasten = Hasten::Due(local);
                 any = true;
             }
         }
@@ -1767,6 +1794,40 @@ mod tests {
             3,
             "a forgotten; c, d and f wait on"
         );
+    }
+
+    #[test]
+    fn a_lock_waiter_counted_just_after_its_holder_ended_is_brought_forward() {
+        let s = Stats::default();
+        let now = crate::now_ms();
+        let held = "canceling statement due to lock timeout (55P03): waited for a lock held by pid 42 (idle in transaction, its last statement `SELECT 1`) on the row (0,1) of sku";
+        let unnamed = "canceling statement due to lock timeout (55P03)";
+        let wait = |key: &str, reason: &str, met: i64| {
+            let retry = Some((now + 20_000, key.as_bytes()));
+            s.contention.waiting(
+                key,
+                "order.timeout",
+                now,
+                (reason, true, 1),
+                now + 20_000,
+                met,
+                retry,
+            );
+        };
+        wait("a", held, now);
+        s.contention.holders_ended(&[42], &[]);
+        // Its wait gave up as the lock ended; counted after the look that saw the end.
+        wait("b", unnamed, now);
+        // A lock met well after the end is another lock: its backoff holds.
+        wait("c", unnamed, now + 5_000);
+        let mut keys: Vec<String> = s
+            .contention
+            .to_hasten()
+            .into_iter()
+            .map(|(k, ..)| k)
+            .collect();
+        keys.sort();
+        assert_eq!(keys, ["a", "b"]);
     }
 
     #[test]
