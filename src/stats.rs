@@ -597,9 +597,9 @@ impl Contention {
     /// events whose reasons name no holder (of the jobs waiting for one row only the
     /// first in line is told whose lock it is, and a holder is looked up at most once a
     /// second per worker) or a holder not among `still_held` (the long holders still
-    /// inside their transactions: a waiter behind one of them waits on). Found from outside: a job behind a 25 s shop lock ran up to
-    /// the 30 s backoff after the lock ended, health critical meanwhile naming the gone
-    /// lock.
+    /// inside their transactions: a waiter behind one of them waits on). Found from
+    /// outside: a job behind a 25 s shop lock ran up to the 30 s backoff after the lock
+    /// ended, health critical meanwhile naming the gone lock.
     pub fn holders_ended(&self, ended: &[i32], still_held: &[i32]) {
         if ended.is_empty() {
             return;
