@@ -1747,16 +1747,7 @@ mod tests {
         s.contention.holders_ended(&[7], &[]);
         assert!(s.contention.to_hasten().is_empty(), "another session ended");
         s.contention.holders_ended(&[42], &[55]);
-        let freed = || {
-            let mut keys: Vec<String> = s
-                .contention
-                .to_hasten()
-                .into_iter()
-                .map(|(k, ..)| k)
-                .collect();
-            keys.sort();
-            keys
-        };
+        let freed = || to_hasten_keys(&s.contention);
         assert_eq!(freed(), ["a", "b", "e"]);
         // Only a's and e's retries were in the pool yet (b's is written with its batch's
         // acks): b is asked for again at the next tick, a and e not.
@@ -1820,14 +1811,14 @@ mod tests {
         wait("b", unnamed, now);
         // A lock met well after the end is another lock: its backoff holds.
         wait("c", unnamed, now + 5_000);
-        let mut keys: Vec<String> = s
-            .contention
-            .to_hasten()
-            .into_iter()
-            .map(|(k, ..)| k)
-            .collect();
+        assert_eq!(to_hasten_keys(&s.contention), ["a", "b"]);
+    }
+
+    /// The job keys [`Contention::to_hasten`] gives, sorted.
+    fn to_hasten_keys(c: &Contention) -> Vec<String> {
+        let mut keys: Vec<String> = c.to_hasten().into_iter().map(|(k, ..)| k).collect();
         keys.sort();
-        assert_eq!(keys, ["a", "b"]);
+        keys
     }
 
     #[test]

@@ -526,10 +526,7 @@ fn a_process_forgets_the_jobs_behind_a_lock_that_another_ran_as_it_ended() {
     let orders = seed_orders(&env.db, 8);
     let (pid, release, h) = hold(&env, "LOCK TABLE orders IN EXCLUSIVE MODE");
     let start = |name: &str| {
-        let mut c = env.config.clone();
-        c.consumer = format!("{}-{name}", env.config.consumer);
-        let port = free_port();
-        let p = Proc::start(&c, &["--metrics-addr".into(), format!("127.0.0.1:{port}")]);
+        let (p, port) = process(&env, name);
         wait_until(WAIT, "/healthz up", || {
             crate::shopdb::healthz(port).0 == 200
         });
@@ -597,16 +594,7 @@ fn jobs_whose_retries_are_written_as_a_lock_ends_run_as_it_ends_too() {
     env.config.jobs.retry_cap = Duration::from_secs(300);
     let orders = seed_orders(&env.db, 600);
     let (_pid, release, h) = hold(&env, "SELECT 1 FROM sku FOR UPDATE");
-    let procs: Vec<(Proc, u16)> = ["a", "b"]
-        .iter()
-        .map(|name| {
-            let mut c = env.config.clone();
-            c.consumer = format!("{}-{name}", env.config.consumer);
-            let port = free_port();
-            let p = Proc::start(&c, &["--metrics-addr".into(), format!("127.0.0.1:{port}")]);
-            (p, port)
-        })
-        .collect();
+    let procs: Vec<(Proc, u16)> = ["a", "b"].iter().map(|name| process(&env, name)).collect();
     push_timeouts(&env, &orders, 0);
     // Long enough for the jobs to come back and fail again while it lasts.
     std::thread::sleep(Duration::from_secs(6));
@@ -643,4 +631,14 @@ fn jobs_whose_retries_are_written_as_a_lock_ends_run_as_it_ends_too() {
     }
     assert_accounting(&env.db, &orders, &orders.iter().collect::<Vec<_>>());
     assert_eq!(dead_letters(&env).len(), 0);
+}
+
+/// A worker process of `env`'s prefix, consumer `<consumer>-<name>`, with `/healthz` on a
+/// free port, and that port.
+fn process(env: &Env, name: &str) -> (Proc, u16) {
+    let mut c = env.config.clone();
+    c.consumer = format!("{}-{name}", env.config.consumer);
+    let port = free_port();
+    let p = Proc::start(&c, &["--metrics-addr".into(), format!("127.0.0.1:{port}")]);
+    (p, port)
 }
