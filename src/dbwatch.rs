@@ -177,19 +177,10 @@ const PREPARED_BUSY: &str = "SELECT 0::int4, extract(epoch FROM min(prepared))::
 /// brought back at every gap between its transactions.
 pub const LONG_LOCK: Duration = Duration::from_secs(1);
 
-/// A long holder whose transaction ended this long ago is ended again for a waiter that
-/// names it now: one whose lock wait gave up as the lock ended, counted after the look
-/// that saw the end (found in CI: such a job ran at the end of its backoff, 7.8 s after).
-pub const ENDED_LATELY: Duration = Duration::from_secs(2);
-
 /// The holders named by waiting jobs that the watch has seen inside one transaction for
-/// [`LONG_LOCK`] or more: pid → when that transaction began (epoch seconds); and those
-/// whose transaction ended within [`ENDED_LATELY`].
+/// [`LONG_LOCK`] or more: pid → when that transaction began (epoch seconds).
 #[derive(Default)]
-pub struct LongHolders(
-    std::collections::HashMap<i32, f64>,
-    std::collections::HashMap<i32, Instant>,
-);
+pub struct LongHolders(std::collections::HashMap<i32, f64>);
 
 /// One holder's row of [`HOLDERS_BUSY`]: pid, its transaction's start and age.
 pub type HolderRow = (i32, Option<f64>, Option<f64>);
@@ -221,16 +212,6 @@ impl LongHolders {
             }
         }
         self.0.retain(|pid, _| asked.contains(pid));
-        let now = Instant::now();
-        self.1
-            .retain(|_, at| now.duration_since(*at) < ENDED_LATELY);
-        for pid in asked {
-            if ended.contains(pid) {
-                self.1.insert(*pid, now);
-            } else if self.1.contains_key(pid) && !self.0.contains_key(pid) {
-                ended.push(*pid);
-            }
-        }
         ended
     }
 
@@ -756,10 +737,7 @@ mod tests {
         assert!(h.look(&[8], None).is_empty(), "not known this time");
         assert!(h.look(&[8], Some(&[(8, Some(50.0), Some(9.0))])).is_empty());
         assert_eq!(h.look(&[8], Some(&[])), vec![8]);
-        // Named again just after (a job whose wait gave up as the lock ended): ended again.
-        assert_eq!(h.look(&[8], Some(&[])), vec![8]);
-        h.1.insert(8, Instant::now() - ENDED_LATELY);
-        assert!(h.look(&[8], Some(&[])).is_empty(), "not long after");
+        assert!(h.look(&[8], Some(&[])).is_empty(), "once");
         // Its transaction ended and another began between two looks.
         h.look(&[9], Some(&[(9, Some(10.0), Some(2.0))]));
         assert_eq!(h.look(&[9], Some(&[(9, Some(12.5), Some(0.1))])), vec![9]);

@@ -448,17 +448,41 @@ pub struct Contention {
     /// When the waiters were last looked at or one was added (this host's unix ms; the
     /// watch looks every second while any waits).
     seen_ms: AtomicI64,
-    /// Events whose waiters' holder ended lately: when the watch saw it (local ms), for
-    /// [`Contention::waiting`].
-    ended_lately: Mutex<HashMap<String, i64>>,
+    /// Events whose waiters' holder ended lately, as [`Contention::holders_ended`] saw
+    /// it, for [`Contention::waiting`].
+    ended_lately: Mutex<HashMap<String, EndedLock>>,
 }
 
-/// A lock waiter of an event whose holder ended this long ago or less, that names no
-/// holder and failed no later than half a second after the end was seen, is brought
-/// forward as it is counted: its wait gave up as the lock ended, and it was counted after
-/// the look that brought the others forward (found in a test: such jobs ran at the end of
-/// their backoff, 7 s after the lock).
+/// A lock of an event's waiters that ended ([`Contention::holders_ended`]).
+struct EndedLock {
+    /// When the watch saw it end (local ms).
+    at_ms: i64,
+    /// The sessions whose transactions ended.
+    ended: Vec<i32>,
+}
+
+/// A lock waiter counted this long or less after a lock of its event ended, that failed no
+/// later than half a second after the end was seen, and whose reason names one of the
+/// sessions that ended or none, is brought forward as it is counted: its wait gave up as
+/// the lock ended, and it was counted after the look that brought the others forward
+/// (found in a test: such jobs ran at the end of their backoff, 7 s after the lock).
 const ENDED_LATELY_MS: i64 = 2_000;
+
+/// Whether a lock waiter whose reason names `holder` is freed as the sessions `ended`
+/// end, the long holders `still_held` staying inside their transactions; `event_freed`:
+/// another waiter of its event named one of `ended`. Freed: behind one of `ended`; or, of
+/// such an event, behind no named holder (of the jobs waiting for one row only the first
+/// in line is told whose lock it is, and a holder is looked up at most once a second per
+/// worker) or behind a session that is not a long holder still in its transaction (mostly
+/// another worker's, itself waiting on the lock that ended; found from outside: such jobs
+/// ran at the end of their backoff, 6–10 s after the lock).
+fn behind_ended(holder: Option<i32>, ended: &[i32], still_held: &[i32], event_freed: bool) -> bool {
+    match holder {
+        Some(p) if ended.contains(&p) => true,
+        Some(p) => event_freed && !still_held.contains(&p),
+        None => event_freed,
+    }
+}
 
 /// A gap between two looks at the waiters longer than this is a time the process did not
 /// run (SIGSTOP, a frozen VM): nothing is forgotten for it.
@@ -545,11 +569,13 @@ impl Contention {
         }
         let holder = lock.then(|| crate::blocker::holder_pid(reason)).flatten();
         let local = crate::now_ms();
-        let late = lock && retry.is_some() && holder.is_none() && {
-            let ended = self.ended_lately.lock().unwrap_or_else(|p| p.into_inner());
-            ended
-                .get(event)
-                .is_some_and(|&at| local - at <= ENDED_LATELY_MS && met_ms <= at + 500)
+        let late = lock && retry.is_some() && {
+            let lately = self.ended_lately.lock().unwrap_or_else(|p| p.into_inner());
+            lately.get(event).is_some_and(|e| {
+                local - e.at_ms <= ENDED_LATELY_MS
+                    && met_ms <= e.at_ms + 500
+                    && holder.is_none_or(|p| e.ended.contains(&p))
+            })
         };
         w.insert(
             key.to_string(),
@@ -592,14 +618,11 @@ impl Contention {
     }
 
     /// The transactions of the sessions `ended` (of [`Contention::holders`]) have ended,
-    /// so the locks their waiters waited for are gone: those waiters' retries are brought
-    /// forward at the mover's next tick, and with them the other lock waiters of the same
-    /// events whose reasons name no holder (of the jobs waiting for one row only the
-    /// first in line is told whose lock it is, and a holder is looked up at most once a
-    /// second per worker) or a holder not among `still_held` (the long holders still
-    /// inside their transactions: a waiter behind one of them waits on). Found from
-    /// outside: a job behind a 25 s shop lock ran up to the 30 s backoff after the lock
-    /// ended, health critical meanwhile naming the gone lock.
+    /// so the locks their waiters waited for are gone: the retries of the waiters those
+    /// ends free ([`behind_ended`]; `still_held`: the long holders still inside their
+    /// transactions, a waiter behind one of them waits on) are brought forward at the
+    /// mover's next tick. Found from outside: a job behind a 25 s shop lock ran up to the
+    /// 30 s backoff after the lock ended, health critical meanwhile naming the gone lock.
     pub fn holders_ended(&self, ended: &[i32], still_held: &[i32]) {
         if ended.is_empty() {
             return;
@@ -614,19 +637,18 @@ impl Contention {
         let local = crate::now_ms();
         {
             let mut lately = self.ended_lately.lock().unwrap_or_else(|p| p.into_inner());
-            lately.retain(|_, at| local - *at <= ENDED_LATELY_MS);
-            lately.extend(events.iter().map(|e| (e.clone(), local)));
+            lately.retain(|_, e| local - e.at_ms <= ENDED_LATELY_MS);
+            lately.extend(events.iter().map(|e| {
+                let end = EndedLock {
+                    at_ms: local,
+                    ended: ended.to_vec(),
+                };
+                (e.clone(), end)
+            }));
         }
         let mut any = false;
         for v in w.values_mut() {
-            let freed = match v.holder {
-                Some(p) if ended.contains(&p) => true,
-                // Behind a session that is not a long holder still inside its transaction:
-                // mostly another worker's, itself waiting on the lock that ended (found from
-                // outside: such jobs ran at the end of their backoff, 6–10 s after the lock).
-                Some(p) => events.contains(&v.event) && !still_held.contains(&p),
-                None => events.contains(&v.event),
-            };
+            let freed = behind_ended(v.holder, ended, still_held, events.contains(&v.event));
             if waits(v) && freed {
                 v.hasten = Hasten::Due(local);
                 any = true;
@@ -1806,12 +1828,16 @@ mod tests {
             );
         };
         wait("a", held, now);
-        s.contention.holders_ended(&[42], &[]);
-        // Its wait gave up as the lock ended; counted after the look that saw the end.
+        s.contention.holders_ended(&[42], &[55]);
+        // Their waits gave up as the lock ended; counted after the look that saw the end:
+        // naming no holder, naming the holder that ended.
         wait("b", unnamed, now);
-        // A lock met well after the end is another lock: its backoff holds.
+        wait("d", held, now);
+        // A lock met well after the end is another lock: its backoff holds; so is a long
+        // lock still held.
         wait("c", unnamed, now + 5_000);
-        assert_eq!(to_hasten_keys(&s.contention), ["a", "b"]);
+        wait("e", &held.replace("pid 42", "pid 55"), now);
+        assert_eq!(to_hasten_keys(&s.contention), ["a", "b", "d"]);
     }
 
     /// The job keys [`Contention::to_hasten`] gives, sorted.

@@ -584,9 +584,8 @@ fn a_process_forgets_the_jobs_behind_a_lock_that_another_ran_as_it_ended() {
 /// the lock, as the holder (a waiter behind a session that is not a long holder still in
 /// its transaction is now brought forward with the others; this test failed 1 run in 4
 /// without that). And, found by this test in CI: jobs whose lock wait gave up as the lock
-/// ended, counted after the look that saw the end (a waiter that names the holder asks
-/// about it again, one that names none of an event whose holder ended within 2 s is
-/// brought forward as it is counted).
+/// ended, counted after the look that saw the end (one of an event whose holder ended
+/// within 2 s, naming that holder or none, is brought forward as it is counted).
 #[test]
 fn jobs_whose_retries_are_written_as_a_lock_ends_run_as_it_ends_too() {
     let mut env = Env::new();
