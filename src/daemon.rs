@@ -718,6 +718,12 @@ impl<'a> Crew<'a> {
                 report(config, stats, depth(), started);
             }
             if watched.elapsed() >= WATCH_CONTENTION_EVERY {
+                // Jobs read and not yet taken: the waiters' retries may be among them.
+                if depth() > 0 {
+                    stats
+                        .contention
+                        .queued_for(watched.elapsed().as_millis() as i64);
+                }
                 watched = Instant::now();
                 crate::workers::watch_contention(stats, crate::now_ms(), &config.jobs);
             }

@@ -445,6 +445,9 @@ pub struct Contention {
     began_ms: AtomicI64,
     /// Whether the contention problem stands as critical (a standstill) now.
     pub standstill: AtomicBool,
+    /// When the map last went empty (local ms): a waiter counted within
+    /// [`CONTENTION_FORGET`] of it goes on with the contention that began before.
+    emptied_ms: AtomicI64,
     /// When the waiters were last looked at or one was added (this host's unix ms; the
     /// watch looks every second while any waits).
     seen_ms: AtomicI64,
@@ -533,6 +536,37 @@ impl Contention {
         self.waiting.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Keeps `len` (and when the map went empty) with the map `w`, locked.
+    fn counted(&self, w: &HashMap<String, Waiter>) {
+        if w.is_empty() && self.len.swap(0, Relaxed) > 0 {
+            self.emptied_ms.store(crate::now_ms(), Relaxed);
+        }
+        self.len.store(w.len() as u64, Relaxed);
+    }
+
+    /// The contention of the jobs waiting now began no later than `local_ms`
+    /// ([`crate::manners::Manners::contended_for`]: their sets met it before any of them
+    /// went back to the pool).
+    pub fn began_by(&self, local_ms: i64) {
+        if self.len.load(Relaxed) > 0 {
+            self.began_ms.fetch_min(local_ms, Relaxed);
+        }
+    }
+
+    /// This process had jobs read and waiting for a worker through the last `ms`: its
+    /// waiters' retries may be among them, so that time does not count towards their
+    /// forgetting ([`CONTENTION_FORGET`]). Found in a test: with 2,000 jobs behind rows
+    /// the shop held, the workers took longer than that to come back to each retry, every
+    /// waiter was forgotten in turn, and the standstill was counted afresh each time.
+    pub fn queued_for(&self, ms: i64) {
+        if self.len.load(Relaxed) == 0 {
+            return;
+        }
+        for v in self.lock().values_mut() {
+            v.due_ms = v.due_ms.saturating_add(ms);
+        }
+    }
+
     /// How long jobs have waited while none of their event changed anything (`applied_ms`,
     /// [`Metrics::applied_ms`]; a paid order's no-op does not count), when that is
     /// [`CONTENTION_STALL`] or more: the event's queue stands still.
@@ -558,7 +592,9 @@ impl Contention {
     ) {
         let mut w = self.lock();
         self.seen_ms.store(crate::now_ms(), Relaxed);
-        if w.is_empty() {
+        if w.is_empty()
+            && met_ms - self.emptied_ms.load(Relaxed) > CONTENTION_FORGET.as_millis() as i64
+        {
             self.began_ms.store(met_ms, Relaxed);
         }
         if w.len() >= CONTENTION_KEEP && !w.contains_key(key) {
@@ -596,7 +632,7 @@ impl Contention {
         if late {
             self.hasten_due.store(true, Relaxed);
         }
-        self.len.store(w.len() as u64, Relaxed);
+        self.counted(&w);
     }
 
     /// The sessions named as holding the locks that jobs waiting now waited for, each
@@ -732,7 +768,7 @@ impl Contention {
                 w.remove(k);
             }
         }
-        self.len.store(w.len() as u64, Relaxed);
+        self.counted(&w);
     }
 
     /// A job finished (committed, a duplicate, or a dead letter): it waits no more. True
@@ -743,7 +779,7 @@ impl Contention {
         }
         let mut w = self.lock();
         let was = w.remove(key).is_some();
-        self.len.store(w.len() as u64, Relaxed);
+        self.counted(&w);
         was && w.is_empty()
     }
 
@@ -780,7 +816,7 @@ impl Contention {
             }
         }
         w.retain(|_, v| forgotten_after(v) > now_ms);
-        self.len.store(w.len() as u64, Relaxed);
+        self.counted(&w);
         w
     }
 
@@ -1716,6 +1752,31 @@ mod tests {
         assert_eq!(s.contention.summary(later - 1).0, 1);
         assert!(s.problems(later).is_empty(), "{:?}", s.problems(later));
         assert_eq!(s.contention.summary(later).0, 0);
+    }
+
+    /// A standstill is counted from when the jobs' contention began
+    /// ([`Contention::began_by`]), a waiter is not forgotten for the time its retry may
+    /// have waited in this process's channel ([`Contention::queued_for`]), and a waiter
+    /// counted again soon after the last was forgotten goes on with the contention that
+    /// began before.
+    #[test]
+    fn a_standstill_counts_from_when_contention_began_through_waiters_forgotten() {
+        let s = Stats::default();
+        let c = &s.contention;
+        let now = crate::now_ms();
+        let lock = ("canceling statement due to lock timeout (55P03)", true, 1);
+        c.waiting("a", "order.timeout", now, lock, now + 1_000, now, None);
+        assert_eq!(c.standing_still(0, now + 10_000), None);
+        c.began_by(now - 20_000);
+        let still = |at: i64| c.standing_still(0, at).map(|d| d.as_secs());
+        assert_eq!(still(now + 10_000), Some(30));
+        c.queued_for(10_000);
+        let forget = 1_000 + CONTENTION_FORGET.as_millis() as i64;
+        assert_eq!(c.summary(now + forget + 9_000).0, 1, "queued 10 s");
+        assert_eq!(c.summary(now + forget + 10_000).0, 0);
+        let met = crate::now_ms();
+        c.waiting("b", "order.timeout", met, lock, met + 1_000, met, None);
+        assert_eq!(still(now + 10_000), Some(30), "the same contention");
     }
 
     #[test]

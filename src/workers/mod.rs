@@ -2280,6 +2280,11 @@ impl<'a> Worker<'a> {
             failed_at,
             lock_wait.then_some((due_ms, msg.as_slice())),
         );
+        if let Some(ago) = self.ctx.manners.contended_for(&env.event) {
+            stats
+                .contention
+                .began_by(crate::now_ms() - ago.as_millis() as i64);
+        }
         let local = crate::now_ms();
         report_contention(stats, [env.event.as_str()], (now, local), jobs);
         Settlement::new(d, Outcome::Retry { msg, due_ms }).with_event(&env.event)

@@ -601,7 +601,10 @@ impl Session {
         manners.pause(shutdown);
         let failure = match self.run_set_tries(&jobs, tries, (manners, shutdown), starts) {
             Ok(rs) => {
-                manners.committed(event);
+                let changed = rs
+                    .iter()
+                    .any(|r| matches!(r, JobResult::Committed(e) if *e != Effect::NoOp));
+                manners.committed(event, changed);
                 manners.went_through(rs.len());
                 Stats::add(in_sets, rs.len() as u64);
                 return set.iter().map(|(k, _)| *k).zip(rs).collect();
@@ -771,8 +774,8 @@ impl Session {
         };
         match &r {
             // A set size of 1 runs no set, so its single jobs grow it back.
-            JobResult::Committed(_) => {
-                manners.committed(&job.env.event);
+            JobResult::Committed(effect) => {
+                manners.committed(&job.env.event, *effect != Effect::NoOp);
                 manners.went_through(1)
             }
             // A retry of a job that waited in vain for a lock before meets a row held for
@@ -780,6 +783,7 @@ impl Session {
             // the orders of a tenth of the due jobs, retried in batches, paused every
             // worker for seconds).
             JobResult::Failed(f) if f.fault == Fault::Contention => {
+                manners.job_contended(&job.env.event);
                 if let Some(long) = &long {
                     long.in_vain();
                 }

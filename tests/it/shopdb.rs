@@ -2091,6 +2091,46 @@ fn a_table_lock_met_by_a_tightly_capped_worker_turns_health_red_in_time() {
     every_job_once_and_green(&env, w, port, &orders);
 }
 
+/// A backlog whose every job needs a row the shop holds (each sku locked by a session
+/// idle in its transaction): red 30 s after the jobs met the lock, not 30 s after the
+/// first of them went back to the pool. Found from outside: with 2,000 jobs their sets'
+/// tries and halves kept the workers busy for about 17 s before the first job went back,
+/// and red came 47–74 s after the jobs fell due.
+#[test]
+fn a_backlog_behind_rows_every_job_needs_turns_health_red_in_time() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 2_000);
+    let (w, port) = start_with_health(&env, &["--retry-cap", "5s"]);
+    let (busy, shop) = keep_the_shop_busy_till_it_yields(&env.db, port);
+    let (_, release, h) = crate::lock_holder::hold(&env, "SELECT 1 FROM sku FOR UPDATE");
+    let locked = Instant::now();
+    push_timeouts(&env, &orders, 0);
+    red_soon_after(&env, port, locked);
+    // And red while the lock lasts, none of the waiters forgotten: their retries wait in
+    // this process's channel for the workers, paused while every job meets the lock
+    // beside the busy shop (they were forgotten 15 s after their retries fell due, the
+    // count fell from 96 to 32, and, once none was left, the standstill was counted
+    // afresh: red 30 s later, or never within a 90 s lock).
+    let until = Instant::now() + Duration::from_secs(20);
+    let mut counted = 0.0;
+    while Instant::now() < until {
+        let (code, body) = healthz(port);
+        assert_eq!(code, 503, "red while the lock lasts: {body}");
+        let now = metric(port, "delay_worker_jobs_waiting_on_contention");
+        assert!(
+            now >= counted,
+            "waiting jobs forgotten: {counted} then {now}"
+        );
+        counted = now;
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    release.send(()).unwrap();
+    h.join().unwrap();
+    busy.store(true, std::sync::atomic::Ordering::Relaxed);
+    shop.join().unwrap();
+    every_job_once_and_green(&env, w, port, &orders);
+}
+
 /// [`a_table_lock_met_by_a_tightly_capped_worker_turns_health_red_in_time`] under a cap
 /// whose slots are 30 s apart: each job that met the lock went back and then waited for
 /// its next slot longer than a job another process ran is remembered, so none was left
