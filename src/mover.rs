@@ -328,9 +328,9 @@ pub fn run_shards(movers: &[Mover<'_>], client: &crate::store::Redis, shutdown: 
         if !freed.is_empty() {
             hasten(c, movers, &freed, stats);
         }
-        if looked.elapsed() >= HASTENED_LOOK_EVERY {
+        if looked.elapsed() >= RETRIES_LOOK_EVERY {
             looked = Instant::now();
-            forget_hastened(c, movers, stats);
+            look_for_retries(c, movers, stats);
         }
         for m in movers {
             match m.tick(c, At::Server) {
@@ -397,19 +397,20 @@ fn hasten(
     }
 }
 
-/// How often the mover looks whether the retries it brought forward have left the pool.
-const HASTENED_LOOK_EVERY: Duration = Duration::from_secs(1);
+/// How often the mover looks whether the retries of the jobs waiting on a lock have left
+/// the pool.
+const RETRIES_LOOK_EVERY: Duration = Duration::from_secs(1);
 
-/// Forgets the waiters brought forward whose retries have left their shard's pool (moved,
-/// or replaced by a retry or a push due later: `Contention::forget_hastened`); one
-/// pipeline of `ZSCORE`s per shard. Not answered, they are looked at again next time.
-fn forget_hastened(con: &mut dyn ConnectionLike, movers: &[Mover<'_>], stats: &Stats) {
-    let keys = stats.contention.hastened();
+/// Looks whether the retries of the jobs waiting on a lock have left their shard's pool
+/// (moved, or replaced by a retry or a push: `Contention::looked`); one pipeline of
+/// `ZSCORE`s per shard. Not answered, they are looked at again next time.
+fn look_for_retries(con: &mut dyn ConnectionLike, movers: &[Mover<'_>], stats: &Stats) {
+    let keys = stats.contention.to_look();
     if keys.is_empty() {
         return;
     }
     let now = stats.clock.now_ms();
-    let mut gone = Vec::new();
+    let mut found = Vec::new();
     for (i, m) in movers.iter().enumerate() {
         let mine: Vec<&String> = keys
             .iter()
@@ -423,16 +424,15 @@ fn forget_hastened(con: &mut dyn ConnectionLike, movers: &[Mover<'_>], stats: &S
             pipe.cmd("ZSCORE").arg(&m.keys.pool).arg(key.as_str());
         }
         match pipe.query::<Vec<Option<f64>>>(con) {
-            Ok(scores) => gone.extend(
+            Ok(scores) => found.extend(
                 mine.into_iter()
                     .zip(scores)
-                    .filter(|(_, s)| s.is_none_or(|s| s as i64 > now))
-                    .map(|(k, _)| k.clone()),
+                    .map(|(k, s)| (k.clone(), s.map(|s| s as i64))),
             ),
-            Err(e) => log::debug!("mover: looking at the retries brought forward: {e}"),
+            Err(e) => log::debug!("mover: looking for the retries of jobs waiting on a lock: {e}"),
         }
     }
-    stats.contention.forget_hastened(&gone);
+    stats.contention.looked(&found, now);
 }
 
 /// Adds one pool's report to the tick's.

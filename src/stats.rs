@@ -487,6 +487,10 @@ fn behind_ended(holder: Option<i32>, ended: &[i32], still_held: &[i32], event_fr
     }
 }
 
+/// How long a waiter's retry is gone from the pool, no worker of this process having
+/// taken it, before the waiter is forgotten ([`Contention::looked`]).
+pub const LEFT_GRACE: Duration = Duration::from_secs(2);
+
 /// A gap between two looks at the waiters longer than this is a time the process did not
 /// run (SIGSTOP, a frozen VM): nothing is forgotten for it.
 const PAUSED_AFTER: Duration = Duration::from_secs(3);
@@ -516,6 +520,12 @@ pub struct Waiter {
     /// is that very retry ([`Contention::to_hasten`]).
     pub retry: Option<(i64, String)>,
     pub hasten: Hasten,
+    /// A worker of this process took the job since it was counted
+    /// ([`Contention::taken`]): it is not forgotten for its retry's leaving the pool.
+    pub in_hand: bool,
+    /// When its retry was first seen gone from the pool (local ms, later by the time this
+    /// process had jobs queued since): [`Contention::looked`].
+    pub left_ms: Option<i64>,
 }
 
 /// Where bringing a lock waiter's retry forward stands, once the transaction that held
@@ -564,6 +574,20 @@ impl Contention {
         }
         for v in self.lock().values_mut() {
             v.due_ms = v.due_ms.saturating_add(ms);
+            v.left_ms = v.left_ms.map(|l| l.saturating_add(ms));
+        }
+    }
+
+    /// A worker of this process took these jobs ([`Waiter::in_hand`]).
+    pub fn taken<'k>(&self, keys: impl Iterator<Item = &'k str>) {
+        if self.len.load(Relaxed) == 0 {
+            return;
+        }
+        let mut w = self.lock();
+        for k in keys {
+            if let Some(v) = w.get_mut(k) {
+                v.in_hand = true;
+            }
         }
     }
 
@@ -627,6 +651,8 @@ impl Contention {
                 retry: retry
                     .map(|(score, msg)| (score, sha1_smol::Sha1::from(msg).digest().to_string())),
                 hasten: if late { Hasten::Due(local) } else { Hasten::No },
+                in_hand: false,
+                left_ms: None,
             },
         );
         if late {
@@ -725,7 +751,7 @@ impl Contention {
     /// The retries of these jobs were brought forward, due at `now_ms` (Redis's clock):
     /// each is brought forward once ([`Hasten::Done`]), and it is forgotten
     /// [`CONTENTION_FORGET`] from now unless this process meets it again, or sooner once
-    /// its retry has left the pool ([`Contention::forget_hastened`]).
+    /// its retry has left the pool ([`Contention::looked`]).
     pub fn brought_forward(&self, keys: &[String], now_ms: i64) {
         if keys.is_empty() {
             return;
@@ -739,32 +765,58 @@ impl Contention {
         }
     }
 
-    /// The job keys of the waiters brought forward ([`Hasten::Done`]): the mover looks
-    /// whether their retries are still in the pool ([`Contention::forget_hastened`]).
-    pub fn hastened(&self) -> Vec<String> {
+    /// The job keys of the waiters whose retries the mover looks for in the pool
+    /// ([`Contention::looked`]): those brought forward ([`Hasten::Done`]), and those with
+    /// a retry that no worker of this process has taken since.
+    pub fn to_look(&self) -> Vec<String> {
         if self.len.load(Relaxed) == 0 {
             return Vec::new();
         }
         self.lock()
             .values()
-            .filter(|v| v.hasten == Hasten::Done)
+            .filter(|v| v.hasten == Hasten::Done || (v.retry.is_some() && !v.in_hand))
             .map(|v| v.key.clone())
             .collect()
     }
 
-    /// Of the waiters brought forward, those whose retries have left the pool (moved to
-    /// be run, here or by a peer, or replaced by a newer retry or push) wait here no more:
-    /// a job this process runs and that meets the lock again is counted again, one a peer
-    /// runs is the peer's. Found from outside: a process whose waiters a peer ran stayed
-    /// red 15 s after the lock's end (forgotten only then), or turned red after the
-    /// recovery, its queue standing still for it alone.
-    pub fn forget_hastened(&self, keys: &[String]) {
-        if keys.is_empty() {
+    /// What the mover found of [`Contention::to_look`]'s retries: each job key with its
+    /// score in the pool now (`None`: not there), `now_ms` Redis's time. A waiter whose
+    /// retry has left the pool (moved to be run, here or by a peer) or was replaced (a
+    /// peer's retry of it, a push) waits here no more: a job this process runs and that
+    /// meets the lock again is counted again, one a peer runs is the peer's.
+    /// - Brought forward: once its retry is gone or due later. Found from outside: a
+    ///   process whose waiters a peer ran stayed red 15 s after the lock's end (forgotten
+    ///   only then), or turned red after the recovery, its queue standing still for it
+    ///   alone.
+    /// - Not taken by a worker here: once replaced, or gone for [`LEFT_GRACE`] (time for
+    ///   this process to read and take it, had it come here; time with jobs queued here
+    ///   not counted, [`Contention::queued_for`]). Found from outside: with three
+    ///   processes, the waiters whose reasons named no holder (so none was followed to
+    ///   its end) were counted, and warned of, 14–19 s after every job was done.
+    pub fn looked(&self, found: &[(String, Option<i64>)], now_ms: i64) {
+        if found.is_empty() {
             return;
         }
+        let local = crate::now_ms();
         let mut w = self.lock();
-        for k in keys {
-            if w.get(k).is_some_and(|v| v.hasten == Hasten::Done) {
+        for (k, score) in found {
+            let Some(v) = w.get_mut(k) else { continue };
+            let forget = match (v.hasten, &v.retry) {
+                (Hasten::Done, _) => score.is_none_or(|s| s > now_ms),
+                (_, Some((retry, _))) if !v.in_hand => match score {
+                    Some(s) if *s == *retry => {
+                        v.left_ms = None;
+                        false
+                    }
+                    Some(_) => true,
+                    None => {
+                        let left = *v.left_ms.get_or_insert(local);
+                        local - left >= LEFT_GRACE.as_millis() as i64
+                    }
+                },
+                _ => false,
+            };
+            if forget {
                 w.remove(k);
             }
         }
@@ -1861,13 +1913,51 @@ mod tests {
             v.hasten = Hasten::Due(crate::now_ms() - HASTEN_TRIED_FOR.as_millis() as i64);
         }
         assert!(freed().is_empty(), "given up");
-        assert_eq!(s.contention.hastened(), ["a"]);
-        s.contention.forget_hastened(&["a".to_string()]);
+        assert!(s.contention.to_look().contains(&"a".to_string()));
+        s.contention.looked(&[("a".to_string(), None)], now);
         assert_eq!(
             s.contention.summary(now).0,
             3,
             "a forgotten; c, d and f wait on"
         );
+    }
+
+    /// A lock waiter whose retry has left the pool is forgotten [`LEFT_GRACE`] later
+    /// unless a worker here took it; one whose retry a peer's replaced, at once.
+    #[test]
+    fn a_lock_waiter_whose_retry_left_the_pool_untaken_here_is_forgotten() {
+        let s = Stats::default();
+        let c = &s.contention;
+        let now = crate::now_ms();
+        let lock = ("canceling statement due to lock timeout (55P03)", true, 1);
+        for key in ["gone", "taken", "replaced", "there"] {
+            let retry = Some((now + 20_000, key.as_bytes()));
+            c.waiting(key, "order.timeout", now, lock, now + 20_000, now, retry);
+        }
+        c.taken(["taken"].into_iter());
+        let mut keys = c.to_look();
+        keys.sort();
+        assert_eq!(keys, ["gone", "replaced", "there"]);
+        let found = |gone: Option<i64>| {
+            [
+                ("gone".to_string(), gone),
+                ("replaced".to_string(), Some(now + 25_000)),
+                ("there".to_string(), Some(now + 20_000)),
+            ]
+        };
+        c.looked(&found(None), now);
+        assert_eq!(c.summary(now).0, 3, "replaced: a peer's");
+        // Back in the pool (a retry written just after the look): the grace starts again.
+        c.looked(&found(Some(now + 20_000)), now);
+        c.looked(&found(None), now);
+        assert_eq!(c.summary(now).0, 3);
+        if let Some(v) = c.lock().get_mut("gone") {
+            v.left_ms = Some(crate::now_ms() - LEFT_GRACE.as_millis() as i64);
+        }
+        c.looked(&found(None), now);
+        let mut left: Vec<String> = c.lock().keys().cloned().collect();
+        left.sort();
+        assert_eq!(left, ["taken", "there"]);
     }
 
     #[test]

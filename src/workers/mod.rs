@@ -1065,6 +1065,10 @@ impl<'a> Worker<'a> {
                 Err(dead) => out.push(*dead),
             }
         }
+        self.ctx
+            .stats
+            .contention
+            .taken(jobs.iter().map(|j| j.key.as_str()));
         if let Some(pool) = pool {
             jobs = self.share(jobs, pool);
         }

@@ -641,3 +641,57 @@ fn process(env: &Env, name: &str) -> (Proc, u16) {
     let p = Proc::start(&c, &["--metrics-addr".into(), format!("127.0.0.1:{port}")]);
     (p, port)
 }
+
+/// Three processes and a backlog behind a lock beside the busy shop: once the lock ends
+/// and every job is done, no process counts (or warns of) a job waiting within a few
+/// seconds. Found from outside: processes whose waiters' reasons named no holder (so none
+/// was followed to its end) counted them until 15 s after their retries fell due, and
+/// `stats --check` said WARNING 14–19 s after every job was done (here 16 s). A waiter
+/// whose retry has left the pool, no worker of its process having taken it, is now
+/// forgotten 2 s later, or at once when a peer's retry replaced it.
+#[test]
+fn no_process_counts_a_job_waiting_soon_after_a_lock_s_jobs_are_done() {
+    let mut env = Env::new();
+    env.config.jobs.retry_cap = Duration::from_secs(300);
+    let orders = seed_orders(&env.db, 1_000);
+    let procs: Vec<(Proc, u16)> = ["a", "b", "c"]
+        .iter()
+        .map(|name| process(&env, name))
+        .collect();
+    for (_, port) in &procs {
+        wait_until(WAIT, "/healthz up", || {
+            crate::shopdb::healthz(*port).0 == 200
+        });
+    }
+    let (busy, shop) = crate::shopdb::keep_the_shop_busy(&env.db);
+    let (_pid, release, h) = hold(&env, "SELECT 1 FROM sku FOR UPDATE");
+    push_timeouts(&env, &orders, 0);
+    let waiting = |port| crate::shopdb::metric(port, "delay_worker_jobs_waiting_on_contention");
+    wait_until(WAIT, "jobs waiting in every process", || {
+        procs.iter().all(|(_, port)| waiting(*port) > 0.0)
+    });
+    std::thread::sleep(Duration::from_secs(8));
+    assert_eq!(inbox_count(&env.db), 0, "the lock is held");
+    release.send(()).unwrap();
+    h.join().unwrap();
+    wait_until(Duration::from_secs(30), "every order cancelled", || {
+        inbox_count(&env.db) == orders.len() as i64
+    });
+    let done = std::time::Instant::now();
+    busy.store(true, std::sync::atomic::Ordering::Relaxed);
+    shop.join().unwrap();
+    wait_until(
+        Duration::from_secs(8),
+        "no process counting a job waiting, `stats --check` OK",
+        || procs.iter().all(|(_, port)| waiting(*port) == 0.0) && crate::shopdb::check(&env).0 == 0,
+    );
+    eprintln!(
+        "no job counted waiting {:?} after every job was done",
+        done.elapsed()
+    );
+    for (p, _) in procs {
+        crate::shopdb::stop(p);
+    }
+    assert_accounting(&env.db, &orders, &orders.iter().collect::<Vec<_>>());
+    assert_eq!(dead_letters(&env).len(), 0);
+}

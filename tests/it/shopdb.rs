@@ -2111,7 +2111,7 @@ fn a_backlog_behind_rows_every_job_needs_turns_health_red_in_time() {
     // beside the busy shop (they were forgotten 15 s after their retries fell due, the
     // count fell from 96 to 32, and, once none was left, the standstill was counted
     // afresh: red 30 s later, or never within a 90 s lock).
-    let until = Instant::now() + Duration::from_secs(20);
+    let until = Instant::now() + Duration::from_secs(10);
     let mut counted = 0.0;
     while Instant::now() < until {
         let (code, body) = healthz(port);
