@@ -642,6 +642,46 @@ fn process(env: &Env, name: &str) -> (Proc, u16) {
     (p, port)
 }
 
+/// A backlog whose every job needs a row the shop holds (each sku locked by a session
+/// idle in its transaction): red 30 s after the jobs met the lock, not 30 s after the
+/// first of them went back to the pool. Found from outside: with 2,000 jobs their sets'
+/// tries and halves kept the workers busy for about 17 s before the first job went back,
+/// and red came 47–74 s after the jobs fell due.
+#[test]
+fn a_backlog_behind_rows_every_job_needs_turns_health_red_in_time() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 2_000);
+    let (w, port) = crate::shopdb::start_with_health(&env, &["--retry-cap", "5s"]);
+    let (busy, shop) = crate::shopdb::keep_the_shop_busy_till_it_yields(&env.db, port);
+    let (_, release, h) = hold(&env, "SELECT 1 FROM sku FOR UPDATE");
+    let locked = std::time::Instant::now();
+    push_timeouts(&env, &orders, 0);
+    crate::shopdb::red_soon_after(&env, port, locked);
+    // And red while the lock lasts, none of the waiters forgotten: their retries wait in
+    // this process's channel for the workers, paused while every job meets the lock
+    // beside the busy shop (they were forgotten 15 s after their retries fell due, the
+    // count fell from 96 to 32, and, once none was left, the standstill was counted
+    // afresh: red 30 s later, or never within a 90 s lock).
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    let mut counted = 0.0;
+    while std::time::Instant::now() < until {
+        let (code, body) = crate::shopdb::healthz(port);
+        assert_eq!(code, 503, "red while the lock lasts: {body}");
+        let now = crate::shopdb::metric(port, "delay_worker_jobs_waiting_on_contention");
+        assert!(
+            now >= counted,
+            "waiting jobs forgotten: {counted} then {now}"
+        );
+        counted = now;
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    release.send(()).unwrap();
+    h.join().unwrap();
+    busy.store(true, std::sync::atomic::Ordering::Relaxed);
+    shop.join().unwrap();
+    crate::shopdb::every_job_once_and_green(&env, w, port, &orders);
+}
+
 /// Three processes and a backlog behind a lock beside the busy shop: once the lock ends
 /// and every job is done, no process counts (or warns of) a job waiting within a few
 /// seconds. Found from outside: processes whose waiters' reasons named no holder (so none
