@@ -228,8 +228,15 @@ impl Envelope {
         raw.insert(LAST_ERROR.into(), Value::from(cut));
         raw.insert(FAILED_AT.into(), Value::from(failed_at));
         match waited_lock {
-            true => raw.insert(WAITED_LOCK.into(), Value::from(true)),
-            false => raw.remove(WAITED_LOCK),
+            true => {
+                raw.insert(WAITED_LOCK.into(), Value::from(true));
+                let since = self.waited_since().unwrap_or(failed_at);
+                raw.insert(WAITED_SINCE.into(), Value::from(since));
+            }
+            false => {
+                raw.remove(WAITED_LOCK);
+                raw.remove(WAITED_SINCE);
+            }
         };
         let with = to_wire(raw, self.job_id.as_deref());
         if with.len() > limit {
@@ -249,6 +256,17 @@ impl Envelope {
     /// lock or statement timeout), as the worker that sent it back wrote it.
     pub fn waited_lock(&self) -> bool {
         self.raw.get(WAITED_LOCK).and_then(Value::as_bool) == Some(true)
+    }
+
+    /// Since when the job's tries have waited in vain for a lock, one after another (unix
+    /// ms on Redis's clock): its first such failure, as the workers that sent it back
+    /// wrote it. A process started during a lock counts a standstill from the earliest of
+    /// these it finds in the pool.
+    pub fn waited_since(&self) -> Option<i64> {
+        if !self.waited_lock() {
+            return None;
+        }
+        self.raw.get(WAITED_SINCE).and_then(Value::as_i64)
     }
 
     /// When the job last failed (unix ms on Redis's clock), as the worker that sent it
@@ -327,6 +345,11 @@ pub const FAILED_AT: &str = "failed_at";
 /// The field of a message sent back to the pool whose job waited in vain for a lock
 /// (`true`): [`Envelope::waited_lock`].
 pub const WAITED_LOCK: &str = "waited_lock";
+
+/// The field of a message sent back to the pool whose job waited in vain for a lock at
+/// its last tries, one after another: since when (unix ms, Redis's clock;
+/// [`Envelope::waited_since`]).
+pub const WAITED_SINCE: &str = "waited_since";
 
 /// The field of a message sent back to the pool that says when a worker first held its job
 /// as the surroundings' fault (unix ms, Redis's clock; [`Envelope::held_at`]).
@@ -470,8 +493,15 @@ mod tests {
         let m = e.requeued_waiting(1, 5, ("lock timeout", 7), true, 1000);
         let back = d(&m).unwrap();
         assert!(back.waited_lock(), "{m}");
-        let again = back.requeued_after(2, 5, "deadlock", 9, 1000);
-        assert!(!d(&again).unwrap().waited_lock(), "{again}");
+        // It has waited for a lock since its first such failure, at every try after it.
+        assert_eq!(back.waited_since(), Some(7));
+        let twice = d(&back.requeued_waiting(2, 5, ("lock timeout", 8), true, 1000)).unwrap();
+        assert_eq!(twice.waited_since(), Some(7));
+        let again = twice.requeued_after(3, 5, "deadlock", 9, 1000);
+        let again = d(&again).unwrap();
+        assert!(!again.waited_lock() && again.waited_since().is_none());
+        let anew = d(&again.requeued_waiting(4, 5, ("lock timeout", 10), true, 1000)).unwrap();
+        assert_eq!(anew.waited_since(), Some(10));
     }
 
     #[test]

@@ -1922,17 +1922,20 @@ mod tests {
         );
     }
 
-    /// A lock waiter whose retry has left the pool is forgotten [`LEFT_GRACE`] later
-    /// unless a worker here took it; one whose retry a peer's replaced, at once.
+    /// A waiter whose retry has left the pool is forgotten [`LEFT_GRACE`] later unless a
+    /// worker here took it; one whose retry a peer's replaced, at once.
     #[test]
-    fn a_lock_waiter_whose_retry_left_the_pool_untaken_here_is_forgotten() {
+    fn a_waiter_whose_retry_left_the_pool_untaken_here_is_forgotten() {
         let s = Stats::default();
         let c = &s.contention;
         let now = crate::now_ms();
         let lock = ("canceling statement due to lock timeout (55P03)", true, 1);
+        // A statement cancelled (57014) is no lock wait: followed the same.
+        let cancelled = ("canceling statement due to user request (57014)", false, 1);
         for key in ["gone", "taken", "replaced", "there"] {
             let retry = Some((now + 20_000, key.as_bytes()));
-            c.waiting(key, "order.timeout", now, lock, now + 20_000, now, retry);
+            let why = if key == "gone" { cancelled } else { lock };
+            c.waiting(key, "order.timeout", now, why, now + 20_000, now, retry);
         }
         c.taken(["taken"].into_iter());
         let mut keys = c.to_look();

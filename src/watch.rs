@@ -311,6 +311,9 @@ impl<'a> Watch<'a> {
     fn lock_waiters_left(&mut self, con: &mut dyn redis::ConnectionLike) -> Result<(), StoreError> {
         let limit = self.config.jobs.max_message_bytes;
         let (mut found, mut scanned) = (0usize, 0usize);
+        // Redis's clock less this host's: a failure's time (Redis's) on this host's clock.
+        let ahead = self.stats.clock.now_ms() - crate::now_ms();
+        let mut first_met: Option<i64> = None;
         for keys in &self.config.derived.shards {
             let mut cursor = 0;
             let mut read = 0;
@@ -328,6 +331,13 @@ impl<'a> Watch<'a> {
                         continue;
                     }
                     found += 1;
+                    let met = env
+                        .failed_at()
+                        .map_or(crate::now_ms(), |at| (at - ahead).min(crate::now_ms()));
+                    // Its tries have waited for a lock since then (an earlier build's
+                    // retry does not say: since its last failure).
+                    let began = env.waited_since().map_or(met, |at| (at - ahead).min(met));
+                    first_met = Some(first_met.map_or(began, |f| f.min(began)));
                     self.stats.contention.waiting(
                         &r.key,
                         &env.event,
@@ -338,7 +348,7 @@ impl<'a> Watch<'a> {
                             env.retry,
                         ),
                         due_ms,
-                        crate::now_ms(),
+                        met,
                         Some((due_ms, msg.as_slice())),
                     );
                 }
@@ -348,6 +358,12 @@ impl<'a> Watch<'a> {
                 }
             }
             scanned += read;
+        }
+        // A process restarted during a lock every job meets counts the standstill from
+        // when their contention began, not from its own start (found from outside: red
+        // 41–59 s after the lock, where the others were red at 32 s).
+        if let Some(met) = first_met {
+            self.stats.contention.began_by(met);
         }
         if found > 0 {
             log::info!(

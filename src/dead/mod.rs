@@ -183,7 +183,7 @@ pub fn shard_id(shard: usize, id: &str) -> String {
     format!("{shard}/{id}")
 }
 /// The message to requeue and whether `retry` could be reset: a JSON object gets
-/// `retry: 0` and no `last_error`, `failed_at`, `held_at`, `waited_lock` or `refused_at`, with every other field kept (the same rewrite a retry
+/// `retry: 0` and no `last_error`, `failed_at`, `held_at`, `waited_lock`, `waited_since` or `refused_at`, with every other field kept (the same rewrite a retry
 /// makes, see `Envelope::next_retry`); one whose `retry` is already 0 or absent (and no
 /// `last_error`) goes back byte for byte; anything else goes back as written (it will be dead-lettered again).
 pub fn requeue_message(msg: &[u8]) -> (Vec<u8>, bool) {
@@ -195,6 +195,7 @@ pub fn requeue_message(msg: &[u8]) -> (Vec<u8>, bool) {
                 && !m.contains_key(crate::message::FAILED_AT)
                 && !m.contains_key(crate::message::HELD_AT)
                 && !m.contains_key(crate::message::WAITED_LOCK)
+                && !m.contains_key(crate::message::WAITED_SINCE)
                 && !m.contains_key(crate::message::REFUSED_AT)
             {
                 return (msg.to_vec(), true);
@@ -205,6 +206,7 @@ pub fn requeue_message(msg: &[u8]) -> (Vec<u8>, bool) {
             m.remove(crate::message::FAILED_AT);
             m.remove(crate::message::HELD_AT);
             m.remove(crate::message::WAITED_LOCK);
+            m.remove(crate::message::WAITED_SINCE);
             m.remove(crate::message::REFUSED_AT);
             // The job keeps its identity: the mover's stamp stays first, where it looks.
             let stamp = crate::message::stamp_of(msg);

@@ -545,6 +545,7 @@ pub fn watch_contention(stats: &Stats, local: i64, jobs: &JobConfig) {
 
 pub struct Worker<'a> {
     name: String,
+    index: usize,
     ctx: &'a PoolContext<'a>,
     /// The handlers this worker runs, of `generation` of [`PoolContext::handlers`].
     registry: Arc<Registry>,
@@ -613,6 +614,7 @@ impl<'a> Worker<'a> {
             db_backoff: Backoff::with_cap(&name, DB_BACKOFF_CAP),
             redis_backoff: Backoff::new(&name),
             name,
+            index,
             ctx,
             session: None,
             unflushed: false,
@@ -626,6 +628,29 @@ impl<'a> Worker<'a> {
             held: Vec::new(),
             held_tried: None,
             kept_at: Instant::now(),
+        }
+    }
+
+    /// At start, when a job of each event last changed something in any process, within
+    /// [`CONTENTION_STALL`], as the inbox says: a process started while the others stand
+    /// still behind a lock counts the standstill from that change, not from its own start
+    /// (with [`crate::stats::Contention::began_by`] of the lock waiters it finds in the
+    /// pool), and one started while they go through does not take their queue for one
+    /// standing still.
+    fn last_changes(&mut self) {
+        let Some(session) = self.session.as_mut() else {
+            return;
+        };
+        let within = CONTENTION_STALL.as_millis() as i64;
+        for event in self.registry.events() {
+            match session.applied_within(event, within) {
+                Ok(Some(age)) => self.ctx.stats.jobs.applied_at(event, crate::now_ms() - age),
+                Ok(None) => {}
+                Err(e) => log::debug!(
+                    "cannot ask the inbox when a job of {event} last changed something: {}",
+                    db::error_text(&e)
+                ),
+            }
         }
     }
 
@@ -884,6 +909,9 @@ impl<'a> Worker<'a> {
         // that cannot be opened now is opened for the first job, as after an outage.
         if let Ok(s) = Session::open(self.ctx.db, &self.registry, self.ctx.jobs.lock_timeout) {
             self.session = Some(s);
+            if self.index == 0 {
+                self.last_changes();
+            }
         }
         let mut outcomes: Vec<Settlement> = Vec::with_capacity(ACK_BATCH);
         let gather = self.ctx.jobs.take_size_under(self.ctx.manners);
@@ -2282,7 +2310,7 @@ impl<'a> Worker<'a> {
             (&f.reason, lock_wait, retry),
             due_ms + patience,
             failed_at,
-            lock_wait.then_some((due_ms, msg.as_slice())),
+            Some((due_ms, msg.as_slice())),
         );
         if let Some(ago) = self.ctx.manners.contended_for(&env.event) {
             stats

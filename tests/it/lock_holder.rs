@@ -682,6 +682,32 @@ fn a_backlog_behind_rows_every_job_needs_turns_health_red_in_time() {
     crate::shopdb::every_job_once_and_green(&env, w, port, &orders);
 }
 
+/// A process restarted during a lock every job meets is red when it would have been had
+/// it run on: it counts the standstill from when the waiters it finds in the pool began
+/// to meet the lock (their last failures less the backoffs their retries say they had,
+/// each at its shortest), and from when a job of the event last changed something as the
+/// inbox says, not from its own start. Found from outside: restarted 11, 16 and 29 s into
+/// such a lock, a process was red 41, 47 and 59 s after it, the others at 32 s.
+#[test]
+fn a_process_restarted_during_a_standstill_is_red_in_time() {
+    let env = Env::new();
+    let orders = seed_orders(&env.db, 300);
+    let (w, port) = crate::shopdb::start_with_health(&env, &[]);
+    let (_, release, h) = hold(&env, "SELECT 1 FROM sku FOR UPDATE");
+    let locked = std::time::Instant::now();
+    push_timeouts(&env, &orders, 0);
+    wait_until(WAIT, "jobs waiting on the lock", || {
+        crate::shopdb::metric(port, "delay_worker_jobs_waiting_on_contention") > 0.0
+    });
+    std::thread::sleep(Duration::from_secs(10).saturating_sub(locked.elapsed()));
+    crate::shopdb::stop(w);
+    let (w, port) = crate::shopdb::start_with_health(&env, &[]);
+    crate::shopdb::red_soon_after(&env, port, locked);
+    release.send(()).unwrap();
+    h.join().unwrap();
+    crate::shopdb::every_job_once_and_green(&env, w, port, &orders);
+}
+
 /// Three processes and a backlog behind a lock beside the busy shop: once the lock ends
 /// and every job is done, no process counts (or warns of) a job waiting within a few
 /// seconds. Found from outside: processes whose waiters' reasons named no holder (so none
