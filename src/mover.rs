@@ -397,11 +397,11 @@ fn hasten(
     }
 }
 
-/// How often the mover looks whether the retries of the jobs waiting on a lock have left
-/// the pool.
+/// How often the mover looks whether the retries of the jobs waiting on contention have
+/// left the pool.
 const RETRIES_LOOK_EVERY: Duration = Duration::from_secs(1);
 
-/// Looks whether the retries of the jobs waiting on a lock have left their shard's pool
+/// Looks whether the retries of the jobs waiting on contention have left their shard's pool
 /// (moved, or replaced by a retry or a push: `Contention::looked`); one pipeline of
 /// `ZSCORE`s per shard. Not answered, they are looked at again next time.
 fn look_for_retries(con: &mut dyn ConnectionLike, movers: &[Mover<'_>], stats: &Stats) {
@@ -429,7 +429,9 @@ fn look_for_retries(con: &mut dyn ConnectionLike, movers: &[Mover<'_>], stats: &
                     .zip(scores)
                     .map(|(k, s)| (k.clone(), s.map(|s| s as i64))),
             ),
-            Err(e) => log::debug!("mover: looking for the retries of jobs waiting on a lock: {e}"),
+            Err(e) => {
+                log::debug!("mover: looking for the retries of jobs waiting on contention: {e}")
+            }
         }
     }
     stats.contention.looked(&found, now);
