@@ -592,10 +592,12 @@ impl Manners {
     }
 
     /// `s`'s jobs met contention at `now`: it began then unless they met it within
-    /// [`SPLIT_WAITS_BRIEFLY`] before, none changing anything since.
+    /// [`SPLIT_WAITS_BRIEFLY`] before, none changing anything since. Another worker may
+    /// have stored a later time since `now` was read (found in a test run: a worker
+    /// panicked on the subtraction).
     fn met_at(s: &EventSets, now: u64) {
-        let last = s.met_ms.swap(now, Ordering::Relaxed);
-        if last == 0 || now - last > SPLIT_WAITS_BRIEFLY.as_millis() as u64 {
+        let last = s.met_ms.fetch_max(now, Ordering::Relaxed);
+        if last == 0 || now.saturating_sub(last) > SPLIT_WAITS_BRIEFLY.as_millis() as u64 {
             s.met_since_ms.store(now, Ordering::Relaxed);
         } else {
             let _ = s
@@ -1001,6 +1003,13 @@ mod tests {
         assert!(m.contended_for("a").is_none());
         m.job_contended("a");
         assert!(began(&m).unwrap() < 30, "{:?}", began(&m));
+        // A worker that read the time before another stored a later one.
+        m.with_sets("a", |s| {
+            let later = s.met_ms.load(Ordering::Relaxed) + 5;
+            Manners::met_at(s, later);
+            Manners::met_at(s, later - 3);
+            assert_eq!(s.met_ms.load(Ordering::Relaxed), later);
+        });
     }
 
     /// An event's single jobs wait briefly while its sets are smaller than `--set-size`

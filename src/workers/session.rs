@@ -28,6 +28,24 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::AtomicU64;
 use std::time::{Duration, Instant};
 
+/// How long ago (ms) a job of `event` last changed something, in any process, if within
+/// `within_ms`, by the inbox rows' start time on the server's own clock.
+pub fn last_change(
+    conn: &mut postgres::Client,
+    event: &str,
+    within_ms: i64,
+) -> Result<Option<i64>, postgres::Error> {
+    let row = conn.query_opt(
+        "SELECT (extract(epoch FROM now() - processed_at) * 1000)::bigint \
+         FROM worker_inbox \
+         WHERE processed_at > now() - $2::bigint * interval '1 millisecond' \
+         AND event = $1 AND outcome = 'done' \
+         ORDER BY processed_at DESC LIMIT 1",
+        &[&event, &within_ms],
+    )?;
+    Ok(row.map(|r| r.get::<_, i64>(0).max(0)))
+}
+
 /// How often a handler that did not prepare is tried again (when a job of it comes).
 pub const REPREPARE_EVERY: Duration = Duration::from_secs(2);
 
@@ -391,15 +409,7 @@ impl Session {
         event: &str,
         within_ms: i64,
     ) -> Result<Option<i64>, postgres::Error> {
-        let row = self.conn.query_opt(
-            "SELECT (extract(epoch FROM now() - processed_at) * 1000)::bigint \
-             FROM worker_inbox \
-             WHERE processed_at > now() - $2::bigint * interval '1 millisecond' \
-             AND event = $1 AND outcome = 'done' \
-             ORDER BY processed_at DESC LIMIT 1",
-            &[&event, &within_ms],
-        )?;
-        Ok(row.map(|r| r.get::<_, i64>(0).max(0)))
+        last_change(&mut self.conn, event, within_ms)
     }
 
     /// Whether jobs of `event` changed something in each third of the span from `from_ms`

@@ -761,3 +761,66 @@ fn no_process_counts_a_job_waiting_soon_after_a_lock_s_jobs_are_done() {
     assert_accounting(&env.db, &orders, &orders.iter().collect::<Vec<_>>());
     assert_eq!(dead_letters(&env).len(), 0);
 }
+
+/// A process holding a job behind a lock on one order, while a peer cancels an order every
+/// 2 s, is not red: the event's queue does not stand still, whichever process changes
+/// things (the watch asks the inbox once a second while jobs wait). The peer runs on a
+/// Redis of its own beside the same database, so that it, not the waiting process, runs
+/// the others. Found from outside: such a process, whose peer cancelled an order every
+/// 8 s, was red for 54 s, counting only its own changes.
+#[test]
+fn a_process_whose_peer_goes_through_is_not_red_for_its_own_waiter() {
+    let mut env = Env::new();
+    env.config.jobs.retry_cap = Duration::from_secs(5);
+    // 19 orders cancelled 2 s apart by the peer: 38 s, past the 30 s of a standstill.
+    let orders = seed_orders(&env.db, 20);
+    let sql: &'static str = Box::leak(
+        format!(
+            "SELECT 1 FROM orders WHERE id = {} FOR UPDATE",
+            orders[0].id
+        )
+        .into_boxed_str(),
+    );
+    let (_, release, h) = hold(&env, sql);
+    let (a, port) = process(&env, "a");
+    push_timeouts(&env, &orders[..1], 0);
+    wait_until(WAIT, "the locked order's job waiting", || {
+        crate::shopdb::metric(port, "delay_worker_jobs_waiting_on_contention") == 1.0
+    });
+    let peer_redis = RedisServer::start();
+    let mut peer_config = env.config.clone();
+    peer_config.redis_url = peer_redis.url();
+    peer_config.consumer = "peer".into();
+    let peer = Proc::start(&peer_config, &[]);
+    let mut con = peer_redis.con();
+    let began = std::time::Instant::now();
+    for o in &orders[1..] {
+        let now = delay_worker::now_ms();
+        let job = delay_worker::producer::NewJob {
+            event: "order.timeout".into(),
+            payload: serde_json::json!({ "order_no": o.order_no }),
+            due_ms: now,
+            key: Some(format!("order.timeout:{}", o.order_no)),
+        };
+        delay_worker::producer::push(&mut con, &peer_config.keys, &job, now).unwrap();
+        // Sampled every 250 ms for 2 s: never red for a standstill.
+        for _ in 0..8 {
+            let (code, body) = crate::shopdb::healthz(port);
+            assert!(
+                code == 200 || !body.contains("has changed anything"),
+                "red {:?} in while the peer cancels orders: {body}",
+                began.elapsed()
+            );
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    }
+    release.send(()).unwrap();
+    h.join().unwrap();
+    wait_until(WAIT, "every order cancelled", || {
+        inbox_count(&env.db) == orders.len() as i64
+    });
+    crate::shopdb::stop(a);
+    crate::shopdb::stop(peer);
+    assert_accounting(&env.db, &orders, &orders.iter().collect::<Vec<_>>());
+    assert_eq!(dead_letters(&env).len(), 0);
+}
