@@ -525,13 +525,7 @@ fn a_process_forgets_the_jobs_behind_a_lock_that_another_ran_as_it_ended() {
     env.config.jobs.retry_cap = Duration::from_secs(300);
     let orders = seed_orders(&env.db, 8);
     let (pid, release, h) = hold(&env, "LOCK TABLE orders IN EXCLUSIVE MODE");
-    let start = |name: &str| {
-        let (p, port) = process(&env, name);
-        wait_until(WAIT, "/healthz up", || {
-            crate::shopdb::healthz(port).0 == 200
-        });
-        (p, port)
-    };
+    let start = |name: &str| crate::shopdb::start_named(&env, &[name], &[]).remove(0);
     let waiting = |port| crate::shopdb::metric(port, "delay_worker_jobs_waiting_on_contention");
     let (b, port_b) = start("b");
     push_timeouts(&env, &orders, 0);
@@ -593,7 +587,7 @@ fn jobs_whose_retries_are_written_as_a_lock_ends_run_as_it_ends_too() {
     env.config.jobs.retry_cap = Duration::from_secs(300);
     let orders = seed_orders(&env.db, 600);
     let (_pid, release, h) = hold(&env, "SELECT 1 FROM sku FOR UPDATE");
-    let procs: Vec<(Proc, u16)> = ["a", "b"].iter().map(|name| process(&env, name)).collect();
+    let procs = crate::shopdb::start_named(&env, &["a", "b"], &[]);
     push_timeouts(&env, &orders, 0);
     // Long enough for the jobs to come back and fail again while it lasts.
     std::thread::sleep(Duration::from_secs(6));
@@ -630,16 +624,6 @@ fn jobs_whose_retries_are_written_as_a_lock_ends_run_as_it_ends_too() {
     }
     assert_accounting(&env.db, &orders, &orders.iter().collect::<Vec<_>>());
     assert_eq!(dead_letters(&env).len(), 0);
-}
-
-/// A worker process of `env`'s prefix, consumer `<consumer>-<name>`, with `/healthz` on a
-/// free port, and that port.
-fn process(env: &Env, name: &str) -> (Proc, u16) {
-    let mut c = env.config.clone();
-    c.consumer = format!("{}-{name}", env.config.consumer);
-    let port = free_port();
-    let p = Proc::start(&c, &["--metrics-addr".into(), format!("127.0.0.1:{port}")]);
-    (p, port)
 }
 
 /// A backlog whose every job needs a row the shop holds (each sku locked by a session
@@ -720,15 +704,7 @@ fn no_process_counts_a_job_waiting_soon_after_a_lock_s_jobs_are_done() {
     let mut env = Env::new();
     env.config.jobs.retry_cap = Duration::from_secs(300);
     let orders = seed_orders(&env.db, 1_000);
-    let procs: Vec<(Proc, u16)> = ["a", "b", "c"]
-        .iter()
-        .map(|name| process(&env, name))
-        .collect();
-    for (_, port) in &procs {
-        wait_until(WAIT, "/healthz up", || {
-            crate::shopdb::healthz(*port).0 == 200
-        });
-    }
+    let procs = crate::shopdb::start_named(&env, &["a", "b", "c"], &[]);
     let (busy, shop) = crate::shopdb::keep_the_shop_busy(&env.db);
     let (_pid, release, h) = hold(&env, "SELECT 1 FROM sku FOR UPDATE");
     push_timeouts(&env, &orders, 0);
@@ -782,7 +758,7 @@ fn a_process_whose_peer_goes_through_is_not_red_for_its_own_waiter() {
         .into_boxed_str(),
     );
     let (_, release, h) = hold(&env, sql);
-    let (a, port) = process(&env, "a");
+    let (a, port) = crate::shopdb::start_named(&env, &["a"], &[]).remove(0);
     push_timeouts(&env, &orders[..1], 0);
     wait_until(WAIT, "the locked order's job waiting", || {
         crate::shopdb::metric(port, "delay_worker_jobs_waiting_on_contention") == 1.0
@@ -795,14 +771,7 @@ fn a_process_whose_peer_goes_through_is_not_red_for_its_own_waiter() {
     let mut con = peer_redis.con();
     let began = std::time::Instant::now();
     for o in &orders[1..] {
-        let now = delay_worker::now_ms();
-        let job = delay_worker::producer::NewJob {
-            event: "order.timeout".into(),
-            payload: serde_json::json!({ "order_no": o.order_no }),
-            due_ms: now,
-            key: Some(format!("order.timeout:{}", o.order_no)),
-        };
-        delay_worker::producer::push(&mut con, &peer_config.keys, &job, now).unwrap();
+        push_timeouts_to(&mut con, &peer_config.keys, std::slice::from_ref(o), 0);
         // Sampled every 250 ms for 2 s: never red for a standstill.
         for _ in 0..8 {
             let (code, body) = crate::shopdb::healthz(port);

@@ -28,7 +28,7 @@ pub(crate) fn start_with_health(env: &Env, extra: &[&str]) -> (Proc, u16) {
 
 /// Processes of one prefix, consumers `<consumer>-<name>`, each with its `/healthz` port
 /// and these flags, started and green.
-fn start_named(env: &Env, names: &[&str], extra: &[&str]) -> Vec<(Proc, u16)> {
+pub(crate) fn start_named(env: &Env, names: &[&str], extra: &[&str]) -> Vec<(Proc, u16)> {
     let procs: Vec<(Proc, u16)> = names
         .iter()
         .map(|name| {

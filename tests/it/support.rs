@@ -843,7 +843,16 @@ fn try_books_on(
 
 /// Pushes an `order.timeout` for each order, due `delay_ms` from now, keyed by order.
 pub fn push_timeouts(env: &Env, orders: &[SeedOrder], delay_ms: i64) {
-    let mut con = env.con();
+    push_timeouts_to(&mut env.con(), &env.config.keys, orders, delay_ms);
+}
+
+/// [`push_timeouts`] through `con` under `keys` (a Redis other than the env's).
+pub fn push_timeouts_to(
+    con: &mut redis::Connection,
+    keys: &delay_worker::keys::Keys,
+    orders: &[SeedOrder],
+    delay_ms: i64,
+) {
     let now = delay_worker::now_ms();
     for o in orders {
         let job = delay_worker::producer::NewJob {
@@ -852,7 +861,7 @@ pub fn push_timeouts(env: &Env, orders: &[SeedOrder], delay_ms: i64) {
             due_ms: now + delay_ms,
             key: Some(format!("order.timeout:{}", o.order_no)),
         };
-        delay_worker::producer::push(&mut con, &env.config.keys, &job, now).unwrap();
+        delay_worker::producer::push(con, keys, &job, now).unwrap();
     }
 }
 
