@@ -43,7 +43,10 @@ pub struct Keys {
     /// does not take the next such job for its data while a shop rule refuses them all.
     /// Also `lapse\n<event>` -> `<unix ms> <a refusal's first words>`: when a job the
     /// shop's rule had refused last went through, so that every process waits out a rule
-    /// that comes and goes past `--refusal-grace`, not only the one that saw it.
+    /// that comes and goes past `--refusal-grace`, not only the one that saw it. And
+    /// `lock-ended\n<event>` -> `<unix ms>`: when a process last saw the lock its event's
+    /// waiting jobs waited for end, so that a process that did not name that lock's
+    /// holder brings its own waiters forward too (shard 0's, written by the mover).
     pub refused: String,
     /// HASH: `--max-rate` schedule (`<cap>@<interval µs>`, the cap `*` for every job, else
     /// an event) -> when its next slot is free, unix microseconds on Redis's clock

@@ -328,10 +328,12 @@ pub fn run_shards(movers: &[Mover<'_>], client: &crate::store::Redis, shutdown: 
         if !freed.is_empty() {
             hasten(c, movers, &freed, stats);
         }
-        if looked.elapsed() >= RETRIES_LOOK_EVERY {
+        let look = looked.elapsed() >= RETRIES_LOOK_EVERY;
+        if look {
             looked = Instant::now();
             look_for_retries(c, movers, stats);
         }
+        share_lock_ends(c, first.keys, stats, look);
         for m in movers {
             match m.tick(c, At::Server) {
                 Ok((_, s)) => sleep = sleep.min(s),
@@ -435,6 +437,65 @@ fn look_for_retries(con: &mut dyn ConnectionLike, movers: &[Mover<'_>], stats: &
         }
     }
     stats.contention.looked(&found, now);
+}
+
+/// The field of [`Keys::refused`] that holds when a process last saw the lock of `event`'s
+/// waiters end (`<unix ms>`, Redis's clock). Job keys are never fields there (the fields of
+/// letters are event names), and an event name holds no newline.
+fn lock_end_field(event: &str) -> String {
+    format!("lock-ended\n{event}")
+}
+
+/// The ends of locks this process saw, put on record for every process of the prefix (one
+/// `HSET` into `keys.refused`, shard 0's); with `look`, the ends on record of the events
+/// whose jobs wait here for a lock whose holder no failure here named, one `HMGET`
+/// (`Contention::ended_elsewhere`): only a process that named a holder follows it to its
+/// end. Best effort: not written or not read, each process brings forward what it saw
+/// itself.
+fn share_lock_ends(con: &mut dyn ConnectionLike, keys: &Keys, stats: &Stats, look: bool) {
+    let now = stats.clock.now_ms();
+    let tell = stats.contention.ends_to_tell(now);
+    if !tell.is_empty() {
+        let mut hset = redis::cmd("HSET");
+        hset.arg(&keys.refused);
+        for event in &tell {
+            hset.arg(lock_end_field(event)).arg(now);
+        }
+        if let Err(e) = hset.query::<()>(con) {
+            log::debug!(
+                "mover: cannot record the end of a lock in {}: {e}",
+                keys.refused
+            );
+        }
+    }
+    if !look {
+        return;
+    }
+    let events = stats.contention.unnamed_lock_events();
+    if events.is_empty() {
+        return;
+    }
+    let mut hmget = redis::cmd("HMGET");
+    hmget.arg(&keys.refused);
+    for event in &events {
+        hmget.arg(lock_end_field(event));
+    }
+    match hmget.query::<Vec<Option<String>>>(con) {
+        Ok(ends) => {
+            let ends: Vec<(String, i64)> = events
+                .into_iter()
+                .zip(ends)
+                .filter_map(|(event, at)| Some((event, at?.parse().ok()?)))
+                .collect();
+            stats
+                .contention
+                .ended_elsewhere(&ends, stats.clock.now_ms());
+        }
+        Err(e) => log::debug!(
+            "mover: cannot read the ends of locks in {}: {e}",
+            keys.refused
+        ),
+    }
 }
 
 /// Adds one pool's report to the tick's.
