@@ -830,8 +830,10 @@ fn a_long_shop_lock_while_the_shop_is_busy_holds_up_only_the_orders_that_need_it
     // The default: with the tests' 100 ms the locked orders' retries alone would keep
     // every worker waiting on the lock.
     env.config.jobs.retry_base = Duration::from_secs(1);
-    let orders = seed_orders(&env.db, 1000);
-    // One order in eleven locked by the shop, as an import or a report might.
+    let all = seed_orders(&env.db, 750);
+    // First, without a lock on any order they need, a quarter of them (the control).
+    let (first, orders) = all.split_at(250);
+    // Then, one order in eleven locked by the shop, as an import or a report might.
     let held: Vec<i64> = orders.iter().step_by(11).map(|o| o.id).collect();
     let (release, holder) = hold_locks(&env.db, "orders", held.clone());
     let (quiet, shop) = keep_the_shop_busy(&env.db);
@@ -840,25 +842,40 @@ fn a_long_shop_lock_while_the_shop_is_busy_holds_up_only_the_orders_that_need_it
     wait_until(WAIT, "the workers yielding", || {
         metric(port, "delay_worker_yielding") == 1.0
     });
-    // Due over 10 s, 100 a second, while the lock is held.
-    let due = push_due_in_turn(&env, &orders, 50, 500);
+    // Each order's lateness (when it was cancelled against when it was due): p50, p95, max.
+    let quantiles = |orders: &[&SeedOrder], due: &std::collections::HashMap<i64, i64>| {
+        let mut late = lateness(&env.db, orders.iter().map(|o| o.id), due);
+        late.sort_unstable();
+        let at = |q: f64| late[((late.len() - 1) as f64 * q) as usize];
+        (at(0.5), at(0.95), at(1.0))
+    };
+    // Due 50 a second beside the busy shop, over 5 s, then over 10 s while the lock is
+    // held. One worker at a time in a transaction beside the busy shop, the machine's own
+    // load tells: with nine other such tests on two cores, the free orders were 0.5–1.35 s
+    // late at the median from run to run, and the suite failed so in CI. So they are
+    // measured against the control's lateness just before, in the same surroundings.
+    let first: Vec<&SeedOrder> = first.iter().collect();
+    let due = push_due_in_turn(&env, &all[..250], 25, 500);
+    wait_until(WAIT, "the control's orders cancelled", || {
+        cancelled(&env.db, &first) == first.len()
+    });
+    let (c50, c95, cmax) = quantiles(&first, &due);
+    let due = push_due_in_turn(&env, orders, 25, 500);
     let (locked, free): (Vec<&SeedOrder>, Vec<&SeedOrder>) =
         orders.iter().partition(|o| held.contains(&o.id));
     wait_until(WAIT, "the orders needing no locked row cancelled", || {
         cancelled(&env.db, &free) == free.len()
     });
     assert_eq!(cancelled(&env.db, &locked), 0, "the lock is still held");
-    // Each one's lateness: when it was cancelled against when it was due (pushed a few
-    // milliseconds after `pushed`). Before, the latest was 9 s late, half of them over
-    // 1.8 s; now under 0.6 s on a quiet machine.
-    let mut late = lateness(&env.db, free.iter().map(|o| o.id), &due);
-    late.sort_unstable();
-    let at = |q: f64| late[((late.len() - 1) as f64 * q) as usize];
-    let (p50, p95, latest) = (at(0.5), at(0.95), at(1.0));
-    eprintln!("lateness of the free orders: p50 {p50} ms, p95 {p95} ms, max {latest} ms");
+    // Before, the latest was 9 s late, half of them over 1.8 s; now under 0.6 s on a
+    // quiet machine, as late as the control's.
+    let (p50, p95, latest) = quantiles(&free, &due);
+    eprintln!(
+        "lateness of the free orders: p50 {p50} ms, p95 {p95} ms, max {latest} ms; of the control's: p50 {c50} ms, p95 {c95} ms, max {cmax} ms"
+    );
     assert!(
-        p50 < 1_000 && p95 < 3_000,
-        "the orders needing no locked row were cancelled late: p50 {p50} ms, p95 {p95} ms, max {latest} ms"
+        p50 < c50 + 1_000 && p95 < c95 + 2_500,
+        "the orders needing no locked row were cancelled late: p50 {p50} ms, p95 {p95} ms, max {latest} ms (the control's p50 {c50} ms, p95 {c95} ms)"
     );
     assert_eq!(
         metric(port, "delay_worker_yielding"),
@@ -869,7 +886,7 @@ fn a_long_shop_lock_while_the_shop_is_busy_holds_up_only_the_orders_that_need_it
     holder.join().unwrap();
     quiet.store(true, std::sync::atomic::Ordering::Relaxed);
     shop.join().unwrap();
-    every_order_cancelled_once(&env, w, &orders);
+    every_order_cancelled_once(&env, w, &all);
 }
 
 /// A job that waited in vain for a lock waits a fifth of `--lock-timeout` at its next
@@ -2682,7 +2699,11 @@ fn a_rule_seen_to_come_and_go_before_a_restart_holds_the_jobs_it_still_refuses()
     assert_eq!(metric(port, REFUSED_WAITING), 1.0);
     freeze(&env.db, &orders[1], false);
     wait_done(&env, &env.db, orders.len() as i64);
-    assert_eq!(metric(port, REFUSED_WAITING), 0.0);
+    // The gauge follows the commit the inbox shows (once in a full run it still read 1
+    // as the inbox was read).
+    wait_until(WAIT, "no refused job waiting", || {
+        metric(port, REFUSED_WAITING) == 0.0
+    });
     green_then_books(&env, b, port, &orders, &all(&orders));
 }
 
@@ -3280,8 +3301,11 @@ fn a_max_rate_is_the_fleet_s_however_many_processes_run() {
         &["a", "b", "c"],
         &["--max-rate", "order.timeout=20/s"],
     );
-    push_timeouts(&env, &orders, 0);
+    // Timed from before the push: the first jobs run while the last are pushed (under
+    // load the 120 pushes took long enough that the drain, timed from after them, seemed
+    // to beat the cap).
     let pushed = Instant::now();
+    push_timeouts(&env, &orders, 0);
     wait_until(WAIT, "a third done", || inbox_count(&env.db) >= 40);
     // The cap, a burst of a tenth of a second's slots, a share taken ahead, and one slot
     // of a worker woken up to 50 ms after it under load: the window counts when each
