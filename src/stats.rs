@@ -792,7 +792,9 @@ impl Contention {
             let mut heard = self.ends_heard.lock().unwrap_or_else(|p| p.into_inner());
             ends.iter()
                 .filter(|(event, at)| {
-                    let new = now_ms - at <= ENDED_LATELY_MS
+                    // Not ahead of now by more than a moment either: a value written
+                    // by hand far ahead would hide every end after it.
+                    let new = (now_ms - at).abs() <= ENDED_LATELY_MS
                         && heard.get(event).is_none_or(|seen| at > seen);
                     if new {
                         heard.insert(event.clone(), *at);
@@ -2160,7 +2162,15 @@ mod tests {
             "the same end again"
         );
         assert_eq!(s.contention.unnamed_lock_events(), ["coupon.expire"]);
-        // An end this process saw and told is not heard again.
+        // An end far ahead (written by hand) is none.
+        for e in s.contention.ended_lately.lock().unwrap().values_mut() {
+            e.at_ms -= ENDED_LATELY_MS + 1;
+        }
+        wait("e", "order.timeout", unnamed);
+        s.contention
+            .ended_elsewhere(&ends(now + ENDED_LATELY_MS + 1), now);
+        assert!(to_hasten_keys(&s.contention).is_empty(), "ahead");
+        // An end this process saw is told once, and not heard again as another's.
         s.contention.holders_ended(&[42], &[]);
         assert_eq!(s.contention.ends_to_tell(now + 5), ["order.timeout"]);
         assert!(s.contention.ends_to_tell(now + 6).is_empty());
