@@ -97,6 +97,19 @@ impl Locked {
         port
     }
 
+    /// The runtime role may no longer read the system columns of `orders` (`sql/grants.sql`
+    /// grants `SELECT (ctid, xmax)`): it cannot tell whose lock a row wait waited for.
+    fn revoke_xmax(&self) {
+        self.env
+            .db
+            .client()
+            .batch_execute(&format!(
+                "REVOKE SELECT (ctid, xmax) ON orders FROM {}",
+                self.runtime_role
+            ))
+            .unwrap();
+    }
+
     /// `extra` are the key rules a deployment adds to the files' (list mode).
     fn new(extra: &[String]) -> Locked {
         let n = ROLES.fetch_add(1, Ordering::SeqCst);
@@ -1048,14 +1061,7 @@ fn a_lock_holder_is_named_under_the_runtime_role() {
     let sql = "SELECT 1 FROM orders WHERE id > 0 FOR UPDATE";
     for (n, grant) in [(1, true), (2, false)] {
         if !grant {
-            l.env
-                .db
-                .client()
-                .batch_execute(&format!(
-                    "REVOKE SELECT (ctid, xmax) ON orders FROM {}",
-                    l.runtime_role
-                ))
-                .unwrap();
+            l.revoke_xmax();
         }
         let (pid, release, h) = crate::lock_holder::hold(&l.env, sql);
         push_timeouts(&l.env, &orders[n - 1..n], 0);
@@ -1902,30 +1908,15 @@ fn jobs_held_for_their_slots_that_a_peer_took_meanwhile_are_not_run_here() {
 #[test]
 fn a_process_that_names_no_holder_runs_its_waiting_jobs_as_another_sees_the_lock_end() {
     let mut l = Locked::new(&[]);
-    l.env
-        .db
-        .client()
-        .batch_execute(&format!(
-            "REVOKE SELECT (ctid, xmax) ON orders FROM {}",
-            l.runtime_role
-        ))
-        .unwrap();
+    l.revoke_xmax();
     // A first backoff of 15–25 s: a job left to it runs well after the lock.
     l.env.config.jobs.retry_base = Duration::from_secs(20);
     l.env.config.jobs.retry_cap = Duration::from_secs(300);
     let orders = seed_orders(&l.env.db, 40);
     let (_, release, h) =
         crate::lock_holder::hold(&l.env, "SELECT 1 FROM orders WHERE id > 0 FOR UPDATE");
-    let start = |config: &Config, name: &str| {
-        let mut c = config.clone();
-        c.consumer = format!("{}-{name}", config.consumer);
-        let port = free_port();
-        let p = Proc::start(&c, &["--metrics-addr".into(), format!("127.0.0.1:{port}")]);
-        wait_until(WAIT, "/healthz green", || {
-            crate::shopdb::healthz(port).0 == 200
-        });
-        (p, port)
-    };
+    let start =
+        |config: &Config, name: &str| crate::shopdb::start_named_as(config, &[name], &[]).remove(0);
     // `a` as the database's superuser (it names the holder), `b` as the runtime role;
     // each stopped while the other reads its half of the jobs. Both are started before
     // any job waits: a process started later counts the retries it finds in the pool as

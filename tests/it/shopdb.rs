@@ -29,11 +29,20 @@ pub(crate) fn start_with_health(env: &Env, extra: &[&str]) -> (Proc, u16) {
 /// Processes of one prefix, consumers `<consumer>-<name>`, each with its `/healthz` port
 /// and these flags, started and green.
 pub(crate) fn start_named(env: &Env, names: &[&str], extra: &[&str]) -> Vec<(Proc, u16)> {
+    start_named_as(&env.config, names, extra)
+}
+
+/// [`start_named`] with `config` (another role's database URL, say).
+pub(crate) fn start_named_as(
+    config: &delay_worker::Config,
+    names: &[&str],
+    extra: &[&str],
+) -> Vec<(Proc, u16)> {
     let procs: Vec<(Proc, u16)> = names
         .iter()
         .map(|name| {
-            let mut c = env.config.clone();
-            c.consumer = format!("{}-{name}", env.config.consumer);
+            let mut c = config.clone();
+            c.consumer = format!("{}-{name}", config.consumer);
             let port = free_port();
             let addr = format!("127.0.0.1:{port}");
             let mut a = args(&["--metrics-addr", &addr]);
