@@ -448,9 +448,9 @@ fn lock_end_field(event: &str) -> String {
 
 /// The ends of locks this process saw, put on record for every process of the prefix (one
 /// `HSET` into `keys.refused`, shard 0's); with `look`, the ends on record of the events
-/// whose jobs wait here for a lock whose holder no failure here named, one `HMGET`
-/// (`Contention::ended_elsewhere`): only a process that named a holder follows it to its
-/// end. Best effort: not written or not read, each process brings forward what it saw
+/// whose jobs wait here for a lock whose holder this process does not follow, one `HMGET`
+/// (`Contention::ended_elsewhere`): only a process that named a holder, and may see its
+/// session's state, follows it to its end. Best effort: not written or not read, each process brings forward what it saw
 /// itself.
 fn share_lock_ends(con: &mut dyn ConnectionLike, keys: &Keys, stats: &Stats, look: bool) {
     let now = stats.clock.now_ms();
@@ -471,7 +471,7 @@ fn share_lock_ends(con: &mut dyn ConnectionLike, keys: &Keys, stats: &Stats, loo
     if !look {
         return;
     }
-    let events = stats.contention.unnamed_lock_events();
+    let events = stats.contention.unfollowed_lock_events();
     if events.is_empty() {
         return;
     }

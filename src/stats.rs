@@ -460,6 +460,9 @@ pub struct Contention {
     /// Of each event, the newest end of its lock on record that this process told or
     /// acted on (Redis's unix ms; [`Contention::ended_elsewhere`]).
     ends_heard: Mutex<HashMap<String, i64>>,
+    /// The long holders this process saw still inside their transactions at the watch's
+    /// last look ([`Contention::holders_ended`]): the holders it follows to their end.
+    followed: Mutex<Vec<i32>>,
 }
 
 /// A lock of an event's waiters that ended ([`Contention::holders_ended`]).
@@ -695,6 +698,12 @@ impl Contention {
     /// mover's next tick. Found from outside: a job behind a 25 s shop lock ran up to the
     /// 30 s backoff after the lock ended, health critical meanwhile naming the gone lock.
     pub fn holders_ended(&self, ended: &[i32], still_held: &[i32]) {
+        {
+            let mut followed = self.followed.lock().unwrap_or_else(|p| p.into_inner());
+            if *followed != still_held {
+                *followed = still_held.to_vec();
+            }
+        }
         if ended.is_empty() {
             return;
         }
@@ -759,18 +768,25 @@ impl Contention {
         told
     }
 
-    /// The events with a job waiting for a lock whose holder no failure here named, its
+    /// The events with a job waiting for a lock whose holder this process does not follow
+    /// (none named, or one it does not see inside a long transaction: a session of
+    /// another role whose state this role may not see, without `pg_read_all_stats`), its
     /// retry not brought forward: the mover asks whether another process saw their lock
     /// end ([`Contention::ended_elsewhere`]).
-    pub fn unnamed_lock_events(&self) -> Vec<String> {
+    pub fn unfollowed_lock_events(&self) -> Vec<String> {
         if self.len.load(Relaxed) == 0 {
             return Vec::new();
         }
+        let followed = self
+            .followed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
         let mut events: Vec<String> = self
             .lock()
             .values()
-            .filter(|v| v.lock && v.holder.is_none() && v.hasten == Hasten::No)
-            .filter(|v| v.retry.is_some())
+            .filter(|v| v.lock && v.hasten == Hasten::No && v.retry.is_some())
+            .filter(|v| v.holder.is_none_or(|p| !followed.contains(&p)))
             .map(|v| v.event.clone())
             .collect();
         events.sort_unstable();
@@ -780,13 +796,17 @@ impl Contention {
 
     /// Another process saw the lock of these events' waiters end, at these times (Redis's
     /// unix ms; `now_ms` Redis's time now): the retries of the jobs here waiting for a
-    /// lock whose holder no failure here named are brought forward, as they would be had
-    /// this process seen the end itself ([`Contention::holders_ended`]), once for each
-    /// end no older than [`ENDED_LATELY_MS`]; and those counted just after, as there.
+    /// lock whose holder this process does not follow (none named, or one it does not see
+    /// still inside a long transaction) are brought forward, as they would be had this
+    /// process seen the end itself ([`Contention::holders_ended`]), once for each end no
+    /// older than [`ENDED_LATELY_MS`]; and those naming none counted just after, as there.
     /// Found from outside: with processes restarted during a 60 s lock, 2–4 of 3,000
     /// jobs ran 23–37 s after its end, at the end of their backoff: only a process that
     /// named their holder follows it (a holder is looked up at most once a second per
-    /// worker, and a role that may not read a row's `xmax` names none).
+    /// worker, and a role that may not read a row's `xmax` names none); and a process
+    /// whose role may not see other roles' session state follows no holder it names (a
+    /// table lock retaken at once as it ended: 160–820 jobs ran up to 37 s after the
+    /// second end, in every process).
     pub fn ended_elsewhere(&self, ends: &[(String, i64)], now_ms: i64) {
         let fresh: Vec<&str> = {
             let mut heard = self.ends_heard.lock().unwrap_or_else(|p| p.into_inner());
@@ -825,10 +845,15 @@ impl Contention {
                 }
             }
         }
+        let followed = self
+            .followed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
         let mut freed = 0;
         for v in w.values_mut() {
             if v.lock
-                && v.holder.is_none()
+                && behind_ended(v.holder, &[], &followed, true)
                 && v.hasten == Hasten::No
                 && v.retry.is_some()
                 && fresh.contains(&v.event.as_str())
@@ -2125,7 +2150,7 @@ mod tests {
     }
 
     #[test]
-    fn a_lock_end_another_process_saw_frees_the_waiters_that_name_no_holder_once() {
+    fn a_lock_end_another_process_saw_frees_the_waiters_of_holders_not_followed_here_once() {
         let s = Stats::default();
         let now = crate::now_ms();
         let held = "canceling statement due to lock timeout (55P03): waited for a lock held by pid 42 (idle in transaction, its last statement `SELECT 1`) on the row (0,1) of sku";
@@ -2138,10 +2163,19 @@ mod tests {
         wait("a", "order.timeout", unnamed);
         wait("b", "order.timeout", held);
         wait("c", "coupon.expire", unnamed);
+        // Named, its holder's state not seen here (another role's, without
+        // pg_read_all_stats): not followed.
+        wait("g", "aftersale.timeout", &held.replace("pid 42", "pid 77"));
+        // The watch sees pid 42 inside its long transaction: followed here.
+        s.contention.holders_ended(&[], &[42]);
         assert_eq!(
-            s.contention.unnamed_lock_events(),
-            ["coupon.expire", "order.timeout"]
+            s.contention.unfollowed_lock_events(),
+            ["aftersale.timeout", "coupon.expire", "order.timeout"]
         );
+        s.contention
+            .ended_elsewhere(&[("aftersale.timeout".to_string(), now - 100)], now);
+        assert_eq!(to_hasten_keys(&s.contention), ["g"]);
+        s.contention.brought_forward(&["g".to_string()], now);
         // An end older than a moment is not news: nothing is brought forward for it.
         let ends = |at: i64| vec![("order.timeout".to_string(), at)];
         s.contention
@@ -2161,7 +2195,7 @@ mod tests {
             to_hasten_keys(&s.contention).is_empty(),
             "the same end again"
         );
-        assert_eq!(s.contention.unnamed_lock_events(), ["coupon.expire"]);
+        assert_eq!(s.contention.unfollowed_lock_events(), ["coupon.expire"]);
         // An end far ahead (written by hand) is none.
         for e in s.contention.ended_lately.lock().unwrap().values_mut() {
             e.at_ms -= ENDED_LATELY_MS + 1;

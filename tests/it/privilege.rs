@@ -1907,14 +1907,36 @@ fn jobs_held_for_their_slots_that_a_peer_took_meanwhile_are_not_run_here() {
 /// after its end, the process holding them having named no holder of theirs.
 #[test]
 fn a_process_that_names_no_holder_runs_its_waiting_jobs_as_another_sees_the_lock_end() {
-    let mut l = Locked::new(&[]);
+    let l = Locked::new(&[]);
     l.revoke_xmax();
+    waiting_jobs_run_as_another_process_sees_the_lock_end(
+        l,
+        "SELECT 1 FROM orders WHERE id > 0 FOR UPDATE",
+    );
+}
+
+/// A process whose role may not see other roles' session state (no `pg_read_all_stats`)
+/// names the session holding a table lock but cannot follow it to its end: it hears of
+/// the end from another process, as above. Found from outside: with such a process in the
+/// fleet, a `LOCK TABLE` retaken by a second session as the first ended, 160–820 jobs ran
+/// up to 37 s after the second end, in every process.
+#[test]
+fn a_process_that_cannot_follow_the_holder_it_names_runs_its_jobs_as_another_sees_the_end() {
+    waiting_jobs_run_as_another_process_sees_the_lock_end(
+        Locked::new(&[]),
+        "LOCK TABLE orders IN EXCLUSIVE MODE",
+    );
+}
+
+/// `sql` held by a shop session while process `b` (the runtime role) and process `a` (the
+/// database's superuser, which names and follows the holder) each take half of 40 jobs
+/// that wait for it: every order is cancelled within 4 s of the lock's end.
+fn waiting_jobs_run_as_another_process_sees_the_lock_end(mut l: Locked, sql: &'static str) {
     // A first backoff of 15–25 s: a job left to it runs well after the lock.
     l.env.config.jobs.retry_base = Duration::from_secs(20);
     l.env.config.jobs.retry_cap = Duration::from_secs(300);
     let orders = seed_orders(&l.env.db, 40);
-    let (_, release, h) =
-        crate::lock_holder::hold(&l.env, "SELECT 1 FROM orders WHERE id > 0 FOR UPDATE");
+    let (_, release, h) = crate::lock_holder::hold(&l.env, sql);
     let start =
         |config: &Config, name: &str| crate::shopdb::start_named_as(config, &[name], &[]).remove(0);
     // `a` as the database's superuser (it names the holder), `b` as the runtime role;
