@@ -75,6 +75,10 @@ const OTHER_TOOLS: &[(&str, &str)] = &[
     ),
     ("--seed", "scripts/chaos.sh --seed S"),
     (
+        "--stress-count",
+        "cargo nextest run --stress-count N (a suite run N times over, in docs/tests.md)",
+    ),
+    (
         "--target",
         "cargo zigbuild --target x86_64-unknown-linux-gnu.2.17",
     ),
