@@ -761,6 +761,9 @@ impl Contention {
     /// `now_ms` (Redis's clock) as when ([`Contention::ended_elsewhere`]).
     pub fn ends_to_tell(&self, now_ms: i64) -> Vec<String> {
         let told = std::mem::take(&mut *self.to_tell.lock().unwrap_or_else(|p| p.into_inner()));
+        if told.is_empty() {
+            return told;
+        }
         let mut heard = self.ends_heard.lock().unwrap_or_else(|p| p.into_inner());
         for e in &told {
             heard.insert(e.clone(), now_ms);
