@@ -2115,12 +2115,15 @@ mod tests {
         assert_eq!(left, ["taken", "there"]);
     }
 
+    /// A lock wait's reason naming its holder, pid 42, and one naming none.
+    const HELD_BY_42: &str = "canceling statement due to lock timeout (55P03): waited for a lock held by pid 42 (idle in transaction, its last statement `SELECT 1`) on the row (0,1) of sku";
+    const UNNAMED: &str = "canceling statement due to lock timeout (55P03)";
+
     #[test]
     fn a_lock_waiter_counted_just_after_its_holder_ended_is_brought_forward() {
         let s = Stats::default();
         let now = crate::now_ms();
-        let held = "canceling statement due to lock timeout (55P03): waited for a lock held by pid 42 (idle in transaction, its last statement `SELECT 1`) on the row (0,1) of sku";
-        let unnamed = "canceling statement due to lock timeout (55P03)";
+        let (held, unnamed) = (HELD_BY_42, UNNAMED);
         let wait = |key: &str, reason: &str, met: i64| {
             let retry = Some((now + 20_000, key.as_bytes()));
             s.contention.waiting(
@@ -2156,8 +2159,7 @@ mod tests {
     fn a_lock_end_another_process_saw_frees_the_waiters_of_holders_not_followed_here_once() {
         let s = Stats::default();
         let now = crate::now_ms();
-        let held = "canceling statement due to lock timeout (55P03): waited for a lock held by pid 42 (idle in transaction, its last statement `SELECT 1`) on the row (0,1) of sku";
-        let unnamed = "canceling statement due to lock timeout (55P03)";
+        let (held, unnamed) = (HELD_BY_42, UNNAMED);
         let wait = |key: &str, event: &str, reason: &str| {
             let retry = Some((now + 20_000, key.as_bytes()));
             s.contention
