@@ -450,8 +450,8 @@ fn lock_end_field(event: &str) -> String {
 /// `HSET` into `keys.refused`, shard 0's); with `look`, the ends on record of the events
 /// whose jobs wait here for a lock whose holder this process does not follow, one `HMGET`
 /// (`Contention::ended_elsewhere`): only a process that named a holder, and may see its
-/// session's state, follows it to its end. Best effort: not written or not read, each process brings forward what it saw
-/// itself.
+/// session's state, follows it to its end. Best effort: not written or not read, each
+/// process brings forward what it saw itself.
 fn share_lock_ends(con: &mut dyn ConnectionLike, keys: &Keys, stats: &Stats, look: bool) {
     let now = stats.clock.now_ms();
     let tell = stats.contention.ends_to_tell(now);

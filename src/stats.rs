@@ -542,6 +542,14 @@ pub struct Waiter {
     pub left_ms: Option<i64>,
 }
 
+impl Waiter {
+    /// It waits for another transaction's lock, its retry in the pool (as written) and
+    /// not brought forward yet: one that a lock's end brings forward.
+    fn waits_for_lock(&self) -> bool {
+        self.lock && self.hasten == Hasten::No && self.retry.is_some()
+    }
+}
+
 /// Where bringing a lock waiter's retry forward stands, once the transaction that held
 /// its lock has ended ([`Contention::holders_ended`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -708,10 +716,9 @@ impl Contention {
             return;
         }
         let mut w = self.lock();
-        let waits = |v: &Waiter| v.lock && v.hasten == Hasten::No && v.retry.is_some();
         let events: std::collections::HashSet<String> = w
             .values()
-            .filter(|v| waits(v) && v.holder.is_some_and(|p| ended.contains(&p)))
+            .filter(|v| v.waits_for_lock() && v.holder.is_some_and(|p| ended.contains(&p)))
             .map(|v| v.event.clone())
             .collect();
         let local = crate::now_ms();
@@ -730,11 +737,11 @@ impl Contention {
         let (mut freed_n, mut left_named, mut left_unnamed) = (0, 0, 0);
         for v in w.values_mut() {
             let freed = behind_ended(v.holder, ended, still_held, events.contains(&v.event));
-            if waits(v) && freed {
+            if v.waits_for_lock() && freed {
                 v.hasten = Hasten::Due(local);
                 any = true;
                 freed_n += 1;
-            } else if waits(v) {
+            } else if v.waits_for_lock() {
                 if v.holder.is_some() {
                     left_named += 1;
                 } else {
@@ -780,16 +787,11 @@ impl Contention {
         if self.len.load(Relaxed) == 0 {
             return Vec::new();
         }
-        let followed = self
-            .followed
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
+        let followed = self.followed();
         let mut events: Vec<String> = self
             .lock()
             .values()
-            .filter(|v| v.lock && v.hasten == Hasten::No && v.retry.is_some())
-            .filter(|v| v.holder.is_none_or(|p| !followed.contains(&p)))
+            .filter(|v| v.waits_for_lock() && behind_ended(v.holder, &[], &followed, true))
             .map(|v| v.event.clone())
             .collect();
         events.sort_unstable();
@@ -848,17 +850,11 @@ impl Contention {
                 }
             }
         }
-        let followed = self
-            .followed
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
+        let followed = self.followed();
         let mut freed = 0;
         for v in w.values_mut() {
-            if v.lock
+            if v.waits_for_lock()
                 && behind_ended(v.holder, &[], &followed, true)
-                && v.hasten == Hasten::No
-                && v.retry.is_some()
                 && fresh.contains(&v.event.as_str())
             {
                 v.hasten = Hasten::Due(local);
@@ -871,6 +867,14 @@ impl Contention {
                 "another process saw the lock of {fresh:?} end: {freed} waiter(s) here freed"
             );
         }
+    }
+
+    /// The long holders the watch saw still inside their transactions at its last look.
+    fn followed(&self) -> Vec<i32> {
+        self.followed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// The retries to bring forward now, as `(job key, score, SHA-1 of the message)`:
@@ -1968,7 +1972,7 @@ mod tests {
         let s = Stats::default();
         let c = &s.contention;
         let now = crate::now_ms();
-        let lock = ("canceling statement due to lock timeout (55P03)", true, 1);
+        let lock = (UNNAMED, true, 1);
         c.waiting("a", "order.timeout", now, lock, now + 1_000, now, None);
         assert_eq!(c.standing_still(0, now + 10_000), None);
         c.began_by(now - 20_000);
@@ -2081,7 +2085,7 @@ mod tests {
         let s = Stats::default();
         let c = &s.contention;
         let now = crate::now_ms();
-        let lock = ("canceling statement due to lock timeout (55P03)", true, 1);
+        let lock = (UNNAMED, true, 1);
         // A statement cancelled (57014) is no lock wait: followed the same.
         let cancelled = ("canceling statement due to user request (57014)", false, 1);
         for key in ["gone", "taken", "replaced", "there"] {

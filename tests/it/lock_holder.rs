@@ -564,10 +564,7 @@ fn a_process_forgets_the_jobs_behind_a_lock_that_another_ran_as_it_ended() {
         done(port_b),
         ended.elapsed()
     );
-    crate::shopdb::stop(a);
-    crate::shopdb::stop(b);
-    assert_accounting(&env.db, &orders, &orders.iter().collect::<Vec<_>>());
-    assert_eq!(dead_letters(&env).len(), 0);
+    stopped_then_every_order_once(&env, [a, b], &orders);
 }
 
 /// Two processes and many jobs churning behind a lock (a short backoff: each fails again
@@ -579,7 +576,9 @@ fn a_process_forgets_the_jobs_behind_a_lock_that_another_ran_as_it_ended() {
 /// its transaction is now brought forward with the others; this test failed 1 run in 4
 /// without that). And, found by this test in CI: jobs whose lock wait gave up as the lock
 /// ended, counted after the look that saw the end (one of an event whose holder ended
-/// within 2 s, naming that holder or none, is brought forward as it is counted).
+/// within 3 s, naming that holder or none, is brought forward as it is counted); and, on
+/// a loaded machine, jobs that met the rush of the freed jobs up to a second after the
+/// end was seen, naming no holder (19–23 of 600 at the end of their backoff).
 #[test]
 fn jobs_whose_retries_are_written_as_a_lock_ends_run_as_it_ends_too() {
     let mut env = Env::new();
@@ -619,11 +618,7 @@ fn jobs_whose_retries_are_written_as_a_lock_ends_run_as_it_ends_too() {
         late.is_empty(),
         "jobs ran at the end of their backoff: {late:?}"
     );
-    for (p, _) in procs {
-        crate::shopdb::stop(p);
-    }
-    assert_accounting(&env.db, &orders, &orders.iter().collect::<Vec<_>>());
-    assert_eq!(dead_letters(&env).len(), 0);
+    stopped_then_every_order_once(&env, procs.into_iter().map(|(p, _)| p), &orders);
 }
 
 /// A backlog whose every job needs a row the shop holds (each sku locked by a session
@@ -731,11 +726,7 @@ fn no_process_counts_a_job_waiting_soon_after_a_lock_s_jobs_are_done() {
         "no job counted waiting {:?} after every job was done",
         done.elapsed()
     );
-    for (p, _) in procs {
-        crate::shopdb::stop(p);
-    }
-    assert_accounting(&env.db, &orders, &orders.iter().collect::<Vec<_>>());
-    assert_eq!(dead_letters(&env).len(), 0);
+    stopped_then_every_order_once(&env, procs.into_iter().map(|(p, _)| p), &orders);
 }
 
 /// A process holding a job behind a lock on one order, while a peer cancels an order every
@@ -788,8 +779,19 @@ fn a_process_whose_peer_goes_through_is_not_red_for_its_own_waiter() {
     wait_until(WAIT, "every order cancelled", || {
         inbox_count(&env.db) == orders.len() as i64
     });
-    crate::shopdb::stop(a);
-    crate::shopdb::stop(peer);
-    assert_accounting(&env.db, &orders, &orders.iter().collect::<Vec<_>>());
-    assert_eq!(dead_letters(&env).len(), 0);
+    stopped_then_every_order_once(&env, [a, peer], &orders);
+}
+
+/// Stops `procs` (SIGTERM, each exits cleanly), then the books: every order of `orders`
+/// cancelled once, stock and coupons given back once, no dead letter.
+pub(crate) fn stopped_then_every_order_once(
+    env: &Env,
+    procs: impl IntoIterator<Item = Proc>,
+    orders: &[SeedOrder],
+) {
+    for p in procs {
+        crate::shopdb::stop(p);
+    }
+    assert_accounting(&env.db, orders, &orders.iter().collect::<Vec<_>>());
+    assert_eq!(dead_letters(env).len(), 0);
 }

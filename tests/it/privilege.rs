@@ -1974,10 +1974,5 @@ fn waiting_jobs_run_as_another_process_sees_the_lock_end(mut l: Locked, sql: &'s
         took < Duration::from_secs(4),
         "the orders waiting in b were cancelled {took:?} after the lock's end"
     );
-    for p in [a, b] {
-        crate::shopdb::stop(p);
-    }
-    let every: Vec<&SeedOrder> = orders.iter().collect();
-    assert_accounting(&l.env.db, &orders, &every);
-    assert!(dead_letters(&l.env).is_empty());
+    crate::lock_holder::stopped_then_every_order_once(&l.env, [a, b], &orders);
 }
