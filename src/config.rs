@@ -88,6 +88,9 @@ pub struct Config {
     /// this, the readers' backlog apart (`--mover-lag-crit`, the same figure and default
     /// as `worker stats --check`); zero turns it off.
     pub mover_lag_crit: Duration,
+    /// A graceful stop not done this long after its signal exits at once, as a second
+    /// signal does (`--shutdown-timeout`); zero waits for the jobs in hand however long.
+    pub shutdown_timeout: Duration,
     /// What the users of the configuration need computed from the fields above, computed
     /// once ([`Config::settled`]).
     pub derived: Derived,
@@ -358,6 +361,11 @@ pub const DEFAULT_DEAD_RATE_CRIT: u64 = 10;
 /// has taken for five seconds means no mover runs or the movers cannot keep up.
 pub const DEFAULT_MOVER_LAG_CRIT: Duration = Duration::from_secs(5);
 
+/// Default of `--shutdown-timeout`: half of the packaged unit's `TimeoutStopSec` (60 s),
+/// so that the worker's own exit, which forgives the deliveries of the jobs it never ran,
+/// comes before systemd's SIGKILL.
+pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// Default of `--retry-for`: an hour of a shop's lock, a long migration or a stuck
 /// transaction, before a job that meets contention is given up on.
 pub const DEFAULT_RETRY_FOR: Duration = Duration::from_secs(3600);
@@ -591,6 +599,7 @@ impl Config {
             status_hosts: Vec::new(),
             dead_rate_crit: DEFAULT_DEAD_RATE_CRIT,
             mover_lag_crit: DEFAULT_MOVER_LAG_CRIT,
+            shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
             prune: PruneConfig::default(),
             admin_token: None,
             derived: Derived::default(),

@@ -30,6 +30,9 @@
 //! - With the prepare, it reads the `--handlers-dir` files again: one that cannot be read
 //!   or parsed (a file the service's user may not read) is a warning until it can: the
 //!   running handlers stay, but a reload would keep them and the next start would stop.
+//! - A commit of the worker's waiting for a synchronous standby past [`SYNC_WAIT_CRIT`]
+//!   (the standby down or far behind: the server takes writes, yet no commit that waits
+//!   for it ends) is reported as critical, until none waits that long.
 //! - This process's dead letters of the last minute are held against `--dead-rate-crit`:
 //!   more is reported as critical too (under [`DEAD_RATE`]), so the published health
 //!   record, and with it `worker stats --check`, says so; it is cleared at the first look
@@ -98,7 +101,9 @@ const MAX_WAITING: usize = 2;
 /// only a warning). The most specific setting wins, as PostgreSQL applies them. Last, how
 /// many shop sessions wait for a lock right now directly behind a session of the worker,
 /// however briefly ([`OFTEN_HELD_UP`]; 0 without `pg_read_all_stats`, whose want leaves
-/// other roles' wait events NULL).
+/// other roles' wait events NULL). Then how many of the worker's sessions wait for their
+/// commit to reach a synchronous standby (`SyncRep`), and the longest of them (s, from its
+/// statement's start: the commit is its statement's end): [`SYNC_WAIT_CRIT`].
 const ASK: &str = "SELECT current_setting('transaction_read_only') = 'on', \
      CASE WHEN pg_has_role('pg_read_all_stats', 'USAGE') THEN \
      (SELECT count(*) FROM pg_stat_activity \
@@ -118,7 +123,14 @@ const ASK: &str = "SELECT current_setting('transaction_read_only') = 'on', \
        WHERE s.wait_event_type = 'Lock' AND s.backend_type = 'client backend' \
          AND s.datname = current_database() AND s.application_name NOT LIKE 'delay-worker%' \
          AND EXISTS (SELECT 1 FROM unnest(pg_blocking_pids(s.pid)) b \
-           JOIN pg_stat_activity w ON w.pid = b WHERE w.application_name LIKE 'delay-worker%'))";
+           JOIN pg_stat_activity w ON w.pid = b WHERE w.application_name LIKE 'delay-worker%')), \
+     (SELECT count(*) FROM pg_stat_activity \
+       WHERE wait_event = 'SyncRep' AND application_name LIKE 'delay-worker%' \
+         AND datname = current_database()), \
+     (SELECT coalesce(extract(epoch FROM max(clock_timestamp() - query_start)), 0)::float8 \
+       FROM pg_stat_activity \
+       WHERE wait_event = 'SyncRep' AND application_name LIKE 'delay-worker%' \
+         AND datname = current_database())";
 
 /// The shop's longest lock wait behind the worker's sessions ([`HELD_UP`]): its shop
 /// session, how long it has waited (s), the worker's session it waits behind, and how many
@@ -232,6 +244,19 @@ pub const HELD_UP_CRIT: Duration = Duration::from_secs(5);
 /// The role the shop held up is reported under.
 pub const SHOP_HELD_UP: &str = "the shop's transactions";
 
+/// A commit of the worker's that has waited this long for a synchronous standby
+/// (`synchronous_standby_names`, a `SyncRep` wait) is critical: a standby gone or far
+/// behind stops every commit that waits for it, the workers' acknowledgements among them
+/// (their jobs' own transactions do not wait: `synchronous_commit=off`), so every job
+/// waits, and nothing else tells (the server takes writes, no statement times out: a
+/// statement timeout does not end such a wait). Found from outside: a synchronous standby
+/// stopped for 40 s stopped every job with `/healthz` 200 and `stats --check` OK
+/// throughout. Cleared at the first look that finds no such wait this long.
+pub const SYNC_WAIT_CRIT: Duration = Duration::from_secs(2);
+
+/// The role a commit waiting for a synchronous standby is reported under.
+pub const SYNC_STANDBY: &str = "synchronous standby";
+
 /// The shop waiting behind the worker's sessions in this many of the last
 /// [`OFTEN_LOOKS`] looks (about 5 s), each wait however brief, is a warning: each shop
 /// transaction may wait less than [`HELD_UP`], and together they queue for seconds. It
@@ -276,6 +301,9 @@ struct Seen {
     held_up: Option<HeldUp>,
     /// The shop's sessions waiting directly behind the worker's now ([`ASK`]).
     held_up_now: i64,
+    /// The worker's sessions whose commit waits for a synchronous standby, and the
+    /// longest wait (s).
+    sync_waits: (i64, f64),
     /// Of the sessions named as holding the locks that jobs wait for, those still inside
     /// a transaction ([`HOLDERS_BUSY`]); `None` when none was named or the question failed.
     holders_busy: Option<Vec<HolderRow>>,
@@ -386,6 +414,7 @@ impl<'a> DbWatch<'a> {
                             "the worker's PostgreSQL role may not see other roles' session state: it sees the shop busy from pg_locks (a session idle in its transaction counts as busy), and cannot tell when the shop waits behind the worker's sessions (GRANT pg_read_all_stats to it)"
                         );
                     }
+                    self.sync_waits(seen.sync_waits);
                     self.held_up(seen.held_up.as_ref());
                     self.often_held_up(&mut looks, seen.held_up_now);
                     busy = 0.8 * busy + 0.2 * seen.busy as f64;
@@ -538,6 +567,26 @@ impl<'a> DbWatch<'a> {
         }
     }
 
+    /// Reports the worker's commits waiting for a synchronous standby past
+    /// [`SYNC_WAIT_CRIT`] as critical; clears the report once none waits that long.
+    fn sync_waits(&self, (sessions, longest_s): (i64, f64)) {
+        if sessions == 0 || longest_s < SYNC_WAIT_CRIT.as_secs_f64() {
+            if self.stats.clear_problem(SYNC_STANDBY, i64::MAX) {
+                log::info!("the worker's commits no longer wait for a synchronous standby");
+            }
+            return;
+        }
+        let what = format!(
+            "{sessions} of the worker's sessions wait for their commit to reach a synchronous standby, the longest for {longest_s:.0} s: a standby named in synchronous_standby_names is down or far behind (pg_stat_replication on the primary), and every job waits until it is back or the setting is changed; nothing is lost"
+        );
+        if self
+            .stats
+            .report_critical_about(SYNC_STANDBY, what.clone(), "waiting".into())
+        {
+            log::error!("{what}");
+        }
+    }
+
     /// Reports a shop session waiting behind the worker's past [`HELD_UP`], critical past
     /// [`HELD_UP_CRIT`]; a look that finds none lowers a critical report to a warning,
     /// which lasts its window (found from outside: a drain on a few hot rows held the
@@ -653,6 +702,8 @@ fn check(
             let sees_all: bool = row.try_get(2).map_err(|e| db::error_text(&e))?;
             let new_read_only: bool = row.try_get(3).map_err(|e| db::error_text(&e))?;
             let held_up_now: i64 = row.try_get(4).map_err(|e| db::error_text(&e))?;
+            let sync_waiting: i64 = row.try_get(5).map_err(|e| db::error_text(&e))?;
+            let sync_waited: f64 = row.try_get(6).map_err(|e| db::error_text(&e))?;
             if new_read_only && !read_only {
                 return Err(NEW_SESSIONS_READ_ONLY.to_string());
             }
@@ -664,6 +715,7 @@ fn check(
                     prepared: Vec::new(),
                     held_up: None,
                     held_up_now,
+                    sync_waits: (sync_waiting, sync_waited),
                     holders_busy: None,
                     changed: Vec::new(),
                 },

@@ -210,6 +210,74 @@ fn a_server_turned_read_only_holds_every_job_and_health_is_red_until_it_takes_wr
     assert_eq!(books(&env).dead, 0);
 }
 
+/// A synchronous standby gone (`synchronous_standby_names` naming one that is not
+/// connected): every commit that waits for it waits, the workers' acknowledgements among
+/// them, so every job waits, while the server takes writes and no statement times out.
+/// Health is red naming it within seconds, none is dead-lettered, and once the setting is
+/// changed every job runs once. A graceful stop meanwhile, whose jobs in hand wait for
+/// their commit, exits after `--shutdown-timeout`, its jobs left for the next start.
+/// Found from outside: a synchronous standby stopped for 40 s stopped every job with
+/// `/healthz` 200 and `stats --check` OK throughout, and a SIGTERM meanwhile left the
+/// process running until the standby was back.
+#[test]
+fn a_synchronous_standby_gone_holds_every_job_and_health_is_red_until_it_is_back() {
+    let (env, pg) = Env::on_own_postgres(&[]);
+    let orders = seed_orders(&env.db, 200);
+    let (mut w, port) = start_with_health(&env, &["--shutdown-timeout", "3s"]);
+    push_timeouts(&env, &orders[..100], 0);
+    wait_done(&env, &env.db, 100);
+    wait_until(WAIT, "/healthz green before the fault", || {
+        healthz(port).0 == 200
+    });
+    pg.sql("ALTER SYSTEM SET synchronous_standby_names = 'gone'");
+    pg.sql("SELECT pg_reload_conf()");
+    let gone = Instant::now();
+    push_timeouts(&env, &orders[100..], 0);
+    const TOLD: &str = "wait for their commit to reach a synchronous standby";
+    wait_until(WAIT, "/healthz red naming the synchronous standby", || {
+        let (code, body) = healthz(port);
+        code == 503 && body.contains(TOLD)
+    });
+    assert!(
+        gone.elapsed() < delay_worker::dbwatch::SYNC_WAIT_CRIT + Duration::from_secs(5),
+        "red {:?} after the standby went",
+        gone.elapsed()
+    );
+    wait_check_critical(&env, TOLD);
+    let red_since = Instant::now();
+    while red_since.elapsed() < Duration::from_secs(2) {
+        assert_eq!(healthz(port).0, 503, "red for as long as it lasts");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let b = books(&env);
+    assert_eq!(b.dead, 0, "a standby gone is no job's fault");
+    assert!(
+        b.pool + b.stream_pending > 0,
+        "the jobs wait: {b:?} with {} done",
+        inbox_count(&env.db)
+    );
+    w.signal(libc::SIGTERM);
+    let stopping = Instant::now();
+    assert_eq!(w.wait(WAIT).code(), Some(130), "{}", w.log());
+    assert!(
+        stopping.elapsed() < Duration::from_secs(3 + 5),
+        "stopped {:?} after the signal",
+        stopping.elapsed()
+    );
+    assert!(
+        w.log()
+            .contains("the jobs in hand are not finished 3 s after the SIGTERM"),
+        "{}",
+        w.log()
+    );
+    pg.sql("ALTER SYSTEM RESET synchronous_standby_names");
+    pg.sql("SELECT pg_reload_conf()");
+    let (w, port) = start_with_health(&env, &[]);
+    wait_done(&env, &env.db, 200);
+    wait_until(WAIT, "stats --check OK again", || check(&env).0 == 0);
+    green_then_books(&env, w, port, &orders, &all(&orders));
+}
+
 #[test]
 fn a_single_host_url_to_a_server_restarted_as_a_standby_holds_until_it_is_promoted() {
     let (env, pg) = Env::on_own_postgres(&[]);

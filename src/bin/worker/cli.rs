@@ -464,6 +464,12 @@ pub struct RunArgs {
     /// movers cannot keep up. The same figure as `stats --check`'s mover lag (0: never).
     #[arg(long, default_value = "5s", value_parser = parse_duration)]
     pub mover_lag_crit: Duration,
+    /// A graceful stop (SIGTERM, SIGINT) whose jobs in hand are not finished this long
+    /// after the signal exits at once, as a second signal does: their statement or
+    /// commit waits on a server that does not answer (a synchronous standby gone, a
+    /// frozen server); unacknowledged jobs stay pending (0: wait however long).
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    pub shutdown_timeout: Duration,
     /// Serve Prometheus metrics on /metrics and a health check on /healthz at this
     /// address, e.g. 127.0.0.1:9187 [default: off].
     #[arg(long)]
@@ -1003,6 +1009,7 @@ impl Cli {
         config.stats_interval = r.stats_interval.max(Duration::from_secs(1));
         config.dead_rate_crit = r.dead_rate_crit;
         config.mover_lag_crit = r.mover_lag_crit;
+        config.shutdown_timeout = r.shutdown_timeout;
         if let Some(a) = r.metrics_addr {
             check(
                 a.port() != 0,

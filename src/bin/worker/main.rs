@@ -170,8 +170,10 @@ fn syslog_level(l: log::Level) -> u8 {
 fn run(config: &Config) -> anyhow::Result<ExitCode> {
     let shutdown = Shutdown::new();
     let settled = config.settled();
-    delay_worker::signals::install(&shutdown, move || daemon::forgive_at_exit(&settled))
-        .context("cannot install the signal handler")?;
+    delay_worker::signals::install(&shutdown, config.shutdown_timeout, move || {
+        daemon::forgive_at_exit(&settled)
+    })
+    .context("cannot install the signal handler")?;
     daemon::run(config, &shutdown).map_err(handlers_dir)?;
     Ok(ExitCode::SUCCESS)
 }
