@@ -172,9 +172,13 @@ fn durable_again(stats: &Stats) {
     }
 }
 
+/// The role acknowledgements waiting for their commits' confirmation are reported under
+/// ([`unconfirmed`]).
+const ACKS_WAIT: &str = "acknowledgements";
+
 /// Acknowledgements waiting for their commits to be confirmed durable
-/// ([`Worker::survived`]): critical until a WAL flush goes through ([`durable_again`]).
-/// Found from outside: with a synchronous standby gone, the workers' sessions waiting for
+/// ([`Worker::survived`]): critical, under [`ACKS_WAIT`] (beside the group commit's own
+/// problems, a `worker_flush` refused), until the look-up ends. Found from outside: with a synchronous standby gone, the workers' sessions waiting for
 /// it ended every second or two (each wait under [`crate::dbwatch::SYNC_WAIT_CRIT`], each
 /// lost session red only until the next one opened): no job was acknowledged for 20 s,
 /// and `/healthz` was 200 for over 90 % of it.
@@ -183,8 +187,8 @@ fn unconfirmed(stats: &Stats, jobs: usize, why: &dyn std::fmt::Display) {
         "acknowledgements wait: the commits of {jobs} jobs are not confirmed durable ({why}); each is acknowledged once a WAL flush goes through, or runs again, a no-op where it committed"
     );
     let gist = "acknowledgements wait for a confirmed WAL flush".to_string();
-    if stats.report_critical_about(GROUP_COMMIT, what.clone(), gist) {
-        log::error!("{GROUP_COMMIT}: {what}");
+    if stats.report_critical_about(ACKS_WAIT, what.clone(), gist) {
+        log::error!("{ACKS_WAIT}: {what}");
     }
 }
 
@@ -845,6 +849,15 @@ impl<'a> Worker<'a> {
     /// goes back to the pool, and the inbox makes the second run of a job that had
     /// committed a no-op.
     fn survived(&mut self, outcomes: &[Settlement], doubtful: &[usize]) -> HashSet<usize> {
+        let survived = self.look_up_survivors(outcomes, doubtful);
+        if self.ctx.stats.clear_problem(ACKS_WAIT, i64::MAX) {
+            log::info!("{ACKS_WAIT}: the commits behind them are looked up");
+        }
+        survived
+    }
+
+    /// [`Worker::survived`]'s look-up, critical under [`ACKS_WAIT`] while it waits.
+    fn look_up_survivors(&mut self, outcomes: &[Settlement], doubtful: &[usize]) -> HashSet<usize> {
         let ids: Vec<(usize, InboxId)> = doubtful
             .iter()
             .filter_map(|&i| Some((i, self.inbox_id(&outcomes[i])?)))
