@@ -178,17 +178,18 @@ const ACKS_WAIT: &str = "acknowledgements";
 
 /// Acknowledgements waiting for their commits to be confirmed durable
 /// ([`Worker::survived`]): critical, under [`ACKS_WAIT`] (beside the group commit's own
-/// problems, a `worker_flush` refused), until the look-up ends. Found from outside: with a synchronous standby gone, the workers' sessions waiting for
-/// it ended every second or two (each wait under [`crate::dbwatch::SYNC_WAIT_CRIT`], each
-/// lost session red only until the next one opened): no job was acknowledged for 20 s,
-/// and `/healthz` was 200 for over 90 % of it.
+/// problems, a `worker_flush` refused), until the look-up ends. Found from outside: with
+/// a synchronous standby gone, the workers' sessions waiting for it ended every second or
+/// two (each wait under [`crate::dbwatch::SYNC_WAIT_CRIT`], each lost session red only
+/// until the next one opened): no job was acknowledged for 20 s, and `/healthz` was 200
+/// for over 90 % of it.
 fn unconfirmed(stats: &Stats, jobs: usize, why: &dyn std::fmt::Display) {
     let what = format!(
         "acknowledgements wait: the commits of {jobs} jobs are not confirmed durable ({why}); each is acknowledged once a WAL flush goes through, or runs again, a no-op where it committed"
     );
     let gist = "acknowledgements wait for a confirmed WAL flush".to_string();
     if stats.report_critical_about(ACKS_WAIT, what.clone(), gist) {
-        log::error!("{ACKS_WAIT}: {what}");
+        log::error!("{what}");
     }
 }
 
@@ -864,11 +865,8 @@ impl<'a> Worker<'a> {
             .collect();
         let what = "cannot look up whether commits survived";
         let stats = self.ctx.stats;
-        unconfirmed(
-            stats,
-            ids.len(),
-            &"their session was lost before a WAL flush",
-        );
+        let lost = "their session was lost before a WAL flush";
+        unconfirmed(stats, doubtful.len(), &lost);
         let mut claimed = Instant::now();
         loop {
             // A server that cannot be asked now (restarting, its sessions ended) is waited
@@ -878,7 +876,7 @@ impl<'a> Worker<'a> {
             // the wait.
             self.keep_settlements_claimed(outcomes, &mut claimed);
             if let Err(e) = self.ensure_session() {
-                unconfirmed(stats, ids.len(), &e);
+                unconfirmed(stats, doubtful.len(), &e);
                 if self.wait_for_database(what, &e) {
                     return HashSet::new();
                 }
@@ -907,7 +905,7 @@ impl<'a> Worker<'a> {
                 Err((e, fault)) => {
                     self.drop_session();
                     if fault == db::Fault::Server && !self.ctx.shutdown.is_set() {
-                        unconfirmed(stats, ids.len(), &e);
+                        unconfirmed(stats, doubtful.len(), &e);
                         if self.wait_for_database(what, &e) {
                             return HashSet::new();
                         }
