@@ -124,13 +124,12 @@ const ASK: &str = "SELECT current_setting('transaction_read_only') = 'on', \
          AND s.datname = current_database() AND s.application_name NOT LIKE 'delay-worker%' \
          AND EXISTS (SELECT 1 FROM unnest(pg_blocking_pids(s.pid)) b \
            JOIN pg_stat_activity w ON w.pid = b WHERE w.application_name LIKE 'delay-worker%')), \
-     (SELECT count(*) FROM pg_stat_activity \
-       WHERE wait_event = 'SyncRep' AND application_name LIKE 'delay-worker%' \
-         AND datname = current_database()), \
-     (SELECT coalesce(extract(epoch FROM max(clock_timestamp() - query_start)), 0)::float8 \
+     sync.waiting, sync.longest \
+     FROM (SELECT count(*) AS waiting, \
+       coalesce(extract(epoch FROM max(clock_timestamp() - query_start)), 0)::float8 AS longest \
        FROM pg_stat_activity \
        WHERE wait_event = 'SyncRep' AND application_name LIKE 'delay-worker%' \
-         AND datname = current_database())";
+         AND datname = current_database()) sync";
 
 /// The shop's longest lock wait behind the worker's sessions ([`HELD_UP`]): its shop
 /// session, how long it has waited (s), the worker's session it waits behind, and how many

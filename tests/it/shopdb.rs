@@ -86,6 +86,20 @@ pub(crate) fn check(env: &Env) -> (i32, String) {
     (out.status.code().unwrap_or(-1), text(&out.stdout))
 }
 
+/// Asks `/healthz` every 200 ms for `span`: red (503) at every look, or a panic naming
+/// how many were not.
+fn red_throughout(port: u16, span: Duration) {
+    let (since, mut looks, mut not_red) = (Instant::now(), 0, 0);
+    while since.elapsed() < span {
+        looks += 1;
+        if healthz(port).0 != 503 {
+            not_red += 1;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(not_red, 0, "not red in {not_red} of {looks} looks");
+}
+
 /// Waits until `stats --check` is CRITICAL with a line that holds `what`.
 pub(crate) fn wait_check_critical(env: &Env, what: &str) {
     wait_until(
@@ -168,11 +182,7 @@ fn a_server_turned_read_only_holds_every_job_and_health_is_red_until_it_takes_wr
     // machine a set may still commit just after `set_read_only` (found once: 123 done): what
     // counts is that nothing commits once the worker has seen the server read-only.
     let done_when_red = inbox_count(&env.db);
-    let red_since = Instant::now();
-    while red_since.elapsed() < Duration::from_secs(3) {
-        assert_eq!(healthz(port).0, 503, "red for as long as it lasts");
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    red_throughout(port, Duration::from_secs(3));
     assert_eq!(books(&env).dead, 0, "no dead letter for a read-only server");
     assert_eq!(
         inbox_count(&env.db),
@@ -229,8 +239,7 @@ fn a_synchronous_standby_gone_holds_every_job_and_health_is_red_until_it_is_back
     wait_until(WAIT, "/healthz green before the fault", || {
         healthz(port).0 == 200
     });
-    pg.sql("ALTER SYSTEM SET synchronous_standby_names = 'gone'");
-    pg.sql("SELECT pg_reload_conf()");
+    pg.set_synchronous_standby(Some("gone"));
     let gone = Instant::now();
     push_timeouts(&env, &orders[100..], 0);
     const TOLD: &str = "wait for their commit to reach a synchronous standby";
@@ -244,11 +253,7 @@ fn a_synchronous_standby_gone_holds_every_job_and_health_is_red_until_it_is_back
         gone.elapsed()
     );
     wait_check_critical(&env, TOLD);
-    let red_since = Instant::now();
-    while red_since.elapsed() < Duration::from_secs(2) {
-        assert_eq!(healthz(port).0, 503, "red for as long as it lasts");
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    red_throughout(port, Duration::from_secs(2));
     let b = books(&env);
     assert_eq!(b.dead, 0, "a standby gone is no job's fault");
     assert!(
@@ -270,8 +275,7 @@ fn a_synchronous_standby_gone_holds_every_job_and_health_is_red_until_it_is_back
         "{}",
         w.log()
     );
-    pg.sql("ALTER SYSTEM RESET synchronous_standby_names");
-    pg.sql("SELECT pg_reload_conf()");
+    pg.set_synchronous_standby(None);
     let (w, port) = start_with_health(&env, &[]);
     wait_done(&env, &env.db, 200);
     wait_until(WAIT, "stats --check OK again", || check(&env).0 == 0);
@@ -293,8 +297,7 @@ fn a_synchronous_standby_gone_while_its_waiting_sessions_are_ended_again_and_aga
     wait_until(WAIT, "/healthz green before the fault", || {
         healthz(port).0 == 200
     });
-    pg.sql("ALTER SYSTEM SET synchronous_standby_names = 'gone'");
-    pg.sql("SELECT pg_reload_conf()");
+    pg.set_synchronous_standby(Some("gone"));
     let ending = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
     let ender = {
         let (url, ending) = (pg.url.clone(), ending.clone());
@@ -313,24 +316,12 @@ fn a_synchronous_standby_gone_while_its_waiting_sessions_are_ended_again_and_aga
     };
     push_timeouts(&env, &orders, 0);
     wait_until(WAIT, "/healthz red", || healthz(port).0 == 503);
-    let (red_since, mut looks, mut green) = (Instant::now(), 0, 0);
-    while red_since.elapsed() < Duration::from_secs(6) {
-        looks += 1;
-        if healthz(port).0 == 200 {
-            green += 1;
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    red_throughout(port, Duration::from_secs(6));
     let b = books(&env);
     assert!(b.pool + b.stream_pending > 0, "the jobs wait: {b:?}");
-    assert_eq!(
-        green, 0,
-        "green in {green} of {looks} looks while jobs wait"
-    );
     ending.store(false, std::sync::atomic::Ordering::Relaxed);
     ender.join().unwrap();
-    pg.sql("ALTER SYSTEM RESET synchronous_standby_names");
-    pg.sql("SELECT pg_reload_conf()");
+    pg.set_synchronous_standby(None);
     wait_done(&env, &env.db, 100);
     assert_eq!(books(&env).dead, 0, "a standby gone is no job's fault");
     green_then_books(&env, w, port, &orders, &all(&orders));

@@ -1049,6 +1049,17 @@ impl PgServer {
         self.sql("SELECT pg_reload_conf()");
     }
 
+    /// Names a synchronous standby (`synchronous_standby_names`, ALTER SYSTEM and a
+    /// reload: one that is not connected makes every commit that waits for it wait), or
+    /// none.
+    pub fn set_synchronous_standby(&self, name: Option<&str>) {
+        self.sql(&match name {
+            Some(n) => format!("ALTER SYSTEM SET synchronous_standby_names = '{n}'"),
+            None => "ALTER SYSTEM RESET synchronous_standby_names".to_string(),
+        });
+        self.sql("SELECT pg_reload_conf()");
+    }
+
     /// Promotes a standby and waits until it takes writes.
     pub fn promote(&self) {
         self.ctl(&["promote", "-w", "-t", "60"]);
